@@ -1,56 +1,232 @@
 package model
 
-// API CONTRACT (to be implemented; exported names are fixed, bodies are not).
-
 import (
+	"context"
 	"errors"
+	"fmt"
+	"net/url"
+	"slices"
+	"strings"
+	"time"
 
 	"github.com/handoff-io/handoff/kvcache"
 	"github.com/handoff-io/handoff/mambacache"
 )
 
-var ErrUnknownModel = errors.New("model: unknown model")
+// Sentinel errors. Executors wrap them with %w and a detail.
+var (
+	// ErrUnknownModel is returned by Lookup for a name that is not registered.
+	ErrUnknownModel = errors.New("model: unknown model")
+	// ErrInvalidOption is returned by Lookup for a malformed or unknown option.
+	ErrInvalidOption = errors.New("model: invalid option")
+	// ErrInvalidCache is returned when a Cache does not match the executor's
+	// Spec or does not fit its arenas (too few blocks, a block or row outside
+	// the arena, a shape mismatch).
+	ErrInvalidCache = errors.New("model: invalid cache")
+	// ErrInvalidToken is returned for a token outside [0, Spec.Vocab).
+	ErrInvalidToken = errors.New("model: invalid token")
+	// ErrEmptyPrompt is returned by Prefill for zero tokens.
+	ErrEmptyPrompt = errors.New("model: empty prompt")
+	// ErrContextTooLong is returned when a position reaches Spec.MaxContext.
+	ErrContextTooLong = errors.New("model: context too long")
+)
 
 // Spec is a model's cache shape. KV and Mamba carry shapes only: the pool-sizing
-// fields (Blocks, MaxBatchSize, AttentionDP...) are filled by the worker.
+// fields (kvcache.Config.Blocks/ByteBudget, mambacache.Config.MaxBatchSize,
+// PPSize, AttentionDP, MaxDraftTokens) are zero and are filled by the caller
+// before it builds its pools:
+//
+//	kvCfg := spec.KV
+//	kvCfg.Blocks = n
+//	mCfg := spec.Mamba
+//	mCfg.MaxBatchSize, mCfg.AttentionDP = b, adp
+//
+// The caller may also override KV.TokensPerBlock; executors read the block
+// geometry from the Cache they are given, and Fingerprint covers it.
 type Spec struct {
 	Name         string
-	LayerPattern string // e.g. "M*M-" : M mamba, * attention, - MLP
+	Revision     string // changes whenever the numbers the model computes change
+	LayerPattern string // one byte per layer: 'M' mamba, '*' attention, '-' MLP
 	Vocab        int
-	MaxContext   int
+	MaxContext   int // positions 0 .. MaxContext-1 are valid
 	KV           kvcache.Config
 	Mamba        mambacache.Config
 }
-
-func (s Spec) Fingerprint() string { panic("unimplemented") } // stable hash of everything that must match across peers
 
 // Cache is one request's view of the pools.
 type Cache struct {
 	KVArena    []byte
 	KV         kvcache.Config
-	Blocks     []kvcache.BlockID // in token order
+	Blocks     []kvcache.BlockID // in token order: token p lives in Blocks[p/TokensPerBlock]
 	MambaArena []byte
 	Mamba      mambacache.Config
 	Row        mambacache.Row
 }
 
 // Executor runs a model over caches. Implementations are safe for concurrent use
-// on distinct caches.
+// on distinct caches. All state lives in the caches: a request's next logits
+// depend only on its Cache bytes, the token and the position.
 type Executor interface {
 	Spec() Spec
 	// Prefill processes tokens at positions [0, len(tokens)), writing KV and Mamba
-	// state, and returns the logits of the next token.
+	// state, and returns the logits of the next token. The Mamba row's previous
+	// contents are ignored (a fresh request starts from a zero state).
 	Prefill(c Cache, tokens []int32) ([]float32, error)
 	// Decode processes one token at position pos and returns the next logits.
+	// The cache must hold the state of positions [0, pos); pos 0 starts fresh.
 	Decode(c Cache, token int32, pos int) ([]float32, error)
 }
 
-func Lookup(name string) (Executor, error) { panic("unimplemented") }
-func Names() []string                      { panic("unimplemented") }
+// ContextExecutor is implemented by executors whose calls may block (those
+// with a simulated compute delay). Use the package functions PrefillContext
+// and DecodeContext to call any Executor with a context.
+type ContextExecutor interface {
+	Executor
+	PrefillContext(ctx context.Context, c Cache, tokens []int32) ([]float32, error)
+	DecodeContext(ctx context.Context, c Cache, token int32, pos int) ([]float32, error)
+}
 
-// Byte-level tokenizer and sampling.
-func Encode(s string) []int32    { panic("unimplemented") }
-func Decode(toks []int32) string { panic("unimplemented") }
-func Sample(logits []float32, temperature float64, seed uint64, step int) int32 {
-	panic("unimplemented")
+// PrefillContext runs e.Prefill, honouring ctx when e is a ContextExecutor.
+// On cancellation the cache is left untouched and the error wraps ctx.Err().
+func PrefillContext(ctx context.Context, e Executor, c Cache, tokens []int32) ([]float32, error) {
+	if ce, ok := e.(ContextExecutor); ok {
+		return ce.PrefillContext(ctx, c, tokens)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("model: prefill: %w", err)
+	}
+	return e.Prefill(c, tokens)
+}
+
+// DecodeContext runs e.Decode, honouring ctx when e is a ContextExecutor.
+func DecodeContext(ctx context.Context, e Executor, c Cache, token int32, pos int) ([]float32, error) {
+	if ce, ok := e.(ContextExecutor); ok {
+		return ce.DecodeContext(ctx, c, token, pos)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("model: decode: %w", err)
+	}
+	return e.Decode(c, token, pos)
+}
+
+// Options tune an executor. The zero value is the plain model.
+type Options struct {
+	// PrefillDelay is slept per prompt token before Prefill computes.
+	PrefillDelay time.Duration
+	// DecodeDelay is slept before each Decode computes.
+	DecodeDelay time.Duration
+	// SSMElemSize overrides the SSM state element size of a synthetic preset
+	// (2 for bf16, 4 for fp32); 0 keeps the preset's. It changes the layout
+	// and so the Fingerprint. The tiny-hybrid model refuses it.
+	SSMElemSize int
+}
+
+const maxDelay = time.Minute
+
+type constructor func(Options) (Executor, error)
+
+var registry = map[string]constructor{
+	TinyHybrid: newTinyHybrid,
+}
+
+func init() {
+	for name := range presets {
+		registry[name] = func(o Options) (Executor, error) { return newSynthetic(name, o) }
+	}
+}
+
+// Names lists the registered model names, sorted.
+func Names() []string {
+	names := make([]string, 0, len(registry))
+	for name := range registry {
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	return names
+}
+
+// Lookup returns the executor for name. A name may carry options as a URL
+// query:
+//
+//	nemotron-h-8b?delay=2ms          PrefillDelay and DecodeDelay = 2ms per token
+//	nemotron-h-8b?prefill_delay=1ms&decode_delay=5ms
+//	qwen3-next-80b?ssm_dtype=fp32    SSM state in fp32 (bf16 or fp32)
+//
+// Delays take time.ParseDuration syntax, from 0 to 1m. An unknown name wraps
+// ErrUnknownModel; a bad option wraps ErrInvalidOption.
+func Lookup(name string) (Executor, error) {
+	base, query, _ := strings.Cut(strings.TrimSpace(name), "?")
+	opts, err := parseOptions(query)
+	if err != nil {
+		return nil, err
+	}
+	return New(base, opts)
+}
+
+// New returns the executor for a registered base name with explicit options.
+func New(name string, o Options) (Executor, error) {
+	ctor, ok := registry[name]
+	if !ok {
+		return nil, fmt.Errorf("%w: %q (known: %s)", ErrUnknownModel, name, strings.Join(Names(), ", "))
+	}
+	if o.PrefillDelay < 0 || o.PrefillDelay > maxDelay || o.DecodeDelay < 0 || o.DecodeDelay > maxDelay {
+		return nil, fmt.Errorf("%w: delay outside [0, %v]", ErrInvalidOption, maxDelay)
+	}
+	e, err := ctor(o)
+	if err != nil {
+		return nil, err
+	}
+	if o.PrefillDelay > 0 || o.DecodeDelay > 0 {
+		return &delayed{inner: e, prefill: o.PrefillDelay, decode: o.DecodeDelay}, nil
+	}
+	return e, nil
+}
+
+func parseOptions(query string) (Options, error) {
+	var o Options
+	if query == "" {
+		return o, nil
+	}
+	vals, err := url.ParseQuery(query)
+	if err != nil {
+		return o, fmt.Errorf("%w: %v", ErrInvalidOption, err)
+	}
+	for key, vs := range vals {
+		if len(vs) != 1 {
+			return o, fmt.Errorf("%w: %s given %d times", ErrInvalidOption, key, len(vs))
+		}
+		v := vs[0]
+		switch key {
+		case "delay", "prefill_delay", "decode_delay":
+			d, err := time.ParseDuration(v)
+			if err != nil {
+				return o, fmt.Errorf("%w: %s: %v", ErrInvalidOption, key, err)
+			}
+			if key != "decode_delay" {
+				o.PrefillDelay = d
+			}
+			if key != "prefill_delay" {
+				o.DecodeDelay = d
+			}
+		case "ssm_dtype":
+			switch v {
+			case "bf16", "fp16":
+				o.SSMElemSize = 2
+			case "fp32":
+				o.SSMElemSize = 4
+			default:
+				return o, fmt.Errorf("%w: ssm_dtype %q (want bf16, fp16 or fp32)", ErrInvalidOption, v)
+			}
+		default:
+			return o, fmt.Errorf("%w: unknown option %q", ErrInvalidOption, key)
+		}
+	}
+	// An explicit prefill_delay/decode_delay wins over delay regardless of order.
+	if v, ok := vals["prefill_delay"]; ok {
+		o.PrefillDelay, _ = time.ParseDuration(v[0])
+	}
+	if v, ok := vals["decode_delay"]; ok {
+		o.DecodeDelay, _ = time.ParseDuration(v[0])
+	}
+	return o, nil
 }

@@ -1,0 +1,56 @@
+package model
+
+import (
+	"context"
+	"fmt"
+	"time"
+)
+
+// delayed adds a simulated compute time to an executor: prefill sleeps
+// len(tokens)*prefill, decode sleeps decode, both before touching the cache,
+// so a cancelled call leaves the cache as it was.
+type delayed struct {
+	inner   Executor
+	prefill time.Duration
+	decode  time.Duration
+}
+
+var _ ContextExecutor = (*delayed)(nil)
+
+func (d *delayed) Spec() Spec { return d.inner.Spec() }
+
+func (d *delayed) Prefill(c Cache, tokens []int32) ([]float32, error) {
+	return d.PrefillContext(context.Background(), c, tokens)
+}
+
+func (d *delayed) Decode(c Cache, token int32, pos int) ([]float32, error) {
+	return d.DecodeContext(context.Background(), c, token, pos)
+}
+
+func (d *delayed) PrefillContext(ctx context.Context, c Cache, tokens []int32) ([]float32, error) {
+	if err := sleep(ctx, time.Duration(len(tokens))*d.prefill); err != nil {
+		return nil, fmt.Errorf("model: prefill: %w", err)
+	}
+	return d.inner.Prefill(c, tokens)
+}
+
+func (d *delayed) DecodeContext(ctx context.Context, c Cache, token int32, pos int) ([]float32, error) {
+	if err := sleep(ctx, d.decode); err != nil {
+		return nil, fmt.Errorf("model: decode: %w", err)
+	}
+	return d.inner.Decode(c, token, pos)
+}
+
+func sleep(ctx context.Context, d time.Duration) error {
+	if err := ctx.Err(); err != nil || d <= 0 {
+		return err
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}

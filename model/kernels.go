@@ -1,0 +1,92 @@
+package model
+
+import (
+	"encoding/binary"
+	"math"
+)
+
+// The kernels round every product explicitly (float32(a*b)) so the compiler
+// never fuses a multiply-add: results are the same on every architecture and
+// in every binary, which the prefill == decode and remote == local guarantees
+// rely on.
+
+func dot(a, b []float32) float32 {
+	b = b[:len(a)]
+	var s float32
+	for i, x := range a {
+		s += float32(x * b[i])
+	}
+	return s
+}
+
+// matVec sets out[r] = w[r*cols:(r+1)*cols] . x for every row r of out.
+func matVec(out, w, x []float32) {
+	cols := len(x)
+	for r := range out {
+		out[r] = dot(w[r*cols:(r+1)*cols], x)
+	}
+}
+
+func rmsNorm(out, x, w []float32) {
+	var ss float32
+	for _, v := range x {
+		ss += float32(v * v)
+	}
+	inv := float32(1 / math.Sqrt(float64(ss)/float64(len(x))+1e-6))
+	for i, v := range x {
+		out[i] = float32(float32(v*inv) * w[i])
+	}
+}
+
+func silu(x float32) float32 {
+	return float32(float64(x) / (1 + math.Exp(-float64(x))))
+}
+
+func softplus(x float32) float32 {
+	if x > 20 {
+		return x
+	}
+	return float32(math.Log1p(math.Exp(float64(x))))
+}
+
+func addTo(dst, src []float32) {
+	src = src[:len(dst)]
+	for i := range dst {
+		dst[i] += src[i]
+	}
+}
+
+// f32At reads the little-endian float32 at element i of b.
+func f32At(b []byte, i int) float32 {
+	return math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
+}
+
+func putF32(b []byte, i int, v float32) {
+	binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(v))
+}
+
+// dotBytes is dot(a, b) where b is stored little-endian in p.
+func dotBytes(a []float32, p []byte) float32 {
+	p = p[:4*len(a)]
+	var s float32
+	for i, x := range a {
+		s += float32(x * math.Float32frombits(binary.LittleEndian.Uint32(p[4*i:])))
+	}
+	return s
+}
+
+// axpyBytes adds w * b to out, where b is stored little-endian in p.
+func axpyBytes(out []float32, w float32, p []byte) {
+	p = p[:4*len(out)]
+	for i := range out {
+		out[i] += float32(w * math.Float32frombits(binary.LittleEndian.Uint32(p[4*i:])))
+	}
+}
+
+func putF32s(p []byte, v []float32) {
+	p = p[:4*len(v)]
+	for i, x := range v {
+		binary.LittleEndian.PutUint32(p[4*i:], math.Float32bits(x))
+	}
+}
+

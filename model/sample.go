@@ -1,0 +1,63 @@
+package model
+
+import "math"
+
+// Sample picks the next token from logits.
+//
+// At temperature <= 0 (or NaN) it is greedy: the index of the largest logit,
+// the lowest index on ties. Otherwise it draws from softmax(logits/temperature)
+// with a uniform number derived only from (seed, step), so the same arguments
+// always give the same token. NaN logits are never chosen; a +Inf logit wins
+// outright. It returns -1 only for empty logits or logits that are all NaN.
+func Sample(logits []float32, temperature float64, seed uint64, step int) int32 {
+	best := argmax(logits)
+	if best < 0 || !(temperature > 0) {
+		return best
+	}
+	m := float64(logits[best])
+	if math.IsInf(m, 1) {
+		return best
+	}
+	var total float64
+	for _, l := range logits {
+		if l == l { // not NaN
+			total += math.Exp((float64(l) - m) / temperature)
+		}
+	}
+	// total >= 1 (the max contributes exp(0)); u in [0, 1).
+	u := float64(mix64(seed^0x5a3c_e1f0_9d2b_4c67, uint64(step))>>11) * 0x1p-53
+	target := u * total
+	var acc float64
+	last := best
+	for i, l := range logits {
+		if l != l {
+			continue
+		}
+		w := math.Exp((float64(l) - m) / temperature)
+		if w == 0 {
+			continue
+		}
+		acc += w
+		last = int32(i)
+		if acc > target {
+			return int32(i)
+		}
+	}
+	return last // rounding left target just above the running sum
+}
+
+// argmax returns the index of the largest non-NaN value, lowest on ties; -1
+// when there is none.
+func argmax(x []float32) int32 {
+	best := int32(-1)
+	var bv float32
+	for i, v := range x {
+		if v != v {
+			continue
+		}
+		if best < 0 || v > bv {
+			best, bv = int32(i), v
+		}
+	}
+	return best
+}

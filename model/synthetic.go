@@ -1,0 +1,210 @@
+package model
+
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"fmt"
+	"hash/crc32"
+	"strings"
+	"sync"
+
+	"github.com/handoff-io/handoff/kvcache"
+	"github.com/handoff-io/handoff/mambacache"
+)
+
+// Synthetic preset names.
+const (
+	NemotronH8B  = "nemotron-h-8b"
+	Qwen3Next80B = "qwen3-next-80b"
+)
+
+// presets are real models' cache shapes (unsharded: TP 1 or attention DP).
+// Element sizes: 2 = bf16. Both keep the SSM state in bf16 by default;
+// "?ssm_dtype=fp32" doubles it as fp32-state deployments do.
+var presets = map[string]Spec{
+	// Nemotron-H-8B-Base-8K: 52 layers = 24 Mamba2 / 4 attention / 24 MLP.
+	NemotronH8B: {
+		LayerPattern: "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+		MaxContext:   8192,
+		KV:           kvcache.Config{KVHeads: 8, HeadDim: 128, ElemSize: 2, TokensPerBlock: 32},
+		Mamba: mambacache.Config{DState: 128, DConv: 4, Heads: 128, HeadDim: 64, NGroups: 8,
+			ConvElemSize: 2, SSMElemSize: 2, ConvLayout: mambacache.ConvXBC},
+	},
+	// Qwen3-Next-80B-A3B: 48 layers = 36 Gated DeltaNet / 12 full attention,
+	// mapped the TensorRT-LLM way: 32 V heads x 128, d_state 128 (K head dim),
+	// 16 groups (K heads), conv sections [Q | K | V].
+	Qwen3Next80B: {
+		LayerPattern: strings.Repeat("MMM*", 12),
+		MaxContext:   262144,
+		KV:           kvcache.Config{KVHeads: 2, HeadDim: 256, ElemSize: 2, TokensPerBlock: 32},
+		Mamba: mambacache.Config{DState: 128, DConv: 4, Heads: 32, HeadDim: 128, NGroups: 16,
+			ConvElemSize: 2, SSMElemSize: 2, ConvLayout: mambacache.ConvQKV},
+	},
+}
+
+// synthetic has a real model's cache shape and cheap fake math:
+//
+//   - Prefill folds (token, position) into a running 64-bit hash; the K and V
+//     of position p are a pattern seeded by the hash of tokens [0, p]; the Mamba
+//     row is a pattern seeded by the final hash.
+//   - Decode at pos seeds its hash with a CRC-32C of the whole Mamba row (every
+//     conv section and SSM extent) and of the K/V of the tokens in the block
+//     holding position pos-1, then folds in (token, pos), writes K/V for pos
+//     and rewrites the row.
+//   - Logits are a pattern of the hash, so any changed byte of the row or of
+//     the last block changes the next token's logits.
+//
+// Every state byte is written once per call (patterns are doubled with copy),
+// and a decode reads the row once, as a real decode step does.
+type synthetic struct {
+	spec Spec
+	base uint64 // hash of the fingerprint: the empty-prefix state
+	pool sync.Pool
+}
+
+func newSynthetic(name string, o Options) (Executor, error) {
+	spec, ok := presets[name]
+	if !ok {
+		return nil, fmt.Errorf("%w: %q", ErrUnknownModel, name)
+	}
+	switch o.SSMElemSize {
+	case 0:
+	case 2, 4:
+		spec.Mamba.SSMElemSize = o.SSMElemSize
+	default:
+		return nil, fmt.Errorf("%w: ssm element size %d", ErrInvalidOption, o.SSMElemSize)
+	}
+	spec.Name = name
+	spec.Revision = "1"
+	spec.Vocab = ByteVocab
+	spec.KV.Layers = strings.Count(spec.LayerPattern, "*")
+	spec.Mamba.Layers = strings.Count(spec.LayerPattern, "M")
+	sum := sha256.Sum256([]byte(spec.canonical()))
+	s := &synthetic{spec: spec, base: binary.LittleEndian.Uint64(sum[:])}
+	s.pool.New = func() any { return new(rowView) }
+	return s, nil
+}
+
+func (s *synthetic) Spec() Spec { return s.spec }
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+func (s *synthetic) Prefill(c Cache, tokens []int32) ([]float32, error) {
+	if err := checkPrompt(&s.spec, tokens); err != nil {
+		return nil, err
+	}
+	rv := s.pool.Get().(*rowView)
+	defer s.pool.Put(rv)
+	if err := checkCache(&s.spec, &c, len(tokens), rv); err != nil {
+		return nil, err
+	}
+	h := s.base
+	for p, t := range tokens {
+		h = mix64(h, uint64(uint32(t))<<32|uint64(p))
+		s.writeKV(&c, p, h)
+	}
+	s.writeRow(rv, h)
+	return s.logits(h), nil
+}
+
+func (s *synthetic) Decode(c Cache, token int32, pos int) ([]float32, error) {
+	if err := checkToken(&s.spec, token); err != nil {
+		return nil, err
+	}
+	if err := checkPos(&s.spec, pos); err != nil {
+		return nil, err
+	}
+	rv := s.pool.Get().(*rowView)
+	defer s.pool.Put(rv)
+	if err := checkCache(&s.spec, &c, pos+1, rv); err != nil {
+		return nil, err
+	}
+	h := s.base
+	if pos > 0 {
+		h = mix64(h, uint64(s.checksum(&c, rv, pos)))
+	}
+	h = mix64(h, uint64(uint32(token))<<32|uint64(pos))
+	s.writeKV(&c, pos, h)
+	s.writeRow(rv, h)
+	return s.logits(h), nil
+}
+
+// tokenBytes is the size of one token's K (or V) for one layer: all heads.
+func (s *synthetic) tokenBytes() int {
+	kv := &s.spec.KV
+	return kv.KVHeads * kv.HeadDim * kv.ElemSize
+}
+
+func (s *synthetic) writeKV(c *Cache, pos int, h uint64) {
+	tpb := c.KV.TokensPerBlock
+	blk, slot := c.Blocks[pos/tpb], pos%tpb
+	n := int64(s.tokenBytes())
+	for l := range s.spec.KV.Layers {
+		for kv := range kvcache.KV(2) {
+			off := c.KV.TokenOffset(blk, l, kv, slot, 0)
+			fillPattern(c.KVArena[off:off+n], mix64(h, uint64(l)<<1|uint64(kv)))
+		}
+	}
+}
+
+func (s *synthetic) writeRow(rv *rowView, h uint64) {
+	for l := range rv.conv {
+		for sec, p := range rv.conv[l] {
+			fillPattern(p, mix64(h, 1<<32|uint64(l)<<2|uint64(sec)))
+		}
+		fillPattern(rv.ssm[l], mix64(h, 1<<32|uint64(l)<<2|3))
+	}
+}
+
+// checksum is the CRC-32C of the row's state and of the K/V of the tokens of
+// the block holding position pos-1 (pos > 0).
+func (s *synthetic) checksum(c *Cache, rv *rowView, pos int) uint32 {
+	var crc uint32
+	for l := range rv.conv {
+		for _, p := range rv.conv[l] {
+			crc = crc32.Update(crc, castagnoli, p)
+		}
+		crc = crc32.Update(crc, castagnoli, rv.ssm[l])
+	}
+	tpb := c.KV.TokensPerBlock
+	last := pos - 1
+	blk := c.Blocks[last/tpb]
+	n := int64(s.tokenBytes())
+	for l := range s.spec.KV.Layers {
+		for kv := range kvcache.KV(2) {
+			for slot := 0; slot <= last%tpb; slot++ {
+				off := c.KV.TokenOffset(blk, l, kv, slot, 0)
+				crc = crc32.Update(crc, castagnoli, c.KVArena[off:off+n])
+			}
+		}
+	}
+	return crc
+}
+
+func (s *synthetic) logits(h uint64) []float32 {
+	out := make([]float32, s.spec.Vocab)
+	rng := splitmix64(h)
+	for i := range out {
+		out[i] = rng.uniform(4)
+	}
+	return out
+}
+
+// fillPattern fills p with a pseudo-random pattern of seed: up to 1 KiB is
+// generated, the rest is doubled with copy, so each byte is written once.
+func fillPattern(p []byte, seed uint64) {
+	rng := splitmix64(seed)
+	n := min(len(p), 1024)
+	i := 0
+	for ; i+8 <= n; i += 8 {
+		binary.LittleEndian.PutUint64(p[i:], rng.next())
+	}
+	if i < n {
+		var w [8]byte
+		binary.LittleEndian.PutUint64(w[:], rng.next())
+		copy(p[i:n], w[:])
+	}
+	for n < len(p) {
+		n += copy(p[n:], p[:n])
+	}
+}
