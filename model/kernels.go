@@ -89,4 +89,3 @@ func putF32s(p []byte, v []float32) {
 		binary.LittleEndian.PutUint32(p[4*i:], math.Float32bits(x))
 	}
 }
-
