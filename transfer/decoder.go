@@ -1,0 +1,574 @@
+package transfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/handoff-io/handoff/rdma"
+)
+
+// DecoderConfig configures a Decoder.
+type DecoderConfig struct {
+	Instance       string        // unique instance id, a token of [A-Za-z0-9_-]; required
+	Namespace      string        // required, a token
+	Prefix         string        // default DefaultPrefix
+	Fingerprint    string        // the model's layout fingerprint; required
+	MaxDraftTokens int           // width of the padding-sentinel id range (mambacache.Config.MaxDraftTokens)
+	DefaultTimeout time.Duration // deadline when neither the Request nor ctx has one; default 30s
+	MaxAttempts    int           // prefill attempts per request (retries only where safe); default 3
+	Registry       RegistryConfig
+	// NoRegistry skips the instance registry (no announce, no watch, no
+	// targeted retries, no peer-death detection). For tools and tests.
+	NoRegistry bool
+	Logger     *slog.Logger
+}
+
+func (c *DecoderConfig) validate() error {
+	if c.Prefix == "" {
+		c.Prefix = DefaultPrefix
+	}
+	if !ValidToken(c.Instance) || !ValidToken(c.Namespace) || !ValidToken(c.Prefix) {
+		return fmt.Errorf("%w: instance %q, namespace %q and prefix %q must be tokens of [A-Za-z0-9_-]", ErrInvalidConfig, c.Instance, c.Namespace, c.Prefix)
+	}
+	if c.Fingerprint == "" {
+		return fmt.Errorf("%w: empty layout fingerprint", ErrInvalidConfig)
+	}
+	if c.DefaultTimeout == 0 {
+		c.DefaultTimeout = 30 * time.Second
+	}
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = 3
+	}
+	if c.DefaultTimeout < 0 || c.MaxAttempts < 1 || c.MaxDraftTokens < 0 {
+		return fmt.Errorf("%w: timeout %v, attempts %d, draft tokens %d", ErrInvalidConfig, c.DefaultTimeout, c.MaxAttempts, c.MaxDraftTokens)
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	c.Registry.Prefix, c.Registry.Namespace = c.Prefix, c.Namespace
+	if c.Registry.Logger == nil {
+		c.Registry.Logger = c.Logger
+	}
+	return nil
+}
+
+// Request is one handoff a Decoder performs.
+type Request struct {
+	ID       uint64 // never 0 nor a padding sentinel
+	Tokens   []int32
+	Sampling Sampling
+	Deadline time.Time // zero: ctx's deadline, else now + DefaultTimeout
+	Alloc    Allocator // the ADP rank's pools
+}
+
+// Result describes a completed handoff. The request now holds Dest in Alloc;
+// the caller frees it when the request finishes.
+type Result struct {
+	FirstToken int32
+	Instance   string        // the prefill instance that served it
+	Attempts   int           // prefill requests sent
+	Prefill    time.Duration // prefill compute time, measured by the prefill worker
+	Transfer   time.Duration // write and commit time, measured by the prefill worker
+	Total      time.Duration // handoff wall time at the decoder
+	KVBytes    uint64
+	MambaBytes uint64
+	Dest       Destination
+}
+
+// DecoderStats are cumulative counters.
+type DecoderStats struct {
+	Started, Delivered, Failed uint64
+	Retries                    uint64
+	InFlight                   int64
+	// Published counts NATS messages the decoder published (requests and
+	// cancels; heartbeats excluded).
+	Published uint64
+}
+
+// receiverEngine is what a Decoder needs from the data plane.
+type receiverEngine interface {
+	OpenGrant(spec rdma.GrantSpec) (*rdma.Grant, error)
+	Descriptor() rdma.Descriptor
+}
+
+var _ receiverEngine = (*rdma.Engine)(nil)
+
+// Decoder is the receiving side of the handoff protocol: it allocates through
+// an Allocator, opens a grant, asks a prefill worker over NATS to fill it and
+// accepts the cache only when the reply and the commit agree. Safe for
+// concurrent use: one Handoff per request.
+type Decoder struct {
+	cfg  DecoderConfig
+	nc   *nats.Conn
+	eng  receiverEngine
+	peer Peer // our descriptor, encoded once
+	reg  *Registry
+
+	inbox string
+	sub   *nats.Subscription
+	seq   atomic.Uint64
+
+	mu     sync.Mutex
+	calls  map[string]*call // by reply token
+	closed bool
+	done   chan struct{}
+	wg     sync.WaitGroup
+
+	maxPayload int64
+	started    atomic.Uint64
+	delivered  atomic.Uint64
+	failed     atomic.Uint64
+	retries    atomic.Uint64
+	inflight   atomic.Int64
+	published  atomic.Uint64
+}
+
+// call is one Handoff's mailbox, written by NATS and registry callbacks.
+type call struct {
+	replies chan *nats.Msg // size 2: a reply and one duplicate; more are dropped
+	died    chan string    // size 1: a peer death is sticky, one is enough
+}
+
+// NewDecoder subscribes the decoder's reply inbox and, unless NoRegistry,
+// announces the instance and watches prefill instances. Close undoes it.
+func NewDecoder(ctx context.Context, cfg DecoderConfig, nc *nats.Conn, eng *rdma.Engine) (*Decoder, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	d := &Decoder{
+		cfg: cfg, nc: nc, eng: eng, peer: PeerOf(eng.Descriptor()),
+		inbox: nats.NewInbox(), calls: map[string]*call{}, done: make(chan struct{}),
+		maxPayload: nc.MaxPayload(),
+	}
+	sub, err := nc.Subscribe(d.inbox+".*", d.onReply)
+	if err != nil {
+		return nil, fmt.Errorf("transfer: decoder inbox: %w", err)
+	}
+	d.sub = sub
+	if !cfg.NoRegistry {
+		if err := d.startRegistry(ctx); err != nil {
+			_ = sub.Unsubscribe()
+			return nil, err
+		}
+	}
+	if err := nc.Flush(); err != nil {
+		d.Close()
+		return nil, fmt.Errorf("transfer: decoder flush: %w", err)
+	}
+	return d, nil
+}
+
+func (d *Decoder) startRegistry(ctx context.Context) error {
+	reg, err := OpenRegistry(ctx, d.nc, d.cfg.Registry)
+	if err != nil {
+		return err
+	}
+	reg.OnChange(func(inst Instance, gone bool) {
+		if gone && inst.Role == RolePrefill {
+			d.peerDied(inst.ID)
+		}
+	})
+	self := func() Instance {
+		return Instance{ID: d.cfg.Instance, Role: RoleDecode, Fingerprint: d.cfg.Fingerprint, Peer: d.peer,
+			Capacity: Capacity{Inflight: int(d.inflight.Load())}}
+	}
+	if err := reg.Announce(ctx, self); err != nil {
+		_ = reg.Close(ctx)
+		return err
+	}
+	if err := reg.Watch(ctx, RolePrefill); err != nil {
+		_ = reg.Close(ctx)
+		return err
+	}
+	d.reg = reg
+	return nil
+}
+
+// Registry returns the decoder's registry (nil with NoRegistry).
+func (d *Decoder) Registry() *Registry { return d.reg }
+
+// Stats returns cumulative counters.
+func (d *Decoder) Stats() DecoderStats {
+	return DecoderStats{
+		Started: d.started.Load(), Delivered: d.delivered.Load(), Failed: d.failed.Load(),
+		Retries: d.retries.Load(), InFlight: d.inflight.Load(), Published: d.published.Load(),
+	}
+}
+
+func (d *Decoder) onReply(m *nats.Msg) {
+	tok := m.Subject[len(d.inbox)+1:]
+	d.mu.Lock()
+	c := d.calls[tok]
+	d.mu.Unlock()
+	if c == nil {
+		return // late reply of a finished handoff
+	}
+	select {
+	case c.replies <- m:
+	default: // a third copy: the session ignores duplicates anyway
+	}
+}
+
+func (d *Decoder) peerDied(instance string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, c := range d.calls {
+		select {
+		case c.died <- instance:
+		default:
+		}
+	}
+}
+
+// Close fails in-flight handoffs with ErrClosed (each revokes and frees before
+// its Handoff returns), waits for them, and removes the subscription and the
+// registry entry. Idempotent.
+func (d *Decoder) Close() error {
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		return nil
+	}
+	d.closed = true
+	close(d.done)
+	d.mu.Unlock()
+	d.wg.Wait()
+	err := d.sub.Unsubscribe()
+	if errors.Is(err, nats.ErrConnectionClosed) || errors.Is(err, nats.ErrBadSubscription) {
+		err = nil
+	}
+	if d.reg != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		err = errors.Join(err, d.reg.Close(ctx))
+		cancel()
+	}
+	return err
+}
+
+// handoff is the driver state of one Handoff: the session plus the IO handles
+// its actions need. Owned by the Handoff goroutine.
+type handoff struct {
+	d        *Decoder
+	req      Request
+	deadline time.Time
+	sess     *RecvSession
+	tok      string
+	c        *call
+
+	dest   Destination
+	kvB    uint64
+	mB     uint64
+	grant  *rdma.Grant
+	waitCh chan waitResult
+	cancel context.CancelFunc // stops the grant waiter
+
+	cause error // the most specific error behind a failure
+	reply PrefillReply
+}
+
+type waitResult struct {
+	m   rdma.Manifest
+	err error
+}
+
+// Handoff runs one request's handoff and returns once it is delivered or
+// failed. On failure every resource it took is released (grant revoked before
+// the blocks and row are freed) and the error wraps one of the package
+// sentinels; a remote refusal is a *RemoteError.
+func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
+	start := time.Now()
+	if req.Alloc == nil || len(req.Tokens) == 0 {
+		return Result{}, fmt.Errorf("%w: request %d without allocator or tokens", ErrInvalidConfig, req.ID)
+	}
+	deadline := req.Deadline
+	if dl, ok := ctx.Deadline(); ok && (deadline.IsZero() || dl.Before(deadline)) {
+		deadline = dl
+	}
+	if deadline.IsZero() {
+		deadline = start.Add(d.cfg.DefaultTimeout)
+	}
+	h := &handoff{
+		d: d, req: req, deadline: deadline,
+		sess: NewRecvSession(RecvParams{
+			RequestID: req.ID, MaxDraftTokens: d.cfg.MaxDraftTokens, Deadline: deadline, MaxAttempts: d.cfg.MaxAttempts,
+		}),
+		tok: strconv.FormatUint(d.seq.Add(1), 36),
+		c:   &call{replies: make(chan *nats.Msg, 2), died: make(chan string, 1)},
+	}
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		return Result{}, ErrClosed
+	}
+	d.calls[h.tok] = h.c
+	d.wg.Add(1)
+	d.mu.Unlock()
+	d.started.Add(1)
+	d.inflight.Add(1)
+	defer func() {
+		d.mu.Lock()
+		delete(d.calls, h.tok)
+		d.mu.Unlock()
+		d.inflight.Add(-1)
+		d.wg.Done()
+	}()
+
+	res, err := h.run(ctx, start)
+	if err != nil {
+		d.failed.Add(1)
+		return Result{}, err
+	}
+	d.delivered.Add(1)
+	return res, nil
+}
+
+func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
+	timer := time.NewTimer(time.Until(h.deadline))
+	defer timer.Stop()
+	acts := h.sess.Step(Event{Kind: EvStart, Now: time.Now()})
+	for {
+		for len(acts) > 0 {
+			a := acts[0]
+			acts = acts[1:]
+			switch a.Kind {
+			case ActDeliver:
+				h.d.cfg.Logger.Debug("handoff delivered", "id", h.req.ID, "instance", h.sess.Instance())
+				return Result{
+					FirstToken: h.reply.FirstToken, Instance: h.reply.Instance, Attempts: h.sess.Attempts(),
+					Prefill: time.Duration(h.reply.PrefillNanos), Transfer: time.Duration(h.reply.WriteNanos),
+					Total: time.Since(start), KVBytes: h.kvB, MambaBytes: h.mB, Dest: h.dest,
+				}, nil
+			case ActFail:
+				err := h.failure(a.Code)
+				h.d.cfg.Logger.Debug("handoff failed", "id", h.req.ID, "err", err)
+				return Result{}, err
+			default:
+				if ev, ok := h.exec(a); ok {
+					acts = append(acts, h.sess.Step(ev)...)
+				}
+			}
+		}
+		var ev Event
+		select {
+		case m := <-h.c.replies:
+			ev = h.replyEvent(m)
+		case w := <-h.waitCh:
+			h.waitCh = nil
+			if w.err == nil {
+				ev = Event{Kind: EvCommitted, Manifest: w.m}
+			} else {
+				h.setCause(w.err)
+				ev = Event{Kind: EvGrantFailed, Code: rdmaCode(w.err)}
+			}
+		case inst := <-h.c.died:
+			ev = Event{Kind: EvPeerDied, Instance: inst}
+		case <-timer.C:
+			ev = Event{Kind: EvTick}
+		case <-ctx.Done():
+			h.setCause(context.Cause(ctx))
+			ev = Event{Kind: EvCancel, Code: CodeCancelled}
+			if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+				ev.Code = CodeTimeout
+			}
+		case <-h.d.done:
+			ev = Event{Kind: EvCancel, Code: CodeClosed}
+		}
+		ev.Now = time.Now()
+		acts = h.sess.Step(ev)
+		if ev.Kind == EvTick && !h.sess.State().Terminal() {
+			timer.Reset(time.Until(h.deadline)) // a tick that came early
+		}
+	}
+}
+
+// exec performs a non-terminal action. It returns the outcome event of
+// synchronous actions.
+func (h *handoff) exec(a Action) (Event, bool) {
+	now := time.Now
+	switch a.Kind {
+	case ActAllocate:
+		dest, err := h.req.Alloc.Prepare(h.req.ID, len(h.req.Tokens))
+		if err != nil {
+			code := CodeOf(err)
+			if code == CodePeerFailed { // an unclassified pool error: no room here
+				code = CodeCapacityRefused
+			}
+			h.setCause(fmt.Errorf("%w: allocate: %w", code.Err(), err))
+			return Event{Kind: EvAllocated, Now: now(), Code: code}, true
+		}
+		h.dest = dest
+		h.kvB, h.mB = dest.Bytes()
+		return Event{Kind: EvAllocated, Now: now()}, true
+	case ActOpenGrant:
+		exts := h.dest.Extents()
+		g, err := h.d.eng.OpenGrant(rdma.GrantSpec{RequestID: h.req.ID, Extents: exts, Deadline: h.deadline})
+		if err != nil {
+			h.setCause(err)
+			return Event{Kind: EvGranted, Now: now(), Code: rdmaCode(err)}, true
+		}
+		h.grant = g
+		expected := make([]uint64, len(exts))
+		for i, e := range exts {
+			expected[i] = e.Length
+		}
+		wctx, cancel := context.WithCancel(context.Background())
+		h.cancel = cancel
+		h.waitCh = make(chan waitResult, 1)
+		ch := h.waitCh
+		h.d.wg.Go(func() {
+			m, err := g.Wait(wctx)
+			ch <- waitResult{m, err}
+		})
+		return Event{Kind: EvGranted, Now: now(), Expected: expected}, true
+	case ActSendRequest:
+		target, err := h.send(a)
+		if err != nil {
+			h.setCause(err)
+			return Event{Kind: EvSent, Now: now(), Code: CodeOf(err)}, true
+		}
+		if a.Attempt > 1 {
+			h.d.retries.Add(1)
+		}
+		return Event{Kind: EvSent, Now: now(), Instance: target}, true
+	case ActPublishCancel:
+		subj := Subject(h.d.cfg.Prefix, h.d.cfg.Namespace, SubjectCancel, "")
+		if a.Instance != "" {
+			subj = Subject(h.d.cfg.Prefix, h.d.cfg.Namespace, SubjectInstanceCancel, a.Instance)
+		}
+		var grant uint64
+		if h.grant != nil {
+			grant = h.grant.Ticket().Grant
+		}
+		b, err := EncodeCancel(Cancel{RequestID: h.req.ID, Grant: grant, Code: a.Code})
+		if err == nil {
+			err = h.d.nc.Publish(subj, b)
+			h.d.published.Add(1)
+		}
+		if err != nil { // best effort: the revoke that follows is the fence
+			h.d.cfg.Logger.Warn("publish cancel", "id", h.req.ID, "err", err)
+		}
+	case ActRevoke:
+		if h.grant != nil {
+			h.grant.Revoke()
+		}
+		if h.cancel != nil {
+			h.cancel()
+		}
+	case ActFree:
+		if err := h.req.Alloc.Free(h.req.ID); err != nil {
+			h.d.cfg.Logger.Error("free after failed handoff", "id", h.req.ID, "err", err)
+		}
+	}
+	return Event{}, false
+}
+
+// send publishes the prefill request for attempt a. Retries go to a live
+// prefill instance that has not refused this request, when the registry knows
+// one; otherwise to the queue group.
+func (h *handoff) send(a Action) (string, error) {
+	d := h.d
+	subj := Subject(d.cfg.Prefix, d.cfg.Namespace, SubjectPrefill, "")
+	target := a.Instance
+	if target == "" && a.Attempt > 1 && d.reg != nil {
+		for _, inst := range d.reg.Instances(RolePrefill, time.Now()) {
+			if inst.Fingerprint == d.cfg.Fingerprint && !containsStr(a.Exclude, inst.ID) {
+				target = inst.ID
+				break
+			}
+		}
+	}
+	if target != "" {
+		subj = Subject(d.cfg.Prefix, d.cfg.Namespace, SubjectInstancePrefill, target)
+	}
+	msg := PrefillRequest{
+		RequestID: h.req.ID, From: d.cfg.Instance, Attempt: uint8(min(a.Attempt, 255)), Fingerprint: d.cfg.Fingerprint,
+		Tokens: h.req.Tokens, Sampling: h.req.Sampling, Deadline: h.deadline.UnixNano(), Peer: d.peer,
+		Ticket: TicketOf(h.grant.Ticket()), KVBytes: h.kvB, MambaBytes: h.mB,
+	}
+	b, err := EncodePrefillRequest(msg, d.maxPayload)
+	if err != nil {
+		return "", err
+	}
+	d.published.Add(1)
+	if err := d.nc.PublishRequest(subj, d.inbox+"."+h.tok, b); err != nil {
+		if errors.Is(err, nats.ErrMaxPayload) {
+			return "", fmt.Errorf("%w: %w", ErrPayloadTooLarge, err)
+		}
+		return "", fmt.Errorf("%w: publish: %w", ErrClosed, err)
+	}
+	return target, nil
+}
+
+func containsStr(xs []string, s string) bool {
+	for _, x := range xs {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}
+
+func (h *handoff) replyEvent(m *nats.Msg) Event {
+	if m.Header.Get("Status") == "503" {
+		return Event{Kind: EvNoResponders}
+	}
+	r, err := DecodePrefillReply(m.Data)
+	if err != nil || r.RequestID != h.req.ID {
+		if err == nil {
+			err = fmt.Errorf("%w: reply names request %d", ErrBadMessage, r.RequestID)
+		}
+		h.setCause(err)
+		return Event{Kind: EvReply, Code: CodeBadMessage}
+	}
+	if r.Code == CodeOK {
+		h.reply = r
+	} else {
+		h.setCause(&RemoteError{Code: r.Code, Msg: r.Msg, Instance: r.Instance})
+	}
+	return Event{Kind: EvReply, Code: r.Code, Instance: r.Instance, Manifest: r.Manifest.RDMA()}
+}
+
+func (h *handoff) setCause(err error) { h.cause = err }
+
+// failure builds the error Handoff returns for code, keeping the most specific
+// cause when it agrees with code.
+func (h *handoff) failure(code Code) error {
+	if h.cause != nil && errors.Is(h.cause, code.Err()) {
+		return fmt.Errorf("transfer: request %d: %w", h.req.ID, h.cause)
+	}
+	if h.cause != nil && code != CodeTimeout && code != CodeCancelled && code != CodeClosed {
+		return fmt.Errorf("transfer: request %d: %w (%w)", h.req.ID, code.Err(), h.cause)
+	}
+	return fmt.Errorf("transfer: request %d: %w", h.req.ID, code.Err())
+}
+
+// rdmaCode classifies a data-plane error.
+func rdmaCode(err error) Code {
+	switch {
+	case err == nil:
+		return CodeOK
+	case errors.Is(err, rdma.ErrBadRequestID), errors.Is(err, rdma.ErrForbidden):
+		return CodeDummyRequest
+	case errors.Is(err, rdma.ErrDeadline), errors.Is(err, context.DeadlineExceeded):
+		return CodeTimeout
+	case errors.Is(err, rdma.ErrRevoked), errors.Is(err, rdma.ErrUnknownGrant),
+		errors.Is(err, rdma.ErrStaleEpoch), errors.Is(err, rdma.ErrBadToken), errors.Is(err, context.Canceled):
+		return CodeCancelled
+	case errors.Is(err, rdma.ErrManifestMismatch):
+		return CodeIntegrity
+	case errors.Is(err, rdma.ErrOutOfRange):
+		return CodeLayoutMismatch
+	case errors.Is(err, rdma.ErrClosed):
+		return CodeClosed
+	default:
+		return CodePeerFailed
+	}
+}

@@ -1,0 +1,96 @@
+// Package transfer is handoff's control plane: the per-request protocol that
+// moves a request's cache (its prompt's KV runs and its Mamba row) from a
+// prefill worker into a decode worker, over NATS for control and package rdma
+// for the bytes.
+//
+// # Layers
+//
+//   - wire.go: every NATS message (msgpack maps, explicit keys, version "v",
+//     tokens/extents/manifests as packed little-endian bytes). Encoders refuse
+//     a message over the server's max payload with ErrPayloadTooLarge before
+//     anything is published.
+//   - subjects.go: Subject builds every subject:
+//     <prefix>.<ns>.prefill (queue group "prefill": any free worker takes it),
+//     <prefix>.<ns>.inst.<id>.prefill (one instance, for targeted retries),
+//     <prefix>.<ns>.inst.<id>.cancel and <prefix>.<ns>.cancel (cancels).
+//   - session.go: RecvSession and SendSession, pure state machines (events in,
+//     actions out, time passed in; no IO, no goroutines). One terminal state
+//     per session; events after it are ignored, so cleanup is idempotent.
+//   - decoder.go, prefiller.go: the drivers that execute actions on NATS and
+//     rdma. registry.go: the instance directory in a JetStream KV bucket.
+//   - rank.go: Rank adapts a hybrid.Manager and its two registered regions to
+//     the extents the protocol names.
+//
+// # One handoff (happy path: one NATS request and its reply)
+//
+//  1. Decoder.Handoff refuses dummies (id 0, padding sentinels: IsDummyID),
+//     allocates through the rank's Allocator (KV blocks + one real Mamba row),
+//     opens an rdma grant over exactly those extents and publishes a
+//     PrefillRequest (tokens, sampling, deadline, layout fingerprint, its
+//     rdma descriptor, the grant's ticket) to the queue group.
+//  2. A Prefiller checks the request (dummy id, layout fingerprint, deadline:
+//     refused by name before any byte moves), admits it through the
+//     PrefillExecutor or refuses at once (ErrCapacityRefused), runs prefill,
+//     checks the source byte counts against the destination's, writes the KV
+//     runs and the Mamba row into the grant with rdma.Engine.Write (which
+//     commits with a manifest: bytes and crc32c per extent) and, once the
+//     commit was accepted, replies with the first token and the manifest, then
+//     releases its lease.
+//  3. The Decoder accepts only when the reply succeeded, the grant's commit
+//     arrived and both manifests agree with the granted sizes. The request
+//     then holds its blocks and row; the caller frees them when it finishes.
+//
+// The commit travels on the data plane, not on NATS, so a handoff costs one
+// NATS request-reply; cancels are published only on failure, heartbeats are
+// periodic and per instance, not per request.
+//
+// # Failures
+//
+// Every Handoff error wraps one sentinel (ErrNoPrefillWorker, ErrTimeout,
+// ErrPayloadTooLarge, ErrLayoutMismatch, ErrCapacityRefused, ErrPeerFailed,
+// ErrCancelled, ErrDummyRequest, ErrIntegrity, ErrPrefillFailed, ErrClosed);
+// refusals from the peer are *RemoteError, whose Is matches the sentinel of
+// its Code. On any failure the decoder publishes a cancel if a request is
+// outstanding, revokes the grant (after Revoke returns no byte lands, so a
+// late write or commit is refused by the data plane), then frees the blocks
+// and row. It retries on another worker only when nothing can have been
+// written (no responders, capacity refused) and the deadline and MaxAttempts
+// allow. The prefiller stops on a cancel, on the deadline, on a failed write
+// (receiver revoked or died) or when the decode instance leaves the
+// registry; it releases its lease only after the step in flight returned.
+//
+// # Registry
+//
+// Every Decoder and Prefiller announces itself in the JetStream KV bucket
+// <prefix>_<ns> (key "<role>.<id>": rdma descriptor, layout fingerprint,
+// capacity), refreshed every Heartbeat and expiring after TTL. Decoders watch
+// prefill instances (targeted retries; a watched instance that disappears
+// fails the handoffs it serves with ErrPeerFailed); prefillers watch decode
+// instances (and stop work for one that disappears). Prefill workers are also
+// NATS micro services (ServiceName), so `nats micro ls|info|stats` lists them.
+//
+// # Symmetry
+//
+// The sessions are named by data-path role, not by serving role: RecvSession
+// opens a grant and accepts a commit, SendSession writes into a grant. Handing
+// a finished conversation's state back from decode to a prefill worker
+// (multi-turn continuation without recompute) is the same exchange with the
+// roles swapped: the prefill side runs a RecvSession over its own Allocator
+// and grant, the decode side a SendSession over the request's extents, with a
+// new request message on its own subject. The wire types (Peer, Ticket,
+// Manifest, Extents) and both machines are reused unchanged.
+//
+// # Caller duties
+//
+//  1. Build one Rank (or another Allocator) per ADP rank; register its arenas
+//     as rdma regions first. NewRank forbids the reserved rows at the data plane.
+//  2. Decode: NewDecoder once per process; Handoff per request from any
+//     goroutine; Free the request's resources when it finishes; Close on exit.
+//  3. Prefill: implement PrefillExecutor (Admit must not block; Lease.Prefill
+//     must honour ctx; Release is called once, after every use of the
+//     extents); NewPrefiller, Start (or Serve), Shutdown on exit.
+//
+// Lock order: Prefiller.mu and Decoder.mu are leaves (no IO under them, no
+// other lock taken while held) except that Rank's mutex is held across the
+// hybrid.Manager calls it makes.
+package transfer

@@ -1,0 +1,147 @@
+package transfer
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Sentinel errors. Every error a Decoder or Prefiller returns wraps exactly one
+// of them (with %w), so callers classify failures with errors.Is. Refusals that
+// arrive over the wire are RemoteErrors, which match the same sentinels.
+var (
+	// ErrNoPrefillWorker: no prefill worker subscribes to the subject (NATS no
+	// responders). Returned by Decoder.Handoff; safe to retry later.
+	ErrNoPrefillWorker = errors.New("transfer: no prefill worker")
+	// ErrTimeout: the request's deadline passed before the handoff completed.
+	ErrTimeout = errors.New("transfer: deadline exceeded")
+	// ErrPayloadTooLarge: an encoded control message exceeds the server's max
+	// payload. Checked before publishing; nothing was sent.
+	ErrPayloadTooLarge = errors.New("transfer: control message exceeds max payload")
+	// ErrLayoutMismatch: the peers' cache layouts differ (fingerprint or byte
+	// counts). Refused before any byte moves.
+	ErrLayoutMismatch = errors.New("transfer: cache layout mismatch")
+	// ErrCapacityRefused: the prefill worker has no room for the request now.
+	// Refused before any byte moves; safe to retry on another worker.
+	ErrCapacityRefused = errors.New("transfer: capacity refused")
+	// ErrPeerFailed: the peer died, its data path failed, or it replied with a
+	// failure after the request was admitted.
+	ErrPeerFailed = errors.New("transfer: peer failed")
+	// ErrCancelled: the request was cancelled (caller's context or a cancel
+	// message from the peer).
+	ErrCancelled = errors.New("transfer: cancelled")
+	// ErrDummyRequest: the request id is a dummy (0, a padding sentinel) or a
+	// reserved row was named. Dummies are never transferred.
+	ErrDummyRequest = errors.New("transfer: dummy request cannot be transferred")
+	// ErrIntegrity: the reply's manifest and the committed manifest disagree, or
+	// the committed byte counts are not the granted ones.
+	ErrIntegrity = errors.New("transfer: manifest mismatch")
+	// ErrPrefillFailed: the prefill executor returned an error.
+	ErrPrefillFailed = errors.New("transfer: prefill failed")
+	// ErrBadMessage: a control message could not be decoded, has an unknown
+	// version or is inconsistent.
+	ErrBadMessage = errors.New("transfer: bad control message")
+	// ErrClosed: the Decoder or Prefiller was shut down.
+	ErrClosed = errors.New("transfer: closed")
+	// ErrInvalidConfig: a Config failed validation.
+	ErrInvalidConfig = errors.New("transfer: invalid config")
+)
+
+// Code is the wire form of a failure class. CodeOK means success. Codes are
+// stable: they are part of the wire format.
+type Code uint16
+
+const (
+	CodeOK Code = iota
+	CodeNoPrefillWorker
+	CodeTimeout
+	CodePayloadTooLarge
+	CodeLayoutMismatch
+	CodeCapacityRefused
+	CodePeerFailed
+	CodeCancelled
+	CodeDummyRequest
+	CodeIntegrity
+	CodePrefillFailed
+	CodeBadMessage
+	CodeClosed
+	codeCount
+)
+
+var codeErrors = [codeCount]error{
+	CodeOK:              nil,
+	CodeNoPrefillWorker: ErrNoPrefillWorker,
+	CodeTimeout:         ErrTimeout,
+	CodePayloadTooLarge: ErrPayloadTooLarge,
+	CodeLayoutMismatch:  ErrLayoutMismatch,
+	CodeCapacityRefused: ErrCapacityRefused,
+	CodePeerFailed:      ErrPeerFailed,
+	CodeCancelled:       ErrCancelled,
+	CodeDummyRequest:    ErrDummyRequest,
+	CodeIntegrity:       ErrIntegrity,
+	CodePrefillFailed:   ErrPrefillFailed,
+	CodeBadMessage:      ErrBadMessage,
+	CodeClosed:          ErrClosed,
+}
+
+var codeNames = [codeCount]string{
+	"ok", "no_prefill_worker", "timeout", "payload_too_large", "layout_mismatch",
+	"capacity_refused", "peer_failed", "cancelled", "dummy_request", "integrity",
+	"prefill_failed", "bad_message", "closed",
+}
+
+// String returns the code's stable lower-case name (used in logs, metrics and
+// transcripts).
+func (c Code) String() string {
+	if c < codeCount {
+		return codeNames[c]
+	}
+	return fmt.Sprintf("code(%d)", uint16(c))
+}
+
+// Err returns the sentinel of c (nil for CodeOK, ErrBadMessage for unknown codes).
+func (c Code) Err() error {
+	if c < codeCount {
+		return codeErrors[c]
+	}
+	return ErrBadMessage
+}
+
+// CodeOf classifies err: the code of the first sentinel it matches, CodeOK for
+// nil, CodePeerFailed for anything unclassified.
+func CodeOf(err error) Code {
+	if err == nil {
+		return CodeOK
+	}
+	var re *RemoteError
+	if errors.As(err, &re) {
+		return re.Code
+	}
+	for c := Code(1); c < codeCount; c++ {
+		if errors.Is(err, codeErrors[c]) {
+			return c
+		}
+	}
+	return CodePeerFailed
+}
+
+// RemoteError is a failure reported by the peer over the control plane. Its Is
+// matches the sentinel of its code, so errors.Is(err, ErrCapacityRefused) holds
+// for a remote capacity refusal.
+type RemoteError struct {
+	Code     Code
+	Msg      string
+	Instance string // the peer instance that reported it, when known
+}
+
+func (e *RemoteError) Error() string {
+	if e.Instance != "" {
+		return fmt.Sprintf("transfer: remote %s (%s): %s", e.Code, e.Instance, e.Msg)
+	}
+	return fmt.Sprintf("transfer: remote %s: %s", e.Code, e.Msg)
+}
+
+// Is reports whether target is the sentinel of e's code.
+func (e *RemoteError) Is(target error) bool {
+	s := e.Code.Err()
+	return s != nil && s == target
+}

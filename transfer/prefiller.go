@@ -1,0 +1,567 @@
+package transfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/micro"
+
+	"github.com/handoff-io/handoff/rdma"
+)
+
+// ServiceName is the NATS micro service name prefill workers register under
+// (`nats micro ls` lists them).
+const ServiceName = "handoff-prefill"
+
+// ServiceVersion is the micro service version: the wire version as semver.
+const ServiceVersion = "1.0.0"
+
+// PrefillerConfig configures a Prefiller.
+type PrefillerConfig struct {
+	Instance       string // unique instance id, a token; required
+	Namespace      string // required, a token
+	Prefix         string // default DefaultPrefix
+	Fingerprint    string // the model's layout fingerprint; required
+	MaxDraftTokens int    // width of the padding-sentinel id range
+	// Capacity reports the instance's room for the registry; optional.
+	Capacity func() Capacity
+	Registry RegistryConfig
+	// NoRegistry skips the instance registry (no announce, no watch of decode
+	// instances). For tools and tests.
+	NoRegistry bool
+	Logger     *slog.Logger
+}
+
+func (c *PrefillerConfig) validate() error {
+	if c.Prefix == "" {
+		c.Prefix = DefaultPrefix
+	}
+	if !ValidToken(c.Instance) || !ValidToken(c.Namespace) || !ValidToken(c.Prefix) {
+		return fmt.Errorf("%w: instance %q, namespace %q and prefix %q must be tokens of [A-Za-z0-9_-]", ErrInvalidConfig, c.Instance, c.Namespace, c.Prefix)
+	}
+	if c.Fingerprint == "" {
+		return fmt.Errorf("%w: empty layout fingerprint", ErrInvalidConfig)
+	}
+	if c.MaxDraftTokens < 0 {
+		return fmt.Errorf("%w: draft tokens %d", ErrInvalidConfig, c.MaxDraftTokens)
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	c.Registry.Prefix, c.Registry.Namespace = c.Prefix, c.Namespace
+	if c.Registry.Logger == nil {
+		c.Registry.Logger = c.Logger
+	}
+	return nil
+}
+
+// Job is one prefill the executor is asked to admit and run.
+type Job struct {
+	RequestID uint64
+	Tokens    []int32
+	Sampling  Sampling
+	Deadline  time.Time
+	From      string // the requesting instance
+}
+
+// Prefilled is the outcome of a prefill: the first token and where the
+// request's cache lives in this worker's registered regions (its KV runs in
+// token order, its Mamba row).
+type Prefilled struct {
+	FirstToken int32
+	Source     Destination
+}
+
+// PrefillExecutor is what a Prefiller needs from the worker: admission within
+// capacity and prefill on one of its ranks.
+type PrefillExecutor interface {
+	// Admit reserves room for job or refuses at once with an error wrapping
+	// ErrCapacityRefused (other errors count as prefill failures). It must not
+	// block on compute: it runs on the NATS dispatch path.
+	Admit(job Job) (Lease, error)
+}
+
+// Lease is one admitted job's resources.
+type Lease interface {
+	// Prefill runs the prompt and returns the first token and the source
+	// extents. It must return promptly once ctx is done.
+	Prefill(ctx context.Context) (Prefilled, error)
+	// Release frees everything the lease holds. Called exactly once, after
+	// Prefill and any write from its extents returned.
+	Release()
+}
+
+// senderEngine is what a Prefiller needs from the data plane.
+type senderEngine interface {
+	Write(ctx context.Context, peer rdma.Descriptor, t rdma.Ticket, src []rdma.Extent) (rdma.Manifest, error)
+	Descriptor() rdma.Descriptor
+}
+
+var _ senderEngine = (*rdma.Engine)(nil)
+
+// PrefillerStats are cumulative counters.
+type PrefillerStats struct {
+	Received, Served, Refused, Failed, Cancelled uint64
+	InFlight                                     int64
+	// Published counts NATS messages the prefiller published (replies;
+	// heartbeats excluded).
+	Published uint64
+}
+
+// Prefiller is the sending side of the handoff protocol: a NATS micro service
+// that admits prefill requests, runs them through a PrefillExecutor, writes the
+// cache into the requester's grant, commits and replies.
+type Prefiller struct {
+	cfg  PrefillerConfig
+	nc   *nats.Conn
+	eng  senderEngine
+	exec PrefillExecutor
+
+	mu      sync.Mutex
+	state   int // 0 new, 1 serving, 2 shut down
+	svc     micro.Service
+	cancelS *nats.Subscription
+	cancelA *nats.Subscription
+	reg     *Registry
+	tasks   map[uint64]map[*task]struct{} // by request id
+	wg      sync.WaitGroup
+
+	maxPayload int64
+	received   atomic.Uint64
+	served     atomic.Uint64
+	refused    atomic.Uint64
+	failed     atomic.Uint64
+	cancelled  atomic.Uint64
+	inflight   atomic.Int64
+	published  atomic.Uint64
+}
+
+// NewPrefiller validates cfg; Start begins serving.
+func NewPrefiller(cfg PrefillerConfig, nc *nats.Conn, eng *rdma.Engine, exec PrefillExecutor) (*Prefiller, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	if exec == nil {
+		return nil, fmt.Errorf("%w: nil executor", ErrInvalidConfig)
+	}
+	return &Prefiller{cfg: cfg, nc: nc, eng: eng, exec: exec, tasks: map[uint64]map[*task]struct{}{}, maxPayload: nc.MaxPayload()}, nil
+}
+
+// Stats returns cumulative counters.
+func (p *Prefiller) Stats() PrefillerStats {
+	return PrefillerStats{
+		Received: p.received.Load(), Served: p.served.Load(), Refused: p.refused.Load(), Failed: p.failed.Load(),
+		Cancelled: p.cancelled.Load(), InFlight: p.inflight.Load(), Published: p.published.Load(),
+	}
+}
+
+// Start registers the micro service (shared endpoint in queue group
+// PrefillQueue and the instance's own endpoint), subscribes the cancel
+// subjects and, unless NoRegistry, announces the instance and watches decode
+// instances. It returns once requests can be served.
+func (p *Prefiller) Start(ctx context.Context) (err error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.state != 0 {
+		return fmt.Errorf("%w: prefiller already started", ErrClosed)
+	}
+	c := p.cfg
+	defer func() {
+		if err != nil {
+			p.stopIntakeLocked()
+		}
+	}()
+	svc, err := micro.AddService(p.nc, micro.Config{
+		Name: ServiceName, Version: ServiceVersion,
+		Description: "prefills prompts and writes their cache into the requester's grant",
+		Metadata:    map[string]string{"instance": c.Instance, "namespace": c.Namespace, "fingerprint": c.Fingerprint},
+	})
+	if err != nil {
+		return fmt.Errorf("transfer: micro service: %w", err)
+	}
+	p.svc = svc
+	h := micro.HandlerFunc(p.handle)
+	if err := svc.AddEndpoint("prefill", h, micro.WithEndpointSubject(Subject(c.Prefix, c.Namespace, SubjectPrefill, "")),
+		micro.WithEndpointQueueGroup(PrefillQueue)); err != nil {
+		return fmt.Errorf("transfer: prefill endpoint: %w", err)
+	}
+	if err := svc.AddEndpoint("prefill-direct", h, micro.WithEndpointSubject(Subject(c.Prefix, c.Namespace, SubjectInstancePrefill, c.Instance)),
+		micro.WithEndpointQueueGroupDisabled()); err != nil {
+		return fmt.Errorf("transfer: prefill endpoint: %w", err)
+	}
+	if p.cancelS, err = p.nc.Subscribe(Subject(c.Prefix, c.Namespace, SubjectInstanceCancel, c.Instance), p.onCancel); err != nil {
+		return fmt.Errorf("transfer: cancel subscription: %w", err)
+	}
+	if p.cancelA, err = p.nc.Subscribe(Subject(c.Prefix, c.Namespace, SubjectCancel, ""), p.onCancel); err != nil {
+		return fmt.Errorf("transfer: cancel subscription: %w", err)
+	}
+	if !c.NoRegistry {
+		reg, err := OpenRegistry(ctx, p.nc, c.Registry)
+		if err != nil {
+			return err
+		}
+		p.reg = reg
+		reg.OnChange(func(inst Instance, gone bool) {
+			if gone && inst.Role == RoleDecode {
+				p.abortFrom(inst.ID, CodePeerFailed)
+			}
+		})
+		if err := reg.Watch(ctx, RoleDecode); err != nil {
+			return err
+		}
+		if err := reg.Announce(ctx, p.self); err != nil {
+			return err
+		}
+	}
+	if err := p.nc.Flush(); err != nil {
+		return fmt.Errorf("transfer: flush: %w", err)
+	}
+	p.state = 1
+	return nil
+}
+
+func (p *Prefiller) self() Instance {
+	inst := Instance{ID: p.cfg.Instance, Role: RolePrefill, Fingerprint: p.cfg.Fingerprint, Peer: PeerOf(p.eng.Descriptor())}
+	if p.cfg.Capacity != nil {
+		inst.Capacity = p.cfg.Capacity()
+	}
+	inst.Capacity.Inflight = int(p.inflight.Load())
+	return inst
+}
+
+// Registry returns the prefiller's registry (nil with NoRegistry or before Start).
+func (p *Prefiller) Registry() *Registry {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.reg
+}
+
+// Serve starts and serves until ctx is done, then shuts down, draining
+// in-flight requests for up to drain.
+func (p *Prefiller) Serve(ctx context.Context, drain time.Duration) error {
+	if err := p.Start(ctx); err != nil {
+		return err
+	}
+	<-ctx.Done()
+	sctx, cancel := context.WithTimeout(context.Background(), drain)
+	defer cancel()
+	return p.Shutdown(sctx)
+}
+
+// Shutdown stops intake (in-flight requests keep running), waits for them
+// until ctx is done, then aborts the rest (each releases its lease and replies
+// ErrClosed) and waits for them to finish. Idempotent.
+func (p *Prefiller) Shutdown(ctx context.Context) error {
+	p.mu.Lock()
+	if p.state == 2 {
+		p.mu.Unlock()
+		return nil
+	}
+	err := p.stopIntakeLocked()
+	reg := p.reg
+	p.mu.Unlock()
+
+	drained := make(chan struct{})
+	go func() { p.wg.Wait(); close(drained) }()
+	select {
+	case <-drained:
+	case <-ctx.Done():
+		p.mu.Lock()
+		for _, set := range p.tasks {
+			for t := range set {
+				t.abort(CodeClosed)
+			}
+		}
+		p.mu.Unlock()
+		<-drained
+	}
+	if reg != nil {
+		rctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		err = errors.Join(err, reg.Close(rctx))
+		cancel()
+	}
+	return err
+}
+
+func (p *Prefiller) stopIntakeLocked() error {
+	p.state = 2
+	var err error
+	if p.svc != nil {
+		err = p.svc.Stop()
+	}
+	for _, s := range []*nats.Subscription{p.cancelS, p.cancelA} {
+		if s != nil {
+			if e := s.Unsubscribe(); e != nil && !errors.Is(e, nats.ErrConnectionClosed) {
+				err = errors.Join(err, e)
+			}
+		}
+	}
+	return err // the registry closes after the drain, so decoders keep seeing us meanwhile
+}
+
+func (p *Prefiller) onCancel(m *nats.Msg) {
+	c, err := DecodeCancel(m.Data)
+	if err != nil {
+		p.cfg.Logger.Warn("bad cancel", "err", err)
+		return
+	}
+	code := c.Code
+	if code == CodeOK {
+		code = CodeCancelled
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for t := range p.tasks[c.RequestID] {
+		if c.Grant == 0 || c.Grant == t.ticket.Grant {
+			t.abort(code)
+		}
+	}
+}
+
+func (p *Prefiller) abortFrom(instance string, code Code) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, set := range p.tasks {
+		for t := range set {
+			if t.msg.From == instance {
+				t.abort(code)
+			}
+		}
+	}
+}
+
+// task is one admitted request's driver state, owned by its goroutine.
+type task struct {
+	p      *Prefiller
+	reply  string // reply subject
+	msg    PrefillRequest
+	ticket rdma.Ticket
+	sess   *SendSession
+	lease  Lease
+
+	ctx    context.Context
+	cancel context.CancelFunc
+	aborts atomic.Uint32 // external abort code, first one wins
+
+	out      Prefilled
+	manifest rdma.Manifest
+	pf, wr   time.Duration
+	cause    error
+}
+
+func (t *task) abort(code Code) {
+	if t.aborts.CompareAndSwap(0, uint32(code)) {
+		t.cancel()
+	}
+}
+
+// handle runs on the endpoint's dispatch goroutine: decode, check, admit, and
+// either reply at once (refusals) or hand the request to its own goroutine.
+func (p *Prefiller) handle(r micro.Request) {
+	p.received.Add(1)
+	m, err := DecodePrefillRequest(r.Data())
+	if err != nil {
+		p.refused.Add(1)
+		p.replyNow(r, PrefillReply{Code: CodeBadMessage, Msg: err.Error()})
+		return
+	}
+	tk, err := m.Ticket.RDMA()
+	if err != nil {
+		p.refused.Add(1)
+		p.replyNow(r, PrefillReply{RequestID: m.RequestID, Code: CodeBadMessage, Msg: err.Error()})
+		return
+	}
+	deadline := time.Unix(0, m.Deadline)
+	t := &task{p: p, reply: r.Reply(), msg: m, ticket: tk, sess: NewSendSession(SendParams{
+		RequestID: m.RequestID, MaxDraftTokens: p.cfg.MaxDraftTokens, Deadline: deadline,
+		Fingerprint: m.Fingerprint, Local: p.cfg.Fingerprint, KVBytes: m.KVBytes, MambaBytes: m.MambaBytes,
+	})}
+	acts := t.sess.Step(Event{Kind: EvRequest, Now: time.Now()})
+	if t.sess.State().Terminal() {
+		p.refused.Add(1)
+		p.replyNow(r, t.replyFor(t.sess.Code()))
+		return
+	}
+	p.mu.Lock()
+	if p.state != 1 {
+		p.mu.Unlock()
+		t.sess.Step(Event{Kind: EvCancel, Code: CodeClosed, Now: time.Now()})
+		p.refused.Add(1)
+		p.replyNow(r, t.replyFor(CodeClosed))
+		return
+	}
+	p.mu.Unlock()
+	lease, err := p.exec.Admit(Job{RequestID: m.RequestID, Tokens: m.Tokens, Sampling: m.Sampling, Deadline: deadline, From: m.From})
+	code := CodeOK
+	if err != nil {
+		code = CodeOf(err)
+		if code == CodePeerFailed {
+			code = CodePrefillFailed
+		}
+		t.cause = err
+	} else if lease == nil {
+		code, t.cause = CodePrefillFailed, errors.New("executor admitted without a lease")
+	}
+	t.lease = lease
+	acts = t.sess.Step(Event{Kind: EvAdmitted, Code: code, Now: time.Now()})
+	if t.sess.State().Terminal() {
+		p.refused.Add(1)
+		p.replyNow(r, t.replyFor(t.sess.Code()))
+		if lease != nil {
+			lease.Release()
+		}
+		return
+	}
+	t.ctx, t.cancel = context.WithDeadline(context.Background(), deadline)
+	p.mu.Lock()
+	if p.state != 1 { // shut down while admitting
+		p.mu.Unlock()
+		t.cancel()
+		t.sess.Step(Event{Kind: EvCancel, Code: CodeClosed, Now: time.Now()})
+		lease.Release()
+		p.refused.Add(1)
+		p.replyNow(r, t.replyFor(CodeClosed))
+		return
+	}
+	set := p.tasks[m.RequestID]
+	if set == nil {
+		set = map[*task]struct{}{}
+		p.tasks[m.RequestID] = set
+	}
+	set[t] = struct{}{}
+	p.inflight.Add(1)
+	p.wg.Go(func() { t.run(acts) })
+	p.mu.Unlock()
+}
+
+func (p *Prefiller) replyNow(r micro.Request, rep PrefillReply) {
+	rep.Instance = p.cfg.Instance
+	b, err := EncodePrefillReply(rep, p.maxPayload)
+	if err != nil {
+		p.cfg.Logger.Error("encode reply", "err", err)
+		return
+	}
+	p.published.Add(1)
+	if rep.Code == CodeOK {
+		err = r.Respond(b)
+	} else {
+		err = r.Error(strconv.Itoa(int(rep.Code)), rep.Code.String(), b)
+	}
+	if err != nil {
+		p.cfg.Logger.Warn("reply", "id", rep.RequestID, "err", err)
+	}
+}
+
+func (t *task) replyFor(code Code) PrefillReply {
+	rep := PrefillReply{RequestID: t.msg.RequestID, Code: code}
+	if code == CodeOK {
+		rep.FirstToken = t.out.FirstToken
+		rep.PrefillNanos, rep.WriteNanos = int64(t.pf), int64(t.wr)
+		rep.KVBytes, rep.MambaBytes = t.out.Source.Bytes()
+		rep.Manifest = ManifestOf(t.manifest)
+	} else if t.cause != nil {
+		rep.Msg = t.cause.Error()
+	} else {
+		rep.Msg = code.Err().Error()
+	}
+	return rep
+}
+
+// run drives an admitted request to its reply.
+func (t *task) run(acts []Action) {
+	p := t.p
+	defer func() {
+		t.cancel()
+		p.mu.Lock()
+		if set := p.tasks[t.msg.RequestID]; set != nil {
+			delete(set, t)
+			if len(set) == 0 {
+				delete(p.tasks, t.msg.RequestID)
+			}
+		}
+		p.mu.Unlock()
+		p.inflight.Add(-1)
+	}()
+	for len(acts) > 0 {
+		a := acts[0]
+		acts = acts[1:]
+		var outcome *Event
+		switch a.Kind {
+		case ActPrefill:
+			start := time.Now()
+			out, err := t.lease.Prefill(t.ctx)
+			t.pf = time.Since(start)
+			ev := Event{Kind: EvPrefilled}
+			if err != nil {
+				t.cause = err
+				ev.Code = CodeOf(err)
+				if ev.Code == CodePeerFailed {
+					ev.Code = CodePrefillFailed
+				}
+			} else {
+				t.out = out
+				ev.KVBytes, ev.MambaBytes = out.Source.Bytes()
+			}
+			outcome = &ev
+		case ActWrite:
+			start := time.Now()
+			m, err := p.eng.Write(t.ctx, t.msg.Peer.Descriptor(), t.ticket, t.out.Source.Extents())
+			t.wr = time.Since(start)
+			ev := Event{Kind: EvWritten, Manifest: m}
+			if err != nil {
+				t.cause = err
+				ev.Code = rdmaCode(err)
+			} else {
+				t.manifest = m
+			}
+			outcome = &ev
+		case ActAbort:
+			t.cancel()
+		case ActRelease:
+			t.lease.Release()
+		case ActReply:
+			t.sendReply(a.Code)
+		}
+		if outcome != nil {
+			now := time.Now()
+			// Interruptions that happened during the step come first, so the
+			// session sees the cancel or the deadline, not just a failed step.
+			if c := Code(t.aborts.Load()); c != CodeOK {
+				acts = append(acts, t.sess.Step(Event{Kind: EvCancel, Code: c, Now: now})...)
+			}
+			acts = append(acts, t.sess.Step(Event{Kind: EvTick, Now: now})...)
+			outcome.Now = now
+			acts = append(acts, t.sess.Step(*outcome)...)
+		}
+	}
+}
+
+func (t *task) sendReply(code Code) {
+	p := t.p
+	switch code {
+	case CodeOK:
+		p.served.Add(1)
+	case CodeCancelled, CodeClosed:
+		p.cancelled.Add(1)
+	default:
+		p.failed.Add(1)
+	}
+	rep := t.replyFor(code)
+	rep.Instance = p.cfg.Instance
+	b, err := EncodePrefillReply(rep, p.maxPayload)
+	if err != nil {
+		p.cfg.Logger.Error("encode reply", "id", rep.RequestID, "err", err)
+		return
+	}
+	p.published.Add(1)
+	if err := p.nc.Publish(t.reply, b); err != nil {
+		p.cfg.Logger.Warn("reply", "id", rep.RequestID, "err", err)
+	}
+}

@@ -1,0 +1,126 @@
+package transfer
+
+import (
+	"fmt"
+	"sync"
+
+	"github.com/handoff-io/handoff/hybrid"
+	"github.com/handoff-io/handoff/mambacache"
+	"github.com/handoff-io/handoff/rdma"
+)
+
+// Destination is where one request's cache lives in registered memory: its
+// prompt's KV runs (token order) in the KV region and its Mamba row in the
+// Mamba region. The same shape describes a sender's source extents.
+type Destination struct {
+	KV    []rdma.Extent
+	Mamba rdma.Extent
+}
+
+// Extents returns the KV extents followed by the Mamba extent: the order in
+// which a handoff's bytes are granted and written.
+func (d Destination) Extents() []rdma.Extent {
+	out := make([]rdma.Extent, 0, len(d.KV)+1)
+	out = append(out, d.KV...)
+	return append(out, d.Mamba)
+}
+
+// Bytes returns the KV and Mamba byte counts.
+func (d Destination) Bytes() (kv, mamba uint64) {
+	for _, e := range d.KV {
+		kv += e.Length
+	}
+	return kv, d.Mamba.Length
+}
+
+// Allocator is what a Decoder needs from one ADP rank's cache pools: reserve
+// a request's KV blocks and one real Mamba row, resolved to registered
+// extents, and free them again. Rank implements it over a hybrid.Manager.
+type Allocator interface {
+	// Prepare reserves room for tokens prompt tokens of request id, all or
+	// nothing, and returns the destination. It must never return a reserved
+	// (dummy) row.
+	Prepare(id uint64, tokens int) (Destination, error)
+	// Free releases everything id holds.
+	Free(id uint64) error
+}
+
+// Rank adapts one ADP rank's hybrid.Manager and the rdma regions that back its
+// KV arena and Mamba arena. It serializes its own calls to the manager; a
+// worker that also calls the manager directly must hold Lock meanwhile.
+type Rank struct {
+	sync.Mutex
+	m     *hybrid.Manager
+	kv    *rdma.Region
+	mamba *rdma.Region
+}
+
+var _ Allocator = (*Rank)(nil)
+
+// NewRank checks that the regions hold the manager's arenas and forbids every
+// reserved Mamba row at the data plane, so no grant can ever name one.
+func NewRank(m *hybrid.Manager, kv, mamba *rdma.Region) (*Rank, error) {
+	kcfg, mcfg := m.KV().Config(), m.Mamba().Config()
+	if kv.Len() < kcfg.ArenaBytes() || mamba.Len() < mcfg.ArenaBytes() {
+		return nil, fmt.Errorf("%w: regions of %d and %d bytes for arenas of %d and %d",
+			ErrInvalidConfig, kv.Len(), mamba.Len(), kcfg.ArenaBytes(), mcfg.ArenaBytes())
+	}
+	mp := m.Mamba()
+	for r := 0; r < mcfg.TotalRows(); r++ {
+		row := mambacache.Row(r)
+		if mp.IsReserved(row) {
+			x := mcfg.RowExtent(row)
+			mamba.Forbid(uint64(x.Offset), uint64(x.Length))
+		}
+	}
+	return &Rank{m: m, kv: kv, mamba: mamba}, nil
+}
+
+// Manager returns the rank's manager. Hold Lock while using it.
+func (r *Rank) Manager() *hybrid.Manager { return r.m }
+
+// Prepare implements Allocator.
+func (r *Rank) Prepare(id uint64, tokens int) (Destination, error) {
+	r.Lock()
+	defer r.Unlock()
+	res, err := r.m.Prepare(id, tokens)
+	if err != nil {
+		return Destination{}, err
+	}
+	d, err := r.resolve(res)
+	if err != nil {
+		_ = r.m.Free(id)
+		return Destination{}, err
+	}
+	return d, nil
+}
+
+// Free implements Allocator.
+func (r *Rank) Free(id uint64) error {
+	r.Lock()
+	defer r.Unlock()
+	return r.m.Free(id)
+}
+
+// Resolve maps resources id already holds to extents of the rank's regions
+// (a sender's source). A reserved row is refused with ErrDummyRequest.
+func (r *Rank) Resolve(res hybrid.Resources) (Destination, error) {
+	r.Lock()
+	defer r.Unlock()
+	return r.resolve(res)
+}
+
+func (r *Rank) resolve(res hybrid.Resources) (Destination, error) {
+	if r.m.Mamba().IsReserved(res.Row) {
+		return Destination{}, fmt.Errorf("%w: row %d is reserved", ErrDummyRequest, res.Row)
+	}
+	kcfg, mcfg := r.m.KV().Config(), r.m.Mamba().Config()
+	d := Destination{KV: make([]rdma.Extent, len(res.Runs))}
+	for i, run := range res.Runs {
+		x := kcfg.RunExtent(run)
+		d.KV[i] = rdma.Extent{Region: r.kv.ID(), Offset: uint64(x.Offset), Length: uint64(x.Length)}
+	}
+	x := mcfg.RowExtent(res.Row)
+	d.Mamba = rdma.Extent{Region: r.mamba.ID(), Offset: uint64(x.Offset), Length: uint64(x.Length)}
+	return d, nil
+}

@@ -1,0 +1,273 @@
+package transfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// RegistryConfig configures a Registry.
+type RegistryConfig struct {
+	Prefix    string        // default DefaultPrefix
+	Namespace string        // required, a valid token
+	TTL       time.Duration // how long an entry lives without a heartbeat; default 6s
+	Heartbeat time.Duration // how often Announce refreshes the entry; default TTL/3
+	Logger    *slog.Logger
+}
+
+func (c *RegistryConfig) validate() error {
+	if c.Prefix == "" {
+		c.Prefix = DefaultPrefix
+	}
+	if !ValidToken(c.Prefix) || !ValidToken(c.Namespace) {
+		return fmt.Errorf("%w: prefix %q and namespace %q must be tokens of [A-Za-z0-9_-]", ErrInvalidConfig, c.Prefix, c.Namespace)
+	}
+	if c.TTL == 0 {
+		c.TTL = 6 * time.Second
+	}
+	if c.Heartbeat == 0 {
+		c.Heartbeat = c.TTL / 3
+	}
+	if c.TTL < time.Second || c.Heartbeat <= 0 || c.Heartbeat >= c.TTL {
+		return fmt.Errorf("%w: registry ttl %v must be >= 1s and exceed the heartbeat %v", ErrInvalidConfig, c.TTL, c.Heartbeat)
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	return nil
+}
+
+// Registry is the namespace's instance directory: a JetStream KV bucket whose
+// entries (one per instance, key "<role>.<id>") expire after TTL unless
+// refreshed. Announce keeps this process's entry alive; Watch mirrors the
+// entries of one role into memory and drops them when they are deleted or
+// expire. Its goroutines stop on Close.
+type Registry struct {
+	cfg RegistryConfig
+	kv  jetstream.KeyValue
+
+	mu       sync.Mutex
+	closed   bool
+	entries  map[string]Instance // by instance id
+	onChange []func(inst Instance, gone bool)
+
+	stop chan struct{}
+	wg   sync.WaitGroup
+	self string // key of the announced entry
+}
+
+// OpenRegistry creates or opens the namespace's bucket.
+func OpenRegistry(ctx context.Context, nc *nats.Conn, cfg RegistryConfig) (*Registry, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return nil, fmt.Errorf("transfer: registry: %w", err)
+	}
+	kcfg := jetstream.KeyValueConfig{
+		Bucket:         BucketName(cfg.Prefix, cfg.Namespace),
+		Description:    "handoff instances: data-plane descriptor, layout fingerprint, capacity",
+		TTL:            cfg.TTL,
+		History:        1,
+		Storage:        jetstream.MemoryStorage,
+		LimitMarkerTTL: cfg.TTL, // watchers hear about expiries
+	}
+	kv, err := js.CreateOrUpdateKeyValue(ctx, kcfg)
+	if errors.Is(err, jetstream.ErrLimitMarkerTTLNotSupported) {
+		kcfg.LimitMarkerTTL = 0 // older server: expiry is then detected from Updated alone
+		kv, err = js.CreateOrUpdateKeyValue(ctx, kcfg)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("transfer: registry bucket %s: %w", kcfg.Bucket, err)
+	}
+	return &Registry{cfg: cfg, kv: kv, entries: map[string]Instance{}, stop: make(chan struct{})}, nil
+}
+
+func registryKey(role Role, id string) string { return string(role) + "." + id }
+
+// Announce publishes self() now and every Heartbeat until Close, which deletes
+// the entry. It may be called once.
+func (r *Registry) Announce(ctx context.Context, self func() Instance) error {
+	inst := self()
+	if !ValidToken(inst.ID) {
+		return fmt.Errorf("%w: instance id %q", ErrInvalidConfig, inst.ID)
+	}
+	key := registryKey(inst.Role, inst.ID)
+	if err := r.put(ctx, key, inst); err != nil {
+		return err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return ErrClosed
+	}
+	if r.self != "" {
+		return fmt.Errorf("transfer: registry: already announcing %s", r.self)
+	}
+	r.self = key
+	r.wg.Go(func() {
+		t := time.NewTicker(r.cfg.Heartbeat)
+		defer t.Stop()
+		for {
+			select {
+			case <-r.stop:
+				return
+			case <-t.C:
+				hctx, cancel := context.WithTimeout(context.Background(), r.cfg.Heartbeat)
+				if err := r.put(hctx, key, self()); err != nil {
+					r.cfg.Logger.Warn("registry heartbeat", "key", key, "err", err)
+				}
+				cancel()
+			}
+		}
+	})
+	return nil
+}
+
+func (r *Registry) put(ctx context.Context, key string, inst Instance) error {
+	inst.Updated = time.Now().UnixNano()
+	b, err := EncodeInstance(inst)
+	if err != nil {
+		return err
+	}
+	if _, err := r.kv.Put(ctx, key, b); err != nil {
+		return fmt.Errorf("transfer: registry put %s: %w", key, err)
+	}
+	return nil
+}
+
+// OnChange registers fn, called from the watch goroutine for every entry that
+// appears, changes (gone false) or is deleted or expires (gone true). fn must
+// not block. Register before Watch.
+func (r *Registry) OnChange(fn func(inst Instance, gone bool)) {
+	r.mu.Lock()
+	r.onChange = append(r.onChange, fn)
+	r.mu.Unlock()
+}
+
+// Watch mirrors the entries of role until Close. It returns once the current
+// entries are loaded.
+func (r *Registry) Watch(ctx context.Context, role Role) error {
+	w, err := r.kv.Watch(ctx, string(role)+".>")
+	if err != nil {
+		return fmt.Errorf("transfer: registry watch: %w", err)
+	}
+	loaded := make(chan struct{})
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		_ = w.Stop()
+		return ErrClosed
+	}
+	r.wg.Go(func() {
+		defer func() { _ = w.Stop() }()
+		initial := true
+		for {
+			select {
+			case <-r.stop:
+				if initial {
+					close(loaded)
+				}
+				return
+			case e, ok := <-w.Updates():
+				if !ok {
+					if initial {
+						close(loaded)
+					}
+					return
+				}
+				if e == nil {
+					if initial {
+						initial = false
+						close(loaded)
+					}
+					continue
+				}
+				r.apply(e)
+			}
+		}
+	})
+	r.mu.Unlock()
+	select {
+	case <-loaded:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (r *Registry) apply(e jetstream.KeyValueEntry) {
+	_, id, _ := strings.Cut(e.Key(), ".")
+	var inst Instance
+	gone := e.Operation() != jetstream.KeyValuePut
+	if !gone {
+		var err error
+		if inst, err = DecodeInstance(e.Value()); err != nil {
+			r.cfg.Logger.Warn("registry entry", "key", e.Key(), "err", err)
+			return
+		}
+	}
+	r.mu.Lock()
+	if gone {
+		old, ok := r.entries[id]
+		if !ok {
+			r.mu.Unlock()
+			return
+		}
+		inst = old
+		delete(r.entries, id)
+	} else {
+		r.entries[inst.ID] = inst
+	}
+	fns := slices.Clone(r.onChange)
+	r.mu.Unlock()
+	for _, fn := range fns {
+		fn(inst, gone)
+	}
+}
+
+// Instances returns the watched entries of role that are live at now: present
+// in the bucket and refreshed within TTL (so an expiry is honoured even before
+// the server's marker arrives). Sorted by id.
+func (r *Registry) Instances(role Role, now time.Time) []Instance {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make([]Instance, 0, len(r.entries))
+	for _, inst := range r.entries {
+		if inst.Role == role && now.Sub(time.Unix(0, inst.Updated)) < r.cfg.TTL {
+			out = append(out, inst)
+		}
+	}
+	slices.SortFunc(out, func(a, b Instance) int { return strings.Compare(a.ID, b.ID) })
+	return out
+}
+
+// Close stops the goroutines and deletes the announced entry (bounded by ctx).
+// Idempotent.
+func (r *Registry) Close(ctx context.Context) error {
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return nil
+	}
+	r.closed = true
+	self := r.self
+	r.mu.Unlock()
+	close(r.stop)
+	r.wg.Wait()
+	if self != "" {
+		if err := r.kv.Delete(ctx, self); err != nil {
+			return fmt.Errorf("transfer: registry delete %s: %w", self, err)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,561 @@
+package transfer
+
+// The per-request protocol as two pure state machines, one per data-path role:
+// RecvSession for the side that opens a grant and receives bytes (decode, for
+// prefill-to-decode handoff), SendSession for the side that writes into a
+// grant (prefill). They do no IO, start no goroutines and read no clock: the
+// driver feeds events (with the current time) and executes the returned
+// actions in order, feeding each action's outcome back as an event.
+//
+// Invariants both machines keep:
+//   - exactly one terminal action: ActDeliver or ActFail on the receiver,
+//     one ActReply on the sender;
+//   - every event after the terminal state is ignored (no actions), which
+//     makes cleanup idempotent: late commits, duplicate replies and repeated
+//     cancels change nothing;
+//   - resources are released only when nothing can touch them any more: the
+//     receiver frees after revoking its grant (no byte lands after Revoke), the
+//     sender releases only after its in-flight step (prefill, write) returned.
+
+import (
+	"fmt"
+	"math"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/handoff-io/handoff/rdma"
+)
+
+// IsDummyID reports whether id can never be transferred: the ADP dummy id 0 or
+// a CUDA-graph padding sentinel in [2^64-1-maxDraftTokens, 2^64-1].
+func IsDummyID(id uint64, maxDraftTokens int) bool {
+	if id == 0 {
+		return true
+	}
+	if maxDraftTokens < 0 {
+		maxDraftTokens = 0
+	}
+	return id >= math.MaxUint64-uint64(maxDraftTokens)
+}
+
+// ActionKind names what a session asks its driver to do.
+type ActionKind uint8
+
+const (
+	// Receiver actions.
+	ActAllocate      ActionKind = iota + 1 // reserve KV blocks and a Mamba row; feed EvAllocated
+	ActOpenGrant                           // open the receive grant; feed EvGranted
+	ActSendRequest                         // publish the prefill request (Instance: "" queue group, else that instance); feed EvSent on failure
+	ActPublishCancel                       // tell the serving instance (Instance, "" all) to stop
+	ActRevoke                              // revoke/close the grant; on return no byte lands
+	ActFree                                // free the reserved blocks and row
+	ActDeliver                             // terminal success: hand the request to the scheduler
+	ActFail                                // terminal failure with Code
+	// Sender actions.
+	ActAdmit   // admit within capacity or refuse; feed EvAdmitted
+	ActPrefill // run prefill; feed EvPrefilled
+	ActWrite   // write KV runs and the Mamba row, commit; feed EvWritten
+	ActAbort   // interrupt the step in flight (cancel its context)
+	ActRelease // free the admitted resources
+	ActReply   // terminal: reply with Code (CodeOK carries the first token and manifest)
+)
+
+var actionNames = map[ActionKind]string{
+	ActAllocate: "allocate", ActOpenGrant: "open-grant", ActSendRequest: "send-request",
+	ActPublishCancel: "publish-cancel", ActRevoke: "revoke", ActFree: "free", ActDeliver: "deliver",
+	ActFail: "fail", ActAdmit: "admit", ActPrefill: "prefill", ActWrite: "write", ActAbort: "abort",
+	ActRelease: "release", ActReply: "reply",
+}
+
+func (k ActionKind) String() string {
+	if s, ok := actionNames[k]; ok {
+		return s
+	}
+	return fmt.Sprintf("action(%d)", uint8(k))
+}
+
+// Action is one step the driver must execute.
+type Action struct {
+	Kind     ActionKind
+	Code     Code     // ActFail, ActReply, ActPublishCancel
+	Instance string   // ActSendRequest, ActPublishCancel: target instance ("" = any / all)
+	Attempt  int      // ActSendRequest: 1-based attempt number
+	Exclude  []string // ActSendRequest: instances that refused this request
+}
+
+func (a Action) String() string {
+	var b strings.Builder
+	b.WriteString(a.Kind.String())
+	switch a.Kind {
+	case ActFail, ActReply:
+		fmt.Fprintf(&b, " code=%s", a.Code)
+	case ActPublishCancel:
+		fmt.Fprintf(&b, " to=%s code=%s", orAny(a.Instance), a.Code)
+	case ActSendRequest:
+		fmt.Fprintf(&b, " to=%s attempt=%d", orAny(a.Instance), a.Attempt)
+		if len(a.Exclude) > 0 {
+			fmt.Fprintf(&b, " exclude=%s", strings.Join(a.Exclude, ","))
+		}
+	}
+	return b.String()
+}
+
+func orAny(s string) string {
+	if s == "" {
+		return "*"
+	}
+	return s
+}
+
+// EventKind names an input of a session.
+type EventKind uint8
+
+const (
+	// Receiver events.
+	EvStart        EventKind = iota + 1 // begin the session
+	EvAllocated                         // outcome of ActAllocate (Code)
+	EvGranted                           // outcome of ActOpenGrant (Code)
+	EvSent                              // outcome of ActSendRequest: sent to Instance, or failed locally (Code) and nothing was sent
+	EvNoResponders                      // nobody serves the subject
+	EvReply                             // the prefill reply (Code, Instance, Manifest)
+	EvCommitted                         // the grant's commit was accepted (Manifest)
+	EvGrantFailed                       // the grant ended without a commit (Code)
+	// Sender events.
+	EvRequest  // a prefill request arrived
+	EvAdmitted // outcome of ActAdmit (Code)
+	EvPrefilled
+	EvWritten // outcome of ActWrite (Code, Manifest)
+	// Both.
+	EvTick     // time passed (Now)
+	EvCancel   // the caller or the peer cancelled (Code, default cancelled)
+	EvPeerDied // Instance is gone (registry expiry, transport loss)
+)
+
+var eventNames = map[EventKind]string{
+	EvStart: "start", EvAllocated: "allocated", EvGranted: "granted", EvSent: "sent",
+	EvNoResponders: "no-responders", EvReply: "reply", EvCommitted: "committed",
+	EvGrantFailed: "grant-failed", EvRequest: "request", EvAdmitted: "admitted",
+	EvPrefilled: "prefilled", EvWritten: "written", EvTick: "tick", EvCancel: "cancel",
+	EvPeerDied: "peer-died",
+}
+
+func (k EventKind) String() string {
+	if s, ok := eventNames[k]; ok {
+		return s
+	}
+	return fmt.Sprintf("event(%d)", uint8(k))
+}
+
+// Event is one input of a session. Now is the driver's clock at the event.
+type Event struct {
+	Kind       EventKind
+	Now        time.Time
+	Code       Code
+	Instance   string
+	Manifest   rdma.Manifest
+	Expected   []uint64 // EvGranted: bytes per granted extent, for the manifest check
+	KVBytes    uint64   // EvPrefilled: source KV bytes
+	MambaBytes uint64 // EvPrefilled: source Mamba bytes
+}
+
+// State is a session's phase.
+type State uint8
+
+const (
+	StateNew State = iota
+	StateAllocating
+	StateGranting
+	StateWaiting
+	StateAdmitting
+	StatePrefilling
+	StateWriting
+	StateDone   // terminal success
+	StateFailed // terminal failure
+)
+
+var stateNames = [...]string{"new", "allocating", "granting", "waiting", "admitting", "prefilling", "writing", "done", "failed"}
+
+func (s State) String() string {
+	if int(s) < len(stateNames) {
+		return stateNames[s]
+	}
+	return fmt.Sprintf("state(%d)", uint8(s))
+}
+
+// Terminal reports whether s is final.
+func (s State) Terminal() bool { return s == StateDone || s == StateFailed }
+
+// RecvParams configure a RecvSession.
+type RecvParams struct {
+	RequestID      uint64
+	MaxDraftTokens int
+	Deadline       time.Time
+	MaxAttempts    int // prefill attempts, >= 1
+}
+
+// RecvSession is the receiver's per-request state machine. Not safe for
+// concurrent use; one driver owns it.
+type RecvSession struct {
+	p     RecvParams
+	state State
+	code  Code
+
+	busy      bool // ActAllocate or ActOpenGrant outstanding
+	pending   Code // failure decided while busy
+	allocated bool
+	granted   bool
+
+	attempts    int
+	outstanding bool   // a request is in flight without an answer
+	target      string // instance the outstanding request was sent to ("" queue group)
+	refused     []string
+
+	replied        bool
+	replyInstance  string
+	replyManifest  rdma.Manifest
+	committed      bool
+	commitManifest rdma.Manifest
+	expected       []uint64
+}
+
+// NewRecvSession returns a session in StateNew.
+func NewRecvSession(p RecvParams) *RecvSession {
+	if p.MaxAttempts < 1 {
+		p.MaxAttempts = 1
+	}
+	return &RecvSession{p: p}
+}
+
+// State returns the current phase.
+func (s *RecvSession) State() State { return s.state }
+
+// Code returns the terminal failure code (CodeOK while running or on success).
+func (s *RecvSession) Code() Code { return s.code }
+
+// Attempts returns how many prefill requests were sent.
+func (s *RecvSession) Attempts() int { return s.attempts }
+
+// Instance returns the instance that replied successfully, if any.
+func (s *RecvSession) Instance() string { return s.replyInstance }
+
+// Step applies ev and returns the actions to execute, in order.
+func (s *RecvSession) Step(ev Event) []Action {
+	if s.state.Terminal() {
+		return nil
+	}
+	switch ev.Kind {
+	case EvStart:
+		if s.state != StateNew {
+			return nil
+		}
+		if IsDummyID(s.p.RequestID, s.p.MaxDraftTokens) {
+			return s.fail(CodeDummyRequest)
+		}
+		if !ev.Now.Before(s.p.Deadline) {
+			return s.fail(CodeTimeout)
+		}
+		s.state, s.busy = StateAllocating, true
+		return []Action{{Kind: ActAllocate}}
+	case EvAllocated:
+		if s.state != StateAllocating || !s.busy {
+			return nil
+		}
+		s.busy = false
+		if ev.Code == CodeOK {
+			s.allocated = true
+		}
+		if s.pending != CodeOK {
+			return s.fail(s.pending)
+		}
+		if ev.Code != CodeOK {
+			return s.fail(ev.Code)
+		}
+		s.state, s.busy = StateGranting, true
+		return []Action{{Kind: ActOpenGrant}}
+	case EvGranted:
+		if s.state != StateGranting || !s.busy {
+			return nil
+		}
+		s.busy = false
+		if ev.Code == CodeOK {
+			s.granted, s.expected = true, slices.Clone(ev.Expected)
+		}
+		if s.pending != CodeOK {
+			return s.fail(s.pending)
+		}
+		if ev.Code != CodeOK {
+			return s.fail(ev.Code)
+		}
+		s.state = StateWaiting
+		return s.send("")
+	case EvSent:
+		if s.state != StateWaiting || !s.outstanding {
+			return nil
+		}
+		if ev.Code == CodeOK { // the request left for ev.Instance ("" queue group)
+			s.target = ev.Instance
+			return nil
+		}
+		s.outstanding = false
+		return s.fail(ev.Code)
+	case EvNoResponders:
+		if s.state != StateWaiting || !s.outstanding {
+			return nil
+		}
+		s.outstanding = false
+		return s.retryOr(ev.Now, CodeNoPrefillWorker)
+	case EvReply:
+		if s.state != StateWaiting || !s.outstanding {
+			return nil // duplicate or unsolicited reply
+		}
+		s.outstanding = false
+		switch ev.Code {
+		case CodeOK:
+			s.replied, s.replyInstance, s.replyManifest = true, ev.Instance, ev.Manifest
+			return s.maybeAccept()
+		case CodeCapacityRefused:
+			if ev.Instance != "" && !slices.Contains(s.refused, ev.Instance) {
+				s.refused = append(s.refused, ev.Instance)
+			}
+			return s.retryOr(ev.Now, CodeCapacityRefused)
+		default:
+			return s.fail(ev.Code)
+		}
+	case EvCommitted:
+		if s.state != StateWaiting || s.committed {
+			return nil
+		}
+		s.committed, s.commitManifest = true, ev.Manifest
+		return s.maybeAccept()
+	case EvGrantFailed:
+		if s.state != StateWaiting {
+			return nil
+		}
+		code := ev.Code
+		if code == CodeOK {
+			code = CodePeerFailed
+		}
+		return s.fail(code)
+	case EvTick:
+		if s.state == StateNew || ev.Now.Before(s.p.Deadline) {
+			return nil
+		}
+		return s.fail(CodeTimeout)
+	case EvCancel:
+		if s.state == StateNew {
+			return s.fail(CodeCancelled)
+		}
+		code := ev.Code
+		if code == CodeOK {
+			code = CodeCancelled
+		}
+		return s.fail(code)
+	case EvPeerDied:
+		if s.state != StateWaiting || ev.Instance == "" {
+			return nil
+		}
+		if (s.outstanding && s.target == ev.Instance) || (s.replied && s.replyInstance == ev.Instance) {
+			return s.fail(CodePeerFailed)
+		}
+		return nil
+	}
+	return nil
+}
+
+func (s *RecvSession) send(target string) []Action {
+	s.attempts++
+	s.outstanding, s.target = true, target
+	return []Action{{Kind: ActSendRequest, Instance: target, Attempt: s.attempts, Exclude: slices.Clone(s.refused)}}
+}
+
+// retryOr retries where that is safe (nothing was written: no commit seen, the
+// refusal came before admission) and the deadline and attempt budget allow.
+func (s *RecvSession) retryOr(now time.Time, code Code) []Action {
+	if !s.committed && s.attempts < s.p.MaxAttempts && now.Before(s.p.Deadline) {
+		return s.send("")
+	}
+	return s.fail(code)
+}
+
+func (s *RecvSession) maybeAccept() []Action {
+	if !s.replied || !s.committed {
+		return nil
+	}
+	if !manifestsAgree(s.replyManifest, s.commitManifest, s.expected) {
+		return s.fail(CodeIntegrity)
+	}
+	s.state = StateDone
+	return []Action{{Kind: ActRevoke}, {Kind: ActDeliver}}
+}
+
+func manifestsAgree(reply, commit rdma.Manifest, expected []uint64) bool {
+	return slices.Equal(reply.Bytes, commit.Bytes) && slices.Equal(reply.CRC, commit.CRC) &&
+		slices.Equal(commit.Bytes, expected) && len(commit.CRC) == len(expected)
+}
+
+// fail moves to StateFailed with code, or, while a local step is in flight,
+// remembers code until the step's outcome arrives (its resources must be
+// known before they can be freed).
+func (s *RecvSession) fail(code Code) []Action {
+	if s.busy {
+		if s.pending == CodeOK {
+			s.pending = code
+		}
+		return nil
+	}
+	var acts []Action
+	if s.outstanding {
+		acts = append(acts, Action{Kind: ActPublishCancel, Instance: s.target, Code: code})
+		s.outstanding = false
+	}
+	if s.granted {
+		acts = append(acts, Action{Kind: ActRevoke})
+	}
+	if s.allocated {
+		acts = append(acts, Action{Kind: ActFree})
+	}
+	s.state, s.code = StateFailed, code
+	return append(acts, Action{Kind: ActFail, Code: code})
+}
+
+// SendParams configure a SendSession from the request as received.
+type SendParams struct {
+	RequestID      uint64
+	MaxDraftTokens int
+	Deadline       time.Time
+	Fingerprint    string // the request's
+	Local          string // the sender's own layout fingerprint
+	KVBytes        uint64 // the destination's KV bytes
+	MambaBytes     uint64 // the destination's Mamba bytes
+}
+
+// SendSession is the sender's per-request state machine. Not safe for
+// concurrent use; one driver owns it.
+type SendSession struct {
+	p       SendParams
+	state   State
+	code    Code
+	busy    bool // ActAdmit, ActPrefill or ActWrite outstanding
+	pending Code
+	leased  bool
+}
+
+// NewSendSession returns a session in StateNew.
+func NewSendSession(p SendParams) *SendSession { return &SendSession{p: p} }
+
+// State returns the current phase.
+func (s *SendSession) State() State { return s.state }
+
+// Code returns the code of the reply sent (CodeOK on success or while running).
+func (s *SendSession) Code() Code { return s.code }
+
+// Step applies ev and returns the actions to execute, in order.
+func (s *SendSession) Step(ev Event) []Action {
+	if s.state.Terminal() {
+		return nil
+	}
+	switch ev.Kind {
+	case EvRequest:
+		if s.state != StateNew {
+			return nil
+		}
+		switch {
+		case IsDummyID(s.p.RequestID, s.p.MaxDraftTokens):
+			return s.fail(CodeDummyRequest)
+		case s.p.Fingerprint != s.p.Local:
+			return s.fail(CodeLayoutMismatch)
+		case !ev.Now.Before(s.p.Deadline):
+			return s.fail(CodeTimeout)
+		}
+		s.state, s.busy = StateAdmitting, true
+		return []Action{{Kind: ActAdmit}}
+	case EvAdmitted:
+		if s.state != StateAdmitting || !s.busy {
+			return nil
+		}
+		s.busy = false
+		if ev.Code == CodeOK {
+			s.leased = true
+		}
+		if s.pending != CodeOK {
+			return s.fail(s.pending)
+		}
+		if ev.Code != CodeOK {
+			return s.fail(ev.Code)
+		}
+		s.state, s.busy = StatePrefilling, true
+		return []Action{{Kind: ActPrefill}}
+	case EvPrefilled:
+		if s.state != StatePrefilling || !s.busy {
+			return nil
+		}
+		s.busy = false
+		if s.pending != CodeOK {
+			return s.fail(s.pending)
+		}
+		if ev.Code != CodeOK {
+			return s.fail(ev.Code)
+		}
+		if ev.KVBytes != s.p.KVBytes || ev.MambaBytes != s.p.MambaBytes {
+			return s.fail(CodeLayoutMismatch) // before any byte moves
+		}
+		s.state, s.busy = StateWriting, true
+		return []Action{{Kind: ActWrite}}
+	case EvWritten:
+		if s.state != StateWriting || !s.busy {
+			return nil
+		}
+		s.busy = false
+		if ev.Code != CodeOK {
+			if s.pending != CodeOK {
+				return s.fail(s.pending)
+			}
+			return s.fail(ev.Code)
+		}
+		// The commit was accepted: the receiver holds the bytes, so a cancel that
+		// raced with the write changes nothing here; the receiver decides.
+		s.state = StateDone
+		return s.finish(CodeOK)
+	case EvTick:
+		if s.state == StateNew || ev.Now.Before(s.p.Deadline) {
+			return nil
+		}
+		return s.fail(CodeTimeout)
+	case EvCancel, EvPeerDied:
+		code := ev.Code
+		if ev.Kind == EvPeerDied || code == CodeOK {
+			code = CodeCancelled
+			if ev.Kind == EvPeerDied {
+				code = CodePeerFailed
+			}
+		}
+		return s.fail(code)
+	}
+	return nil
+}
+
+// fail ends the session with code. While a step is in flight it aborts the
+// step and waits for its outcome, so nothing is released under a running
+// prefill or write.
+func (s *SendSession) fail(code Code) []Action {
+	if s.busy {
+		if s.pending != CodeOK {
+			return nil
+		}
+		s.pending = code
+		return []Action{{Kind: ActAbort}}
+	}
+	s.state = StateFailed
+	return s.finish(code)
+}
+
+func (s *SendSession) finish(code Code) []Action {
+	s.code = code
+	acts := []Action{{Kind: ActReply, Code: code}}
+	if s.leased {
+		acts = append(acts, Action{Kind: ActRelease})
+		s.leased = false
+	}
+	return acts
+}

@@ -1,0 +1,63 @@
+package transfer
+
+import (
+	"fmt"
+	"strings"
+)
+
+// DefaultPrefix is the first token of every subject of the protocol.
+const DefaultPrefix = "handoff"
+
+// PrefillQueue is the queue group prefill workers serve the shared prefill
+// endpoint in: NATS hands each request to exactly one member.
+const PrefillQueue = "prefill"
+
+// SubjectKind names one subject of the protocol.
+type SubjectKind uint8
+
+const (
+	// SubjectPrefill is the shared prefill endpoint (queue group PrefillQueue):
+	// <prefix>.<ns>.prefill
+	SubjectPrefill SubjectKind = iota
+	// SubjectInstancePrefill is one instance's own prefill endpoint, used to
+	// retry on a chosen worker: <prefix>.<ns>.inst.<id>.prefill
+	SubjectInstancePrefill
+	// SubjectInstanceCancel is one instance's cancel subject:
+	// <prefix>.<ns>.inst.<id>.cancel
+	SubjectInstanceCancel
+	// SubjectCancel reaches every prefill instance of the namespace, for a
+	// request whose serving instance is not known yet: <prefix>.<ns>.cancel
+	SubjectCancel
+)
+
+// Subject builds every subject of the protocol; nothing else formats subjects.
+// prefix, ns and instance must be valid tokens (see ValidToken); instance is
+// ignored for the namespace-wide kinds.
+func Subject(prefix, ns string, kind SubjectKind, instance string) string {
+	switch kind {
+	case SubjectPrefill:
+		return prefix + "." + ns + ".prefill"
+	case SubjectInstancePrefill:
+		return prefix + "." + ns + ".inst." + instance + ".prefill"
+	case SubjectInstanceCancel:
+		return prefix + "." + ns + ".inst." + instance + ".cancel"
+	case SubjectCancel:
+		return prefix + "." + ns + ".cancel"
+	default:
+		panic(fmt.Sprintf("transfer: unknown subject kind %d", kind))
+	}
+}
+
+// BucketName is the JetStream KV bucket holding the namespace's instances.
+func BucketName(prefix, ns string) string { return prefix + "_" + ns }
+
+// ValidToken reports whether s can be used as one subject token and in a
+// bucket name: 1-64 characters of [A-Za-z0-9_-].
+func ValidToken(s string) bool {
+	if len(s) == 0 || len(s) > 64 {
+		return false
+	}
+	return strings.IndexFunc(s, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '-')
+	}) < 0
+}

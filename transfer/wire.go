@@ -1,0 +1,479 @@
+package transfer
+
+// Every control-plane message of the protocol lives in this file. Messages are
+// msgpack maps with explicit short keys and a version field "v"; unknown keys
+// are ignored so a later minor revision may add fields. Bulk fields (tokens,
+// extents, manifests) travel as packed little-endian byte strings, never as
+// msgpack arrays: reflection over thousands of array items costs ~20x more.
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"time"
+
+	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/handoff-io/handoff/rdma"
+)
+
+// WireVersion is the version every message carries. A receiver refuses other
+// versions with ErrBadMessage.
+const WireVersion uint8 = 1
+
+// DefaultMaxPayload is NATS's default max_payload (1 MiB). The drivers use the
+// connected server's value; this is the fallback.
+const DefaultMaxPayload = 1 << 20
+
+// maxPacked bounds one packed field while decoding, so a hostile length prefix
+// cannot make the decoder allocate more than any NATS payload could hold.
+const maxPacked = 8 << 20
+
+// Tokens is a prompt, packed as little-endian int32 on the wire.
+type Tokens []int32
+
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (t Tokens) EncodeMsgpack(enc *msgpack.Encoder) error {
+	b := make([]byte, 4*len(t))
+	for i, v := range t {
+		binary.LittleEndian.PutUint32(b[4*i:], uint32(v))
+	}
+	return enc.EncodeBytes(b)
+}
+
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (t *Tokens) DecodeMsgpack(dec *msgpack.Decoder) error {
+	b, err := decodePacked(dec, 4, "tokens")
+	if err != nil || b == nil {
+		*t = nil
+		return err
+	}
+	out := make(Tokens, len(b)/4)
+	for i := range out {
+		out[i] = int32(binary.LittleEndian.Uint32(b[4*i:]))
+	}
+	*t = out
+	return nil
+}
+
+// extentSize is the packed size of one rdma.Extent: region u32, offset u64, length u64.
+const extentSize = 20
+
+// Extents is a list of data-plane extents, packed 20 bytes each on the wire.
+type Extents []rdma.Extent
+
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (x Extents) EncodeMsgpack(enc *msgpack.Encoder) error {
+	b := make([]byte, extentSize*len(x))
+	for i, e := range x {
+		o := b[extentSize*i:]
+		binary.LittleEndian.PutUint32(o, uint32(e.Region))
+		binary.LittleEndian.PutUint64(o[4:], e.Offset)
+		binary.LittleEndian.PutUint64(o[12:], e.Length)
+	}
+	return enc.EncodeBytes(b)
+}
+
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (x *Extents) DecodeMsgpack(dec *msgpack.Decoder) error {
+	b, err := decodePacked(dec, extentSize, "extents")
+	if err != nil || b == nil {
+		*x = nil
+		return err
+	}
+	out := make(Extents, len(b)/extentSize)
+	for i := range out {
+		o := b[extentSize*i:]
+		out[i] = rdma.Extent{
+			Region: rdma.RegionID(binary.LittleEndian.Uint32(o)),
+			Offset: binary.LittleEndian.Uint64(o[4:]),
+			Length: binary.LittleEndian.Uint64(o[12:]),
+		}
+	}
+	*x = out
+	return nil
+}
+
+// U64s is a list of uint64, packed little-endian on the wire.
+type U64s []uint64
+
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (u U64s) EncodeMsgpack(enc *msgpack.Encoder) error {
+	b := make([]byte, 8*len(u))
+	for i, v := range u {
+		binary.LittleEndian.PutUint64(b[8*i:], v)
+	}
+	return enc.EncodeBytes(b)
+}
+
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (u *U64s) DecodeMsgpack(dec *msgpack.Decoder) error {
+	b, err := decodePacked(dec, 8, "u64s")
+	if err != nil || b == nil {
+		*u = nil
+		return err
+	}
+	out := make(U64s, len(b)/8)
+	for i := range out {
+		out[i] = binary.LittleEndian.Uint64(b[8*i:])
+	}
+	*u = out
+	return nil
+}
+
+// U32s is a list of uint32, packed little-endian on the wire.
+type U32s []uint32
+
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (u U32s) EncodeMsgpack(enc *msgpack.Encoder) error {
+	b := make([]byte, 4*len(u))
+	for i, v := range u {
+		binary.LittleEndian.PutUint32(b[4*i:], v)
+	}
+	return enc.EncodeBytes(b)
+}
+
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (u *U32s) DecodeMsgpack(dec *msgpack.Decoder) error {
+	b, err := decodePacked(dec, 4, "u32s")
+	if err != nil || b == nil {
+		*u = nil
+		return err
+	}
+	out := make(U32s, len(b)/4)
+	for i := range out {
+		out[i] = binary.LittleEndian.Uint32(b[4*i:])
+	}
+	*u = out
+	return nil
+}
+
+func decodePacked(dec *msgpack.Decoder, elem int, what string) ([]byte, error) {
+	n, err := dec.DecodeBytesLen()
+	if err != nil {
+		return nil, err
+	}
+	if n < 0 {
+		return nil, nil
+	}
+	if n > maxPacked || n%elem != 0 {
+		return nil, fmt.Errorf("%w: packed %s of %d bytes", ErrBadMessage, what, n)
+	}
+	b := make([]byte, n)
+	if err := dec.ReadFull(b); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+// Sampling carries the request's sampling parameters to the prefill worker,
+// which samples the first token.
+type Sampling struct {
+	Temperature float64 `msgpack:"t"`
+	Seed        uint64  `msgpack:"s"`
+	MaxTokens   int32   `msgpack:"n"`
+}
+
+// RegionInfo is the wire form of rdma.RegionDesc.
+type RegionInfo struct {
+	ID     uint32 `msgpack:"id"`
+	Name   string `msgpack:"n"`
+	Length uint64 `msgpack:"l"`
+}
+
+// Peer is the wire form of an rdma.Descriptor: how to reach an agent's regions.
+type Peer struct {
+	Agent      string       `msgpack:"a"`
+	Host       string       `msgpack:"h"`
+	TCPAddr    string       `msgpack:"tcp"`
+	ShmAddr    string       `msgpack:"shm"`
+	Transports []string     `msgpack:"tr"`
+	Regions    []RegionInfo `msgpack:"r"`
+}
+
+// PeerOf converts a descriptor to its wire form.
+func PeerOf(d rdma.Descriptor) Peer {
+	p := Peer{Agent: string(d.Agent), Host: d.Host, TCPAddr: d.TCPAddr, ShmAddr: d.ShmAddr}
+	if len(d.Transports) > 0 {
+		p.Transports = make([]string, len(d.Transports))
+		for i, t := range d.Transports {
+			p.Transports[i] = string(t)
+		}
+	}
+	if len(d.Regions) > 0 {
+		p.Regions = make([]RegionInfo, len(d.Regions))
+		for i, r := range d.Regions {
+			p.Regions[i] = RegionInfo{ID: uint32(r.ID), Name: r.Name, Length: r.Length}
+		}
+	}
+	return p
+}
+
+// Descriptor converts p back to an rdma.Descriptor.
+func (p Peer) Descriptor() rdma.Descriptor {
+	d := rdma.Descriptor{Agent: rdma.AgentID(p.Agent), Host: p.Host, TCPAddr: p.TCPAddr, ShmAddr: p.ShmAddr}
+	if len(p.Transports) > 0 {
+		d.Transports = make([]rdma.Transport, len(p.Transports))
+		for i, t := range p.Transports {
+			d.Transports[i] = rdma.Transport(t)
+		}
+	}
+	if len(p.Regions) > 0 {
+		d.Regions = make([]rdma.RegionDesc, len(p.Regions))
+		for i, r := range p.Regions {
+			d.Regions[i] = rdma.RegionDesc{ID: rdma.RegionID(r.ID), Name: r.Name, Length: r.Length}
+		}
+	}
+	return d
+}
+
+// Ticket is the wire form of an rdma.Ticket: what a writer needs to write into
+// a grant.
+type Ticket struct {
+	Agent     string  `msgpack:"a"`
+	Grant     uint64  `msgpack:"g"`
+	Epoch     uint64  `msgpack:"e"`
+	Token     []byte  `msgpack:"k"`
+	RequestID uint64  `msgpack:"id"`
+	Extents   Extents `msgpack:"x"`
+	Bytes     uint64  `msgpack:"b"`
+	Deadline  int64   `msgpack:"dl"` // unix nanoseconds, 0 for none
+}
+
+// TicketOf converts an rdma.Ticket to its wire form.
+func TicketOf(t rdma.Ticket) Ticket {
+	return Ticket{
+		Agent: string(t.Agent), Grant: t.Grant, Epoch: t.Epoch, Token: t.Token[:],
+		RequestID: t.RequestID, Extents: Extents(t.Extents), Bytes: t.Bytes, Deadline: unixNano(t.Deadline),
+	}
+}
+
+// RDMA converts w back to an rdma.Ticket. A token that is not 16 bytes is an
+// ErrBadMessage.
+func (w Ticket) RDMA() (rdma.Ticket, error) {
+	t := rdma.Ticket{
+		Agent: rdma.AgentID(w.Agent), Grant: w.Grant, Epoch: w.Epoch, RequestID: w.RequestID,
+		Extents: []rdma.Extent(w.Extents), Bytes: w.Bytes, Deadline: fromUnixNano(w.Deadline),
+	}
+	if len(w.Token) != len(t.Token) {
+		return rdma.Ticket{}, fmt.Errorf("%w: grant token of %d bytes", ErrBadMessage, len(w.Token))
+	}
+	copy(t.Token[:], w.Token)
+	return t, nil
+}
+
+// Manifest is the wire form of an rdma.Manifest: bytes and crc32c per
+// destination extent.
+type Manifest struct {
+	Bytes U64s `msgpack:"b"`
+	CRC   U32s `msgpack:"c"`
+}
+
+// ManifestOf converts an rdma.Manifest to its wire form.
+func ManifestOf(m rdma.Manifest) Manifest { return Manifest{Bytes: U64s(m.Bytes), CRC: U32s(m.CRC)} }
+
+// RDMA converts w back to an rdma.Manifest.
+func (w Manifest) RDMA() rdma.Manifest {
+	return rdma.Manifest{Bytes: []uint64(w.Bytes), CRC: []uint32(w.CRC)}
+}
+
+// PrefillRequest asks a prefill worker to prefill a prompt and write its cache
+// into the receiver's grant. Sent by the Decoder as a NATS request.
+type PrefillRequest struct {
+	V           uint8    `msgpack:"v"`
+	RequestID   uint64   `msgpack:"id"`
+	From        string   `msgpack:"from"` // the requesting instance id
+	Attempt     uint8    `msgpack:"try"`
+	Fingerprint string   `msgpack:"fp"` // layout fingerprint of the receiver's model
+	Tokens      Tokens   `msgpack:"tok"`
+	Sampling    Sampling `msgpack:"smp"`
+	Deadline    int64    `msgpack:"dl"`   // unix nanoseconds
+	Peer        Peer     `msgpack:"peer"` // the receiver's data-plane descriptor
+	Ticket      Ticket   `msgpack:"tk"`
+	KVBytes     uint64   `msgpack:"kvb"` // bytes of the ticket's leading KV extents
+	MambaBytes  uint64   `msgpack:"mb"`  // bytes of the ticket's trailing Mamba extent
+}
+
+// PrefillReply answers a PrefillRequest: success with the first token, or a
+// refusal/failure code. Success is sent only after the commit was accepted.
+type PrefillReply struct {
+	V            uint8    `msgpack:"v"`
+	RequestID    uint64   `msgpack:"id"`
+	Instance     string   `msgpack:"inst"`
+	Code         Code     `msgpack:"code"`
+	Msg          string   `msgpack:"msg"`
+	FirstToken   int32    `msgpack:"tok"`
+	PrefillNanos int64    `msgpack:"pf"`
+	WriteNanos   int64    `msgpack:"wr"`
+	KVBytes      uint64   `msgpack:"kvb"`
+	MambaBytes   uint64   `msgpack:"mb"`
+	Manifest     Manifest `msgpack:"man"`
+}
+
+// Cancel tells the worker that serves a request to stop and free it. Published
+// (no reply) on the instance's cancel subject or on the namespace's.
+type Cancel struct {
+	V         uint8  `msgpack:"v"`
+	RequestID uint64 `msgpack:"id"`
+	Grant     uint64 `msgpack:"g"` // the grant of the cancelled attempt; 0 cancels any
+	Code      Code   `msgpack:"code"`
+}
+
+// Capacity is an instance's advertised room.
+type Capacity struct {
+	Ranks      int `msgpack:"ranks"`
+	Rows       int `msgpack:"rows"`
+	Blocks     int `msgpack:"blocks"`
+	FreeRows   int `msgpack:"frows"`
+	FreeBlocks int `msgpack:"fblocks"`
+	Inflight   int `msgpack:"infl"`
+}
+
+// Instance is what each worker instance publishes in the registry bucket and
+// refreshes with heartbeats.
+type Instance struct {
+	V           uint8    `msgpack:"v"`
+	ID          string   `msgpack:"id"`
+	Role        Role     `msgpack:"role"`
+	Fingerprint string   `msgpack:"fp"`
+	Peer        Peer     `msgpack:"peer"`
+	Capacity    Capacity `msgpack:"cap"`
+	Updated     int64    `msgpack:"at"` // unix nanoseconds of the heartbeat
+}
+
+// Role is a worker's role in the registry.
+type Role string
+
+const (
+	RolePrefill Role = "prefill"
+	RoleDecode  Role = "decode"
+)
+
+// EncodePrefillRequest encodes m (stamping the version) and fails with
+// ErrPayloadTooLarge when the result exceeds maxPayload (<= 0: DefaultMaxPayload).
+func EncodePrefillRequest(m PrefillRequest, maxPayload int64) ([]byte, error) {
+	m.V = WireVersion
+	return encode(&m, maxPayload)
+}
+
+// DecodePrefillRequest decodes and checks a PrefillRequest.
+func DecodePrefillRequest(b []byte) (PrefillRequest, error) {
+	var m PrefillRequest
+	if err := decode(b, &m, &m.V); err != nil {
+		return PrefillRequest{}, err
+	}
+	if m.Ticket.RequestID != m.RequestID {
+		return PrefillRequest{}, fmt.Errorf("%w: ticket names request %d, message %d", ErrBadMessage, m.Ticket.RequestID, m.RequestID)
+	}
+	if len(m.Ticket.Token) != 16 {
+		return PrefillRequest{}, fmt.Errorf("%w: grant token of %d bytes", ErrBadMessage, len(m.Ticket.Token))
+	}
+	var sum uint64
+	for _, e := range m.Ticket.Extents {
+		sum += e.Length
+	}
+	if sum != m.Ticket.Bytes || m.KVBytes+m.MambaBytes != sum || m.KVBytes > sum {
+		return PrefillRequest{}, fmt.Errorf("%w: extents hold %d bytes, ticket says %d, kv+mamba %d+%d",
+			ErrBadMessage, sum, m.Ticket.Bytes, m.KVBytes, m.MambaBytes)
+	}
+	return m, nil
+}
+
+// EncodePrefillReply encodes m (stamping the version).
+func EncodePrefillReply(m PrefillReply, maxPayload int64) ([]byte, error) {
+	m.V = WireVersion
+	return encode(&m, maxPayload)
+}
+
+// DecodePrefillReply decodes and checks a PrefillReply.
+func DecodePrefillReply(b []byte) (PrefillReply, error) {
+	var m PrefillReply
+	if err := decode(b, &m, &m.V); err != nil {
+		return PrefillReply{}, err
+	}
+	if m.Code >= codeCount {
+		return PrefillReply{}, fmt.Errorf("%w: unknown code %d", ErrBadMessage, m.Code)
+	}
+	if len(m.Manifest.Bytes) != len(m.Manifest.CRC) {
+		return PrefillReply{}, fmt.Errorf("%w: manifest with %d sizes and %d checksums", ErrBadMessage, len(m.Manifest.Bytes), len(m.Manifest.CRC))
+	}
+	return m, nil
+}
+
+// EncodeCancel encodes m (stamping the version).
+func EncodeCancel(m Cancel) ([]byte, error) {
+	m.V = WireVersion
+	return encode(&m, 0)
+}
+
+// DecodeCancel decodes and checks a Cancel.
+func DecodeCancel(b []byte) (Cancel, error) {
+	var m Cancel
+	if err := decode(b, &m, &m.V); err != nil {
+		return Cancel{}, err
+	}
+	if m.Code >= codeCount {
+		return Cancel{}, fmt.Errorf("%w: unknown code %d", ErrBadMessage, m.Code)
+	}
+	return m, nil
+}
+
+// EncodeInstance encodes m (stamping the version).
+func EncodeInstance(m Instance) ([]byte, error) {
+	m.V = WireVersion
+	return encode(&m, 0)
+}
+
+// DecodeInstance decodes and checks an Instance.
+func DecodeInstance(b []byte) (Instance, error) {
+	var m Instance
+	if err := decode(b, &m, &m.V); err != nil {
+		return Instance{}, err
+	}
+	if m.ID == "" {
+		return Instance{}, fmt.Errorf("%w: instance without id", ErrBadMessage)
+	}
+	if m.Role != RolePrefill && m.Role != RoleDecode {
+		return Instance{}, fmt.Errorf("%w: unknown role %q", ErrBadMessage, m.Role)
+	}
+	return m, nil
+}
+
+func encode(v any, maxPayload int64) ([]byte, error) {
+	if maxPayload <= 0 {
+		maxPayload = DefaultMaxPayload
+	}
+	b, err := msgpack.Marshal(v)
+	if err != nil {
+		return nil, fmt.Errorf("transfer: encode: %w", err)
+	}
+	if int64(len(b)) > maxPayload {
+		return nil, fmt.Errorf("%w: %d bytes, max %d", ErrPayloadTooLarge, len(b), maxPayload)
+	}
+	return b, nil
+}
+
+func decode(b []byte, v any, version *uint8) error {
+	dec := msgpack.NewDecoder(bytes.NewReader(b))
+	if err := dec.Decode(v); err != nil {
+		return fmt.Errorf("%w: %w", ErrBadMessage, err)
+	}
+	if *version != WireVersion {
+		return fmt.Errorf("%w: version %d, want %d", ErrBadMessage, *version, WireVersion)
+	}
+	return nil
+}
+
+func unixNano(t time.Time) int64 {
+	if t.IsZero() {
+		return 0
+	}
+	return t.UnixNano()
+}
+
+func fromUnixNano(n int64) time.Time {
+	if n == 0 {
+		return time.Time{}
+	}
+	return time.Unix(0, n)
+}
