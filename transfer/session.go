@@ -156,7 +156,7 @@ type Event struct {
 	Manifest   rdma.Manifest
 	Expected   []uint64 // EvGranted: bytes per granted extent, for the manifest check
 	KVBytes    uint64   // EvPrefilled: source KV bytes
-	MambaBytes uint64 // EvPrefilled: source Mamba bytes
+	MambaBytes uint64   // EvPrefilled: source Mamba bytes
 }
 
 // State is a session's phase.
