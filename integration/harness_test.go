@@ -1,0 +1,343 @@
+//go:build integration
+
+// Package integration runs the real prefill and decode binaries against a real
+// NATS server on loopback and checks what their users would check: outputs,
+// metrics, and behaviour under faults.
+package integration
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+	"github.com/stretchr/testify/require"
+)
+
+// binDir holds the binaries built once by TestMain.
+var binDir string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "handoff-integration-bin-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	binDir = dir
+	cmd := exec.Command("go", "build", "-o", dir+"/", "../cmd/prefill", "../cmd/decode")
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	if err := cmd.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "building binaries:", err)
+		os.RemoveAll(dir)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// freePort returns a loopback port that was free a moment ago.
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// natsServer is a real nats-server (the same code as the nats-server binary)
+// that a test can stop and start again on the same port.
+type natsServer struct {
+	t    *testing.T
+	opts server.Options
+	srv  *server.Server
+}
+
+func startNATS(t *testing.T, mutate func(*server.Options)) *natsServer {
+	t.Helper()
+	opts := server.Options{
+		Host:      "127.0.0.1",
+		Port:      freePort(t),
+		JetStream: true,
+		StoreDir:  t.TempDir(),
+		NoLog:     true,
+		NoSigs:    true,
+	}
+	if mutate != nil {
+		mutate(&opts)
+	}
+	n := &natsServer{t: t, opts: opts}
+	n.start()
+	t.Cleanup(n.stop)
+	return n
+}
+
+func (n *natsServer) start() {
+	n.t.Helper()
+	opts := n.opts
+	srv, err := server.NewServer(&opts)
+	require.NoError(n.t, err)
+	go srv.Start()
+	require.True(n.t, srv.ReadyForConnections(10*time.Second), "nats-server not ready")
+	n.srv = srv
+}
+
+func (n *natsServer) stop() {
+	if n.srv != nil {
+		n.srv.Shutdown()
+		n.srv.WaitForShutdown()
+		n.srv = nil
+	}
+}
+
+func (n *natsServer) url() string {
+	return fmt.Sprintf("nats://127.0.0.1:%d", n.opts.Port)
+}
+
+// proc is one running binary.
+type proc struct {
+	t     *testing.T
+	name  string
+	cmd   *exec.Cmd
+	log   *syncBuffer
+	done  chan struct{}
+	admin string // http://host:port of the admin server
+	api   string // http://host:port of the OpenAI API (decode only)
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// startProc starts binary name with args; it is SIGKILLed at cleanup if still running.
+func startProc(t *testing.T, name string, args ...string) *proc {
+	t.Helper()
+	adminPort := freePort(t)
+	p := &proc{t: t, name: name, log: &syncBuffer{}, done: make(chan struct{})}
+	p.admin = fmt.Sprintf("http://127.0.0.1:%d", adminPort)
+	all := append([]string{
+		"--admin-addr", fmt.Sprintf("127.0.0.1:%d", adminPort),
+		"--data-addr", "127.0.0.1:0",
+		"--log-format", "json",
+		"--log-level", "debug",
+	}, args...)
+	if name == "decode" {
+		apiPort := freePort(t)
+		p.api = fmt.Sprintf("http://127.0.0.1:%d", apiPort)
+		all = append(all, "--http-addr", fmt.Sprintf("127.0.0.1:%d", apiPort))
+	}
+	p.cmd = exec.Command(filepath.Join(binDir, name), all...)
+	p.cmd.Env = append(os.Environ(), "HANDOFF_INSTANCE_ID="+fmt.Sprintf("%s-%s-%d", name, sanitize(t.Name()), adminPort))
+	p.cmd.Stdout, p.cmd.Stderr = p.log, p.log
+	require.NoError(t, p.cmd.Start())
+	go func() {
+		_ = p.cmd.Wait()
+		close(p.done)
+	}()
+	t.Cleanup(func() {
+		p.kill()
+		if t.Failed() {
+			t.Logf("---- %s log (tail) ----\n%s", p.name, tail(p.log.String(), 6000))
+		}
+	})
+	return p
+}
+
+func sanitize(s string) string {
+	return strings.NewReplacer("/", "-", " ", "-").Replace(s)
+}
+
+func tail(s string, n int) string {
+	if len(s) > n {
+		return s[len(s)-n:]
+	}
+	return s
+}
+
+func (p *proc) kill() {
+	select {
+	case <-p.done:
+		return
+	default:
+	}
+	_ = p.cmd.Process.Kill()
+	<-p.done
+}
+
+// term sends SIGTERM and waits up to d for a clean exit.
+func (p *proc) term(d time.Duration) error {
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+		if code := p.cmd.ProcessState.ExitCode(); code != 0 {
+			return fmt.Errorf("%s exited with %d", p.name, code)
+		}
+		return nil
+	case <-time.After(d):
+		return fmt.Errorf("%s did not exit within %v", p.name, d)
+	}
+}
+
+// waitReady polls /readyz until it answers 200.
+func (p *proc) waitReady(d time.Duration) {
+	p.t.Helper()
+	require.Eventuallyf(p.t, func() bool { return p.ready() }, d, 50*time.Millisecond,
+		"%s not ready within %v", p.name, d)
+}
+
+func (p *proc) ready() bool {
+	select {
+	case <-p.done:
+		p.t.Fatalf("%s exited: %v\n%s", p.name, p.cmd.ProcessState, tail(p.log.String(), 4000))
+	default:
+	}
+	resp, err := http.Get(p.admin + "/readyz")
+	if err != nil {
+		return false
+	}
+	resp.Body.Close()
+	return resp.StatusCode == http.StatusOK
+}
+
+// metrics scrapes /metrics.
+func (p *proc) metrics() map[string]*dto.MetricFamily {
+	p.t.Helper()
+	resp, err := http.Get(p.admin + "/metrics")
+	require.NoError(p.t, err)
+	defer resp.Body.Close()
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	mf, err := parser.TextToMetricFamilies(resp.Body)
+	require.NoError(p.t, err)
+	return mf
+}
+
+// sum adds every sample of family name whose labels include want.
+func sum(mf map[string]*dto.MetricFamily, name string, want map[string]string) float64 {
+	f, ok := mf[name]
+	if !ok {
+		return 0
+	}
+	var total float64
+next:
+	for _, m := range f.GetMetric() {
+		have := map[string]string{}
+		for _, l := range m.GetLabel() {
+			have[l.GetName()] = l.GetValue()
+		}
+		for k, v := range want {
+			if have[k] != v {
+				continue next
+			}
+		}
+		switch {
+		case m.Counter != nil:
+			total += m.GetCounter().GetValue()
+		case m.Gauge != nil:
+			total += m.GetGauge().GetValue()
+		case m.Histogram != nil:
+			total += float64(m.GetHistogram().GetSampleCount())
+		case m.Untyped != nil:
+			total += m.GetUntyped().GetValue()
+		}
+	}
+	return total
+}
+
+// completion is one OpenAI-style completion result.
+type completion struct {
+	Status int
+	Text   string
+	Err    string
+}
+
+type completionRequest struct {
+	Model       string   `json:"model,omitempty"`
+	Prompt      string   `json:"prompt"`
+	MaxTokens   int      `json:"max_tokens"`
+	Temperature *float64 `json:"temperature,omitempty"`
+	Seed        *uint64  `json:"seed,omitempty"`
+}
+
+func complete(ctx context.Context, api string, req completionRequest) (completion, error) {
+	body, _ := json.Marshal(req)
+	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, api+"/v1/completions", bytes.NewReader(body))
+	if err != nil {
+		return completion{}, err
+	}
+	hreq.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(hreq)
+	if err != nil {
+		return completion{}, err
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return completion{}, err
+	}
+	var out struct {
+		Choices []struct {
+			Text string `json:"text"`
+		} `json:"choices"`
+		Error *struct {
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	if err := json.Unmarshal(raw, &out); err != nil {
+		return completion{Status: resp.StatusCode}, fmt.Errorf("status %d, body %q: %w", resp.StatusCode, raw, err)
+	}
+	c := completion{Status: resp.StatusCode}
+	if len(out.Choices) > 0 {
+		c.Text = out.Choices[0].Text
+	}
+	if out.Error != nil {
+		c.Err = out.Error.Message
+	}
+	return c, nil
+}
+
+// logLines returns the JSON log lines of p that contain substr.
+func (p *proc) logLines(substr string) []string {
+	var out []string
+	sc := bufio.NewScanner(strings.NewReader(p.log.String()))
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		if strings.Contains(sc.Text(), substr) {
+			out = append(out, sc.Text())
+		}
+	}
+	return out
+}
+
+func ptr[T any](v T) *T { return &v }
+
+func itoa(i int) string { return strconv.Itoa(i) }
