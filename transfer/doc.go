@@ -90,7 +90,6 @@
 //     must honour ctx; Release is called once, after every use of the
 //     extents); NewPrefiller, Start (or Serve), Shutdown on exit.
 //
-// Lock order: Prefiller.mu and Decoder.mu are leaves (no IO under them, no
-// other lock taken while held) except that Rank's mutex is held across the
-// hybrid.Manager calls it makes.
+// Lock order: Prefiller.mu, Decoder.mu and Registry.mu are leaves: no IO and
+// no other lock is taken while one is held.
 package transfer

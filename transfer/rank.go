@@ -2,7 +2,6 @@ package transfer
 
 import (
 	"fmt"
-	"sync"
 
 	"github.com/handoff-io/handoff/hybrid"
 	"github.com/handoff-io/handoff/mambacache"
@@ -46,10 +45,8 @@ type Allocator interface {
 }
 
 // Rank adapts one ADP rank's hybrid.Manager and the rdma regions that back its
-// KV arena and Mamba arena. It serializes its own calls to the manager; a
-// worker that also calls the manager directly must hold Lock meanwhile.
+// KV arena and Mamba arena. Safe for concurrent use (so is the manager).
 type Rank struct {
-	sync.Mutex
 	m     *hybrid.Manager
 	kv    *rdma.Region
 	mamba *rdma.Region
@@ -76,13 +73,11 @@ func NewRank(m *hybrid.Manager, kv, mamba *rdma.Region) (*Rank, error) {
 	return &Rank{m: m, kv: kv, mamba: mamba}, nil
 }
 
-// Manager returns the rank's manager. Hold Lock while using it.
+// Manager returns the rank's manager.
 func (r *Rank) Manager() *hybrid.Manager { return r.m }
 
 // Prepare implements Allocator.
 func (r *Rank) Prepare(id uint64, tokens int) (Destination, error) {
-	r.Lock()
-	defer r.Unlock()
 	res, err := r.m.Prepare(id, tokens)
 	if err != nil {
 		return Destination{}, err
@@ -97,16 +92,12 @@ func (r *Rank) Prepare(id uint64, tokens int) (Destination, error) {
 
 // Free implements Allocator.
 func (r *Rank) Free(id uint64) error {
-	r.Lock()
-	defer r.Unlock()
 	return r.m.Free(id)
 }
 
 // Resolve maps resources id already holds to extents of the rank's regions
 // (a sender's source). A reserved row is refused with ErrDummyRequest.
 func (r *Rank) Resolve(res hybrid.Resources) (Destination, error) {
-	r.Lock()
-	defer r.Unlock()
 	return r.resolve(res)
 }
 

@@ -1,0 +1,458 @@
+package transfer
+
+import (
+	"flag"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/rdma"
+)
+
+var update = flag.Bool("update", false, "rewrite testdata golden transcripts")
+
+// golden compares got with testdata/name.txt, or rewrites it under -update.
+func golden(t *testing.T, name, got string) {
+	t.Helper()
+	path := filepath.Join("testdata", name+".txt")
+	if *update {
+		require.NoError(t, os.WriteFile(path, []byte(got), 0o644))
+		return
+	}
+	want, err := os.ReadFile(path)
+	require.NoError(t, err, "missing golden file; run go test -run %s -update", t.Name())
+	require.Equal(t, string(want), got, "transcript differs from %s (run with -update if intended)", path)
+}
+
+type stepper interface {
+	Step(Event) []Action
+	State() State
+	Code() Code
+}
+
+// at is one scripted event, dt after the session's epoch.
+type at struct {
+	dt time.Duration
+	ev Event
+}
+
+var epoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+
+func renderEvent(ev Event) string {
+	var b strings.Builder
+	b.WriteString(ev.Kind.String())
+	if ev.Code != CodeOK {
+		fmt.Fprintf(&b, " code=%s", ev.Code)
+	}
+	if ev.Instance != "" {
+		fmt.Fprintf(&b, " inst=%s", ev.Instance)
+	}
+	if ev.Manifest.Bytes != nil {
+		fmt.Fprintf(&b, " manifest=%v/%v", ev.Manifest.Bytes, ev.Manifest.CRC)
+	}
+	if ev.Expected != nil {
+		fmt.Fprintf(&b, " expected=%v", ev.Expected)
+	}
+	if ev.Kind == EvPrefilled && ev.Code == CodeOK {
+		fmt.Fprintf(&b, " kv=%d mamba=%d", ev.KVBytes, ev.MambaBytes)
+	}
+	return b.String()
+}
+
+// transcript runs script against s and renders every event with the actions
+// it produced, then the final state. It also checks the machine's invariants:
+// exactly one terminal action, nothing after it, frees only after revokes and
+// releases only when no step is in flight.
+func transcript(t *testing.T, header string, s stepper, script []at) string {
+	t.Helper()
+	var b strings.Builder
+	fmt.Fprintf(&b, "# %s\n", header)
+	terminals := 0
+	revoked, inFlight := false, false
+	for _, st := range script {
+		st.ev.Now = epoch.Add(st.dt)
+		before := s.State()
+		acts := s.Step(st.ev)
+		parts := make([]string, len(acts))
+		for i, a := range acts {
+			parts[i] = a.String()
+			switch a.Kind {
+			case ActDeliver, ActFail, ActReply:
+				terminals++
+			case ActRevoke:
+				revoked = true
+			case ActFree:
+				require.True(t, revoked || !strings.Contains(strings.Join(parts[:i], " "), "open-grant"), "free before revoke")
+			case ActPrefill, ActWrite, ActAdmit:
+				inFlight = true
+			case ActRelease:
+				require.False(t, inFlight && st.ev.Kind != EvPrefilled && st.ev.Kind != EvWritten && st.ev.Kind != EvAdmitted,
+					"release while a step is in flight")
+			}
+		}
+		if st.ev.Kind == EvPrefilled || st.ev.Kind == EvWritten || st.ev.Kind == EvAdmitted {
+			inFlight = false
+		}
+		out := strings.Join(parts, "; ")
+		if len(acts) == 0 {
+			out = "-"
+			if before.Terminal() {
+				out = "- (ignored: terminal)"
+			}
+		}
+		fmt.Fprintf(&b, "+%-6s %-40s -> %s\n", st.dt, renderEvent(st.ev), out)
+		if before.Terminal() {
+			require.Empty(t, acts, "actions after the terminal state")
+		}
+	}
+	fmt.Fprintf(&b, "= state=%s code=%s\n", s.State(), s.Code())
+	require.LessOrEqual(t, terminals, 1, "more than one terminal action")
+	if s.State().Terminal() {
+		require.Equal(t, 1, terminals, "terminal state without a terminal action")
+	}
+	return b.String()
+}
+
+func ms(n int) time.Duration { return time.Duration(n) * time.Millisecond }
+
+var (
+	okManifest  = rdma.Manifest{Bytes: []uint64{4096, 512}, CRC: []uint32{0xaaaa, 0xbbbb}}
+	badManifest = rdma.Manifest{Bytes: []uint64{4096, 512}, CRC: []uint32{0xaaaa, 0xcccc}}
+	expected    = []uint64{4096, 512}
+)
+
+// recvPrefix is the happy opening of a receiver session up to the request sent.
+func recvPrefix() []at {
+	return []at{
+		{0, Event{Kind: EvStart}},
+		{ms(1), Event{Kind: EvAllocated}},
+		{ms(1), Event{Kind: EvGranted, Expected: expected}},
+		{ms(1), Event{Kind: EvSent}},
+	}
+}
+
+func TestRecvSessionGolden(t *testing.T) {
+	deadline := epoch.Add(100 * time.Millisecond)
+	cases := []struct {
+		name   string
+		id     uint64
+		script []at
+	}{
+		{"happy", 7, append(recvPrefix(),
+			at{ms(5), Event{Kind: EvCommitted, Manifest: okManifest}},
+			at{ms(6), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
+		)},
+		{"reply_before_commit", 7, append(recvPrefix(),
+			at{ms(5), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
+			at{ms(6), Event{Kind: EvCommitted, Manifest: okManifest}},
+		)},
+		{"late_commit_after_timeout", 7, append(recvPrefix(),
+			at{ms(50), Event{Kind: EvTick}},
+			at{ms(100), Event{Kind: EvTick}},
+			at{ms(101), Event{Kind: EvCommitted, Manifest: okManifest}},
+			at{ms(102), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
+		)},
+		{"cancel_during_write", 7, append(recvPrefix(),
+			at{ms(10), Event{Kind: EvCancel}},
+			at{ms(11), Event{Kind: EvGrantFailed, Code: CodeCancelled}},
+			at{ms(12), Event{Kind: EvReply, Code: CodeCancelled, Instance: "p1"}},
+			at{ms(13), Event{Kind: EvCancel}},
+		)},
+		{"duplicate_reply", 7, append(recvPrefix(),
+			at{ms(5), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
+			at{ms(5), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
+			at{ms(6), Event{Kind: EvCommitted, Manifest: okManifest}},
+			at{ms(7), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
+		)},
+		{"duplicate_commit_and_failure_reply", 7, append(recvPrefix(),
+			at{ms(5), Event{Kind: EvCommitted, Manifest: okManifest}},
+			at{ms(5), Event{Kind: EvCommitted, Manifest: badManifest}},
+			at{ms(6), Event{Kind: EvReply, Code: CodePrefillFailed, Instance: "p1"}},
+		)},
+		{"manifest_mismatch", 7, append(recvPrefix(),
+			at{ms(5), Event{Kind: EvCommitted, Manifest: okManifest}},
+			at{ms(6), Event{Kind: EvReply, Instance: "p1", Manifest: badManifest}},
+		)},
+		{"no_responders_retry_exhausted", 7, append(recvPrefix(),
+			at{ms(2), Event{Kind: EvNoResponders}},
+			at{ms(2), Event{Kind: EvSent}},
+			at{ms(3), Event{Kind: EvNoResponders}},
+			at{ms(3), Event{Kind: EvSent}},
+			at{ms(4), Event{Kind: EvNoResponders}},
+		)},
+		{"capacity_refused_then_served", 7, append(recvPrefix(),
+			at{ms(2), Event{Kind: EvReply, Code: CodeCapacityRefused, Instance: "p1"}},
+			at{ms(2), Event{Kind: EvSent, Instance: "p2"}},
+			at{ms(8), Event{Kind: EvCommitted, Manifest: okManifest}},
+			at{ms(9), Event{Kind: EvReply, Instance: "p2", Manifest: okManifest}},
+		)},
+		{"capacity_refused_past_deadline", 7, append(recvPrefix(),
+			at{ms(100), Event{Kind: EvReply, Code: CodeCapacityRefused, Instance: "p1"}},
+		)},
+		{"layout_mismatch_refused", 7, append(recvPrefix(),
+			at{ms(2), Event{Kind: EvReply, Code: CodeLayoutMismatch, Instance: "p1"}},
+		)},
+		{"peer_death_while_allocating", 7, []at{
+			{0, Event{Kind: EvStart}},
+			{ms(1), Event{Kind: EvPeerDied, Instance: "p1"}},
+			{ms(1), Event{Kind: EvCancel, Code: CodeClosed}},
+			{ms(2), Event{Kind: EvAllocated}},
+		}},
+		{"peer_death_while_granting", 7, []at{
+			{0, Event{Kind: EvStart}},
+			{ms(1), Event{Kind: EvAllocated}},
+			{ms(1), Event{Kind: EvTick}},
+			{ms(100), Event{Kind: EvTick}},
+			{ms(101), Event{Kind: EvGranted, Expected: expected}},
+		}},
+		{"peer_death_waiting_targeted", 7, append(recvPrefix(),
+			at{ms(2), Event{Kind: EvReply, Code: CodeCapacityRefused, Instance: "p1"}},
+			at{ms(2), Event{Kind: EvSent, Instance: "p2"}},
+			at{ms(3), Event{Kind: EvPeerDied, Instance: "p1"}},
+			at{ms(4), Event{Kind: EvPeerDied, Instance: "p2"}},
+			at{ms(5), Event{Kind: EvCommitted, Manifest: okManifest}},
+		)},
+		{"peer_death_after_reply", 7, append(recvPrefix(),
+			at{ms(5), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
+			at{ms(6), Event{Kind: EvPeerDied, Instance: "p1"}},
+			at{ms(7), Event{Kind: EvCommitted, Manifest: okManifest}},
+		)},
+		{"peer_death_data_path", 7, append(recvPrefix(),
+			at{ms(5), Event{Kind: EvGrantFailed, Code: CodePeerFailed}},
+			at{ms(6), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
+		)},
+		{"peer_death_after_deliver", 7, append(recvPrefix(),
+			at{ms(5), Event{Kind: EvCommitted, Manifest: okManifest}},
+			at{ms(6), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
+			at{ms(7), Event{Kind: EvPeerDied, Instance: "p1"}},
+		)},
+		{"allocation_refused", 7, []at{
+			{0, Event{Kind: EvStart}},
+			{ms(1), Event{Kind: EvAllocated, Code: CodeCapacityRefused}},
+		}},
+		{"grant_refused_reserved_row", 7, []at{
+			{0, Event{Kind: EvStart}},
+			{ms(1), Event{Kind: EvAllocated}},
+			{ms(1), Event{Kind: EvGranted, Code: CodeDummyRequest}},
+		}},
+		{"payload_too_large", 7, []at{
+			{0, Event{Kind: EvStart}},
+			{ms(1), Event{Kind: EvAllocated}},
+			{ms(1), Event{Kind: EvGranted, Expected: expected}},
+			{ms(1), Event{Kind: EvSent, Code: CodePayloadTooLarge}},
+		}},
+		{"dummy_id_zero", 0, []at{{0, Event{Kind: EvStart}}}},
+		{"dummy_padding_sentinel", math.MaxUint64 - 1, []at{{0, Event{Kind: EvStart}}}},
+		{"expired_before_start", 7, []at{{ms(100), Event{Kind: EvStart}}}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			s := NewRecvSession(RecvParams{RequestID: tc.id, MaxDraftTokens: 2, Deadline: deadline, MaxAttempts: 3})
+			header := fmt.Sprintf("recv %s: request %d, deadline +100ms, 3 attempts", tc.name, tc.id)
+			golden(t, "recv_"+tc.name, transcript(t, header, s, tc.script))
+		})
+	}
+}
+
+func sendPrefix() []at {
+	return []at{
+		{0, Event{Kind: EvRequest}},
+		{ms(1), Event{Kind: EvAdmitted}},
+	}
+}
+
+func TestSendSessionGolden(t *testing.T) {
+	deadline := epoch.Add(100 * time.Millisecond)
+	good := Event{Kind: EvPrefilled, KVBytes: 4096, MambaBytes: 512}
+	cases := []struct {
+		name   string
+		id     uint64
+		fp     string
+		script []at
+	}{
+		{"happy", 7, "fp", append(sendPrefix(),
+			at{ms(20), good},
+			at{ms(25), Event{Kind: EvWritten, Manifest: okManifest}},
+		)},
+		{"cancel_during_prefill", 7, "fp", append(sendPrefix(),
+			at{ms(5), Event{Kind: EvCancel}},
+			at{ms(6), Event{Kind: EvCancel}},
+			at{ms(7), Event{Kind: EvPrefilled, Code: CodeCancelled}},
+		)},
+		{"cancel_during_write", 7, "fp", append(sendPrefix(),
+			at{ms(20), good},
+			at{ms(21), Event{Kind: EvCancel}},
+			at{ms(22), Event{Kind: EvWritten, Code: CodeCancelled}},
+			at{ms(23), Event{Kind: EvCancel}},
+		)},
+		{"cancel_racing_accepted_commit", 7, "fp", append(sendPrefix(),
+			at{ms(20), good},
+			at{ms(21), Event{Kind: EvCancel}},
+			at{ms(22), Event{Kind: EvWritten, Manifest: okManifest}},
+		)},
+		{"receiver_death_during_write", 7, "fp", append(sendPrefix(),
+			at{ms(20), good},
+			at{ms(22), Event{Kind: EvWritten, Code: CodePeerFailed}},
+		)},
+		{"receiver_revoked_after_timeout", 7, "fp", append(sendPrefix(),
+			at{ms(20), good},
+			at{ms(99), Event{Kind: EvWritten, Code: CodeCancelled}},
+		)},
+		{"peer_death_during_prefill", 7, "fp", append(sendPrefix(),
+			at{ms(5), Event{Kind: EvPeerDied, Instance: "d1"}},
+			at{ms(9), good},
+		)},
+		{"deadline_during_prefill", 7, "fp", append(sendPrefix(),
+			at{ms(50), Event{Kind: EvTick}},
+			at{ms(100), Event{Kind: EvTick}},
+			at{ms(100), Event{Kind: EvPrefilled, Code: CodeTimeout}},
+		)},
+		{"prefill_failed", 7, "fp", append(sendPrefix(),
+			at{ms(5), Event{Kind: EvPrefilled, Code: CodePrefillFailed}},
+		)},
+		{"layout_mismatch_fingerprint", 7, "other", []at{{0, Event{Kind: EvRequest}}}},
+		{"layout_mismatch_bytes", 7, "fp", append(sendPrefix(),
+			at{ms(20), Event{Kind: EvPrefilled, KVBytes: 8192, MambaBytes: 512}},
+		)},
+		{"capacity_refused", 7, "fp", []at{
+			{0, Event{Kind: EvRequest}},
+			{0, Event{Kind: EvAdmitted, Code: CodeCapacityRefused}},
+		}},
+		{"dummy_id_zero", 0, "fp", []at{{0, Event{Kind: EvRequest}}}},
+		{"dummy_padding_sentinel", math.MaxUint64, "fp", []at{{0, Event{Kind: EvRequest}}}},
+		{"expired_on_arrival", 7, "fp", []at{{ms(100), Event{Kind: EvRequest}}}},
+		{"duplicate_request", 7, "fp", append(sendPrefix(),
+			at{ms(1), Event{Kind: EvRequest}},
+			at{ms(2), Event{Kind: EvAdmitted}},
+			at{ms(20), good},
+			at{ms(25), Event{Kind: EvWritten, Manifest: okManifest}},
+			at{ms(26), Event{Kind: EvWritten, Manifest: okManifest}},
+		)},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			s := NewSendSession(SendParams{RequestID: tc.id, MaxDraftTokens: 2, Deadline: deadline,
+				Fingerprint: tc.fp, Local: "fp", KVBytes: 4096, MambaBytes: 512})
+			header := fmt.Sprintf("send %s: request %d, deadline +100ms, fingerprint %s (local fp)", tc.name, tc.id, tc.fp)
+			golden(t, "send_"+tc.name, transcript(t, header, s, tc.script))
+		})
+	}
+}
+
+func TestIsDummyID(t *testing.T) {
+	cases := []struct {
+		id    uint64
+		draft int
+		want  bool
+	}{
+		{0, 0, true}, {1, 0, false}, {math.MaxUint64, 0, true}, {math.MaxUint64 - 1, 0, false},
+		{math.MaxUint64 - 3, 3, true}, {math.MaxUint64 - 4, 3, false}, {42, 3, false}, {math.MaxUint64, -1, true},
+	}
+	for _, c := range cases {
+		require.Equal(t, c.want, IsDummyID(c.id, c.draft), "id %d draft %d", c.id, c.draft)
+	}
+}
+
+// TestSessionsRandom drives both machines with random event sequences and
+// checks the invariants that hold for every order: at most one terminal
+// action, nothing after it, every allocation freed or delivered, every lease
+// released exactly once and never while a step is in flight.
+func TestSessionsRandom(t *testing.T) {
+	for seed := range uint64(2000) {
+		r := newRand(seed)
+		recv := NewRecvSession(RecvParams{RequestID: 9, Deadline: epoch.Add(100 * time.Millisecond), MaxAttempts: 3})
+		allocated, granted, freed, revoked, terminal := false, false, false, false, 0
+		delivered := false
+		for i := 0; i < 12; i++ {
+			ev := randomEvent(r, true)
+			for _, a := range recv.Step(ev) {
+				switch a.Kind {
+				case ActFree:
+					require.False(t, freed, "seed %d: double free", seed)
+					require.True(t, !granted || revoked, "seed %d: free before revoke", seed)
+					freed = true
+				case ActRevoke:
+					revoked = true
+				case ActDeliver:
+					delivered = true
+					terminal++
+				case ActFail:
+					terminal++
+				}
+			}
+			if ev.Kind == EvAllocated && ev.Code == CodeOK && recv.allocated {
+				allocated = true
+			}
+			if ev.Kind == EvGranted && ev.Code == CodeOK && recv.granted {
+				granted = true
+			}
+		}
+		require.LessOrEqual(t, terminal, 1, "seed %d", seed)
+		if recv.State().Terminal() && allocated {
+			require.True(t, freed != delivered, "seed %d: allocation neither freed nor delivered exactly once", seed)
+		}
+
+		send := NewSendSession(SendParams{RequestID: 9, Deadline: epoch.Add(100 * time.Millisecond), Fingerprint: "fp", Local: "fp", KVBytes: 1, MambaBytes: 1})
+		leased, released, replies, busy := false, 0, 0, false
+		for i := 0; i < 12; i++ {
+			ev := randomEvent(r, false)
+			wasBusy := send.busy
+			acts := send.Step(ev)
+			for _, a := range acts {
+				switch a.Kind {
+				case ActRelease:
+					require.False(t, busy && !(wasBusy && !send.busy), "seed %d: release during a step", seed)
+					released++
+				case ActReply:
+					replies++
+				}
+			}
+			if ev.Kind == EvAdmitted && ev.Code == CodeOK && wasBusy {
+				leased = true
+			}
+			busy = send.busy
+		}
+		require.LessOrEqual(t, replies, 1, "seed %d", seed)
+		require.LessOrEqual(t, released, 1, "seed %d", seed)
+		if send.State().Terminal() && leased {
+			require.Equal(t, 1, released, "seed %d: lease not released", seed)
+		}
+	}
+}
+
+type rng struct{ s uint64 }
+
+func newRand(seed uint64) *rng { return &rng{seed*0x9e3779b97f4a7c15 + 1} }
+
+func (r *rng) intn(n int) int {
+	r.s ^= r.s << 13
+	r.s ^= r.s >> 7
+	r.s ^= r.s << 17
+	return int(r.s % uint64(n))
+}
+
+func randomEvent(r *rng, recv bool) Event {
+	codes := []Code{CodeOK, CodeOK, CodeOK, CodeCapacityRefused, CodePeerFailed, CodeCancelled, CodeTimeout}
+	var kinds []EventKind
+	if recv {
+		kinds = []EventKind{EvStart, EvAllocated, EvGranted, EvSent, EvNoResponders, EvReply, EvCommitted, EvGrantFailed, EvTick, EvCancel, EvPeerDied}
+	} else {
+		kinds = []EventKind{EvRequest, EvAdmitted, EvPrefilled, EvWritten, EvTick, EvCancel, EvPeerDied}
+	}
+	ev := Event{
+		Kind: kinds[r.intn(len(kinds))], Code: codes[r.intn(len(codes))],
+		Now:      epoch.Add(time.Duration(r.intn(150)) * time.Millisecond),
+		Instance: []string{"", "p1", "p2"}[r.intn(3)], Manifest: okManifest, Expected: expected,
+		KVBytes: 1, MambaBytes: 1,
+	}
+	if r.intn(4) == 0 {
+		ev.Manifest = badManifest
+	}
+	return ev
+}
