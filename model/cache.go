@@ -3,7 +3,6 @@ package model
 import (
 	"fmt"
 
-	"github.com/handoff-io/handoff/kvcache"
 	"github.com/handoff-io/handoff/mambacache"
 )
 
@@ -33,19 +32,20 @@ func checkKV(spec *Spec, c *Cache, tokens int) error {
 	if want.Layers == 0 {
 		return nil
 	}
-	tpb := got.TokensPerBlock
-	if tpb <= 0 {
-		return fmt.Errorf("%w: tokens per block %d", ErrInvalidCache, tpb)
+	if err := got.Validate(); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidCache, err)
 	}
-	need := (tokens + tpb - 1) / tpb
+	if arena := got.ArenaBytes(); int64(len(c.KVArena)) < arena {
+		return fmt.Errorf("%w: kv arena of %d bytes, the pool needs %d", ErrInvalidCache, len(c.KVArena), arena)
+	}
+	need := got.BlocksFor(tokens)
 	if len(c.Blocks) < need {
-		return fmt.Errorf("%w: %d blocks hold %d tokens, need %d", ErrInvalidCache, len(c.Blocks), len(c.Blocks)*tpb, tokens)
+		return fmt.Errorf("%w: %d blocks hold %d tokens, need %d", ErrInvalidCache, len(c.Blocks), len(c.Blocks)*got.TokensPerBlock, tokens)
 	}
+	n := got.NumBlocks()
 	for _, b := range c.Blocks[:need] {
-		e := got.RunExtent(kvcache.Run{Start: b, Len: 1})
-		if e.Offset < 0 || e.Length <= 0 || e.Offset+e.Length > int64(len(c.KVArena)) {
-			return fmt.Errorf("%w: block %d at [%d, %d) outside the %d-byte kv arena",
-				ErrInvalidCache, b, e.Offset, e.Offset+e.Length, len(c.KVArena))
+		if int64(b) >= int64(n) {
+			return fmt.Errorf("%w: block %d outside a pool of %d blocks", ErrInvalidCache, b, n)
 		}
 	}
 	return nil
@@ -63,7 +63,16 @@ func bindRow(spec *Spec, c *Cache, rv *rowView) error {
 	if want.Layers == 0 {
 		return nil
 	}
+	if err := got.Validate(); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidCache, err)
+	}
+	if rows := got.TotalRows(); int64(c.Row) >= int64(rows) {
+		return fmt.Errorf("%w: row %d outside a pool of %d rows", ErrInvalidCache, c.Row, rows)
+	}
 	arena := int64(len(c.MambaArena))
+	if need := got.ArenaBytes(); arena < need {
+		return fmt.Errorf("%w: mamba arena of %d bytes, the pool needs %d", ErrInvalidCache, arena, need)
+	}
 	slice := func(e mambacache.Extent, length int64, what string, layer int) ([]byte, error) {
 		if e.Length != length || e.Offset < 0 || e.Offset+e.Length > arena {
 			return nil, fmt.Errorf("%w: row %d layer %d %s extent [%d, +%d), want %d bytes inside the %d-byte mamba arena",

@@ -10,13 +10,22 @@ import (
 // in every binary, which the prefill == decode and remote == local guarantees
 // rely on.
 
+// dot sums a[i]*b[i] in four interleaved partial sums (for instruction-level
+// parallelism), combined in a fixed order.
 func dot(a, b []float32) float32 {
 	b = b[:len(a)]
-	var s float32
-	for i, x := range a {
-		s += float32(x * b[i])
+	var s0, s1, s2, s3 float32
+	i := 0
+	for ; i+4 <= len(a); i += 4 {
+		s0 += float32(a[i] * b[i])
+		s1 += float32(a[i+1] * b[i+1])
+		s2 += float32(a[i+2] * b[i+2])
+		s3 += float32(a[i+3] * b[i+3])
 	}
-	return s
+	for ; i < len(a); i++ {
+		s0 += float32(a[i] * b[i])
+	}
+	return (s0 + s1) + (s2 + s3)
 }
 
 // matVec sets out[r] = w[r*cols:(r+1)*cols] . x for every row r of out.

@@ -69,7 +69,7 @@ type tinyLayer struct {
 // tiny is a small hybrid model with real math: Mamba2 layers whose conv and
 // SSM states live in the request's Mamba row, GQA attention layers with
 // rotary positions whose K/V live in the request's KV blocks, SwiGLU MLPs,
-// RMSNorm and an LM head tied to the embeddings. All state is float32
+// RMSNorm and an LM head. All state is float32
 // little-endian in the pools. Prefill is Decode run position by position, so
 // both produce bit-identical logits and pool bytes.
 type tiny struct {
@@ -78,6 +78,7 @@ type tiny struct {
 	dInner int
 	conv   int // conv_dim
 	embed  []float32
+	head   []float32 // LM head [vocab][dModel]
 	final  []float32
 	layers []tinyLayer
 	cos    []float32 // [maxContext][headDim/2]
@@ -93,6 +94,8 @@ type tinyScratch struct {
 	q, k, v    []float32
 	att        []float32
 	scores     []float32
+	kBase      []int64
+	vBase      []int64
 	up, gate   []float32
 	row        rowView
 }
@@ -185,6 +188,7 @@ func newTiny(name string, d tinyDims) *tiny {
 		m.layers = append(m.layers, l)
 	}
 	m.final = norm()
+	m.head = scaled(ByteVocab, d.dModel, 2)
 	half := d.headDim / 2
 	m.cos = make([]float32, d.maxContext*half)
 	m.sin = make([]float32, d.maxContext*half)
@@ -208,6 +212,8 @@ func newTiny(name string, d tinyDims) *tiny {
 			v:      make([]float32, d.kvHeads*d.headDim),
 			att:    make([]float32, d.qHeads*d.headDim),
 			scores: make([]float32, d.maxContext),
+			kBase:  make([]int64, d.maxContext),
+			vBase:  make([]int64, d.maxContext),
 			up:     make([]float32, d.mlpHidden),
 			gate:   make([]float32, d.mlpHidden),
 		}
@@ -285,7 +291,7 @@ func (m *tiny) step(c *Cache, s *tinyScratch, token int32, pos int, logits []flo
 	}
 	rmsNorm(s.xn, s.h, m.final)
 	for v := range logits {
-		logits[v] = float32(dot(m.embed[v*dm:(v+1)*dm], s.xn) * 0.5)
+		logits[v] = dot(m.head[v*dm:(v+1)*dm], s.xn)
 	}
 }
 
@@ -369,13 +375,27 @@ func (m *tiny) attention(l *tinyLayer, layer int, c *Cache, pos int, s *tinyScra
 	}
 	scale := float32(1 / math.Sqrt(float64(hd)))
 	group := d.qHeads / d.kvHeads
-	scores := s.scores[:pos+1]
+	n := pos + 1
+	// Per block of the request, where head 0 of slot 0 of K and V start, and the
+	// distance between slots: one TokenOffset per block instead of per token.
+	nb := (n + tpb - 1) / tpb
+	kBase, vBase := s.kBase[:nb], s.vBase[:nb]
+	for i := range nb {
+		kBase[i] = c.KV.TokenOffset(c.Blocks[i], layer, kvcache.K, 0, 0)
+		vBase[i] = c.KV.TokenOffset(c.Blocks[i], layer, kvcache.V, 0, 0)
+	}
+	var slotStride int64
+	if tpb > 1 {
+		slotStride = c.KV.TokenOffset(c.Blocks[0], layer, kvcache.K, 1, 0) - kBase[0]
+	}
+	headStride := int64(4 * hd)
+	scores := s.scores[:n]
 	for qh := range d.qHeads {
-		kh := qh / group
+		kh := int64(qh / group)
 		q := s.q[qh*hd : (qh+1)*hd]
 		mx := float32(math.Inf(-1))
 		for t := range scores {
-			off := c.KV.TokenOffset(c.Blocks[t/tpb], layer, kvcache.K, t%tpb, kh)
+			off := kBase[t/tpb] + int64(t%tpb)*slotStride + kh*headStride
 			sc := float32(dotBytes(q, c.KVArena[off:]) * scale)
 			scores[t] = sc
 			mx = max(mx, sc)
@@ -390,7 +410,7 @@ func (m *tiny) attention(l *tinyLayer, layer int, c *Cache, pos int, s *tinyScra
 		o := s.att[qh*hd : (qh+1)*hd]
 		clear(o)
 		for t, e := range scores {
-			off := c.KV.TokenOffset(c.Blocks[t/tpb], layer, kvcache.V, t%tpb, kh)
+			off := vBase[t/tpb] + int64(t%tpb)*slotStride + kh*headStride
 			axpyBytes(o, float32(e*inv), c.KVArena[off:])
 		}
 	}
