@@ -1,0 +1,414 @@
+package rdma
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+const canary = 0xA5
+
+// testTransports lists the transports the conformance suite runs against.
+func testTransports() []Transport {
+	ts := []Transport{TransportInproc, TransportTCP}
+	if shmSupported {
+		ts = append(ts, TransportSHM)
+	}
+	return ts
+}
+
+func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+// pair is a receiver and a writer engine that reach each other over one transport.
+type pair struct {
+	t          Transport
+	rx, tx     *Engine
+	dst, src   *Region
+	desc       Descriptor
+	goroutines int
+}
+
+const pairRegion = 1 << 20
+
+func newPair(t *testing.T, tr Transport) *pair {
+	t.Helper()
+	p := &pair{t: tr, goroutines: runtime.NumGoroutine()}
+	var err error
+	p.rx, err = New(Config{Agent: AgentID("rx-" + t.Name()), Transports: []Transport{tr}, Logger: quietLogger()})
+	require.NoError(t, err)
+	p.tx, err = New(Config{Agent: AgentID("tx-" + t.Name()), Transports: []Transport{tr}, Logger: quietLogger()})
+	require.NoError(t, err)
+	p.dst, err = p.rx.Register("dst", pairRegion)
+	require.NoError(t, err)
+	p.src, err = p.tx.Register("src", pairRegion)
+	require.NoError(t, err)
+	fill(p.dst.Bytes(), canary)
+	rng := rand.New(rand.NewPCG(1, 2))
+	for i := range p.src.Bytes() {
+		p.src.Bytes()[i] = byte(rng.Uint32())
+	}
+	p.desc = p.rx.Descriptor()
+	got, err := p.tx.Connect(context.Background(), p.desc)
+	require.NoError(t, err)
+	require.Equal(t, tr, got)
+	tt, ok := p.tx.TransportFor(p.rx.Agent())
+	require.True(t, ok)
+	require.Equal(t, tr, tt)
+	t.Cleanup(func() {
+		require.NoError(t, p.tx.Close())
+		require.NoError(t, p.rx.Close())
+		require.NoError(t, p.rx.Close(), "Close is idempotent")
+		requireGoroutines(t, p.goroutines)
+	})
+	return p
+}
+
+func fill(b []byte, v byte) {
+	for i := range b {
+		b[i] = v
+	}
+}
+
+// requireGoroutines waits for the goroutine count to fall back to n.
+func requireGoroutines(t *testing.T, n int) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for runtime.NumGoroutine() > n {
+		if time.Now().After(deadline) {
+			buf := make([]byte, 1<<20)
+			buf = buf[:runtime.Stack(buf, true)]
+			t.Fatalf("goroutine leak: %d running, %d before\n%s", runtime.NumGoroutine(), n, buf)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// requireCanary checks that the receiver region holds the canary outside the given extents.
+func (p *pair) requireCanary(t *testing.T, granted []Extent) {
+	t.Helper()
+	inside := make([]bool, pairRegion)
+	for _, x := range granted {
+		for i := x.Offset; i < x.Offset+x.Length; i++ {
+			inside[i] = true
+		}
+	}
+	for i, b := range p.dst.Bytes() {
+		if !inside[i] && b != canary {
+			t.Fatalf("byte %d outside the grant changed to %#x", i, b)
+		}
+	}
+}
+
+// requireUntouched checks the whole receiver region still holds the canary.
+func (p *pair) requireUntouched(t *testing.T) { t.Helper(); p.requireCanary(t, nil) }
+
+func dstExtents() []Extent {
+	return []Extent{
+		{Region: 1, Offset: 100, Length: 5000},
+		{Region: 1, Offset: 9000, Length: 1},
+		{Region: 1, Offset: 20000, Length: 70000},
+		{Region: 1, Offset: 100000, Length: 4096},
+	}
+}
+
+func srcExtents(total uint64) []Extent {
+	// Different boundaries from the destination: 3 runs.
+	a := total / 3
+	return []Extent{
+		{Region: 1, Offset: 7, Length: a},
+		{Region: 1, Offset: 300000, Length: a + 11},
+		{Region: 1, Offset: 600000, Length: total - 2*a - 11},
+	}
+}
+
+func concat(r *Region, xs []Extent) []byte {
+	var b []byte
+	for _, x := range xs {
+		b = append(b, r.Bytes()[x.Offset:x.Offset+x.Length]...)
+	}
+	return b
+}
+
+func total(xs []Extent) (n uint64) {
+	for _, x := range xs {
+		n += x.Length
+	}
+	return n
+}
+
+func forEachTransport(t *testing.T, f func(t *testing.T, p *pair)) {
+	for _, tr := range testTransports() {
+		t.Run(string(tr), func(t *testing.T) { f(t, newPair(t, tr)) })
+	}
+}
+
+func TestConformanceWriteReadBack(t *testing.T) {
+	forEachTransport(t, func(t *testing.T, p *pair) {
+		ctx := context.Background()
+		for round := 0; round < 3; round++ {
+			dst := dstExtents()
+			g, err := p.rx.OpenGrant(GrantSpec{RequestID: uint64(round + 1), Extents: dst, Deadline: time.Now().Add(10 * time.Second)})
+			require.NoError(t, err)
+			tk := g.Ticket()
+			require.Equal(t, total(dst), tk.Bytes)
+			src := srcExtents(tk.Bytes)
+			m, err := p.tx.Write(ctx, p.desc, tk, src)
+			require.NoError(t, err)
+			got, err := g.Wait(ctx)
+			require.NoError(t, err)
+			require.Equal(t, m, got)
+			require.Equal(t, concat(p.src, src), concat(p.dst, dst))
+			p.requireCanary(t, dst)
+			for i, x := range dst {
+				require.Equal(t, x.Length, got.Bytes[i])
+				require.Equal(t, crc32Update(0, concat(p.dst, dst[i:i+1])), got.CRC[i])
+			}
+			select {
+			case <-g.Done():
+			default:
+				t.Fatal("Done not closed after commit")
+			}
+			g.Revoke() // no-op after commit
+			_, err = g.Wait(ctx)
+			require.NoError(t, err)
+			// A second write into the committed grant is refused.
+			_, err = p.tx.Write(ctx, p.desc, tk, src)
+			require.ErrorIs(t, err, ErrCommitted)
+			fill(p.dst.Bytes(), canary)
+		}
+	})
+}
+
+func TestConformanceConcurrentGrants(t *testing.T) {
+	forEachTransport(t, func(t *testing.T, p *pair) {
+		ctx := context.Background()
+		const n = 8
+		const size = 16 << 10
+		var wg sync.WaitGroup
+		errs := make([]error, n)
+		grants := make([]*Grant, n)
+		for i := range n {
+			g, err := p.rx.OpenGrant(GrantSpec{RequestID: uint64(i + 1), Extents: []Extent{{Region: 1, Offset: uint64(i) * 2 * size, Length: size}}})
+			require.NoError(t, err)
+			grants[i] = g
+		}
+		for i := range n {
+			wg.Go(func() {
+				_, errs[i] = p.tx.Write(ctx, p.desc, grants[i].Ticket(), []Extent{{Region: 1, Offset: uint64(i) * 4096, Length: size}})
+			})
+		}
+		wg.Wait()
+		var granted []Extent
+		for i := range n {
+			require.NoError(t, errs[i])
+			_, err := grants[i].Wait(ctx)
+			require.NoError(t, err)
+			x := grants[i].Ticket().Extents[0]
+			granted = append(granted, x)
+			require.Equal(t, p.src.Bytes()[i*4096:i*4096+size], p.dst.Bytes()[x.Offset:x.Offset+x.Length])
+		}
+		p.requireCanary(t, granted)
+	})
+}
+
+func TestConformanceRefusals(t *testing.T) {
+	forEachTransport(t, func(t *testing.T, p *pair) {
+		ctx := context.Background()
+		open := func(t *testing.T) (*Grant, Ticket) {
+			g, err := p.rx.OpenGrant(GrantSpec{RequestID: 7, Extents: dstExtents()})
+			require.NoError(t, err)
+			return g, g.Ticket()
+		}
+		src := func(tk Ticket) []Extent { return srcExtents(tk.Bytes) }
+		requireOpen := func(t *testing.T, g *Grant) {
+			select {
+			case <-g.Done():
+				t.Fatalf("grant settled: %v", g.Err())
+			default:
+			}
+		}
+
+		t.Run("bad token", func(t *testing.T) {
+			g, tk := open(t)
+			bad := tk
+			bad.Token[3] ^= 1
+			_, err := p.tx.Write(ctx, p.desc, bad, src(tk))
+			require.ErrorIs(t, err, ErrBadToken)
+			var re *RemoteError
+			require.ErrorAs(t, err, &re)
+			require.Equal(t, p.rx.Agent(), re.Agent)
+			p.requireUntouched(t)
+			requireOpen(t, g) // a forged frame does not kill the grant
+			_, err = p.tx.Write(ctx, p.desc, tk, src(tk))
+			require.NoError(t, err)
+			_, err = g.Wait(ctx)
+			require.NoError(t, err)
+			fill(p.dst.Bytes(), canary)
+		})
+		t.Run("unknown grant", func(t *testing.T) {
+			_, tk := open(t)
+			bad := tk
+			bad.Grant += 1 << 40
+			_, err := p.tx.Write(ctx, p.desc, bad, src(tk))
+			require.ErrorIs(t, err, ErrUnknownGrant)
+			p.requireUntouched(t)
+		})
+		t.Run("stale epoch", func(t *testing.T) {
+			g, tk := open(t)
+			bad := tk
+			bad.Epoch--
+			_, err := p.tx.Write(ctx, p.desc, bad, src(tk))
+			require.ErrorIs(t, err, ErrStaleEpoch)
+			p.requireUntouched(t)
+			requireOpen(t, g)
+		})
+		t.Run("revoked", func(t *testing.T) {
+			g, tk := open(t)
+			g.Revoke()
+			g.Revoke()
+			_, err := g.Wait(ctx)
+			require.ErrorIs(t, err, ErrRevoked)
+			require.NotEqual(t, tk.Epoch, g.Ticket().Epoch, "revoke bumps the epoch")
+			_, err = p.tx.Write(ctx, p.desc, tk, src(tk))
+			require.Error(t, err)
+			require.True(t, errors.Is(err, ErrRevoked) || errors.Is(err, ErrStaleEpoch), "%v", err)
+			p.requireUntouched(t)
+		})
+		t.Run("deadline", func(t *testing.T) {
+			g, err := p.rx.OpenGrant(GrantSpec{RequestID: 9, Extents: dstExtents(), Deadline: time.Now().Add(30 * time.Millisecond)})
+			require.NoError(t, err)
+			tk := g.Ticket()
+			_, err = g.Wait(ctx)
+			require.ErrorIs(t, err, ErrDeadline)
+			// The writer checks the deadline itself...
+			_, err = p.tx.Write(ctx, p.desc, tk, src(tk))
+			require.ErrorIs(t, err, ErrDeadline)
+			// ...and the receiver refuses a ticket whose deadline was forged.
+			tk.Deadline = time.Now().Add(time.Hour)
+			_, err = p.tx.Write(ctx, p.desc, tk, src(tk))
+			require.Error(t, err)
+			require.True(t, errors.Is(err, ErrDeadline) || errors.Is(err, ErrStaleEpoch), "%v", err)
+			p.requireUntouched(t)
+		})
+		t.Run("forged extents", func(t *testing.T) {
+			g, tk := open(t)
+			bad := tk
+			bad.Extents = append([]Extent(nil), tk.Extents...)
+			bad.Extents[0].Length += 64 // more bytes than the grant's first extent holds
+			bad.Bytes += 64
+			_, err := p.tx.Write(ctx, p.desc, bad, srcExtents(bad.Bytes))
+			require.Error(t, err)
+			require.True(t, errors.Is(err, ErrOutOfRange) || errors.Is(err, ErrManifestMismatch), "%v", err)
+			p.requireCanary(t, tk.Extents)
+			_, err = g.Wait(ctx)
+			require.Error(t, err, "a writer with the right token and wrong extents fails the grant")
+			fill(p.dst.Bytes(), canary)
+		})
+		t.Run("length mismatch", func(t *testing.T) {
+			_, tk := open(t)
+			_, err := p.tx.Write(ctx, p.desc, tk, srcExtents(tk.Bytes-1))
+			require.ErrorIs(t, err, ErrOutOfRange)
+			_, err = p.tx.Write(ctx, p.desc, tk, []Extent{{Region: 9, Offset: 0, Length: tk.Bytes}})
+			require.ErrorIs(t, err, ErrOutOfRange)
+			_, err = p.tx.Write(ctx, p.desc, tk, []Extent{{Region: 1, Offset: pairRegion - 10, Length: tk.Bytes}})
+			require.ErrorIs(t, err, ErrOutOfRange)
+			p.requireUntouched(t)
+		})
+		t.Run("cancelled context", func(t *testing.T) {
+			_, tk := open(t)
+			cctx, cancel := context.WithCancel(ctx)
+			cancel()
+			_, err := p.tx.Write(cctx, p.desc, tk, src(tk))
+			require.ErrorIs(t, err, context.Canceled)
+		})
+	})
+}
+
+func TestConformanceCloseRevokes(t *testing.T) {
+	forEachTransport(t, func(t *testing.T, p *pair) {
+		g, err := p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: dstExtents()})
+		require.NoError(t, err)
+		tk := g.Ticket()
+		require.NoError(t, p.rx.Close())
+		_, err = g.Wait(context.Background())
+		require.ErrorIs(t, err, ErrRevoked)
+		require.ErrorIs(t, err, ErrClosed)
+		_, err = p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: dstExtents()})
+		require.ErrorIs(t, err, ErrClosed)
+		_, err = p.tx.Write(context.Background(), p.desc, tk, srcExtents(tk.Bytes))
+		require.Error(t, err)
+		require.NoError(t, p.tx.Close())
+		_, err = p.tx.Write(context.Background(), p.desc, tk, srcExtents(tk.Bytes))
+		require.ErrorIs(t, err, ErrClosed)
+	})
+}
+
+func TestConformanceManyExtents(t *testing.T) {
+	forEachTransport(t, func(t *testing.T, p *pair) {
+		// 200 one-KiB runs with gaps, written from one source run.
+		var dst []Extent
+		for i := range 200 {
+			dst = append(dst, Extent{Region: 1, Offset: uint64(i) * 3000, Length: 1024})
+		}
+		g, err := p.rx.OpenGrant(GrantSpec{RequestID: 3, Extents: dst})
+		require.NoError(t, err)
+		src := []Extent{{Region: 1, Offset: 1, Length: 200 * 1024}}
+		_, err = p.tx.Write(context.Background(), p.desc, g.Ticket(), src)
+		require.NoError(t, err)
+		_, err = g.Wait(context.Background())
+		require.NoError(t, err)
+		require.True(t, bytes.Equal(concat(p.src, src), concat(p.dst, dst)))
+		p.requireCanary(t, dst)
+	})
+}
+
+func TestOpenGrantValidation(t *testing.T) {
+	e, err := New(Config{Agent: "v", Transports: []Transport{TransportInproc}, Logger: quietLogger()})
+	require.NoError(t, err)
+	defer e.Close()
+	r, err := e.Register("kv", 4096)
+	require.NoError(t, err)
+	r.Forbid(1024, 512)
+	r.Forbid(1400, 400) // merges with the first
+	require.Equal(t, []Extent{{Region: 1, Offset: 1024, Length: 776}}, r.Forbidden())
+	x := func(off, n uint64) []Extent { return []Extent{{Region: 1, Offset: off, Length: n}} }
+	for _, tc := range []struct {
+		name string
+		spec GrantSpec
+		want error
+	}{
+		{"request 0", GrantSpec{RequestID: 0, Extents: x(0, 10)}, ErrBadRequestID},
+		{"no extents", GrantSpec{RequestID: 1}, ErrOutOfRange},
+		{"empty extent", GrantSpec{RequestID: 1, Extents: x(0, 0)}, ErrOutOfRange},
+		{"past end", GrantSpec{RequestID: 1, Extents: x(4000, 97)}, ErrOutOfRange},
+		{"offset past end", GrantSpec{RequestID: 1, Extents: x(5000, 1)}, ErrOutOfRange},
+		{"overflow", GrantSpec{RequestID: 1, Extents: x(1<<63, 1<<63)}, ErrOutOfRange},
+		{"unknown region", GrantSpec{RequestID: 1, Extents: []Extent{{Region: 2, Offset: 0, Length: 1}}}, ErrOutOfRange},
+		{"overlapping extents", GrantSpec{RequestID: 1, Extents: []Extent{{1, 0, 100}, {1, 99, 10}}}, ErrOutOfRange},
+		{"forbidden start", GrantSpec{RequestID: 1, Extents: x(1024, 1)}, ErrForbidden},
+		{"forbidden tail", GrantSpec{RequestID: 1, Extents: x(1799, 10)}, ErrForbidden},
+		{"spans forbidden", GrantSpec{RequestID: 1, Extents: x(0, 4096)}, ErrForbidden},
+		{"deadline passed", GrantSpec{RequestID: 1, Extents: x(0, 10), Deadline: time.Now().Add(-time.Second)}, ErrDeadline},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := e.OpenGrant(tc.spec)
+			require.ErrorIs(t, err, tc.want)
+		})
+	}
+	for _, ok := range [][]Extent{x(0, 1024), x(1800, 2296), {{1, 0, 10}, {1, 10, 10}}} {
+		g, err := e.OpenGrant(GrantSpec{RequestID: 1, Extents: ok})
+		require.NoError(t, err, fmt.Sprint(ok))
+		g.Revoke()
+	}
+	require.Panics(t, func() { r.Forbid(4000, 97) })
+}

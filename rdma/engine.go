@@ -1,0 +1,681 @@
+package rdma
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Transport names a backend. Values are lower-case, used in logs and metric labels.
+type Transport string
+
+// The transports, in order of preference.
+const (
+	TransportInproc Transport = "inproc" // both engines in one process: memcpy
+	TransportSHM    Transport = "shm"    // same host: the writer copies into the receiver's mapped memfd
+	TransportTCP    Transport = "tcp"    // anywhere: framed writes over pooled TCP connections
+)
+
+// AgentID names an engine; unique per process.
+type AgentID string
+
+// RegionID names a registered region inside one engine.
+type RegionID uint32
+
+// Extent is a byte range of a registered region (local or remote).
+type Extent struct {
+	Region RegionID `json:"region"`
+	Offset uint64   `json:"offset"`
+	Length uint64   `json:"length"`
+}
+
+// RegionDesc describes a region to peers.
+type RegionDesc struct {
+	ID     RegionID `json:"id"`
+	Name   string   `json:"name"`
+	Length uint64   `json:"length"`
+}
+
+// Descriptor is everything a peer needs to reach this agent's regions. It is
+// plain data (JSON-serialisable); the control plane carries it.
+type Descriptor struct {
+	Agent      AgentID      `json:"agent"`
+	Host       string       `json:"host"`     // host identity (boot id); equal hosts may use shm
+	TCPAddr    string       `json:"tcp_addr"` // advertised TCP address, empty when tcp is not served
+	ShmAddr    string       `json:"shm_addr"` // unix control socket for shm, empty when shm is not served
+	Transports []Transport  `json:"transports"`
+	Regions    []RegionDesc `json:"regions"`
+}
+
+// Config configures an Engine. Only Agent is required.
+type Config struct {
+	Agent      AgentID       // unique per process; required
+	Transports []Transport   // served transports; default all three (shm only on linux)
+	TCPAddr    string        // listen address, default "127.0.0.1:0"
+	Advertise  string        // advertised TCP address (POD_IP:port); default the listener's
+	ShmSocket  string        // unix socket path for shm control; default a fresh path in os.TempDir()
+	Host       string        // host identity; default /proc/sys/kernel/random/boot_id, else the hostname
+	GrantTTL   time.Duration // deadline of grants opened without one; default 60s
+	MaxGrants  int           // open grants at once; default 16384
+	Logger     *slog.Logger  // default slog.Default()
+}
+
+func (c *Config) validate() error {
+	if c.Agent == "" {
+		return errors.New("rdma: Config.Agent is required")
+	}
+	if strings.ContainsAny(string(c.Agent), "\n\x00") || len(c.Agent) > 200 {
+		return fmt.Errorf("rdma: agent id %q: at most 200 bytes, no newline or NUL", c.Agent)
+	}
+	if len(c.Transports) == 0 {
+		c.Transports = []Transport{TransportInproc, TransportSHM, TransportTCP}
+		if !shmSupported {
+			c.Transports = []Transport{TransportInproc, TransportTCP}
+		}
+	}
+	for _, t := range c.Transports {
+		switch t {
+		case TransportInproc, TransportTCP:
+		case TransportSHM:
+			if !shmSupported {
+				return fmt.Errorf("%w: transport shm needs linux", ErrUnsupported)
+			}
+		default:
+			return fmt.Errorf("%w: transport %q", ErrUnsupported, t)
+		}
+	}
+	if c.TCPAddr == "" {
+		c.TCPAddr = "127.0.0.1:0"
+	}
+	if c.Host == "" {
+		c.Host = hostIdentity()
+	}
+	if c.GrantTTL < 0 {
+		return fmt.Errorf("rdma: Config.GrantTTL %s is negative", c.GrantTTL)
+	}
+	if c.GrantTTL == 0 {
+		c.GrantTTL = 60 * time.Second
+	}
+	if c.MaxGrants < 0 {
+		return fmt.Errorf("rdma: Config.MaxGrants %d is negative", c.MaxGrants)
+	}
+	if c.MaxGrants == 0 {
+		c.MaxGrants = 16384
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return nil
+}
+
+func hostIdentity() string {
+	if b, err := os.ReadFile("/proc/sys/kernel/random/boot_id"); err == nil {
+		if s := strings.TrimSpace(string(b)); s != "" {
+			return s
+		}
+	}
+	h, _ := os.Hostname()
+	return h
+}
+
+// tombstones is how many settled grants are remembered so that late frames
+// get the precise reason (revoked, committed, expired) instead of
+// ErrUnknownGrant.
+const tombstones = 4096
+
+// Engine owns regions, grants, listeners and peer connections. It is both a
+// receiver (it opens grants over its regions) and a writer (it writes its
+// regions into peers' grants). All methods are safe for concurrent use.
+type Engine struct {
+	cfg Config
+	log *slog.Logger
+
+	nextGrant atomic.Uint64
+	nextEpoch atomic.Uint64
+
+	mu       sync.RWMutex
+	closed   bool
+	regions  map[RegionID]*Region
+	grants   map[uint64]*Grant
+	settled  map[uint64]*Grant
+	ring     []uint64 // settled grant ids, oldest first
+	ops      sync.WaitGroup
+	tcp      *tcpServer
+	shm      *shmServer
+	served   []Transport
+	closeErr error
+
+	peerMu sync.Mutex
+	peers  map[AgentID]*peerState
+}
+
+// peerState is the writer side's connection to one peer.
+type peerState struct {
+	desc Descriptor
+	link link
+}
+
+// New starts an engine: it binds the listeners of the served transports.
+func New(cfg Config) (*Engine, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	e := &Engine{
+		cfg:     cfg,
+		log:     cfg.Logger.With("agent", string(cfg.Agent)),
+		regions: make(map[RegionID]*Region),
+		grants:  make(map[uint64]*Grant),
+		settled: make(map[uint64]*Grant),
+		peers:   make(map[AgentID]*peerState),
+	}
+	// Epochs are unique per engine, never reused across grants: a shm grant
+	// slot's state word names (state, epoch) unambiguously.
+	e.nextEpoch.Store(uint64(time.Now().UnixNano()) &^ (1 << 63) >> 16)
+	for _, t := range cfg.Transports {
+		var err error
+		switch t {
+		case TransportTCP:
+			e.tcp, err = startTCP(e, cfg.TCPAddr, cfg.Advertise)
+		case TransportSHM:
+			e.shm, err = startSHM(e, cfg.ShmSocket)
+		}
+		if err != nil {
+			e.Close()
+			return nil, err
+		}
+		e.served = append(e.served, t)
+	}
+	inprocRegister(e)
+	e.log.Info("rdma: engine started", "transports", e.served, "tcp", e.Descriptor().TCPAddr, "shm", e.Descriptor().ShmAddr, "host", cfg.Host)
+	return e, nil
+}
+
+// Agent returns the engine's agent id.
+func (e *Engine) Agent() AgentID { return e.cfg.Agent }
+
+func (e *Engine) newEpoch() uint64 { return e.nextEpoch.Add(1) }
+
+// beginOp registers an operation that uses region memory; Close waits for it.
+func (e *Engine) beginOp() error {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	if e.closed {
+		return ErrClosed
+	}
+	e.ops.Add(1)
+	return nil
+}
+
+// Register allocates and registers a region of size bytes. On linux the
+// memory is a memfd mapped shared, so same-host peers can map it (shm).
+// Register it once at start-up: the region list is part of the Descriptor.
+func (e *Engine) Register(name string, size int64) (*Region, error) {
+	if size <= 0 {
+		return nil, fmt.Errorf("%w: region %q of %d bytes", ErrOutOfRange, name, size)
+	}
+	mem, fd, err := allocShared(name, size)
+	if err != nil {
+		return nil, err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		freeShared(mem, fd)
+		return nil, ErrClosed
+	}
+	r := &Region{id: RegionID(len(e.regions) + 1), name: name, mem: mem, fd: fd}
+	e.regions[r.id] = r
+	e.log.Info("rdma: region registered", "region", r.id, "name", name, "bytes", size, "shareable", fd >= 0)
+	return r, nil
+}
+
+// Region returns a registered region by id.
+func (e *Engine) Region(id RegionID) (*Region, bool) {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	r, ok := e.regions[id]
+	return r, ok
+}
+
+// Descriptor returns what a peer needs to reach this engine.
+func (e *Engine) Descriptor() Descriptor {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	d := Descriptor{Agent: e.cfg.Agent, Host: e.cfg.Host, Transports: slices.Clone(e.served)}
+	if e.tcp != nil {
+		d.TCPAddr = e.tcp.advertise
+	}
+	if e.shm != nil {
+		d.ShmAddr = e.shm.path
+	}
+	for _, r := range e.regions {
+		d.Regions = append(d.Regions, RegionDesc{ID: r.id, Name: r.name, Length: uint64(len(r.mem))})
+	}
+	sort.Slice(d.Regions, func(i, j int) bool { return d.Regions[i].ID < d.Regions[j].ID })
+	return d
+}
+
+// OpenGrant opens a grant over spec.Extents. The extents must lie in this
+// engine's regions, be disjoint, and avoid forbidden ranges. The caller must
+// not reuse the destination until the grant is Done (committed, or revoked:
+// Revoke returns only when nothing can land).
+func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
+	if spec.RequestID == 0 {
+		return nil, ErrBadRequestID
+	}
+	if len(spec.Extents) == 0 || len(spec.Extents) > maxExtents {
+		return nil, fmt.Errorf("%w: grant needs 1..%d extents, got %d", ErrOutOfRange, maxExtents, len(spec.Extents))
+	}
+	now := time.Now()
+	deadline := spec.Deadline
+	if deadline.IsZero() {
+		deadline = now.Add(e.cfg.GrantTTL)
+	}
+	if !now.Before(deadline) {
+		return nil, fmt.Errorf("%w: grant deadline %s already passed", ErrDeadline, deadline.Format(time.RFC3339Nano))
+	}
+	g := &Grant{
+		e:    e,
+		done: make(chan struct{}),
+		dst:  make([][]byte, len(spec.Extents)),
+		ext:  make([]extState, len(spec.Extents)),
+		slot: -1,
+	}
+	g.quiet.L = &g.mu
+	var total uint64
+	e.mu.RLock()
+	if e.closed {
+		e.mu.RUnlock()
+		return nil, ErrClosed
+	}
+	for i, x := range spec.Extents {
+		r, ok := e.regions[x.Region]
+		if !ok {
+			e.mu.RUnlock()
+			return nil, fmt.Errorf("%w: extent %d names unknown region %d", ErrOutOfRange, i, x.Region)
+		}
+		if err := r.checkExtent(x, true); err != nil {
+			e.mu.RUnlock()
+			return nil, fmt.Errorf("extent %d: %w", i, err)
+		}
+		g.dst[i] = r.slice(x)
+		g.ext[i].seq = true
+		total += x.Length
+	}
+	e.mu.RUnlock()
+	if err := checkDisjoint(spec.Extents); err != nil {
+		return nil, err
+	}
+	g.ticket = Ticket{
+		Agent:     e.cfg.Agent,
+		RequestID: spec.RequestID,
+		Extents:   slices.Clone(spec.Extents),
+		Bytes:     total,
+		Deadline:  deadline,
+	}
+	_, _ = rand.Read(g.ticket.Token[:])
+
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		return nil, ErrClosed
+	}
+	if len(e.grants) >= e.cfg.MaxGrants {
+		e.mu.Unlock()
+		return nil, fmt.Errorf("%w: %d open", ErrTooManyGrants, len(e.grants))
+	}
+	g.id = e.nextGrant.Add(1)
+	if e.shm != nil {
+		// The grant id selects the shm slot (id mod slots): skip ids whose slot is busy.
+		for !e.shm.slotFree(g.id) {
+			g.id = e.nextGrant.Add(1)
+		}
+		g.slot = e.shm.slotOf(g.id)
+	}
+	g.epoch = e.newEpoch()
+	g.ticket.Grant, g.ticket.Epoch = g.id, g.epoch
+	e.grants[g.id] = g
+	if e.shm != nil {
+		e.shm.publish(g)
+	}
+	e.mu.Unlock()
+
+	g.timer = time.AfterFunc(deadline.Sub(now), func() { g.terminate(g.deadlineErr()) })
+	e.log.Debug("rdma: grant opened", "grant", g.id, "request", spec.RequestID, "extents", len(spec.Extents), "bytes", total, "deadline", deadline)
+	return g, nil
+}
+
+// checkDisjoint refuses extents of one grant that overlap each other.
+func checkDisjoint(xs []Extent) error {
+	if len(xs) < 2 {
+		return nil
+	}
+	s := slices.Clone(xs)
+	slices.SortFunc(s, func(a, b Extent) int {
+		if a.Region != b.Region {
+			return int(a.Region) - int(b.Region)
+		}
+		switch {
+		case a.Offset < b.Offset:
+			return -1
+		case a.Offset > b.Offset:
+			return 1
+		}
+		return 0
+	})
+	for i := 1; i < len(s); i++ {
+		p, c := s[i-1], s[i]
+		if p.Region == c.Region && c.Offset < p.Offset+p.Length {
+			return fmt.Errorf("%w: extents [%d, +%d) and [%d, +%d) of region %d overlap", ErrOutOfRange, p.Offset, p.Length, c.Offset, c.Length, c.Region)
+		}
+	}
+	return nil
+}
+
+// lookupGrant finds an open or recently settled grant.
+func (e *Engine) lookupGrant(id uint64) (*Grant, error) {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	if g := e.grants[id]; g != nil {
+		return g, nil
+	}
+	if g := e.settled[id]; g != nil {
+		return g, nil
+	}
+	if e.closed {
+		return nil, ErrClosed
+	}
+	return nil, fmt.Errorf("%w: grant %d", ErrUnknownGrant, id)
+}
+
+// retire moves a settled grant to the tombstones and frees its shm slot.
+func (e *Engine) retire(g *Grant) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.grants[g.id] != g {
+		return
+	}
+	delete(e.grants, g.id)
+	if e.shm != nil && g.slot >= 0 {
+		e.shm.release(g)
+	}
+	e.settled[g.id] = g
+	e.ring = append(e.ring, g.id)
+	if len(e.ring) > tombstones {
+		delete(e.settled, e.ring[0])
+		e.ring = e.ring[1:]
+	}
+}
+
+// shmFence closes g's shm slot; see shm.go.
+func (e *Engine) shmFence(g *Grant, revoke bool) {
+	if e.shm != nil && g.slot >= 0 {
+		e.shm.fence(g, revoke)
+	}
+}
+
+// TransportFor reports the transport chosen for a connected peer.
+func (e *Engine) TransportFor(agent AgentID) (Transport, bool) {
+	e.peerMu.Lock()
+	defer e.peerMu.Unlock()
+	p, ok := e.peers[agent]
+	if !ok {
+		return "", false
+	}
+	return p.link.transport(), true
+}
+
+// Connect pre-connects to a peer and returns the transport chosen. The
+// choice is the first of inproc (the peer engine lives in this process), shm
+// (same Host) and tcp that both engines serve and that connects; it is always
+// logged, and a transport skipped because it failed to connect is logged as
+// a warning with the reason. Connecting again to the same descriptor is a
+// no-op; a changed descriptor replaces the old connection.
+func (e *Engine) Connect(ctx context.Context, peer Descriptor) (Transport, error) {
+	if err := e.beginOp(); err != nil {
+		return "", err
+	}
+	defer e.ops.Done()
+	p, err := e.peerFor(ctx, peer)
+	if err != nil {
+		return "", err
+	}
+	return p.link.transport(), nil
+}
+
+func sameEndpoint(a, b Descriptor) bool {
+	return a.Agent == b.Agent && a.Host == b.Host && a.TCPAddr == b.TCPAddr && a.ShmAddr == b.ShmAddr && slices.Equal(a.Transports, b.Transports)
+}
+
+func (e *Engine) peerFor(ctx context.Context, peer Descriptor) (*peerState, error) {
+	if peer.Agent == "" {
+		return nil, fmt.Errorf("%w: descriptor without agent", ErrNoTransport)
+	}
+	e.peerMu.Lock()
+	defer e.peerMu.Unlock()
+	if p, ok := e.peers[peer.Agent]; ok {
+		if sameEndpoint(p.desc, peer) {
+			return p, nil
+		}
+		e.log.Info("rdma: peer descriptor changed, reconnecting", "peer", string(peer.Agent))
+		p.link.close()
+		delete(e.peers, peer.Agent)
+	}
+	l, err := e.dial(ctx, peer)
+	if err != nil {
+		return nil, err
+	}
+	p := &peerState{desc: peer, link: l}
+	e.peers[peer.Agent] = p
+	return p, nil
+}
+
+func (e *Engine) serves(t Transport) bool { return slices.Contains(e.served, t) }
+
+// dial chooses and connects a transport to peer.
+func (e *Engine) dial(ctx context.Context, peer Descriptor) (link, error) {
+	type candidate struct {
+		t      Transport
+		reason string
+		dial   func() (link, error)
+	}
+	var cands []candidate
+	both := func(t Transport) bool { return e.serves(t) && slices.Contains(peer.Transports, t) }
+	if both(TransportInproc) {
+		if rx := inprocLookup(peer); rx != nil {
+			cands = append(cands, candidate{TransportInproc, "peer engine is in this process", func() (link, error) { return &inprocLink{tx: e, rx: rx}, nil }})
+		}
+	}
+	if both(TransportSHM) && peer.Host == e.cfg.Host && peer.ShmAddr != "" {
+		cands = append(cands, candidate{TransportSHM, "peer is on this host", func() (link, error) { return dialSHM(ctx, e, peer) }})
+	}
+	if both(TransportTCP) && peer.TCPAddr != "" {
+		reason := "peer is on another host"
+		if peer.Host == e.cfg.Host {
+			reason = "same host, shm not served by both"
+		}
+		cands = append(cands, candidate{TransportTCP, reason, func() (link, error) { return dialTCP(ctx, e, peer) }})
+	}
+	var errs []error
+	for _, c := range cands {
+		l, err := c.dial()
+		if err != nil {
+			e.log.Warn("rdma: transport unavailable, trying the next", "peer", string(peer.Agent), "transport", string(c.t), "err", err)
+			errs = append(errs, fmt.Errorf("%s: %w", c.t, err))
+			continue
+		}
+		e.log.Info("rdma: transport chosen", "peer", string(peer.Agent), "transport", string(c.t), "reason", c.reason, "skipped", len(errs))
+		return l, nil
+	}
+	if len(errs) == 0 {
+		return nil, fmt.Errorf("%w: with %s (we serve %v, it serves %v)", ErrNoTransport, peer.Agent, e.served, peer.Transports)
+	}
+	return nil, fmt.Errorf("%w: with %s: %w", ErrNoTransport, peer.Agent, errors.Join(errs...))
+}
+
+// piece is one contiguous copy: src lands at offset off of destination extent ext.
+type piece struct {
+	ext uint32
+	off uint64
+	src []byte
+}
+
+// writeOp is one Write as the backends see it.
+type writeOp struct {
+	t        *Ticket
+	pieces   []piece
+	manifest *Manifest // Bytes set; CRC filled by the backend through sum
+}
+
+// sum folds p's source bytes into the manifest crc of its extent. Pieces of
+// one extent are summed in order.
+func (op *writeOp) sum(p *piece) {
+	op.manifest.CRC[p.ext] = crc32Update(op.manifest.CRC[p.ext], p.src)
+}
+
+var opPool = sync.Pool{New: func() any { return new(writeOp) }}
+
+// Write copies the concatenation of src (local extents) into the
+// concatenation of the ticket's extents (same total length), then commits
+// with a manifest, and returns once the receiver accepted or refused the
+// commit: one round trip per request. Source extents may be split at the
+// destination's extent boundaries and vice versa. The source memory must not
+// change until Write returns. A refusal by the receiver is a *RemoteError
+// wrapping the sentinel (ErrRevoked, ErrStaleEpoch, ErrManifestMismatch, ...).
+func (e *Engine) Write(ctx context.Context, peer Descriptor, t Ticket, src []Extent) (Manifest, error) {
+	if err := e.beginOp(); err != nil {
+		return Manifest{}, err
+	}
+	defer e.ops.Done()
+	if t.Agent != peer.Agent {
+		return Manifest{}, fmt.Errorf("%w: ticket is for %q, descriptor for %q", ErrWrongPeer, t.Agent, peer.Agent)
+	}
+	if len(t.Extents) == 0 || len(t.Extents) > maxExtents {
+		return Manifest{}, fmt.Errorf("%w: ticket has %d extents", ErrOutOfRange, len(t.Extents))
+	}
+	if !t.Deadline.IsZero() && !time.Now().Before(t.Deadline) {
+		return Manifest{}, fmt.Errorf("%w: grant %d expired at %s", ErrDeadline, t.Grant, t.Deadline.Format(time.RFC3339Nano))
+	}
+	m := Manifest{Bytes: make([]uint64, len(t.Extents)), CRC: make([]uint32, len(t.Extents))}
+	var total uint64
+	for i, x := range t.Extents {
+		if x.Length == 0 || x.Length > maxDataLen {
+			return Manifest{}, fmt.Errorf("%w: ticket extent %d of %d bytes", ErrOutOfRange, i, x.Length)
+		}
+		m.Bytes[i] = x.Length
+		total += x.Length
+	}
+	if total != t.Bytes {
+		return Manifest{}, fmt.Errorf("%w: ticket extents sum to %d bytes, ticket says %d", ErrOutOfRange, total, t.Bytes)
+	}
+	op := opPool.Get().(*writeOp)
+	defer func() {
+		clear(op.pieces)
+		op.pieces, op.t, op.manifest = op.pieces[:0], nil, nil
+		opPool.Put(op)
+	}()
+	op.t, op.manifest = &t, &m
+	if err := e.split(op, src, total); err != nil {
+		return Manifest{}, err
+	}
+	p, err := e.peerFor(ctx, peer)
+	if err != nil {
+		return Manifest{}, err
+	}
+	if err := p.link.write(ctx, op); err != nil {
+		return Manifest{}, err
+	}
+	return m, nil
+}
+
+// split cuts the source extents into pieces at destination extent boundaries.
+func (e *Engine) split(op *writeOp, src []Extent, total uint64) error {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	var have uint64
+	dst := op.t.Extents
+	di, doff := 0, uint64(0)
+	for i, s := range src {
+		r, ok := e.regions[s.Region]
+		if !ok {
+			return fmt.Errorf("%w: source extent %d names unknown local region %d", ErrOutOfRange, i, s.Region)
+		}
+		if err := r.checkExtent(s, false); err != nil {
+			return fmt.Errorf("source extent %d: %w", i, err)
+		}
+		have += s.Length
+		if have > total {
+			return fmt.Errorf("%w: source extents hold more than the ticket's %d bytes", ErrOutOfRange, total)
+		}
+		b := r.slice(s)
+		for len(b) > 0 {
+			n := min(uint64(len(b)), dst[di].Length-doff)
+			op.pieces = append(op.pieces, piece{ext: uint32(di), off: doff, src: b[:n:n]})
+			b = b[n:]
+			doff += n
+			if doff == dst[di].Length {
+				di, doff = di+1, 0
+			}
+		}
+	}
+	if have != total {
+		return fmt.Errorf("%w: source extents hold %d bytes, ticket %d", ErrOutOfRange, have, total)
+	}
+	return nil
+}
+
+// Close revokes open grants, stops listeners and every goroutine the engine
+// owns, closes peer connections, waits for in-flight operations, and unmaps
+// the regions. It is idempotent.
+func (e *Engine) Close() error {
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		return nil
+	}
+	e.closed = true
+	open := make([]*Grant, 0, len(e.grants))
+	for _, g := range e.grants {
+		open = append(open, g)
+	}
+	e.mu.Unlock()
+	inprocUnregister(e)
+
+	for _, g := range open {
+		g.terminate(fmt.Errorf("%w: grant %d: %w", ErrRevoked, g.id, ErrClosed))
+	}
+	if e.tcp != nil {
+		e.tcp.close()
+	}
+	if e.shm != nil {
+		e.shm.close()
+	}
+	e.peerMu.Lock()
+	for a, p := range e.peers {
+		p.link.close()
+		delete(e.peers, a)
+	}
+	e.peerMu.Unlock()
+	e.ops.Wait()
+
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, r := range e.regions {
+		freeShared(r.mem, r.fd)
+		r.mem = nil
+	}
+	if e.shm != nil {
+		e.shm.unmap()
+	}
+	e.log.Info("rdma: engine closed")
+	return nil
+}

@@ -1,0 +1,200 @@
+package rdma
+
+import (
+	"encoding/binary"
+	"fmt"
+	"math"
+)
+
+// Frame format (all integers little-endian). Every frame starts with a fixed
+// 64-byte header; a payload of header.length bytes follows.
+//
+//	off size field
+//	0   4    magic "HOF1"
+//	4   1    type (hello, data, commit, reply)
+//	5   1    flags, must be 0
+//	6   2    reserved, must be 0
+//	8   4    index: data = destination extent index, commit = extent count,
+//	         reply = status code, hello = protocol version
+//	12  4    reserved, must be 0
+//	16  8    grant id
+//	24  8    epoch
+//	32  16   token
+//	48  8    offset: data = byte offset inside the destination extent; else 0
+//	56  8    length of the payload that follows
+//
+// Payloads: data = the bytes to land; commit = count entries of
+// (bytes u64, crc32c u32); reply = a UTF-8 message; hello = an agent id.
+const (
+	frameMagic      = 0x31464f48 // "HOF1"
+	headerSize      = 64
+	protocolVersion = 1
+
+	frameHello  = 1
+	frameData   = 2
+	frameCommit = 3
+	frameReply  = 4
+
+	// maxExtents bounds the extents of one grant; it keeps a commit payload
+	// (12 bytes per extent) under 12 MiB.
+	maxExtents = 1 << 20
+	// maxDataLen bounds one data frame; larger pieces are split by the writer.
+	maxDataLen = 1 << 40
+	// maxMsgLen bounds reply messages and hello agent ids.
+	maxMsgLen         = 1024
+	manifestEntrySize = 12
+)
+
+// header is a decoded frame header.
+type header struct {
+	typ    uint8
+	index  uint32
+	grant  uint64
+	epoch  uint64
+	token  [16]byte
+	offset uint64
+	length uint64
+}
+
+// put encodes h into b[:headerSize].
+func (h *header) put(b []byte) {
+	_ = b[headerSize-1]
+	binary.LittleEndian.PutUint32(b[0:], frameMagic)
+	b[4] = h.typ
+	b[5], b[6], b[7] = 0, 0, 0
+	binary.LittleEndian.PutUint32(b[8:], h.index)
+	binary.LittleEndian.PutUint32(b[12:], 0)
+	binary.LittleEndian.PutUint64(b[16:], h.grant)
+	binary.LittleEndian.PutUint64(b[24:], h.epoch)
+	copy(b[32:48], h.token[:])
+	binary.LittleEndian.PutUint64(b[48:], h.offset)
+	binary.LittleEndian.PutUint64(b[56:], h.length)
+}
+
+func malformed(format string, args ...any) error {
+	return fmt.Errorf("%w: "+format, append([]any{ErrMalformedFrame}, args...)...)
+}
+
+// decodeHeader decodes and validates one frame header. It checks everything
+// that can be checked without the grant: magic, type, reserved fields, and
+// the payload length allowed for the type.
+func decodeHeader(b []byte) (header, error) {
+	var h header
+	if len(b) < headerSize {
+		return h, malformed("truncated header: %d of %d bytes", len(b), headerSize)
+	}
+	if m := binary.LittleEndian.Uint32(b[0:]); m != frameMagic {
+		return h, malformed("bad magic %#x", m)
+	}
+	h.typ = b[4]
+	if b[5] != 0 || b[6] != 0 || b[7] != 0 || binary.LittleEndian.Uint32(b[12:]) != 0 {
+		return h, malformed("reserved header bytes are not zero")
+	}
+	h.index = binary.LittleEndian.Uint32(b[8:])
+	h.grant = binary.LittleEndian.Uint64(b[16:])
+	h.epoch = binary.LittleEndian.Uint64(b[24:])
+	copy(h.token[:], b[32:48])
+	h.offset = binary.LittleEndian.Uint64(b[48:])
+	h.length = binary.LittleEndian.Uint64(b[56:])
+	switch h.typ {
+	case frameData:
+		if h.length == 0 || h.length > maxDataLen {
+			return h, malformed("data length %d not in 1..%d", h.length, uint64(maxDataLen))
+		}
+		if h.offset > math.MaxUint64-h.length {
+			return h, malformed("data offset %d + length %d overflows", h.offset, h.length)
+		}
+		if h.index >= maxExtents {
+			return h, malformed("extent index %d >= %d", h.index, maxExtents)
+		}
+	case frameCommit:
+		if h.index == 0 || h.index > maxExtents {
+			return h, malformed("commit extent count %d not in 1..%d", h.index, maxExtents)
+		}
+		if h.length != uint64(h.index)*manifestEntrySize {
+			return h, malformed("commit payload %d bytes, want %d", h.length, uint64(h.index)*manifestEntrySize)
+		}
+		if h.offset != 0 {
+			return h, malformed("commit offset %d is not zero", h.offset)
+		}
+	case frameReply:
+		if h.index >= numCodes {
+			return h, malformed("unknown status code %d", h.index)
+		}
+		if h.length > maxMsgLen || h.offset != 0 {
+			return h, malformed("reply message of %d bytes", h.length)
+		}
+	case frameHello:
+		if h.index != protocolVersion {
+			return h, malformed("protocol version %d, want %d", h.index, protocolVersion)
+		}
+		if h.length == 0 || h.length > maxMsgLen || h.offset != 0 {
+			return h, malformed("hello agent id of %d bytes", h.length)
+		}
+	default:
+		return h, malformed("unknown frame type %d", h.typ)
+	}
+	return h, nil
+}
+
+// putManifest encodes m as a commit payload into b, which must hold
+// len(m.Bytes)*manifestEntrySize bytes.
+func putManifest(b []byte, m *Manifest) {
+	for i := range m.Bytes {
+		e := b[i*manifestEntrySize:]
+		binary.LittleEndian.PutUint64(e, m.Bytes[i])
+		binary.LittleEndian.PutUint32(e[8:], m.CRC[i])
+	}
+}
+
+// decodeManifest decodes a commit payload of n entries into m, reusing its
+// slices when they are large enough.
+func decodeManifest(b []byte, n int, m *Manifest) error {
+	if n <= 0 || n > maxExtents || len(b) != n*manifestEntrySize {
+		return malformed("manifest of %d bytes for %d extents", len(b), n)
+	}
+	if cap(m.Bytes) < n {
+		m.Bytes = make([]uint64, n)
+		m.CRC = make([]uint32, n)
+	}
+	m.Bytes, m.CRC = m.Bytes[:n], m.CRC[:n]
+	for i := 0; i < n; i++ {
+		e := b[i*manifestEntrySize:]
+		m.Bytes[i] = binary.LittleEndian.Uint64(e)
+		m.CRC[i] = binary.LittleEndian.Uint32(e[8:])
+	}
+	return nil
+}
+
+// frame is one whole decoded frame; used by decodeFrame.
+type frame struct {
+	header
+	payload  []byte   // data payload, reply message or hello agent id (aliases the input)
+	manifest Manifest // commit payload
+}
+
+// decodeFrame decodes one complete frame from the front of b and returns it
+// with the number of bytes consumed. It is the reference decoder the stream
+// readers follow, and the fuzz target.
+func decodeFrame(b []byte) (frame, int, error) {
+	var f frame
+	h, err := decodeHeader(b)
+	if err != nil {
+		return f, 0, err
+	}
+	f.header = h
+	rest := b[headerSize:]
+	if uint64(len(rest)) < h.length {
+		return f, 0, malformed("truncated payload: %d of %d bytes", len(rest), h.length)
+	}
+	p := rest[:h.length]
+	switch h.typ {
+	case frameCommit:
+		if err := decodeManifest(p, int(h.index), &f.manifest); err != nil {
+			return f, 0, err
+		}
+	default:
+		f.payload = p
+	}
+	return f, headerSize + int(h.length), nil
+}

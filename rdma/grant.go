@@ -1,0 +1,371 @@
+package rdma
+
+import (
+	"context"
+	"crypto/subtle"
+	"fmt"
+	"hash/crc32"
+	"sync"
+	"time"
+)
+
+// castagnoli is the crc32c table; hash/crc32 uses the SSE4.2/ARMv8 CRC
+// instructions for it.
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// GrantSpec describes a grant to open on the receiver.
+type GrantSpec struct {
+	RequestID uint64    // never 0
+	Extents   []Extent  // destination runs in this engine's regions; disjoint
+	Deadline  time.Time // zero: now + Config.GrantTTL
+}
+
+// Ticket is what the writer needs to write into a grant. It is plain data
+// (JSON-serialisable) and travels to the writer on the control plane.
+type Ticket struct {
+	Agent     AgentID   `json:"agent"`
+	Grant     uint64    `json:"grant"`
+	Epoch     uint64    `json:"epoch"`
+	Token     [16]byte  `json:"token"`
+	RequestID uint64    `json:"request_id"`
+	Extents   []Extent  `json:"extents"`
+	Bytes     uint64    `json:"bytes"`
+	Deadline  time.Time `json:"deadline"`
+}
+
+// Manifest is what a commit carries: bytes and crc32c (Castagnoli) per
+// destination extent, in ticket order.
+type Manifest struct {
+	Bytes []uint64 `json:"bytes"`
+	CRC   []uint32 `json:"crc"`
+}
+
+type grantState uint8
+
+const (
+	grantOpen       grantState = iota // accepting data
+	grantCommitting                   // verifying a commit; no data lands
+	grantDone                         // committed and verified
+	grantFailed                       // revoked, expired, refused or abandoned
+)
+
+// extState tracks what landed in one destination extent. While every
+// landing arrived in order from offset 0 (the normal case for one writer)
+// the crc is kept incrementally over data that is still in cache, and the
+// commit does not read the extent again.
+type extState struct {
+	landed uint64 // bytes landed, counting rewrites
+	next   uint64 // offset the in-order crc has reached
+	crc    uint32
+	seq    bool
+}
+
+// lander is a connection landing bytes into a grant; abortLanding makes its
+// blocked read return so that Revoke never waits on a stalled peer.
+type lander interface{ abortLanding() }
+
+// Grant is the receiver side of one request's transfer: destination extents
+// that one writer may fill and then commit. All methods are safe for
+// concurrent use.
+type Grant struct {
+	e      *Engine
+	id     uint64
+	ticket Ticket
+	dst    [][]byte // per extent, aliasing region memory
+	done   chan struct{}
+	timer  *time.Timer
+	slot   int // shm grant slot, -1 when shm is not served
+
+	mu       sync.Mutex
+	quiet    sync.Cond // signalled when inflight drops to 0; L = &mu
+	state    grantState
+	epoch    uint64
+	err      error // terminal error when state == grantFailed
+	manifest Manifest
+	inflight int
+	landers  []lander
+	ext      []extState
+	finished bool // finish ran
+}
+
+// ID returns the grant id.
+func (g *Grant) ID() uint64 { return g.id }
+
+// RequestID returns the request the grant was opened for.
+func (g *Grant) RequestID() uint64 { return g.ticket.RequestID }
+
+// Ticket returns what the writer needs; the extents slice is a copy.
+func (g *Grant) Ticket() Ticket {
+	t := g.ticket
+	t.Extents = append([]Extent(nil), t.Extents...)
+	g.mu.Lock()
+	t.Epoch = g.epoch
+	g.mu.Unlock()
+	return t
+}
+
+// Done is closed once the grant reached a terminal state (committed, revoked,
+// expired, refused) and no byte can land in it any more.
+func (g *Grant) Done() <-chan struct{} { return g.done }
+
+// Wait blocks until the grant is terminal or ctx ends. It returns the
+// verified manifest when the writer's commit was accepted; otherwise the
+// terminal error (ErrRevoked, ErrDeadline, ErrManifestMismatch,
+// ErrPeerClosed, ...) or ctx.Err(). Cancelling ctx does not revoke the grant.
+func (g *Grant) Wait(ctx context.Context) (Manifest, error) {
+	select {
+	case <-g.done:
+	case <-ctx.Done():
+		return Manifest{}, ctx.Err()
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.state != grantDone {
+		return Manifest{}, g.err
+	}
+	return Manifest{Bytes: append([]uint64(nil), g.manifest.Bytes...), CRC: append([]uint32(nil), g.manifest.CRC...)}, nil
+}
+
+// Err returns nil while the grant is open or after a successful commit, and
+// the terminal error otherwise.
+func (g *Grant) Err() error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.err
+}
+
+// Revoke fences the grant: its epoch moves on, every later frame is refused,
+// and in-flight landings are finished or aborted before Revoke returns, so on
+// return no further byte lands and the destination may be reused. A
+// committed grant stays committed. Revoke is idempotent.
+func (g *Grant) Revoke() {
+	g.terminate(fmt.Errorf("%w: grant %d (request %d)", ErrRevoked, g.id, g.ticket.RequestID))
+}
+
+// checkLocked validates a frame's epoch and token against the grant.
+// g.mu is held.
+func (g *Grant) checkLocked(epoch uint64, token *[16]byte) error {
+	if subtle.ConstantTimeCompare(token[:], g.ticket.Token[:]) != 1 {
+		return fmt.Errorf("%w: grant %d", ErrBadToken, g.id)
+	}
+	switch g.state {
+	case grantDone:
+		return fmt.Errorf("%w: grant %d", ErrCommitted, g.id)
+	case grantCommitting:
+		return fmt.Errorf("%w: grant %d is committing", ErrCommitted, g.id)
+	case grantFailed:
+		if epoch != g.epoch {
+			return fmt.Errorf("%w: epoch %d, grant %d is at %d: %w", ErrStaleEpoch, epoch, g.id, g.epoch, g.err)
+		}
+		return g.err
+	}
+	if epoch != g.epoch {
+		return fmt.Errorf("%w: epoch %d, grant %d is at %d", ErrStaleEpoch, epoch, g.id, g.epoch)
+	}
+	return nil
+}
+
+func (g *Grant) expired(now time.Time) bool {
+	return !g.ticket.Deadline.IsZero() && !now.Before(g.ticket.Deadline)
+}
+
+func (g *Grant) deadlineErr() error {
+	return fmt.Errorf("%w: grant %d (request %d) at %s", ErrDeadline, g.id, g.ticket.RequestID, g.ticket.Deadline.Format(time.RFC3339Nano))
+}
+
+// beginLand admits one data frame: it checks token, epoch, state, deadline
+// and that [off, off+n) lies inside extent idx, then registers the landing as
+// in flight and returns the destination bytes. The caller fills them and
+// calls endLand. l (may be nil) is aborted when the grant is fenced.
+// A frame with the right token but out of range fails the grant.
+func (g *Grant) beginLand(epoch uint64, token *[16]byte, idx uint32, off, n uint64, l lander) ([]byte, error) {
+	g.mu.Lock()
+	if err := g.checkLocked(epoch, token); err != nil {
+		g.mu.Unlock()
+		return nil, err
+	}
+	if g.expired(time.Now()) {
+		g.mu.Unlock()
+		err := g.deadlineErr()
+		g.terminate(err)
+		return nil, err
+	}
+	if int(idx) >= len(g.dst) || off > uint64(len(g.dst[idx])) || n > uint64(len(g.dst[idx]))-off || n == 0 {
+		g.mu.Unlock()
+		var err error
+		if int(idx) >= len(g.dst) {
+			err = fmt.Errorf("%w: extent index %d, grant %d has %d", ErrOutOfRange, idx, g.id, len(g.dst))
+		} else {
+			err = fmt.Errorf("%w: [%d, +%d) outside extent %d of %d bytes (grant %d)", ErrOutOfRange, off, n, idx, len(g.dst[idx]), g.id)
+		}
+		g.terminate(err)
+		return nil, err
+	}
+	g.inflight++
+	if l != nil {
+		g.landers = append(g.landers, l)
+	}
+	g.mu.Unlock()
+	return g.dst[idx][off : off+n : off+n], nil
+}
+
+// endLand ends a landing started by beginLand; ok reports whether all of dst
+// was filled.
+func (g *Grant) endLand(idx uint32, off uint64, dst []byte, ok bool, l lander) {
+	g.mu.Lock()
+	st := &g.ext[idx]
+	if ok {
+		st.landed += uint64(len(dst))
+		if st.seq && off == st.next {
+			st.crc = crc32.Update(st.crc, castagnoli, dst)
+			st.next += uint64(len(dst))
+		} else {
+			st.seq = false
+		}
+	} else {
+		st.seq = false
+	}
+	if l != nil {
+		for i, x := range g.landers {
+			if x == l {
+				last := len(g.landers) - 1
+				g.landers[i] = g.landers[last]
+				g.landers[last] = nil
+				g.landers = g.landers[:last]
+				break
+			}
+		}
+	}
+	g.inflight--
+	if g.inflight == 0 {
+		g.quiet.Broadcast()
+	}
+	g.mu.Unlock()
+}
+
+// commit verifies a writer's manifest against what landed and completes or
+// fails the grant. counted is false for transports whose data does not pass
+// through the receiver (shm): then only the checksums are compared, over the
+// extents as they are in memory after the fence.
+func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted bool) error {
+	g.mu.Lock()
+	if err := g.checkLocked(epoch, token); err != nil {
+		g.mu.Unlock()
+		return err
+	}
+	if g.expired(time.Now()) {
+		g.mu.Unlock()
+		err := g.deadlineErr()
+		g.terminate(err)
+		return err
+	}
+	g.state = grantCommitting
+	for g.inflight > 0 {
+		g.quiet.Wait()
+	}
+	g.mu.Unlock()
+
+	// Fence the shared-memory slot: after this no shm writer can copy in.
+	g.e.shmFence(g, false)
+	verr := g.verify(m, counted)
+
+	g.mu.Lock()
+	if g.state != grantCommitting { // revoked or expired while verifying
+		err := g.err
+		g.mu.Unlock()
+		<-g.done
+		return err
+	}
+	if verr != nil {
+		g.settleLocked(grantFailed, verr)
+	} else {
+		g.manifest = Manifest{Bytes: append([]uint64(nil), m.Bytes...), CRC: append([]uint32(nil), m.CRC...)}
+		g.settleLocked(grantDone, nil)
+	}
+	g.mu.Unlock()
+	g.finish()
+	return verr
+}
+
+// verify compares m with the grant's extents. No landing is in flight and
+// none can start (state committing, shm slot fenced).
+func (g *Grant) verify(m *Manifest, counted bool) error {
+	n := len(g.dst)
+	if len(m.Bytes) != n || len(m.CRC) != n {
+		return fmt.Errorf("%w: manifest lists %d/%d extents, grant %d has %d", ErrManifestMismatch, len(m.Bytes), len(m.CRC), g.id, n)
+	}
+	for i, d := range g.dst {
+		want := uint64(len(d))
+		if m.Bytes[i] != want {
+			return fmt.Errorf("%w: extent %d: manifest says %d bytes, extent has %d (grant %d)", ErrManifestMismatch, i, m.Bytes[i], want, g.id)
+		}
+		st := &g.ext[i]
+		if counted && st.landed != want {
+			return fmt.Errorf("%w: extent %d: %d bytes landed, want %d (grant %d)", ErrManifestMismatch, i, st.landed, want, g.id)
+		}
+		var crc uint32
+		if counted && st.seq && st.next == want {
+			crc = st.crc
+		} else {
+			crc = crc32.Checksum(d, castagnoli)
+		}
+		if crc != m.CRC[i] {
+			return fmt.Errorf("%w: extent %d: crc32c %08x landed, manifest says %08x (grant %d)", ErrManifestMismatch, i, crc, m.CRC[i], g.id)
+		}
+	}
+	return nil
+}
+
+// settleLocked moves the grant to a terminal state. g.mu is held.
+func (g *Grant) settleLocked(s grantState, err error) {
+	g.state = s
+	g.err = err
+	if s == grantFailed {
+		g.epoch = g.e.newEpoch()
+	}
+}
+
+// terminate fails the grant with cause unless it is already terminal, aborts
+// in-flight landings, fences shm, and returns once nothing can land.
+func (g *Grant) terminate(cause error) {
+	g.mu.Lock()
+	switch g.state {
+	case grantDone, grantFailed:
+		for g.inflight > 0 {
+			g.quiet.Wait()
+		}
+		g.mu.Unlock()
+		<-g.done
+		return
+	}
+	g.settleLocked(grantFailed, cause)
+	for _, l := range g.landers {
+		l.abortLanding()
+	}
+	for g.inflight > 0 {
+		g.quiet.Wait()
+	}
+	g.mu.Unlock()
+	g.e.shmFence(g, true)
+	g.finish()
+}
+
+// finish releases the grant's resources once; the state is terminal.
+func (g *Grant) finish() {
+	g.mu.Lock()
+	if g.finished {
+		g.mu.Unlock()
+		return
+	}
+	g.finished = true
+	g.mu.Unlock()
+	if g.timer != nil {
+		g.timer.Stop()
+	}
+	g.e.retire(g)
+	close(g.done)
+	g.e.log.Debug("rdma: grant settled", "grant", g.id, "request", g.ticket.RequestID, "err", g.Err())
+}
+
+// crc32Update extends a crc32c with b.
+func crc32Update(crc uint32, b []byte) uint32 { return crc32.Update(crc, castagnoli, b) }
