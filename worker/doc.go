@@ -1,0 +1,38 @@
+// Package worker runs a prefill or decode worker's attention-DP ranks.
+//
+// A worker holds --dp-size ranks (Rank). Each rank owns a hybrid cache
+// manager (KV blocks plus Mamba rows) over two arenas, usually the bytes of
+// registered data-plane regions, and the model executor that reads and
+// writes them. The Engine steps all ranks in lockstep from one loop
+// goroutine the caller owns (Run):
+//
+//  1. Apply inbox events: cancelled requests, finished cache fetches,
+//     released prefill leases.
+//  2. Admit queued requests in order. A request goes to a rank with a free
+//     real row and enough unpromised KV blocks for its whole life (prompt
+//     plus every token it may generate), so a running request never runs
+//     out of blocks and the pools are never over-committed (PickRank).
+//     Requests beyond the queue bound are refused (ErrQueueFull); after
+//     Drain they are refused with ErrDraining.
+//  3. Plan the iteration (PlanStep, pure): when any rank has schedulable
+//     work, every rank takes part; a rank with none pads the attention-DP
+//     dummy (request id 0) on its reserved row, runs one decode step on it,
+//     and frees it at the end of the iteration. Requests whose cache is in
+//     flight (decode, PhaseAwaitCache) or being pushed (prefill, PhasePush)
+//     hold their rows and blocks but are not schedulable work: a rank whose
+//     only real row is held by a transfer looks idle and pads, which is why
+//     the dummy needs a reserved row (TensorRT-LLM PR #14853).
+//  4. Step: one prefill or decode step per schedulable request, ranks in
+//     parallel; then end the finished and failed requests and free their
+//     resources.
+//
+// The decode role serves Generate: with no CacheSource it prefills in
+// process (the aggregated baseline); with one, an admitted request first
+// waits for its prefilled cache (CacheSource.Fetch) and then generates. The
+// prefill role serves Prefill: the returned Lease holds the cache until the
+// caller has pushed it and calls Release.
+//
+// Sub-packages: api (the OpenAI-compatible HTTP API), admin (liveness,
+// readiness, metrics), config (flags and environment), service (wiring of
+// the two binaries, NATS and the data path).
+package worker

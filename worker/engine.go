@@ -1,0 +1,922 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"sync"
+	"time"
+
+	"github.com/handoff-io/handoff/kvcache"
+	"github.com/handoff-io/handoff/mambacache"
+	"github.com/handoff-io/handoff/model"
+)
+
+// CacheSource fills a decode request's freshly prepared resources with its
+// prefilled cache, produced elsewhere (a remote prefill worker).
+//
+// Fetch must not return before no further byte can land in the destination
+// (the data-plane grant is closed or revoked): the engine frees and reuses
+// the resources as soon as Fetch returns. Errors that are a peer's refusal
+// should wrap ErrTransferRefused, deadlines ErrTransferTimeout or
+// context.DeadlineExceeded, so the transfer metric is labelled right.
+type CacheSource interface {
+	Fetch(ctx context.Context, f FetchRequest) (FetchResult, error)
+}
+
+// FetchRequest describes the destination of one prefilled cache.
+type FetchRequest struct {
+	ID          uint64 // engine-local request id, never 0
+	LogID       string // the request id used in logs
+	Rank        int
+	Prompt      []int32
+	Temperature float64
+	Seed        uint64
+	Row         mambacache.Row
+	Runs        []kvcache.Run // KV runs covering exactly len(Prompt) tokens
+}
+
+// FetchResult is what a successful Fetch reports.
+type FetchResult struct {
+	First      int32         // the first generated token, sampled at step 0
+	Compute    time.Duration // prefill compute on the remote worker
+	KVBytes    int64
+	MambaBytes int64
+}
+
+// Timing splits a request's latency.
+type Timing struct {
+	Queued     time.Duration // accepted until admitted to a rank
+	Prefill    time.Duration // prefill compute (local, or as reported remotely)
+	Transfer   time.Duration // admitted until the cache was accepted (remote only)
+	FirstToken time.Duration // accepted until the first token
+	Total      time.Duration // accepted until done
+}
+
+// Event is one item of a Stream: a token, or the final event (Done).
+type Event struct {
+	Token  int32
+	Done   bool
+	Err    error  // set on a failed final event
+	Finish string // on a successful final event: "stop" (EOS sampled) or "length"
+	Timing Timing // set on the final event
+}
+
+// Stream delivers a request's tokens, then exactly one final event. The
+// channel is buffered for the whole request, so the engine never waits for a
+// slow reader; a reader that leaves must cancel the request's context.
+type Stream struct {
+	ID     uint64
+	events <-chan Event
+}
+
+// Events returns the stream's channel.
+func (s *Stream) Events() <-chan Event { return s.events }
+
+// GenerateRequest is a decode request, already tokenized.
+type GenerateRequest struct {
+	Prompt      []int32
+	MaxTokens   int
+	Temperature float64
+	Seed        uint64
+	LogID       string
+}
+
+// PrefillJob is a prefill request, already tokenized.
+type PrefillJob struct {
+	Prompt      []int32
+	Temperature float64
+	Seed        uint64
+	LogID       string
+}
+
+// Lease is a prefilled cache held on a rank until Release. The holder reads
+// the rank's arenas through Row and Runs (to push them to a decode worker)
+// and must call Release exactly when it no longer reads them.
+type Lease struct {
+	Rank    int
+	ID      uint64
+	Row     mambacache.Row
+	Runs    []kvcache.Run
+	Tokens  int   // prompt tokens the runs hold
+	First   int32 // first token, sampled at step 0
+	Compute time.Duration
+
+	e    *Engine
+	q    *request
+	once sync.Once
+}
+
+// Release frees the lease's resources. Idempotent; safe after the engine stopped.
+func (l *Lease) Release() { l.once.Do(func() { l.e.post(inboxEvent{kind: evRelease, q: l.q}) }) }
+
+// Config tunes an Engine.
+type Config struct {
+	Role Role
+	// AttentionDP steps ranks in lockstep with dummy padding.
+	AttentionDP bool
+	// QueueSize bounds the requests waiting for admission; 0 means 64.
+	QueueSize int
+	// Source brings remote prefilled caches (decode role). Nil runs
+	// prefill in-process: the aggregated baseline.
+	Source CacheSource
+	// Logger receives the engine's logs; nil discards them.
+	Logger *slog.Logger
+	// Metrics receives the engine's metrics; nil keeps them unregistered.
+	Metrics *Metrics
+	// ReleaseGrace is how long a stopping engine waits for leases and
+	// fetches to end before it frees their resources anyway; 0 means 10s.
+	ReleaseGrace time.Duration
+}
+
+func (c *Config) validate(ranks []*Rank) error {
+	if c.Role != RolePrefill && c.Role != RoleDecode {
+		return fmt.Errorf("%w: role %q", ErrInvalidConfig, c.Role)
+	}
+	if len(ranks) == 0 {
+		return fmt.Errorf("%w: no ranks", ErrInvalidConfig)
+	}
+	if c.Role == RolePrefill && c.Source != nil {
+		return fmt.Errorf("%w: a prefill engine takes no cache source", ErrInvalidConfig)
+	}
+	if c.QueueSize < 0 {
+		return fmt.Errorf("%w: queue size %d", ErrInvalidConfig, c.QueueSize)
+	}
+	if c.QueueSize == 0 {
+		c.QueueSize = 64
+	}
+	if c.ReleaseGrace <= 0 {
+		c.ReleaseGrace = 10 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	if c.Metrics == nil {
+		c.Metrics = NewMetrics(prometheusNopRegisterer{})
+	}
+	return nil
+}
+
+type evKind uint8
+
+const (
+	evCancel  evKind = iota // the request's context ended
+	evFetched               // a Fetch returned
+	evRelease               // a lease was released
+	evAbandon               // Prefill gave up before taking its lease
+)
+
+type inboxEvent struct {
+	kind evKind
+	q    *request
+	res  FetchResult
+	err  error
+}
+
+type leaseResult struct {
+	lease *Lease
+	err   error
+}
+
+// request is the engine's record of one request. After enqueue, its mutable
+// fields are owned by the loop goroutine (and, during a step, by the one
+// goroutine stepping its rank).
+type request struct {
+	id          uint64
+	logID       string
+	log         *slog.Logger
+	ctx         context.Context
+	cancel      context.CancelFunc
+	stopAfter   func() bool
+	prompt      []int32
+	maxTokens   int
+	temp        float64
+	seed        uint64
+	prefillOnly bool
+	promise     int
+
+	rank      *Rank
+	phase     Phase
+	blocks    []kvcache.BlockID
+	pos       int
+	last      int32
+	generated int
+	stepErr   error
+	finished  bool
+	reason    string
+
+	out      chan Event       // decode role
+	lease    chan leaseResult // prefill role, capacity 1
+	leaseOut bool
+
+	accepted, admitted, firstAt time.Time
+	timing                      Timing
+}
+
+// accept takes the token sampled at step q.generated and reports whether
+// the request is complete: EOS ends it without being emitted, reaching
+// maxTokens ends it after the token.
+func (q *request) accept(tok int32) bool {
+	if q.generated == 0 {
+		q.firstAt = time.Now()
+		q.timing.FirstToken = q.firstAt.Sub(q.accepted)
+	}
+	q.generated++
+	q.last = tok
+	if tok == model.EOS {
+		q.reason = "stop"
+		return true
+	}
+	q.out <- Event{Token: tok}
+	if q.generated >= q.maxTokens {
+		q.reason = "length"
+		return true
+	}
+	return false
+}
+
+// Engine runs a worker's attention-DP ranks in lockstep. Generate (decode)
+// and Prefill (prefill) queue requests from any goroutine; Run is the loop,
+// run by exactly one goroutine the caller owns.
+//
+// Each iteration the loop (1) applies inbox events (cancellations, finished
+// fetches, released leases), (2) admits queued requests in order while some
+// rank has a free real row and unpromised blocks for the request's whole
+// life, (3) plans with PlanStep, and (4) when any rank has schedulable work,
+// steps every rank: one prefill or decode step per schedulable request, and
+// the attention-DP dummy (id 0, on the reserved row) on each idle rank,
+// freed at the end of the iteration. It sleeps when no rank has work.
+//
+// Lock order: Engine.mu, then the managers' locks; the loop never holds
+// Engine.mu across executor calls.
+type Engine struct {
+	cfg        Config
+	ranks      []*Rank
+	log        *slog.Logger
+	m          *Metrics
+	maxContext int
+
+	wake chan struct{} // capacity 1: a pending wake-up is enough
+
+	mu        sync.Mutex
+	queue     []*request
+	inbox     []inboxEvent
+	nextID    uint64
+	live      int // queued plus held
+	running   bool
+	stopped   bool
+	draining  bool
+	idle      chan struct{} // closed once draining and live == 0
+	idleShut  bool
+	fetches   sync.WaitGroup
+	scratchPh []Phase
+}
+
+// NewEngine returns an engine over ranks. The ranks must share one model.
+func NewEngine(cfg Config, ranks []*Rank) (*Engine, error) {
+	if err := cfg.validate(ranks); err != nil {
+		return nil, err
+	}
+	maxCtx := ranks[0].exec.Spec().MaxContext
+	for _, r := range ranks {
+		maxCtx = min(maxCtx, r.MaxTokens())
+	}
+	e := &Engine{
+		cfg: cfg, ranks: ranks, log: cfg.Logger, m: cfg.Metrics, maxContext: maxCtx,
+		wake: make(chan struct{}, 1), idle: make(chan struct{}), nextID: 1,
+	}
+	e.m.init(cfg.Role)
+	e.publish()
+	return e, nil
+}
+
+// MaxContext is the most tokens (prompt plus generated) one request may use.
+func (e *Engine) MaxContext() int { return e.maxContext }
+
+// Ranks returns the engine's ranks.
+func (e *Engine) Ranks() []*Rank { return e.ranks }
+
+// Role returns the engine's role.
+func (e *Engine) Role() Role { return e.cfg.Role }
+
+// Metrics returns the engine's metrics.
+func (e *Engine) Metrics() *Metrics { return e.m }
+
+// Generate queues a decode request. It returns at once: ErrQueueFull,
+// ErrDraining or ErrClosed when the request is not taken, ErrInvalidRequest
+// or ErrTooLong for a request that can never run. Cancelling ctx ends the
+// request and frees its resources.
+func (e *Engine) Generate(ctx context.Context, g GenerateRequest) (*Stream, error) {
+	if e.cfg.Role != RoleDecode {
+		return nil, ErrWrongRole
+	}
+	if err := e.check(g.Prompt, g.MaxTokens, g.Temperature); err != nil {
+		e.m.Requests.WithLabelValues(string(e.cfg.Role), ResultInvalid).Inc()
+		return nil, err
+	}
+	need := len(g.Prompt) + g.MaxTokens
+	q := e.newRequest(ctx, g.LogID, g.Prompt, g.MaxTokens, g.Temperature, g.Seed, need)
+	q.out = make(chan Event, g.MaxTokens+1)
+	if err := e.enqueue(q); err != nil {
+		return nil, err
+	}
+	return &Stream{ID: q.id, events: q.out}, nil
+}
+
+// Prefill queues a prefill job and waits until it ran: the returned lease
+// holds the cache until Release. Errors as Generate's, or ctx's.
+func (e *Engine) Prefill(ctx context.Context, j PrefillJob) (*Lease, error) {
+	if e.cfg.Role != RolePrefill {
+		return nil, ErrWrongRole
+	}
+	if err := e.check(j.Prompt, 1, j.Temperature); err != nil {
+		e.m.Requests.WithLabelValues(string(e.cfg.Role), ResultInvalid).Inc()
+		return nil, err
+	}
+	q := e.newRequest(ctx, j.LogID, j.Prompt, 1, j.Temperature, j.Seed, len(j.Prompt))
+	q.prefillOnly = true
+	q.lease = make(chan leaseResult, 1)
+	if err := e.enqueue(q); err != nil {
+		return nil, err
+	}
+	select {
+	case r := <-q.lease:
+		return r.lease, r.err
+	case <-ctx.Done():
+		e.post(inboxEvent{kind: evAbandon, q: q})
+		return nil, fmt.Errorf("worker: prefill: %w", context.Cause(ctx))
+	}
+}
+
+func (e *Engine) check(prompt []int32, maxTokens int, temp float64) error {
+	switch {
+	case len(prompt) == 0:
+		return fmt.Errorf("%w: empty prompt", ErrInvalidRequest)
+	case maxTokens < 1:
+		return fmt.Errorf("%w: max tokens %d", ErrInvalidRequest, maxTokens)
+	case temp < 0 || math.IsNaN(temp) || math.IsInf(temp, 0):
+		return fmt.Errorf("%w: temperature %v", ErrInvalidRequest, temp)
+	case len(prompt)+maxTokens > e.maxContext:
+		return fmt.Errorf("%w: %d prompt + %d new tokens > %d", ErrTooLong, len(prompt), maxTokens, e.maxContext)
+	}
+	return nil
+}
+
+func (e *Engine) newRequest(ctx context.Context, logID string, prompt []int32, maxTokens int,
+	temp float64, seed uint64, tokens int) *request {
+	rctx, cancel := context.WithCancel(ctx)
+	return &request{
+		logID: logID, ctx: rctx, cancel: cancel,
+		prompt: prompt, maxTokens: maxTokens, temp: temp, seed: seed,
+		promise:  ranksBlocksFor(e.ranks[0], tokens),
+		accepted: time.Now(),
+	}
+}
+
+func ranksBlocksFor(r *Rank, tokens int) int { return r.kvCfg.BlocksFor(tokens) }
+
+func (e *Engine) enqueue(q *request) error {
+	e.mu.Lock()
+	var err error
+	switch {
+	case e.stopped:
+		err = ErrClosed
+	case e.draining:
+		err = ErrDraining
+	case len(e.queue) >= e.cfg.QueueSize:
+		err = ErrQueueFull
+	}
+	if err != nil {
+		e.mu.Unlock()
+		q.cancel()
+		e.m.Requests.WithLabelValues(string(e.cfg.Role), ResultRejected).Inc()
+		return err
+	}
+	q.id = e.nextID
+	e.nextID++
+	if q.logID == "" {
+		q.logID = fmt.Sprintf("%s-%d", e.cfg.Role, q.id)
+	}
+	q.log = e.log.With("request_id", q.logID)
+	// The callback runs on its own goroutine, never under e.mu.
+	q.stopAfter = context.AfterFunc(q.ctx, func() { e.post(inboxEvent{kind: evCancel, q: q}) })
+	log := q.log
+	e.queue = append(e.queue, q)
+	e.live++
+	e.mu.Unlock()
+	log.Debug("request queued", "prompt_tokens", len(q.prompt), "max_tokens", q.maxTokens)
+	e.kick()
+	return nil
+}
+
+func (e *Engine) kick() {
+	select {
+	case e.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (e *Engine) post(ev inboxEvent) {
+	e.mu.Lock()
+	e.inbox = append(e.inbox, ev)
+	e.mu.Unlock()
+	e.kick()
+}
+
+// Drain stops intake (Generate and Prefill return ErrDraining) and waits
+// until every accepted request ended, or ctx ends.
+func (e *Engine) Drain(ctx context.Context) error {
+	e.mu.Lock()
+	e.draining = true
+	e.maybeIdleLocked()
+	idle := e.idle
+	e.mu.Unlock()
+	select {
+	case <-idle:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("worker: drain: %w", ctx.Err())
+	}
+}
+
+// Draining reports whether Drain was called.
+func (e *Engine) Draining() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.draining
+}
+
+// Live is the number of accepted requests not yet ended.
+func (e *Engine) Live() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.live
+}
+
+func (e *Engine) maybeIdleLocked() {
+	if e.draining && e.live == 0 && !e.idleShut {
+		e.idleShut = true
+		close(e.idle)
+	}
+}
+
+// Run is the scheduling loop. It returns when ctx ends, after failing queued
+// and running requests with ErrClosed and freeing everything they held.
+// It must be called once.
+func (e *Engine) Run(ctx context.Context) error {
+	e.mu.Lock()
+	if e.running || e.stopped {
+		e.mu.Unlock()
+		return fmt.Errorf("%w: Run called twice", ErrInvalidConfig)
+	}
+	e.running = true
+	e.mu.Unlock()
+	defer e.shutdown()
+	for {
+		e.applyInbox()
+		e.admit()
+		plan := e.plan()
+		if plan.Step {
+			e.step(ctx, plan)
+			e.collect()
+		}
+		e.publish()
+		if ctx.Err() != nil {
+			return nil
+		}
+		if plan.Step {
+			continue
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-e.wake:
+		}
+	}
+}
+
+func (e *Engine) plan() Plan {
+	loads := make([]RankLoad, len(e.ranks))
+	ph := e.scratchPh[:0]
+	for i, r := range e.ranks {
+		start := len(ph)
+		ph = r.load(ph).Phases
+		loads[i] = RankLoad{Phases: ph[start:len(ph):len(ph)]}
+	}
+	e.scratchPh = ph
+	return PlanStep(loads, e.cfg.AttentionDP)
+}
+
+// applyInbox handles the events posted since the last iteration.
+func (e *Engine) applyInbox() {
+	e.mu.Lock()
+	events := e.inbox
+	e.inbox = nil
+	e.mu.Unlock()
+	for _, ev := range events {
+		q := ev.q
+		switch ev.kind {
+		case evCancel, evAbandon:
+			switch q.phase {
+			case PhaseQueued:
+				if e.unqueue(q) {
+					e.finish(q, context.Cause(q.ctx))
+				}
+			case PhaseContext, PhaseGenerate:
+				e.finish(q, context.Cause(q.ctx))
+			case PhasePush:
+				// Once the lease was handed out only Release frees it; an
+				// abandoned Prefill never handed it out.
+				if ev.kind == evAbandon {
+					e.finish(q, context.Cause(q.ctx))
+				}
+			case PhaseAwaitCache:
+				// The fetch runs under q.ctx and ends on its own.
+			}
+		case evFetched:
+			if q.phase == PhaseAwaitCache {
+				e.fetched(q, ev.res, ev.err)
+			}
+		case evRelease:
+			if q.phase == PhasePush {
+				e.finish(q, nil)
+			}
+		}
+	}
+}
+
+func (e *Engine) unqueue(q *request) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for i, x := range e.queue {
+		if x == q {
+			e.queue = append(e.queue[:i], e.queue[i+1:]...)
+			return true
+		}
+	}
+	return false
+}
+
+// admit moves queued requests onto ranks, in order, while the head fits.
+func (e *Engine) admit() {
+	rooms := make([]RankRoom, len(e.ranks))
+	for {
+		e.mu.Lock()
+		if len(e.queue) == 0 || e.stopped {
+			e.mu.Unlock()
+			return
+		}
+		q := e.queue[0]
+		for i, r := range e.ranks {
+			rooms[i] = r.room()
+		}
+		idx := PickRank(rooms, q.promise)
+		if idx < 0 {
+			e.mu.Unlock()
+			return
+		}
+		e.queue = e.queue[1:]
+		e.mu.Unlock()
+		e.place(q, e.ranks[idx])
+	}
+}
+
+func (e *Engine) place(q *request, r *Rank) {
+	if q.ctx.Err() != nil {
+		e.finish(q, context.Cause(q.ctx))
+		return
+	}
+	res, err := r.mgr.Prepare(q.id, len(q.prompt))
+	if err != nil {
+		// Admission checked rows and blocks; this is a bug, not load.
+		e.finish(q, fmt.Errorf("worker: admit on rank %d: %w", r.index, err))
+		return
+	}
+	q.rank = r
+	q.admitted = time.Now()
+	q.timing.Queued = q.admitted.Sub(q.accepted)
+	q.log = q.log.With("rank", r.index)
+	r.held = append(r.held, q)
+	r.promised += q.promise
+	if q.prefillOnly || e.cfg.Source == nil {
+		q.phase = PhaseContext
+		q.log.Debug("request admitted", "row", res.Row, "runs", len(res.Runs))
+		return
+	}
+	q.phase = PhaseAwaitCache
+	q.log.Debug("request admitted, awaiting cache", "row", res.Row, "runs", len(res.Runs))
+	f := FetchRequest{
+		ID: q.id, LogID: q.logID, Rank: r.index, Prompt: q.prompt,
+		Temperature: q.temp, Seed: q.seed, Row: res.Row,
+		Runs: append([]kvcache.Run(nil), res.Runs...),
+	}
+	src := e.cfg.Source
+	e.fetches.Go(func() {
+		res, err := src.Fetch(q.ctx, f)
+		e.post(inboxEvent{kind: evFetched, q: q, res: res, err: err})
+	})
+}
+
+// fetched applies a finished Fetch.
+func (e *Engine) fetched(q *request, res FetchResult, err error) {
+	role := string(e.cfg.Role)
+	e.m.TransferDuration.WithLabelValues(role).Observe(time.Since(q.admitted).Seconds())
+	e.m.Transfers.WithLabelValues(role, TransferResult(err)).Inc()
+	if err != nil {
+		e.finish(q, fmt.Errorf("worker: fetch cache: %w", err))
+		return
+	}
+	e.m.TransferBytes.WithLabelValues(role, "kv").Add(float64(res.KVBytes))
+	e.m.TransferBytes.WithLabelValues(role, "mamba").Add(float64(res.MambaBytes))
+	q.timing.Prefill = res.Compute
+	q.timing.Transfer = time.Since(q.admitted)
+	q.pos = len(q.prompt)
+	if q.accept(res.First) {
+		e.finish(q, nil)
+		return
+	}
+	q.phase = PhaseGenerate
+}
+
+// TransferResult maps a transfer's error to its metric label.
+func TransferResult(err error) string {
+	switch {
+	case err == nil:
+		return TransferOK
+	case errors.Is(err, ErrTransferRefused):
+		return TransferRefused
+	case errors.Is(err, ErrTransferTimeout), errors.Is(err, context.DeadlineExceeded):
+		return TransferTimeout
+	case errors.Is(err, context.Canceled), errors.Is(err, ErrClosed):
+		return TransferCancelled
+	default:
+		return TransferFailed
+	}
+}
+
+// step runs one lockstep iteration: ranks step concurrently.
+func (e *Engine) step(ctx context.Context, plan Plan) {
+	var wg sync.WaitGroup
+	for i, r := range e.ranks {
+		dummy := plan.Dummy[i]
+		if !dummy && !hasWork(r) {
+			continue
+		}
+		wg.Go(func() { e.stepRank(ctx, r, dummy) })
+	}
+	wg.Wait()
+}
+
+func hasWork(r *Rank) bool {
+	for _, q := range r.held {
+		if q.phase.Schedulable() {
+			return true
+		}
+	}
+	return false
+}
+
+func (e *Engine) stepRank(ctx context.Context, r *Rank, dummy bool) {
+	if dummy {
+		e.padDummy(ctx, r)
+		return
+	}
+	for _, q := range r.held {
+		switch q.phase {
+		case PhaseContext:
+			e.prefillStep(r, q)
+		case PhaseGenerate:
+			e.decodeStep(r, q)
+		}
+	}
+}
+
+// padDummy places the ADP dummy on r's reserved row, runs a decode step on
+// it so the rank joins the iteration, and frees it.
+func (e *Engine) padDummy(ctx context.Context, r *Rank) {
+	id := mambacache.ADPDummyID
+	if err := r.mgr.AddDummy(id); err != nil {
+		e.log.Error("adp dummy not placed", "rank", r.index, "err", err)
+		return
+	}
+	c, err := r.cache(id, nil)
+	if err == nil {
+		_, err = model.DecodeContext(ctx, r.exec, c, 0, 0)
+	}
+	if err != nil && ctx.Err() == nil {
+		e.log.Error("adp dummy step", "rank", r.index, "err", err)
+	}
+	if err := r.mgr.Free(id); err != nil {
+		e.log.Error("adp dummy free", "rank", r.index, "err", err)
+	}
+	e.m.Dummies.WithLabelValues(string(e.cfg.Role)).Inc()
+}
+
+func (e *Engine) prefillStep(r *Rank, q *request) {
+	start := time.Now()
+	c, err := r.cache(q.id, q.blocks)
+	if err != nil {
+		q.stepErr = err
+		return
+	}
+	q.blocks = c.Blocks
+	logits, err := model.PrefillContext(q.ctx, r.exec, c, q.prompt)
+	if err != nil {
+		q.stepErr = err
+		return
+	}
+	tok := model.Sample(logits, q.temp, q.seed, 0)
+	q.timing.Prefill = time.Since(start)
+	q.pos = len(q.prompt)
+	if q.prefillOnly {
+		q.generated, q.last = 1, tok
+		runs, err := r.mgr.KV().Runs(q.id, nil)
+		if err != nil {
+			q.stepErr = err
+			return
+		}
+		q.firstAt = time.Now()
+		q.timing.FirstToken = q.firstAt.Sub(q.accepted)
+		q.phase = PhasePush
+		q.leaseOut = true
+		q.lease <- leaseResult{lease: &Lease{
+			Rank: r.index, ID: q.id, Row: c.Row, Runs: runs, Tokens: len(q.prompt),
+			First: tok, Compute: q.timing.Prefill, e: e, q: q,
+		}}
+		return
+	}
+	if q.accept(tok) {
+		q.finished = true
+		return
+	}
+	q.phase = PhaseGenerate
+}
+
+func (e *Engine) decodeStep(r *Rank, q *request) {
+	if err := r.mgr.Grow(q.id, q.pos+1); err != nil {
+		q.stepErr = err
+		return
+	}
+	c, err := r.cache(q.id, q.blocks)
+	if err != nil {
+		q.stepErr = err
+		return
+	}
+	q.blocks = c.Blocks
+	logits, err := model.DecodeContext(q.ctx, r.exec, c, q.last, q.pos)
+	if err != nil {
+		q.stepErr = err
+		return
+	}
+	tok := model.Sample(logits, q.temp, q.seed, q.generated)
+	q.pos++
+	q.finished = q.accept(tok)
+}
+
+// collect ends the requests the iteration finished or failed.
+func (e *Engine) collect() {
+	var done []*request
+	for _, r := range e.ranks {
+		for _, q := range r.held {
+			if q.stepErr != nil || q.finished {
+				done = append(done, q)
+			}
+		}
+	}
+	for _, q := range done {
+		err := q.stepErr
+		if err != nil && q.ctx.Err() != nil {
+			err = context.Cause(q.ctx)
+		}
+		e.finish(q, err)
+	}
+}
+
+// finish ends q: frees what it holds, reports, and counts it.
+func (e *Engine) finish(q *request, err error) {
+	if q.phase == PhaseDone {
+		return
+	}
+	if q.phase.HoldsResources() && q.rank != nil {
+		r := q.rank
+		if ferr := r.mgr.Free(q.id); ferr != nil {
+			q.log.Error("free resources", "err", ferr)
+		}
+		r.promised -= q.promise
+		for i, x := range r.held {
+			if x == q {
+				r.held = append(r.held[:i], r.held[i+1:]...)
+				break
+			}
+		}
+	}
+	q.phase = PhaseDone
+	if q.stopAfter != nil {
+		q.stopAfter()
+	}
+	q.cancel()
+	q.timing.Total = time.Since(q.accepted)
+	result := ResultOK
+	switch {
+	case err == nil:
+	case errors.Is(err, context.Canceled):
+		result = ResultCancelled
+	default:
+		result = ResultFailed
+	}
+	e.m.Requests.WithLabelValues(string(e.cfg.Role), result).Inc()
+	if q.out != nil {
+		ev := Event{Done: true, Err: err, Timing: q.timing}
+		if err == nil {
+			ev.Finish = q.reason
+		}
+		q.out <- ev
+	}
+	if q.lease != nil && !q.leaseOut {
+		q.leaseOut = true
+		q.lease <- leaseResult{err: err}
+	}
+	attrs := []any{"result", result, "generated", q.generated, "queued_ms", ms(q.timing.Queued),
+		"prefill_ms", ms(q.timing.Prefill), "total_ms", ms(q.timing.Total)}
+	if q.timing.Transfer > 0 {
+		attrs = append(attrs, "transfer_ms", ms(q.timing.Transfer))
+	}
+	if err != nil {
+		attrs = append(attrs, "err", err)
+	}
+	q.log.Info("request done", attrs...)
+	e.mu.Lock()
+	e.live--
+	e.maybeIdleLocked()
+	e.mu.Unlock()
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+// publish updates the pool and session gauges.
+func (e *Engine) publish() {
+	inflight := 0
+	for _, r := range e.ranks {
+		e.m.setPools(e.cfg.Role, r.index, r.mgr.Stats())
+		for _, q := range r.held {
+			if q.phase == PhaseAwaitCache || q.phase == PhasePush {
+				inflight++
+			}
+		}
+	}
+	e.m.Sessions.WithLabelValues(string(e.cfg.Role)).Set(float64(inflight))
+}
+
+// shutdown fails what is left and waits for fetches and leases, up to
+// ReleaseGrace, before freeing their resources anyway.
+func (e *Engine) shutdown() {
+	e.mu.Lock()
+	e.stopped = true
+	queued := e.queue
+	e.queue = nil
+	e.mu.Unlock()
+	for _, q := range queued {
+		e.finish(q, ErrClosed)
+	}
+	var running []*request
+	for _, r := range e.ranks {
+		running = append(running, r.held...)
+	}
+	for _, q := range running {
+		switch q.phase {
+		case PhaseContext, PhaseGenerate:
+			e.finish(q, ErrClosed)
+		case PhaseAwaitCache:
+			q.cancel()
+		}
+	}
+	timer := time.NewTimer(e.cfg.ReleaseGrace)
+	defer timer.Stop()
+wait:
+	for {
+		e.applyInbox()
+		held := 0
+		for _, r := range e.ranks {
+			held += len(r.held)
+		}
+		if held == 0 {
+			break
+		}
+		select {
+		case <-e.wake:
+		case <-timer.C:
+			for _, r := range e.ranks {
+				for _, q := range append([]*request(nil), r.held...) {
+					q.log.Warn("freeing resources of a request still in transfer at shutdown", "phase", q.phase.String())
+					e.finish(q, ErrClosed)
+				}
+			}
+			break wait
+		}
+	}
+	e.fetches.Wait()
+	e.applyInbox()
+	e.publish()
+}

@@ -1,0 +1,517 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/hybrid"
+	"github.com/handoff-io/handoff/model"
+)
+
+type rankOpts struct {
+	ranks, batch int
+	adp          bool
+	blocks       int
+	model        string
+}
+
+func newRanks(t testing.TB, o rankOpts) []*Rank {
+	t.Helper()
+	if o.model == "" {
+		o.model = model.TinyHybrid
+	}
+	exec, err := model.Lookup(o.model)
+	require.NoError(t, err)
+	cfg, err := PoolConfig(exec.Spec(), PoolParams{MaxBatchSize: o.batch, AttentionDP: o.adp, KVBlocks: o.blocks})
+	require.NoError(t, err)
+	out := make([]*Rank, o.ranks)
+	for i := range out {
+		m, err := hybrid.New(cfg)
+		require.NoError(t, err)
+		r, err := NewRank(i, m, exec, make([]byte, cfg.KV.ArenaBytes()), make([]byte, cfg.Mamba.ArenaBytes()))
+		require.NoError(t, err)
+		out[i] = r
+	}
+	return out
+}
+
+// startEngine runs e's loop until the test ends and checks that it stopped
+// and left every pool at its idle counts.
+func startEngine(t testing.TB, e *Engine) {
+	t.Helper()
+	idle := make([]hybrid.Stats, len(e.ranks))
+	for i, r := range e.ranks {
+		idle[i] = r.mgr.Stats()
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- e.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+		for i, r := range e.ranks {
+			require.Equal(t, idle[i], r.mgr.Stats(), "rank %d pools not back to idle", i)
+		}
+	})
+}
+
+func newEngine(t testing.TB, cfg Config, ranks []*Rank) *Engine {
+	t.Helper()
+	if cfg.Role == "" {
+		cfg.Role = RoleDecode
+	}
+	e, err := NewEngine(cfg, ranks)
+	require.NoError(t, err)
+	startEngine(t, e)
+	return e
+}
+
+// drainStream reads a stream to its final event.
+func drainStream(t testing.TB, s *Stream) ([]int32, Event) {
+	t.Helper()
+	var toks []int32
+	timeout := time.After(20 * time.Second)
+	for {
+		select {
+		case ev := <-s.Events():
+			if ev.Done {
+				return toks, ev
+			}
+			toks = append(toks, ev.Token)
+		case <-timeout:
+			t.Fatal("stream did not end")
+		}
+	}
+}
+
+// reference generates with the executor directly on a private pool: the
+// oracle every engine mode must match token for token.
+func reference(t testing.TB, name string, prompt []int32, maxTokens int, temp float64, seed uint64) []int32 {
+	t.Helper()
+	exec, err := model.Lookup(name)
+	require.NoError(t, err)
+	cfg, err := PoolConfig(exec.Spec(), PoolParams{MaxBatchSize: 1})
+	require.NoError(t, err)
+	m, err := hybrid.New(cfg)
+	require.NoError(t, err)
+	kv, mb := make([]byte, cfg.KV.ArenaBytes()), make([]byte, cfg.Mamba.ArenaBytes())
+	r, err := NewRank(0, m, exec, kv, mb)
+	require.NoError(t, err)
+	_, err = m.Prepare(1, len(prompt))
+	require.NoError(t, err)
+	c, err := r.cache(1, nil)
+	require.NoError(t, err)
+	logits, err := exec.Prefill(c, prompt)
+	require.NoError(t, err)
+	var out []int32
+	pos := len(prompt)
+	for step := 0; ; step++ {
+		tok := model.Sample(logits, temp, seed, step)
+		if tok == model.EOS {
+			return out
+		}
+		out = append(out, tok)
+		if len(out) == maxTokens {
+			return out
+		}
+		require.NoError(t, m.Grow(1, pos+1))
+		c, err = r.cache(1, nil)
+		require.NoError(t, err)
+		logits, err = exec.Decode(c, tok, pos)
+		require.NoError(t, err)
+		pos++
+	}
+}
+
+var testPrompts = []string{
+	"Hello, world",
+	"The quick brown fox jumps over the lazy dog.",
+	"a",
+	"0123456789abcdef0123",
+}
+
+func TestEngineLocalMatchesReference(t *testing.T) {
+	ranks := newRanks(t, rankOpts{ranks: 2, batch: 2, adp: true})
+	e := newEngine(t, Config{AttentionDP: true}, ranks)
+	type job struct {
+		prompt []int32
+		temp   float64
+		seed   uint64
+		stream *Stream
+	}
+	var jobs []*job
+	for i, p := range testPrompts[:3] {
+		for _, temp := range []float64{0, 0.8} {
+			j := &job{prompt: model.Encode(p), temp: temp, seed: uint64(i + 7)}
+			s, err := e.Generate(context.Background(), GenerateRequest{
+				Prompt: j.prompt, MaxTokens: 8, Temperature: j.temp, Seed: j.seed,
+			})
+			require.NoError(t, err)
+			j.stream = s
+			jobs = append(jobs, j)
+		}
+	}
+	for _, j := range jobs {
+		toks, ev := drainStream(t, j.stream)
+		require.NoError(t, ev.Err)
+		require.Equal(t, reference(t, model.TinyHybrid, j.prompt, 8, j.temp, j.seed), toks)
+		require.Contains(t, []string{"length", "stop"}, ev.Finish)
+	}
+}
+
+func TestEngineDeterministic(t *testing.T) {
+	run := func() [][]int32 {
+		ranks := newRanks(t, rankOpts{ranks: 1, batch: 4})
+		e, err := NewEngine(Config{Role: RoleDecode}, ranks)
+		require.NoError(t, err)
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		go func() { _ = e.Run(ctx) }()
+		var out [][]int32
+		for i, p := range testPrompts {
+			s, err := e.Generate(ctx, GenerateRequest{Prompt: model.Encode(p), MaxTokens: 6, Temperature: 0.7, Seed: uint64(i)})
+			require.NoError(t, err)
+			toks, ev := drainStream(t, s)
+			require.NoError(t, ev.Err)
+			out = append(out, toks)
+		}
+		return out
+	}
+	require.Equal(t, run(), run())
+}
+
+func TestEngineValidation(t *testing.T) {
+	ranks := newRanks(t, rankOpts{ranks: 1, batch: 1, blocks: 4})
+	e := newEngine(t, Config{}, ranks)
+	max := e.MaxContext()
+	require.Equal(t, 4*ranks[0].kvCfg.TokensPerBlock, max)
+	tests := []struct {
+		name string
+		g    GenerateRequest
+		want error
+	}{
+		{"empty prompt", GenerateRequest{MaxTokens: 1}, ErrInvalidRequest},
+		{"zero max tokens", GenerateRequest{Prompt: []int32{1}}, ErrInvalidRequest},
+		{"negative max tokens", GenerateRequest{Prompt: []int32{1}, MaxTokens: -3}, ErrInvalidRequest},
+		{"negative temperature", GenerateRequest{Prompt: []int32{1}, MaxTokens: 1, Temperature: -1}, ErrInvalidRequest},
+		{"too long", GenerateRequest{Prompt: make([]int32, max), MaxTokens: 1}, ErrTooLong},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := e.Generate(context.Background(), tt.g)
+			require.ErrorIs(t, err, tt.want)
+		})
+	}
+	_, err := e.Prefill(context.Background(), PrefillJob{Prompt: []int32{1}})
+	require.ErrorIs(t, err, ErrWrongRole)
+	// The longest request that fits runs.
+	s, err := e.Generate(context.Background(), GenerateRequest{Prompt: make([]int32, max-2), MaxTokens: 2})
+	require.NoError(t, err)
+	_, ev := drainStream(t, s)
+	require.NoError(t, ev.Err)
+}
+
+// gateSource is a CacheSource that holds each fetch until released, then
+// fills the destination through a prefill engine (a loopback transfer).
+type gateSource struct {
+	pre     *Engine
+	dst     []*Rank
+	gate    chan struct{}
+	started chan uint64
+}
+
+func (g *gateSource) Fetch(ctx context.Context, f FetchRequest) (FetchResult, error) {
+	if g.started != nil {
+		g.started <- f.ID
+	}
+	if g.gate != nil {
+		select {
+		case <-g.gate:
+		case <-ctx.Done():
+			return FetchResult{}, ctx.Err()
+		}
+	}
+	return loopbackFetch(ctx, g.pre, g.dst, f)
+}
+
+// loopbackFetch prefills f on pre and copies the cache into f's destination.
+func loopbackFetch(ctx context.Context, pre *Engine, dst []*Rank, f FetchRequest) (FetchResult, error) {
+	l, err := pre.Prefill(ctx, PrefillJob{Prompt: f.Prompt, Temperature: f.Temperature, Seed: f.Seed, LogID: f.LogID})
+	if err != nil {
+		return FetchResult{}, err
+	}
+	defer l.Release()
+	src, d := pre.ranks[l.Rank], dst[f.Rank]
+	var kvBytes int64
+	var srcKV, dstKV []byte
+	for _, run := range l.Runs {
+		x := src.kvCfg.RunExtent(run)
+		srcKV = append(srcKV, src.kvArena[x.Offset:x.Offset+x.Length]...)
+	}
+	for _, run := range f.Runs {
+		x := d.kvCfg.RunExtent(run)
+		dstKV = d.kvArena[x.Offset : x.Offset+x.Length]
+		n := copy(dstKV, srcKV)
+		srcKV = srcKV[n:]
+		kvBytes += int64(n)
+	}
+	if len(srcKV) != 0 {
+		return FetchResult{}, errors.New("loopback: destination shorter than source")
+	}
+	sx, dx := src.mCfg.RowExtent(l.Row), d.mCfg.RowExtent(f.Row)
+	copy(d.mambaArena[dx.Offset:dx.Offset+dx.Length], src.mambaArena[sx.Offset:sx.Offset+sx.Length])
+	return FetchResult{First: l.First, Compute: l.Compute, KVBytes: kvBytes, MambaBytes: dx.Length}, nil
+}
+
+func TestEngineRemoteMatchesLocal(t *testing.T) {
+	pre := newEngine(t, Config{Role: RolePrefill, AttentionDP: true}, newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true}))
+	dranks := newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true})
+	dec := newEngine(t, Config{AttentionDP: true, Source: &gateSource{pre: pre, dst: dranks}}, dranks)
+	var streams []*Stream
+	for i, p := range testPrompts {
+		s, err := dec.Generate(context.Background(), GenerateRequest{Prompt: model.Encode(p), MaxTokens: 6, Temperature: float64(i%2) * 0.9, Seed: uint64(i)})
+		require.NoError(t, err)
+		streams = append(streams, s)
+	}
+	for i, s := range streams {
+		toks, ev := drainStream(t, s)
+		require.NoError(t, ev.Err)
+		require.Equal(t, reference(t, model.TinyHybrid, model.Encode(testPrompts[i]), 6, float64(i%2)*0.9, uint64(i)), toks)
+		require.Greater(t, ev.Timing.Transfer, time.Duration(0))
+	}
+}
+
+// TestEngineSeedScenario is the case the reserved ADP row exists for:
+// dp-size 2, max-batch-size 1, a request whose cache is in flight holds
+// rank 0's only real row while rank 1 generates, so rank 0 looks idle and
+// must pad the dummy every iteration.
+func TestEngineSeedScenario(t *testing.T) {
+	pre := newEngine(t, Config{Role: RolePrefill, AttentionDP: true}, newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true}))
+	dranks := newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true})
+	gate := make(chan struct{})
+	src := &gateSource{pre: pre, dst: dranks, gate: gate, started: make(chan uint64, 4)}
+	dec := newEngine(t, Config{AttentionDP: true, Source: src}, dranks)
+
+	// Request A: admitted on rank 0, its fetch held at the gate.
+	sa, err := dec.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("held in transfer"), MaxTokens: 4})
+	require.NoError(t, err)
+	<-src.started
+	// Request B: rank 1; its fetch is held too until we open the gate for it.
+	sb, err := dec.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("generating"), MaxTokens: 30})
+	require.NoError(t, err)
+	<-src.started
+	// Both real rows are held by transfers: a third request waits in the queue.
+	sc, err := dec.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("queued"), MaxTokens: 2})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return dec.Live() == 3 }, 5*time.Second, time.Millisecond)
+	for _, r := range dranks {
+		s := r.mgr.Stats()
+		require.Equal(t, 0, s.RowsFree)
+		require.Equal(t, 1, s.RowsUsed)
+		require.Equal(t, 2, s.RowsReserved, "padding row and ADP row")
+	}
+	dummies := counterValue(t, dec.m.Dummies.WithLabelValues("decode"))
+	require.Zero(t, dummies, "no rank has schedulable work yet: nobody pads")
+
+	// Release both fetches; whichever generates while the other is still
+	// being served pads; the third request then runs.
+	close(gate)
+	for _, s := range []*Stream{sa, sb, sc} {
+		_, ev := drainStream(t, s)
+		require.NoError(t, ev.Err)
+	}
+	require.Greater(t, counterValue(t, dec.m.Dummies.WithLabelValues("decode")), 0.0)
+	require.Equal(t, 3.0, counterValue(t, dec.m.Transfers.WithLabelValues("decode", "ok")))
+}
+
+// TestEngineSeedScenarioDirect pins the exact state: rank 0's only row held
+// by a fetch, rank 1 generating: rank 0 pads while rank 1 steps.
+func TestEngineSeedScenarioDirect(t *testing.T) {
+	pre := newEngine(t, Config{Role: RolePrefill, AttentionDP: true}, newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true}))
+	dranks := newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true})
+	gate := make(chan struct{})
+	src := &gateSource{pre: pre, dst: dranks, started: make(chan uint64, 4)}
+	first := true
+	var mu sync.Mutex
+	held := &holdFirst{gateSource: src, gate: gate, first: &first, mu: &mu}
+	dec := newEngine(t, Config{AttentionDP: true, Source: held}, dranks)
+
+	sa, err := dec.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("held"), MaxTokens: 2})
+	require.NoError(t, err)
+	<-src.started
+	sb, err := dec.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("runs now"), MaxTokens: 20})
+	require.NoError(t, err)
+	toks, ev := drainStream(t, sb)
+	require.NoError(t, ev.Err)
+	require.NotEmpty(t, toks)
+	// Rank 0 padded on every iteration rank 1 stepped: one per token
+	// sampled on decode (the first came with the cache; an EOS is sampled
+	// but not emitted).
+	steps := len(toks) - 1
+	if ev.Finish == "stop" {
+		steps++
+	}
+	require.Equal(t, float64(steps), counterValue(t, dec.m.Dummies.WithLabelValues("decode")))
+	s0 := dranks[0].mgr.Stats()
+	require.Equal(t, 0, s0.RowsFree, "the transfer still holds rank 0's only real row")
+	close(gate)
+	_, ev = drainStream(t, sa)
+	require.NoError(t, ev.Err)
+}
+
+type holdFirst struct {
+	*gateSource
+	gate  chan struct{}
+	first *bool
+	mu    *sync.Mutex
+}
+
+func (h *holdFirst) Fetch(ctx context.Context, f FetchRequest) (FetchResult, error) {
+	h.mu.Lock()
+	hold := *h.first
+	*h.first = false
+	h.mu.Unlock()
+	h.started <- f.ID
+	if hold {
+		select {
+		case <-h.gate:
+		case <-ctx.Done():
+			return FetchResult{}, ctx.Err()
+		}
+	}
+	return loopbackFetch(ctx, h.pre, h.dst, f)
+}
+
+func TestEnginePrefillPadsWhilePushing(t *testing.T) {
+	ranks := newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true})
+	pre := newEngine(t, Config{Role: RolePrefill, AttentionDP: true}, ranks)
+	l, err := pre.Prefill(context.Background(), PrefillJob{Prompt: model.Encode("pushing")})
+	require.NoError(t, err)
+	// The lease holds a real row while "pushing"; the other rank prefills
+	// and the pushing rank pads.
+	l2, err := pre.Prefill(context.Background(), PrefillJob{Prompt: model.Encode("second")})
+	require.NoError(t, err)
+	require.NotEqual(t, l.Rank, l2.Rank)
+	// Two iterations, each with one idle rank: the first while the other
+	// rank was empty, the second while it held the pushing lease.
+	require.Equal(t, 2.0, counterValue(t, pre.m.Dummies.WithLabelValues("prefill")))
+	require.Eventually(t, func() bool {
+		return gaugeValue(t, pre.m.Sessions.WithLabelValues("prefill")) == 2
+	}, 5*time.Second, time.Millisecond)
+	l.Release()
+	l2.Release()
+	l.Release() // idempotent
+	require.Eventually(t, func() bool { return pre.Live() == 0 }, 5*time.Second, time.Millisecond)
+}
+
+func TestEngineQueueFullAndDrain(t *testing.T) {
+	ranks := newRanks(t, rankOpts{ranks: 1, batch: 1})
+	pre := newEngine(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 4}))
+	gate := make(chan struct{})
+	src := &gateSource{pre: pre, dst: ranks, gate: gate, started: make(chan uint64, 8)}
+	e := newEngine(t, Config{QueueSize: 2, Source: src}, ranks)
+	gen := func() (*Stream, error) {
+		return e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("x"), MaxTokens: 3})
+	}
+	s1, err := gen() // admitted, fetch held
+	require.NoError(t, err)
+	<-src.started
+	s2, err := gen() // queued
+	require.NoError(t, err)
+	s3, err := gen() // queued
+	require.NoError(t, err)
+	_, err = gen()
+	require.ErrorIs(t, err, ErrQueueFull)
+
+	drained := make(chan error, 1)
+	go func() { drained <- e.Drain(context.Background()) }()
+	require.Eventually(t, e.Draining, 5*time.Second, time.Millisecond)
+	_, err = gen()
+	require.ErrorIs(t, err, ErrDraining)
+	select {
+	case <-drained:
+		t.Fatal("drain returned with requests in flight")
+	case <-time.After(20 * time.Millisecond):
+	}
+	close(gate)
+	for _, s := range []*Stream{s1, s2, s3} {
+		toks, ev := drainStream(t, s)
+		require.NoError(t, ev.Err)
+		require.NotEmpty(t, toks)
+	}
+	require.NoError(t, <-drained)
+	require.Equal(t, 2.0, counterValue(t, e.m.Requests.WithLabelValues("decode", "rejected")))
+}
+
+func TestEngineCancel(t *testing.T) {
+	ranks := newRanks(t, rankOpts{ranks: 1, batch: 1})
+	pre := newEngine(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
+	gate := make(chan struct{})
+	src := &gateSource{pre: pre, dst: ranks, gate: gate, started: make(chan uint64, 8)}
+	e := newEngine(t, Config{Source: src}, ranks)
+	idle := ranks[0].mgr.Stats()
+
+	// Cancelled while its cache is in flight.
+	ctx1, cancel1 := context.WithCancel(context.Background())
+	s1, err := e.Generate(ctx1, GenerateRequest{Prompt: model.Encode("in flight"), MaxTokens: 3})
+	require.NoError(t, err)
+	<-src.started
+	// Cancelled while queued behind it.
+	ctx2, cancel2 := context.WithCancel(context.Background())
+	s2, err := e.Generate(ctx2, GenerateRequest{Prompt: model.Encode("queued"), MaxTokens: 3})
+	require.NoError(t, err)
+	cancel2()
+	_, ev := drainStream(t, s2)
+	require.ErrorIs(t, ev.Err, context.Canceled)
+	cancel1()
+	_, ev = drainStream(t, s1)
+	require.ErrorIs(t, ev.Err, context.Canceled)
+	require.Eventually(t, func() bool { return e.Live() == 0 }, 5*time.Second, time.Millisecond)
+	require.Equal(t, idle, ranks[0].mgr.Stats())
+	require.Equal(t, 1.0, counterValue(t, e.m.Transfers.WithLabelValues("decode", "cancelled")))
+
+	// Cancelled while generating (local engine, long generation).
+	lr := newRanks(t, rankOpts{ranks: 1, batch: 1})
+	le := newEngine(t, Config{}, lr)
+	ctx3, cancel3 := context.WithCancel(context.Background())
+	s3, err := le.Generate(ctx3, GenerateRequest{Prompt: model.Encode("long"), MaxTokens: 500})
+	require.NoError(t, err)
+	<-s3.Events()
+	cancel3()
+	_, ev = drainStream(t, s3)
+	require.ErrorIs(t, ev.Err, context.Canceled)
+	require.Eventually(t, func() bool { return le.Live() == 0 }, 5*time.Second, time.Millisecond)
+	require.Equal(t, 2.0, counterValue(t, e.m.Requests.WithLabelValues("decode", "cancelled")))
+	close(gate)
+}
+
+func TestEngineStopFailsInflight(t *testing.T) {
+	ranks := newRanks(t, rankOpts{ranks: 1, batch: 1})
+	pre := newEngine(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
+	src := &gateSource{pre: pre, dst: ranks, gate: make(chan struct{}), started: make(chan uint64, 8)}
+	e, err := NewEngine(Config{Role: RoleDecode, Source: src}, ranks)
+	require.NoError(t, err)
+	idle := ranks[0].mgr.Stats()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- e.Run(ctx) }()
+	s1, err := e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("a"), MaxTokens: 3})
+	require.NoError(t, err)
+	<-src.started
+	s2, err := e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("b"), MaxTokens: 3})
+	require.NoError(t, err)
+	cancel()
+	require.NoError(t, <-done)
+	for _, s := range []*Stream{s1, s2} {
+		_, ev := drainStream(t, s)
+		require.Error(t, ev.Err)
+	}
+	require.Equal(t, idle, ranks[0].mgr.Stats())
+	_, err = e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("c"), MaxTokens: 3})
+	require.ErrorIs(t, err, ErrClosed)
+}

@@ -1,0 +1,33 @@
+package worker
+
+import "errors"
+
+// Sentinel errors of the worker. Callers match them with errors.Is.
+var (
+	// ErrInvalidConfig is returned by NewEngine, NewRank and PoolConfig for
+	// a configuration that cannot work.
+	ErrInvalidConfig = errors.New("worker: invalid config")
+	// ErrInvalidRequest is returned by Generate and Prefill for an empty
+	// prompt, a token budget ≤ 0 or an out-of-range sampling parameter.
+	ErrInvalidRequest = errors.New("worker: invalid request")
+	// ErrTooLong is returned by Generate and Prefill when the prompt plus
+	// the tokens to generate exceed what one rank's pools can ever hold.
+	ErrTooLong = errors.New("worker: request longer than the pools can hold")
+	// ErrQueueFull is returned by Generate and Prefill when the admission
+	// queue is at its bound.
+	ErrQueueFull = errors.New("worker: queue full")
+	// ErrDraining is returned by Generate and Prefill once Drain has begun.
+	ErrDraining = errors.New("worker: draining")
+	// ErrClosed ends requests still queued or running when the engine stops,
+	// and is returned by Generate and Prefill after it stopped.
+	ErrClosed = errors.New("worker: engine stopped")
+	// ErrWrongRole is returned by Generate on a prefill engine and by
+	// Prefill on a decode engine.
+	ErrWrongRole = errors.New("worker: not served by this role")
+	// ErrTransferRefused wraps a peer's refusal of a transfer (no prefill
+	// worker, a full queue, a layout mismatch); CacheSource implementations
+	// wrap with it so the transfer metric says "refused".
+	ErrTransferRefused = errors.New("worker: transfer refused")
+	// ErrTransferTimeout wraps a transfer that ran past its deadline.
+	ErrTransferTimeout = errors.New("worker: transfer timed out")
+)

@@ -1,0 +1,121 @@
+package worker
+
+import (
+	"strconv"
+
+	"github.com/handoff-io/handoff/hybrid"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Role is the part a worker plays. Its value is the "role" metric label.
+type Role string
+
+const (
+	RolePrefill Role = "prefill"
+	RoleDecode  Role = "decode"
+)
+
+// Request results (label values of handoff_requests_total).
+const (
+	ResultOK        = "ok"
+	ResultCancelled = "cancelled"
+	ResultFailed    = "failed"
+	ResultRejected  = "rejected" // queue full or draining
+	ResultInvalid   = "invalid"  // bad input, refused before admission
+)
+
+// Transfer results (label values of handoff_transfers_total).
+const (
+	TransferOK        = "ok"
+	TransferTimeout   = "timeout"
+	TransferCancelled = "cancelled"
+	TransferFailed    = "failed"
+	TransferRefused   = "refused"
+)
+
+// Metrics holds the worker's Prometheus collectors. Names and labels are the
+// project's fixed metric contract; no request id is ever a label.
+type Metrics struct {
+	Requests         *prometheus.CounterVec   // handoff_requests_total{role,result}
+	Transfers        *prometheus.CounterVec   // handoff_transfers_total{role,result}
+	TransferBytes    *prometheus.CounterVec   // handoff_transfer_bytes_total{role,kind}
+	TransferDuration *prometheus.HistogramVec // handoff_transfer_duration_seconds{role}
+	Dummies          *prometheus.CounterVec   // handoff_dummy_requests_total{role}
+	MambaRows        *prometheus.GaugeVec     // handoff_mamba_rows{role,rank,state}
+	KVBlocks         *prometheus.GaugeVec     // handoff_kv_blocks{role,rank,state}
+	Sessions         *prometheus.GaugeVec     // handoff_sessions_inflight{role}
+	TransportInfo    *prometheus.GaugeVec     // handoff_transport_info{transport}
+}
+
+// NewMetrics creates the collectors and registers them on reg (a private
+// registry, never the global default).
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	m := &Metrics{
+		Requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_requests_total",
+			Help: "Requests that ended, by role and result (ok, cancelled, failed, rejected, invalid).",
+		}, []string{"role", "result"}),
+		Transfers: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_transfers_total",
+			Help: "Cache transfers that ended, by role and result (ok, timeout, cancelled, failed, refused).",
+		}, []string{"role", "result"}),
+		TransferBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_transfer_bytes_total",
+			Help: "Cache bytes moved by successful transfers, by role and kind (kv, mamba).",
+		}, []string{"role", "kind"}),
+		TransferDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "handoff_transfer_duration_seconds",
+			Help:    "Duration of cache transfers, from the request on the control plane to the accepted commit.",
+			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 18),
+		}, []string{"role"}),
+		Dummies: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_dummy_requests_total",
+			Help: "Attention-DP dummy requests padded on idle ranks.",
+		}, []string{"role"}),
+		MambaRows: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "handoff_mamba_rows",
+			Help: "Mamba state rows per rank, by state (free, used, reserved).",
+		}, []string{"role", "rank", "state"}),
+		KVBlocks: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "handoff_kv_blocks",
+			Help: "KV cache blocks per rank, by state (free, used).",
+		}, []string{"role", "rank", "state"}),
+		Sessions: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "handoff_sessions_inflight",
+			Help: "Requests whose cache is in flight between prefill and decode.",
+		}, []string{"role"}),
+		TransportInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "handoff_transport_info",
+			Help: "The data-plane transport in use (value 1).",
+		}, []string{"transport"}),
+	}
+	reg.MustRegister(m.Requests, m.Transfers, m.TransferBytes, m.TransferDuration,
+		m.Dummies, m.MambaRows, m.KVBlocks, m.Sessions, m.TransportInfo)
+	return m
+}
+
+// init creates the series of role so that they read 0 before the first event.
+func (m *Metrics) init(role Role) {
+	r := string(role)
+	for _, res := range []string{ResultOK, ResultCancelled, ResultFailed, ResultRejected, ResultInvalid} {
+		m.Requests.WithLabelValues(r, res)
+	}
+	for _, res := range []string{TransferOK, TransferTimeout, TransferCancelled, TransferFailed, TransferRefused} {
+		m.Transfers.WithLabelValues(r, res)
+	}
+	m.TransferBytes.WithLabelValues(r, "kv")
+	m.TransferBytes.WithLabelValues(r, "mamba")
+	m.TransferDuration.WithLabelValues(r)
+	m.Dummies.WithLabelValues(r)
+	m.Sessions.WithLabelValues(r)
+}
+
+// setPools publishes one rank's pool counts.
+func (m *Metrics) setPools(role Role, rank int, s hybrid.Stats) {
+	r, k := string(role), strconv.Itoa(rank)
+	m.MambaRows.WithLabelValues(r, k, "free").Set(float64(s.RowsFree))
+	m.MambaRows.WithLabelValues(r, k, "used").Set(float64(s.RowsUsed))
+	m.MambaRows.WithLabelValues(r, k, "reserved").Set(float64(s.RowsReserved))
+	m.KVBlocks.WithLabelValues(r, k, "free").Set(float64(s.BlocksFree))
+	m.KVBlocks.WithLabelValues(r, k, "used").Set(float64(s.BlocksUsed))
+}

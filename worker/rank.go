@@ -1,0 +1,147 @@
+package worker
+
+import (
+	"fmt"
+
+	"github.com/handoff-io/handoff/hybrid"
+	"github.com/handoff-io/handoff/kvcache"
+	"github.com/handoff-io/handoff/mambacache"
+	"github.com/handoff-io/handoff/model"
+)
+
+// PoolParams sizes one rank's pools.
+type PoolParams struct {
+	// MaxBatchSize is the number of real requests a rank holds at once
+	// (real Mamba rows); reserved rows come on top.
+	MaxBatchSize int
+	// AttentionDP reserves the ADP dummy row and keeps one KV block aside.
+	AttentionDP bool
+	// TokensPerBlock overrides the model's block size when > 0.
+	TokensPerBlock int
+	// KVBlocks is the KV pool size; 0 picks enough for MaxBatchSize requests
+	// of the model's full context, capped at DefaultKVBytes.
+	KVBlocks int
+}
+
+// DefaultKVBytes caps the KV arena a rank gets when KVBlocks is 0, so the
+// synthetic presets of large models stay runnable on a laptop.
+const DefaultKVBytes = 512 << 20
+
+// PoolConfig returns the pool configuration of one rank for spec.
+func PoolConfig(spec model.Spec, p PoolParams) (hybrid.Config, error) {
+	if p.MaxBatchSize < 1 {
+		return hybrid.Config{}, fmt.Errorf("worker: max batch size %d: %w", p.MaxBatchSize, ErrInvalidConfig)
+	}
+	kv := spec.KV
+	if p.TokensPerBlock > 0 {
+		kv.TokensPerBlock = p.TokensPerBlock
+	}
+	kv.ByteBudget = 0
+	kv.Blocks = p.KVBlocks
+	if kv.Blocks <= 0 {
+		kv.Blocks = 1 // placeholder so BlocksFor and BlockBytes can be asked
+		if err := kv.Validate(); err != nil {
+			return hybrid.Config{}, fmt.Errorf("worker: kv pool: %w", err)
+		}
+		n := p.MaxBatchSize * kv.BlocksFor(spec.MaxContext)
+		if limit := int(DefaultKVBytes / kv.BlockBytes()); n > limit {
+			n = limit
+		}
+		if p.AttentionDP {
+			n++ // the dummy's block
+		}
+		kv.Blocks = max(n, 2)
+	}
+	m := spec.Mamba
+	m.MaxBatchSize = p.MaxBatchSize
+	m.AttentionDP = p.AttentionDP
+	m.PPSize = 1
+	cfg := hybrid.Config{KV: kv, Mamba: m}
+	if err := cfg.Validate(); err != nil {
+		return hybrid.Config{}, fmt.Errorf("worker: %w", err)
+	}
+	return cfg, nil
+}
+
+// Rank is one attention-DP rank: a hybrid cache manager, the two arenas its
+// offsets point into, and the executor that reads and writes them.
+//
+// The engine's loop goroutine owns a Rank's request list and promise count;
+// the manager and arenas are also read by transfer code, through the
+// offsets of requests it was handed.
+type Rank struct {
+	index      int
+	mgr        *hybrid.Manager
+	exec       model.Executor
+	kvArena    []byte
+	mambaArena []byte
+	kvCfg      kvcache.Config
+	mCfg       mambacache.Config
+	budget     int // blocks real requests may be promised
+
+	// Owned by the engine loop.
+	promised int
+	held     []*request
+}
+
+// NewRank builds a rank over arenas of at least the pools' ArenaBytes. The
+// arenas are usually the bytes of registered data-plane regions.
+func NewRank(index int, mgr *hybrid.Manager, exec model.Executor, kvArena, mambaArena []byte) (*Rank, error) {
+	kvCfg, mCfg := mgr.KV().Config(), mgr.Mamba().Config()
+	if int64(len(kvArena)) < kvCfg.ArenaBytes() {
+		return nil, fmt.Errorf("worker: rank %d: kv arena %d bytes, want %d: %w",
+			index, len(kvArena), kvCfg.ArenaBytes(), ErrInvalidConfig)
+	}
+	if int64(len(mambaArena)) < mCfg.ArenaBytes() {
+		return nil, fmt.Errorf("worker: rank %d: mamba arena %d bytes, want %d: %w",
+			index, len(mambaArena), mCfg.ArenaBytes(), ErrInvalidConfig)
+	}
+	_, blocks := mgr.Capacity()
+	return &Rank{
+		index: index, mgr: mgr, exec: exec,
+		kvArena: kvArena, mambaArena: mambaArena,
+		kvCfg: kvCfg, mCfg: mCfg, budget: blocks,
+	}, nil
+}
+
+// Index is the rank's position in the worker.
+func (r *Rank) Index() int { return r.index }
+
+// Manager is the rank's cache manager.
+func (r *Rank) Manager() *hybrid.Manager { return r.mgr }
+
+// Executor is the rank's model executor.
+func (r *Rank) Executor() model.Executor { return r.exec }
+
+// MaxTokens is the most KV tokens one request can ever hold on this rank.
+func (r *Rank) MaxTokens() int { return r.budget * r.kvCfg.TokensPerBlock }
+
+// cache builds the model's view of request id's resources; blocks is reused.
+func (r *Rank) cache(id uint64, blocks []kvcache.BlockID) (model.Cache, error) {
+	blocks, err := r.mgr.KV().Blocks(id, blocks[:0])
+	if err != nil {
+		return model.Cache{}, err
+	}
+	row, ok := r.mgr.Mamba().Row(id)
+	if !ok {
+		return model.Cache{}, fmt.Errorf("worker: request %d has no mamba row: %w", id, mambacache.ErrUnknownRequest)
+	}
+	return model.Cache{
+		KVArena: r.kvArena, KV: r.kvCfg, Blocks: blocks,
+		MambaArena: r.mambaArena, Mamba: r.mCfg, Row: row,
+	}, nil
+}
+
+// room is the rank's admission view.
+func (r *Rank) room() RankRoom {
+	s := r.mgr.Stats()
+	return RankRoom{Rows: s.RowsFree, Blocks: r.budget - r.promised, Held: len(r.held)}
+}
+
+// load is the rank's planning view.
+func (r *Rank) load(dst []Phase) RankLoad {
+	for _, q := range r.held {
+		dst = append(dst, q.phase)
+	}
+	return RankLoad{Phases: dst}
+}
