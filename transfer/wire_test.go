@@ -1,0 +1,313 @@
+package transfer
+
+import (
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/handoff-io/handoff/rdma"
+)
+
+func sampleRequest(nTokens, nExtents int) PrefillRequest {
+	toks := make(Tokens, nTokens)
+	for i := range toks {
+		toks[i] = int32(i*7 - 3)
+	}
+	exts := make(Extents, nExtents)
+	var sum uint64
+	for i := range exts {
+		exts[i] = rdma.Extent{Region: rdma.RegionID(1 + i%2), Offset: uint64(i) << 20, Length: 4096}
+		sum += 4096
+	}
+	var kv uint64
+	if nExtents > 0 {
+		kv = sum - exts[nExtents-1].Length
+	}
+	return PrefillRequest{
+		RequestID: 42, From: "decode-0", Attempt: 1, Fingerprint: "tiny-hybrid:abc123",
+		Tokens: toks, Sampling: Sampling{Temperature: 0.7, Seed: 9, MaxTokens: 64},
+		Deadline: time.Date(2026, 1, 1, 0, 0, 1, 0, time.UTC).UnixNano(),
+		Peer: PeerOf(rdma.Descriptor{Agent: "decode-0", Host: "h1", TCPAddr: "127.0.0.1:7000",
+			Transports: []rdma.Transport{rdma.TransportInproc, rdma.TransportTCP},
+			Regions:    []rdma.RegionDesc{{ID: 1, Name: "kv", Length: 1 << 30}, {ID: 2, Name: "mamba", Length: 1 << 20}}}),
+		Ticket: Ticket{Agent: "decode-0", Grant: 5, Epoch: 3, Token: make([]byte, 16), RequestID: 42,
+			Extents: exts, Bytes: sum, Deadline: 1},
+		KVBytes: kv, MambaBytes: sum - kv,
+	}
+}
+
+func sampleReply() PrefillReply {
+	return PrefillReply{RequestID: 42, Instance: "prefill-1", FirstToken: 17, PrefillNanos: 1234, WriteNanos: 567,
+		KVBytes: 8192, MambaBytes: 4096, Manifest: Manifest{Bytes: U64s{4096, 4096, 4096}, CRC: U32s{1, 2, 3}}}
+}
+
+func sampleInstance() Instance {
+	return Instance{ID: "prefill-1", Role: RolePrefill, Fingerprint: "fp", Peer: sampleRequest(0, 0).Peer,
+		Capacity: Capacity{Ranks: 2, Rows: 16, Blocks: 1024, FreeRows: 3, FreeBlocks: 100, Inflight: 1}, Updated: 99}
+}
+
+func TestWireRoundTrip(t *testing.T) {
+	req := sampleRequest(1000, 33)
+	b, err := EncodePrefillRequest(req, 0)
+	require.NoError(t, err)
+	got, err := DecodePrefillRequest(b)
+	require.NoError(t, err)
+	req.V = WireVersion
+	require.Equal(t, req, got)
+	tk, err := got.Ticket.RDMA()
+	require.NoError(t, err)
+	require.Equal(t, TicketOf(tk), got.Ticket)
+	require.Equal(t, req.Peer, PeerOf(got.Peer.Descriptor()))
+
+	rep := sampleReply()
+	b, err = EncodePrefillReply(rep, 0)
+	require.NoError(t, err)
+	gotRep, err := DecodePrefillReply(b)
+	require.NoError(t, err)
+	rep.V = WireVersion
+	require.Equal(t, rep, gotRep)
+	require.Equal(t, rep.Manifest, ManifestOf(gotRep.Manifest.RDMA()))
+
+	c := Cancel{RequestID: 42, Grant: 5, Code: CodeTimeout}
+	b, err = EncodeCancel(c)
+	require.NoError(t, err)
+	gotC, err := DecodeCancel(b)
+	require.NoError(t, err)
+	c.V = WireVersion
+	require.Equal(t, c, gotC)
+
+	inst := sampleInstance()
+	b, err = EncodeInstance(inst)
+	require.NoError(t, err)
+	gotI, err := DecodeInstance(b)
+	require.NoError(t, err)
+	inst.V = WireVersion
+	require.Equal(t, inst, gotI)
+}
+
+// TestWirePacked checks that bulk fields travel as byte strings: a request with
+// 4096 extents is ~20 bytes per extent, not a msgpack array.
+func TestWirePacked(t *testing.T) {
+	small, err := EncodePrefillRequest(sampleRequest(0, 1), 0)
+	require.NoError(t, err)
+	big, err := EncodePrefillRequest(sampleRequest(4096, 4096), 0)
+	require.NoError(t, err)
+	require.Equal(t, 4095*extentSize+4096*4, len(big)-len(small)-2-2) // bin8 -> bin16/bin32 headers grow by 2 bytes each
+}
+
+func TestWireOversize(t *testing.T) {
+	// 262144 tokens are exactly 1 MiB packed: with the rest of the message the
+	// request exceeds NATS's default max payload.
+	req := sampleRequest(DefaultMaxPayload/4, 2)
+	_, err := EncodePrefillRequest(req, 0)
+	require.ErrorIs(t, err, ErrPayloadTooLarge)
+	_, err = EncodePrefillRequest(sampleRequest(1000, 2), 512)
+	require.ErrorIs(t, err, ErrPayloadTooLarge)
+	_, err = EncodePrefillRequest(sampleRequest(1000, 2), 64<<10)
+	require.NoError(t, err)
+}
+
+func TestWireRefusesBadMessages(t *testing.T) {
+	enc := func(v any) []byte {
+		b, err := msgpack.Marshal(v)
+		require.NoError(t, err)
+		return b
+	}
+	wrongVersion := sampleRequest(3, 2)
+	wrongVersion.V = 2
+	badToken := sampleRequest(3, 2)
+	badToken.V, badToken.Ticket.Token = WireVersion, []byte{1, 2}
+	badSum := sampleRequest(3, 2)
+	badSum.V, badSum.Ticket.Bytes = WireVersion, 1
+	badSplit := sampleRequest(3, 2)
+	badSplit.V, badSplit.KVBytes = WireVersion, badSplit.KVBytes+1
+	otherID := sampleRequest(3, 2)
+	otherID.V, otherID.Ticket.RequestID = WireVersion, 43
+	noVersion := sampleRequest(3, 2)
+	cases := map[string][]byte{
+		"empty":           {},
+		"garbage":         []byte("not msgpack at all"),
+		"wrong version":   enc(&wrongVersion),
+		"no version":      enc(&noVersion),
+		"short token":     enc(&badToken),
+		"ticket sum":      enc(&badSum),
+		"kv/mamba split":  enc(&badSplit),
+		"ticket other id": enc(&otherID),
+		"ragged extents":  enc(map[string]any{"v": 1, "tk": map[string]any{"x": make([]byte, 21)}}),
+		"ragged tokens":   enc(map[string]any{"v": 1, "tok": make([]byte, 7)}),
+		"tokens as array": enc(map[string]any{"v": 1, "tok": []int{1, 2}}),
+	}
+	for name, b := range cases {
+		_, err := DecodePrefillRequest(b)
+		require.ErrorIs(t, err, ErrBadMessage, name)
+	}
+	_, err := DecodePrefillReply(enc(map[string]any{"v": 1, "code": 999}))
+	require.ErrorIs(t, err, ErrBadMessage)
+	_, err = DecodePrefillReply(enc(map[string]any{"v": 1, "man": map[string]any{"b": make([]byte, 16), "c": make([]byte, 4)}}))
+	require.ErrorIs(t, err, ErrBadMessage)
+	_, err = DecodeCancel(enc(map[string]any{"v": 1, "code": 999}))
+	require.ErrorIs(t, err, ErrBadMessage)
+	_, err = DecodeInstance(enc(map[string]any{"v": 1, "id": "x", "role": "router"}))
+	require.ErrorIs(t, err, ErrBadMessage)
+	_, err = DecodeInstance(enc(map[string]any{"v": 1, "role": "prefill"}))
+	require.ErrorIs(t, err, ErrBadMessage)
+}
+
+// TestWireIgnoresUnknownKeys: a later minor revision may add fields.
+func TestWireIgnoresUnknownKeys(t *testing.T) {
+	b, err := msgpack.Marshal(map[string]any{"v": 1, "id": 5, "code": 2, "future": []int{1, 2, 3}})
+	require.NoError(t, err)
+	c, err := DecodeCancel(b)
+	require.NoError(t, err)
+	require.Equal(t, Cancel{V: 1, RequestID: 5, Code: CodeTimeout}, c)
+}
+
+func TestRemoteErrorMatchesSentinel(t *testing.T) {
+	for c := Code(1); c < codeCount; c++ {
+		err := fmt.Errorf("wrapped: %w", &RemoteError{Code: c, Msg: "m", Instance: "p1"})
+		require.ErrorIs(t, err, c.Err(), c.String())
+		require.Equal(t, c, CodeOf(err))
+		require.Equal(t, c, CodeOf(fmt.Errorf("x: %w", c.Err())))
+		for o := Code(1); o < codeCount; o++ {
+			if o != c {
+				require.NotErrorIs(t, err, o.Err())
+			}
+		}
+	}
+	require.Equal(t, CodeOK, CodeOf(nil))
+	require.Equal(t, CodePeerFailed, CodeOf(errors.New("other")))
+	require.Nil(t, CodeOK.Err())
+	require.ErrorIs(t, Code(999).Err(), ErrBadMessage)
+	require.Equal(t, "code(999)", Code(999).String())
+}
+
+func TestSubjects(t *testing.T) {
+	require.Equal(t, "handoff.ns1.prefill", Subject("handoff", "ns1", SubjectPrefill, "x"))
+	require.Equal(t, "handoff.ns1.inst.p-1.prefill", Subject("handoff", "ns1", SubjectInstancePrefill, "p-1"))
+	require.Equal(t, "handoff.ns1.inst.p-1.cancel", Subject("handoff", "ns1", SubjectInstanceCancel, "p-1"))
+	require.Equal(t, "handoff.ns1.cancel", Subject("handoff", "ns1", SubjectCancel, ""))
+	require.Equal(t, "handoff_ns1", BucketName("handoff", "ns1"))
+	require.Panics(t, func() { Subject("handoff", "ns1", SubjectKind(99), "") })
+	for s, ok := range map[string]bool{"a": true, "A-z_0": true, "": false, "a.b": false, "a*": false, "a b": false, "é": false} {
+		require.Equal(t, ok, ValidToken(s), s)
+	}
+}
+
+func fuzzSeeds(f *testing.F, msgs ...[]byte) {
+	for _, b := range msgs {
+		f.Add(b)
+		if len(b) > 4 {
+			f.Add(b[:len(b)/2]) // truncated
+		}
+	}
+	f.Add([]byte{})
+	f.Add([]byte{0x80})
+}
+
+func FuzzDecodePrefillRequest(f *testing.F) {
+	a, _ := EncodePrefillRequest(sampleRequest(16, 3), 0)
+	b, _ := EncodePrefillRequest(sampleRequest(0, 1), 0)
+	fuzzSeeds(f, a, b)
+	f.Fuzz(func(t *testing.T, data []byte) {
+		m, err := DecodePrefillRequest(data)
+		if err != nil {
+			require.ErrorIs(t, err, ErrBadMessage)
+			return
+		}
+		// A decoded request re-encodes to a request that encodes the same
+		// (compared as bytes: a NaN temperature is not equal to itself).
+		again, err := EncodePrefillRequest(m, 1<<30)
+		require.NoError(t, err)
+		m2, err := DecodePrefillRequest(again)
+		require.NoError(t, err)
+		again2, err := EncodePrefillRequest(m2, 1<<30)
+		require.NoError(t, err)
+		require.Equal(t, again, again2)
+	})
+}
+
+func FuzzDecodePrefillReply(f *testing.F) {
+	a, _ := EncodePrefillReply(sampleReply(), 0)
+	b, _ := EncodePrefillReply(PrefillReply{RequestID: 1, Code: CodeCapacityRefused, Msg: "full"}, 0)
+	fuzzSeeds(f, a, b)
+	f.Fuzz(func(t *testing.T, data []byte) {
+		m, err := DecodePrefillReply(data)
+		if err != nil {
+			require.ErrorIs(t, err, ErrBadMessage)
+			return
+		}
+		again, err := EncodePrefillReply(m, 1<<30)
+		require.NoError(t, err)
+		m2, err := DecodePrefillReply(again)
+		require.NoError(t, err)
+		require.Equal(t, m, m2)
+	})
+}
+
+func FuzzDecodeCancel(f *testing.F) {
+	a, _ := EncodeCancel(Cancel{RequestID: 42, Grant: 5, Code: CodeTimeout})
+	fuzzSeeds(f, a)
+	f.Fuzz(func(t *testing.T, data []byte) {
+		m, err := DecodeCancel(data)
+		if err != nil {
+			require.ErrorIs(t, err, ErrBadMessage)
+			return
+		}
+		again, err := EncodeCancel(m)
+		require.NoError(t, err)
+		m2, err := DecodeCancel(again)
+		require.NoError(t, err)
+		require.Equal(t, m, m2)
+	})
+}
+
+func FuzzDecodeInstance(f *testing.F) {
+	a, _ := EncodeInstance(sampleInstance())
+	fuzzSeeds(f, a)
+	f.Fuzz(func(t *testing.T, data []byte) {
+		m, err := DecodeInstance(data)
+		if err != nil {
+			require.ErrorIs(t, err, ErrBadMessage)
+			return
+		}
+		again, err := EncodeInstance(m)
+		require.NoError(t, err)
+		m2, err := DecodeInstance(again)
+		require.NoError(t, err)
+		require.Equal(t, m, m2)
+	})
+}
+
+func BenchmarkEncodePrefillRequest(b *testing.B) {
+	for _, n := range []int{1, 64, 4096} {
+		req := sampleRequest(n, n)
+		b.Run(fmt.Sprintf("extents=%d", n), func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := EncodePrefillRequest(req, 1<<30); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+func BenchmarkDecodePrefillRequest(b *testing.B) {
+	for _, n := range []int{1, 64, 4096} {
+		data, err := EncodePrefillRequest(sampleRequest(n, n), 1<<30)
+		require.NoError(b, err)
+		b.Run(fmt.Sprintf("extents=%d", n), func(b *testing.B) {
+			b.ReportAllocs()
+			b.SetBytes(int64(len(data)))
+			for b.Loop() {
+				if _, err := DecodePrefillRequest(data); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
