@@ -476,7 +476,7 @@ func TestEngineCancel(t *testing.T) {
 	require.Equal(t, 1.0, counterValue(t, e.m.Transfers.WithLabelValues("decode", "cancelled")))
 
 	// Cancelled while generating (local engine, long generation).
-	lr := newRanks(t, rankOpts{ranks: 1, batch: 1})
+	lr := newRanks(t, rankOpts{ranks: 1, batch: 1, model: model.TinyHybrid + "?decode_delay=5ms"})
 	le := newEngine(t, Config{}, lr)
 	ctx3, cancel3 := context.WithCancel(context.Background())
 	s3, err := le.Generate(ctx3, GenerateRequest{Prompt: model.Encode("long"), MaxTokens: 500})

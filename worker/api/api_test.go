@@ -1,0 +1,308 @@
+package api
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/hybrid"
+	"github.com/handoff-io/handoff/model"
+	"github.com/handoff-io/handoff/worker"
+)
+
+func newEngine(t *testing.T, blocks, queue int) *worker.Engine {
+	return newModelEngine(t, model.TinyHybrid, blocks, queue)
+}
+
+func newModelEngine(t *testing.T, name string, blocks, queue int) *worker.Engine {
+	t.Helper()
+	exec, err := model.Lookup(name)
+	require.NoError(t, err)
+	cfg, err := worker.PoolConfig(exec.Spec(), worker.PoolParams{MaxBatchSize: 2, KVBlocks: blocks})
+	require.NoError(t, err)
+	m, err := hybrid.New(cfg)
+	require.NoError(t, err)
+	r, err := worker.NewRank(0, m, exec, make([]byte, cfg.KV.ArenaBytes()), make([]byte, cfg.Mamba.ArenaBytes()))
+	require.NoError(t, err)
+	e, err := worker.NewEngine(worker.Config{Role: worker.RoleDecode, QueueSize: queue}, []*worker.Rank{r})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- e.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+	return e
+}
+
+func newServer(t *testing.T, gen Generator) *httptest.Server {
+	t.Helper()
+	srv := httptest.NewServer(New(Config{Model: model.TinyHybrid}, gen))
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+type errorBody struct {
+	Error struct {
+		Message string  `json:"message"`
+		Type    string  `json:"type"`
+		Param   *string `json:"param"`
+		Code    any     `json:"code"`
+	} `json:"error"`
+}
+
+func post(t *testing.T, url, body string) (*http.Response, []byte) {
+	t.Helper()
+	resp, err := http.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return resp, b
+}
+
+func TestBadInput(t *testing.T) {
+	e := newEngine(t, 8, 4) // 8 blocks of 16 tokens: 128 tokens at most
+	srv := newServer(t, e)
+	long := strings.Repeat("x", 200)
+	tests := []struct {
+		name   string
+		body   string
+		status int
+		param  string
+		code   string
+	}{
+		{"invalid json", `{"model":`, 400, "", "invalid_json"},
+		{"not an object", `[1,2]`, 400, "", "invalid_json"},
+		{"two objects", `{"model":"tiny-hybrid","prompt":"a"}{}`, 400, "", "invalid_json"},
+		{"missing model", `{"prompt":"hi"}`, 400, "model", "missing_required_parameter"},
+		{"unknown model", `{"model":"gpt-9","prompt":"hi"}`, 404, "model", "model_not_found"},
+		{"missing prompt", `{"model":"tiny-hybrid"}`, 400, "prompt", "missing_required_parameter"},
+		{"empty prompt", `{"model":"tiny-hybrid","prompt":""}`, 400, "prompt", "missing_required_parameter"},
+		{"empty prompt list", `{"model":"tiny-hybrid","prompt":[""]}`, 400, "prompt", "missing_required_parameter"},
+		{"prompt of two strings", `{"model":"tiny-hybrid","prompt":["a","b"]}`, 400, "prompt", "invalid_type"},
+		{"prompt a number", `{"model":"tiny-hybrid","prompt":7}`, 400, "prompt", "invalid_type"},
+		{"prompt too long for the pool", `{"model":"tiny-hybrid","prompt":"` + long + `"}`, 400, "prompt", "context_length_exceeded"},
+		{"max_tokens zero", `{"model":"tiny-hybrid","prompt":"hi","max_tokens":0}`, 400, "max_tokens", "invalid_value"},
+		{"max_tokens negative", `{"model":"tiny-hybrid","prompt":"hi","max_tokens":-5}`, 400, "max_tokens", "invalid_value"},
+		{"max_tokens huge", `{"model":"tiny-hybrid","prompt":"hi","max_tokens":1000000000000}`, 400, "max_tokens", "context_length_exceeded"},
+		{"max_tokens overflow", `{"model":"tiny-hybrid","prompt":"hi","max_tokens":1e30}`, 400, "", "invalid_json"},
+		{"max_tokens over context with prompt", `{"model":"tiny-hybrid","prompt":"hello","max_tokens":125}`, 400, "max_tokens", "context_length_exceeded"},
+		{"max_tokens a string", `{"model":"tiny-hybrid","prompt":"hi","max_tokens":"5"}`, 400, "", "invalid_json"},
+		{"temperature negative", `{"model":"tiny-hybrid","prompt":"hi","temperature":-0.1}`, 400, "temperature", "invalid_value"},
+		{"temperature too high", `{"model":"tiny-hybrid","prompt":"hi","temperature":7}`, 400, "temperature", "invalid_value"},
+		{"n of two", `{"model":"tiny-hybrid","prompt":"hi","n":2}`, 400, "n", "unsupported_value"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			resp, b := post(t, srv.URL, tt.body)
+			require.Equal(t, tt.status, resp.StatusCode, string(b))
+			require.Equal(t, "application/json", resp.Header.Get("Content-Type"))
+			var eb errorBody
+			require.NoError(t, json.Unmarshal(b, &eb), string(b))
+			require.NotEmpty(t, eb.Error.Message)
+			require.Equal(t, "invalid_request_error", eb.Error.Type)
+			require.Equal(t, tt.code, eb.Error.Code)
+			if tt.param == "" {
+				require.Nil(t, eb.Error.Param)
+			} else {
+				require.NotNil(t, eb.Error.Param)
+				require.Equal(t, tt.param, *eb.Error.Param)
+			}
+		})
+	}
+	t.Run("body too large", func(t *testing.T) {
+		resp, b := post(t, srv.URL, `{"model":"tiny-hybrid","prompt":"`+strings.Repeat("y", 2<<20)+`"}`)
+		require.Equal(t, http.StatusRequestEntityTooLarge, resp.StatusCode, string(b))
+	})
+	t.Run("wrong method", func(t *testing.T) {
+		resp, err := http.Get(srv.URL + "/v1/completions")
+		require.NoError(t, err)
+		resp.Body.Close()
+		require.Equal(t, http.StatusMethodNotAllowed, resp.StatusCode)
+		require.Equal(t, "POST", resp.Header.Get("Allow"))
+	})
+	t.Run("unknown route", func(t *testing.T) {
+		resp, err := http.Get(srv.URL + "/v2/nothing")
+		require.NoError(t, err)
+		resp.Body.Close()
+		require.Equal(t, http.StatusNotFound, resp.StatusCode)
+	})
+	// The server still serves after all of that.
+	resp, b := post(t, srv.URL, `{"model":"tiny-hybrid","prompt":"still alive","max_tokens":3,"temperature":0}`)
+	require.Equal(t, http.StatusOK, resp.StatusCode, string(b))
+}
+
+type completion struct {
+	ID      string `json:"id"`
+	Object  string `json:"object"`
+	Model   string `json:"model"`
+	Choices []struct {
+		Text         string  `json:"text"`
+		Index        int     `json:"index"`
+		FinishReason *string `json:"finish_reason"`
+	} `json:"choices"`
+	Usage struct {
+		PromptTokens     int `json:"prompt_tokens"`
+		CompletionTokens int `json:"completion_tokens"`
+		TotalTokens      int `json:"total_tokens"`
+	} `json:"usage"`
+}
+
+func TestCompletionDeterministicAndStreamEqual(t *testing.T) {
+	srv := newServer(t, newEngine(t, 0, 8))
+	body := `{"model":"tiny-hybrid","prompt":"Hello, handoff","max_tokens":8,"temperature":0.9,"seed":42}`
+	var texts []string
+	for range 2 {
+		resp, b := post(t, srv.URL, body)
+		require.Equal(t, http.StatusOK, resp.StatusCode, string(b))
+		require.NotEmpty(t, resp.Header.Get("X-Request-Id"))
+		require.NotEmpty(t, resp.Header.Get("X-Handoff-Ttft-Ms"))
+		var c completion
+		require.NoError(t, json.Unmarshal(b, &c))
+		require.Equal(t, "text_completion", c.Object)
+		require.Equal(t, model.TinyHybrid, c.Model)
+		require.Len(t, c.Choices, 1)
+		require.NotNil(t, c.Choices[0].FinishReason)
+		require.Equal(t, 14, c.Usage.PromptTokens)
+		require.Equal(t, c.Usage.PromptTokens+c.Usage.CompletionTokens, c.Usage.TotalTokens)
+		require.LessOrEqual(t, c.Usage.CompletionTokens, 8)
+		texts = append(texts, c.Choices[0].Text)
+	}
+	require.Equal(t, texts[0], texts[1])
+
+	// The same request streamed gives the same text.
+	resp, err := http.Post(srv.URL+"/v1/completions", "application/json",
+		strings.NewReader(strings.Replace(body, "{", `{"stream":true,`, 1)))
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	require.Equal(t, "text/event-stream", resp.Header.Get("Content-Type"))
+	sc := bufio.NewScanner(resp.Body)
+	var streamed strings.Builder
+	var done, finished bool
+	for sc.Scan() {
+		line := sc.Text()
+		if line == "" {
+			continue
+		}
+		require.True(t, strings.HasPrefix(line, "data: "), line)
+		data := strings.TrimPrefix(line, "data: ")
+		if data == "[DONE]" {
+			done = true
+			break
+		}
+		var c completion
+		require.NoError(t, json.Unmarshal([]byte(data), &c))
+		require.Len(t, c.Choices, 1)
+		streamed.WriteString(c.Choices[0].Text)
+		if c.Choices[0].FinishReason != nil {
+			finished = true
+			require.Equal(t, 14, c.Usage.PromptTokens)
+		}
+	}
+	require.True(t, done)
+	require.True(t, finished)
+	// JSON-decoding both sides maps invalid bytes the same way.
+	require.Equal(t, texts[0], streamed.String())
+}
+
+func TestModels(t *testing.T) {
+	srv := newServer(t, newEngine(t, 0, 8))
+	resp, err := http.Get(srv.URL + "/v1/models")
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	var list struct {
+		Object string `json:"object"`
+		Data   []struct {
+			ID     string `json:"id"`
+			Object string `json:"object"`
+		} `json:"data"`
+	}
+	require.NoError(t, json.NewDecoder(resp.Body).Decode(&list))
+	require.Equal(t, "list", list.Object)
+	require.Len(t, list.Data, 1)
+	require.Equal(t, model.TinyHybrid, list.Data[0].ID)
+
+	resp2, err := http.Get(srv.URL + "/v1/models/nope")
+	require.NoError(t, err)
+	resp2.Body.Close()
+	require.Equal(t, http.StatusNotFound, resp2.StatusCode)
+}
+
+// fakeGen refuses with a fixed error.
+type fakeGen struct{ err error }
+
+func (f fakeGen) Generate(context.Context, worker.GenerateRequest) (*worker.Stream, error) {
+	return nil, f.err
+}
+func (fakeGen) MaxContext() int { return 100 }
+
+func TestEngineRefusals(t *testing.T) {
+	tests := []struct {
+		err    error
+		status int
+		typ    string
+	}{
+		{worker.ErrQueueFull, http.StatusTooManyRequests, "rate_limit_error"},
+		{worker.ErrDraining, http.StatusServiceUnavailable, "server_error"},
+		{worker.ErrClosed, http.StatusServiceUnavailable, "server_error"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.err.Error(), func(t *testing.T) {
+			srv := newServer(t, fakeGen{tt.err})
+			resp, b := post(t, srv.URL, `{"model":"tiny-hybrid","prompt":"hi"}`)
+			require.Equal(t, tt.status, resp.StatusCode)
+			var eb errorBody
+			require.NoError(t, json.Unmarshal(b, &eb))
+			require.Equal(t, tt.typ, eb.Error.Type)
+		})
+	}
+}
+
+func TestClientDisconnectCancels(t *testing.T) {
+	// A decode delay keeps the request running until the client hangs up.
+	e := newModelEngine(t, model.TinyHybrid+"?decode_delay=5ms", 0, 4)
+	srv := httptest.NewServer(New(Config{Model: model.TinyHybrid}, e))
+	defer srv.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/v1/completions",
+		strings.NewReader(`{"model":"tiny-hybrid","prompt":"long one","max_tokens":2000,"stream":true}`))
+	require.NoError(t, err)
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	// Read the first chunk, then hang up.
+	_, err = bufio.NewReader(resp.Body).ReadString('\n')
+	require.NoError(t, err)
+	require.Equal(t, 1, e.Live())
+	cancel()
+	resp.Body.Close()
+	require.Eventually(t, func() bool { return e.Live() == 0 }, 10*time.Second, 5*time.Millisecond)
+	require.Equal(t, e.Ranks()[0].Manager().Stats().RowsUsed, 0)
+}
+
+func TestUTF8Holder(t *testing.T) {
+	var u utf8Holder
+	var out strings.Builder
+	for _, tok := range model.Encode("héllo, 世界!") {
+		out.WriteString(u.push(tok))
+	}
+	out.WriteString(u.flush())
+	require.Equal(t, "héllo, 世界!", out.String())
+	// A split character is held back until complete.
+	u = utf8Holder{}
+	b := model.Encode("世")
+	require.Equal(t, "", u.push(b[0]))
+	require.Equal(t, "", u.push(b[1]))
+	require.Equal(t, "世", u.push(b[2]))
+	require.Equal(t, "", u.push(model.EOS))
+}
