@@ -1,0 +1,106 @@
+package kvcache
+
+import (
+	"fmt"
+	"math/bits"
+)
+
+// checkInvariants verifies the pool's internal consistency. It checks that:
+//   - runs are non-empty, inside the pool, and not adjacent within a request;
+//   - no block belongs to two requests, and no held block is free;
+//   - the free extents are maximal, tagged at both ends, listed in the right
+//     size class exactly once, and cover exactly the blocks nobody holds;
+//   - the counters agree with the sets.
+func (p *Pool) checkInvariants() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := int(p.idx.n)
+	// state[b]: 0 not yet seen, 1 held, 2 free.
+	const unseen, held, free = 0, 1, 2
+	state := make([]uint8, n)
+	usedBlocks := 0
+	liveSlab := make(map[int32]bool, len(p.reqs))
+	for id, si := range p.reqs {
+		if liveSlab[si] {
+			return fmt.Errorf("slab entry %d shared", si)
+		}
+		liveSlab[si] = true
+		r := p.slab[si]
+		count := 0
+		for k, run := range r.runs {
+			if run.Len == 0 || int(run.End()) > n {
+				return fmt.Errorf("id %d: bad run %+v", id, run)
+			}
+			if k > 0 && r.runs[k-1].End() == run.Start {
+				return fmt.Errorf("id %d: adjacent runs %+v %+v not merged", id, r.runs[k-1], run)
+			}
+			for b := run.Start; b < run.End(); b++ {
+				if state[b] != unseen {
+					return fmt.Errorf("block %d held twice (second holder %d)", b, id)
+				}
+				state[b] = held
+			}
+			count += int(run.Len)
+		}
+		if count != r.blocks {
+			return fmt.Errorf("id %d: %d blocks in runs, %d counted", id, count, r.blocks)
+		}
+		if want := p.cfg.BlocksFor(r.tokens); r.blocks < want {
+			return fmt.Errorf("id %d: %d blocks for %d tokens", id, r.blocks, r.tokens)
+		}
+		usedBlocks += count
+	}
+	for _, si := range p.freeSlab {
+		if liveSlab[si] {
+			return fmt.Errorf("slab entry %d both live and free", si)
+		}
+	}
+	if len(p.freeSlab)+len(p.reqs) != len(p.slab) {
+		return fmt.Errorf("slab: %d free + %d live != %d", len(p.freeSlab), len(p.reqs), len(p.slab))
+	}
+	// Free extents, walked through the class lists.
+	freeBlocks, extents := 0, 0
+	for c := range numClasses {
+		if (p.idx.classMask&(1<<c) != 0) != (p.idx.classHead[c] != none) {
+			return fmt.Errorf("class %d: mask and head disagree", c)
+		}
+		prev := int32(none)
+		for s := p.idx.classHead[c]; s != none; s = p.idx.next[s] {
+			if p.idx.prev[s] != prev {
+				return fmt.Errorf("extent %d: prev link %d, want %d", s, p.idx.prev[s], prev)
+			}
+			prev = s
+			l := p.idx.headLen[s]
+			if l == 0 || bits.Len32(l)-1 != c {
+				return fmt.Errorf("extent %d of length %d in class %d", s, l, c)
+			}
+			end := int(s) + int(l)
+			if end > n || p.idx.tailStart[end-1] != uint32(s)+1 {
+				return fmt.Errorf("extent %d: bad tail tag", s)
+			}
+			if s > 0 && p.idx.tailStart[s-1] != 0 || end < n && p.idx.headLen[end] != 0 {
+				return fmt.Errorf("extent %d: touches another free extent", s)
+			}
+			for b := int(s); b < end; b++ {
+				if state[b] != unseen {
+					return fmt.Errorf("free block %d also held or listed twice", b)
+				}
+				state[b] = free
+			}
+			freeBlocks += int(l)
+			extents++
+		}
+	}
+	for b, st := range state {
+		if st == unseen {
+			return fmt.Errorf("block %d neither free nor held", b)
+		}
+		if st == held && (p.idx.headLen[b] != 0 || p.idx.tailStart[b] != 0) {
+			return fmt.Errorf("held block %d carries a free tag", b)
+		}
+	}
+	if freeBlocks != p.idx.free || extents != p.idx.extents || freeBlocks+usedBlocks != n {
+		return fmt.Errorf("counts: free %d/%d extents %d/%d used %d total %d", freeBlocks, p.idx.free, extents, p.idx.extents, usedBlocks, n)
+	}
+	return nil
+}
