@@ -130,63 +130,64 @@ func TestFingerprint(t *testing.T) {
 
 // Bad calls return the right sentinel and leave the cache as it was.
 func TestInvalidCalls(t *testing.T) {
-	for _, name := range []string{model.TinyHybrid, model.NemotronH8B} {
-		t.Run(name, func(t *testing.T) {
-			e := lookup(t, name)
-			spec := e.Spec()
-			tpb := spec.KV.TokensPerBlock
-			a := newArenas(t, spec, 2, 1)
-			a.fill(0x33)
-			good := a.cache(0, 0, 1)
-			toks := prompt(tpb+1, 1)
+	for _, e := range smallExecutors(t) {
+		t.Run(e.Spec().Name, func(t *testing.T) { checkInvalidCalls(t, e) })
+	}
+}
 
-			wrongKV := good
-			wrongKV.KV.KVHeads++
-			wrongMamba := good
-			wrongMamba.Mamba.DState *= 2
-			wrongLayout := good
-			wrongLayout.Mamba.ConvLayout ^= 1
-			zeroTPB := good
-			zeroTPB.KV.TokensPerBlock = 0
-			oneBlock := a.cache(0, 0)
-			farBlock := a.cache(0, 0, 2) // the arena holds blocks 0 and 1
-			farRow := a.cache(mambacache.Row(a.mamba.TotalRows()), 0, 1)
-			shortKV := good
-			shortKV.KVArena = a.kvMem[:len(a.kvMem)-1]
-			shortMamba := good
-			shortMamba.MambaArena = a.mMem[:len(a.mMem)-1]
+func checkInvalidCalls(t *testing.T, e model.Executor) {
+	spec := e.Spec()
+	tpb := spec.KV.TokensPerBlock
+	a := newArenas(t, spec, 2, 1)
+	a.fill(0x33)
+	good := a.cache(0, 0, 1)
+	toks := prompt(tpb+1, 1)
 
-			cases := []struct {
-				name string
-				call func() ([]float32, error)
-				err  error
-			}{
-				{"empty prompt", func() ([]float32, error) { return e.Prefill(good, nil) }, model.ErrEmptyPrompt},
-				{"token too big", func() ([]float32, error) { return e.Prefill(good, []int32{1, model.ByteVocab}) }, model.ErrInvalidToken},
-				{"negative token", func() ([]float32, error) { return e.Prefill(good, []int32{-1}) }, model.ErrInvalidToken},
-				{"decode bad token", func() ([]float32, error) { return e.Decode(good, 300, 0) }, model.ErrInvalidToken},
-				{"decode negative pos", func() ([]float32, error) { return e.Decode(good, 1, -1) }, model.ErrContextTooLong},
-				{"decode past context", func() ([]float32, error) { return e.Decode(good, 1, spec.MaxContext) }, model.ErrContextTooLong},
-				{"prompt past context", func() ([]float32, error) { return e.Prefill(good, make([]int32, spec.MaxContext+1)) }, model.ErrContextTooLong},
-				{"kv shape", func() ([]float32, error) { return e.Prefill(wrongKV, toks) }, model.ErrInvalidCache},
-				{"mamba shape", func() ([]float32, error) { return e.Prefill(wrongMamba, toks) }, model.ErrInvalidCache},
-				{"conv layout", func() ([]float32, error) { return e.Prefill(wrongLayout, toks) }, model.ErrInvalidCache},
-				{"tokens per block", func() ([]float32, error) { return e.Prefill(zeroTPB, toks) }, model.ErrInvalidCache},
-				{"too few blocks", func() ([]float32, error) { return e.Prefill(oneBlock, toks) }, model.ErrInvalidCache},
-				{"decode too few blocks", func() ([]float32, error) { return e.Decode(oneBlock, 1, tpb) }, model.ErrInvalidCache},
-				{"block outside arena", func() ([]float32, error) { return e.Prefill(farBlock, toks) }, model.ErrInvalidCache},
-				{"row outside arena", func() ([]float32, error) { return e.Prefill(farRow, toks) }, model.ErrInvalidCache},
-				{"short kv arena", func() ([]float32, error) { return e.Prefill(shortKV, toks) }, model.ErrInvalidCache},
-				{"short mamba arena", func() ([]float32, error) { return e.Decode(shortMamba, 1, 0) }, model.ErrInvalidCache},
-			}
-			for _, tc := range cases {
-				logits, err := tc.call()
-				require.ErrorIs(t, err, tc.err, tc.name)
-				require.Nil(t, logits, tc.name)
-				require.True(t, all(a.kvMem, 0x33), "%s: kv arena written", tc.name)
-				require.True(t, all(a.mMem, 0x33), "%s: mamba arena written", tc.name)
-			}
-		})
+	wrongKV := good
+	wrongKV.KV.KVHeads++
+	wrongMamba := good
+	wrongMamba.Mamba.DState *= 2
+	wrongLayout := good
+	wrongLayout.Mamba.ConvLayout ^= 1
+	zeroTPB := good
+	zeroTPB.KV.TokensPerBlock = 0
+	oneBlock := a.cache(0, 0)
+	farBlock := a.cache(0, 0, 2) // the arena holds blocks 0 and 1
+	farRow := a.cache(mambacache.Row(a.mamba.TotalRows()), 0, 1)
+	shortKV := good
+	shortKV.KVArena = a.kvMem[:len(a.kvMem)-1]
+	shortMamba := good
+	shortMamba.MambaArena = a.mMem[:len(a.mMem)-1]
+
+	cases := []struct {
+		name string
+		call func() ([]float32, error)
+		err  error
+	}{
+		{"empty prompt", func() ([]float32, error) { return e.Prefill(good, nil) }, model.ErrEmptyPrompt},
+		{"token too big", func() ([]float32, error) { return e.Prefill(good, []int32{1, model.ByteVocab}) }, model.ErrInvalidToken},
+		{"negative token", func() ([]float32, error) { return e.Prefill(good, []int32{-1}) }, model.ErrInvalidToken},
+		{"decode bad token", func() ([]float32, error) { return e.Decode(good, 300, 0) }, model.ErrInvalidToken},
+		{"decode negative pos", func() ([]float32, error) { return e.Decode(good, 1, -1) }, model.ErrContextTooLong},
+		{"decode past context", func() ([]float32, error) { return e.Decode(good, 1, spec.MaxContext) }, model.ErrContextTooLong},
+		{"prompt past context", func() ([]float32, error) { return e.Prefill(good, make([]int32, spec.MaxContext+1)) }, model.ErrContextTooLong},
+		{"kv shape", func() ([]float32, error) { return e.Prefill(wrongKV, toks) }, model.ErrInvalidCache},
+		{"mamba shape", func() ([]float32, error) { return e.Prefill(wrongMamba, toks) }, model.ErrInvalidCache},
+		{"conv layout", func() ([]float32, error) { return e.Prefill(wrongLayout, toks) }, model.ErrInvalidCache},
+		{"tokens per block", func() ([]float32, error) { return e.Prefill(zeroTPB, toks) }, model.ErrInvalidCache},
+		{"too few blocks", func() ([]float32, error) { return e.Prefill(oneBlock, toks) }, model.ErrInvalidCache},
+		{"decode too few blocks", func() ([]float32, error) { return e.Decode(oneBlock, 1, tpb) }, model.ErrInvalidCache},
+		{"block outside arena", func() ([]float32, error) { return e.Prefill(farBlock, toks) }, model.ErrInvalidCache},
+		{"row outside arena", func() ([]float32, error) { return e.Prefill(farRow, toks) }, model.ErrInvalidCache},
+		{"short kv arena", func() ([]float32, error) { return e.Prefill(shortKV, toks) }, model.ErrInvalidCache},
+		{"short mamba arena", func() ([]float32, error) { return e.Decode(shortMamba, 1, 0) }, model.ErrInvalidCache},
+	}
+	for _, tc := range cases {
+		logits, err := tc.call()
+		require.ErrorIs(t, err, tc.err, tc.name)
+		require.Nil(t, logits, tc.name)
+		require.True(t, all(a.kvMem, 0x33), "%s: kv arena written", tc.name)
+		require.True(t, all(a.mMem, 0x33), "%s: mamba arena written", tc.name)
 	}
 }
 

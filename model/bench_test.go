@@ -1,7 +1,9 @@
 package model_test
 
 import (
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -18,10 +20,12 @@ func benchPrefill(b *testing.B, name string, n int) {
 	m := a.mamba
 	b.SetBytes(m.RowBytes() + int64(n)*a.kv.BlockBytes()/int64(a.kv.TokensPerBlock))
 	b.ReportAllocs()
+	start := cpuTime()
 	for b.Loop() {
 		_, err := e.Prefill(c, toks)
 		require.NoError(b, err)
 	}
+	reportCPU(b, start)
 }
 
 func benchDecode(b *testing.B, name string, n int) {
@@ -34,11 +38,13 @@ func benchDecode(b *testing.B, name string, n int) {
 	require.NoError(b, err)
 	b.SetBytes(a.mamba.RowBytes())
 	b.ReportAllocs()
+	start := cpuTime()
 	for b.Loop() {
 		// Decoding the same position again is a fixed amount of work.
 		_, err := e.Decode(c, 'a', n)
 		require.NoError(b, err)
 	}
+	reportCPU(b, start)
 }
 
 func BenchmarkTinyPrefill256(b *testing.B)        { benchPrefill(b, model.TinyHybrid, 256) }
@@ -58,4 +64,18 @@ func BenchmarkSample(b *testing.B) {
 		model.Sample(logits, 0.7, 1, step)
 		step++
 	}
+}
+
+// cpuTime is this process's user+system CPU time. Benchmarks report it per op
+// next to wall time, which a busy machine inflates.
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+func reportCPU(b *testing.B, start time.Duration) {
+	b.ReportMetric(float64(cpuTime()-start)/float64(b.N), "cpu-ns/op")
 }

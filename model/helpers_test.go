@@ -126,3 +126,23 @@ func bits(x []float32) []uint32 {
 	}
 	return b
 }
+
+// smallExecutors are tiny-hybrid and two synthetic executors with small
+// shapes (one per conv layout), cheap enough for the race detector. The real
+// presets run in norace_test.go.
+func smallExecutors(t testing.TB) []model.Executor {
+	t.Helper()
+	es := []model.Executor{lookup(t, model.TinyHybrid)}
+	for _, layout := range []mambacache.ConvLayout{mambacache.ConvXBC, mambacache.ConvQKV} {
+		e, err := model.NewSynthetic("synthetic-small-"+layout.String(), model.Spec{
+			LayerPattern: "M*M-M*",
+			MaxContext:   512,
+			KV:           kvcache.Config{KVHeads: 2, HeadDim: 8, ElemSize: 2, TokensPerBlock: 8},
+			Mamba: mambacache.Config{DState: 4, DConv: 4, Heads: 4, HeadDim: 4, NGroups: 2,
+				ConvElemSize: 2, SSMElemSize: 4, ConvLayout: layout},
+		})
+		require.NoError(t, err)
+		es = append(es, e)
+	}
+	return es
+}

@@ -48,14 +48,41 @@ func rmsNorm(out, x, w []float32) {
 }
 
 func silu(x float32) float32 {
-	return float32(float64(x) / (1 + math.Exp(-float64(x))))
+	return float32(float64(x) / (1 + float64(exp32(-x))))
 }
 
 func softplus(x float32) float32 {
 	if x > 20 {
 		return x
 	}
-	return float32(math.Log1p(math.Exp(float64(x))))
+	return float32(math.Log1p(float64(exp32(x))))
+}
+
+// exp32 is e^x to float32 precision, computed the same way on every machine
+// (math.Exp picks an FMA path by CPU feature): x = k*ln2 + r with |r| <= ln2/2,
+// then a degree-7 Taylor polynomial of e^r scaled by 2^k.
+func exp32(x float32) float32 {
+	switch {
+	case x != x:
+		return x
+	case x < -104:
+		return 0
+	case x > 89:
+		return float32(math.Inf(1))
+	}
+	xd := float64(x)
+	k := math.Floor(float64(xd*math.Log2E) + 0.5)
+	r := xd - float64(k*math.Ln2)
+	p := 1.0 / 5040
+	p = float64(p*r) + 1.0/720
+	p = float64(p*r) + 1.0/120
+	p = float64(p*r) + 1.0/24
+	p = float64(p*r) + 1.0/6
+	p = float64(p*r) + 0.5
+	p = float64(p*r) + 1
+	p = float64(p*r) + 1
+	// 2^k as float64 bits; k is in [-151, 129], inside float64's normal range.
+	return float32(p * math.Float64frombits(uint64(int64(k)+1023)<<52))
 }
 
 func addTo(dst, src []float32) {
@@ -74,21 +101,19 @@ func putF32(b []byte, i int, v float32) {
 	binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(v))
 }
 
-// dotBytes is dot(a, b) where b is stored little-endian in p.
-func dotBytes(a []float32, p []byte) float32 {
-	p = p[:4*len(a)]
-	var s float32
-	for i, x := range a {
-		s += float32(x * math.Float32frombits(binary.LittleEndian.Uint32(p[4*i:])))
+// loadF32s decodes len(dst) little-endian float32 values from p.
+func loadF32s(dst []float32, p []byte) {
+	p = p[:4*len(dst)]
+	for i := range dst {
+		dst[i] = math.Float32frombits(binary.LittleEndian.Uint32(p[4*i:]))
 	}
-	return s
 }
 
-// axpyBytes adds w * b to out, where b is stored little-endian in p.
-func axpyBytes(out []float32, w float32, p []byte) {
-	p = p[:4*len(out)]
+// axpy adds w * x to out.
+func axpy(out []float32, w float32, x []float32) {
+	x = x[:len(out)]
 	for i := range out {
-		out[i] += float32(w * math.Float32frombits(binary.LittleEndian.Uint32(p[4*i:])))
+		out[i] += float32(w * x[i])
 	}
 }
 

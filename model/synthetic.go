@@ -67,6 +67,12 @@ func newSynthetic(name string, o Options) (Executor, error) {
 	if !ok {
 		return nil, fmt.Errorf("%w: %q", ErrUnknownModel, name)
 	}
+	return buildSynthetic(name, spec, o)
+}
+
+// buildSynthetic completes a preset's Spec (name, vocabulary, layer counts
+// from the pattern) and returns its executor.
+func buildSynthetic(name string, spec Spec, o Options) (*synthetic, error) {
 	switch o.SSMElemSize {
 	case 0:
 	case 2, 4:

@@ -94,6 +94,7 @@ type tinyScratch struct {
 	q, k, v    []float32
 	att        []float32
 	scores     []float32
+	kt         []float32 // one K or V head read back from the pool
 	kBase      []int64
 	vBase      []int64
 	up, gate   []float32
@@ -167,7 +168,7 @@ func newTiny(name string, d tinyDims) *tiny {
 			for h := range d.mHeads {
 				// dt log-uniform in [1e-3, 1e-1], stored as softplus^-1(dt).
 				u := float64(rng.next()>>11) * 0x1p-53
-				dt := math.Exp(math.Log(1e-3) + u*(math.Log(1e-1)-math.Log(1e-3)))
+				dt := math.Exp2(math.Log2(1e-3) + u*(math.Log2(1e-1)-math.Log2(1e-3)))
 				l.dtBias[h] = float32(dt + math.Log(-math.Expm1(-dt)))
 				l.a[h] = -float32(1 + 15*float64(rng.next()>>11)*0x1p-53)
 				l.d[h] = 1
@@ -194,7 +195,7 @@ func newTiny(name string, d tinyDims) *tiny {
 	m.sin = make([]float32, d.maxContext*half)
 	for p := range d.maxContext {
 		for i := range half {
-			ang := float64(p) * math.Pow(10000, -float64(2*i)/float64(d.headDim))
+			ang := float64(p) * math.Exp2(-float64(2*i)/float64(d.headDim)*math.Log2(10000))
 			m.cos[p*half+i] = float32(math.Cos(ang))
 			m.sin[p*half+i] = float32(math.Sin(ang))
 		}
@@ -211,7 +212,8 @@ func newTiny(name string, d tinyDims) *tiny {
 			k:      make([]float32, d.kvHeads*d.headDim),
 			v:      make([]float32, d.kvHeads*d.headDim),
 			att:    make([]float32, d.qHeads*d.headDim),
-			scores: make([]float32, d.maxContext),
+			scores: make([]float32, d.qHeads*d.maxContext),
+			kt:     make([]float32, d.headDim),
 			kBase:  make([]int64, d.maxContext),
 			vBase:  make([]int64, d.maxContext),
 			up:     make([]float32, d.mlpHidden),
@@ -332,7 +334,7 @@ func (m *tiny) mamba(l *tinyLayer, conv [3][]byte, ssm []byte, s *tinyScratch) {
 	n := d.dState
 	for h := range d.mHeads {
 		dt := softplus(dtRaw[h] + l.dtBias[h])
-		dA := float32(math.Exp(float64(dt) * float64(l.a[h])))
+		dA := exp32(float32(dt * l.a[h]))
 		g := h / perGroup
 		bg, cg := bs[g*n:(g+1)*n], cs[g*n:(g+1)*n]
 		for p := range d.mHeadDim {
@@ -389,29 +391,42 @@ func (m *tiny) attention(l *tinyLayer, layer int, c *Cache, pos int, s *tinyScra
 		slotStride = c.KV.TokenOffset(c.Blocks[0], layer, kvcache.K, 1, 0) - kBase[0]
 	}
 	headStride := int64(4 * hd)
-	scores := s.scores[:n]
-	for qh := range d.qHeads {
-		kh := int64(qh / group)
-		q := s.q[qh*hd : (qh+1)*hd]
-		mx := float32(math.Inf(-1))
-		for t := range scores {
-			off := kBase[t/tpb] + int64(t%tpb)*slotStride + kh*headStride
-			sc := float32(dotBytes(q, c.KVArena[off:]) * scale)
-			scores[t] = sc
-			mx = max(mx, sc)
+	kt := s.kt[:hd]
+	for kh := range d.kvHeads {
+		// The q heads of this kv head's group share each K/V row read.
+		q0 := kh * group
+		hOff := int64(kh) * headStride
+		for t := range n {
+			loadF32s(kt, c.KVArena[kBase[t/tpb]+int64(t%tpb)*slotStride+hOff:])
+			for g := range group {
+				qh := q0 + g
+				s.scores[qh*n+t] = float32(dot(s.q[qh*hd:(qh+1)*hd], kt) * scale)
+			}
 		}
-		var sum float32
-		for t, sc := range scores {
-			e := float32(math.Exp(float64(sc - mx)))
-			scores[t] = e
-			sum += e
+		for g := range group {
+			scores := s.scores[(q0+g)*n : (q0+g+1)*n]
+			mx := float32(math.Inf(-1))
+			for _, sc := range scores {
+				mx = max(mx, sc)
+			}
+			var sum float32
+			for t, sc := range scores {
+				e := exp32(sc - mx)
+				scores[t] = e
+				sum += e
+			}
+			inv := 1 / sum
+			for t := range scores {
+				scores[t] = float32(scores[t] * inv)
+			}
+			clear(s.att[(q0+g)*hd : (q0+g+1)*hd])
 		}
-		inv := 1 / sum
-		o := s.att[qh*hd : (qh+1)*hd]
-		clear(o)
-		for t, e := range scores {
-			off := vBase[t/tpb] + int64(t%tpb)*slotStride + kh*headStride
-			axpyBytes(o, float32(e*inv), c.KVArena[off:])
+		for t := range n {
+			loadF32s(kt, c.KVArena[vBase[t/tpb]+int64(t%tpb)*slotStride+hOff:])
+			for g := range group {
+				qh := q0 + g
+				axpy(s.att[qh*hd:(qh+1)*hd], s.scores[qh*n+t], kt)
+			}
 		}
 	}
 	matVec(s.out, l.wo, s.att)

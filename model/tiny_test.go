@@ -120,71 +120,73 @@ func TestTinyPromptSensitivity(t *testing.T) {
 // element: a flip in the low mantissa bits of one element deep in the state
 // may be absorbed by float32 rounding.
 func TestStateSensitivity(t *testing.T) {
-	for _, name := range []string{model.TinyHybrid, model.NemotronH8B, model.Qwen3Next80B} {
-		t.Run(name, func(t *testing.T) {
-			e := lookup(t, name)
-			spec := e.Spec()
-			tpb := spec.KV.TokensPerBlock
-			n := tpb + tpb/2 // last block half full
-			a := newArenas(t, spec, 2, 1)
-			c := a.cache(0, 0, 1)
-			toks := prompt(n, 7)
-			_, err := e.Prefill(c, toks)
-			require.NoError(t, err)
-			kvSnap := append([]byte(nil), a.kvMem...)
-			mSnap := append([]byte(nil), a.mMem...)
-			restore := func() {
-				copy(a.kvMem, kvSnap)
-				copy(a.mMem, mSnap)
-			}
-			want, err := e.Decode(c, 'x', n)
-			require.NoError(t, err)
-			restore()
-
-			type loc struct {
-				name  string
-				arena []byte
-				off   int64
-			}
-			m, kv := c.Mamba, c.KV
-			lastL := m.Layers - 1
-			var locs []loc
-			for s, sec := range []string{"x", "B", "C"} {
-				e := m.ConvExtent(0, lastL, mambacache.Section(s))
-				locs = append(locs,
-					loc{"conv " + sec + " first", a.mMem, e.Offset + 3},
-					loc{"conv " + sec + " last", a.mMem, e.Offset + e.Length - 1})
-			}
-			ssm0, ssmL := m.SSMExtent(0, 0), m.SSMExtent(0, lastL)
-			locs = append(locs,
-				loc{"ssm layer 0 first", a.mMem, ssm0.Offset + 3},
-				loc{"ssm last layer mid", a.mMem, ssmL.Offset + ssmL.Length/2 + 3},
-				loc{"ssm last layer end", a.mMem, ssmL.Offset + ssmL.Length - 1},
-				loc{"k last token", a.kvMem, kv.TokenOffset(1, kv.Layers-1, kvcache.K, n-1-tpb, kv.KVHeads-1) + 3},
-				loc{"v first slot of last block", a.kvMem, kv.TokenOffset(1, 0, kvcache.V, 0, 0) + 3})
-			if name == model.TinyHybrid { // real attention reads every position
-				locs = append(locs,
-					loc{"k token 0", a.kvMem, kv.TokenOffset(0, 0, kvcache.K, 0, 0) + 3},
-					loc{"v token 5", a.kvMem, kv.TokenOffset(0, kv.Layers-1, kvcache.V, 5, kv.KVHeads-1) + 3})
-			}
-			if name != model.TinyHybrid { // a checksum covers every byte
-				locs = append(locs,
-					loc{"ssm low byte", a.mMem, ssmL.Offset + 4},
-					loc{"conv low byte", a.mMem, m.ConvExtent(0, 0, mambacache.SectionC).Offset},
-					loc{"v low byte", a.kvMem, kv.TokenOffset(1, 0, kvcache.V, 0, 0) + 4})
-			}
-			for _, l := range locs {
-				l.arena[l.off] ^= 0x40
-				got, err := e.Decode(c, 'x', n)
-				require.NoError(t, err)
-				require.NotEqual(t, bits(want), bits(got), l.name)
-				restore()
-			}
-			got, err := e.Decode(c, 'x', n)
-			require.NoError(t, err)
-			require.Equal(t, bits(want), bits(got), "restored state")
-		})
+	for _, e := range smallExecutors(t) {
+		t.Run(e.Spec().Name, func(t *testing.T) { checkStateSensitivity(t, e) })
 	}
+}
+
+func checkStateSensitivity(t *testing.T, e model.Executor) {
+	name := e.Spec().Name
+	spec := e.Spec()
+	tpb := spec.KV.TokensPerBlock
+	n := tpb + tpb/2 // last block half full
+	a := newArenas(t, spec, 2, 1)
+	c := a.cache(0, 0, 1)
+	toks := prompt(n, 7)
+	_, err := e.Prefill(c, toks)
+	require.NoError(t, err)
+	kvSnap := append([]byte(nil), a.kvMem...)
+	mSnap := append([]byte(nil), a.mMem...)
+	restore := func() {
+		copy(a.kvMem, kvSnap)
+		copy(a.mMem, mSnap)
+	}
+	want, err := e.Decode(c, 'x', n)
+	require.NoError(t, err)
+	restore()
+
+	type loc struct {
+		name  string
+		arena []byte
+		off   int64
+	}
+	m, kv := c.Mamba, c.KV
+	lastL := m.Layers - 1
+	var locs []loc
+	for s, sec := range []string{"x", "B", "C"} {
+		e := m.ConvExtent(0, lastL, mambacache.Section(s))
+		locs = append(locs,
+			loc{"conv " + sec + " first", a.mMem, e.Offset + 3},
+			loc{"conv " + sec + " last", a.mMem, e.Offset + e.Length - 1})
+	}
+	ssm0, ssmL := m.SSMExtent(0, 0), m.SSMExtent(0, lastL)
+	locs = append(locs,
+		loc{"ssm layer 0 first", a.mMem, ssm0.Offset + 3},
+		loc{"ssm last layer mid", a.mMem, ssmL.Offset + ssmL.Length/2 + 3},
+		loc{"ssm last layer end", a.mMem, ssmL.Offset + ssmL.Length - 1},
+		loc{"k last token", a.kvMem, kv.TokenOffset(1, kv.Layers-1, kvcache.K, n-1-tpb, kv.KVHeads-1) + 3},
+		loc{"v first slot of last block", a.kvMem, kv.TokenOffset(1, 0, kvcache.V, 0, 0) + 3})
+	if name == model.TinyHybrid { // real attention reads every position
+		locs = append(locs,
+			loc{"k token 0", a.kvMem, kv.TokenOffset(0, 0, kvcache.K, 0, 0) + 3},
+			loc{"v token 5", a.kvMem, kv.TokenOffset(0, kv.Layers-1, kvcache.V, 5, kv.KVHeads-1) + 3})
+	}
+	if name != model.TinyHybrid { // a checksum covers every byte
+		locs = append(locs,
+			loc{"ssm low byte", a.mMem, ssmL.Offset + 4},
+			loc{"conv low byte", a.mMem, m.ConvExtent(0, 0, mambacache.SectionC).Offset},
+			loc{"v low byte", a.kvMem, kv.TokenOffset(1, 0, kvcache.V, 0, 0) + 4})
+	}
+	for _, l := range locs {
+		l.arena[l.off] ^= 0x40
+		got, err := e.Decode(c, 'x', n)
+		require.NoError(t, err)
+		require.NotEqual(t, bits(want), bits(got), l.name)
+		restore()
+	}
+	got, err := e.Decode(c, 'x', n)
+	require.NoError(t, err)
+	require.Equal(t, bits(want), bits(got), "restored state")
 }
 
 func TestTinyConcurrent(t *testing.T) {
