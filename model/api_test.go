@@ -222,3 +222,21 @@ func TestDelay(t *testing.T) {
 	_, err = model.DecodeContext(done, plain, c, 1, 0)
 	require.True(t, errors.Is(err, context.Canceled))
 }
+
+// Lookup parses untrusted names (flags, HTTP "model" fields): it never panics
+// and fails only with its sentinels.
+func FuzzLookup(f *testing.F) {
+	for _, s := range []string{"tiny-hybrid", "nemotron-h-8b?delay=2ms", "qwen3-next-80b?ssm_dtype=fp32&decode_delay=1ms",
+		"x?%", "tiny-hybrid?delay=1ms&delay=2ms", "?", "nemotron-h-8b?prefill_delay=-5s"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, name string) {
+		e, err := model.Lookup(name)
+		if err != nil {
+			require.True(t, errors.Is(err, model.ErrUnknownModel) || errors.Is(err, model.ErrInvalidOption), err)
+			require.Nil(t, e)
+			return
+		}
+		require.Contains(t, model.Names(), e.Spec().Name)
+	})
+}

@@ -17,8 +17,33 @@
 //  4. Prefill(prompt) writes positions [0, n) and returns the logits of token
 //     n; then Decode(token, n), Decode(token', n+1), ... Positions must be
 //     consecutive: a Decode at pos reads the state of [0, pos) from the cache.
-//  5. Pick tokens with Sample; stop at EOS or a length limit. Encode/Decode
-//     convert text to byte tokens and back.
+//  5. Pick tokens with Sample(logits, temperature, seed, step), step being the
+//     index of the generated token (0 for the one drawn from Prefill's
+//     logits), so that where prefill ran never changes the draw; stop at EOS or
+//     a length limit. Encode/Decode convert text to byte tokens and back.
+//  6. Calls that may block (a model looked up with a delay) are cancelled
+//     through PrefillContext/DecodeContext.
+//
+// # Models
+//
+// tiny-hybrid, layers "M*M-M*-" (d_model 64): Mamba2 layers (in-projection to
+// z | x B C | dt, causal depthwise conv over x|B|C whose last d_conv-1 inputs
+// are the conv state, h = exp(dt*A)*h + dt*B*x, y = C.h + D*x gated by
+// silu(z)), GQA attention (4 query / 2 KV heads of 16, rotary positions) that
+// writes each position's K/V into its block and reads every earlier position
+// back from the pool, SwiGLU MLPs, RMSNorm, an LM head. States are float32
+// little-endian: conv [128][3] and SSM [4][16][16] per Mamba layer, so a
+// flipped sign/exponent byte anywhere changes the next logits.
+//
+// nemotron-h-8b and qwen3-next-80b have the real cache shapes (bf16 KV, bf16
+// conv, bf16 SSM unless "?ssm_dtype=fp32"; conv sections x|B|C and Q|K|V) and
+// cheap fake math: Prefill hashes the prompt and fills every byte of the row
+// and of the prompt's K/V with a pattern of it; Decode seeds from a CRC-32C of
+// the whole row and of the K/V in the block holding the previous position,
+// writes K/V and rewrites the row. Logits are a pattern of that seed, so a
+// corrupted transfer changes the next token. A decode reads and writes the
+// whole row (49 MiB for nemotron-h-8b, 37.7 MiB for qwen3-next-80b), as a real
+// decode step does.
 //
 // Executors start no goroutines and keep no per-request state: distinct
 // caches may be used concurrently. A call with a bad argument returns an error

@@ -15,14 +15,19 @@ func Sample(logits []float32, temperature float64, seed uint64, step int) int32 
 		return best
 	}
 	m := float64(logits[best])
-	if math.IsInf(m, 1) {
+	if math.IsInf(m, 0) { // +Inf wins; all -Inf is as good as greedy
 		return best
+	}
+	weight := func(l float32) float64 {
+		w := math.Exp((float64(l) - m) / temperature)
+		if w != w { // NaN logit, or -Inf at an infinite temperature
+			return 0
+		}
+		return w
 	}
 	var total float64
 	for _, l := range logits {
-		if l == l { // not NaN
-			total += math.Exp((float64(l) - m) / temperature)
-		}
+		total += weight(l)
 	}
 	// total >= 1 (the max contributes exp(0)); u in [0, 1).
 	u := float64(mix64(seed^0x5a3c_e1f0_9d2b_4c67, uint64(step))>>11) * 0x1p-53
@@ -30,10 +35,7 @@ func Sample(logits []float32, temperature float64, seed uint64, step int) int32 
 	var acc float64
 	last := best
 	for i, l := range logits {
-		if l != l {
-			continue
-		}
-		w := math.Exp((float64(l) - m) / temperature)
+		w := weight(l)
 		if w == 0 {
 			continue
 		}

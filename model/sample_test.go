@@ -33,8 +33,12 @@ func TestSampleGreedy(t *testing.T) {
 			}
 		})
 	}
-	// +Inf wins and NaN is never chosen at any temperature.
+	// +Inf wins and NaN is never chosen at any temperature; all -Inf is greedy.
+	ninf := float32(math.Inf(-1))
 	for step := range 100 {
+		require.Equal(t, int32(0), model.Sample([]float32{ninf, ninf}, 1, 7, step))
+		tok := model.Sample([]float32{ninf, 2, nan, 1}, math.Inf(1), 7, step)
+		require.True(t, tok == 1 || tok == 3, "infinite temperature draws among finite logits: %d", tok)
 		require.Equal(t, int32(1), model.Sample([]float32{1, inf, 3}, 1, 7, step))
 		require.Equal(t, int32(1), model.Sample([]float32{nan, 0, nan}, 1, 7, step))
 	}

@@ -105,8 +105,11 @@ func newTinyHybrid(o Options) (Executor, error) {
 	if o.SSMElemSize != 0 && o.SSMElemSize != 4 {
 		return nil, fmt.Errorf("%w: %s keeps its SSM state in fp32", ErrInvalidOption, TinyHybrid)
 	}
-	return newTiny(TinyHybrid, tinyHybridDims), nil
+	return tinyHybrid(), nil
 }
+
+// tinyHybrid is built once: the executor is immutable and safe to share.
+var tinyHybrid = sync.OnceValue(func() *tiny { return newTiny(TinyHybrid, tinyHybridDims) })
 
 func newTiny(name string, d tinyDims) *tiny {
 	m := &tiny{d: d, dInner: d.mHeads * d.mHeadDim}
