@@ -42,6 +42,7 @@ type FetchRequest struct {
 type FetchResult struct {
 	First      int32         // the first generated token, sampled at step 0
 	Compute    time.Duration // prefill compute on the remote worker
+	Transfer   time.Duration // data-plane write and commit, as measured by the writer
 	KVBytes    int64
 	MambaBytes int64
 }
@@ -50,7 +51,8 @@ type FetchResult struct {
 type Timing struct {
 	Queued     time.Duration // accepted until admitted to a rank
 	Prefill    time.Duration // prefill compute (local, or as reported remotely)
-	Transfer   time.Duration // admitted until the cache was accepted (remote only)
+	Transfer   time.Duration // data-plane write and commit (remote only)
+	Handoff    time.Duration // admitted until the cache was accepted (remote only)
 	FirstToken time.Duration // accepted until the first token
 	Total      time.Duration // accepted until done
 }
@@ -328,6 +330,23 @@ func (e *Engine) Generate(ctx context.Context, g GenerateRequest) (*Stream, erro
 // Prefill queues a prefill job and waits until it ran: the returned lease
 // holds the cache until Release. Errors as Generate's, or ctx's.
 func (e *Engine) Prefill(ctx context.Context, j PrefillJob) (*Lease, error) {
+	p, err := e.SubmitPrefill(ctx, j)
+	if err != nil {
+		return nil, err
+	}
+	return p.Wait(ctx)
+}
+
+// PendingPrefill is a queued prefill job.
+type PendingPrefill struct {
+	e *Engine
+	q *request
+}
+
+// SubmitPrefill queues a prefill job without waiting for it: it fails at once
+// with ErrQueueFull, ErrDraining, ErrClosed, ErrInvalidRequest or ErrTooLong.
+// Ending ctx before the lease was taken frees the job's resources.
+func (e *Engine) SubmitPrefill(ctx context.Context, j PrefillJob) (*PendingPrefill, error) {
 	if e.cfg.Role != RolePrefill {
 		return nil, ErrWrongRole
 	}
@@ -341,14 +360,26 @@ func (e *Engine) Prefill(ctx context.Context, j PrefillJob) (*Lease, error) {
 	if err := e.enqueue(q); err != nil {
 		return nil, err
 	}
+	return &PendingPrefill{e: e, q: q}, nil
+}
+
+// Wait blocks until the job ran and returns its lease, or its error. When
+// ctx ends first the job is abandoned (its resources are freed) and Wait
+// returns ctx's error. Call Wait at most once.
+func (p *PendingPrefill) Wait(ctx context.Context) (*Lease, error) {
 	select {
-	case r := <-q.lease:
+	case r := <-p.q.lease:
 		return r.lease, r.err
 	case <-ctx.Done():
-		e.post(inboxEvent{kind: evAbandon, q: q})
+		p.Abandon()
 		return nil, fmt.Errorf("worker: prefill: %w", context.Cause(ctx))
 	}
 }
+
+// Abandon gives up a job whose lease was never taken by Wait: it ends and
+// frees whatever it holds. Do not call it after Wait returned a lease
+// (Release that instead).
+func (p *PendingPrefill) Abandon() { p.e.post(inboxEvent{kind: evAbandon, q: p.q}) }
 
 func (e *Engine) check(prompt []int32, maxTokens int, temp float64) error {
 	switch {
@@ -522,15 +553,15 @@ func (e *Engine) applyInbox() {
 			switch q.phase {
 			case PhaseQueued:
 				if e.unqueue(q) {
-					e.finish(q, context.Cause(q.ctx))
+					e.finish(q, cancelCause(q))
 				}
 			case PhaseContext, PhaseGenerate:
-				e.finish(q, context.Cause(q.ctx))
+				e.finish(q, cancelCause(q))
 			case PhasePush:
 				// Once the lease was handed out only Release frees it; an
 				// abandoned Prefill never handed it out.
 				if ev.kind == evAbandon {
-					e.finish(q, context.Cause(q.ctx))
+					e.finish(q, cancelCause(q))
 				}
 			case PhaseAwaitCache:
 				// The fetch runs under q.ctx and ends on its own.
@@ -545,6 +576,14 @@ func (e *Engine) applyInbox() {
 			}
 		}
 	}
+}
+
+// cancelCause is why a cancelled or abandoned request ends.
+func cancelCause(q *request) error {
+	if err := context.Cause(q.ctx); err != nil {
+		return err
+	}
+	return context.Canceled
 }
 
 func (e *Engine) unqueue(q *request) bool {
@@ -631,7 +670,8 @@ func (e *Engine) fetched(q *request, res FetchResult, err error) {
 	e.m.TransferBytes.WithLabelValues(role, "kv").Add(float64(res.KVBytes))
 	e.m.TransferBytes.WithLabelValues(role, "mamba").Add(float64(res.MambaBytes))
 	q.timing.Prefill = res.Compute
-	q.timing.Transfer = time.Since(q.admitted)
+	q.timing.Transfer = res.Transfer
+	q.timing.Handoff = time.Since(q.admitted)
 	q.pos = len(q.prompt)
 	if q.accept(res.First) {
 		e.finish(q, nil)
@@ -840,8 +880,11 @@ func (e *Engine) finish(q *request, err error) {
 	}
 	attrs := []any{"result", result, "generated", q.generated, "queued_ms", ms(q.timing.Queued),
 		"prefill_ms", ms(q.timing.Prefill), "total_ms", ms(q.timing.Total)}
-	if q.timing.Transfer > 0 {
-		attrs = append(attrs, "transfer_ms", ms(q.timing.Transfer))
+	if q.timing.Handoff > 0 {
+		attrs = append(attrs, "handoff_ms", ms(q.timing.Handoff), "transfer_ms", ms(q.timing.Transfer))
+	}
+	if q.timing.FirstToken > 0 {
+		attrs = append(attrs, "ttft_ms", ms(q.timing.FirstToken))
 	}
 	if err != nil {
 		attrs = append(attrs, "err", err)

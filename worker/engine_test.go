@@ -282,7 +282,7 @@ func TestEngineRemoteMatchesLocal(t *testing.T) {
 		toks, ev := drainStream(t, s)
 		require.NoError(t, ev.Err)
 		require.Equal(t, reference(t, model.TinyHybrid, model.Encode(testPrompts[i]), 6, float64(i%2)*0.9, uint64(i)), toks)
-		require.Greater(t, ev.Timing.Transfer, time.Duration(0))
+		require.Greater(t, ev.Timing.Handoff, time.Duration(0))
 	}
 }
 

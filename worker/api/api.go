@@ -347,6 +347,7 @@ func setTiming(h http.Header, t worker.Timing) {
 	set("X-Handoff-Queue-Ms", t.Queued)
 	set("X-Handoff-Prefill-Ms", t.Prefill)
 	set("X-Handoff-Transfer-Ms", t.Transfer)
+	set("X-Handoff-Handoff-Ms", t.Handoff)
 	set("X-Handoff-Ttft-Ms", t.FirstToken)
 	set("X-Handoff-Total-Ms", t.Total)
 }

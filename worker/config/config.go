@@ -1,0 +1,369 @@
+// Package config parses the flags and environment of the prefill and decode
+// binaries in one place. Every flag has an environment twin, named in
+// --help; a flag given on the command line wins over its variable, which
+// wins over the default.
+package config
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/handoff-io/handoff/worker"
+)
+
+// ErrInvalid wraps every parse and validation error.
+var ErrInvalid = errors.New("config: invalid")
+
+// Default ports.
+const (
+	DefaultHTTPAddr         = ":8000"
+	DefaultPrefillAdminAddr = ":9090"
+	DefaultDecodeAdminAddr  = ":9091"
+	DefaultDataAddr         = ":7400"
+	DefaultNATSURL          = "nats://127.0.0.1:4222"
+)
+
+// NATS holds the control-plane connection settings.
+type NATS struct {
+	URL      string
+	Creds    string // credentials file (JWT + seed)
+	NKey     string // nkey seed file
+	User     string
+	Password string
+	CA       string // CA certificate file
+	Cert     string // client certificate file
+	Key      string // client key file
+}
+
+// Config is a worker's whole configuration.
+type Config struct {
+	Role           worker.Role
+	NATS           NATS
+	Namespace      string
+	InstanceID     string
+	Model          string
+	DPSize         int
+	AttentionDP    bool
+	MaxBatchSize   int
+	TokensPerBlock int
+	KVBlocks       int
+	QueueSize      int
+	DataAddr       string
+	DataAdvertise  string
+	Transport      string // auto, tcp, shm, inproc
+	AdminAddr      string
+	LogLevel       slog.Level
+	LogFormat      string // json, text
+	DrainTimeout   time.Duration
+	RequestTimeout time.Duration
+
+	// Decode only.
+	HTTPAddr   string
+	Prefill    string // remote, local
+	Standalone bool
+}
+
+// env is the process environment, injectable for tests.
+type env func(string) string
+
+type binding struct {
+	name, envName string
+	decodeOnly    bool
+}
+
+// Parse parses args (without the program name) for role. Output of --help
+// goes to out. It returns flag.ErrHelp after printing help.
+func Parse(role worker.Role, args []string, getenv func(string) string, out io.Writer) (Config, error) {
+	if getenv == nil {
+		getenv = os.Getenv
+	}
+	c := Config{Role: role}
+	fs := flag.NewFlagSet(string(role), flag.ContinueOnError)
+	fs.SetOutput(out)
+	var bindings []binding
+	str := func(p *string, name, envName, def, usage string, decodeOnly bool) {
+		if decodeOnly && role != worker.RoleDecode {
+			return
+		}
+		fs.StringVar(p, name, def, usage+envNote(envName))
+		bindings = append(bindings, binding{name, envName, decodeOnly})
+	}
+	num := func(p *int, name, envName string, def int, usage string) {
+		fs.IntVar(p, name, def, usage+envNote(envName))
+		bindings = append(bindings, binding{name, envName, false})
+	}
+	adminDefault := DefaultPrefillAdminAddr
+	if role == worker.RoleDecode {
+		adminDefault = DefaultDecodeAdminAddr
+	}
+	var logLevel, attentionDP string
+	str(&c.NATS.URL, "nats-url", "NATS_URL", DefaultNATSURL, "NATS server URL(s), comma-separated", false)
+	str(&c.NATS.Creds, "nats-creds", "NATS_CREDS", "", "NATS credentials file", false)
+	str(&c.NATS.NKey, "nats-nkey", "NATS_NKEY", "", "NATS nkey seed file", false)
+	str(&c.NATS.User, "nats-user", "NATS_USER", "", "NATS user name", false)
+	str(&c.NATS.Password, "nats-password", "NATS_PASSWORD", "", "NATS password", false)
+	str(&c.NATS.CA, "nats-ca", "NATS_CA", "", "CA certificate file for NATS TLS", false)
+	str(&c.NATS.Cert, "nats-cert", "NATS_CERT", "", "client certificate file for NATS TLS", false)
+	str(&c.NATS.Key, "nats-key", "NATS_KEY", "", "client key file for NATS TLS", false)
+	str(&c.Namespace, "namespace", "HANDOFF_NAMESPACE", "default", "namespace shared by the prefill and decode workers of one deployment", false)
+	str(&c.InstanceID, "instance-id", "HANDOFF_INSTANCE_ID", "", "unique instance id (default $POD_NAME, else hostname-pid)", false)
+	str(&c.Model, "model", "HANDOFF_MODEL", "tiny-hybrid", "model name, options as a query (e.g. nemotron-h-8b?delay=2ms)", false)
+	num(&c.DPSize, "dp-size", "HANDOFF_DP_SIZE", 1, "attention-DP ranks in this process")
+	str(&attentionDP, "attention-dp", "HANDOFF_ATTENTION_DP", "", "step ranks in lockstep with dummy padding (default true when --dp-size > 1)", false)
+	num(&c.MaxBatchSize, "max-batch-size", "HANDOFF_MAX_BATCH_SIZE", 8, "requests per rank (real Mamba rows)")
+	num(&c.TokensPerBlock, "tokens-per-block", "HANDOFF_TOKENS_PER_BLOCK", 16, "KV block size in tokens (must match the peers)")
+	num(&c.KVBlocks, "kv-blocks", "HANDOFF_KV_BLOCKS", 0, "KV blocks per rank (0: enough for max-batch-size full contexts, capped at 512 MiB)")
+	num(&c.QueueSize, "queue-size", "HANDOFF_QUEUE_SIZE", 64, "requests waiting for admission before new ones are refused")
+	str(&c.DataAddr, "data-addr", "HANDOFF_DATA_ADDR", DefaultDataAddr, "data-plane TCP listen address", false)
+	str(&c.DataAdvertise, "data-advertise", "HANDOFF_DATA_ADVERTISE", "", "data-plane address peers dial (default $POD_IP:<port> when POD_IP is set, else the listener's)", false)
+	str(&c.Transport, "transport", "HANDOFF_TRANSPORT", "auto", "data-plane transport: auto, tcp, shm or inproc", false)
+	str(&c.AdminAddr, "admin-addr", "HANDOFF_ADMIN_ADDR", adminDefault, "admin HTTP address (/livez, /readyz, /metrics); empty disables", false)
+	str(&logLevel, "log-level", "HANDOFF_LOG_LEVEL", "info", "log level: debug, info, warn, error", false)
+	str(&c.LogFormat, "log-format", "HANDOFF_LOG_FORMAT", "json", "log format: json or text", false)
+	dur(fs, &c.DrainTimeout, "drain-timeout", "HANDOFF_DRAIN_TIMEOUT", 30*time.Second, "how long SIGTERM waits for in-flight requests", &bindings)
+	dur(fs, &c.RequestTimeout, "request-timeout", "HANDOFF_REQUEST_TIMEOUT", 30*time.Second, "deadline of one cache handoff", &bindings)
+	var standalone string
+	if role == worker.RoleDecode {
+		str(&c.HTTPAddr, "http-addr", "HANDOFF_HTTP_ADDR", DefaultHTTPAddr, "OpenAI-compatible API address", true)
+		str(&c.Prefill, "prefill", "HANDOFF_PREFILL", "remote", "where prefill runs: remote (prefill workers over NATS) or local (in process, no transfer)", true)
+		fs.StringVar(&standalone, "standalone", "", "run an embedded NATS server and an in-process prefill worker: one command, the whole pipeline"+envNote("HANDOFF_STANDALONE"))
+		fs.Lookup("standalone").DefValue = "false"
+		// A bare --standalone means true.
+		bindings = append(bindings, binding{"standalone", "HANDOFF_STANDALONE", true})
+	}
+	fs.Usage = func() {
+		fmt.Fprintf(out, "Usage: %s [flags]\n       %s version\n       %s healthcheck [--url URL]\n\nFlags (each with its environment variable):\n",
+			role, role, role)
+		fs.PrintDefaults()
+	}
+	args = expandBoolFlags(args, "standalone")
+	if err := fs.Parse(args); err != nil {
+		return Config{}, err
+	}
+	if fs.NArg() > 0 {
+		return Config{}, fmt.Errorf("%w: unexpected argument %q", ErrInvalid, fs.Arg(0))
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	for _, b := range bindings {
+		if set[b.name] {
+			continue
+		}
+		if v, ok := lookup(getenv, b.envName); ok {
+			if err := fs.Set(b.name, v); err != nil {
+				return Config{}, fmt.Errorf("%w: %s=%q: %v", ErrInvalid, b.envName, v, err)
+			}
+			set[b.name] = true
+		}
+	}
+	var err error
+	if c.LogLevel, err = parseLevel(logLevel); err != nil {
+		return Config{}, err
+	}
+	if attentionDP == "" {
+		c.AttentionDP = c.DPSize > 1
+	} else if c.AttentionDP, err = strconv.ParseBool(attentionDP); err != nil {
+		return Config{}, fmt.Errorf("%w: --attention-dp %q: want true or false", ErrInvalid, attentionDP)
+	}
+	if standalone != "" {
+		if c.Standalone, err = strconv.ParseBool(standalone); err != nil {
+			return Config{}, fmt.Errorf("%w: --standalone %q: want true or false", ErrInvalid, standalone)
+		}
+	}
+	if c.InstanceID == "" {
+		c.InstanceID = defaultInstance(getenv)
+	}
+	if c.DataAdvertise == "" {
+		if ip := getenv("POD_IP"); ip != "" {
+			_, port, err := net.SplitHostPort(c.DataAddr)
+			if err != nil {
+				return Config{}, fmt.Errorf("%w: --data-addr %q: %v", ErrInvalid, c.DataAddr, err)
+			}
+			c.DataAdvertise = net.JoinHostPort(ip, port)
+		}
+	}
+	return c, c.Validate()
+}
+
+// Validate checks a Config.
+func (c *Config) Validate() error {
+	var errs []error
+	bad := func(format string, a ...any) { errs = append(errs, fmt.Errorf(format, a...)) }
+	if c.DPSize < 1 {
+		bad("--dp-size %d: want ≥ 1", c.DPSize)
+	}
+	if c.MaxBatchSize < 1 {
+		bad("--max-batch-size %d: want ≥ 1", c.MaxBatchSize)
+	}
+	if c.TokensPerBlock < 2 || c.TokensPerBlock&(c.TokensPerBlock-1) != 0 {
+		bad("--tokens-per-block %d: want a power of two ≥ 2", c.TokensPerBlock)
+	}
+	if c.KVBlocks < 0 {
+		bad("--kv-blocks %d: want ≥ 0", c.KVBlocks)
+	}
+	if c.QueueSize < 1 {
+		bad("--queue-size %d: want ≥ 1", c.QueueSize)
+	}
+	switch c.Transport {
+	case "auto", "tcp", "shm", "inproc":
+	default:
+		bad("--transport %q: want auto, tcp, shm or inproc", c.Transport)
+	}
+	switch c.LogFormat {
+	case "json", "text":
+	default:
+		bad("--log-format %q: want json or text", c.LogFormat)
+	}
+	if c.DrainTimeout < 0 {
+		bad("--drain-timeout %v: want ≥ 0", c.DrainTimeout)
+	}
+	if c.RequestTimeout <= 0 {
+		bad("--request-timeout %v: want > 0", c.RequestTimeout)
+	}
+	if !validToken(c.Namespace) {
+		bad("--namespace %q: want letters, digits, '-' or '_'", c.Namespace)
+	}
+	if !validToken(c.InstanceID) {
+		bad("--instance-id %q: want letters, digits, '-' or '_'", c.InstanceID)
+	}
+	if c.Model == "" {
+		bad("--model is empty")
+	}
+	if (c.NATS.Cert == "") != (c.NATS.Key == "") {
+		bad("--nats-cert and --nats-key go together")
+	}
+	if c.NATS.Password != "" && c.NATS.User == "" {
+		bad("--nats-password needs --nats-user")
+	}
+	if c.Role == worker.RoleDecode {
+		switch c.Prefill {
+		case "remote", "local":
+		default:
+			bad("--prefill %q: want remote or local", c.Prefill)
+		}
+		if c.Standalone && c.Prefill == "local" {
+			bad("--standalone runs a remote prefill worker; it cannot be combined with --prefill local")
+		}
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("%w: %w", ErrInvalid, errors.Join(errs...))
+	}
+	return nil
+}
+
+// Logger builds the process logger (to w) from the config.
+func (c *Config) Logger(w io.Writer) *slog.Logger {
+	opts := &slog.HandlerOptions{Level: c.LogLevel}
+	var h slog.Handler
+	if c.LogFormat == "text" {
+		h = slog.NewTextHandler(w, opts)
+	} else {
+		h = slog.NewJSONHandler(w, opts)
+	}
+	return slog.New(h).With("role", string(c.Role), "instance", c.InstanceID)
+}
+
+func envNote(name string) string { return " (env " + name + ")" }
+
+func lookup(getenv func(string) string, name string) (string, bool) {
+	v := getenv(name)
+	return v, v != ""
+}
+
+func dur(fs *flag.FlagSet, p *time.Duration, name, envName string, def time.Duration, usage string, b *[]binding) {
+	fs.DurationVar(p, name, def, usage+envNote(envName))
+	*b = append(*b, binding{name, envName, false})
+}
+
+// expandBoolFlags turns a bare "--name" (or "-name") of a string-backed
+// boolean flag into "--name=true", so it reads like a flag.Bool.
+func expandBoolFlags(args []string, names ...string) []string {
+	out := make([]string, 0, len(args))
+	for i, a := range args {
+		if a == "--" {
+			return append(out, args[i:]...)
+		}
+		for _, n := range names {
+			if a == "--"+n || a == "-"+n {
+				a = "--" + n + "=true"
+			}
+		}
+		out = append(out, a)
+	}
+	return out
+}
+
+func parseLevel(s string) (slog.Level, error) {
+	switch strings.ToLower(s) {
+	case "debug":
+		return slog.LevelDebug, nil
+	case "info", "":
+		return slog.LevelInfo, nil
+	case "warn", "warning":
+		return slog.LevelWarn, nil
+	case "error":
+		return slog.LevelError, nil
+	}
+	return 0, fmt.Errorf("%w: --log-level %q: want debug, info, warn or error", ErrInvalid, s)
+}
+
+func validToken(s string) bool {
+	if s == "" {
+		return false
+	}
+	for _, r := range s {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_') {
+			return false
+		}
+	}
+	return true
+}
+
+// defaultInstance is $POD_NAME, else hostname-pid, made a valid token.
+func defaultInstance(getenv func(string) string) string {
+	if p := getenv("POD_NAME"); p != "" {
+		return sanitize(p)
+	}
+	h, err := os.Hostname()
+	if err != nil || h == "" {
+		h = "handoff"
+	}
+	return sanitize(fmt.Sprintf("%s-%d", h, os.Getpid()))
+}
+
+func sanitize(s string) string {
+	b := []byte(s)
+	for i, c := range b {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
+			b[i] = '-'
+		}
+	}
+	return string(b)
+}
+
+// AdminPort returns the port of --admin-addr for role as configured by the
+// environment (HANDOFF_ADMIN_ADDR), else the role's default: what
+// healthcheck dials.
+func AdminPort(role worker.Role, getenv func(string) string) string {
+	addr := DefaultPrefillAdminAddr
+	if role == worker.RoleDecode {
+		addr = DefaultDecodeAdminAddr
+	}
+	if getenv != nil {
+		if v := getenv("HANDOFF_ADMIN_ADDR"); v != "" {
+			addr = v
+		}
+	}
+	if _, port, err := net.SplitHostPort(addr); err == nil && port != "" {
+		return port
+	}
+	return strings.TrimPrefix(addr, ":")
+}

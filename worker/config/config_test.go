@@ -1,0 +1,114 @@
+package config
+
+import (
+	"bytes"
+	"errors"
+	"flag"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/worker"
+)
+
+func envOf(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
+
+func TestDefaults(t *testing.T) {
+	c, err := Parse(worker.RoleDecode, nil, envOf(map[string]string{"POD_NAME": "decode-0"}), &bytes.Buffer{})
+	require.NoError(t, err)
+	require.Equal(t, DefaultNATSURL, c.NATS.URL)
+	require.Equal(t, "default", c.Namespace)
+	require.Equal(t, "decode-0", c.InstanceID)
+	require.Equal(t, "tiny-hybrid", c.Model)
+	require.Equal(t, 1, c.DPSize)
+	require.False(t, c.AttentionDP)
+	require.Equal(t, 8, c.MaxBatchSize)
+	require.Equal(t, 16, c.TokensPerBlock)
+	require.Equal(t, ":8000", c.HTTPAddr)
+	require.Equal(t, ":9091", c.AdminAddr)
+	require.Equal(t, ":7400", c.DataAddr)
+	require.Equal(t, "remote", c.Prefill)
+	require.Equal(t, 30*time.Second, c.DrainTimeout)
+	require.Equal(t, slog.LevelInfo, c.LogLevel)
+	require.Equal(t, "json", c.LogFormat)
+	require.False(t, c.Standalone)
+
+	p, err := Parse(worker.RolePrefill, nil, envOf(nil), &bytes.Buffer{})
+	require.NoError(t, err)
+	require.Equal(t, ":9090", p.AdminAddr)
+	require.NotEmpty(t, p.InstanceID)
+	require.True(t, validToken(p.InstanceID))
+}
+
+func TestPrecedence(t *testing.T) {
+	env := envOf(map[string]string{
+		"HANDOFF_DP_SIZE": "4", "NATS_URL": "nats://env:4222", "HANDOFF_LOG_LEVEL": "debug",
+		"HANDOFF_DRAIN_TIMEOUT": "5s", "POD_IP": "10.1.2.3", "HANDOFF_PREFILL": "local",
+	})
+	c, err := Parse(worker.RoleDecode, []string{"--dp-size", "2", "--data-addr", ":7500"}, env, &bytes.Buffer{})
+	require.NoError(t, err)
+	require.Equal(t, 2, c.DPSize, "flag wins over env")
+	require.True(t, c.AttentionDP, "defaults to true with dp-size > 1")
+	require.Equal(t, "nats://env:4222", c.NATS.URL, "env wins over default")
+	require.Equal(t, slog.LevelDebug, c.LogLevel)
+	require.Equal(t, 5*time.Second, c.DrainTimeout)
+	require.Equal(t, "10.1.2.3:7500", c.DataAdvertise)
+	require.Equal(t, "local", c.Prefill)
+
+	c, err = Parse(worker.RoleDecode, []string{"--dp-size=2", "--attention-dp=false", "--standalone"}, envOf(nil), &bytes.Buffer{})
+	require.NoError(t, err)
+	require.False(t, c.AttentionDP)
+	require.True(t, c.Standalone)
+}
+
+func TestInvalid(t *testing.T) {
+	tests := []struct {
+		name string
+		role worker.Role
+		args []string
+		env  map[string]string
+	}{
+		{"dp size zero", worker.RoleDecode, []string{"--dp-size", "0"}, nil},
+		{"batch zero", worker.RolePrefill, []string{"--max-batch-size", "0"}, nil},
+		{"tokens per block not pow2", worker.RoleDecode, []string{"--tokens-per-block", "12"}, nil},
+		{"bad transport", worker.RoleDecode, []string{"--transport", "carrier-pigeon"}, nil},
+		{"bad prefill", worker.RoleDecode, []string{"--prefill", "elsewhere"}, nil},
+		{"bad log format", worker.RoleDecode, []string{"--log-format", "xml"}, nil},
+		{"bad log level", worker.RoleDecode, []string{"--log-level", "loud"}, nil},
+		{"bad env int", worker.RoleDecode, nil, map[string]string{"HANDOFF_DP_SIZE": "two"}},
+		{"bad env duration", worker.RolePrefill, nil, map[string]string{"HANDOFF_DRAIN_TIMEOUT": "soon"}},
+		{"bad namespace", worker.RoleDecode, []string{"--namespace", "a.b"}, nil},
+		{"cert without key", worker.RoleDecode, []string{"--nats-cert", "c.pem"}, nil},
+		{"standalone with local", worker.RoleDecode, []string{"--standalone", "--prefill", "local"}, nil},
+		{"decode flag on prefill", worker.RolePrefill, []string{"--http-addr", ":1"}, nil},
+		{"stray argument", worker.RoleDecode, []string{"extra"}, nil},
+		{"bad attention dp", worker.RoleDecode, []string{"--attention-dp", "maybe"}, nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := Parse(tt.role, tt.args, envOf(tt.env), &bytes.Buffer{})
+			require.Error(t, err)
+		})
+	}
+}
+
+func TestHelpNamesEnv(t *testing.T) {
+	var out bytes.Buffer
+	_, err := Parse(worker.RoleDecode, []string{"--help"}, envOf(nil), &out)
+	require.True(t, errors.Is(err, flag.ErrHelp))
+	for _, env := range []string{"NATS_URL", "NATS_CREDS", "NATS_NKEY", "NATS_USER", "NATS_PASSWORD", "NATS_CA",
+		"NATS_CERT", "NATS_KEY", "HANDOFF_NAMESPACE", "HANDOFF_INSTANCE_ID", "HANDOFF_MODEL", "HANDOFF_DP_SIZE",
+		"HANDOFF_ATTENTION_DP", "HANDOFF_MAX_BATCH_SIZE", "HANDOFF_TOKENS_PER_BLOCK", "HANDOFF_KV_BLOCKS",
+		"HANDOFF_DATA_ADDR", "HANDOFF_DATA_ADVERTISE", "HANDOFF_TRANSPORT", "HANDOFF_ADMIN_ADDR",
+		"HANDOFF_LOG_LEVEL", "HANDOFF_LOG_FORMAT", "HANDOFF_DRAIN_TIMEOUT", "HANDOFF_HTTP_ADDR", "HANDOFF_PREFILL"} {
+		require.Contains(t, out.String(), "(env "+env+")")
+	}
+}
+
+func TestAdminPort(t *testing.T) {
+	require.Equal(t, "9091", AdminPort(worker.RoleDecode, envOf(nil)))
+	require.Equal(t, "9090", AdminPort(worker.RolePrefill, envOf(nil)))
+	require.Equal(t, "9999", AdminPort(worker.RolePrefill, envOf(map[string]string{"HANDOFF_ADMIN_ADDR": "0.0.0.0:9999"})))
+}
