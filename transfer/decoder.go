@@ -24,6 +24,12 @@ type DecoderConfig struct {
 	MaxDraftTokens int           // width of the padding-sentinel id range (mambacache.Config.MaxDraftTokens)
 	DefaultTimeout time.Duration // deadline when neither the Request nor ctx has one; default 30s
 	MaxAttempts    int           // prefill attempts per request (retries only where safe); default 3
+	// DirectFirst sends the first attempt to the live prefill instance with
+	// the fewest requests in flight (from the registry) instead of the queue
+	// group, so the decoder knows its peer from the start and a peer that dies
+	// fails the handoff at once rather than at the deadline. Falls back to the
+	// queue group when the registry knows no instance.
+	DirectFirst bool
 	Registry       RegistryConfig
 	// NoRegistry skips the instance registry (no announce, no watch, no
 	// targeted retries, no peer-death detection). For tools and tests.
@@ -93,6 +99,15 @@ type DecoderStats struct {
 	Published uint64
 }
 
+// publisher is what a Decoder needs from NATS on the request path
+// (*nats.Conn; a recorder in tests).
+type publisher interface {
+	PublishRequest(subj, reply string, data []byte) error
+	Publish(subj string, data []byte) error
+}
+
+var _ publisher = (*nats.Conn)(nil)
+
 // receiverEngine is what a Decoder needs from the data plane.
 type receiverEngine interface {
 	OpenGrant(spec rdma.GrantSpec) (*rdma.Grant, error)
@@ -108,6 +123,7 @@ var _ receiverEngine = (*rdma.Engine)(nil)
 type Decoder struct {
 	cfg  DecoderConfig
 	nc   *nats.Conn
+	pub  publisher
 	eng  receiverEngine
 	peer Peer // our descriptor, encoded once
 	reg  *Registry
@@ -144,7 +160,7 @@ func NewDecoder(ctx context.Context, cfg DecoderConfig, nc *nats.Conn, eng *rdma
 		return nil, err
 	}
 	d := &Decoder{
-		cfg: cfg, nc: nc, eng: eng, peer: PeerOf(eng.Descriptor()),
+		cfg: cfg, nc: nc, pub: nc, eng: eng, peer: PeerOf(eng.Descriptor()),
 		inbox: nats.NewInbox(), calls: map[string]*call{}, done: make(chan struct{}),
 		maxPayload: nc.MaxPayload(),
 	}
@@ -449,7 +465,7 @@ func (h *handoff) exec(a Action) (Event, bool) {
 		}
 		b, err := EncodeCancel(Cancel{RequestID: h.req.ID, Grant: grant, Code: a.Code})
 		if err == nil {
-			err = h.d.nc.Publish(subj, b)
+			err = h.d.pub.Publish(subj, b)
 			h.d.published.Add(1)
 		}
 		if err != nil { // best effort: the revoke that follows is the fence
@@ -477,11 +493,12 @@ func (h *handoff) send(a Action) (string, error) {
 	d := h.d
 	subj := Subject(d.cfg.Prefix, d.cfg.Namespace, SubjectPrefill, "")
 	target := a.Instance
-	if target == "" && a.Attempt > 1 && d.reg != nil {
+	if target == "" && (a.Attempt > 1 || d.cfg.DirectFirst) && d.reg != nil {
+		best := -1
 		for _, inst := range d.reg.Instances(RolePrefill, time.Now()) {
-			if inst.Fingerprint == d.cfg.Fingerprint && !containsStr(a.Exclude, inst.ID) {
-				target = inst.ID
-				break
+			if inst.Fingerprint == d.cfg.Fingerprint && !containsStr(a.Exclude, inst.ID) &&
+				(best < 0 || inst.Capacity.Inflight < best) {
+				target, best = inst.ID, inst.Capacity.Inflight
 			}
 		}
 	}
@@ -498,7 +515,7 @@ func (h *handoff) send(a Action) (string, error) {
 		return "", err
 	}
 	d.published.Add(1)
-	if err := d.nc.PublishRequest(subj, d.inbox+"."+h.tok, b); err != nil {
+	if err := d.pub.PublishRequest(subj, d.inbox+"."+h.tok, b); err != nil {
 		if errors.Is(err, nats.ErrMaxPayload) {
 			return "", fmt.Errorf("%w: %w", ErrPayloadTooLarge, err)
 		}

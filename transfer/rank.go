@@ -1,6 +1,7 @@
 package transfer
 
 import (
+	"errors"
 	"fmt"
 
 	"github.com/handoff-io/handoff/hybrid"
@@ -79,6 +80,9 @@ func (r *Rank) Manager() *hybrid.Manager { return r.m }
 // Prepare implements Allocator.
 func (r *Rank) Prepare(id uint64, tokens int) (Destination, error) {
 	res, err := r.m.Prepare(id, tokens)
+	if errors.Is(err, mambacache.ErrDummyID) {
+		return Destination{}, fmt.Errorf("%w: %w", ErrDummyRequest, err)
+	}
 	if err != nil {
 		return Destination{}, err
 	}

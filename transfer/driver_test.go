@@ -1,0 +1,713 @@
+package transfer
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"math"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/hybrid"
+	"github.com/handoff-io/handoff/kvcache"
+	"github.com/handoff-io/handoff/mambacache"
+	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/transfertest"
+)
+
+// noLeaks fails the test if goroutines of this package outlive it. Register it
+// first so it runs after every other cleanup.
+func noLeaks(t *testing.T) {
+	t.Cleanup(func() {
+		var stacks string
+		for range 100 {
+			buf := make([]byte, 1<<20)
+			stacks = string(buf[:runtime.Stack(buf, true)])
+			leaked := false
+			for _, g := range strings.Split(stacks, "\n\n") {
+				if strings.Contains(g, "handoff/transfer.(*") && !strings.Contains(g, "handoff/transfer.Test") {
+					leaked = true
+				}
+			}
+			if !leaked {
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		t.Errorf("goroutines of package transfer leaked:\n%s", stacks)
+	})
+}
+
+func testHybrid(blocks, mbs int) hybrid.Config {
+	return hybrid.Config{
+		KV: kvcache.Config{Layers: 2, KVHeads: 2, HeadDim: 4, ElemSize: 2, TokensPerBlock: 4, Blocks: blocks},
+		Mamba: mambacache.Config{Layers: 2, DState: 4, DConv: 4, Heads: 2, HeadDim: 3, NGroups: 1,
+			ConvElemSize: 2, SSMElemSize: 4, MaxBatchSize: mbs, AttentionDP: true, MaxDraftTokens: 2},
+	}
+}
+
+// side is one worker's data plane and pools.
+type side struct {
+	eng     *rdma.Engine
+	m       *hybrid.Manager
+	rank    *Rank
+	regions map[rdma.RegionID]*rdma.Region
+	initial hybrid.Stats
+}
+
+func newSide(t *testing.T, agent string, cfg hybrid.Config) *side {
+	t.Helper()
+	eng, err := rdma.New(rdma.Config{Agent: rdma.AgentID(agent), Transports: []rdma.Transport{rdma.TransportInproc},
+		Logger: slog.New(slog.DiscardHandler)})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = eng.Close() })
+	m, err := hybrid.New(cfg)
+	require.NoError(t, err)
+	kv, err := eng.Register("kv", cfg.KV.ArenaBytes())
+	require.NoError(t, err)
+	mr, err := eng.Register("mamba", cfg.Mamba.ArenaBytes())
+	require.NoError(t, err)
+	rank, err := NewRank(m, kv, mr)
+	require.NoError(t, err)
+	return &side{eng: eng, m: m, rank: rank, regions: map[rdma.RegionID]*rdma.Region{kv.ID(): kv, mr.ID(): mr}, initial: m.Stats()}
+}
+
+func (s *side) bytes(x rdma.Extent) []byte {
+	return s.regions[x.Region].Bytes()[x.Offset : x.Offset+x.Length]
+}
+
+func (s *side) requireInitial(t *testing.T) {
+	t.Helper()
+	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if got := s.m.Stats(); got != s.initial {
+			return fmt.Errorf("pools not back to initial: %+v, want %+v", got, s.initial)
+		}
+		return nil
+	})
+}
+
+// pattern is the byte the test executor writes at offset i of request id's
+// cache: the receiver checks every byte it got.
+func pattern(id uint64, i int) byte { return byte(id*31 + uint64(i)*7 + uint64(i>>8)) }
+
+// testExec is a PrefillExecutor over a side's pools, with fault switches.
+type testExec struct {
+	s        *side
+	refuse   atomic.Bool
+	block    chan struct{} // when set, Prefill waits for it (or ctx)
+	started  chan uint64   // receives request ids as prefills start (buffered)
+	ctxErr   chan error    // receives the ctx error of a blocked prefill
+	admits   atomic.Int64
+	releases atomic.Int64
+}
+
+func newExec(s *side) *testExec {
+	return &testExec{s: s, started: make(chan uint64, 64), ctxErr: make(chan error, 64)}
+}
+
+func (x *testExec) Admit(job Job) (Lease, error) {
+	x.admits.Add(1)
+	if x.refuse.Load() {
+		return nil, fmt.Errorf("%w: test executor full", ErrCapacityRefused)
+	}
+	d, err := x.s.rank.Prepare(job.RequestID, len(job.Tokens))
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrCapacityRefused, err)
+	}
+	return &testLease{x: x, job: job, d: d}, nil
+}
+
+type testLease struct {
+	x        *testExec
+	job      Job
+	d        Destination
+	released atomic.Bool
+}
+
+func (l *testLease) Prefill(ctx context.Context) (Prefilled, error) {
+	l.x.started <- l.job.RequestID
+	if l.x.block != nil {
+		select {
+		case <-l.x.block:
+		case <-ctx.Done():
+			l.x.ctxErr <- ctx.Err()
+			return Prefilled{}, ctx.Err()
+		}
+	}
+	i := 0
+	for _, e := range l.d.Extents() {
+		b := l.x.s.bytes(e)
+		for j := range b {
+			b[j] = pattern(l.job.RequestID, i)
+			i++
+		}
+	}
+	return Prefilled{FirstToken: int32(l.job.RequestID % 1000), Source: l.d}, nil
+}
+
+func (l *testLease) Release() {
+	if l.released.Swap(true) {
+		panic("lease released twice")
+	}
+	l.x.releases.Add(1)
+	if err := l.x.s.rank.Free(l.job.RequestID); err != nil {
+		panic(err)
+	}
+}
+
+type fixture struct {
+	t   *testing.T
+	srv *server.Server
+	ns  string
+	fp  string
+}
+
+func newFixture(t *testing.T) *fixture {
+	noLeaks(t)
+	return &fixture{t: t, srv: transfertest.RunServer(t), ns: "t1", fp: "fp-tiny"}
+}
+
+func (f *fixture) decoder(name string, s *side, mod func(*DecoderConfig)) *Decoder {
+	f.t.Helper()
+	cfg := DecoderConfig{Instance: name, Namespace: f.ns, Fingerprint: f.fp, MaxDraftTokens: 2, NoRegistry: true,
+		Registry: RegistryConfig{TTL: 30 * time.Second}}
+	if mod != nil {
+		mod(&cfg)
+	}
+	nc := transfertest.Connect(f.t, f.srv)
+	d, err := NewDecoder(context.Background(), cfg, nc, s.eng)
+	require.NoError(f.t, err)
+	f.t.Cleanup(func() { require.NoError(f.t, d.Close()) })
+	return d
+}
+
+func (f *fixture) prefiller(name, fp string, x *testExec, mod func(*PrefillerConfig)) *Prefiller {
+	f.t.Helper()
+	cfg := PrefillerConfig{Instance: name, Namespace: f.ns, Fingerprint: fp, MaxDraftTokens: 2, NoRegistry: true,
+		Registry: RegistryConfig{TTL: 30 * time.Second}}
+	if mod != nil {
+		mod(&cfg)
+	}
+	nc := transfertest.Connect(f.t, f.srv)
+	p, err := NewPrefiller(cfg, nc, x.s.eng, x)
+	require.NoError(f.t, err)
+	require.NoError(f.t, p.Start(context.Background()))
+	f.t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		require.NoError(f.t, p.Shutdown(ctx))
+	})
+	return p
+}
+
+func withRegistry(c *DecoderConfig)    { c.NoRegistry = false }
+func withRegistryP(c *PrefillerConfig) { c.NoRegistry = false }
+func tokens(n int) []int32             { return make([]int32, n) }
+func inMsgs(t *testing.T, s *server.Server) int64 {
+	v, err := s.Varz(nil)
+	require.NoError(t, err)
+	return v.InMsgs
+}
+
+func TestHandoffHappy(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	d := f.decoder("d1", ds, nil)
+	p := f.prefiller("p1", f.fp, x, nil)
+
+	before := inMsgs(t, f.srv)
+	for id := uint64(1); id <= 5; id++ {
+		n := int(id*5 + 1)
+		res, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(n), Alloc: ds.rank, Deadline: time.Now().Add(5 * time.Second)})
+		require.NoError(t, err)
+		require.Equal(t, int32(id), res.FirstToken)
+		require.Equal(t, "p1", res.Instance)
+		require.Equal(t, 1, res.Attempts)
+		kvb, mb := res.Dest.Bytes()
+		require.Equal(t, kvb, res.KVBytes)
+		require.Equal(t, mb, res.MambaBytes)
+		require.Equal(t, uint64(kvcache.Config(testHybrid(1, 1).KV).BlocksFor(n))*uint64(testHybrid(1, 1).KV.BlockBytes()), kvb)
+		i := 0
+		for _, e := range res.Dest.Extents() {
+			for _, b := range ds.bytes(e) {
+				require.Equal(t, pattern(id, i), b, "request %d byte %d", id, i)
+				i++
+			}
+		}
+		require.NoError(t, ds.rank.Free(id))
+	}
+	// One request-reply per handoff: the request and the reply are the only
+	// messages clients published.
+	require.Equal(t, int64(2*5), inMsgs(t, f.srv)-before)
+	ds.requireInitial(t)
+	ps.requireInitial(t)
+	require.Equal(t, uint64(5), d.Stats().Delivered)
+	require.Equal(t, uint64(5), p.Stats().Served)
+	require.Equal(t, int64(5), x.releases.Load())
+}
+
+func TestHandoffConcurrent(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(256, 16)), newSide(t, "pre", testHybrid(256, 16))
+	d := f.decoder("d1", ds, nil)
+	f.prefiller("p1", f.fp, newExec(ps), nil)
+	var wg sync.WaitGroup
+	for id := uint64(1); id <= 16; id++ {
+		wg.Go(func() {
+			res, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(13), Alloc: ds.rank})
+			if err == nil {
+				require.Equal(t, int32(id), res.FirstToken)
+				require.NoError(t, ds.rank.Free(id))
+			} else {
+				require.ErrorIs(t, err, ErrCapacityRefused) // the prefill side is smaller than 16 only if misconfigured
+			}
+		})
+	}
+	wg.Wait()
+	ds.requireInitial(t)
+	ps.requireInitial(t)
+}
+
+func TestHandoffNoPrefillWorker(t *testing.T) {
+	f := newFixture(t)
+	ds := newSide(t, "dec", testHybrid(64, 8))
+	d := f.decoder("d1", ds, nil)
+	_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank})
+	require.ErrorIs(t, err, ErrNoPrefillWorker)
+	ds.requireInitial(t)
+	require.Equal(t, uint64(2), d.Stats().Retries) // retried while the deadline allowed
+}
+
+func TestHandoffCapacityRefused(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	x.refuse.Store(true)
+	d := f.decoder("d1", ds, nil)
+	f.prefiller("p1", f.fp, x, nil)
+	_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank})
+	require.ErrorIs(t, err, ErrCapacityRefused)
+	var re *RemoteError
+	require.ErrorAs(t, err, &re)
+	require.Equal(t, "p1", re.Instance)
+	require.Equal(t, int64(3), x.admits.Load())
+	ds.requireInitial(t)
+	ps.requireInitial(t)
+}
+
+// TestHandoffRetriesOnAnotherWorker: a full worker refuses; the retry goes to
+// the other worker by its instance subject.
+func TestHandoffRetriesOnAnotherWorker(t *testing.T) {
+	f := newFixture(t)
+	ds := newSide(t, "dec", testHybrid(64, 8))
+	full, free := newExec(newSide(t, "pre1", testHybrid(64, 8))), newExec(newSide(t, "pre2", testHybrid(64, 8)))
+	full.refuse.Store(true)
+	f.prefiller("p1", f.fp, full, withRegistryP)
+	f.prefiller("p2", f.fp, free, withRegistryP)
+	d := f.decoder("d1", ds, withRegistry)
+	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
+			return fmt.Errorf("%d prefill instances known", n)
+		}
+		return nil
+	})
+	for id := uint64(1); id <= 16; id++ {
+		res, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(5), Alloc: ds.rank})
+		require.NoError(t, err)
+		require.Equal(t, "p2", res.Instance)
+		require.LessOrEqual(t, res.Attempts, 2)
+		require.NoError(t, ds.rank.Free(id))
+	}
+	require.Positive(t, full.admits.Load(), "the queue group never chose the full worker")
+	ds.requireInitial(t)
+	free.s.requireInitial(t)
+}
+
+func TestHandoffLayoutMismatch(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	d := f.decoder("d1", ds, nil)
+	f.prefiller("p1", "fp-other-model", x, nil)
+	_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank})
+	require.ErrorIs(t, err, ErrLayoutMismatch)
+	require.ErrorContains(t, err, "layout")
+	require.Zero(t, x.admits.Load(), "admitted despite the mismatch")
+	ds.requireInitial(t)
+	for _, r := range ds.regions {
+		require.Equal(t, make([]byte, r.Len()), r.Bytes(), "a byte moved")
+	}
+}
+
+// TestHandoffLayoutMismatchBytes: same fingerprint, but the worker's cache of
+// the prompt has another size (misconfigured block size): refused after
+// prefill, before any byte moves.
+func TestHandoffLayoutMismatchBytes(t *testing.T) {
+	f := newFixture(t)
+	other := testHybrid(64, 8)
+	other.KV.TokensPerBlock = 8
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", other)
+	x := newExec(ps)
+	d := f.decoder("d1", ds, nil)
+	f.prefiller("p1", f.fp, x, nil)
+	_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank})
+	require.ErrorIs(t, err, ErrLayoutMismatch)
+	ds.requireInitial(t)
+	ps.requireInitial(t)
+	for _, r := range ds.regions {
+		require.Equal(t, make([]byte, r.Len()), r.Bytes(), "a byte moved")
+	}
+}
+
+func TestHandoffTimeoutFreesBothSides(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	x.block = make(chan struct{})
+	d := f.decoder("d1", ds, nil)
+	p := f.prefiller("p1", f.fp, x, nil)
+	_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(300 * time.Millisecond)})
+	require.ErrorIs(t, err, ErrTimeout)
+	ds.requireInitial(t)
+	require.Error(t, <-x.ctxErr)
+	ps.requireInitial(t)
+	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if st := p.Stats(); st.InFlight != 0 {
+			return fmt.Errorf("%d in flight", st.InFlight)
+		}
+		return nil
+	})
+}
+
+// TestHandoffCancelStopsPrefill: the caller cancels while the worker
+// prefills; the cancel message stops the worker long before the deadline.
+func TestHandoffCancelStopsPrefill(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	x.block = make(chan struct{})
+	d := f.decoder("d1", ds, nil)
+	p := f.prefiller("p1", f.fp, x, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() { <-x.started; cancel() }()
+	_, err := d.Handoff(ctx, Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+	require.ErrorIs(t, err, ErrCancelled)
+	require.ErrorIs(t, <-x.ctxErr, context.Canceled)
+	ds.requireInitial(t)
+	ps.requireInitial(t)
+	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if st := p.Stats(); st.Cancelled != 1 {
+			return fmt.Errorf("stats %+v", st)
+		}
+		return nil
+	})
+}
+
+// TestHandoffPrefillDeath: the serving worker disappears from the registry
+// mid-prefill; the decoder fails at once with ErrPeerFailed.
+func TestHandoffPrefillDeath(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	x.block = make(chan struct{})
+	p := f.prefiller("p1", f.fp, x, withRegistryP)
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
+	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 1 {
+			return fmt.Errorf("%d prefill instances known", n)
+		}
+		return nil
+	})
+	go func() {
+		<-x.started
+		// What expiry of the worker's entry looks like to watchers.
+		require.NoError(t, p.Registry().kv.Delete(context.Background(), registryKey(RolePrefill, "p1")))
+	}()
+	start := time.Now()
+	_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+	require.ErrorIs(t, err, ErrPeerFailed)
+	require.Less(t, time.Since(start), 30*time.Second)
+	ds.requireInitial(t)
+	// The worker is alive after all: it gets the cancel and stops.
+	require.ErrorIs(t, <-x.ctxErr, context.Canceled)
+	ps.requireInitial(t)
+}
+
+// TestPrefillerStopsOnDecodeDeath: the requesting decode instance leaves the
+// registry; the worker stops its prefill and frees.
+func TestPrefillerStopsOnDecodeDeath(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	x.block = make(chan struct{})
+	p := f.prefiller("p1", f.fp, x, withRegistryP)
+	d := f.decoder("d1", ds, withRegistry)
+	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := len(p.Registry().Instances(RoleDecode, time.Now())); n != 1 {
+			return fmt.Errorf("%d decode instances known", n)
+		}
+		return nil
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		_, err := d.Handoff(ctx, Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+		done <- err
+	}()
+	<-x.started
+	require.NoError(t, d.Registry().kv.Delete(context.Background(), registryKey(RoleDecode, "d1")))
+	require.ErrorIs(t, <-x.ctxErr, context.Canceled)
+	ps.requireInitial(t)
+	// The decoder hears the worker's peer_failed reply.
+	err := <-done
+	cancel()
+	require.ErrorIs(t, err, ErrPeerFailed)
+	ds.requireInitial(t)
+}
+
+func TestPrefillerShutdownAbortsInFlight(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	x.block = make(chan struct{})
+	d := f.decoder("d1", ds, nil)
+	p := f.prefiller("p1", f.fp, x, nil)
+	done := make(chan error, 1)
+	go func() {
+		_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+		done <- err
+	}()
+	<-x.started
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	require.NoError(t, p.Shutdown(ctx))
+	ps.requireInitial(t)
+	require.ErrorIs(t, <-done, ErrClosed)
+	ds.requireInitial(t)
+	// After shutdown nobody serves the subject.
+	_, err := d.Handoff(context.Background(), Request{ID: 4, Tokens: tokens(9), Alloc: ds.rank})
+	require.ErrorIs(t, err, ErrNoPrefillWorker)
+	ds.requireInitial(t)
+}
+
+func TestDecoderCloseFailsInFlight(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	x.block = make(chan struct{})
+	d := f.decoder("d1", ds, nil)
+	f.prefiller("p1", f.fp, x, nil)
+	done := make(chan error, 1)
+	go func() {
+		_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+		done <- err
+	}()
+	<-x.started
+	require.NoError(t, d.Close())
+	require.ErrorIs(t, <-done, ErrClosed)
+	ds.requireInitial(t)
+	require.ErrorIs(t, <-x.ctxErr, context.Canceled)
+	ps.requireInitial(t)
+	_, err := d.Handoff(context.Background(), Request{ID: 4, Tokens: tokens(9), Alloc: ds.rank})
+	require.ErrorIs(t, err, ErrClosed)
+}
+
+func TestHandoffPayloadTooLarge(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(1<<16+2, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	d := f.decoder("d1", ds, nil)
+	f.prefiller("p1", f.fp, x, nil)
+	before := inMsgs(t, f.srv)
+	_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(DefaultMaxPayload / 4), Alloc: ds.rank})
+	require.ErrorIs(t, err, ErrPayloadTooLarge)
+	require.Equal(t, before, inMsgs(t, f.srv), "something was published")
+	require.Zero(t, x.admits.Load())
+	ds.requireInitial(t)
+}
+
+// countingAlloc records Prepare calls.
+type countingAlloc struct {
+	Allocator
+	prepares atomic.Int64
+}
+
+func (c *countingAlloc) Prepare(id uint64, tokens int) (Destination, error) {
+	c.prepares.Add(1)
+	return c.Allocator.Prepare(id, tokens)
+}
+
+// TestDummiesNeverTransferred: request id 0 and padding sentinels are refused
+// by the decoder before allocating and by the worker before admitting; a
+// reserved row cannot be resolved nor granted.
+func TestDummiesNeverTransferred(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	d := f.decoder("d1", ds, nil)
+	f.prefiller("p1", f.fp, x, nil)
+
+	alloc := &countingAlloc{Allocator: ds.rank}
+	for _, id := range []uint64{0, math.MaxUint64, math.MaxUint64 - 2} {
+		_, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(4), Alloc: alloc})
+		require.ErrorIs(t, err, ErrDummyRequest, "id %d", id)
+	}
+	require.Zero(t, alloc.prepares.Load())
+
+	// The worker refuses a request naming a dummy id, whoever sent it.
+	nc := transfertest.Connect(t, f.srv)
+	for _, id := range []uint64{0, math.MaxUint64 - 1} {
+		req := sampleRequest(4, 2)
+		req.RequestID, req.Ticket.RequestID, req.Fingerprint = id, id, f.fp
+		req.Deadline = time.Now().Add(time.Minute).UnixNano()
+		b, err := EncodePrefillRequest(req, 0)
+		require.NoError(t, err)
+		m, err := nc.Request(Subject(DefaultPrefix, f.ns, SubjectPrefill, ""), b, 5*time.Second)
+		require.NoError(t, err)
+		rep, err := DecodePrefillReply(m.Data)
+		require.NoError(t, err)
+		require.Equal(t, CodeDummyRequest, rep.Code, "id %d", id)
+	}
+	require.Zero(t, x.admits.Load())
+
+	// Reserved rows: the ADP dummy's row can be neither resolved nor granted.
+	require.NoError(t, ds.m.AddDummy(mambacache.ADPDummyID))
+	row, ok := ds.m.Mamba().Row(mambacache.ADPDummyID)
+	require.True(t, ok)
+	require.True(t, ds.m.Mamba().IsReserved(row))
+	_, err := ds.rank.Resolve(hybrid.Resources{Row: row})
+	require.ErrorIs(t, err, ErrDummyRequest)
+	x0 := ds.m.Mamba().Config().RowExtent(row)
+	var mambaRegion rdma.RegionID
+	for id, r := range ds.regions {
+		if r.Name() == "mamba" {
+			mambaRegion = id
+		}
+	}
+	_, err = ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 5, Extents: []rdma.Extent{{Region: mambaRegion, Offset: uint64(x0.Offset), Length: uint64(x0.Length)}}})
+	require.ErrorIs(t, err, rdma.ErrForbidden)
+	require.Equal(t, CodeDummyRequest, rdmaCode(err))
+	require.NoError(t, ds.m.Free(mambacache.ADPDummyID))
+	ds.requireInitial(t)
+}
+
+// badRowAlloc hands out a reserved row, as a broken allocator might.
+type badRowAlloc struct{ s *side }
+
+func (b badRowAlloc) Prepare(id uint64, tokens int) (Destination, error) {
+	cfg := b.s.m.Mamba().Config()
+	row := mambacache.Row(cfg.TotalRows() - 1) // the padding row
+	x := cfg.RowExtent(row)
+	var region rdma.RegionID
+	for rid, r := range b.s.regions {
+		if r.Name() == "mamba" {
+			region = rid
+		}
+	}
+	return Destination{Mamba: rdma.Extent{Region: region, Offset: uint64(x.Offset), Length: uint64(x.Length)}}, nil
+}
+func (badRowAlloc) Free(uint64) error { return nil }
+
+func TestHandoffRefusesReservedRowGrant(t *testing.T) {
+	f := newFixture(t)
+	ds := newSide(t, "dec", testHybrid(64, 8))
+	require.True(t, ds.m.Mamba().IsReserved(mambacache.Row(ds.m.Mamba().Config().TotalRows()-1)))
+	d := f.decoder("d1", ds, nil)
+	_, err := d.Handoff(context.Background(), Request{ID: 9, Tokens: tokens(4), Alloc: badRowAlloc{ds}})
+	require.ErrorIs(t, err, ErrDummyRequest)
+	require.ErrorIs(t, err, rdma.ErrForbidden)
+}
+
+func TestMicroServiceListed(t *testing.T) {
+	f := newFixture(t)
+	ps := newSide(t, "pre", testHybrid(64, 8))
+	f.prefiller("p1", f.fp, newExec(ps), nil)
+	nc := transfertest.Connect(t, f.srv)
+	m, err := nc.Request("$SRV.INFO."+ServiceName, nil, 5*time.Second)
+	require.NoError(t, err)
+	s := string(m.Data)
+	require.Contains(t, s, `"name":"handoff-prefill"`)
+	require.Contains(t, s, Subject(DefaultPrefix, f.ns, SubjectPrefill, ""))
+	require.Contains(t, s, `"queue_group":"prefill"`)
+	require.Contains(t, s, Subject(DefaultPrefix, f.ns, SubjectInstancePrefill, "p1"))
+	require.Contains(t, s, `"fingerprint":"fp-tiny"`)
+}
+
+func TestRegistryExpiry(t *testing.T) {
+	noLeaks(t)
+	srv := transfertest.RunServer(t)
+	nc := transfertest.Connect(t, srv)
+	ctx := context.Background()
+	cfg := RegistryConfig{Namespace: "t1", TTL: time.Second}
+	watcher, err := OpenRegistry(ctx, nc, cfg)
+	require.NoError(t, err)
+	defer watcher.Close(ctx)
+	gone := make(chan string, 4)
+	watcher.OnChange(func(inst Instance, g bool) {
+		if g {
+			gone <- inst.ID
+		}
+	})
+	require.NoError(t, watcher.Watch(ctx, RolePrefill))
+
+	// A live instance, refreshed by heartbeats, and one that stops.
+	live, err := OpenRegistry(ctx, transfertest.Connect(t, srv), RegistryConfig{Namespace: "t1", TTL: time.Second, Heartbeat: 200 * time.Millisecond})
+	require.NoError(t, err)
+	defer live.Close(ctx)
+	require.NoError(t, live.Announce(ctx, func() Instance { return Instance{ID: "p-live", Role: RolePrefill, Fingerprint: "fp"} }))
+	dead, err := OpenRegistry(ctx, transfertest.Connect(t, srv), cfg)
+	require.NoError(t, err)
+	require.NoError(t, dead.put(ctx, registryKey(RolePrefill, "p-dead"), Instance{ID: "p-dead", Role: RolePrefill, Fingerprint: "fp"}))
+	require.NoError(t, dead.Close(ctx))
+	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := len(watcher.Instances(RolePrefill, time.Now())); n != 2 {
+			return fmt.Errorf("%d instances", n)
+		}
+		return nil
+	})
+	// The stopped one expires: locally by its age, then by the server's marker.
+	select {
+	case id := <-gone:
+		require.Equal(t, "p-dead", id)
+	case <-time.After(10 * time.Second):
+		t.Fatal("no expiry seen")
+	}
+	got := watcher.Instances(RolePrefill, time.Now())
+	require.Len(t, got, 1)
+	require.Equal(t, "p-live", got[0].ID)
+	require.Empty(t, watcher.Instances(RoleDecode, time.Now()))
+	require.Empty(t, watcher.Instances(RolePrefill, time.Now().Add(2*time.Second)), "local ttl check")
+}
+
+func TestConfigValidation(t *testing.T) {
+	srv := transfertest.RunServer(t)
+	nc := transfertest.Connect(t, srv)
+	ds := newSide(t, "dec", testHybrid(8, 2))
+	for _, cfg := range []DecoderConfig{
+		{Namespace: "n", Fingerprint: "f"},
+		{Instance: "a.b", Namespace: "n", Fingerprint: "f"},
+		{Instance: "a", Namespace: "n"},
+		{Instance: "a", Namespace: "n", Fingerprint: "f", MaxAttempts: -1},
+	} {
+		_, err := NewDecoder(context.Background(), cfg, nc, ds.eng)
+		require.ErrorIs(t, err, ErrInvalidConfig, "%+v", cfg)
+	}
+	_, err := NewPrefiller(PrefillerConfig{Instance: "a", Namespace: "n", Fingerprint: "f"}, nc, ds.eng, nil)
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	_, err = OpenRegistry(context.Background(), nc, RegistryConfig{Namespace: "n", TTL: time.Second, Heartbeat: 2 * time.Second})
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	d, err := NewDecoder(context.Background(), DecoderConfig{Instance: "a", Namespace: "n", Fingerprint: "f", NoRegistry: true}, nc, ds.eng)
+	require.NoError(t, err)
+	_, err = d.Handoff(context.Background(), Request{ID: 1})
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	require.NoError(t, d.Close())
+	require.NoError(t, d.Close())
+}
