@@ -30,7 +30,7 @@ type DecoderConfig struct {
 	// fails the handoff at once rather than at the deadline. Falls back to the
 	// queue group when the registry knows no instance.
 	DirectFirst bool
-	Registry       RegistryConfig
+	Registry    RegistryConfig
 	// NoRegistry skips the instance registry (no announce, no watch, no
 	// targeted retries, no peer-death detection). For tools and tests.
 	NoRegistry bool
