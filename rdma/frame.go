@@ -11,11 +11,11 @@ import (
 //
 //	off size field
 //	0   4    magic "HOF1"
-//	4   1    type (hello, data, commit, reply)
+//	4   1    type (hello, data, commit, reply, abort)
 //	5   1    flags, must be 0
 //	6   2    reserved, must be 0
 //	8   4    index: data = destination extent index, commit = extent count,
-//	         reply = status code, hello = protocol version
+//	         reply and abort = status code, hello = protocol version
 //	12  4    reserved, must be 0
 //	16  8    grant id
 //	24  8    epoch
@@ -24,7 +24,10 @@ import (
 //	56  8    length of the payload that follows
 //
 // Payloads: data = the bytes to land; commit = count entries of
-// (bytes u64, crc32c u32); reply = a UTF-8 message; hello = an agent id.
+// (bytes u64, crc32c u32); reply and abort = a UTF-8 message; hello =
+// "from\nto" agent ids (the shm hello answer adds the slot table layout).
+// An abort is a writer giving up a grant it holds the token of: the receiver
+// fails the grant with the status code as the reason.
 const (
 	frameMagic      = 0x31464f48 // "HOF1"
 	headerSize      = 64
@@ -34,6 +37,7 @@ const (
 	frameData   = 2
 	frameCommit = 3
 	frameReply  = 4
+	frameAbort  = 5
 
 	// maxExtents bounds the extents of one grant; it keeps a commit payload
 	// (12 bytes per extent) under 12 MiB.
@@ -117,8 +121,8 @@ func decodeHeader(b []byte) (header, error) {
 		if h.offset != 0 {
 			return h, malformed("commit offset %d is not zero", h.offset)
 		}
-	case frameReply:
-		if h.index >= numCodes {
+	case frameReply, frameAbort:
+		if h.index >= numCodes || (h.typ == frameAbort && h.index == codeOK) {
 			return h, malformed("unknown status code %d", h.index)
 		}
 		if h.length > maxMsgLen || h.offset != 0 {

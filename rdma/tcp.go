@@ -180,6 +180,8 @@ func (c *rxConn) serve() {
 				err = c.data(&h)
 			case h.typ == frameCommit:
 				err = c.commit(&h)
+			case h.typ == frameAbort:
+				err = c.abort(&h)
 			default:
 				err = malformed("unexpected frame type %d on %s", h.typ, c.kind)
 			}
@@ -341,6 +343,33 @@ func (c *rxConn) commit(h *header) error {
 	c.touched = c.touched[:0]
 	clear(c.refused)
 	c.refused = c.refused[:0]
+	c.cur = nil
+	return c.reply(h.grant, h.epoch, err)
+}
+
+// abort fails a grant on its writer's request and replies with the reason.
+func (c *rxConn) abort(h *header) error {
+	n := int(h.length)
+	if cap(c.mbuf) < n {
+		c.mbuf = make([]byte, n)
+	}
+	c.mbuf = c.mbuf[:n]
+	if _, err := io.ReadFull(c.br, c.mbuf); err != nil {
+		return fmt.Errorf("%w: reading an abort: %w", ErrPeerClosed, err)
+	}
+	g, err := c.grant(h.grant)
+	if err == nil {
+		g.mu.Lock()
+		err = g.checkLocked(h.epoch, &h.token)
+		g.mu.Unlock()
+	}
+	if err == nil {
+		err = fmt.Errorf("writer %s aborted grant %d: %w: %s", c.peer, h.grant, codeSentinels[h.index], c.mbuf)
+		if h.index == codeInternal {
+			err = fmt.Errorf("writer %s aborted grant %d: %s", c.peer, h.grant, c.mbuf)
+		}
+		g.terminate(err)
+	}
 	c.cur = nil
 	return c.reply(h.grant, h.epoch, err)
 }

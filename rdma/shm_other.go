@@ -1,7 +1,10 @@
+//go:build !linux
+
 package rdma
 
 import "context"
 
+// shm needs memfd and SCM_RIGHTS; elsewhere the transport is not offered.
 const shmSupported = false
 
 type shmServer struct{ path string }
@@ -9,9 +12,11 @@ type shmServer struct{ path string }
 type shmRxState struct{}
 
 func startSHM(e *Engine, path string) (*shmServer, error) { return nil, ErrUnsupported }
+
 func dialSHM(ctx context.Context, e *Engine, peer Descriptor) (link, error) {
 	return nil, ErrUnsupported
 }
+
 func (s *shmServer) slotFree(id uint64) bool                        { return true }
 func (s *shmServer) slotOf(id uint64) int                           { return -1 }
 func (s *shmServer) publish(g *Grant)                               {}

@@ -1,0 +1,742 @@
+//go:build linux
+
+package rdma
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+const shmSupported = true
+
+// Shared-memory transport.
+//
+// The receiver exports two things to a same-host writer over its unix
+// control socket (SCM_RIGHTS): the memfds of its regions and the memfd of a
+// grant slot table. Slot i (64 bytes) describes the open grant whose id is
+// congruent to i modulo the table size:
+//
+//	off field
+//	0   state word: epoch<<18 | writer<<2 | state (closed, open, writing)
+//	8   grant id
+//	16  token (2 words)
+//	32  digest of the grant's extents (FNV-1a over region, offset, length)
+//	40  deadline (unix nanoseconds)
+//	48  id of the last writer that copied into the grant
+//
+// Epochs are unique per engine, so (state, epoch) names one grant
+// incarnation. A writer brackets each copy of at most shmBracket bytes with
+// CAS open(e) -> writing(e, w) and a store back to open(e); it never copies
+// unless the CAS succeeded. To fence (revoke, deadline, commit) the receiver
+// CASes open(e) -> closed(e') and, while it finds writing(e, w), waits for
+// the copy to end, or for writer w's control connection to close (the writer
+// died: it can no longer store). No per-byte round trip: the data path is a
+// memcpy into the mapped arena, and the commit travels once over the socket.
+const (
+	slotSize   = 64
+	shmBracket = 1 << 20  // bytes copied per CAS bracket: bounds Revoke's wait
+	shmSubCopy = 64 << 10 // copy, then crc the same bytes while in cache
+
+	slotClosed  = 0
+	slotOpen    = 1
+	slotWriting = 2
+
+	slotWriterBits = 16
+	slotEpochShift = 2 + slotWriterBits
+	slotEpochMask  = 1<<(64-slotEpochShift) - 1
+	maxShmRegions  = 200 // SCM_RIGHTS carries at most 253 fds
+)
+
+func slotWord(state, writer uint64, epoch uint64) uint64 {
+	return (epoch&slotEpochMask)<<slotEpochShift | writer<<2 | state
+}
+
+func wordState(w uint64) uint64  { return w & 3 }
+func wordWriter(w uint64) uint64 { return w >> 2 & (1<<slotWriterBits - 1) }
+func wordEpoch(w uint64) uint64  { return w >> slotEpochShift }
+
+// slotView addresses one slot of a mapped table.
+type slotView struct{ b []byte }
+
+func (s slotView) word(off int) *atomic.Uint64 {
+	return (*atomic.Uint64)(unsafe.Pointer(&s.b[off]))
+}
+func (s slotView) state() *atomic.Uint64    { return s.word(0) }
+func (s slotView) grant() *atomic.Uint64    { return s.word(8) }
+func (s slotView) token0() *atomic.Uint64   { return s.word(16) }
+func (s slotView) token1() *atomic.Uint64   { return s.word(24) }
+func (s slotView) digest() *atomic.Uint64   { return s.word(32) }
+func (s slotView) deadline() *atomic.Uint64 { return s.word(40) }
+func (s slotView) writer() *atomic.Uint64   { return s.word(48) }
+
+func slotAt(table []byte, i int) slotView { return slotView{table[i*slotSize : (i+1)*slotSize]} }
+
+// extentsDigest hashes a grant's extent list (FNV-1a 64), so a writer can
+// check that its ticket names exactly the grant's extents.
+func extentsDigest(xs []Extent) uint64 {
+	h := uint64(14695981039346656037)
+	var b [20]byte
+	for _, x := range xs {
+		binary.LittleEndian.PutUint32(b[0:], uint32(x.Region))
+		binary.LittleEndian.PutUint64(b[4:], x.Offset)
+		binary.LittleEndian.PutUint64(b[12:], x.Length)
+		for _, c := range b {
+			h ^= uint64(c)
+			h *= 1099511628211
+		}
+	}
+	return h
+}
+
+// ----- receiver -----
+
+type shmServer struct {
+	e     *Engine
+	path  string
+	ln    *net.UnixListener
+	fd    int    // slot table memfd
+	table []byte // slot table
+	n     int    // slots
+
+	owner []*Grant // guarded by e.mu
+
+	mu      sync.Mutex
+	conns   map[*rxConn]struct{}
+	live    map[uint64]bool // writer ids with an open control connection
+	nextWid uint64
+	closed  bool
+	wg      sync.WaitGroup
+}
+
+func defaultShmPath(agent AgentID) string {
+	clean := strings.Map(func(r rune) rune {
+		if r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_' {
+			return r
+		}
+		return '_'
+	}, string(agent))
+	if len(clean) > 32 {
+		clean = clean[:32]
+	}
+	var rnd [4]byte
+	_, _ = rand.Read(rnd[:])
+	return filepath.Join(os.TempDir(), fmt.Sprintf("handoff-%s-%d-%x.sock", clean, os.Getpid(), rnd))
+}
+
+func startSHM(e *Engine, path string) (*shmServer, error) {
+	if path == "" {
+		path = defaultShmPath(e.cfg.Agent)
+	}
+	n := e.cfg.MaxGrants
+	table, fd, err := allocShared("grant-slots", int64(n*slotSize))
+	if err != nil {
+		return nil, err
+	}
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		freeShared(table, fd)
+		return nil, fmt.Errorf("rdma: shm listen %s: %w", path, err)
+	}
+	ln.SetUnlinkOnClose(true)
+	s := &shmServer{e: e, path: path, ln: ln, fd: fd, table: table, n: n, owner: make([]*Grant, n),
+		conns: make(map[*rxConn]struct{}), live: make(map[uint64]bool)}
+	s.wg.Add(1)
+	go s.accept()
+	return s, nil
+}
+
+func (s *shmServer) accept() {
+	defer s.wg.Done()
+	for {
+		c, err := s.ln.AcceptUnix()
+		if err != nil {
+			if !errors.Is(err, net.ErrClosed) {
+				s.e.log.Warn("rdma: shm accept", "err", err)
+			}
+			return
+		}
+		rc := newRxConn(s.e, c, TransportSHM)
+		s.mu.Lock()
+		if s.closed {
+			s.mu.Unlock()
+			c.Close()
+			continue
+		}
+		wid, ok := s.newWriterLocked()
+		if !ok {
+			s.mu.Unlock()
+			s.e.log.Warn("rdma: shm refuses a writer: all writer ids in use")
+			c.Close()
+			continue
+		}
+		rc.shm = &shmRxState{s: s, wid: wid}
+		s.conns[rc] = struct{}{}
+		s.wg.Add(1)
+		s.mu.Unlock()
+		go func() {
+			defer s.wg.Done()
+			rc.serve()
+			s.mu.Lock()
+			delete(s.conns, rc)
+			s.mu.Unlock()
+		}()
+	}
+}
+
+func (s *shmServer) newWriterLocked() (uint64, bool) {
+	for range 1 << slotWriterBits {
+		s.nextWid = s.nextWid%(1<<slotWriterBits-1) + 1
+		if !s.live[s.nextWid] {
+			s.live[s.nextWid] = true
+			return s.nextWid, true
+		}
+	}
+	return 0, false
+}
+
+func (s *shmServer) writerLive(wid uint64) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.live[wid]
+}
+
+func (s *shmServer) slotOf(id uint64) int { return int(id % uint64(s.n)) }
+
+// slotFree reports whether id's slot is unused; e.mu is held.
+func (s *shmServer) slotFree(id uint64) bool { return s.owner[s.slotOf(id)] == nil }
+
+// publish makes g's slot open for writers; e.mu is held.
+func (s *shmServer) publish(g *Grant) {
+	s.owner[g.slot] = g
+	sl := slotAt(s.table, g.slot)
+	sl.grant().Store(g.id)
+	sl.token0().Store(binary.LittleEndian.Uint64(g.ticket.Token[0:]))
+	sl.token1().Store(binary.LittleEndian.Uint64(g.ticket.Token[8:]))
+	sl.digest().Store(extentsDigest(g.ticket.Extents))
+	sl.deadline().Store(uint64(g.ticket.Deadline.UnixNano()))
+	sl.writer().Store(0)
+	sl.state().Store(slotWord(slotOpen, 0, g.epoch))
+}
+
+// release frees g's slot after it was fenced; e.mu is held.
+func (s *shmServer) release(g *Grant) {
+	if s.owner[g.slot] == g {
+		s.owner[g.slot] = nil
+	}
+}
+
+// fence closes g's slot so that no writer copies into it any more, waiting
+// for a copy in progress to end or for its writer to die.
+func (s *shmServer) fence(g *Grant, revoke bool) {
+	sl := slotAt(s.table, g.slot)
+	if sl.grant().Load() != g.id {
+		return
+	}
+	for spins := 0; ; spins++ {
+		w := sl.state().Load()
+		switch wordState(w) {
+		case slotClosed:
+			return
+		case slotOpen:
+			if sl.state().CompareAndSwap(w, slotWord(slotClosed, 0, wordEpoch(w)+1)) {
+				return
+			}
+		case slotWriting:
+			if !s.writerLive(wordWriter(w)) {
+				// The writer's control connection closed: its process is
+				// gone (or it stopped copying before closing), nothing
+				// more can be stored.
+				if sl.state().CompareAndSwap(w, slotWord(slotClosed, 0, wordEpoch(w)+1)) {
+					return
+				}
+				continue
+			}
+			// A bracket copies at most shmBracket bytes: wait it out.
+			if spins < 64 {
+				runtime.Gosched()
+			} else {
+				time.Sleep(20 * time.Microsecond)
+			}
+		}
+	}
+}
+
+func (s *shmServer) close() {
+	s.mu.Lock()
+	s.closed = true
+	s.ln.Close()
+	for c := range s.conns {
+		c.c.Close()
+	}
+	s.mu.Unlock()
+	s.wg.Wait()
+}
+
+func (s *shmServer) unmap() {
+	freeShared(s.table, s.fd)
+	s.table = nil
+}
+
+// shmRxState is the receiver's view of one shm writer connection.
+type shmRxState struct {
+	s   *shmServer
+	wid uint64
+}
+
+// hello answers a writer's hello with the slot table and the region memfds.
+func (r *shmRxState) hello(c *rxConn) error {
+	e := r.s.e
+	e.mu.RLock()
+	var fds []int
+	var sb strings.Builder
+	fmt.Fprintf(&sb, "%s\n%s\nwid=%d slots=%d regions=", e.cfg.Agent, c.peer, r.wid, r.s.n)
+	fds = append(fds, r.s.fd)
+	first := true
+	for id := RegionID(1); int(id) <= len(e.regions); id++ {
+		reg := e.regions[id]
+		if reg == nil || reg.fd < 0 || len(fds) > maxShmRegions {
+			continue
+		}
+		if !first {
+			sb.WriteByte(',')
+		}
+		first = false
+		fmt.Fprintf(&sb, "%d:%d", reg.id, len(reg.mem))
+		fds = append(fds, reg.fd)
+	}
+	msg := sb.String()
+	if len(msg) > maxMsgLen {
+		e.mu.RUnlock()
+		err := fmt.Errorf("%w: shm hello of %d bytes (too many regions)", ErrUnsupported, len(msg))
+		c.reply(0, 0, err)
+		return err
+	}
+	h := header{typ: frameHello, index: protocolVersion, length: uint64(len(msg))}
+	b := make([]byte, headerSize, headerSize+len(msg))
+	h.put(b)
+	b = append(b, msg...)
+	_, _, err := c.c.(*net.UnixConn).WriteMsgUnix(b, unix.UnixRights(fds...), nil)
+	e.mu.RUnlock()
+	if err != nil {
+		return fmt.Errorf("%w: sending shm hello: %w", ErrPeerClosed, err)
+	}
+	return nil
+}
+
+func (r *shmRxState) commit(g *Grant, h *header, m *Manifest) error {
+	return g.commit(h.epoch, &h.token, m, false)
+}
+
+// closed runs when the writer's control connection ended: grants it was
+// copying into, or had copied into without committing, fail.
+func (r *shmRxState) closed(cause error) {
+	s := r.s
+	s.mu.Lock()
+	delete(s.live, r.wid)
+	s.mu.Unlock()
+	var abandoned []*Grant
+	s.e.mu.RLock()
+	for i, g := range s.owner {
+		if g == nil {
+			continue
+		}
+		sl := slotAt(s.table, i)
+		if sl.writer().Load() == r.wid || wordWriter(sl.state().Load()) == r.wid {
+			abandoned = append(abandoned, g)
+		}
+	}
+	s.e.mu.RUnlock()
+	for _, g := range abandoned {
+		g.terminate(fmt.Errorf("%w: shm writer %d left before commit: %v", ErrPeerClosed, r.wid, cause))
+	}
+}
+
+// ----- writer -----
+
+// shmLink copies into a same-host peer's mapped regions.
+type shmLink struct {
+	e    *Engine
+	peer Descriptor
+
+	mu      sync.Mutex // serialises control exchanges (commit)
+	conn    *net.UnixConn
+	rbuf    [headerSize + maxMsgLen]byte
+	cbuf    []byte
+	wid     uint64
+	table   []byte
+	n       int
+	regions map[RegionID][]byte
+	broken  bool
+
+	copying sync.RWMutex // held (R) while copying; close takes it (W) before unmapping
+	closed  atomic.Bool
+}
+
+func dialSHM(ctx context.Context, e *Engine, peer Descriptor) (link, error) {
+	l := &shmLink{e: e, peer: peer}
+	if err := l.connect(ctx); err != nil {
+		return nil, err
+	}
+	return l, nil
+}
+
+func (l *shmLink) transport() Transport { return TransportSHM }
+
+// connect dials the control socket, checks the hello and maps the memfds.
+func (l *shmLink) connect(ctx context.Context) error {
+	var d net.Dialer
+	nc, err := d.DialContext(ctx, "unix", l.peer.ShmAddr)
+	if err != nil {
+		return fmt.Errorf("rdma: dial shm %s at %s: %w", l.peer.Agent, l.peer.ShmAddr, err)
+	}
+	uc := nc.(*net.UnixConn)
+	fail := func(err error) error { uc.Close(); return err }
+	dl := time.Now().Add(helloTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(dl) {
+		dl = d
+	}
+	_ = uc.SetDeadline(dl)
+	if _, err := uc.Write(appendHello(nil, l.e.cfg.Agent, l.peer.Agent)); err != nil {
+		return fail(fmt.Errorf("%w: shm hello to %s: %w", ErrPeerClosed, l.peer.Agent, err))
+	}
+	buf := make([]byte, headerSize+maxMsgLen)
+	oob := make([]byte, unix.CmsgSpace(4*(maxShmRegions+1)))
+	n, oobn, _, _, err := uc.ReadMsgUnix(buf, oob)
+	if err != nil {
+		return fail(fmt.Errorf("%w: shm hello from %s: %w", ErrPeerClosed, l.peer.Agent, err))
+	}
+	var fds []int
+	if oobn > 0 {
+		msgs, err := unix.ParseSocketControlMessage(oob[:oobn])
+		if err != nil {
+			return fail(fmt.Errorf("rdma: shm hello control message: %w", err))
+		}
+		for _, m := range msgs {
+			got, err := unix.ParseUnixRights(&m)
+			if err == nil {
+				fds = append(fds, got...)
+			}
+		}
+	}
+	defer func() {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+	}()
+	if n < headerSize {
+		if _, err := io.ReadFull(uc, buf[n:headerSize]); err != nil {
+			return fail(fmt.Errorf("%w: shm hello from %s: %w", ErrPeerClosed, l.peer.Agent, err))
+		}
+		n = headerSize
+	}
+	h, err := decodeHeader(buf[:headerSize])
+	if err != nil {
+		return fail(err)
+	}
+	want := headerSize + int(h.length)
+	if n < want {
+		if _, err := io.ReadFull(uc, buf[n:want]); err != nil {
+			return fail(fmt.Errorf("%w: shm hello from %s: %w", ErrPeerClosed, l.peer.Agent, err))
+		}
+	}
+	msg := string(buf[headerSize:want])
+	if h.typ == frameReply {
+		return fail(&RemoteError{Agent: l.peer.Agent, Code: h.index, Msg: msg})
+	}
+	if h.typ != frameHello {
+		return fail(malformed("shm hello answered with frame type %d", h.typ))
+	}
+	parts := strings.SplitN(msg, "\n", 3)
+	if len(parts) != 3 || AgentID(parts[0]) != l.peer.Agent {
+		return fail(fmt.Errorf("%w: expected %q, reached %q", ErrWrongPeer, l.peer.Agent, parts[0]))
+	}
+	var wid, slots uint64
+	var regs string
+	for _, kv := range strings.Fields(parts[2]) {
+		k, v, _ := strings.Cut(kv, "=")
+		switch k {
+		case "wid":
+			wid, err = strconv.ParseUint(v, 10, 64)
+		case "slots":
+			slots, err = strconv.ParseUint(v, 10, 32)
+		case "regions":
+			regs = v
+		}
+		if err != nil {
+			return fail(malformed("shm hello %q: %v", parts[2], err))
+		}
+	}
+	var specs [][2]uint64
+	if regs != "" {
+		for _, r := range strings.Split(regs, ",") {
+			a, b, _ := strings.Cut(r, ":")
+			id, err1 := strconv.ParseUint(a, 10, 32)
+			size, err2 := strconv.ParseUint(b, 10, 63)
+			if err1 != nil || err2 != nil {
+				return fail(malformed("shm hello region %q", r))
+			}
+			specs = append(specs, [2]uint64{id, size})
+		}
+	}
+	if wid == 0 || slots == 0 || len(fds) != len(specs)+1 {
+		return fail(malformed("shm hello: wid %d, %d slots, %d regions, %d fds", wid, slots, len(specs), len(fds)))
+	}
+	table, err := mapShared(fds[0], int64(slots*slotSize))
+	if err != nil {
+		return fail(err)
+	}
+	regions := make(map[RegionID][]byte, len(specs))
+	for i, sp := range specs {
+		mem, err := mapShared(fds[i+1], int64(sp[1]))
+		if err != nil {
+			freeShared(table, -1)
+			for _, m := range regions {
+				freeShared(m, -1)
+			}
+			return fail(err)
+		}
+		regions[RegionID(sp[0])] = mem
+	}
+	_ = uc.SetDeadline(time.Time{})
+	l.conn, l.wid, l.table, l.n, l.regions, l.broken = uc, wid, table, int(slots), regions, false
+	return nil
+}
+
+// unmapLocked drops the connection and mappings; l.mu and l.copying (W)
+// are held, in that order (the lock order of shmLink).
+func (l *shmLink) unmapLocked() {
+	if l.conn != nil {
+		l.conn.Close()
+		l.conn = nil
+	}
+	if l.table != nil {
+		freeShared(l.table, -1)
+		l.table = nil
+	}
+	for id, m := range l.regions {
+		freeShared(m, -1)
+		delete(l.regions, id)
+	}
+}
+
+func (l *shmLink) close() {
+	l.closed.Store(true)
+	l.mu.Lock()
+	l.copying.Lock() // no copy in flight: the receiver may treat the writer as gone
+	l.unmapLocked()
+	l.copying.Unlock()
+	l.mu.Unlock()
+}
+
+// ready reconnects after a broken control connection or when the ticket
+// names a region registered after the hello.
+func (l *shmLink) ready(ctx context.Context, t *Ticket) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	need := l.conn == nil || l.broken
+	if !need {
+		for _, x := range t.Extents {
+			if _, ok := l.regions[x.Region]; !ok {
+				need = true
+				break
+			}
+		}
+	}
+	if !need {
+		return nil
+	}
+	l.copying.Lock()
+	if l.closed.Load() {
+		l.copying.Unlock()
+		return ErrClosed
+	}
+	l.unmapLocked()
+	err := l.connect(ctx)
+	l.copying.Unlock()
+	return err
+}
+
+func (l *shmLink) write(ctx context.Context, op *writeOp) error {
+	if err := l.ready(ctx, op.t); err != nil {
+		return err
+	}
+	l.copying.RLock()
+	if l.closed.Load() || l.table == nil {
+		l.copying.RUnlock()
+		return ErrClosed
+	}
+	copyErr := l.copyAll(ctx, op)
+	l.copying.RUnlock()
+	if copyErr != nil && !errors.Is(copyErr, errSlotRefused) {
+		if errors.Is(copyErr, ErrOutOfRange) {
+			// Right token, wrong extents: tell the receiver, which fails the grant.
+			return l.abort(ctx, op, copyErr)
+		}
+		return copyErr
+	}
+	// The commit gives the receiver's verdict; after a slot refusal nothing
+	// was copied and the receiver names the precise reason.
+	return l.commit(ctx, op)
+}
+
+// errSlotRefused: the slot does not admit this ticket; ask the receiver why.
+var errSlotRefused = errors.New("rdma: shm slot refused the ticket")
+
+// copyAll copies op's pieces into the mapped destination, CAS-bracketed.
+func (l *shmLink) copyAll(ctx context.Context, op *writeOp) error {
+	t := op.t
+	sl := slotAt(l.table, int(t.Grant%uint64(l.n)))
+	w := sl.state().Load()
+	ok := wordState(w) == slotOpen && wordEpoch(w) == t.Epoch&slotEpochMask &&
+		sl.grant().Load() == t.Grant &&
+		sl.token0().Load() == binary.LittleEndian.Uint64(t.Token[0:]) &&
+		sl.token1().Load() == binary.LittleEndian.Uint64(t.Token[8:])
+	if !ok {
+		return errSlotRefused
+	}
+	digest := sl.digest().Load()
+	if sl.state().Load() != w {
+		return errSlotRefused
+	}
+	if digest != extentsDigest(t.Extents) {
+		return fmt.Errorf("%w: ticket extents differ from grant %d's", ErrOutOfRange, t.Grant)
+	}
+	for i, x := range t.Extents {
+		mem := l.regions[x.Region]
+		if x.Offset > uint64(len(mem)) || x.Length > uint64(len(mem))-x.Offset {
+			return fmt.Errorf("%w: ticket extent %d outside peer region %d", ErrOutOfRange, i, x.Region)
+		}
+	}
+	open := slotWord(slotOpen, 0, t.Epoch)
+	writing := slotWord(slotWriting, l.wid, t.Epoch)
+	sl.writer().Store(l.wid)
+	var bracket int
+	held := false
+	release := func() {
+		if held {
+			sl.state().Store(open)
+			held = false
+		}
+	}
+	defer release()
+	for i := range op.pieces {
+		p := &op.pieces[i]
+		x := t.Extents[p.ext]
+		mem := l.regions[x.Region]
+		base := x.Offset + p.off
+		src := p.src
+		for len(src) > 0 {
+			if !held {
+				if err := ctx.Err(); err != nil {
+					return err
+				}
+				if l.closed.Load() {
+					return ErrClosed
+				}
+				if !sl.state().CompareAndSwap(open, writing) {
+					return errSlotRefused
+				}
+				held, bracket = true, 0
+			}
+			n := min(len(src), shmSubCopy)
+			copy(mem[base:base+uint64(n)], src[:n])
+			op.manifest.CRC[p.ext] = crc32Update(op.manifest.CRC[p.ext], src[:n])
+			src = src[n:]
+			base += uint64(n)
+			bracket += n
+			if bracket >= shmBracket {
+				release()
+			}
+		}
+	}
+	return nil
+}
+
+// commit sends the commit frame over the control socket and reads the verdict.
+func (l *shmLink) commit(ctx context.Context, op *writeOp) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	m := len(op.manifest.Bytes)
+	need := headerSize + m*manifestEntrySize
+	if cap(l.cbuf) < need {
+		l.cbuf = make([]byte, need)
+	}
+	b := l.cbuf[:need]
+	h := header{typ: frameCommit, index: uint32(m), grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token, length: uint64(m * manifestEntrySize)}
+	h.put(b)
+	putManifest(b[headerSize:], op.manifest)
+	return l.exchangeLocked(ctx, b)
+}
+
+// abort asks the receiver to fail the grant with reason.
+func (l *shmLink) abort(ctx context.Context, op *writeOp, reason error) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	msg := reason.Error()
+	if len(msg) > maxMsgLen {
+		msg = msg[:maxMsgLen]
+	}
+	h := header{typ: frameAbort, index: codeOf(reason), grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token, length: uint64(len(msg))}
+	b := make([]byte, headerSize, headerSize+len(msg))
+	h.put(b)
+	err := l.exchangeLocked(ctx, append(b, msg...))
+	if err == nil {
+		return reason
+	}
+	return err
+}
+
+// exchangeLocked sends one frame and reads the reply; l.mu is held.
+func (l *shmLink) exchangeLocked(ctx context.Context, b []byte) error {
+	if l.conn == nil {
+		return ErrClosed
+	}
+	if dl, ok := ctx.Deadline(); ok {
+		_ = l.conn.SetDeadline(dl)
+		defer l.conn.SetDeadline(time.Time{})
+	}
+	if ctx.Done() != nil {
+		conn := l.conn
+		stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(aLongTimeAgo) })
+		defer stop()
+	}
+	if _, err := l.conn.Write(b); err != nil {
+		l.broken = true
+		if cerr := ctx.Err(); cerr != nil {
+			return cerr
+		}
+		return fmt.Errorf("%w: shm commit to %s: %w", ErrPeerClosed, l.peer.Agent, err)
+	}
+	rh, msg, err := readReply(l.conn, l.rbuf[:])
+	if err != nil {
+		l.broken = true
+		if cerr := ctx.Err(); cerr != nil {
+			return cerr
+		}
+		return fmt.Errorf("rdma: shm reply from %s: %w", l.peer.Agent, err)
+	}
+	if rh.typ != frameReply {
+		l.broken = true
+		return malformed("shm: expected a reply, got frame type %d", rh.typ)
+	}
+	if rh.index != codeOK {
+		return &RemoteError{Agent: l.peer.Agent, Code: rh.index, Msg: string(msg)}
+	}
+	return nil
+}
