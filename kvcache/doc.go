@@ -27,10 +27,12 @@
 // freed run merges with its free neighbours in O(1)) and by power-of-two size
 // classes (so a fit is found without scanning the pool). A request of k
 // blocks takes the front of a free extent of the smallest class that holds
-// k (a good fit): on an idle pool that is one run starting at block 0. Only
-// when no extent holds k does it take the largest extents first, giving as
-// few runs as the free space allows. Grow first extends the request's last
-// run in place when the next block is free.
+// k (a good fit; a few extents of k's own class are examined, then the
+// lowest higher class): on an idle pool that is one run starting at block 0,
+// and whenever some free extent holds k the request gets one run. Only when
+// no extent holds k does it take the largest extents first, giving as few
+// runs as the free space allows. Grow first extends the request's last run
+// in place when the next block is free.
 //
 // # Use
 //

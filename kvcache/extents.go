@@ -111,26 +111,38 @@ func (f *freeIndex) release(r Run) {
 	f.insert(start, end-start)
 }
 
-// fit returns the start of a free extent of at least k blocks, preferring
-// the smallest size class that can hold k (good fit), or -1 if no extent is
-// long enough.
+// fitScan bounds how many extents of the request's own size class fit
+// examines before it looks at higher classes, whose every extent fits. It
+// keeps allocation O(1) on a pool fragmented into many extents of one
+// class, at the cost of sometimes splitting a larger extent than needed.
+const fitScan = 8
+
+// fit returns the start of a free extent of at least k blocks, or -1 if no
+// extent is long enough. It prefers the smallest size class that can hold
+// k (a good fit): up to fitScan extents of k's own class, then the lowest
+// non-empty higher class, then the rest of k's class. So it finds a fitting
+// extent whenever one exists.
 func (f *freeIndex) fit(k uint32) int32 {
 	c := class(k)
-	// Class c holds lengths [2^c, 2^(c+1)): only some fit; scan it.
-	for s := f.classHead[c]; s != none; s = f.next[s] {
+	// Class c holds lengths [2^c, 2^(c+1)): only some of them fit.
+	s := f.classHead[c]
+	for i := 0; s != none && i < fitScan; i, s = i+1, f.next[s] {
 		if f.headLen[s] >= k {
 			return s
 		}
 	}
 	// Every extent of a higher class fits; take the lowest such class.
-	if c+1 >= numClasses {
-		return none
+	if c+1 < numClasses {
+		if m := f.classMask >> (c + 1) << (c + 1); m != 0 {
+			return f.classHead[bits.TrailingZeros32(m)]
+		}
 	}
-	m := f.classMask >> (c + 1) << (c + 1)
-	if m == 0 {
-		return none
+	for ; s != none; s = f.next[s] {
+		if f.headLen[s] >= k {
+			return s
+		}
 	}
-	return f.classHead[bits.TrailingZeros32(m)]
+	return none
 }
 
 // largest returns the start of an extent of the highest non-empty size

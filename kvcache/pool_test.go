@@ -242,3 +242,28 @@ func TestHeadroom(t *testing.T) {
 	require.ErrorIs(t, p.AllocateDummyWithHeadroom(3, -1), ErrInvalidTokens)
 	require.Equal(t, 0, p.FreeBlocks())
 }
+
+// TestFitScansWholeClass builds more small extents of one size class than
+// fit examines up front, with the only fitting extent last in the class
+// list and nothing larger: allocation must still find it.
+func TestFitScansWholeClass(t *testing.T) {
+	const small = 2 * fitScan
+	p := newPool(t, small*5+8)
+	// Layout: the 7-block extent [0,7) + a held separator, then small
+	// 4-block extents each followed by a held separator.
+	require.NoError(t, p.Allocate(1000, 7*4))
+	require.NoError(t, p.Allocate(1001, 4))
+	for i := range uint64(small) {
+		require.NoError(t, p.Allocate(i, 4*4))
+		require.NoError(t, p.Allocate(100+i, 4))
+	}
+	require.Equal(t, 0, p.FreeBlocks())
+	require.NoError(t, p.Free(1000)) // first freed: last in its class list
+	for i := range uint64(small) {
+		require.NoError(t, p.Free(i))
+	}
+	require.Equal(t, small+1, p.FreeExtents())
+	require.NoError(t, p.Allocate(2000, 7*4))
+	require.Equal(t, []Run{{0, 7}}, runsOf(t, p, 2000))
+	require.NoError(t, p.checkInvariants())
+}
