@@ -1,0 +1,260 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/stretchr/testify/require"
+)
+
+// TestMain lets the test binary act as handoff-nats, so the signal path is
+// tested on a real process without a separate build.
+func TestMain(m *testing.M) {
+	if os.Getenv("HANDOFF_NATS_TEST_AS_MAIN") == "1" {
+		main()
+		return
+	}
+	os.Exit(m.Run())
+}
+
+func testConfig(t *testing.T) config {
+	t.Helper()
+	c, err := parseServe([]string{"--port", "-1", "--http-port", "-1", "--host", "127.0.0.1",
+		"--store-dir", t.TempDir(), "--server-name", "test"}, envOf(nil), io.Discard)
+	require.NoError(t, err)
+	return c
+}
+
+// startServe runs serve in a goroutine and returns the running server and a
+// stop function that cancels it and returns serve's error.
+func startServe(t *testing.T, cfg config) (*server.Server, func() error) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	readyCh := make(chan *server.Server, 1)
+	errCh := make(chan error, 1)
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	go func() { errCh <- serve(ctx, cfg, log, func(s *server.Server) { readyCh <- s }) }()
+	var s *server.Server
+	select {
+	case s = <-readyCh:
+	case err := <-errCh:
+		cancel()
+		t.Fatalf("serve: %v", err)
+	case <-time.After(30 * time.Second):
+		cancel()
+		t.Fatal("server not ready")
+	}
+	var once sync.Once
+	var stopErr error
+	stop := func() error {
+		once.Do(func() {
+			cancel()
+			select {
+			case stopErr = <-errCh:
+			case <-time.After(30 * time.Second):
+				stopErr = fmt.Errorf("serve did not return after cancel")
+			}
+		})
+		return stopErr
+	}
+	t.Cleanup(func() { _ = stop() })
+	return s, stop
+}
+
+func TestServeJetStreamKVAndShutdown(t *testing.T) {
+	cfg := testConfig(t)
+	s, stop := startServe(t, cfg)
+
+	// The monitoring endpoint answers and the healthcheck subcommand agrees.
+	url := monitorURL(s) + "/healthz"
+	var out bytes.Buffer
+	require.NoError(t, probe(context.Background(), url, 3*time.Second, &out))
+	require.Contains(t, out.String(), "ok")
+
+	// JetStream works well enough for handoff's discovery: a KV bucket with a
+	// TTL, per-key TTL markers need server 2.11+.
+	nc, err := nats.Connect(s.ClientURL())
+	require.NoError(t, err)
+	defer nc.Close()
+	require.Equal(t, int64(8<<20), nc.MaxPayload())
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	kv, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "handoff_default_instances", TTL: time.Minute, LimitMarkerTTL: time.Minute})
+	require.NoError(t, err)
+	_, err = kv.Put(ctx, "decode-0", []byte("10.0.0.1:7400"))
+	require.NoError(t, err)
+	e, err := kv.Get(ctx, "decode-0")
+	require.NoError(t, err)
+	require.Equal(t, "10.0.0.1:7400", string(e.Value()))
+
+	require.NoError(t, stop())
+	require.False(t, s.Running())
+	// The store survived the shutdown on disk.
+	_, err = os.Stat(filepath.Join(cfg.StoreDir, "jetstream"))
+	require.NoError(t, err)
+}
+
+func TestServeAuth(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.User, cfg.Password = "handoff", "s3cret"
+	s, _ := startServe(t, cfg)
+
+	_, err := nats.Connect(s.ClientURL(), nats.MaxReconnects(0))
+	require.Error(t, err)
+	nc, err := nats.Connect(s.ClientURL(), nats.UserInfo("handoff", "s3cret"))
+	require.NoError(t, err)
+	nc.Close()
+}
+
+func TestServeCluster(t *testing.T) {
+	a := testConfig(t)
+	a.ServerName, a.ClusterName, a.ClusterPort, a.JetStream = "a", "handoff", -1, false
+	sa, _ := startServe(t, a)
+	routeA := fmt.Sprintf("nats://%s", sa.ClusterAddr().String())
+
+	b := testConfig(t)
+	b.ServerName, b.ClusterName, b.ClusterPort, b.JetStream = "b", "handoff", -1, false
+	b.Routes = []string{routeA}
+	sb, _ := startServe(t, b)
+
+	require.Eventually(t, func() bool { return sa.NumRoutes() > 0 && sb.NumRoutes() > 0 },
+		10*time.Second, 50*time.Millisecond, "servers never routed")
+
+	// A message published on one server reaches a subscriber on the other.
+	nca, err := nats.Connect(sa.ClientURL())
+	require.NoError(t, err)
+	defer nca.Close()
+	ncb, err := nats.Connect(sb.ClientURL())
+	require.NoError(t, err)
+	defer ncb.Close()
+	sub, err := nca.SubscribeSync("handoff.default.prefill.submit")
+	require.NoError(t, err)
+	require.NoError(t, nca.Flush())
+	require.Eventually(t, func() bool {
+		_ = ncb.Publish("handoff.default.prefill.submit", []byte("x"))
+		_, err := sub.NextMsg(100 * time.Millisecond)
+		return err == nil
+	}, 10*time.Second, 10*time.Millisecond)
+}
+
+func TestServeFailsOnBusyPort(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	cfg := testConfig(t)
+	cfg.Port = ln.Addr().(*net.TCPAddr).Port
+	done := make(chan error, 1)
+	go func() {
+		done <- serve(context.Background(), cfg, slog.New(slog.NewTextHandler(io.Discard, nil)), nil)
+	}()
+	select {
+	case err := <-done:
+		require.Error(t, err)
+	case <-time.After(readyTimeout + 10*time.Second):
+		t.Fatal("serve did not fail on a busy port")
+	}
+}
+
+func TestHealthcheck(t *testing.T) {
+	status := http.StatusOK
+	var mu sync.Mutex
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		defer mu.Unlock()
+		w.WriteHeader(status)
+		_, _ = w.Write([]byte(`{"status":"x"}`))
+	}))
+	defer srv.Close()
+
+	var out bytes.Buffer
+	require.Equal(t, 0, run(context.Background(), []string{"healthcheck", "--url", srv.URL}, envOf(nil), &out, &out))
+
+	mu.Lock()
+	status = http.StatusServiceUnavailable
+	mu.Unlock()
+	out.Reset()
+	require.Equal(t, 1, run(context.Background(), []string{"healthcheck", "--url", srv.URL}, envOf(nil), &out, &out))
+	require.Contains(t, out.String(), "503")
+
+	// Nothing listening: unhealthy, not a hang.
+	err := runHealthcheck(context.Background(), []string{"--url", "http://127.0.0.1:1/healthz", "--timeout", "1s"}, envOf(nil), io.Discard)
+	require.ErrorIs(t, err, errUnhealthy)
+
+	require.ErrorIs(t, runHealthcheck(context.Background(), []string{"--timeout", "0s"}, envOf(nil), io.Discard), errConfig)
+	require.ErrorIs(t, runHealthcheck(context.Background(), []string{"extra"}, envOf(nil), io.Discard), errConfig)
+}
+
+func TestDefaultHealthURL(t *testing.T) {
+	require.Equal(t, "http://127.0.0.1:8222/healthz", defaultHealthURL(envOf(nil)))
+	require.Equal(t, "http://127.0.0.1:9333/healthz", defaultHealthURL(envOf(map[string]string{"HANDOFF_NATS_HTTP_PORT": "9333"})))
+	require.Equal(t, "http://127.0.0.1:8222/healthz", defaultHealthURL(envOf(map[string]string{"HANDOFF_NATS_HTTP_PORT": "junk"})))
+}
+
+func TestVersion(t *testing.T) {
+	var out bytes.Buffer
+	require.Equal(t, 0, run(context.Background(), []string{"version"}, envOf(nil), &out, io.Discard))
+	require.Contains(t, out.String(), "handoff-nats ")
+	require.Contains(t, out.String(), "nats-server "+server.VERSION)
+	require.Equal(t, 1, run(context.Background(), []string{"version", "x"}, envOf(nil), &out, io.Discard))
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// TestProcessSIGTERM runs the real main in a child process, waits until the
+// healthcheck passes, sends SIGTERM and expects a clean exit with status 0.
+func TestProcessSIGTERM(t *testing.T) {
+	port, httpPort := freePort(t), freePort(t)
+	cmd := exec.Command(os.Args[0], "--host", "127.0.0.1", "--port", strconv.Itoa(port), "--log-format", "text")
+	cmd.Env = append(os.Environ(),
+		"HANDOFF_NATS_TEST_AS_MAIN=1",
+		"HANDOFF_NATS_HTTP_PORT="+strconv.Itoa(httpPort),
+		"HANDOFF_NATS_STORE_DIR="+t.TempDir(),
+	)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() { _ = cmd.Process.Kill() })
+
+	// The healthcheck subcommand finds the port through the same env.
+	env := map[string]string{"HANDOFF_NATS_HTTP_PORT": strconv.Itoa(httpPort)}
+	require.Eventually(t, func() bool {
+		return run(context.Background(), []string{"healthcheck", "--timeout", "500ms"}, envOf(env), io.Discard, io.Discard) == 0
+	}, 30*time.Second, 100*time.Millisecond, "never healthy: %s", &stderr)
+
+	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+	waitErr := make(chan error, 1)
+	go func() { waitErr <- cmd.Wait() }()
+	select {
+	case err := <-waitErr:
+		require.NoError(t, err, "exit after SIGTERM: %s", stderr.String())
+	case <-time.After(20 * time.Second):
+		t.Fatalf("no exit after SIGTERM: %s", stderr.String())
+	}
+	require.True(t, strings.Contains(stderr.String(), "msg=stopped"), stderr.String())
+}
