@@ -1,0 +1,182 @@
+package service
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/handoff-io/handoff/transfer"
+	"github.com/handoff-io/handoff/worker"
+	"github.com/handoff-io/handoff/worker/api"
+	"github.com/handoff-io/handoff/worker/config"
+)
+
+// RunDecode runs a decode worker until ctx ends, then drains: readiness
+// turns 503, new requests are refused with 503, in-flight requests finish
+// for up to cfg.DrainTimeout, and everything is closed. It returns nil after
+// a clean drain, or the error that kept the worker from starting.
+func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
+	o.fill(&cfg)
+	if cfg.Standalone {
+		return runStandalone(ctx, cfg, o)
+	}
+	log := o.Logger
+	remote := cfg.Prefill == "remote"
+	adm, admSrv, err := startAdmin(cfg, &o)
+	if err != nil {
+		return err
+	}
+	defer shutdownQuietly(admSrv, log)
+	n, err := buildNode(cfg, log, remote)
+	if err != nil {
+		return err
+	}
+	defer n.close()
+
+	var (
+		source     worker.CacheSource
+		nc         *nats.Conn
+		dec        *transfer.Decoder
+		connected  atomic.Pointer[nats.Conn]
+		registered atomic.Bool
+	)
+	if remote {
+		adm.AddCheck("data_path", func() error { return nil }) // the listener is open once buildNode returned
+		adm.AddCheck("nats", func() error {
+			if c := connected.Load(); c != nil {
+				return natsCheck(c)()
+			}
+			return errors.New("connecting")
+		})
+		adm.AddCheck("registered", func() error {
+			if registered.Load() {
+				return nil
+			}
+			return errors.New("not registered")
+		})
+		if nc, err = connectNATS(ctx, cfg.NATS, "handoff-decode/"+cfg.InstanceID, log); err != nil {
+			return err
+		}
+		defer nc.Close()
+		connected.Store(nc)
+		// The decoder's registry outlives ctx (it is closed after the drain).
+		if dec, err = transfer.NewDecoder(context.WithoutCancel(ctx), transfer.DecoderConfig{
+			Instance: cfg.InstanceID, Namespace: cfg.Namespace, Fingerprint: n.fingerprint,
+			DefaultTimeout: cfg.RequestTimeout, Logger: log,
+		}, nc, n.data); err != nil {
+			return err
+		}
+		defer func() {
+			if err := dec.Close(); err != nil {
+				log.Warn("decoder close", "err", err)
+			}
+		}()
+		registered.Store(true)
+		source = &transferSource{dec: dec, n: n, m: o.Metrics, timeout: cfg.RequestTimeout}
+	}
+	eng, err := worker.NewEngine(worker.Config{
+		Role: worker.RoleDecode, AttentionDP: cfg.AttentionDP, QueueSize: cfg.QueueSize,
+		Source: source, Logger: log, Metrics: o.Metrics,
+	}, n.ranks)
+	if err != nil {
+		return err
+	}
+	stopLoop := runEngine(eng, log)
+	defer stopLoop()
+	adm.AddCheck("engine", func() error {
+		if eng.Draining() {
+			return errors.New("draining")
+		}
+		return nil
+	})
+	apiSrv, err := listenHTTP(cfg.HTTPAddr, api.New(api.Config{Model: cfg.Model, Logger: log, Metrics: o.Metrics}, eng), log)
+	if err != nil {
+		return fmt.Errorf("api listener: %w", err)
+	}
+	ep := Endpoints{HTTP: apiSrv.addr(), Data: n.dataAddr()}
+	if admSrv != nil {
+		ep.Admin = admSrv.addr()
+	}
+	log.Info("decode serving", "http", ep.HTTP, "admin", ep.Admin, "data", ep.Data, "prefill", cfg.Prefill,
+		"max_context", eng.MaxContext())
+	if o.Ready != nil {
+		o.Ready(ep)
+	}
+
+	<-ctx.Done()
+	log.Info("draining", "live", eng.Live(), "timeout", cfg.DrainTimeout)
+	adm.SetDraining()
+	dctx, cancel := context.WithTimeout(context.Background(), cfg.DrainTimeout)
+	if err := eng.Drain(dctx); err != nil {
+		log.Warn("drain timed out; failing the requests left", "live", eng.Live())
+	}
+	cancel()
+	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	if err := apiSrv.shutdown(sctx); err != nil {
+		log.Warn("api shutdown", "err", err)
+	}
+	cancel()
+	stopLoop()
+	log.Info("decode stopped")
+	return nil
+}
+
+// transferSource fetches prefilled caches through the transfer protocol.
+type transferSource struct {
+	dec     *transfer.Decoder
+	n       *node
+	m       *worker.Metrics
+	timeout time.Duration
+}
+
+var _ worker.CacheSource = (*transferSource)(nil)
+
+func (s *transferSource) Fetch(ctx context.Context, f worker.FetchRequest) (worker.FetchResult, error) {
+	res, err := s.dec.Handoff(ctx, transfer.Request{
+		ID: f.ID, Tokens: f.Prompt,
+		Sampling: transfer.Sampling{Temperature: f.Temperature, Seed: f.Seed},
+		Deadline: time.Now().Add(s.timeout),
+		Alloc:    preparedAlloc{s.n.tranks[f.Rank]},
+	})
+	if err != nil {
+		return worker.FetchResult{}, classify(ctx, err)
+	}
+	s.n.transportInfo(s.m, res.Instance)
+	return worker.FetchResult{
+		First: res.FirstToken, Compute: res.Prefill, Transfer: res.Transfer,
+		KVBytes: int64(res.KVBytes), MambaBytes: int64(res.MambaBytes),
+	}, nil
+}
+
+// classify wraps a handoff error with the worker's transfer classes.
+func classify(ctx context.Context, err error) error {
+	switch {
+	case errors.Is(err, transfer.ErrNoPrefillWorker), errors.Is(err, transfer.ErrCapacityRefused),
+		errors.Is(err, transfer.ErrLayoutMismatch), errors.Is(err, transfer.ErrPayloadTooLarge),
+		errors.Is(err, transfer.ErrDummyRequest):
+		return fmt.Errorf("%w: %w", worker.ErrTransferRefused, err)
+	case errors.Is(err, transfer.ErrTimeout):
+		return fmt.Errorf("%w: %w", worker.ErrTransferTimeout, err)
+	case ctx.Err() != nil:
+		return fmt.Errorf("%w: %w", ctx.Err(), err)
+	}
+	return err
+}
+
+// preparedAlloc hands the transfer protocol the resources the engine already
+// prepared for the request at admission (hybrid.Manager.Prepare is
+// idempotent per id), and leaves freeing them to the engine, which does so
+// once Fetch returned.
+type preparedAlloc struct{ r *transfer.Rank }
+
+var _ transfer.Allocator = preparedAlloc{}
+
+func (a preparedAlloc) Prepare(id uint64, tokens int) (transfer.Destination, error) {
+	return a.r.Prepare(id, tokens)
+}
+
+func (preparedAlloc) Free(uint64) error { return nil }

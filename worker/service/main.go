@@ -1,0 +1,110 @@
+// Package service wires the prefill and decode binaries: flags and
+// environment (package config), the model and the ranks over registered
+// data-plane regions, NATS, the transfer protocol, the engine loop, the
+// OpenAI API (decode), the admin endpoints, and the drain on shutdown.
+//
+// Main is each binary's whole program; RunDecode and RunPrefill are the
+// workers themselves, usable in process (standalone mode runs both, with an
+// embedded NATS server, in one process).
+package service
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"runtime/debug"
+	"strings"
+	"time"
+
+	"github.com/handoff-io/handoff/worker"
+	"github.com/handoff-io/handoff/worker/config"
+)
+
+// Version is the release version, set at link time with
+// -ldflags "-X github.com/handoff-io/handoff/worker/service.Version=v1.2.3".
+var Version = "dev"
+
+// Main runs a worker binary of role with args (without the program name):
+// "version", "healthcheck [--url URL]", or the worker itself. It returns when
+// the worker stopped; ctx is cancelled by SIGINT/SIGTERM.
+func Main(ctx context.Context, role worker.Role, args []string, stdout, stderr io.Writer) error {
+	if len(args) > 0 {
+		switch args[0] {
+		case "version":
+			printVersion(stdout, role)
+			return nil
+		case "healthcheck":
+			return healthcheck(ctx, role, args[1:], stdout, stderr)
+		}
+	}
+	out := stderr
+	for _, a := range args {
+		if a == "-h" || a == "-help" || a == "--help" || a == "--h" {
+			out = stdout
+		}
+	}
+	cfg, err := config.Parse(role, args, os.Getenv, out)
+	if errors.Is(err, flag.ErrHelp) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	o := Options{Stdout: stdout, Stderr: stderr}
+	if role == worker.RoleDecode {
+		return RunDecode(ctx, cfg, o)
+	}
+	return RunPrefill(ctx, cfg, o)
+}
+
+func printVersion(w io.Writer, role worker.Role) {
+	fmt.Fprintf(w, "handoff %s %s", role, Version)
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		fmt.Fprintf(w, " (%s", bi.GoVersion)
+		for _, s := range bi.Settings {
+			switch s.Key {
+			case "vcs.revision", "vcs.time", "vcs.modified", "GOOS", "GOARCH":
+				fmt.Fprintf(w, ", %s=%s", s.Key, s.Value)
+			}
+		}
+		fmt.Fprint(w, ")")
+	}
+	fmt.Fprintln(w)
+}
+
+// healthcheck GETs the readiness URL: nil on 200, an error otherwise. For
+// images without a shell or curl.
+func healthcheck(ctx context.Context, role worker.Role, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet(string(role)+" healthcheck", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	def := "http://127.0.0.1:" + config.AdminPort(role, os.Getenv) + "/readyz"
+	url := fs.String("url", def, "URL to GET; healthy on 200")
+	timeout := fs.Duration("timeout", 3*time.Second, "request timeout")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return nil
+		}
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, *url, nil)
+	if err != nil {
+		return fmt.Errorf("healthcheck: %w", err)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("healthcheck: %w", err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("healthcheck: %s: %s: %s", *url, resp.Status, strings.TrimSpace(string(body)))
+	}
+	fmt.Fprintf(stdout, "ok: %s\n", strings.TrimSpace(string(body)))
+	return nil
+}

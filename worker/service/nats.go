@@ -1,0 +1,107 @@
+package service
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/handoff-io/handoff/worker/config"
+)
+
+// natsOptions turns the config's NATS settings into nats.go options. The
+// connection reconnects forever: a restarted server is picked up again.
+func natsOptions(c config.NATS, name string, log *slog.Logger) ([]nats.Option, error) {
+	opts := []nats.Option{
+		nats.Name(name),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(250 * time.Millisecond),
+		nats.RetryOnFailedConnect(true),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			log.Warn("nats disconnected", "err", err)
+		}),
+		nats.ReconnectHandler(func(nc *nats.Conn) {
+			log.Info("nats reconnected", "url", nc.ConnectedUrlRedacted())
+		}),
+		nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
+			subj := ""
+			if sub != nil {
+				subj = sub.Subject
+			}
+			log.Warn("nats async error", "subject", subj, "err", err)
+		}),
+	}
+	if c.Creds != "" {
+		opts = append(opts, nats.UserCredentials(c.Creds))
+	}
+	if c.NKey != "" {
+		o, err := nats.NkeyOptionFromSeed(c.NKey)
+		if err != nil {
+			return nil, fmt.Errorf("nats nkey: %w", err)
+		}
+		opts = append(opts, o)
+	}
+	if c.User != "" {
+		opts = append(opts, nats.UserInfo(c.User, c.Password))
+	}
+	if c.CA != "" {
+		opts = append(opts, nats.RootCAs(c.CA))
+	}
+	if c.Cert != "" {
+		opts = append(opts, nats.ClientCert(c.Cert, c.Key))
+	}
+	return opts, nil
+}
+
+// connectNATS connects and waits until the connection is up or ctx ends.
+// An authentication failure is final; an unreachable server is retried.
+func connectNATS(ctx context.Context, c config.NATS, name string, log *slog.Logger) (*nats.Conn, error) {
+	opts, err := natsOptions(c, name, log)
+	if err != nil {
+		return nil, err
+	}
+	var lastErr error
+	opts = append(opts, nats.ConnectHandler(func(nc *nats.Conn) {
+		log.Info("nats connected", "url", nc.ConnectedUrlRedacted())
+	}))
+	nc, err := nats.Connect(c.URL, opts...)
+	if err != nil {
+		return nil, fmt.Errorf("nats connect %s: %w", c.URL, err)
+	}
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	logged := time.Now()
+	for !nc.IsConnected() {
+		if err := nc.LastError(); err != nil {
+			lastErr = err
+			if errors.Is(err, nats.ErrAuthorization) || errors.Is(err, nats.ErrAuthExpired) {
+				nc.Close()
+				return nil, fmt.Errorf("nats connect %s: %w", c.URL, err)
+			}
+		}
+		if time.Since(logged) > 5*time.Second {
+			log.Warn("waiting for nats", "url", c.URL, "err", lastErr)
+			logged = time.Now()
+		}
+		select {
+		case <-ctx.Done():
+			nc.Close()
+			return nil, fmt.Errorf("nats connect %s: %w (last error: %v)", c.URL, ctx.Err(), lastErr)
+		case <-tick.C:
+		}
+	}
+	return nc, nil
+}
+
+// natsCheck is the readiness check of a connection.
+func natsCheck(nc *nats.Conn) func() error {
+	return func() error {
+		if nc.IsConnected() {
+			return nil
+		}
+		return fmt.Errorf("nats %s", nc.Status())
+	}
+}

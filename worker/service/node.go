@@ -1,0 +1,278 @@
+package service
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/handoff-io/handoff/hybrid"
+	"github.com/handoff-io/handoff/model"
+	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer"
+	"github.com/handoff-io/handoff/worker"
+	"github.com/handoff-io/handoff/worker/admin"
+	"github.com/handoff-io/handoff/worker/config"
+)
+
+// Endpoints are the addresses a running worker listens on.
+type Endpoints struct {
+	HTTP  string // decode API (host:port), empty for prefill
+	Admin string // admin HTTP, empty when disabled
+	Data  string // data-plane TCP, empty in local mode
+}
+
+// Options are the seams of Run: shared collaborators in standalone mode and
+// in tests.
+type Options struct {
+	// Logger defaults to the config's logger on stderr.
+	Logger *slog.Logger
+	// Registry and Metrics are shared by the workers of one process
+	// (standalone); nil creates a private pair.
+	Registry *prometheus.Registry
+	Metrics  *worker.Metrics
+	// Admin, when set, is used instead of serving a new admin endpoint (the
+	// in-process prefill of standalone mode adds its checks to decode's).
+	Admin *admin.Server
+	// CheckPrefix prefixes the names of the worker's readiness checks (to
+	// tell two workers sharing one admin endpoint apart).
+	CheckPrefix string
+	// Ready is called once the worker serves.
+	Ready func(Endpoints)
+	// Stdout receives the standalone banner; nil means os.Stdout.
+	Stdout io.Writer
+	// Stderr receives the logs when Logger is nil; nil means os.Stderr.
+	Stderr io.Writer
+}
+
+func (o *Options) fill(cfg *config.Config) {
+	if o.Stdout == nil {
+		o.Stdout = os.Stdout
+	}
+	if o.Stderr == nil {
+		o.Stderr = os.Stderr
+	}
+	if o.Logger == nil {
+		o.Logger = cfg.Logger(o.Stderr)
+	}
+	if o.Registry == nil {
+		o.Registry = prometheus.NewRegistry()
+		o.Registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	}
+	if o.Metrics == nil {
+		o.Metrics = worker.NewMetrics(o.Registry)
+	}
+}
+
+// node is what both roles build: the model, the ranks over their arenas and,
+// in remote mode, the data-plane engine whose regions back the arenas.
+type node struct {
+	cfg         config.Config
+	log         *slog.Logger
+	exec        model.Executor
+	spec        model.Spec // with the block size applied
+	fingerprint string
+	ranks       []*worker.Rank
+	tranks      []*transfer.Rank // remote only
+	data        *rdma.Engine     // remote only
+}
+
+func buildNode(cfg config.Config, log *slog.Logger, remote bool) (*node, error) {
+	exec, err := model.Lookup(cfg.Model)
+	if err != nil {
+		return nil, err
+	}
+	spec := exec.Spec()
+	spec.KV.TokensPerBlock = cfg.TokensPerBlock
+	pools, err := worker.PoolConfig(exec.Spec(), worker.PoolParams{
+		MaxBatchSize: cfg.MaxBatchSize, AttentionDP: cfg.AttentionDP,
+		TokensPerBlock: cfg.TokensPerBlock, KVBlocks: cfg.KVBlocks,
+	})
+	if err != nil {
+		return nil, err
+	}
+	n := &node{cfg: cfg, log: log, exec: exec, spec: spec, fingerprint: spec.Fingerprint()}
+	if remote {
+		rc := rdma.Config{Agent: rdma.AgentID(cfg.InstanceID), TCPAddr: cfg.DataAddr, Advertise: cfg.DataAdvertise, Logger: log}
+		if cfg.Transport != "auto" {
+			rc.Transports = []rdma.Transport{rdma.Transport(cfg.Transport)}
+			if cfg.Transport != "tcp" {
+				// TCP stays available as the fallback for remote peers.
+				rc.Transports = append(rc.Transports, rdma.TransportTCP)
+			}
+		}
+		if n.data, err = rdma.New(rc); err != nil {
+			return nil, fmt.Errorf("data plane: %w", err)
+		}
+	}
+	for i := 0; i < cfg.DPSize; i++ {
+		m, err := hybrid.New(pools)
+		if err != nil {
+			n.close()
+			return nil, err
+		}
+		var kvArena, mArena []byte
+		if remote {
+			kvr, err := n.data.Register(fmt.Sprintf("rank%d-kv", i), pools.KV.ArenaBytes())
+			if err != nil {
+				n.close()
+				return nil, fmt.Errorf("register kv arena: %w", err)
+			}
+			mr, err := n.data.Register(fmt.Sprintf("rank%d-mamba", i), pools.Mamba.ArenaBytes())
+			if err != nil {
+				n.close()
+				return nil, fmt.Errorf("register mamba arena: %w", err)
+			}
+			tr, err := transfer.NewRank(m, kvr, mr)
+			if err != nil {
+				n.close()
+				return nil, err
+			}
+			n.tranks = append(n.tranks, tr)
+			kvArena, mArena = kvr.Bytes(), mr.Bytes()
+		} else {
+			kvArena, mArena = make([]byte, pools.KV.ArenaBytes()), make([]byte, pools.Mamba.ArenaBytes())
+		}
+		r, err := worker.NewRank(i, m, exec, kvArena, mArena)
+		if err != nil {
+			n.close()
+			return nil, err
+		}
+		n.ranks = append(n.ranks, r)
+	}
+	log.Info("ranks ready", "model", spec.Name, "fingerprint", n.fingerprint, "dp_size", cfg.DPSize,
+		"attention_dp", cfg.AttentionDP, "max_batch_size", cfg.MaxBatchSize, "kv_blocks", pools.KV.Blocks,
+		"tokens_per_block", pools.KV.TokensPerBlock, "kv_arena_bytes", pools.KV.ArenaBytes(),
+		"mamba_rows", pools.Mamba.TotalRows(), "mamba_arena_bytes", pools.Mamba.ArenaBytes())
+	return n, nil
+}
+
+// capacity is the node's room, for the instance registry.
+func (n *node) capacity() transfer.Capacity {
+	c := transfer.Capacity{Ranks: len(n.ranks)}
+	for _, r := range n.ranks {
+		rows, blocks := r.Manager().Capacity()
+		s := r.Manager().Stats()
+		c.Rows += rows
+		c.Blocks += blocks
+		c.FreeRows += s.RowsFree
+		c.FreeBlocks += s.BlocksFree - s.BlocksHeadroom
+	}
+	return c
+}
+
+func (n *node) dataAddr() string {
+	if n.data == nil {
+		return ""
+	}
+	return n.data.Descriptor().TCPAddr
+}
+
+func (n *node) close() {
+	if n.data != nil {
+		if err := n.data.Close(); err != nil {
+			n.log.Warn("data plane close", "err", err)
+		}
+	}
+}
+
+// transportInfo sets handoff_transport_info for the transport used with agent.
+func (n *node) transportInfo(m *worker.Metrics, agent string) {
+	if n.data == nil || agent == "" {
+		return
+	}
+	if t, ok := n.data.TransportFor(rdma.AgentID(agent)); ok {
+		m.TransportInfo.WithLabelValues(string(t)).Set(1)
+	}
+}
+
+// httpServer serves h on a listener it opens now, so the address is known
+// (and a busy port fails the start) before Serve.
+type httpServer struct {
+	srv  *http.Server
+	ln   net.Listener
+	done chan error
+}
+
+func listenHTTP(addr string, h http.Handler, log *slog.Logger) (*httpServer, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	s := &httpServer{
+		srv: &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second,
+			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)},
+		ln: ln, done: make(chan error, 1),
+	}
+	go func() { s.done <- s.srv.Serve(ln) }()
+	return s, nil
+}
+
+func (s *httpServer) addr() string { return s.ln.Addr().String() }
+
+// shutdown stops the server gracefully until ctx ends, then closes it, and
+// waits for its goroutine.
+func (s *httpServer) shutdown(ctx context.Context) error {
+	err := s.srv.Shutdown(ctx)
+	if err != nil {
+		err = errors.Join(err, s.srv.Close())
+	}
+	if serr := <-s.done; !errors.Is(serr, http.ErrServerClosed) {
+		err = errors.Join(err, serr)
+	}
+	return err
+}
+
+// startAdmin serves the admin endpoints unless o.Admin is shared or the
+// address is empty.
+func startAdmin(cfg config.Config, o *Options) (*admin.Server, *httpServer, error) {
+	if o.Admin != nil {
+		return o.Admin, nil, nil
+	}
+	a := admin.New(o.Registry)
+	if cfg.AdminAddr == "" {
+		return a, nil, nil
+	}
+	s, err := listenHTTP(cfg.AdminAddr, a.Handler(), o.Logger)
+	if err != nil {
+		return nil, nil, fmt.Errorf("admin listener: %w", err)
+	}
+	return a, s, nil
+}
+
+// runEngine runs e's loop on a goroutine; the returned stop cancels it and
+// waits.
+func runEngine(e *worker.Engine, log *slog.Logger) (stop func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := e.Run(ctx); err != nil {
+			log.Error("engine loop", "err", err)
+		}
+	}()
+	return func() {
+		cancel()
+		<-done
+	}
+}
+
+// shutdownQuietly stops an optional server, logging a failure.
+func shutdownQuietly(s *httpServer, log *slog.Logger) {
+	if s == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if err := s.shutdown(ctx); err != nil {
+		log.Warn("admin shutdown", "err", err)
+	}
+}

@@ -1,0 +1,208 @@
+package service
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/handoff-io/handoff/hybrid"
+	"github.com/handoff-io/handoff/transfer"
+	"github.com/handoff-io/handoff/worker"
+	"github.com/handoff-io/handoff/worker/config"
+)
+
+// RunPrefill runs a prefill worker until ctx ends, then drains: readiness
+// turns 503, the NATS service stops taking requests, in-flight ones finish
+// (prefill and push) for up to cfg.DrainTimeout, and everything is closed.
+func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
+	o.fill(&cfg)
+	log := o.Logger
+	adm, admSrv, err := startAdmin(cfg, &o)
+	if err != nil {
+		return err
+	}
+	defer shutdownQuietly(admSrv, log)
+	n, err := buildNode(cfg, log, true)
+	if err != nil {
+		return err
+	}
+	defer n.close()
+	var (
+		connected  atomic.Pointer[nats.Conn]
+		registered atomic.Bool
+	)
+	adm.AddCheck(o.CheckPrefix+"data_path", func() error { return nil })
+	adm.AddCheck(o.CheckPrefix+"nats", func() error {
+		if c := connected.Load(); c != nil {
+			return natsCheck(c)()
+		}
+		return errors.New("connecting")
+	})
+	adm.AddCheck(o.CheckPrefix+"registered", func() error {
+		if registered.Load() {
+			return nil
+		}
+		return errors.New("not registered")
+	})
+	nc, err := connectNATS(ctx, cfg.NATS, "handoff-prefill/"+cfg.InstanceID, log)
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	connected.Store(nc)
+
+	eng, err := worker.NewEngine(worker.Config{
+		Role: worker.RolePrefill, AttentionDP: cfg.AttentionDP, QueueSize: cfg.QueueSize,
+		Logger: log, Metrics: o.Metrics,
+	}, n.ranks)
+	if err != nil {
+		return err
+	}
+	stopLoop := runEngine(eng, log)
+	defer stopLoop()
+	pe := &prefillExec{e: eng, n: n, m: o.Metrics}
+	pf, err := transfer.NewPrefiller(transfer.PrefillerConfig{
+		Instance: cfg.InstanceID, Namespace: cfg.Namespace, Fingerprint: n.fingerprint,
+		Capacity: n.capacity, Logger: log,
+	}, nc, n.data, pe)
+	if err != nil {
+		return err
+	}
+	pe.pf = pf
+	// The registry outlives ctx: it is closed by Shutdown after the drain.
+	if err := pf.Start(context.WithoutCancel(ctx)); err != nil {
+		return err
+	}
+	registered.Store(true)
+	adm.BeforeScrape(pe.syncStats)
+	ep := Endpoints{Data: n.dataAddr()}
+	if admSrv != nil {
+		ep.Admin = admSrv.addr()
+	}
+	log.Info("prefill serving", "admin", ep.Admin, "data", ep.Data, "namespace", cfg.Namespace)
+	if o.Ready != nil {
+		o.Ready(ep)
+	}
+
+	<-ctx.Done()
+	log.Info("draining", "live", eng.Live(), "timeout", cfg.DrainTimeout)
+	adm.SetDraining()
+	registered.Store(false)
+	dctx, cancel := context.WithTimeout(context.Background(), cfg.DrainTimeout)
+	if err := pf.Shutdown(dctx); err != nil {
+		log.Warn("prefiller shutdown", "err", err)
+	}
+	if err := eng.Drain(dctx); err != nil {
+		log.Warn("drain timed out; failing the requests left", "live", eng.Live())
+	}
+	cancel()
+	stopLoop()
+	pe.syncStats()
+	log.Info("prefill stopped")
+	return nil
+}
+
+// prefillExec implements transfer.PrefillExecutor over the prefill engine.
+type prefillExec struct {
+	e  *worker.Engine
+	n  *node
+	m  *worker.Metrics
+	pf *transfer.Prefiller
+
+	mu   sync.Mutex
+	last transfer.PrefillerStats
+}
+
+var _ transfer.PrefillExecutor = (*prefillExec)(nil)
+
+// Admit queues the job on the engine without waiting; a full queue, a
+// draining engine or a prompt this worker's pools cannot hold is a capacity
+// refusal, which the decoder may retry on another worker.
+func (p *prefillExec) Admit(job transfer.Job) (transfer.Lease, error) {
+	ctx, cancel := context.WithCancel(context.Background())
+	if !job.Deadline.IsZero() {
+		cancel()
+		ctx, cancel = context.WithDeadline(context.Background(), job.Deadline)
+	}
+	pend, err := p.e.SubmitPrefill(ctx, worker.PrefillJob{
+		Prompt: job.Tokens, Temperature: job.Sampling.Temperature, Seed: job.Sampling.Seed,
+		LogID: fmt.Sprintf("%s-%d", job.From, job.RequestID),
+	})
+	if err != nil {
+		cancel()
+		if errors.Is(err, worker.ErrQueueFull) || errors.Is(err, worker.ErrDraining) ||
+			errors.Is(err, worker.ErrClosed) || errors.Is(err, worker.ErrTooLong) {
+			return nil, fmt.Errorf("%w: %w", transfer.ErrCapacityRefused, err)
+		}
+		return nil, err
+	}
+	return &prefillLease{p: p, pend: pend, cancel: cancel, from: job.From}, nil
+}
+
+// syncStats folds the prefiller's cumulative counters into the transfer
+// metric of the prefill role.
+func (p *prefillExec) syncStats() {
+	if p.pf == nil {
+		return
+	}
+	s := p.pf.Stats()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	role := string(worker.RolePrefill)
+	add := func(result string, now, before uint64) {
+		if now > before {
+			p.m.Transfers.WithLabelValues(role, result).Add(float64(now - before))
+		}
+	}
+	add(worker.TransferOK, s.Served, p.last.Served)
+	add(worker.TransferRefused, s.Refused, p.last.Refused)
+	add(worker.TransferFailed, s.Failed, p.last.Failed)
+	add(worker.TransferCancelled, s.Cancelled, p.last.Cancelled)
+	p.last = s
+}
+
+type prefillLease struct {
+	p      *prefillExec
+	pend   *worker.PendingPrefill
+	cancel context.CancelFunc
+	from   string
+
+	lease     *worker.Lease
+	pushStart time.Time
+	kv, mamba uint64
+}
+
+func (l *prefillLease) Prefill(ctx context.Context) (transfer.Prefilled, error) {
+	lease, err := l.pend.Wait(ctx)
+	if err != nil {
+		return transfer.Prefilled{}, err
+	}
+	l.lease = lease
+	l.pushStart = time.Now()
+	src, err := l.p.n.tranks[lease.Rank].Resolve(hybrid.Resources{Row: lease.Row, Runs: lease.Runs})
+	if err != nil {
+		return transfer.Prefilled{}, err
+	}
+	l.kv, l.mamba = src.Bytes()
+	return transfer.Prefilled{FirstToken: lease.First, Source: src}, nil
+}
+
+func (l *prefillLease) Release() {
+	if l.lease != nil {
+		role := string(worker.RolePrefill)
+		l.p.m.TransferDuration.WithLabelValues(role).Observe(time.Since(l.pushStart).Seconds())
+		l.p.m.TransferBytes.WithLabelValues(role, "kv").Add(float64(l.kv))
+		l.p.m.TransferBytes.WithLabelValues(role, "mamba").Add(float64(l.mamba))
+		l.lease.Release()
+	} else {
+		l.pend.Abandon()
+	}
+	l.cancel()
+	l.p.n.transportInfo(l.p.m, l.from)
+	l.p.syncStats()
+}
