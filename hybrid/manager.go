@@ -49,6 +49,10 @@ type Stats struct {
 	Requests int
 }
 
+// admitProbeID stands for "some real request" in headroom questions: any id
+// other than the ADP dummy's.
+const admitProbeID = mambacache.ADPDummyID + 1
+
 // Manager composes the KV block pool and the Mamba row pool, as
 // TensorRT-LLM's MixedMambaHybridCacheManager. Pure: no IO, no goroutines.
 // Safe for concurrent use; its mutex is taken before the pools' mutexes.
@@ -84,13 +88,13 @@ func (m *Manager) KV() *kvcache.Pool { return m.kv }
 // Mamba returns the row pool.
 func (m *Manager) Mamba() *mambacache.Pool { return m.mamba }
 
-// headroom is the number of free KV blocks that every allocation except the
-// ADP dummy's must leave: one while attention DP is on and the ADP dummy
-// holds nothing, so that AddDummy(ADPDummyID) always succeeds. Once the
-// dummy holds its block the headroom is in use; freeing the dummy returns
-// at least one block, restoring it.
-func (m *Manager) headroom() int {
-	if !m.adp {
+// headroomFor is the number of free KV blocks that an allocation for id
+// must leave: one while attention DP is on and the ADP dummy holds nothing,
+// so that AddDummy(ADPDummyID) always succeeds; none for the ADP dummy
+// itself. Once the dummy holds its block the headroom is in use; freeing
+// the dummy returns at least one block, restoring it.
+func (m *Manager) headroomFor(id uint64) int {
+	if !m.adp || id == mambacache.ADPDummyID {
 		return 0
 	}
 	if held, _ := m.kv.Has(mambacache.ADPDummyID); held {
@@ -122,11 +126,10 @@ func (m *Manager) PrepareTo(id uint64, tokens int, dst []kvcache.Run) (Resources
 	if err != nil {
 		return Resources{}, fmt.Errorf("hybrid: prepare %d: %w", id, err)
 	}
-	held, _ := m.kv.Has(id)
-	if held {
-		err = m.kv.GrowWithHeadroom(id, tokens, m.headroom())
+	if held, _ := m.kv.Has(id); held {
+		err = m.kv.GrowWithHeadroom(id, tokens, m.headroomFor(id))
 	} else {
-		err = m.kv.AllocateWithHeadroom(id, tokens, m.headroom())
+		err = m.kv.AllocateWithHeadroom(id, tokens, m.headroomFor(id))
 	}
 	if err != nil {
 		if !hadRow {
@@ -154,11 +157,7 @@ func (m *Manager) mustFreeRow(id uint64) {
 func (m *Manager) Grow(id uint64, tokens int) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	h := m.headroom()
-	if id == mambacache.ADPDummyID && m.adp {
-		h = 0
-	}
-	if err := m.kv.GrowWithHeadroom(id, tokens, h); err != nil {
+	if err := m.kv.GrowWithHeadroom(id, tokens, m.headroomFor(id)); err != nil {
 		return fmt.Errorf("hybrid: grow %d: %w", id, err)
 	}
 	return nil
@@ -177,11 +176,7 @@ func (m *Manager) AddDummy(id uint64) error {
 	if _, err := m.mamba.AddDummy(id); err != nil {
 		return fmt.Errorf("hybrid: dummy %d: %w", id, err)
 	}
-	h := m.headroom()
-	if id == mambacache.ADPDummyID && m.adp {
-		h = 0
-	}
-	if err := m.kv.AllocateDummyWithHeadroom(id, h); err != nil {
+	if err := m.kv.AllocateDummyWithHeadroom(id, m.headroomFor(id)); err != nil {
 		if !hadRow {
 			m.mustFreeRow(id)
 		}
@@ -215,7 +210,7 @@ func (m *Manager) CanAdmit(tokens int) bool {
 		return false
 	}
 	return m.mamba.FreeRows() > 0 &&
-		m.kv.FreeBlocks()-m.headroom() >= m.kv.Config().BlocksFor(tokens)
+		m.kv.FreeBlocks()-m.headroomFor(admitProbeID) >= m.kv.Config().BlocksFor(tokens)
 }
 
 // Capacity returns what the scheduler may plan with: the real rows, and the
@@ -238,7 +233,7 @@ func (m *Manager) Stats() Stats {
 		RowsReserved:   m.mamba.ReservedRows(),
 		BlocksFree:     m.kv.FreeBlocks(),
 		BlocksUsed:     m.kv.UsedBlocks(),
-		BlocksHeadroom: m.headroom(),
+		BlocksHeadroom: m.headroomFor(admitProbeID),
 		Requests:       m.mamba.Requests(),
 	}
 }

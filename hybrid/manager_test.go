@@ -1,6 +1,7 @@
 package hybrid
 
 import (
+	"math"
 	"testing"
 
 	"github.com/handoff-io/handoff/kvcache"
@@ -128,13 +129,49 @@ func TestAddDummyRollback(t *testing.T) {
 	_, ok := m.Mamba().Row(7)
 	require.False(t, ok)
 	require.Equal(t, 1, m.Stats().RowsFree)
+}
 
-	// The original bug, through the manager: without ADP, dummy id 0 with
-	// every real row held fails.
-	m = newManager(t, testConfig(1, 8, false))
-	_, err = m.Prepare(100, 4)
+// TestOriginalBugWithoutADP is the failure TensorRT-LLM PR #14853 fixed,
+// through the manager and kept as it is without attention DP: a request in
+// transfer holds the only real row and the pad with dummy id 0 fails.
+func TestOriginalBugWithoutADP(t *testing.T) {
+	m := newManager(t, testConfig(1, 8, false))
+	_, err := m.Prepare(100, 4)
 	require.NoError(t, err)
 	require.ErrorIs(t, m.AddDummy(mambacache.ADPDummyID), mambacache.ErrNoFreeRows)
 	held, _ := m.KV().Has(mambacache.ADPDummyID)
 	require.False(t, held, "mamba first: the KV block was never taken")
+}
+
+func TestDummyIDs(t *testing.T) {
+	c := testConfig(2, 8, true)
+	c.Mamba.MaxDraftTokens = 1
+	m := newManager(t, c)
+	for _, id := range []uint64{mambacache.ADPDummyID, math.MaxUint64, math.MaxUint64 - 1} {
+		_, err := m.Prepare(id, 4)
+		require.ErrorIs(t, err, mambacache.ErrDummyID, "id %d", id)
+		require.NoError(t, m.AddDummy(id), "id %d", id)
+		require.NoError(t, m.AddDummy(id), "id %d: re-adding is idempotent", id)
+		r, ok := m.Mamba().Row(id)
+		require.True(t, ok)
+		require.True(t, m.Mamba().IsReserved(r))
+	}
+	s := m.Stats()
+	require.Equal(t, 2, s.RowsFree, "dummies on reserved rows take no real row")
+	require.Equal(t, 3, s.BlocksUsed, "each dummy holds one block")
+	require.Equal(t, 0, s.BlocksHeadroom, "the ADP dummy is placed")
+
+	// A warm-up dummy takes a real row; a real request cannot be a dummy.
+	require.NoError(t, m.AddDummy(math.MaxUint64-2))
+	require.Equal(t, 1, m.Stats().RowsFree)
+	_, err := m.Prepare(5, 4)
+	require.NoError(t, err)
+	require.ErrorIs(t, m.AddDummy(5), kvcache.ErrAlreadyExists)
+	_, ok := m.Mamba().Row(5)
+	require.True(t, ok, "a failed AddDummy keeps the request's row")
+
+	for _, id := range []uint64{mambacache.ADPDummyID, math.MaxUint64, math.MaxUint64 - 1, math.MaxUint64 - 2, 5} {
+		require.NoError(t, m.Free(id))
+	}
+	require.Equal(t, Stats{RowsFree: 2, RowsReserved: 2, BlocksFree: 8, BlocksHeadroom: 1}, m.Stats())
 }
