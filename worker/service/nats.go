@@ -21,7 +21,9 @@ func natsOptions(c config.NATS, name string, log *slog.Logger) ([]nats.Option, e
 		nats.ReconnectWait(250 * time.Millisecond),
 		nats.RetryOnFailedConnect(true),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
-			log.Warn("nats disconnected", "err", err)
+			if err != nil { // nil: our own Close
+				log.Warn("nats disconnected", "err", err)
+			}
 		}),
 		nats.ReconnectHandler(func(nc *nats.Conn) {
 			log.Info("nats reconnected", "url", nc.ConnectedUrlRedacted())

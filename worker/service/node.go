@@ -184,13 +184,19 @@ func (n *node) close() {
 	}
 }
 
-// transportInfo sets handoff_transport_info for the transport used with agent.
+// transportInfo sets handoff_transport_info for the transport used with
+// agent (known to the writing side), else for the configured transport when
+// it is not "auto".
 func (n *node) transportInfo(m *worker.Metrics, agent string) {
-	if n.data == nil || agent == "" {
+	if n.data == nil {
 		return
 	}
-	if t, ok := n.data.TransportFor(rdma.AgentID(agent)); ok {
+	if t, ok := n.data.TransportFor(rdma.AgentID(agent)); ok && agent != "" {
 		m.TransportInfo.WithLabelValues(string(t)).Set(1)
+		return
+	}
+	if n.cfg.Transport != "auto" {
+		m.TransportInfo.WithLabelValues(n.cfg.Transport).Set(1)
 	}
 }
 
