@@ -128,9 +128,10 @@ type Decoder struct {
 	peer Peer // our descriptor, encoded once
 	reg  *Registry
 
-	inbox string
-	sub   *nats.Subscription
-	seq   atomic.Uint64
+	inbox      string
+	sub        *nats.Subscription
+	prefillSub string // the shared prefill subject
+	seq        atomic.Uint64
 
 	mu     sync.Mutex
 	calls  map[string]*call // by reply token
@@ -162,7 +163,7 @@ func NewDecoder(ctx context.Context, cfg DecoderConfig, nc *nats.Conn, eng *rdma
 	d := &Decoder{
 		cfg: cfg, nc: nc, pub: nc, eng: eng, peer: PeerOf(eng.Descriptor()),
 		inbox: nats.NewInbox(), calls: map[string]*call{}, done: make(chan struct{}),
-		maxPayload: nc.MaxPayload(),
+		maxPayload: nc.MaxPayload(), prefillSub: Subject(cfg.Prefix, cfg.Namespace, SubjectPrefill, ""),
 	}
 	sub, err := nc.Subscribe(d.inbox+".*", d.onReply)
 	if err != nil {
@@ -283,16 +284,10 @@ type handoff struct {
 	kvB    uint64
 	mB     uint64
 	grant  *rdma.Grant
-	waitCh chan waitResult
-	cancel context.CancelFunc // stops the grant waiter
+	doneCh <-chan struct{} // the grant's Done while it is watched, else nil
 
 	cause error // the most specific error behind a failure
 	reply PrefillReply
-}
-
-type waitResult struct {
-	m   rdma.Manifest
-	err error
 }
 
 // Handoff runs one request's handoff and returns once it is delivered or
@@ -376,13 +371,14 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 		select {
 		case m := <-h.c.replies:
 			ev = h.replyEvent(m)
-		case w := <-h.waitCh:
-			h.waitCh = nil
-			if w.err == nil {
-				ev = Event{Kind: EvCommitted, Manifest: w.m}
+		case <-h.doneCh:
+			h.doneCh = nil
+			m, err := h.grant.Wait(context.Background()) // terminal: returns at once
+			if err == nil {
+				ev = Event{Kind: EvCommitted, Manifest: m}
 			} else {
-				h.setCause(w.err)
-				ev = Event{Kind: EvGrantFailed, Code: rdmaCode(w.err)}
+				h.setCause(err)
+				ev = Event{Kind: EvGrantFailed, Code: rdmaCode(err)}
 			}
 		case inst := <-h.c.died:
 			ev = Event{Kind: EvPeerDied, Instance: inst}
@@ -435,14 +431,7 @@ func (h *handoff) exec(a Action) (Event, bool) {
 		for i, e := range exts {
 			expected[i] = e.Length
 		}
-		wctx, cancel := context.WithCancel(context.Background())
-		h.cancel = cancel
-		h.waitCh = make(chan waitResult, 1)
-		ch := h.waitCh
-		h.d.wg.Go(func() {
-			m, err := g.Wait(wctx)
-			ch <- waitResult{m, err}
-		})
+		h.doneCh = g.Done()
 		return Event{Kind: EvGranted, Now: now(), Expected: expected}, true
 	case ActSendRequest:
 		target, err := h.send(a)
@@ -475,9 +464,6 @@ func (h *handoff) exec(a Action) (Event, bool) {
 		if h.grant != nil {
 			h.grant.Revoke()
 		}
-		if h.cancel != nil {
-			h.cancel()
-		}
 	case ActFree:
 		if err := h.req.Alloc.Free(h.req.ID); err != nil {
 			h.d.cfg.Logger.Error("free after failed handoff", "id", h.req.ID, "err", err)
@@ -491,7 +477,7 @@ func (h *handoff) exec(a Action) (Event, bool) {
 // one; otherwise to the queue group.
 func (h *handoff) send(a Action) (string, error) {
 	d := h.d
-	subj := Subject(d.cfg.Prefix, d.cfg.Namespace, SubjectPrefill, "")
+	subj := d.prefillSub
 	target := a.Instance
 	if target == "" && (a.Attempt > 1 || d.cfg.DirectFirst) && d.reg != nil {
 		best := -1

@@ -711,3 +711,49 @@ func TestConfigValidation(t *testing.T) {
 	require.NoError(t, d.Close())
 	require.NoError(t, d.Close())
 }
+
+// BenchmarkHandoff measures one minimal handoff end to end (1-byte cache,
+// embedded NATS, inproc data path).
+func BenchmarkHandoff(b *testing.B) {
+	srv := transfertest.RunServer(b)
+	quiet := slog.New(slog.DiscardHandler)
+	newEng := func(agent string) (*rdma.Engine, *rdma.Region) {
+		e, err := rdma.New(rdma.Config{Agent: rdma.AgentID(agent), Transports: []rdma.Transport{rdma.TransportInproc}, Logger: quiet})
+		require.NoError(b, err)
+		b.Cleanup(func() { _ = e.Close() })
+		r, err := e.Register("state", 4096)
+		require.NoError(b, err)
+		return e, r
+	}
+	de, dr := newEng("bd")
+	pe, pr := newEng("bp")
+	p, err := NewPrefiller(PrefillerConfig{Instance: "p", Namespace: "b", Fingerprint: "f", NoRegistry: true},
+		transfertest.Connect(b, srv), pe, fixedExec{Destination{Mamba: rdma.Extent{Region: pr.ID(), Length: 1}}})
+	require.NoError(b, err)
+	require.NoError(b, p.Start(context.Background()))
+	b.Cleanup(func() { _ = p.Shutdown(context.Background()) })
+	d, err := NewDecoder(context.Background(), DecoderConfig{Instance: "d", Namespace: "b", Fingerprint: "f", NoRegistry: true},
+		transfertest.Connect(b, srv), de)
+	require.NoError(b, err)
+	b.Cleanup(func() { _ = d.Close() })
+	alloc := Prepared(Destination{Mamba: rdma.Extent{Region: dr.ID(), Length: 1}})
+	b.ReportAllocs()
+	id := uint64(0)
+	for b.Loop() {
+		id++
+		if _, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(8), Alloc: alloc}); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+type fixedExec struct{ src Destination }
+
+func (x fixedExec) Admit(Job) (Lease, error) { return fixedLease(x), nil }
+
+type fixedLease struct{ src Destination }
+
+func (l fixedLease) Prefill(context.Context) (Prefilled, error) {
+	return Prefilled{FirstToken: 1, Source: l.src}, nil
+}
+func (fixedLease) Release() {}

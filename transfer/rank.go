@@ -119,3 +119,14 @@ func (r *Rank) resolve(res hybrid.Resources) (Destination, error) {
 	d.Mamba = rdma.Extent{Region: r.mamba.ID(), Offset: uint64(x.Offset), Length: uint64(x.Length)}
 	return d, nil
 }
+
+// Prepared returns an Allocator for a destination the caller already holds
+// (for a worker whose scheduler allocates before it hands off): Prepare
+// returns d for any id, Free does nothing. The caller frees d itself after
+// Handoff returned, whatever the outcome.
+func Prepared(d Destination) Allocator { return prepared{d} }
+
+type prepared struct{ d Destination }
+
+func (p prepared) Prepare(uint64, int) (Destination, error) { return p.d, nil }
+func (prepared) Free(uint64) error                          { return nil }

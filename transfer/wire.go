@@ -353,7 +353,7 @@ const (
 // ErrPayloadTooLarge when the result exceeds maxPayload (<= 0: DefaultMaxPayload).
 func EncodePrefillRequest(m PrefillRequest, maxPayload int64) ([]byte, error) {
 	m.V = WireVersion
-	return encode(&m, maxPayload)
+	return encode(&m, maxPayload, 512+4*len(m.Tokens)+extentSize*len(m.Ticket.Extents))
 }
 
 // DecodePrefillRequest decodes and checks a PrefillRequest.
@@ -382,7 +382,7 @@ func DecodePrefillRequest(b []byte) (PrefillRequest, error) {
 // EncodePrefillReply encodes m (stamping the version).
 func EncodePrefillReply(m PrefillReply, maxPayload int64) ([]byte, error) {
 	m.V = WireVersion
-	return encode(&m, maxPayload)
+	return encode(&m, maxPayload, 192+len(m.Msg)+12*len(m.Manifest.Bytes))
 }
 
 // DecodePrefillReply decodes and checks a PrefillReply.
@@ -403,7 +403,7 @@ func DecodePrefillReply(b []byte) (PrefillReply, error) {
 // EncodeCancel encodes m (stamping the version).
 func EncodeCancel(m Cancel) ([]byte, error) {
 	m.V = WireVersion
-	return encode(&m, 0)
+	return encode(&m, 0, 64)
 }
 
 // DecodeCancel decodes and checks a Cancel.
@@ -421,7 +421,7 @@ func DecodeCancel(b []byte) (Cancel, error) {
 // EncodeInstance encodes m (stamping the version).
 func EncodeInstance(m Instance) ([]byte, error) {
 	m.V = WireVersion
-	return encode(&m, 0)
+	return encode(&m, 0, 512)
 }
 
 // DecodeInstance decodes and checks an Instance.
@@ -439,14 +439,21 @@ func DecodeInstance(b []byte) (Instance, error) {
 	return m, nil
 }
 
-func encode(v any, maxPayload int64) ([]byte, error) {
+// encode marshals v into a buffer of sizeHint bytes (grown if needed); the
+// result is owned by the caller (it is handed to NATS, which keeps it).
+func encode(v any, maxPayload int64, sizeHint int) ([]byte, error) {
 	if maxPayload <= 0 {
 		maxPayload = DefaultMaxPayload
 	}
-	b, err := msgpack.Marshal(v)
+	buf := bytes.NewBuffer(make([]byte, 0, sizeHint))
+	enc := msgpack.GetEncoder()
+	enc.Reset(buf)
+	err := enc.Encode(v)
+	msgpack.PutEncoder(enc)
 	if err != nil {
 		return nil, fmt.Errorf("transfer: encode: %w", err)
 	}
+	b := buf.Bytes()
 	if int64(len(b)) > maxPayload {
 		return nil, fmt.Errorf("%w: %d bytes, max %d", ErrPayloadTooLarge, len(b), maxPayload)
 	}
@@ -454,7 +461,9 @@ func encode(v any, maxPayload int64) ([]byte, error) {
 }
 
 func decode(b []byte, v any, version *uint8) error {
-	dec := msgpack.NewDecoder(bytes.NewReader(b))
+	dec := msgpack.GetDecoder()
+	defer msgpack.PutDecoder(dec)
+	dec.Reset(bytes.NewReader(b))
 	if err := dec.Decode(v); err != nil {
 		return fmt.Errorf("%w: %w", ErrBadMessage, err)
 	}
