@@ -89,14 +89,24 @@ var codeSentinels = [numCodes]error{
 	codeTooManyGrants:    ErrTooManyGrants,
 }
 
+// codePriority orders the codes codeOf tries: an error can wrap several
+// sentinels (a late frame is both stale and revoked), and the reply names
+// the most telling one, the reason the grant ended.
+var codePriority = [...]uint32{
+	codeRevoked, codeClosed, codeDeadline, codeCommitted, codeManifestMismatch,
+	codePeerClosed, codeMalformed, codeBadToken, codeUnknownGrant, codeForbidden,
+	codeOutOfRange, codeStaleEpoch, codeWrongPeer, codeUnsupported, codeBadRequestID,
+	codeTooManyGrants,
+}
+
 // codeOf maps an error to the status code sent in a reply frame.
 func codeOf(err error) uint32 {
 	if err == nil {
 		return codeOK
 	}
-	for c, s := range codeSentinels {
-		if s != nil && errors.Is(err, s) {
-			return uint32(c)
+	for _, c := range codePriority {
+		if errors.Is(err, codeSentinels[c]) {
+			return c
 		}
 	}
 	return codeInternal

@@ -1,0 +1,116 @@
+//go:build linux
+
+package rdma
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// shmSlot returns the writer's link and the slot of g as the writer maps it.
+func shmSlot(t *testing.T, p *pair, g *Grant) (*shmLink, slotView) {
+	t.Helper()
+	p.tx.peerMu.Lock()
+	l := p.tx.peers[p.rx.Agent()].link.(*shmLink)
+	p.tx.peerMu.Unlock()
+	return l, slotAt(l.table, int(g.ID()%uint64(l.n)))
+}
+
+func TestSHMRevokeWaitsForCopyBracket(t *testing.T) {
+	p := newPair(t, TransportSHM)
+	g, err := p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: dstExtents()})
+	require.NoError(t, err)
+	tk := g.Ticket()
+	l, sl := shmSlot(t, p, g)
+	open := slotWord(slotOpen, 0, tk.Epoch)
+	writing := slotWord(slotWriting, l.wid, tk.Epoch)
+	require.True(t, sl.state().CompareAndSwap(open, writing), "writer enters a copy bracket")
+
+	revoked := make(chan struct{})
+	go func() { g.Revoke(); close(revoked) }()
+	select {
+	case <-revoked:
+		t.Fatal("Revoke returned while a copy was in progress")
+	case <-time.After(50 * time.Millisecond):
+	}
+	sl.state().Store(open) // the copy ends
+	select {
+	case <-revoked:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Revoke did not return after the copy ended")
+	}
+	require.False(t, sl.state().CompareAndSwap(open, writing), "no bracket can start after Revoke")
+	require.Equal(t, uint64(slotClosed), wordState(sl.state().Load()))
+	_, err = g.Wait(context.Background())
+	require.ErrorIs(t, err, ErrRevoked)
+	_, err = p.tx.Write(context.Background(), p.desc, tk, srcExtents(tk.Bytes))
+	require.ErrorIs(t, err, ErrRevoked)
+	p.requireUntouched(t)
+}
+
+func TestSHMWriterDiesMidCopy(t *testing.T) {
+	p := newPair(t, TransportSHM)
+	g, err := p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: dstExtents()})
+	require.NoError(t, err)
+	tk := g.Ticket()
+	l, sl := shmSlot(t, p, g)
+	writing := slotWord(slotWriting, l.wid, tk.Epoch)
+	require.True(t, sl.state().CompareAndSwap(slotWord(slotOpen, 0, tk.Epoch), writing))
+	copy(p.dst.Bytes()[100:200], p.src.Bytes()[:100]) // a partial copy inside the grant
+	sl.writer().Store(l.wid)
+	// The writer process dies: the kernel closes its control socket.
+	l.mu.Lock()
+	l.conn.Close()
+	l.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, err = g.Wait(ctx)
+	require.ErrorIs(t, err, ErrPeerClosed)
+	require.Equal(t, uint64(slotClosed), wordState(sl.state().Load()))
+	p.requireCanary(t, tk.Extents)
+}
+
+func TestSHMWriterLeavesAfterCopyBeforeCommit(t *testing.T) {
+	p := newPair(t, TransportSHM)
+	g, err := p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: dstExtents()})
+	require.NoError(t, err)
+	tk := g.Ticket()
+	l, sl := shmSlot(t, p, g)
+	sl.writer().Store(l.wid) // copied, released the bracket, never committed
+	require.NoError(t, p.tx.Close())
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, err = g.Wait(ctx)
+	require.ErrorIs(t, err, ErrPeerClosed)
+	_ = tk
+}
+
+func TestSHMRegionRegisteredAfterConnect(t *testing.T) {
+	p := newPair(t, TransportSHM)
+	late, err := p.rx.Register("late", 8192)
+	require.NoError(t, err)
+	fill(late.Bytes(), canary)
+	g, err := p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: []Extent{{Region: late.ID(), Offset: 100, Length: 4000}}})
+	require.NoError(t, err)
+	_, err = p.tx.Write(context.Background(), p.rx.Descriptor(), g.Ticket(), []Extent{{Region: 1, Offset: 0, Length: 4000}})
+	require.NoError(t, err)
+	_, err = g.Wait(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, p.src.Bytes()[:4000], late.Bytes()[100:4100])
+	require.Equal(t, byte(canary), late.Bytes()[99])
+	require.Equal(t, byte(canary), late.Bytes()[4100])
+}
+
+func TestSlotWord(t *testing.T) {
+	for _, tc := range []struct{ state, writer, epoch uint64 }{
+		{slotOpen, 0, 1}, {slotWriting, 65535, slotEpochMask}, {slotClosed, 17, 123456789},
+	} {
+		w := slotWord(tc.state, tc.writer, tc.epoch)
+		require.Equal(t, tc.state, wordState(w))
+		require.Equal(t, tc.writer, wordWriter(w))
+		require.Equal(t, tc.epoch, wordEpoch(w))
+	}
+}
