@@ -108,7 +108,7 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 	}
 
 	<-ctx.Done()
-	log.Info("draining", "live", eng.Live(), "timeout", cfg.DrainTimeout)
+	log.Info("draining", "live", eng.Live(), "timeout", cfg.DrainTimeout.String())
 	adm.SetDraining()
 	dctx, cancel := context.WithTimeout(context.Background(), cfg.DrainTimeout)
 	if err := eng.Drain(dctx); err != nil {

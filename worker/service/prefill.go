@@ -90,7 +90,7 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 	}
 
 	<-ctx.Done()
-	log.Info("draining", "live", eng.Live(), "timeout", cfg.DrainTimeout)
+	log.Info("draining", "live", eng.Live(), "timeout", cfg.DrainTimeout.String())
 	adm.SetDraining()
 	registered.Store(false)
 	dctx, cancel := context.WithTimeout(context.Background(), cfg.DrainTimeout)

@@ -21,7 +21,7 @@ import (
 )
 
 // testConfig is a worker config on loopback with random ports.
-func testConfig(t *testing.T, role worker.Role, args ...string) config.Config {
+func testConfig(t testing.TB, role worker.Role, args ...string) config.Config {
 	t.Helper()
 	base := []string{"--admin-addr", "127.0.0.1:0", "--data-addr", "127.0.0.1:0", "--log-level", "warn",
 		"--instance-id", fmt.Sprintf("%s-%d", role, time.Now().UnixNano())}
@@ -35,7 +35,7 @@ func testConfig(t *testing.T, role worker.Role, args ...string) config.Config {
 
 // startWorker runs run in the background and returns its endpoints once it
 // serves; the worker is stopped (and must stop cleanly) when the test ends.
-func startWorker(t *testing.T, cfg config.Config) (Endpoints, func() error) {
+func startWorker(t testing.TB, cfg config.Config) (Endpoints, func() error) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	ready := make(chan Endpoints, 1)
@@ -126,7 +126,7 @@ func complete(t *testing.T, addr, prompt string, maxTokens int, temp float64, se
 	return out
 }
 
-func metricValue(t *testing.T, adminAddr, series string) float64 {
+func metricValue(t testing.TB, adminAddr, series string) float64 {
 	t.Helper()
 	resp, err := http.Get("http://" + adminAddr + "/metrics")
 	require.NoError(t, err)
