@@ -1,0 +1,115 @@
+// Package rdma is handoff's data path: registered memory regions, grants
+// fenced by epochs, and one-sided writes from a writer's regions into a
+// receiver's regions, over three transports behind one small interface.
+//
+// # Model
+//
+// An Engine is one agent (one per process in production). It registers
+// regions (arenas such as the KV block pool and the Mamba state pool) once at
+// start-up and describes itself to peers with a Descriptor: plain,
+// JSON-serialisable data that the control plane carries.
+//
+// The receiver (decode) opens a Grant per request over destination extents
+// (runs of bytes in its regions, never per-block lists). A grant has an id, a
+// request id (never 0: the padding dummy is never transferred), an epoch, a
+// random 16-byte token, the expected bytes and a deadline. Its Ticket goes to
+// the writer (prefill), which calls Engine.Write: the concatenation of its
+// source extents lands in the concatenation of the ticket's extents, and a
+// commit carrying a Manifest (bytes and crc32c per destination extent)
+// follows. The receiver completes the grant only if the manifest matches
+// what landed, byte counts and crc32c computed on its own side. Write returns
+// after the receiver accepted or refused the commit: one round trip per
+// request, never per byte.
+//
+// # Fencing
+//
+// Revoke (explicit, or the deadline timer, or Engine.Close) moves the grant
+// to a new epoch and fails it. Every later frame is refused, and Revoke
+// returns only when no byte can land any more:
+//
+//   - tcp and inproc: each data frame is admitted under the grant's lock
+//     (token, epoch, state, deadline, extent bounds) and counted in flight
+//     until its bytes are in place; Revoke aborts reads in progress (it
+//     sets the connection's read deadline) and waits for the count to reach
+//     zero.
+//   - shm: the grant's slot in a shared table holds a state word
+//     epoch<<18 | writer<<2 | state. A writer copies only inside a bracket
+//     won by CAS open(e) -> writing(e, w) and ended by a store back to
+//     open(e); a bracket copies at most 1 MiB. Revoke CASes open -> closed,
+//     waiting while it finds a bracket in progress, unless writer w's
+//     control connection has closed (its process is gone).
+//
+// A frame never lands outside its grant: every data frame's extent index,
+// offset and length are checked against the receiver's own copy of the
+// grant, and a shm writer checks its ticket against a digest of the grant's
+// extents before its first copy.
+//
+// # Transports
+//
+// Engine.Connect picks, in order, inproc (the peer engine lives in this
+// process: memcpy), shm (same Host: the writer maps the receiver's region
+// memfds and copies straight into them; commit over a unix socket) and tcp
+// (persistent pooled connections, vectored writes straight from the source
+// regions, payloads read straight into the destination extents), restricted
+// to what both engines serve. The choice is logged with slog and reported by
+// Engine.TransportFor; a transport that fails to connect is logged as a
+// warning with the reason before the next is tried. GPU transports (CUDA
+// IPC, GPUDirect RDMA) fit as further links in build-tagged files.
+//
+// # Wire format
+//
+// Frames (tcp, and the shm control socket) share a 64-byte little-endian
+// header: magic "HOF1", type, flags and reserved bytes (zero), an index (data:
+// extent index; commit: extent count; reply/abort: status code; hello:
+// version), grant id, epoch, token, offset and payload length. Types:
+//
+//	hello   writer -> receiver "from\nto", answered by hello (shm: with the
+//	        memfds of the slot table and the regions, by SCM_RIGHTS)
+//	data    writer -> receiver: payload lands at offset of extent index
+//	commit  writer -> receiver: count x (bytes u64, crc32c u32)
+//	abort   writer -> receiver: give the grant up with a status code
+//	reply   receiver -> writer: status code and message for a commit/abort
+//
+// A refused data frame's payload is skipped and the refusal is reported in
+// the commit's reply; a malformed frame is answered with a reply and the
+// connection is closed. Small frames arrive through a 64 KiB read buffer
+// (many per read(2)); payloads longer than the buffer are read straight into
+// the destination.
+//
+// # Caller's duties
+//
+// Receiver (decode):
+//
+//  1. New, then Register each arena once; Forbid the reserved rows (ADP
+//     dummy, padding) so no grant can ever name them.
+//  2. Publish Descriptor to peers through the control plane.
+//  3. Per request: OpenGrant over the destination runs with a deadline and
+//     send Ticket to the writer.
+//  4. Wait (or select on Done). Only a nil error means the bytes are all
+//     there and verified; then the request may be scheduled.
+//  5. On cancel, timeout or a failure reported by the writer: Revoke. When
+//     Revoke returns (or Done is closed) the destination may be freed and
+//     reused. Never reuse a destination of a grant that is not Done.
+//  6. Close at shutdown: open grants are revoked, regions unmapped; Region.Bytes
+//     must not be used afterwards.
+//
+// Writer (prefill):
+//
+//  1. New, Register the source arenas, and Connect to each peer at
+//     discovery, so the first request pays no handshake.
+//  2. Per request: Write(ctx, peer, ticket, sources). Keep the source bytes
+//     unchanged until Write returns. A *RemoteError carries the receiver's
+//     refusal; test it with errors.Is (ErrRevoked, ErrDeadline,
+//     ErrStaleEpoch, ErrManifestMismatch, ...).
+//  3. Report the outcome on the control plane; the receiver decides from its
+//     own Grant.Wait, never from the writer's word alone.
+//
+// # Concurrency and locks
+//
+// Engine, Grant and Region methods are safe for concurrent use. Lock order:
+// inprocMu -> Engine.mu -> Region.mu; Grant.mu is never held while taking Engine.mu
+// (finish releases it first); shmLink.mu -> shmLink.copying. No lock is held
+// across network IO except shmLink.mu around one commit exchange. Every
+// goroutine (accept loops, one per connection) is owned by a server and
+// stopped by Engine.Close.
+package rdma
