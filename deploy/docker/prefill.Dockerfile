@@ -1,0 +1,20 @@
+# handoff-prefill: the prefill worker as a static binary on an empty base.
+# Built by scripts/images from a context it prepares (the binary plus an empty
+# tmp/ directory); nothing is pulled from a registry.
+FROM scratch
+ARG VERSION=dev
+ARG REVISION=unknown
+LABEL org.opencontainers.image.title="handoff-prefill" \
+      org.opencontainers.image.description="handoff prefill worker: runs prompts and pushes KV blocks and Mamba state rows to decode workers" \
+      org.opencontainers.image.source="https://github.com/handoff-io/handoff" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}"
+COPY --chown=65532:65532 tmp /tmp
+COPY prefill /prefill
+USER 65532:65532
+ENV TMPDIR=/tmp
+# data plane (TCP listener of the rdma engine), admin (/livez /readyz /metrics)
+EXPOSE 7400 9090
+STOPSIGNAL SIGTERM
+HEALTHCHECK --interval=5s --timeout=3s --start-period=30s --retries=3 CMD ["/prefill", "healthcheck"]
+ENTRYPOINT ["/prefill"]
