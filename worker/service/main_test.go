@@ -1,0 +1,9 @@
+package service
+
+import (
+	"testing"
+
+	"github.com/handoff-io/handoff/worker/internal/leakcheck"
+)
+
+func TestMain(m *testing.M) { leakcheck.Main(m) }
