@@ -57,7 +57,8 @@ type extState struct {
 	landed uint64 // bytes landed, counting rewrites
 	next   uint64 // offset the in-order crc has reached
 	crc    uint32
-	seq    bool
+	seq    bool // every landing so far continued the extent in order
+	busy   bool // an in-order landing is in flight
 }
 
 // lander is a connection landing bytes into a grant; abortLanding makes its
@@ -173,22 +174,41 @@ func (g *Grant) deadlineErr() error {
 	return fmt.Errorf("%w: grant %d (request %d) at %s", ErrDeadline, g.id, g.ticket.RequestID, g.ticket.Deadline.Format(time.RFC3339Nano))
 }
 
+// landing is one admitted data frame: the destination bytes and, when the
+// frame continues its extent in order, the running crc32c the lander
+// extends as it fills dst (while the bytes are still in cache).
+type landing struct {
+	idx   uint32
+	off   uint64
+	dst   []byte
+	crc   uint32
+	track bool
+}
+
+// fill records that dst[:n] was filled, extending the crc when tracked.
+func (l *landing) fill(b []byte) {
+	if l.track {
+		l.crc = crc32Update(l.crc, b)
+	}
+}
+
 // beginLand admits one data frame: it checks token, epoch, state, deadline
 // and that [off, off+n) lies inside extent idx, then registers the landing as
-// in flight and returns the destination bytes. The caller fills them and
-// calls endLand. l (may be nil) is aborted when the grant is fenced.
-// A frame with the right token but out of range fails the grant.
-func (g *Grant) beginLand(epoch uint64, token *[16]byte, idx uint32, off, n uint64, l lander) ([]byte, error) {
+// in flight and returns it. The caller fills dst (calling fill on each
+// filled chunk, in order) and calls endLand. ab (may be nil) is aborted when
+// the grant is fenced. A frame with the right token but out of range fails
+// the grant.
+func (g *Grant) beginLand(epoch uint64, token *[16]byte, idx uint32, off, n uint64, ab lander) (landing, error) {
 	g.mu.Lock()
 	if err := g.checkLocked(epoch, token); err != nil {
 		g.mu.Unlock()
-		return nil, err
+		return landing{}, err
 	}
 	if g.expired(time.Now()) {
 		g.mu.Unlock()
 		err := g.deadlineErr()
 		g.terminate(err)
-		return nil, err
+		return landing{}, err
 	}
 	if int(idx) >= len(g.dst) || off > uint64(len(g.dst[idx])) || n > uint64(len(g.dst[idx]))-off || n == 0 {
 		g.mu.Unlock()
@@ -199,35 +219,44 @@ func (g *Grant) beginLand(epoch uint64, token *[16]byte, idx uint32, off, n uint
 			err = fmt.Errorf("%w: [%d, +%d) outside extent %d of %d bytes (grant %d)", ErrOutOfRange, off, n, idx, len(g.dst[idx]), g.id)
 		}
 		g.terminate(err)
-		return nil, err
+		return landing{}, err
+	}
+	l := landing{idx: idx, off: off, dst: g.dst[idx][off : off+n : off+n]}
+	st := &g.ext[idx]
+	if st.seq && !st.busy && off == st.next {
+		l.track, l.crc = true, st.crc
+		st.busy = true
+	} else {
+		st.seq = false
 	}
 	g.inflight++
-	if l != nil {
-		g.landers = append(g.landers, l)
+	if ab != nil {
+		g.landers = append(g.landers, ab)
 	}
 	g.mu.Unlock()
-	return g.dst[idx][off : off+n : off+n], nil
+	return l, nil
 }
 
 // endLand ends a landing started by beginLand; ok reports whether all of dst
 // was filled.
-func (g *Grant) endLand(idx uint32, off uint64, dst []byte, ok bool, l lander) {
+func (g *Grant) endLand(l *landing, ok bool, ab lander) {
 	g.mu.Lock()
-	st := &g.ext[idx]
+	st := &g.ext[l.idx]
 	if ok {
-		st.landed += uint64(len(dst))
-		if st.seq && off == st.next {
-			st.crc = crc32.Update(st.crc, castagnoli, dst)
-			st.next += uint64(len(dst))
+		st.landed += uint64(len(l.dst))
+	}
+	if l.track {
+		st.busy = false
+		if ok {
+			st.crc = l.crc
+			st.next += uint64(len(l.dst))
 		} else {
 			st.seq = false
 		}
-	} else {
-		st.seq = false
 	}
-	if l != nil {
+	if ab != nil {
 		for i, x := range g.landers {
-			if x == l {
+			if x == ab {
 				last := len(g.landers) - 1
 				g.landers[i] = g.landers[last]
 				g.landers[last] = nil

@@ -19,9 +19,13 @@ const (
 	// through the buffer, many per read(2), so small extents do not cost two
 	// syscalls each. 64 KiB keeps 1 MiB extents ~94% zero-copy.
 	rxBufSize = 64 << 10
-	// txBatchBytes bounds the payload of one writev batch, so the writer's
-	// crc of the next batch overlaps the receiver draining the previous one.
-	txBatchBytes = 4 << 20
+	// txBatchBytes bounds the payload of one writev batch. The writer crcs
+	// a batch right before sending it, so the kernel's copy finds the source
+	// in cache, and the receiver drains one batch while the next is summed.
+	txBatchBytes = landChunk
+	// landChunk is the unit in which landings are filled and summed: data
+	// is checksummed right after it was copied, while it is in L2.
+	landChunk = 128 << 10
 	// txBatchVecs bounds the iovecs of one batch (Linux IOV_MAX is 1024;
 	// Go splits longer vectors itself).
 	txBatchVecs = 1024
@@ -267,9 +271,9 @@ func (c *rxConn) grant(id uint64) (*Grant, error) {
 // returned error ends the connection.
 func (c *rxConn) data(h *header) error {
 	g, err := c.grant(h.grant)
-	var dst []byte
+	var ld landing
 	if err == nil {
-		dst, err = g.beginLand(h.epoch, &h.token, h.index, h.offset, h.length, c)
+		ld, err = g.beginLand(h.epoch, &h.token, h.index, h.offset, h.length, c)
 	}
 	if err != nil {
 		c.refuse(h.grant, err)
@@ -278,8 +282,15 @@ func (c *rxConn) data(h *header) error {
 		}
 		return nil
 	}
-	_, rerr := io.ReadFull(c.br, dst)
-	g.endLand(h.index, h.offset, dst, rerr == nil, c)
+	var rerr error
+	for off := 0; off < len(ld.dst) && rerr == nil; {
+		end := min(off+landChunk, len(ld.dst))
+		var n int
+		n, rerr = io.ReadFull(c.br, ld.dst[off:end])
+		ld.fill(ld.dst[off : off+n])
+		off += n
+	}
+	g.endLand(&ld, rerr == nil, c)
 	if len(c.touched) == 0 || c.touched[len(c.touched)-1] != g {
 		c.touched = append(c.touched, g)
 	}
@@ -414,6 +425,7 @@ type txConn struct {
 	c    *net.TCPConn
 	hdrs []byte   // frame headers of the current request
 	iov  [][]byte // vectors of the current batch
+	bufs net.Buffers
 	rbuf [headerSize + maxMsgLen]byte
 }
 
@@ -622,14 +634,21 @@ func (tc *txConn) send(op *writeOp) error {
 		b := hdrs[i*headerSize : (i+1)*headerSize]
 		h.index, h.offset, h.length = p.ext, p.off, uint64(len(p.src))
 		h.put(b)
-		op.sum(p)
-		iov = append(iov, b, p.src)
-		batch += uint64(len(p.src))
-		if batch >= txBatchBytes || len(iov) >= txBatchVecs {
-			if err := tc.flush(iov); err != nil {
-				return err
+		iov = append(iov, b)
+		// A long payload goes out as several vectors of one frame, so each
+		// batch is summed right before the kernel copies it.
+		for src := p.src; len(src) > 0; {
+			n := min(len(src), landChunk)
+			op.manifest.CRC[p.ext] = crc32Update(op.manifest.CRC[p.ext], src[:n])
+			iov = append(iov, src[:n])
+			src = src[n:]
+			batch += uint64(n)
+			if batch >= txBatchBytes || len(iov) >= txBatchVecs {
+				if err := tc.flush(iov); err != nil {
+					return err
+				}
+				iov, batch = tc.iov[:0], 0
 			}
-			iov, batch = tc.iov[:0], 0
 		}
 	}
 	cb := hdrs[n*headerSize:]
@@ -641,8 +660,9 @@ func (tc *txConn) send(op *writeOp) error {
 }
 
 func (tc *txConn) flush(iov [][]byte) error {
-	tc.iov = iov[:0] // keep the backing array; WriteTo consumes its own copy
-	bufs := net.Buffers(iov)
-	_, err := bufs.WriteTo(tc.c)
+	tc.iov = iov[:0] // keep the backing array; WriteTo consumes tc.bufs
+	tc.bufs = iov
+	_, err := tc.bufs.WriteTo(tc.c)
+	tc.bufs = nil
 	return err
 }
