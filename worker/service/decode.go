@@ -9,6 +9,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/handoff-io/handoff/hybrid"
 	"github.com/handoff-io/handoff/transfer"
 	"github.com/handoff-io/handoff/worker"
 	"github.com/handoff-io/handoff/worker/api"
@@ -136,11 +137,17 @@ type transferSource struct {
 var _ worker.CacheSource = (*transferSource)(nil)
 
 func (s *transferSource) Fetch(ctx context.Context, f worker.FetchRequest) (worker.FetchResult, error) {
+	// The engine prepared the resources at admission and frees them once
+	// Fetch returned: the protocol gets them as a prepared destination.
+	dest, err := s.n.tranks[f.Rank].Resolve(hybrid.Resources{Row: f.Row, Runs: f.Runs})
+	if err != nil {
+		return worker.FetchResult{}, err
+	}
 	res, err := s.dec.Handoff(ctx, transfer.Request{
 		ID: f.ID, Tokens: f.Prompt,
 		Sampling: transfer.Sampling{Temperature: f.Temperature, Seed: f.Seed},
 		Deadline: time.Now().Add(s.timeout),
-		Alloc:    preparedAlloc{s.n.tranks[f.Rank]},
+		Alloc:    transfer.Prepared(dest),
 	})
 	if err != nil {
 		return worker.FetchResult{}, classify(ctx, err)
@@ -166,17 +173,3 @@ func classify(ctx context.Context, err error) error {
 	}
 	return err
 }
-
-// preparedAlloc hands the transfer protocol the resources the engine already
-// prepared for the request at admission (hybrid.Manager.Prepare is
-// idempotent per id), and leaves freeing them to the engine, which does so
-// once Fetch returned.
-type preparedAlloc struct{ r *transfer.Rank }
-
-var _ transfer.Allocator = preparedAlloc{}
-
-func (a preparedAlloc) Prepare(id uint64, tokens int) (transfer.Destination, error) {
-	return a.r.Prepare(id, tokens)
-}
-
-func (preparedAlloc) Free(uint64) error { return nil }
