@@ -53,17 +53,23 @@ func BenchmarkMemcpy(b *testing.B) {
 	}
 }
 
-func BenchmarkWrite(b *testing.B) {
+func BenchmarkWrite(b *testing.B) { benchWrite(b, false) }
+
+// BenchmarkWriteNoCRC is BenchmarkWrite with SkipCRC on both sides: what the
+// end-to-end crc32c costs.
+func BenchmarkWriteNoCRC(b *testing.B) { benchWrite(b, true) }
+
+func benchWrite(b *testing.B, skipCRC bool) {
 	for _, tr := range testTransports() {
 		for _, size := range benchSizes {
 			b.Run(string(tr)+"/"+sizeName(size), func(b *testing.B) {
 				exts, n := benchLayout(size)
-				rx, err := New(Config{Agent: "bench-rx", Transports: []Transport{tr}, Logger: quietLogger()})
+				rx, err := New(Config{Agent: "bench-rx", Transports: []Transport{tr}, Logger: quietLogger(), SkipCRC: skipCRC})
 				if err != nil {
 					b.Fatal(err)
 				}
 				defer rx.Close()
-				tx, err := New(Config{Agent: "bench-tx", Transports: []Transport{tr}, Logger: quietLogger()})
+				tx, err := New(Config{Agent: "bench-tx", Transports: []Transport{tr}, Logger: quietLogger(), SkipCRC: skipCRC})
 				if err != nil {
 					b.Fatal(err)
 				}

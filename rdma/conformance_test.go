@@ -40,13 +40,16 @@ type pair struct {
 
 const pairRegion = 1 << 20
 
-func newPair(t *testing.T, tr Transport) *pair {
+func newPair(t *testing.T, tr Transport) *pair { return newPairCRC(t, tr, false, false) }
+
+// newPairCRC sets SkipCRC on the receiver and the writer.
+func newPairCRC(t *testing.T, tr Transport, rxSkip, txSkip bool) *pair {
 	t.Helper()
 	p := &pair{t: tr, goroutines: runtime.NumGoroutine()}
 	var err error
-	p.rx, err = New(Config{Agent: AgentID("rx-" + t.Name()), Transports: []Transport{tr}, Logger: quietLogger()})
+	p.rx, err = New(Config{Agent: AgentID("rx-" + t.Name()), Transports: []Transport{tr}, Logger: quietLogger(), SkipCRC: rxSkip})
 	require.NoError(t, err)
-	p.tx, err = New(Config{Agent: AgentID("tx-" + t.Name()), Transports: []Transport{tr}, Logger: quietLogger()})
+	p.tx, err = New(Config{Agent: AgentID("tx-" + t.Name()), Transports: []Transport{tr}, Logger: quietLogger(), SkipCRC: txSkip})
 	require.NoError(t, err)
 	p.dst, err = p.rx.Register("dst", pairRegion)
 	require.NoError(t, err)
@@ -451,4 +454,42 @@ func TestConformanceRevokeRacesWrite(t *testing.T) {
 		}
 		t.Logf("%s: %d committed, %d revoked", p.t, committed, revoked)
 	})
+}
+
+func TestConformanceSkipCRC(t *testing.T) {
+	for _, tr := range testTransports() {
+		t.Run(string(tr), func(t *testing.T) {
+			ctx := context.Background()
+			for _, tc := range []struct {
+				name           string
+				rxSkip, txSkip bool
+				want           error
+			}{
+				{"both skip", true, true, nil},
+				{"receiver requires crc", false, true, ErrManifestMismatch},
+				{"writer sends crc anyway", true, false, nil},
+			} {
+				t.Run(tc.name, func(t *testing.T) {
+					p := newPairCRC(t, tr, tc.rxSkip, tc.txSkip)
+					g, err := p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: dstExtents()})
+					require.NoError(t, err)
+					tk := g.Ticket()
+					m, err := p.tx.Write(ctx, p.desc, tk, srcExtents(tk.Bytes))
+					_, gerr := g.Wait(ctx)
+					if tc.want != nil {
+						require.ErrorIs(t, err, tc.want)
+						require.ErrorIs(t, gerr, tc.want)
+						return
+					}
+					require.NoError(t, err)
+					require.NoError(t, gerr)
+					require.Equal(t, concat(p.src, srcExtents(tk.Bytes)), concat(p.dst, dstExtents()))
+					if tc.txSkip {
+						require.Equal(t, make([]uint32, len(tk.Extents)), m.CRC)
+					}
+					p.requireCanary(t, dstExtents())
+				})
+			}
+		})
+	}
 }

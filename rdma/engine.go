@@ -66,7 +66,12 @@ type Config struct {
 	Host       string        // host identity; default /proc/sys/kernel/random/boot_id, else the hostname
 	GrantTTL   time.Duration // deadline of grants opened without one; default 60s
 	MaxGrants  int           // open grants at once; default 16384
-	Logger     *slog.Logger  // default slog.Default()
+	// SkipCRC trades integrity for speed: as a writer, commits carry byte
+	// counts without crc32c; as a receiver, such commits are accepted
+	// (fencing and byte counts still apply). Off by default; a receiver
+	// without it refuses crc-less commits with ErrManifestMismatch.
+	SkipCRC bool
+	Logger  *slog.Logger // default slog.Default()
 }
 
 func (c *Config) validate() error {
@@ -534,12 +539,23 @@ type writeOp struct {
 	t        *Ticket
 	pieces   []piece
 	manifest *Manifest // Bytes set; CRC filled by the backend through sum
+	noCRC    bool      // SkipCRC: the manifest carries byte counts only
 }
 
-// sum folds p's source bytes into the manifest crc of its extent. Pieces of
-// one extent are summed in order.
-func (op *writeOp) sum(p *piece) {
-	op.manifest.CRC[p.ext] = crc32Update(op.manifest.CRC[p.ext], p.src)
+// sum folds src, the next bytes of destination extent ext, into the
+// manifest's crc. Pieces of one extent are summed in order.
+func (op *writeOp) sum(ext uint32, src []byte) {
+	if !op.noCRC {
+		op.manifest.CRC[ext] = crc32Update(op.manifest.CRC[ext], src)
+	}
+}
+
+// commitFlags returns the commit frame's flags.
+func (op *writeOp) commitFlags() uint8 {
+	if op.noCRC {
+		return flagNoCRC
+	}
+	return 0
 }
 
 var opPool = sync.Pool{New: func() any { return new(writeOp) }}
@@ -580,10 +596,10 @@ func (e *Engine) Write(ctx context.Context, peer Descriptor, t Ticket, src []Ext
 	op := opPool.Get().(*writeOp)
 	defer func() {
 		clear(op.pieces)
-		op.pieces, op.t, op.manifest = op.pieces[:0], nil, nil
+		op.pieces, op.t, op.manifest, op.noCRC = op.pieces[:0], nil, nil, false
 		opPool.Put(op)
 	}()
-	op.t, op.manifest = &t, &m
+	op.t, op.manifest, op.noCRC = &t, &m, e.cfg.SkipCRC
 	if err := e.split(op, src, total); err != nil {
 		return Manifest{}, err
 	}

@@ -12,7 +12,7 @@ import (
 //	off size field
 //	0   4    magic "HOF1"
 //	4   1    type (hello, data, commit, reply, abort)
-//	5   1    flags, must be 0
+//	5   1    flags: commit may set flagNoCRC; otherwise 0
 //	6   2    reserved, must be 0
 //	8   4    index: data = destination extent index, commit = extent count,
 //	         reply and abort = status code, hello = protocol version
@@ -39,6 +39,10 @@ const (
 	frameReply  = 4
 	frameAbort  = 5
 
+	// flagNoCRC marks a commit whose manifest carries byte counts only
+	// (a writer configured with SkipCRC).
+	flagNoCRC = 1
+
 	// maxExtents bounds the extents of one grant; it keeps a commit payload
 	// (12 bytes per extent) under 12 MiB.
 	maxExtents = 1 << 20
@@ -52,6 +56,7 @@ const (
 // header is a decoded frame header.
 type header struct {
 	typ    uint8
+	flags  uint8
 	index  uint32
 	grant  uint64
 	epoch  uint64
@@ -65,7 +70,7 @@ func (h *header) put(b []byte) {
 	_ = b[headerSize-1]
 	binary.LittleEndian.PutUint32(b[0:], frameMagic)
 	b[4] = h.typ
-	b[5], b[6], b[7] = 0, 0, 0
+	b[5], b[6], b[7] = h.flags, 0, 0
 	binary.LittleEndian.PutUint32(b[8:], h.index)
 	binary.LittleEndian.PutUint32(b[12:], 0)
 	binary.LittleEndian.PutUint64(b[16:], h.grant)
@@ -91,7 +96,11 @@ func decodeHeader(b []byte) (header, error) {
 		return h, malformed("bad magic %#x", m)
 	}
 	h.typ = b[4]
-	if b[5] != 0 || b[6] != 0 || b[7] != 0 || binary.LittleEndian.Uint32(b[12:]) != 0 {
+	h.flags = b[5]
+	if h.flags != 0 && (h.typ != frameCommit || h.flags != flagNoCRC) {
+		return h, malformed("flags %#x on frame type %d", h.flags, h.typ)
+	}
+	if b[6] != 0 || b[7] != 0 || binary.LittleEndian.Uint32(b[12:]) != 0 {
 		return h, malformed("reserved header bytes are not zero")
 	}
 	h.index = binary.LittleEndian.Uint32(b[8:])

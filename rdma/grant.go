@@ -223,7 +223,7 @@ func (g *Grant) beginLand(epoch uint64, token *[16]byte, idx uint32, off, n uint
 	}
 	l := landing{idx: idx, off: off, dst: g.dst[idx][off : off+n : off+n]}
 	st := &g.ext[idx]
-	if st.seq && !st.busy && off == st.next {
+	if st.seq && !st.busy && off == st.next && !g.e.cfg.SkipCRC {
 		l.track, l.crc = true, st.crc
 		st.busy = true
 	} else {
@@ -276,7 +276,8 @@ func (g *Grant) endLand(l *landing, ok bool, ab lander) {
 // fails the grant. counted is false for transports whose data does not pass
 // through the receiver (shm): then only the checksums are compared, over the
 // extents as they are in memory after the fence.
-func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted bool) error {
+// hasCRC is false for a SkipCRC commit.
+func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted, hasCRC bool) error {
 	g.mu.Lock()
 	if err := g.checkLocked(epoch, token); err != nil {
 		g.mu.Unlock()
@@ -296,7 +297,7 @@ func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted bool)
 
 	// Fence the shared-memory slot: after this no shm writer can copy in.
 	g.e.shmFence(g, false)
-	verr := g.verify(m, counted)
+	verr := g.verify(m, counted, hasCRC)
 
 	g.mu.Lock()
 	if g.state != grantCommitting { // revoked or expired while verifying
@@ -318,7 +319,10 @@ func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted bool)
 
 // verify compares m with the grant's extents. No landing is in flight and
 // none can start (state committing, shm slot fenced).
-func (g *Grant) verify(m *Manifest, counted bool) error {
+func (g *Grant) verify(m *Manifest, counted, hasCRC bool) error {
+	if !hasCRC && !g.e.cfg.SkipCRC {
+		return fmt.Errorf("%w: commit without crc32c, and this receiver requires it (grant %d)", ErrManifestMismatch, g.id)
+	}
 	n := len(g.dst)
 	if len(m.Bytes) != n || len(m.CRC) != n {
 		return fmt.Errorf("%w: manifest lists %d/%d extents, grant %d has %d", ErrManifestMismatch, len(m.Bytes), len(m.CRC), g.id, n)
@@ -331,6 +335,9 @@ func (g *Grant) verify(m *Manifest, counted bool) error {
 		st := &g.ext[i]
 		if counted && st.landed != want {
 			return fmt.Errorf("%w: extent %d: %d bytes landed, want %d (grant %d)", ErrManifestMismatch, i, st.landed, want, g.id)
+		}
+		if !hasCRC {
+			continue
 		}
 		var crc uint32
 		if counted && st.seq && st.next == want {

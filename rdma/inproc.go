@@ -84,9 +84,9 @@ func (l *inprocLink) write(ctx context.Context, op *writeOp) error {
 			end := min(off+landChunk, len(p.src))
 			copy(ld.dst[off:end], p.src[off:end])
 			ld.fill(ld.dst[off:end])
-			op.manifest.CRC[p.ext] = crc32Update(op.manifest.CRC[p.ext], p.src[off:end])
+			op.sum(p.ext, p.src[off:end])
 		}
 		g.endLand(&ld, true, nil)
 	}
-	return remoteErr(l.rx.cfg.Agent, g.commit(op.t.Epoch, &op.t.Token, op.manifest, true))
+	return remoteErr(l.rx.cfg.Agent, g.commit(op.t.Epoch, &op.t.Token, op.manifest, true, !op.noCRC))
 }

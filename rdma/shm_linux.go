@@ -340,7 +340,7 @@ func (r *shmRxState) hello(c *rxConn) error {
 }
 
 func (r *shmRxState) commit(g *Grant, h *header, m *Manifest) error {
-	return g.commit(h.epoch, &h.token, m, false)
+	return g.commit(h.epoch, &h.token, m, false, h.flags&flagNoCRC == 0)
 }
 
 // closed runs when the writer's control connection ended: grants it was
@@ -656,7 +656,7 @@ func (l *shmLink) copyAll(ctx context.Context, op *writeOp) error {
 			}
 			n := min(len(src), shmSubCopy)
 			copy(mem[base:base+uint64(n)], src[:n])
-			op.manifest.CRC[p.ext] = crc32Update(op.manifest.CRC[p.ext], src[:n])
+			op.sum(p.ext, src[:n])
 			src = src[n:]
 			base += uint64(n)
 			bracket += n
@@ -678,7 +678,7 @@ func (l *shmLink) commit(ctx context.Context, op *writeOp) error {
 		l.cbuf = make([]byte, need)
 	}
 	b := l.cbuf[:need]
-	h := header{typ: frameCommit, index: uint32(m), grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token, length: uint64(m * manifestEntrySize)}
+	h := header{typ: frameCommit, flags: op.commitFlags(), index: uint32(m), grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token, length: uint64(m * manifestEntrySize)}
 	h.put(b)
 	putManifest(b[headerSize:], op.manifest)
 	return l.exchangeLocked(ctx, b)

@@ -343,7 +343,7 @@ func (c *rxConn) commit(h *header) error {
 			if c.shm != nil {
 				err = c.shm.commit(g, h, &c.man)
 			} else {
-				err = g.commit(h.epoch, &h.token, &c.man, true)
+				err = g.commit(h.epoch, &h.token, &c.man, true, h.flags&flagNoCRC == 0)
 			}
 		}
 	}
@@ -639,7 +639,7 @@ func (tc *txConn) send(op *writeOp) error {
 		// batch is summed right before the kernel copies it.
 		for src := p.src; len(src) > 0; {
 			n := min(len(src), landChunk)
-			op.manifest.CRC[p.ext] = crc32Update(op.manifest.CRC[p.ext], src[:n])
+			op.sum(p.ext, src[:n])
 			iov = append(iov, src[:n])
 			src = src[n:]
 			batch += uint64(n)
@@ -652,7 +652,7 @@ func (tc *txConn) send(op *writeOp) error {
 		}
 	}
 	cb := hdrs[n*headerSize:]
-	ch := header{typ: frameCommit, index: uint32(m), grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token, length: uint64(m * manifestEntrySize)}
+	ch := header{typ: frameCommit, flags: op.commitFlags(), index: uint32(m), grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token, length: uint64(m * manifestEntrySize)}
 	ch.put(cb)
 	putManifest(cb[headerSize:], op.manifest)
 	iov = append(iov, cb)

@@ -222,7 +222,9 @@ func TestTCPRawMalformed(t *testing.T) {
 		frame func(r *rawRx) []byte
 	}{
 		{"bad magic", func(r *rawRx) []byte { b := r.data(0, 0, []byte{1}); b[0] = 'X'; return b }},
-		{"reserved bits", func(r *rawRx) []byte { b := r.data(0, 0, []byte{1}); b[5] = 1; return b }},
+		{"reserved bits", func(r *rawRx) []byte { b := r.data(0, 0, []byte{1}); b[6] = 1; return b }},
+		{"no-crc flag on data", func(r *rawRx) []byte { b := r.data(0, 0, []byte{1}); b[5] = flagNoCRC; return b }},
+		{"unknown commit flag", func(r *rawRx) []byte { b := r.commit(fullManifest(nil, nil)); b[5] = 2; return b }},
 		{"unknown type", func(r *rawRx) []byte { b := r.data(0, 0, []byte{1}); b[4] = 99; return b }},
 		{"offset overflow", func(r *rawRx) []byte {
 			b := r.data(0, 0, []byte{1})
