@@ -1,0 +1,153 @@
+package service
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/worker"
+	"github.com/handoff-io/handoff/worker/config"
+)
+
+func startAuthServer(t *testing.T, port int) *server.Server {
+	t.Helper()
+	dir := t.TempDir()
+	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, Username: "handoff", Password: "s3cret",
+		JetStream: true, StoreDir: dir, NoSigs: true, NoLog: true})
+	require.NoError(t, err)
+	go srv.Start()
+	require.True(t, srv.ReadyForConnections(10*time.Second))
+	return srv
+}
+
+func TestNATSAuth(t *testing.T) {
+	srv := startAuthServer(t, -1)
+	t.Cleanup(func() { srv.Shutdown(); srv.WaitForShutdown() })
+	log := slog.New(slog.DiscardHandler)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+
+	nc, err := connectNATS(ctx, config.NATS{URL: srv.ClientURL(), User: "handoff", Password: "s3cret"}, "t", log)
+	require.NoError(t, err)
+	require.True(t, nc.IsConnected())
+	nc.Close()
+
+	_, err = connectNATS(ctx, config.NATS{URL: srv.ClientURL(), User: "handoff", Password: "wrong"}, "t", log)
+	require.ErrorContains(t, err, "authorization violation")
+	_, err = connectNATS(ctx, config.NATS{URL: srv.ClientURL()}, "t", log)
+	require.ErrorContains(t, err, "authorization violation")
+
+	_, err = natsOptions(config.NATS{NKey: "/does/not/exist"}, "t", log)
+	require.Error(t, err)
+
+	// A whole worker with credentials serves and is ready.
+	ep, _ := startWorker(t, testConfig(t, worker.RolePrefill, "--nats-url", srv.ClientURL(),
+		"--nats-user", "handoff", "--nats-password", "s3cret"))
+	resp, err := http.Get("http://" + ep.Admin + "/readyz")
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+func readyz(t *testing.T, admin string) int {
+	t.Helper()
+	resp, err := http.Get("http://" + admin + "/readyz")
+	if err != nil {
+		return 0
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// TestWaitsForNATS: a worker started before its NATS server is alive but
+// not ready, and becomes ready once the server is up.
+func TestWaitsForNATS(t *testing.T) {
+	port := freePort(t)
+	cfg := testConfig(t, worker.RolePrefill, "--nats-url", fmt.Sprintf("nats://127.0.0.1:%d", port),
+		"--admin-addr", fmt.Sprintf("127.0.0.1:%d", freePort(t)))
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	ready := make(chan Endpoints, 1)
+	go func() {
+		done <- RunPrefill(ctx, cfg, Options{Stderr: os.Stderr, Ready: func(ep Endpoints) { ready <- ep }, Logger: slog.New(slog.DiscardHandler)})
+	}()
+	require.Eventually(t, func() bool { return readyz(t, cfg.AdminAddr) == http.StatusServiceUnavailable },
+		10*time.Second, 10*time.Millisecond)
+	resp, err := http.Get("http://" + cfg.AdminAddr + "/livez")
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+
+	dir := t.TempDir()
+	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, JetStream: true, StoreDir: dir, NoSigs: true, NoLog: true})
+	require.NoError(t, err)
+	go srv.Start()
+	require.True(t, srv.ReadyForConnections(10*time.Second))
+	defer func() { srv.Shutdown(); srv.WaitForShutdown() }()
+	select {
+	case <-ready:
+	case err := <-done:
+		t.Fatalf("worker stopped: %v", err)
+	case <-time.After(15 * time.Second):
+		t.Fatal("worker not serving after NATS came up")
+	}
+	require.Equal(t, http.StatusOK, readyz(t, cfg.AdminAddr))
+
+	// Readiness follows the connection when the server goes away.
+	srv.Shutdown()
+	srv.WaitForShutdown()
+	require.Eventually(t, func() bool { return readyz(t, cfg.AdminAddr) == http.StatusServiceUnavailable },
+		10*time.Second, 10*time.Millisecond)
+	cancel()
+	require.NoError(t, <-done)
+}
+
+// TestNATSRestart: the server restarts (same port and store); both workers
+// reconnect, readiness follows, and new requests succeed.
+func TestNATSRestart(t *testing.T) {
+	port := freePort(t)
+	dir := t.TempDir()
+	start := func() *server.Server {
+		srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, JetStream: true, StoreDir: dir, NoSigs: true, NoLog: true})
+		require.NoError(t, err)
+		go srv.Start()
+		require.True(t, srv.ReadyForConnections(10*time.Second))
+		return srv
+	}
+	srv := start()
+	url := fmt.Sprintf("nats://127.0.0.1:%d", port)
+	pep, _ := startWorker(t, testConfig(t, worker.RolePrefill, "--nats-url", url, "--namespace", "restart"))
+	dep, _ := startWorker(t, testConfig(t, worker.RoleDecode, "--nats-url", url, "--namespace", "restart"))
+	require.Equal(t, http.StatusOK, complete(t, dep.HTTP, "before", 3, 0, 1).status)
+
+	srv.Shutdown()
+	srv.WaitForShutdown()
+	for _, ep := range []Endpoints{pep, dep} {
+		require.Eventually(t, func() bool { return readyz(t, ep.Admin) == http.StatusServiceUnavailable },
+			10*time.Second, 10*time.Millisecond)
+	}
+	srv = start()
+	defer func() { srv.Shutdown(); srv.WaitForShutdown() }()
+	for _, ep := range []Endpoints{pep, dep} {
+		require.Eventually(t, func() bool { return readyz(t, ep.Admin) == http.StatusOK },
+			15*time.Second, 20*time.Millisecond)
+	}
+	require.Eventually(t, func() bool { return complete(t, dep.HTTP, "after", 3, 0, 1).status == http.StatusOK },
+		15*time.Second, 100*time.Millisecond)
+}
