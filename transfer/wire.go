@@ -34,6 +34,9 @@ type Tokens []int32
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
 func (t Tokens) EncodeMsgpack(enc *msgpack.Encoder) error {
+	if t == nil {
+		return enc.EncodeNil()
+	}
 	b := make([]byte, 4*len(t))
 	for i, v := range t {
 		binary.LittleEndian.PutUint32(b[4*i:], uint32(v))
@@ -64,6 +67,9 @@ type Extents []rdma.Extent
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
 func (x Extents) EncodeMsgpack(enc *msgpack.Encoder) error {
+	if x == nil {
+		return enc.EncodeNil()
+	}
 	b := make([]byte, extentSize*len(x))
 	for i, e := range x {
 		o := b[extentSize*i:]
@@ -99,6 +105,9 @@ type U64s []uint64
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
 func (u U64s) EncodeMsgpack(enc *msgpack.Encoder) error {
+	if u == nil {
+		return enc.EncodeNil()
+	}
 	b := make([]byte, 8*len(u))
 	for i, v := range u {
 		binary.LittleEndian.PutUint64(b[8*i:], v)
@@ -126,6 +135,9 @@ type U32s []uint32
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
 func (u U32s) EncodeMsgpack(enc *msgpack.Encoder) error {
+	if u == nil {
+		return enc.EncodeNil()
+	}
 	b := make([]byte, 4*len(u))
 	for i, v := range u {
 		binary.LittleEndian.PutUint32(b[4*i:], v)
@@ -485,4 +497,404 @@ func fromUnixNano(n int64) time.Time {
 		return time.Time{}
 	}
 	return time.Unix(0, n)
+}
+
+// The two messages on every handoff's path, PrefillRequest and PrefillReply,
+// encode and decode by hand instead of by reflection (~4x cheaper). The
+// format is the one reflection produces for their tags: a map of the same
+// keys; integers are written compactly; unknown keys are skipped.
+
+type encoder struct {
+	e   *msgpack.Encoder
+	err error
+}
+
+func (w *encoder) key(k string) {
+	if w.err == nil {
+		w.err = w.e.EncodeString(k)
+	}
+}
+
+func (w *encoder) str(k, v string) {
+	w.key(k)
+	if w.err == nil {
+		w.err = w.e.EncodeString(v)
+	}
+}
+
+func (w *encoder) uint(k string, v uint64) {
+	w.key(k)
+	if w.err == nil {
+		w.err = w.e.EncodeUint(v)
+	}
+}
+
+func (w *encoder) int(k string, v int64) {
+	w.key(k)
+	if w.err == nil {
+		w.err = w.e.EncodeInt(v)
+	}
+}
+
+func (w *encoder) custom(k string, v msgpack.CustomEncoder) {
+	w.key(k)
+	if w.err == nil {
+		w.err = v.EncodeMsgpack(w.e)
+	}
+}
+
+func (w *encoder) mapLen(n int) {
+	if w.err == nil {
+		w.err = w.e.EncodeMapLen(n)
+	}
+}
+
+// decodeMap calls field for every key of the map at dec; field returns false
+// for keys it does not know, which are skipped.
+func decodeMap(dec *msgpack.Decoder, field func(key string) (bool, error)) error {
+	n, err := dec.DecodeMapLen()
+	if err != nil {
+		return err
+	}
+	for range max(n, 0) {
+		k, err := dec.DecodeString()
+		if err != nil {
+			return err
+		}
+		known, err := field(k)
+		if err != nil {
+			return fmt.Errorf("key %q: %w", k, err)
+		}
+		if !known {
+			if err := dec.Skip(); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (s Sampling) EncodeMsgpack(enc *msgpack.Encoder) error {
+	w := encoder{e: enc}
+	w.mapLen(3)
+	w.key("t")
+	if w.err == nil {
+		w.err = enc.EncodeFloat64(s.Temperature)
+	}
+	w.uint("s", s.Seed)
+	w.int("n", int64(s.MaxTokens))
+	return w.err
+}
+
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (s *Sampling) DecodeMsgpack(dec *msgpack.Decoder) (err error) {
+	*s = Sampling{}
+	return decodeMap(dec, func(k string) (bool, error) {
+		switch k {
+		case "t":
+			s.Temperature, err = dec.DecodeFloat64()
+		case "s":
+			s.Seed, err = dec.DecodeUint64()
+		case "n":
+			s.MaxTokens, err = dec.DecodeInt32()
+		default:
+			return false, nil
+		}
+		return true, err
+	})
+}
+
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (p Peer) EncodeMsgpack(enc *msgpack.Encoder) error {
+	w := encoder{e: enc}
+	w.mapLen(6)
+	w.str("a", p.Agent)
+	w.str("h", p.Host)
+	w.str("tcp", p.TCPAddr)
+	w.str("shm", p.ShmAddr)
+	w.key("tr")
+	if w.err == nil {
+		w.err = encodeStrings(enc, p.Transports)
+	}
+	w.key("r")
+	if w.err == nil && p.Regions == nil {
+		w.err = enc.EncodeNil()
+	} else if w.err == nil {
+		w.err = enc.EncodeArrayLen(len(p.Regions))
+		for _, r := range p.Regions {
+			w.mapLen(3)
+			w.uint("id", uint64(r.ID))
+			w.str("n", r.Name)
+			w.uint("l", r.Length)
+		}
+	}
+	return w.err
+}
+
+func encodeStrings(enc *msgpack.Encoder, ss []string) error {
+	if ss == nil {
+		return enc.EncodeNil()
+	}
+	if err := enc.EncodeArrayLen(len(ss)); err != nil {
+		return err
+	}
+	for _, s := range ss {
+		if err := enc.EncodeString(s); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// maxListLen bounds decoded lists of structs and strings (a peer has a
+// handful of transports and regions).
+const maxListLen = 1024
+
+func decodeListLen(dec *msgpack.Decoder) (int, error) {
+	n, err := dec.DecodeArrayLen()
+	if err != nil {
+		return 0, err
+	}
+	if n > maxListLen {
+		return 0, fmt.Errorf("%w: list of %d items", ErrBadMessage, n)
+	}
+	return n, nil
+}
+
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (p *Peer) DecodeMsgpack(dec *msgpack.Decoder) (err error) {
+	*p = Peer{}
+	return decodeMap(dec, func(k string) (bool, error) {
+		switch k {
+		case "a":
+			p.Agent, err = dec.DecodeString()
+		case "h":
+			p.Host, err = dec.DecodeString()
+		case "tcp":
+			p.TCPAddr, err = dec.DecodeString()
+		case "shm":
+			p.ShmAddr, err = dec.DecodeString()
+		case "tr":
+			var n int
+			if n, err = decodeListLen(dec); err != nil || n < 0 {
+				p.Transports = nil
+				return true, err
+			}
+			p.Transports = make([]string, n)
+			for i := range p.Transports {
+				if p.Transports[i], err = dec.DecodeString(); err != nil {
+					return true, err
+				}
+			}
+		case "r":
+			var n int
+			if n, err = decodeListLen(dec); err != nil || n < 0 {
+				p.Regions = nil
+				return true, err
+			}
+			p.Regions = make([]RegionInfo, n)
+			for i := range p.Regions {
+				r := &p.Regions[i]
+				err = decodeMap(dec, func(k string) (bool, error) {
+					var err error
+					switch k {
+					case "id":
+						r.ID, err = dec.DecodeUint32()
+					case "n":
+						r.Name, err = dec.DecodeString()
+					case "l":
+						r.Length, err = dec.DecodeUint64()
+					default:
+						return false, nil
+					}
+					return true, err
+				})
+				if err != nil {
+					return true, err
+				}
+			}
+		default:
+			return false, nil
+		}
+		return true, err
+	})
+}
+
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (t Ticket) EncodeMsgpack(enc *msgpack.Encoder) error {
+	w := encoder{e: enc}
+	w.mapLen(8)
+	w.str("a", t.Agent)
+	w.uint("g", t.Grant)
+	w.uint("e", t.Epoch)
+	w.key("k")
+	if w.err == nil {
+		w.err = enc.EncodeBytes(t.Token)
+	}
+	w.uint("id", t.RequestID)
+	w.custom("x", t.Extents)
+	w.uint("b", t.Bytes)
+	w.int("dl", t.Deadline)
+	return w.err
+}
+
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (t *Ticket) DecodeMsgpack(dec *msgpack.Decoder) (err error) {
+	*t = Ticket{}
+	return decodeMap(dec, func(k string) (bool, error) {
+		switch k {
+		case "a":
+			t.Agent, err = dec.DecodeString()
+		case "g":
+			t.Grant, err = dec.DecodeUint64()
+		case "e":
+			t.Epoch, err = dec.DecodeUint64()
+		case "k":
+			t.Token, err = decodePacked(dec, 1, "token")
+		case "id":
+			t.RequestID, err = dec.DecodeUint64()
+		case "x":
+			err = t.Extents.DecodeMsgpack(dec)
+		case "b":
+			t.Bytes, err = dec.DecodeUint64()
+		case "dl":
+			t.Deadline, err = dec.DecodeInt64()
+		default:
+			return false, nil
+		}
+		return true, err
+	})
+}
+
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (m Manifest) EncodeMsgpack(enc *msgpack.Encoder) error {
+	w := encoder{e: enc}
+	w.mapLen(2)
+	w.custom("b", m.Bytes)
+	w.custom("c", m.CRC)
+	return w.err
+}
+
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (m *Manifest) DecodeMsgpack(dec *msgpack.Decoder) error {
+	*m = Manifest{}
+	return decodeMap(dec, func(k string) (bool, error) {
+		switch k {
+		case "b":
+			return true, m.Bytes.DecodeMsgpack(dec)
+		case "c":
+			return true, m.CRC.DecodeMsgpack(dec)
+		}
+		return false, nil
+	})
+}
+
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (m *PrefillRequest) EncodeMsgpack(enc *msgpack.Encoder) error {
+	w := encoder{e: enc}
+	w.mapLen(12)
+	w.uint("v", uint64(m.V))
+	w.uint("id", m.RequestID)
+	w.str("from", m.From)
+	w.uint("try", uint64(m.Attempt))
+	w.str("fp", m.Fingerprint)
+	w.custom("tok", m.Tokens)
+	w.custom("smp", m.Sampling)
+	w.int("dl", m.Deadline)
+	w.custom("peer", m.Peer)
+	w.custom("tk", m.Ticket)
+	w.uint("kvb", m.KVBytes)
+	w.uint("mb", m.MambaBytes)
+	return w.err
+}
+
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (m *PrefillRequest) DecodeMsgpack(dec *msgpack.Decoder) (err error) {
+	*m = PrefillRequest{}
+	return decodeMap(dec, func(k string) (bool, error) {
+		switch k {
+		case "v":
+			m.V, err = dec.DecodeUint8()
+		case "id":
+			m.RequestID, err = dec.DecodeUint64()
+		case "from":
+			m.From, err = dec.DecodeString()
+		case "try":
+			m.Attempt, err = dec.DecodeUint8()
+		case "fp":
+			m.Fingerprint, err = dec.DecodeString()
+		case "tok":
+			err = m.Tokens.DecodeMsgpack(dec)
+		case "smp":
+			err = m.Sampling.DecodeMsgpack(dec)
+		case "dl":
+			m.Deadline, err = dec.DecodeInt64()
+		case "peer":
+			err = m.Peer.DecodeMsgpack(dec)
+		case "tk":
+			err = m.Ticket.DecodeMsgpack(dec)
+		case "kvb":
+			m.KVBytes, err = dec.DecodeUint64()
+		case "mb":
+			m.MambaBytes, err = dec.DecodeUint64()
+		default:
+			return false, nil
+		}
+		return true, err
+	})
+}
+
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (m *PrefillReply) EncodeMsgpack(enc *msgpack.Encoder) error {
+	w := encoder{e: enc}
+	w.mapLen(11)
+	w.uint("v", uint64(m.V))
+	w.uint("id", m.RequestID)
+	w.str("inst", m.Instance)
+	w.uint("code", uint64(m.Code))
+	w.str("msg", m.Msg)
+	w.int("tok", int64(m.FirstToken))
+	w.int("pf", m.PrefillNanos)
+	w.int("wr", m.WriteNanos)
+	w.uint("kvb", m.KVBytes)
+	w.uint("mb", m.MambaBytes)
+	w.custom("man", m.Manifest)
+	return w.err
+}
+
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (m *PrefillReply) DecodeMsgpack(dec *msgpack.Decoder) (err error) {
+	*m = PrefillReply{}
+	return decodeMap(dec, func(k string) (bool, error) {
+		switch k {
+		case "v":
+			m.V, err = dec.DecodeUint8()
+		case "id":
+			m.RequestID, err = dec.DecodeUint64()
+		case "inst":
+			m.Instance, err = dec.DecodeString()
+		case "code":
+			var c uint16
+			c, err = dec.DecodeUint16()
+			m.Code = Code(c)
+		case "msg":
+			m.Msg, err = dec.DecodeString()
+		case "tok":
+			m.FirstToken, err = dec.DecodeInt32()
+		case "pf":
+			m.PrefillNanos, err = dec.DecodeInt64()
+		case "wr":
+			m.WriteNanos, err = dec.DecodeInt64()
+		case "kvb":
+			m.KVBytes, err = dec.DecodeUint64()
+		case "mb":
+			m.MambaBytes, err = dec.DecodeUint64()
+		case "man":
+			err = m.Manifest.DecodeMsgpack(dec)
+		default:
+			return false, nil
+		}
+		return true, err
+	})
 }
