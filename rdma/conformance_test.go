@@ -181,6 +181,12 @@ func TestConformanceWriteReadBack(t *testing.T) {
 			default:
 				t.Fatal("Done not closed after commit")
 			}
+			rs, ts := p.rx.Stats(), p.tx.Stats()
+			require.Equal(t, uint64(round+1), rs.GrantsCommitted)
+			require.Equal(t, uint64(round+1)*tk.Bytes, rs.BytesLanded)
+			require.Equal(t, uint64(0), rs.GrantsOpen)
+			require.Equal(t, uint64(round+1), ts.Writes)
+			require.Equal(t, uint64(round+1)*tk.Bytes, ts.BytesWritten)
 			g.Revoke() // no-op after commit
 			_, err = g.Wait(ctx)
 			require.NoError(t, err)

@@ -161,6 +161,8 @@ type Engine struct {
 
 	peerMu sync.Mutex
 	peers  map[AgentID]*peerState
+
+	stats counters
 }
 
 // peerState is the writer side's connection to one peer.
@@ -355,6 +357,7 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 	e.mu.Unlock()
 
 	g.timer = time.AfterFunc(deadline.Sub(now), func() { g.terminate(g.deadlineErr()) })
+	e.stats.grantsOpened.Add(1)
 	e.log.Debug("rdma: grant opened", "grant", g.id, "request", spec.RequestID, "extents", len(spec.Extents), "bytes", total, "deadline", deadline)
 	return g, nil
 }
@@ -608,8 +611,11 @@ func (e *Engine) Write(ctx context.Context, peer Descriptor, t Ticket, src []Ext
 		return Manifest{}, err
 	}
 	if err := p.link.write(ctx, op); err != nil {
+		e.stats.writesFailed.Add(1)
 		return Manifest{}, err
 	}
+	e.stats.writes.Add(1)
+	e.stats.bytesWritten.Add(total)
 	return m, nil
 }
 

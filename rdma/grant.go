@@ -400,7 +400,14 @@ func (g *Grant) finish() {
 	}
 	g.e.retire(g)
 	close(g.done)
-	g.e.log.Debug("rdma: grant settled", "grant", g.id, "request", g.ticket.RequestID, "err", g.Err())
+	err := g.Err()
+	if err == nil {
+		g.e.stats.grantsCommitted.Add(1)
+		g.e.stats.bytesLanded.Add(g.ticket.Bytes)
+	} else {
+		g.e.stats.grantsFailed.Add(1)
+	}
+	g.e.log.Debug("rdma: grant settled", "grant", g.id, "request", g.ticket.RequestID, "err", err)
 }
 
 // crc32Update extends a crc32c with b.

@@ -77,6 +77,7 @@ func (l *inprocLink) write(ctx context.Context, op *writeOp) error {
 		p := &op.pieces[i]
 		ld, err := g.beginLand(op.t.Epoch, &op.t.Token, p.ext, p.off, uint64(len(p.src)), nil)
 		if err != nil {
+			l.rx.stats.framesRefused.Add(1)
 			return remoteErr(l.rx.cfg.Agent, err)
 		}
 		// Copy in cache-sized chunks; both crcs read the chunk while it is hot.

@@ -718,7 +718,7 @@ func (l *shmLink) exchangeLocked(ctx context.Context, b []byte) error {
 	}
 	if _, err := l.conn.Write(b); err != nil {
 		l.broken = true
-		if cerr := ctx.Err(); cerr != nil {
+		if cerr := ctxErr(ctx); cerr != nil {
 			return cerr
 		}
 		return fmt.Errorf("%w: shm commit to %s: %w", ErrPeerClosed, l.peer.Agent, err)
@@ -726,7 +726,7 @@ func (l *shmLink) exchangeLocked(ctx context.Context, b []byte) error {
 	rh, msg, err := readReply(l.conn, l.rbuf[:])
 	if err != nil {
 		l.broken = true
-		if cerr := ctx.Err(); cerr != nil {
+		if cerr := ctxErr(ctx); cerr != nil {
 			return cerr
 		}
 		return fmt.Errorf("rdma: shm reply from %s: %w", l.peer.Agent, err)

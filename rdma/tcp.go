@@ -276,6 +276,7 @@ func (c *rxConn) data(h *header) error {
 		ld, err = g.beginLand(h.epoch, &h.token, h.index, h.offset, h.length, c)
 	}
 	if err != nil {
+		c.e.stats.framesRefused.Add(1)
 		c.refuse(h.grant, err)
 		if _, derr := c.br.Discard(int(h.length)); derr != nil {
 			return fmt.Errorf("%w: skipping a refused payload: %w", ErrPeerClosed, derr)
@@ -409,6 +410,18 @@ func (c *rxConn) reply(grant, epoch uint64, err error) error {
 
 // ----- writer -----
 
+// ctxErr is ctx.Err(), also when a connection deadline copied from ctx fired
+// a moment before ctx's own timer.
+func ctxErr(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if dl, ok := ctx.Deadline(); ok && !time.Now().Before(dl) {
+		return context.DeadlineExceeded
+	}
+	return nil
+}
+
 // tcpLink is a writer's pool of connections to one peer.
 type tcpLink struct {
 	e    *Engine
@@ -464,11 +477,21 @@ func handshake(ctx context.Context, nc net.Conn, buf []byte, self, peer AgentID)
 	}
 	_ = nc.SetDeadline(dl)
 	defer nc.SetDeadline(time.Time{})
+	if ctx.Done() != nil {
+		stop := context.AfterFunc(ctx, func() { _ = nc.SetDeadline(aLongTimeAgo) })
+		defer stop()
+	}
 	if _, err := nc.Write(appendHello(nil, self, peer)); err != nil {
+		if cerr := ctxErr(ctx); cerr != nil {
+			return fmt.Errorf("hello to %s: %w", peer, cerr)
+		}
 		return fmt.Errorf("%w: sending hello to %s: %w", ErrPeerClosed, peer, err)
 	}
 	h, msg, err := readReply(nc, buf)
 	if err != nil {
+		if cerr := ctxErr(ctx); cerr != nil {
+			return fmt.Errorf("hello from %s: %w", peer, cerr)
+		}
 		return fmt.Errorf("hello from %s: %w", peer, err)
 	}
 	switch h.typ {
@@ -604,7 +627,7 @@ func (l *tcpLink) write(ctx context.Context, op *writeOp) error {
 		}
 		return &RemoteError{Agent: l.peer.Agent, Code: h.index, Msg: string(msg)}
 	}
-	if cerr := ctx.Err(); cerr != nil {
+	if cerr := ctxErr(ctx); cerr != nil {
 		return fmt.Errorf("rdma: write to %s: %w", l.peer.Agent, cerr)
 	}
 	if werr != nil {

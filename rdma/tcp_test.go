@@ -368,3 +368,59 @@ func isAny(err error, targets ...error) bool {
 	}
 	return false
 }
+
+// A receiver that accepts, answers the hello and then never replies: Write
+// returns when its context ends, and leaves no goroutine behind.
+func TestTCPWriterContextAgainstSilentReceiver(t *testing.T) {
+	before := runtime.NumGoroutine()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	silent := func(c net.Conn) {
+		defer c.Close()
+		buf := make([]byte, headerSize+maxMsgLen)
+		if _, err := io.ReadFull(c, buf[:headerSize]); err != nil {
+			return
+		}
+		h, _ := decodeHeader(buf[:headerSize])
+		if _, err := io.ReadFull(c, buf[:h.length]); err != nil {
+			return
+		}
+		_, _ = c.Write(appendHello(nil, "silent", "tx"))
+		_, _ = io.Copy(io.Discard, c)
+	}
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			silent(c)
+		}
+	}()
+	tx, err := New(Config{Agent: "tx", Transports: []Transport{TransportTCP}, Logger: quietLogger()})
+	require.NoError(t, err)
+	src, err := tx.Register("src", 1<<20)
+	require.NoError(t, err)
+	_ = src
+	peer := Descriptor{Agent: "silent", TCPAddr: ln.Addr().String(), Transports: []Transport{TransportTCP}}
+	tk := Ticket{Agent: "silent", Grant: 1, Epoch: 1, Extents: []Extent{{1, 0, 1 << 20}}, Bytes: 1 << 20, Deadline: time.Now().Add(time.Minute)}
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err = tx.Write(ctx, peer, tk, []Extent{{1, 0, 1 << 20}})
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.Less(t, time.Since(start), 5*time.Second)
+
+	// Cancellation (no deadline) aborts a blocked Write too.
+	cctx, ccancel := context.WithCancel(context.Background())
+	time.AfterFunc(100*time.Millisecond, ccancel)
+	_, err = tx.Write(cctx, peer, tk, []Extent{{1, 0, 1 << 20}})
+	require.ErrorIs(t, err, context.Canceled)
+	require.NoError(t, tx.Close())
+	ln.Close()
+	<-served
+	requireGoroutines(t, before)
+}
