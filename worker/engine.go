@@ -430,7 +430,9 @@ func (e *Engine) enqueue(q *request) error {
 	if q.logID == "" {
 		q.logID = fmt.Sprintf("%s-%d", e.cfg.Role, q.id)
 	}
-	q.log = e.log.With("request_id", q.logID)
+	// seq is the id the pools and the transfer protocol know the request by
+	// (a prefill worker logs it as <decode instance>-<seq>).
+	q.log = e.log.With("request_id", q.logID, "seq", q.id)
 	// The callback runs on its own goroutine, never under e.mu.
 	q.stopAfter = context.AfterFunc(q.ctx, func() { e.post(inboxEvent{kind: evCancel, q: q}) })
 	log := q.log

@@ -1,0 +1,2 @@
+// Package leakcheck fails a test binary that leaves goroutines behind.
+package leakcheck
