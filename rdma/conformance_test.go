@@ -3,11 +3,13 @@ package rdma
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"math/rand/v2"
+	"net"
 	"runtime"
 	"sync"
 	"testing"
@@ -498,4 +500,70 @@ func TestConformanceSkipCRC(t *testing.T) {
 			}
 		})
 	}
+}
+
+func TestDescriptorAndTicketJSON(t *testing.T) {
+	p := newPair(t, TransportTCP)
+	g, err := p.rx.OpenGrant(GrantSpec{RequestID: 77, Extents: dstExtents()})
+	require.NoError(t, err)
+	var d Descriptor
+	b, err := json.Marshal(p.rx.Descriptor())
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(b, &d))
+	require.Equal(t, p.rx.Descriptor(), d)
+	var tk Ticket
+	b, err = json.Marshal(g.Ticket())
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(b, &tk))
+	require.True(t, tk.Deadline.Equal(g.Ticket().Deadline))
+	tk.Deadline = g.Ticket().Deadline
+	require.Equal(t, g.Ticket(), tk)
+	// The decoded values work: another process would do exactly this.
+	_, err = p.tx.Write(context.Background(), d, tk, srcExtents(tk.Bytes))
+	require.NoError(t, err)
+	_, err = g.Wait(context.Background())
+	require.NoError(t, err)
+}
+
+func TestCloseAbortsDialInProgress(t *testing.T) {
+	before := runtime.NumGoroutine()
+	ln, err := net.Listen("tcp", "127.0.0.1:0") // accepts in the kernel, never answers the hello
+	require.NoError(t, err)
+	defer ln.Close()
+	tx, err := New(Config{Agent: "tx", Transports: []Transport{TransportTCP}, Logger: quietLogger()})
+	require.NoError(t, err)
+	res := make(chan error, 1)
+	go func() {
+		_, err := tx.Connect(context.Background(), Descriptor{Agent: "mute", TCPAddr: ln.Addr().String(), Transports: []Transport{TransportTCP}})
+		res <- err
+	}()
+	time.Sleep(50 * time.Millisecond)
+	start := time.Now()
+	require.NoError(t, tx.Close())
+	select {
+	case err := <-res:
+		require.ErrorIs(t, err, ErrClosed)
+	case <-time.After(5 * time.Second):
+		t.Fatal("Connect kept dialling after Close")
+	}
+	require.Less(t, time.Since(start), 5*time.Second)
+	ln.Close()
+	requireGoroutines(t, before)
+}
+
+func TestNoCommonTransport(t *testing.T) {
+	a, err := New(Config{Agent: "a", Transports: []Transport{TransportTCP}, Logger: quietLogger()})
+	require.NoError(t, err)
+	defer a.Close()
+	b, err := New(Config{Agent: "b", Transports: []Transport{TransportInproc}, Logger: quietLogger()})
+	require.NoError(t, err)
+	defer b.Close()
+	_, err = a.Connect(context.Background(), b.Descriptor())
+	require.ErrorIs(t, err, ErrNoTransport)
+	_, ok := a.TransportFor("b")
+	require.False(t, ok)
+	_, err = New(Config{})
+	require.Error(t, err)
+	_, err = New(Config{Agent: "x", Transports: []Transport{"carrier-pigeon"}})
+	require.ErrorIs(t, err, ErrUnsupported)
 }

@@ -162,6 +162,9 @@ type Engine struct {
 	peerMu sync.Mutex
 	peers  map[AgentID]*peerState
 
+	ctx    context.Context // cancelled by Close: aborts dials in progress
+	cancel context.CancelFunc
+
 	stats counters
 }
 
@@ -184,6 +187,7 @@ func New(cfg Config) (*Engine, error) {
 		settled: make(map[uint64]*Grant),
 		peers:   make(map[AgentID]*peerState),
 	}
+	e.ctx, e.cancel = context.WithCancel(context.Background())
 	// Epochs are unique per engine, never reused across grants: a shm grant
 	// slot's state word names (state, epoch) unambiguously.
 	e.nextEpoch.Store(uint64(time.Now().UnixNano()) &^ (1 << 63) >> 16)
@@ -469,18 +473,41 @@ func (e *Engine) peerFor(ctx context.Context, peer Descriptor) (*peerState, erro
 		return nil, fmt.Errorf("%w: descriptor without agent", ErrNoTransport)
 	}
 	e.peerMu.Lock()
-	defer e.peerMu.Unlock()
 	if p, ok := e.peers[peer.Agent]; ok {
 		if sameEndpoint(p.desc, peer) {
+			e.peerMu.Unlock()
 			return p, nil
 		}
 		e.log.Info("rdma: peer descriptor changed, reconnecting", "peer", string(peer.Agent))
 		p.link.close()
 		delete(e.peers, peer.Agent)
 	}
-	l, err := e.dial(ctx, peer)
+	e.peerMu.Unlock()
+
+	// Dial without the lock; Close cancels a dial in progress.
+	dctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stop := context.AfterFunc(e.ctx, cancel)
+	defer stop()
+	l, err := e.dial(dctx, peer)
 	if err != nil {
+		if e.ctx.Err() != nil {
+			return nil, ErrClosed
+		}
 		return nil, err
+	}
+	e.peerMu.Lock()
+	defer e.peerMu.Unlock()
+	if e.ctx.Err() != nil {
+		l.close()
+		return nil, ErrClosed
+	}
+	if p, ok := e.peers[peer.Agent]; ok {
+		if sameEndpoint(p.desc, peer) { // a concurrent dial won
+			l.close()
+			return p, nil
+		}
+		p.link.close()
 	}
 	p := &peerState{desc: peer, link: l}
 	e.peers[peer.Agent] = p
@@ -665,6 +692,7 @@ func (e *Engine) Close() error {
 		return nil
 	}
 	e.closed = true
+	e.cancel()
 	open := make([]*Grant, 0, len(e.grants))
 	for _, g := range e.grants {
 		open = append(open, g)

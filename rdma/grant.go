@@ -293,11 +293,12 @@ func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted, hasC
 	for g.inflight > 0 {
 		g.quiet.Wait()
 	}
+	dst, ext := g.dst, g.ext // finish may drop them once a revoke settles the grant
 	g.mu.Unlock()
 
 	// Fence the shared-memory slot: after this no shm writer can copy in.
 	g.e.shmFence(g, false)
-	verr := g.verify(m, counted, hasCRC)
+	verr := g.verify(dst, ext, m, counted, hasCRC)
 
 	g.mu.Lock()
 	if g.state != grantCommitting { // revoked or expired while verifying
@@ -319,20 +320,20 @@ func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted, hasC
 
 // verify compares m with the grant's extents. No landing is in flight and
 // none can start (state committing, shm slot fenced).
-func (g *Grant) verify(m *Manifest, counted, hasCRC bool) error {
+func (g *Grant) verify(dst [][]byte, ext []extState, m *Manifest, counted, hasCRC bool) error {
 	if !hasCRC && !g.e.cfg.SkipCRC {
 		return fmt.Errorf("%w: commit without crc32c, and this receiver requires it (grant %d)", ErrManifestMismatch, g.id)
 	}
-	n := len(g.dst)
+	n := len(dst)
 	if len(m.Bytes) != n || len(m.CRC) != n {
 		return fmt.Errorf("%w: manifest lists %d/%d extents, grant %d has %d", ErrManifestMismatch, len(m.Bytes), len(m.CRC), g.id, n)
 	}
-	for i, d := range g.dst {
+	for i, d := range dst {
 		want := uint64(len(d))
 		if m.Bytes[i] != want {
 			return fmt.Errorf("%w: extent %d: manifest says %d bytes, extent has %d (grant %d)", ErrManifestMismatch, i, m.Bytes[i], want, g.id)
 		}
-		st := &g.ext[i]
+		st := &ext[i]
 		if counted && st.landed != want {
 			return fmt.Errorf("%w: extent %d: %d bytes landed, want %d (grant %d)", ErrManifestMismatch, i, st.landed, want, g.id)
 		}
@@ -394,6 +395,9 @@ func (g *Grant) finish() {
 		return
 	}
 	g.finished = true
+	// A settled grant stays findable for a while (late frames get the exact
+	// reason) but no longer needs its per-extent state.
+	g.dst, g.ext, g.landers = nil, nil, nil
 	g.mu.Unlock()
 	if g.timer != nil {
 		g.timer.Stop()

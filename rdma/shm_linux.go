@@ -386,6 +386,7 @@ type shmLink struct {
 
 	copying sync.RWMutex // held (R) while copying; close takes it (W) before unmapping
 	closed  atomic.Bool
+	connRef atomic.Pointer[net.UnixConn] // l.conn, for close to unblock an exchange
 }
 
 func dialSHM(ctx context.Context, e *Engine, peer Descriptor) (link, error) {
@@ -515,6 +516,7 @@ func (l *shmLink) connect(ctx context.Context) error {
 	}
 	_ = uc.SetDeadline(time.Time{})
 	l.conn, l.wid, l.table, l.n, l.regions, l.broken = uc, wid, table, int(slots), regions, false
+	l.connRef.Store(uc)
 	return nil
 }
 
@@ -524,6 +526,7 @@ func (l *shmLink) unmapLocked() {
 	if l.conn != nil {
 		l.conn.Close()
 		l.conn = nil
+		l.connRef.Store(nil)
 	}
 	if l.table != nil {
 		freeShared(l.table, -1)
@@ -537,8 +540,16 @@ func (l *shmLink) unmapLocked() {
 
 func (l *shmLink) close() {
 	l.closed.Store(true)
+	// Let copies in flight end (each checks closed at its next bracket):
+	// only then may the receiver see the control socket close and treat
+	// this writer as gone.
+	l.copying.Lock()
+	l.copying.Unlock()
+	if c := l.connRef.Load(); c != nil {
+		c.Close() // unblocks a commit exchange holding l.mu
+	}
 	l.mu.Lock()
-	l.copying.Lock() // no copy in flight: the receiver may treat the writer as gone
+	l.copying.Lock()
 	l.unmapLocked()
 	l.copying.Unlock()
 	l.mu.Unlock()
