@@ -37,11 +37,7 @@ func (t Tokens) EncodeMsgpack(enc *msgpack.Encoder) error {
 	if t == nil {
 		return enc.EncodeNil()
 	}
-	b := make([]byte, 4*len(t))
-	for i, v := range t {
-		binary.LittleEndian.PutUint32(b[4*i:], uint32(v))
-	}
-	return enc.EncodeBytes(b)
+	return writePacked(enc, len(t), 4, func(b []byte, i int) { binary.LittleEndian.PutUint32(b, uint32(t[i])) })
 }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
@@ -70,14 +66,11 @@ func (x Extents) EncodeMsgpack(enc *msgpack.Encoder) error {
 	if x == nil {
 		return enc.EncodeNil()
 	}
-	b := make([]byte, extentSize*len(x))
-	for i, e := range x {
-		o := b[extentSize*i:]
-		binary.LittleEndian.PutUint32(o, uint32(e.Region))
-		binary.LittleEndian.PutUint64(o[4:], e.Offset)
-		binary.LittleEndian.PutUint64(o[12:], e.Length)
-	}
-	return enc.EncodeBytes(b)
+	return writePacked(enc, len(x), extentSize, func(o []byte, i int) {
+		binary.LittleEndian.PutUint32(o, uint32(x[i].Region))
+		binary.LittleEndian.PutUint64(o[4:], x[i].Offset)
+		binary.LittleEndian.PutUint64(o[12:], x[i].Length)
+	})
 }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
@@ -108,11 +101,7 @@ func (u U64s) EncodeMsgpack(enc *msgpack.Encoder) error {
 	if u == nil {
 		return enc.EncodeNil()
 	}
-	b := make([]byte, 8*len(u))
-	for i, v := range u {
-		binary.LittleEndian.PutUint64(b[8*i:], v)
-	}
-	return enc.EncodeBytes(b)
+	return writePacked(enc, len(u), 8, func(b []byte, i int) { binary.LittleEndian.PutUint64(b, u[i]) })
 }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
@@ -138,11 +127,7 @@ func (u U32s) EncodeMsgpack(enc *msgpack.Encoder) error {
 	if u == nil {
 		return enc.EncodeNil()
 	}
-	b := make([]byte, 4*len(u))
-	for i, v := range u {
-		binary.LittleEndian.PutUint32(b[4*i:], v)
-	}
-	return enc.EncodeBytes(b)
+	return writePacked(enc, len(u), 4, func(b []byte, i int) { binary.LittleEndian.PutUint32(b, u[i]) })
 }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
@@ -158,6 +143,28 @@ func (u *U32s) DecodeMsgpack(dec *msgpack.Decoder) error {
 	}
 	*u = out
 	return nil
+}
+
+// writePacked writes n items of size bytes each as one msgpack bin, put
+// filling each item. Into the package's own buffers it fills the spare
+// capacity in place; elsewhere it builds the field first.
+func writePacked(enc *msgpack.Encoder, n, size int, put func(dst []byte, i int)) error {
+	if err := enc.EncodeBytesLen(n * size); err != nil {
+		return err
+	}
+	var b []byte
+	bw, ok := enc.Writer().(*bytes.Buffer)
+	if ok {
+		bw.Grow(n * size)
+		b = bw.AvailableBuffer()[:n*size]
+	} else {
+		b = make([]byte, n*size)
+	}
+	for i := range n {
+		put(b[i*size:], i)
+	}
+	_, err := enc.Writer().Write(b)
+	return err
 }
 
 func decodePacked(dec *msgpack.Decoder, elem int, what string) ([]byte, error) {
@@ -549,29 +556,37 @@ func (w *encoder) mapLen(n int) {
 	}
 }
 
-// decodeMap calls field for every key of the map at dec; field returns false
-// for keys it does not know, which are skipped.
-func decodeMap(dec *msgpack.Decoder, field func(key string) (bool, error)) error {
+// keys reads map keys into a scratch buffer, so decoding a message does not
+// allocate a string per key.
+type keys struct{ buf [16]byte }
+
+// mapLen reads a map header; nil counts as an empty map.
+func mapLen(dec *msgpack.Decoder) (int, error) {
 	n, err := dec.DecodeMapLen()
-	if err != nil {
-		return err
+	return max(n, 0), err
+}
+
+// next reads one key. Keys longer than the buffer (unknown to this version)
+// come back empty, which no decoder knows, so their value is skipped.
+// The slice is valid until the next call.
+func (k *keys) next(dec *msgpack.Decoder) ([]byte, error) {
+	n, err := dec.DecodeBytesLen()
+	if err != nil || n <= 0 {
+		return nil, err
 	}
-	for range max(n, 0) {
-		k, err := dec.DecodeString()
-		if err != nil {
-			return err
+	if n > len(k.buf) {
+		if n > maxPacked {
+			return nil, fmt.Errorf("%w: key of %d bytes", ErrBadMessage, n)
 		}
-		known, err := field(k)
-		if err != nil {
-			return fmt.Errorf("key %q: %w", k, err)
+		if err := dec.ReadFull(make([]byte, n)); err != nil {
+			return nil, err
 		}
-		if !known {
-			if err := dec.Skip(); err != nil {
-				return err
-			}
-		}
+		return k.buf[:0], nil // the empty key: unknown to every decoder
 	}
-	return nil
+	if err := dec.ReadFull(k.buf[:n]); err != nil {
+		return nil, err
+	}
+	return k.buf[:n], nil
 }
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
@@ -588,10 +603,20 @@ func (s Sampling) EncodeMsgpack(enc *msgpack.Encoder) error {
 }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
-func (s *Sampling) DecodeMsgpack(dec *msgpack.Decoder) (err error) {
+func (s *Sampling) DecodeMsgpack(dec *msgpack.Decoder) error {
+	var k keys
+	return s.decode(dec, &k)
+}
+
+func (s *Sampling) decode(dec *msgpack.Decoder, k *keys) error {
 	*s = Sampling{}
-	return decodeMap(dec, func(k string) (bool, error) {
-		switch k {
+	n, err := mapLen(dec)
+	for ; err == nil && n > 0; n-- {
+		var key []byte
+		if key, err = k.next(dec); err != nil {
+			break
+		}
+		switch string(key) {
 		case "t":
 			s.Temperature, err = dec.DecodeFloat64()
 		case "s":
@@ -599,10 +624,10 @@ func (s *Sampling) DecodeMsgpack(dec *msgpack.Decoder) (err error) {
 		case "n":
 			s.MaxTokens, err = dec.DecodeInt32()
 		default:
-			return false, nil
+			err = dec.Skip()
 		}
-		return true, err
-	})
+	}
+	return err
 }
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
@@ -663,10 +688,20 @@ func decodeListLen(dec *msgpack.Decoder) (int, error) {
 }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
-func (p *Peer) DecodeMsgpack(dec *msgpack.Decoder) (err error) {
+func (p *Peer) DecodeMsgpack(dec *msgpack.Decoder) error {
+	var k keys
+	return p.decode(dec, &k)
+}
+
+func (p *Peer) decode(dec *msgpack.Decoder, k *keys) error {
 	*p = Peer{}
-	return decodeMap(dec, func(k string) (bool, error) {
-		switch k {
+	n, err := mapLen(dec)
+	for ; err == nil && n > 0; n-- {
+		var key []byte
+		if key, err = k.next(dec); err != nil {
+			break
+		}
+		switch string(key) {
 		case "a":
 			p.Agent, err = dec.DecodeString()
 		case "h":
@@ -676,49 +711,60 @@ func (p *Peer) DecodeMsgpack(dec *msgpack.Decoder) (err error) {
 		case "shm":
 			p.ShmAddr, err = dec.DecodeString()
 		case "tr":
-			var n int
-			if n, err = decodeListLen(dec); err != nil || n < 0 {
-				p.Transports = nil
-				return true, err
-			}
-			p.Transports = make([]string, n)
-			for i := range p.Transports {
-				if p.Transports[i], err = dec.DecodeString(); err != nil {
-					return true, err
-				}
-			}
+			p.Transports, err = decodeStrings(dec)
 		case "r":
-			var n int
-			if n, err = decodeListLen(dec); err != nil || n < 0 {
-				p.Regions = nil
-				return true, err
-			}
-			p.Regions = make([]RegionInfo, n)
-			for i := range p.Regions {
-				r := &p.Regions[i]
-				err = decodeMap(dec, func(k string) (bool, error) {
-					var err error
-					switch k {
-					case "id":
-						r.ID, err = dec.DecodeUint32()
-					case "n":
-						r.Name, err = dec.DecodeString()
-					case "l":
-						r.Length, err = dec.DecodeUint64()
-					default:
-						return false, nil
-					}
-					return true, err
-				})
-				if err != nil {
-					return true, err
-				}
-			}
+			p.Regions, err = decodeRegions(dec, k)
 		default:
-			return false, nil
+			err = dec.Skip()
 		}
-		return true, err
-	})
+	}
+	return err
+}
+
+func decodeStrings(dec *msgpack.Decoder) ([]string, error) {
+	n, err := decodeListLen(dec)
+	if err != nil || n < 0 {
+		return nil, err
+	}
+	out := make([]string, n)
+	for i := range out {
+		if out[i], err = dec.DecodeString(); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+func decodeRegions(dec *msgpack.Decoder, k *keys) ([]RegionInfo, error) {
+	n, err := decodeListLen(dec)
+	if err != nil || n < 0 {
+		return nil, err
+	}
+	out := make([]RegionInfo, n)
+	for i := range out {
+		r := &out[i]
+		m, err := mapLen(dec)
+		for ; err == nil && m > 0; m-- {
+			var key []byte
+			if key, err = k.next(dec); err != nil {
+				break
+			}
+			switch string(key) {
+			case "id":
+				r.ID, err = dec.DecodeUint32()
+			case "n":
+				r.Name, err = dec.DecodeString()
+			case "l":
+				r.Length, err = dec.DecodeUint64()
+			default:
+				err = dec.Skip()
+			}
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
 }
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
@@ -740,10 +786,20 @@ func (t Ticket) EncodeMsgpack(enc *msgpack.Encoder) error {
 }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
-func (t *Ticket) DecodeMsgpack(dec *msgpack.Decoder) (err error) {
+func (t *Ticket) DecodeMsgpack(dec *msgpack.Decoder) error {
+	var k keys
+	return t.decode(dec, &k)
+}
+
+func (t *Ticket) decode(dec *msgpack.Decoder, k *keys) error {
 	*t = Ticket{}
-	return decodeMap(dec, func(k string) (bool, error) {
-		switch k {
+	n, err := mapLen(dec)
+	for ; err == nil && n > 0; n-- {
+		var key []byte
+		if key, err = k.next(dec); err != nil {
+			break
+		}
+		switch string(key) {
 		case "a":
 			t.Agent, err = dec.DecodeString()
 		case "g":
@@ -761,10 +817,10 @@ func (t *Ticket) DecodeMsgpack(dec *msgpack.Decoder) (err error) {
 		case "dl":
 			t.Deadline, err = dec.DecodeInt64()
 		default:
-			return false, nil
+			err = dec.Skip()
 		}
-		return true, err
-	})
+	}
+	return err
 }
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
@@ -778,16 +834,28 @@ func (m Manifest) EncodeMsgpack(enc *msgpack.Encoder) error {
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
 func (m *Manifest) DecodeMsgpack(dec *msgpack.Decoder) error {
+	var k keys
+	return m.decode(dec, &k)
+}
+
+func (m *Manifest) decode(dec *msgpack.Decoder, k *keys) error {
 	*m = Manifest{}
-	return decodeMap(dec, func(k string) (bool, error) {
-		switch k {
-		case "b":
-			return true, m.Bytes.DecodeMsgpack(dec)
-		case "c":
-			return true, m.CRC.DecodeMsgpack(dec)
+	n, err := mapLen(dec)
+	for ; err == nil && n > 0; n-- {
+		var key []byte
+		if key, err = k.next(dec); err != nil {
+			break
 		}
-		return false, nil
-	})
+		switch string(key) {
+		case "b":
+			err = m.Bytes.DecodeMsgpack(dec)
+		case "c":
+			err = m.CRC.DecodeMsgpack(dec)
+		default:
+			err = dec.Skip()
+		}
+	}
+	return err
 }
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
@@ -810,10 +878,16 @@ func (m *PrefillRequest) EncodeMsgpack(enc *msgpack.Encoder) error {
 }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
-func (m *PrefillRequest) DecodeMsgpack(dec *msgpack.Decoder) (err error) {
+func (m *PrefillRequest) DecodeMsgpack(dec *msgpack.Decoder) error {
 	*m = PrefillRequest{}
-	return decodeMap(dec, func(k string) (bool, error) {
-		switch k {
+	var k keys
+	n, err := mapLen(dec)
+	for ; err == nil && n > 0; n-- {
+		var key []byte
+		if key, err = k.next(dec); err != nil {
+			break
+		}
+		switch string(key) {
 		case "v":
 			m.V, err = dec.DecodeUint8()
 		case "id":
@@ -827,22 +901,22 @@ func (m *PrefillRequest) DecodeMsgpack(dec *msgpack.Decoder) (err error) {
 		case "tok":
 			err = m.Tokens.DecodeMsgpack(dec)
 		case "smp":
-			err = m.Sampling.DecodeMsgpack(dec)
+			err = m.Sampling.decode(dec, &k)
 		case "dl":
 			m.Deadline, err = dec.DecodeInt64()
 		case "peer":
-			err = m.Peer.DecodeMsgpack(dec)
+			err = m.Peer.decode(dec, &k)
 		case "tk":
-			err = m.Ticket.DecodeMsgpack(dec)
+			err = m.Ticket.decode(dec, &k)
 		case "kvb":
 			m.KVBytes, err = dec.DecodeUint64()
 		case "mb":
 			m.MambaBytes, err = dec.DecodeUint64()
 		default:
-			return false, nil
+			err = dec.Skip()
 		}
-		return true, err
-	})
+	}
+	return err
 }
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
@@ -864,10 +938,16 @@ func (m *PrefillReply) EncodeMsgpack(enc *msgpack.Encoder) error {
 }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
-func (m *PrefillReply) DecodeMsgpack(dec *msgpack.Decoder) (err error) {
+func (m *PrefillReply) DecodeMsgpack(dec *msgpack.Decoder) error {
 	*m = PrefillReply{}
-	return decodeMap(dec, func(k string) (bool, error) {
-		switch k {
+	var k keys
+	n, err := mapLen(dec)
+	for ; err == nil && n > 0; n-- {
+		var key []byte
+		if key, err = k.next(dec); err != nil {
+			break
+		}
+		switch string(key) {
 		case "v":
 			m.V, err = dec.DecodeUint8()
 		case "id":
@@ -891,10 +971,10 @@ func (m *PrefillReply) DecodeMsgpack(dec *msgpack.Decoder) (err error) {
 		case "mb":
 			m.MambaBytes, err = dec.DecodeUint64()
 		case "man":
-			err = m.Manifest.DecodeMsgpack(dec)
+			err = m.Manifest.decode(dec, &k)
 		default:
-			return false, nil
+			err = dec.Skip()
 		}
-		return true, err
-	})
+	}
+	return err
 }
