@@ -125,7 +125,7 @@ func (s *server) model(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *server) modelObject() map[string]any {
-	return map[string]any{"id": s.cfg.Model, "object": "model", "created": 0, "owned_by": "handoff",
+	return map[string]any{"id": s.base, "object": "model", "created": 0, "owned_by": "handoff",
 		"max_model_len": s.gen.MaxContext()}
 }
 
@@ -151,7 +151,7 @@ type completionRequest struct {
 	Prompt      json.RawMessage `json:"prompt"`
 	MaxTokens   *int64          `json:"max_tokens"`
 	Temperature *float64        `json:"temperature"`
-	Seed        *int64          `json:"seed"`
+	Seed        *json.Number    `json:"seed"`
 	Stream      bool            `json:"stream"`
 	N           *int            `json:"n"`
 }
@@ -222,11 +222,26 @@ func (s *server) parse(body []byte) (parsed, int, *apiError) {
 		p.temp = t
 	}
 	if req.Seed != nil {
-		p.seed = uint64(*req.Seed)
+		seed, ok := parseSeed(*req.Seed)
+		if !ok {
+			return parsed{}, http.StatusBadRequest, &apiError{
+				Message: fmt.Sprintf("seed must be an integer in [-2^63, 2^64), got %s.", req.Seed.String()),
+				Type:    typeInvalid, Param: param("seed"), Code: "invalid_value"}
+		}
+		p.seed = seed
 	} else {
 		p.seed = mrand.Uint64()
 	}
 	return p, 0, nil
+}
+
+// parseSeed accepts any 64-bit integer, signed or not.
+func parseSeed(n json.Number) (uint64, bool) {
+	if v, err := strconv.ParseInt(n.String(), 10, 64); err == nil {
+		return uint64(v), true
+	}
+	v, err := strconv.ParseUint(n.String(), 10, 64)
+	return v, err == nil
 }
 
 func contextExceeded(maxCtx, prompt int, maxTokens int64, which string) *apiError {

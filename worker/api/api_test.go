@@ -100,6 +100,9 @@ func TestBadInput(t *testing.T) {
 		{"max_tokens a string", `{"model":"tiny-hybrid","prompt":"hi","max_tokens":"5"}`, 400, "", "invalid_json"},
 		{"temperature negative", `{"model":"tiny-hybrid","prompt":"hi","temperature":-0.1}`, 400, "temperature", "invalid_value"},
 		{"temperature too high", `{"model":"tiny-hybrid","prompt":"hi","temperature":7}`, 400, "temperature", "invalid_value"},
+		{"seed a fraction", `{"model":"tiny-hybrid","prompt":"hi","seed":1.5}`, 400, "seed", "invalid_value"},
+		{"seed too big", `{"model":"tiny-hybrid","prompt":"hi","seed":18446744073709551616}`, 400, "seed", "invalid_value"},
+		{"seed not a number", `{"model":"tiny-hybrid","prompt":"hi","seed":"seven"}`, 400, "", "invalid_json"},
 		{"n of two", `{"model":"tiny-hybrid","prompt":"hi","n":2}`, 400, "n", "unsupported_value"},
 	}
 	for _, tt := range tests {

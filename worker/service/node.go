@@ -214,7 +214,7 @@ func listenHTTP(addr string, h http.Handler, log *slog.Logger) (*httpServer, err
 		return nil, err
 	}
 	s := &httpServer{
-		srv: &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second,
+		srv: &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute,
 			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)},
 		ln: ln, done: make(chan error, 1),
 	}
