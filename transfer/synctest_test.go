@@ -1,0 +1,154 @@
+package transfer
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/rdma"
+)
+
+// recorder is a publisher that keeps what the decoder publishes; the test
+// plays the prefill worker by answering through Decoder.onReply.
+type recorder struct {
+	mu       sync.Mutex
+	requests []*nats.Msg
+	cancels  []Cancel
+	sent     chan *nats.Msg
+}
+
+func (r *recorder) PublishRequest(subj, reply string, data []byte) error {
+	m := &nats.Msg{Subject: subj, Reply: reply, Data: data}
+	r.mu.Lock()
+	r.requests = append(r.requests, m)
+	r.mu.Unlock()
+	r.sent <- m
+	return nil
+}
+
+func (r *recorder) Publish(subj string, data []byte) error {
+	c, err := DecodeCancel(data)
+	if err != nil {
+		return err
+	}
+	r.mu.Lock()
+	r.cancels = append(r.cancels, c)
+	r.mu.Unlock()
+	return nil
+}
+
+// bubbleDecoder builds a Decoder without NATS: requests go to a recorder.
+func bubbleDecoder(t *testing.T, eng *rdma.Engine, attempts int) (*Decoder, *recorder) {
+	cfg := DecoderConfig{Instance: "d1", Namespace: "t", Fingerprint: "fp", NoRegistry: true, MaxAttempts: attempts}
+	require.NoError(t, cfg.validate())
+	rec := &recorder{sent: make(chan *nats.Msg, 8)}
+	d := &Decoder{cfg: cfg, pub: rec, eng: eng, peer: PeerOf(eng.Descriptor()), inbox: "_INBOX.test",
+		calls: map[string]*call{}, done: make(chan struct{}), maxPayload: DefaultMaxPayload,
+		prefillSub: Subject(DefaultPrefix, "t", SubjectPrefill, "")}
+	return d, rec
+}
+
+func bubbleEngines(t *testing.T) (recv, send *rdma.Engine, dst, src rdma.Extent) {
+	quiet := slog.New(slog.DiscardHandler)
+	recv, err := rdma.New(rdma.Config{Agent: "recv", Transports: []rdma.Transport{rdma.TransportInproc}, Logger: quiet})
+	require.NoError(t, err)
+	send, err = rdma.New(rdma.Config{Agent: "send", Transports: []rdma.Transport{rdma.TransportInproc}, Logger: quiet})
+	require.NoError(t, err)
+	rr, err := recv.Register("state", 4096)
+	require.NoError(t, err)
+	sr, err := send.Register("state", 4096)
+	require.NoError(t, err)
+	return recv, send, rdma.Extent{Region: rr.ID(), Offset: 0, Length: 64}, rdma.Extent{Region: sr.ID(), Offset: 0, Length: 64}
+}
+
+// countAlloc is a Prepared allocator that counts frees.
+type countAlloc struct {
+	d     Destination
+	frees int
+}
+
+func (c *countAlloc) Prepare(uint64, int) (Destination, error) { return c.d, nil }
+func (c *countAlloc) Free(uint64) error                         { c.frees++; return nil }
+
+// TestDeadlineSynctest: with no reply the handoff ends exactly at its
+// deadline, cancels, revokes and frees; the prefill worker's late write and
+// commit are then refused by the data plane.
+func TestDeadlineSynctest(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		recv, send, dst, src := bubbleEngines(t)
+		defer recv.Close()
+		defer send.Close()
+		d, rec := bubbleDecoder(t, recv, 3)
+		alloc := &countAlloc{d: Destination{Mamba: dst}}
+		start := time.Now()
+		_, err := d.Handoff(context.Background(), Request{ID: 7, Tokens: tokens(4), Alloc: alloc, Deadline: start.Add(2 * time.Second)})
+		require.ErrorIs(t, err, ErrTimeout)
+		require.Equal(t, 2*time.Second, time.Since(start), "ended exactly at the deadline")
+		require.Equal(t, 1, alloc.frees)
+		require.Len(t, rec.requests, 1)
+		require.Equal(t, []Cancel{{V: WireVersion, RequestID: 7, Grant: rec.cancelGrant(t), Code: CodeTimeout}}, rec.cancels)
+
+		// The worker finishes late: its write is refused, nothing lands.
+		req, err := DecodePrefillRequest(rec.requests[0].Data)
+		require.NoError(t, err)
+		tk, err := req.Ticket.RDMA()
+		require.NoError(t, err)
+		_, err = send.Write(context.Background(), req.Peer.Descriptor(), tk, []rdma.Extent{src})
+		require.Error(t, err)
+		require.Contains(t, []Code{CodeCancelled, CodeTimeout}, rdmaCode(err))
+	})
+}
+
+func (r *recorder) cancelGrant(t *testing.T) uint64 {
+	req, err := DecodePrefillRequest(r.requests[0].Data)
+	require.NoError(t, err)
+	return req.Ticket.Grant
+}
+
+// TestRetryBudgetSynctest: capacity refusals are retried at once while the
+// deadline allows; a refusal that arrives after the deadline is final.
+func TestRetryBudgetSynctest(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		recv, send, dst, _ := bubbleEngines(t)
+		defer recv.Close()
+		defer send.Close()
+		d, rec := bubbleDecoder(t, recv, 5)
+		alloc := &countAlloc{d: Destination{Mamba: dst}}
+		refuse := func(m *nats.Msg, inst string) {
+			req, err := DecodePrefillRequest(m.Data)
+			require.NoError(t, err)
+			b, err := EncodePrefillReply(PrefillReply{RequestID: req.RequestID, Instance: inst, Code: CodeCapacityRefused}, 0)
+			require.NoError(t, err)
+			d.onReply(&nats.Msg{Subject: m.Reply, Data: b})
+		}
+		done := make(chan error, 1)
+		start := time.Now()
+		go func() {
+			_, err := d.Handoff(context.Background(), Request{ID: 9, Tokens: tokens(4), Alloc: alloc, Deadline: start.Add(time.Second)})
+			done <- err
+		}()
+		refuse(<-rec.sent, "p1")
+		m := <-rec.sent // retried at once
+		require.Equal(t, time.Duration(0), time.Since(start))
+		time.Sleep(1500 * time.Millisecond) // the worker answers after the deadline
+		select {
+		case err := <-done:
+			require.ErrorIs(t, err, ErrTimeout)
+		default:
+			t.Fatal("handoff still running after its deadline")
+		}
+		refuse(m, "p2") // late: nobody listens any more
+		synctest.Wait()
+		require.Equal(t, 1, alloc.frees)
+		require.Len(t, rec.requests, 2)
+		req, err := DecodePrefillRequest(rec.requests[1].Data)
+		require.NoError(t, err)
+		require.Equal(t, uint8(2), req.Attempt)
+	})
+}
