@@ -74,7 +74,7 @@ type countAlloc struct {
 }
 
 func (c *countAlloc) Prepare(uint64, int) (Destination, error) { return c.d, nil }
-func (c *countAlloc) Free(uint64) error                         { c.frees++; return nil }
+func (c *countAlloc) Free(uint64) error                        { c.frees++; return nil }
 
 // TestDeadlineSynctest: with no reply the handoff ends exactly at its
 // deadline, cancels, revokes and frees; the prefill worker's late write and
