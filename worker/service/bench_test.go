@@ -31,14 +31,18 @@ func BenchmarkCompletion(b *testing.B) {
 	}
 	prompt := strings.Repeat("handoff ", 32) // 256 tokens
 	for _, m := range models {
-		for _, mode := range []string{"local", "remote"} {
+		for _, mode := range []string{"local", "remote-tcp", "remote-shm"} {
 			b.Run(m.name+"/"+mode, func(b *testing.B) {
 				space := fmt.Sprintf("bench-%d", time.Now().UnixNano())
+				where, transport, _ := strings.Cut(mode, "-")
+				if transport == "" {
+					transport = "tcp"
+				}
 				flags := append(strings.Fields(m.flags), "--max-batch-size", "1", "--nats-url", ns.URL(), "--namespace", space,
-					"--transport", "tcp", "--prefill", mode)
-				if mode == "remote" {
+					"--transport", transport, "--prefill", where)
+				if where == "remote" {
 					pflags := append(strings.Fields(m.flags), "--max-batch-size", "1", "--nats-url", ns.URL(),
-						"--namespace", space, "--transport", "tcp")
+						"--namespace", space, "--transport", transport)
 					startWorker(b, testConfig(b, worker.RolePrefill, pflags...))
 				}
 				ep, _ := startWorker(b, testConfig(b, worker.RoleDecode, flags...))
