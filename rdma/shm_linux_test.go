@@ -114,3 +114,25 @@ func TestSlotWord(t *testing.T) {
 		require.Equal(t, tc.epoch, wordEpoch(w))
 	}
 }
+
+func TestExtentsDigest(t *testing.T) {
+	base := []Extent{{1, 0, 4096}, {1, 8192, 4096}, {2, 0, 100}}
+	d := extentsDigest(base)
+	require.Equal(t, d, extentsDigest(append([]Extent(nil), base...)))
+	for i := range base {
+		for f := range 3 {
+			x := append([]Extent(nil), base...)
+			switch f {
+			case 0:
+				x[i].Region++
+			case 1:
+				x[i].Offset++
+			case 2:
+				x[i].Length++
+			}
+			require.NotEqual(t, d, extentsDigest(x), "extent %d field %d", i, f)
+		}
+	}
+	require.NotEqual(t, d, extentsDigest(base[:2]))
+	require.NotEqual(t, d, extentsDigest([]Extent{base[1], base[0], base[2]}))
+}
