@@ -65,7 +65,9 @@
 // <prefix>_<ns> (key "<role>.<id>": rdma descriptor, layout fingerprint,
 // capacity), refreshed every Heartbeat and expiring after TTL. Decoders watch
 // prefill instances (targeted retries; a watched instance that disappears
-// fails the handoffs it serves with ErrPeerFailed); prefillers watch decode
+// fails the handoffs addressed to it with ErrPeerFailed; a request taken
+// through the queue group names its instance only in the reply, so until
+// then a silent death is bounded by the deadline); prefillers watch decode
 // instances (and stop work for one that disappears). Prefill workers are also
 // NATS micro services (ServiceName), so `nats micro ls|info|stats` lists them.
 //
@@ -86,6 +88,11 @@
 //     as rdma regions first. NewRank forbids the reserved rows at the data plane.
 //  2. Decode: NewDecoder once per process; Handoff per request from any
 //     goroutine; Free the request's resources when it finishes; Close on exit.
+//     A scheduler that allocates before handing off passes Prepared(dest)
+//     and frees dest itself once Handoff returned (on failure the grant is
+//     already revoked then, so nothing can land in it any more). Set
+//     DirectFirst to address a chosen instance from the first attempt: the
+//     decoder then knows its peer at once and fails fast if it disappears.
 //  3. Prefill: implement PrefillExecutor (Admit must not block; Lease.Prefill
 //     must honour ctx; Release is called once, after every use of the
 //     extents); NewPrefiller, Start (or Serve), Shutdown on exit.

@@ -688,6 +688,7 @@ func TestRegistryExpiry(t *testing.T) {
 }
 
 func TestConfigValidation(t *testing.T) {
+	noLeaks(t)
 	srv := transfertest.RunServer(t)
 	nc := transfertest.Connect(t, srv)
 	ds := newSide(t, "dec", testHybrid(8, 2))
