@@ -1,0 +1,446 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/handoff-io/handoff/rdma"
+	"github.com/stretchr/testify/require"
+)
+
+// testRoleEnv makes the test binary act as the receiver child, so the
+// two-process path runs under go test.
+const testRoleEnv = "HANDOFF_BENCH_TEST_ROLE"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(testRoleEnv) == "receiver" {
+		if err := run(context.Background(), os.Args[1:]); err != nil {
+			fmt.Fprintln(os.Stderr, "receiver:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// noLeak fails the test if goroutines started during it are still running
+// shortly after it ends.
+func noLeak(t *testing.T) {
+	t.Helper()
+	before := runtime.NumGoroutine()
+	t.Cleanup(func() {
+		deadline := time.Now().Add(3 * time.Second)
+		for runtime.NumGoroutine() > before && time.Now().Before(deadline) {
+			time.Sleep(20 * time.Millisecond)
+		}
+		if n := runtime.NumGoroutine(); n > before {
+			buf := make([]byte, 1<<20)
+			t.Errorf("%d goroutines before, %d after:\n%s", before, n, buf[:runtime.Stack(buf, true)])
+		}
+	})
+}
+
+func quietLogger() *slog.Logger { return slog.New(slog.DiscardHandler) }
+
+func TestParseSize(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want uint64
+		err  bool
+	}{
+		{in: "4KiB", want: 4096},
+		{in: "1MiB", want: 1 << 20},
+		{in: "2GiB", want: 2 << 30},
+		{in: "64k", want: 64 << 10},
+		{in: "8M", want: 8 << 20},
+		{in: "1MB", want: 1e6},
+		{in: "65536", want: 65536},
+		{in: "12B", want: 12},
+		{in: " 4 KiB ", want: 4096},
+		{in: "0", want: 0},
+		{in: "", err: true},
+		{in: "KiB", err: true},
+		{in: "-1KiB", err: true},
+		{in: "1.5MiB", err: true},
+		{in: "4XiB", err: true},
+		{in: "99999999999999999999", err: true},
+		{in: "9999999999GiB", err: true},
+	} {
+		got, err := parseSize(tc.in)
+		if tc.err {
+			require.Error(t, err, "%q", tc.in)
+			continue
+		}
+		require.NoError(t, err, "%q", tc.in)
+		require.Equal(t, tc.want, got, "%q", tc.in)
+	}
+}
+
+func TestFormatSize(t *testing.T) {
+	for n, want := range map[uint64]string{0: "0B", 100: "100B", 4096: "4KiB", 4097: "4097B", 1 << 20: "1MiB",
+		3 << 19: "1.5MiB", 8 << 30: "8GiB", 1 << 40: "1TiB"} {
+		require.Equal(t, want, formatSize(n))
+	}
+	r := rand.New(rand.NewPCG(1, 2))
+	for range 1000 {
+		n := r.Uint64N(1 << 34)
+		if s := formatSize(n); !strings.Contains(s, ".") {
+			back, err := parseSize(s)
+			require.NoError(t, err)
+			require.Equal(t, n, back, s)
+		}
+	}
+}
+
+func TestParseDatapathFlags(t *testing.T) {
+	o, err := parseDatapathFlags(nil, io.Discard)
+	require.NoError(t, err)
+	require.Equal(t, []rdma.Transport{rdma.TransportTCP}, o.transports)
+	require.Equal(t, []uint64{1 << 20}, o.extents)
+	require.Equal(t, 5*time.Second, o.duration)
+	require.Equal(t, 1, o.streams)
+	require.Equal(t, "table", o.output)
+
+	o, err = parseDatapathFlags([]string{"--transport", "tcp,shm,inproc,tcp", "--extent", "4KiB,1MiB", "--streams", "2",
+		"--duration", "2s", "--output", "json", "--baselines"}, io.Discard)
+	require.NoError(t, err)
+	require.Equal(t, []rdma.Transport{"tcp", "shm", "inproc"}, o.transports)
+	require.Equal(t, []uint64{4096, 1 << 20}, o.extents)
+	require.True(t, o.baselines)
+
+	for _, args := range [][]string{
+		{"--transport", "udp"},
+		{"--extent", "0"},
+		{"--extent", "huge"},
+		{"--duration", "0s"},
+		{"--output", "xml"},
+		{"--streams", "0"},
+		{"--depth", "0"},
+		{"--grant-bytes", "8GiB"},
+		{"--role", "writer"},
+		{"extra"},
+		{"--streams", "64", "--depth", "16", "--grant-bytes", "1GiB"}, // 2 TiB of destination
+	} {
+		_, err := parseDatapathFlags(args, io.Discard)
+		require.Error(t, err, "%v", args)
+	}
+
+	var help bytes.Buffer
+	_, err = parseDatapathFlags([]string{"-h"}, &help)
+	require.ErrorIs(t, err, flag.ErrHelp)
+	require.Contains(t, help.String(), "--transport")
+	require.NotContains(t, help.String(), "role", "the child's flag stays hidden")
+}
+
+func TestLayout(t *testing.T) {
+	l, err := newLayout(1<<20, 8<<20, 2, 2)
+	require.NoError(t, err)
+	require.Equal(t, 8, l.PerGrant)
+	require.Equal(t, uint64(64<<20), l.regionBytes())
+	require.Equal(t, uint64(32<<20), l.sourceBytes())
+
+	l, err = newLayout(3<<20, 1<<20, 1, 1) // grant smaller than one extent: one extent
+	require.NoError(t, err)
+	require.Equal(t, 1, l.PerGrant)
+
+	_, err = l.slotIndex(1, 0)
+	require.Error(t, err)
+	_, err = l.slotIndex(0, -1)
+	require.Error(t, err)
+
+	// Property: every slot's extents lie inside the region, none touch or
+	// overlap another (same or other slot).
+	r := rand.New(rand.NewPCG(3, 4))
+	for range 200 {
+		extent := uint64(1+r.IntN(64)) << (r.IntN(3) * 4)
+		l, err := newLayout(extent, extent*uint64(r.IntN(64)), 1+r.IntN(4), 1+r.IntN(4))
+		require.NoError(t, err)
+		var all []rdma.Extent
+		for i := range l.slots() {
+			xs := l.extents(7, i)
+			require.Len(t, xs, l.PerGrant)
+			all = append(all, xs...)
+		}
+		for i, a := range all {
+			require.Equal(t, rdma.RegionID(7), a.Region)
+			require.Equal(t, l.Extent, a.Length)
+			require.LessOrEqual(t, a.Offset+a.Length, l.regionBytes())
+			if i > 0 {
+				require.Greater(t, a.Offset, all[i-1].Offset+all[i-1].Length, "a gap between extents")
+			}
+		}
+	}
+}
+
+func TestDecodeCtrl(t *testing.T) {
+	for _, line := range []string{
+		``, `{`, `[]`, `{"type":"bogus"}`, `{"type":"hello"}`, `{"type":"ticket"}`, `{"type":"stats"}`,
+		`{"type":"open","stream":"x"}`,
+	} {
+		_, err := decodeCtrl([]byte(line))
+		require.Error(t, err, line)
+	}
+	m, err := decodeCtrl([]byte(`{"type":"open","stream":1,"slot":2,"request_id":9}`))
+	require.NoError(t, err)
+	require.Equal(t, ctrlMsg{Type: "open", Stream: 1, Slot: 2, RequestID: 9}, m)
+
+	// Round trip through the writer and reader.
+	var buf bytes.Buffer
+	w := newCtrlWriter(&buf)
+	tk := wireTicket{Grant: 5, Epoch: 6, Token: [16]byte{1, 2, 3}, RequestID: 7, Bytes: 8, Deadline: time.Unix(100, 0).UTC()}
+	d := rdma.Descriptor{Agent: "a", Transports: []rdma.Transport{"tcp"}}
+	in := []ctrlMsg{{Type: "hello", Descriptor: &d}, {Type: "ticket", Stream: 1, Ticket: &tk}, {Type: "stats", Stats: &receiverStats{Committed: 1, Bytes: 2}}, {Type: "stop"}}
+	for _, m := range in {
+		require.NoError(t, w.send(m))
+	}
+	r := newCtrlReader(&buf)
+	for _, want := range in {
+		got, err := r.next()
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+	}
+	_, err = r.next()
+	require.ErrorIs(t, err, io.EOF)
+
+	// An over-long line is an error, not a hang or a silent truncation.
+	_, err = newCtrlReader(strings.NewReader(strings.Repeat("x", maxCtrlLine+10) + "\n")).next()
+	require.Error(t, err)
+	require.NotErrorIs(t, err, io.EOF)
+}
+
+func FuzzDecodeCtrl(f *testing.F) {
+	for _, s := range []string{`{"type":"open","stream":1,"slot":2,"request_id":9}`, `{"type":"stop"}`,
+		`{"type":"ticket","ticket":{"grant":1,"token":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16],"deadline":"2026-01-01T00:00:00Z"}}`,
+		`{"type":"hello","descriptor":{"agent":"x","regions":[{"id":1,"length":4}]}}`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		m, err := decodeCtrl(b)
+		if err != nil {
+			return
+		}
+		switch m.Type {
+		case "hello":
+			require.NotNil(t, m.Descriptor)
+		case "ticket":
+			require.NotNil(t, m.Ticket)
+		case "stats":
+			require.NotNil(t, m.Stats)
+		case "open", "stop", "error":
+		default:
+			t.Fatalf("accepted type %q", m.Type)
+		}
+	})
+}
+
+// TestReceiverRefusesBadRequests drives serveReceiver by hand.
+func TestReceiverRefusesBadRequests(t *testing.T) {
+	noLeak(t)
+	l, err := newLayout(4096, 16384, 1, 2)
+	require.NoError(t, err)
+	for _, tc := range []struct {
+		name string
+		send []string
+		want string
+	}{
+		{"slot out of range", []string{`{"type":"open","stream":0,"slot":2,"request_id":1}`}, "outside"},
+		{"request id 0", []string{`{"type":"open","stream":0,"slot":0}`}, "request id 0"},
+		{"garbage", []string{`{nope`}, "bad message"},
+		{"writer sends a ticket", []string{`{"type":"ticket","ticket":{}}`}, "unexpected"},
+		{"closed before stop", nil, "closed before stop"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var in io.Reader = strings.NewReader("")
+			if tc.send != nil {
+				in = strings.NewReader(strings.Join(tc.send, "\n") + "\n")
+			}
+			var out bytes.Buffer
+			cfg := receiverConfig{Transport: rdma.TransportTCP, Layout: l, Logger: quietLogger(), GrantTTL: time.Second}
+			err := serveReceiver(context.Background(), cfg, in, &out)
+			require.ErrorContains(t, err, tc.want)
+			r := newCtrlReader(&out)
+			m, err := r.next()
+			require.NoError(t, err)
+			require.Equal(t, "hello", m.Type)
+			m, err = r.next()
+			require.NoError(t, err)
+			require.Equal(t, "error", m.Type)
+			require.Contains(t, m.Error, tc.want)
+		})
+	}
+}
+
+// TestReceiverStats: grants opened and never written are revoked at stop and
+// counted as unused; nothing is reported committed.
+func TestReceiverStats(t *testing.T) {
+	noLeak(t)
+	l, err := newLayout(4096, 16384, 2, 2)
+	require.NoError(t, err)
+	in := strings.NewReader(`{"type":"open","stream":0,"slot":0,"request_id":1}
+{"type":"open","stream":1,"slot":1,"request_id":2}
+{"type":"stop"}
+`)
+	var out bytes.Buffer
+	cfg := receiverConfig{Transport: rdma.TransportInproc, Layout: l, Logger: quietLogger(), GrantTTL: 5 * time.Second}
+	require.NoError(t, serveReceiver(context.Background(), cfg, in, &out))
+	r := newCtrlReader(&out)
+	var types []string
+	var last ctrlMsg
+	for {
+		m, err := r.next()
+		if err == io.EOF {
+			break
+		}
+		require.NoError(t, err)
+		types = append(types, m.Type)
+		last = m
+		if m.Type == "ticket" {
+			require.Equal(t, l.grantBytes(), m.Ticket.Bytes)
+		}
+	}
+	require.Equal(t, []string{"hello", "ticket", "ticket", "stats"}, types)
+	require.Equal(t, receiverStats{Unused: 2}, *last.Stats)
+}
+
+func runShort(t *testing.T, tr rdma.Transport, extent uint64, streams int, sp spawner) datapathResult {
+	t.Helper()
+	l, err := newLayout(extent, 1<<20, streams, 2)
+	require.NoError(t, err)
+	r, err := runOnce(context.Background(), tr, l, 300*time.Millisecond, quietLogger(), sp, nil)
+	require.NoError(t, err)
+	require.Equal(t, tr, r.Transport)
+	require.Positive(t, r.Grants)
+	require.Equal(t, r.Grants*l.grantBytes(), r.Bytes)
+	require.InDelta(t, float64(r.Bytes)/r.Seconds/1e9, r.GBPerS, 1e-9)
+	require.GreaterOrEqual(t, r.Seconds, 0.3)
+	require.LessOrEqual(t, r.GrantP50Ms, r.GrantP99Ms)
+	return r
+}
+
+func TestRunInproc(t *testing.T) {
+	noLeak(t)
+	r := runShort(t, rdma.TransportInproc, 4096, 2, goroutineSpawner{})
+	require.Equal(t, 1, r.Processes)
+	require.Equal(t, 256, r.ExtentsPerGrant)
+}
+
+func TestRunTCPSingleProcess(t *testing.T) {
+	noLeak(t)
+	runShort(t, rdma.TransportTCP, 64<<10, 1, goroutineSpawner{})
+}
+
+func TestRunTwoProcesses(t *testing.T) {
+	if testing.Short() {
+		t.Skip("spawns a child process")
+	}
+	noLeak(t)
+	sp := childSpawner{env: []string{testRoleEnv + "=receiver"}}
+	r := runShort(t, rdma.TransportTCP, 1<<20, 1, sp)
+	require.Equal(t, 2, r.Processes)
+}
+
+// failingSpawner starts a receiver with a real engine that says hello, reads
+// the first request, answers it with reply (nothing when empty) and hangs up.
+type failingSpawner struct{ reply string }
+
+func (f failingSpawner) spawn(ctx context.Context, t rdma.Transport, l layout, logger *slog.Logger) (*receiverHandle, error) {
+	eng, err := rdma.New(rdma.Config{Agent: agentID("ghost"), Transports: []rdma.Transport{t}, Logger: logger})
+	if err != nil {
+		return nil, err
+	}
+	if _, err := eng.Register("dst", int64(l.regionBytes())); err != nil {
+		eng.Close()
+		return nil, err
+	}
+	inR, inW := io.Pipe()
+	outR, outW := io.Pipe()
+	done := make(chan error, 1)
+	go func() {
+		defer eng.Close()
+		d := eng.Descriptor()
+		_ = newCtrlWriter(outW).send(ctrlMsg{Type: "hello", Descriptor: &d})
+		_, _ = newCtrlReader(inR).next()
+		if f.reply != "" {
+			_, _ = io.WriteString(outW, f.reply+"\n")
+		}
+		_ = outW.Close()
+		_ = inR.Close()
+		done <- nil
+	}()
+	return &receiverHandle{in: inW, out: outR, wait: func() error { return <-done }, processes: 1}, nil
+}
+
+func TestRunReceiverFailures(t *testing.T) {
+	noLeak(t)
+	l, err := newLayout(4096, 65536, 1, 2)
+	require.NoError(t, err)
+	for _, tc := range []struct {
+		name, reply, want string
+	}{
+		{"hangs up", "", "control channel"},
+		{"reports an error", `{"type":"error","error":"out of memory"}`, "out of memory"},
+		{"sends garbage", `{"type":"ticket"}`, "without ticket"},
+		{"ticket for another stream", `{"type":"ticket","stream":5,"ticket":{}}`, "stream 5"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := runOnce(context.Background(), rdma.TransportInproc, l, 5*time.Second, quietLogger(), failingSpawner{tc.reply}, nil)
+			require.ErrorContains(t, err, tc.want)
+		})
+	}
+	// A descriptor whose region does not match the layout is refused before any write.
+	bad, err := newLayout(4096, 65536, 1, 3)
+	require.NoError(t, err)
+	_, err = runOnce(context.Background(), rdma.TransportInproc, l, time.Second, quietLogger(), mismatchSpawner{bad}, nil)
+	require.ErrorContains(t, err, "want one of")
+}
+
+// mismatchSpawner runs a real receiver with another layout.
+type mismatchSpawner struct{ l layout }
+
+func (m mismatchSpawner) spawn(ctx context.Context, t rdma.Transport, _ layout, logger *slog.Logger) (*receiverHandle, error) {
+	return goroutineSpawner{}.spawn(ctx, t, m.l, logger)
+}
+
+func TestMeasureDatapathReport(t *testing.T) {
+	noLeak(t)
+	o, err := parseDatapathFlags([]string{"--transport", "inproc", "--extent", "4KiB,64KiB", "--duration", "200ms", "--grant-bytes", "256KiB"}, io.Discard)
+	require.NoError(t, err)
+	rep, err := measureDatapath(context.Background(), o, quietLogger(), goroutineSpawner{}, nil)
+	require.NoError(t, err)
+	require.Len(t, rep.Runs, 2)
+
+	var js bytes.Buffer
+	require.NoError(t, rep.write(&js, "json"))
+	var multi struct {
+		Runs []map[string]any `json:"runs"`
+	}
+	require.NoError(t, json.Unmarshal(js.Bytes(), &multi))
+	require.Len(t, multi.Runs, 2)
+
+	js.Reset()
+	single := report{Runs: rep.Runs[:1], Baselines: []baseline{{Name: "iperf3", Status: statusNotInstalled}}}
+	require.NoError(t, single.write(&js, "json"))
+	var flat map[string]any
+	require.NoError(t, json.Unmarshal(js.Bytes(), &flat))
+	for _, k := range []string{"transport", "extent_bytes", "bytes", "seconds", "gb_per_s", "streams", "baselines"} {
+		require.Contains(t, flat, k)
+	}
+	require.Equal(t, "inproc", flat["transport"])
+	require.EqualValues(t, 4096, flat["extent_bytes"])
+
+	var tab bytes.Buffer
+	require.NoError(t, single.write(&tab, "table"))
+	require.Contains(t, tab.String(), "inproc")
+	require.Contains(t, tab.String(), "not installed")
+}
