@@ -1,0 +1,186 @@
+package rdma
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// The cross-process tests run the writer in a child process (this test
+// binary, re-executed into TestHelperWriter), as in production: the
+// Descriptor and Ticket cross the process boundary as JSON, and the shm
+// transport passes real memfds between processes.
+
+type helperJob struct {
+	Transport Transport  `json:"transport"`
+	Peer      Descriptor `json:"peer"`
+	Ticket    Ticket     `json:"ticket"`
+}
+
+func helperPattern(i int) byte { return byte(i*31 + 7) }
+
+// TestHelperWriter is the child's side; it does nothing in a normal run.
+func TestHelperWriter(t *testing.T) {
+	raw := os.Getenv("RDMA_HELPER_JOB")
+	if raw == "" {
+		t.Skip("helper process for the cross-process tests")
+	}
+	var job helperJob
+	require.NoError(t, json.Unmarshal([]byte(raw), &job))
+	e, err := New(Config{Agent: "helper-writer", Transports: []Transport{job.Transport}, Logger: quietLogger()})
+	require.NoError(t, err)
+	defer e.Close()
+	src, err := e.Register("src", int64(job.Ticket.Bytes))
+	require.NoError(t, err)
+	for i := range src.Bytes() {
+		src.Bytes()[i] = helperPattern(i)
+	}
+	ctx := context.Background()
+	tr, err := e.Connect(ctx, job.Peer)
+	require.NoError(t, err)
+	fmt.Printf("connected %s\n", tr)
+	m, err := e.Write(ctx, job.Peer, job.Ticket, []Extent{{Region: src.ID(), Offset: 0, Length: job.Ticket.Bytes}})
+	if err != nil {
+		fmt.Printf("error %v\n", err)
+		return
+	}
+	b, _ := json.Marshal(m)
+	fmt.Printf("manifest %s\n", b)
+}
+
+// startWriter starts the child writer and returns it once it connected.
+func startWriter(t *testing.T, job helperJob) (*exec.Cmd, *bufio.Scanner) {
+	t.Helper()
+	raw, err := json.Marshal(job)
+	require.NoError(t, err)
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperWriter$", "-test.v")
+	cmd.Env = append(os.Environ(), "RDMA_HELPER_JOB="+string(raw))
+	out, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	cmd.Stderr = os.Stderr
+	require.NoError(t, cmd.Start())
+	sc := bufio.NewScanner(out)
+	for sc.Scan() {
+		if line := sc.Text(); len(line) > 10 && line[:10] == "connected " {
+			require.Equal(t, string(job.Transport), line[10:])
+			return cmd, sc
+		}
+	}
+	_ = cmd.Wait()
+	t.Fatalf("helper writer did not connect")
+	return nil, nil
+}
+
+func crossTransports() []Transport {
+	if shmSupported {
+		return []Transport{TransportTCP, TransportSHM}
+	}
+	return []Transport{TransportTCP}
+}
+
+func TestCrossProcessWrite(t *testing.T) {
+	if testing.Short() {
+		t.Skip("spawns processes")
+	}
+	for _, tr := range crossTransports() {
+		t.Run(string(tr), func(t *testing.T) {
+			rx, err := New(Config{Agent: "cross-rx", Transports: []Transport{tr}, Logger: quietLogger()})
+			require.NoError(t, err)
+			defer rx.Close()
+			dst, err := rx.Register("dst", 4<<20)
+			require.NoError(t, err)
+			fill(dst.Bytes(), canary)
+			exts := []Extent{{1, 100, 1 << 20}, {1, 2 << 20, 512 << 10}, {1, 3 << 20, 4096}}
+			g, err := rx.OpenGrant(GrantSpec{RequestID: 11, Extents: exts, Deadline: time.Now().Add(time.Minute)})
+			require.NoError(t, err)
+			cmd, sc := startWriter(t, helperJob{Transport: tr, Peer: rx.Descriptor(), Ticket: g.Ticket()})
+			var last string
+			for sc.Scan() {
+				last = sc.Text()
+				if len(last) > 9 && last[:9] == "manifest " {
+					break
+				}
+			}
+			require.NoError(t, cmd.Wait())
+			require.Contains(t, last, "manifest ")
+			var m Manifest
+			require.NoError(t, json.Unmarshal([]byte(last[9:]), &m))
+			got, err := g.Wait(context.Background())
+			require.NoError(t, err)
+			require.Equal(t, m, got)
+			i := 0
+			for _, x := range exts {
+				for j := range x.Length {
+					if dst.Bytes()[x.Offset+j] != helperPattern(i) {
+						t.Fatalf("byte %d of extent at %d differs", j, x.Offset)
+					}
+					i++
+				}
+			}
+			inside := func(o uint64) bool {
+				for _, x := range exts {
+					if o >= x.Offset && o < x.Offset+x.Length {
+						return true
+					}
+				}
+				return false
+			}
+			for o, b := range dst.Bytes() {
+				if !inside(uint64(o)) && b != canary {
+					t.Fatalf("byte %d outside the grant changed", o)
+				}
+			}
+		})
+	}
+}
+
+// TestCrossProcessWriterKilled kills the writer process while it copies:
+// the receiver notices through the closed connection, the grant fails with
+// ErrPeerClosed without anyone calling Revoke, nothing lands outside it,
+// and after it settled nothing lands at all.
+func TestCrossProcessWriterKilled(t *testing.T) {
+	if testing.Short() {
+		t.Skip("spawns processes")
+	}
+	for _, tr := range crossTransports() {
+		t.Run(string(tr), func(t *testing.T) {
+			const size = 64 << 20
+			rx, err := New(Config{Agent: "cross-rx", Transports: []Transport{tr}, Logger: quietLogger()})
+			require.NoError(t, err)
+			defer rx.Close()
+			dst, err := rx.Register("dst", size+8192)
+			require.NoError(t, err)
+			fill(dst.Bytes(), canary)
+			exts := []Extent{{1, 4096, size}}
+			g, err := rx.OpenGrant(GrantSpec{RequestID: 12, Extents: exts, Deadline: time.Now().Add(time.Minute)})
+			require.NoError(t, err)
+			cmd, _ := startWriter(t, helperJob{Transport: tr, Peer: rx.Descriptor(), Ticket: g.Ticket()})
+			time.Sleep(2 * time.Millisecond)
+			require.NoError(t, cmd.Process.Kill())
+			_ = cmd.Wait()
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			_, err = g.Wait(ctx)
+			if err == nil {
+				t.Log("the writer finished before it was killed")
+			} else {
+				require.ErrorIs(t, err, ErrPeerClosed)
+			}
+			snap := append([]byte(nil), dst.Bytes()...)
+			for o := range 4096 {
+				require.Equal(t, byte(canary), snap[o])
+				require.Equal(t, byte(canary), snap[4096+size+o])
+			}
+			g.Revoke()
+			time.Sleep(10 * time.Millisecond)
+			require.Equal(t, snap, dst.Bytes())
+		})
+	}
+}
