@@ -1,0 +1,127 @@
+package main
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/handoff-io/handoff/rdma"
+	"github.com/stretchr/testify/require"
+)
+
+// iperf3Report is the shape of iperf3 3.12 -J output, trimmed.
+const iperf3Report = `{
+	"start": {"connected": [{"socket": 5, "local_host": "127.0.0.1", "remote_port": 5201}], "version": "iperf 3.12"},
+	"intervals": [{"sum": {"bytes": 2818572288, "bits_per_second": 22548563298.1}}],
+	"end": {
+		"sum_sent": {"seconds": 1.0, "bytes": 2818572288, "bits_per_second": 22548578304, "retransmits": 0},
+		"sum_received": {"seconds": 1.0003, "bytes": 2818441216, "bits_per_second": 18000000000}
+	}
+}`
+
+func TestParseIperf3JSON(t *testing.T) {
+	v, err := parseIperf3JSON([]byte(iperf3Report))
+	require.NoError(t, err)
+	require.InDelta(t, 2.25, v, 1e-9, "18 Gbit/s received is 2.25 GB/s")
+
+	for _, bad := range []string{
+		``, `not json`, `{}`,
+		`{"error": "unable to connect to server: Connection refused"}`,
+		`{"end": {"sum_received": {"bits_per_second": 0}}}`,
+	} {
+		_, err := parseIperf3JSON([]byte(bad))
+		require.Error(t, err, bad)
+	}
+	_, err = parseIperf3JSON([]byte(`{"error": "the server is busy running a test"}`))
+	require.ErrorContains(t, err, "server is busy")
+}
+
+const ucxFull = `+--------------+--------------+------------------------------+---------------------+-----------------------+
+|              |              |       overhead (usec)        |   bandwidth (MB/s)  |  message rate (msg/s) |
++--------------+--------------+----------+---------+---------+----------+----------+-----------+-----------+
+|    Stage     | # iterations | 50.0%ile | average | overall |  average |  overall |  average  |  overall  |
++--------------+--------------+----------+---------+---------+----------+----------+-----------+-----------+
+[thread 0]               979      1.383  4927.648  4173.883      202.94     239.59         203         240
+Final:                  2000      1.233 69132.264  5718.205       14.47     174.88          14         175
++------------------------------------------------------------------------------------------+
+| API:          protocol layer                                                             |
+| Message size: 1048576                                                                    |
++------------------------------------------------------------------------------------------+
+`
+
+const ucxFinalOnly = `+--------------+--------------+----------+---------+---------+----------+----------+-----------+-----------+
+|     Test     | # iterations | 50.0%ile | average | overall |  average |  overall |  average  |  overall  |
++--------------+--------------+----------+---------+---------+----------+----------+-----------+-----------+
+                       20000      1.973    20.241    20.241      192.98     4917.00       49404       49404
+`
+
+// ucxNoPercentile is an older layout without the percentile column.
+const ucxNoPercentile = `Final:                  1000   212.142   212.142     4713.96    4713.96        4714        4714
+`
+
+func TestParseUCXPerftest(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		in   string
+		want float64
+	}{
+		{"full report", ucxFull, 174.88},
+		{"-f", ucxFinalOnly, 4917},
+		{"no percentile column", ucxNoPercentile, 4713.96},
+	} {
+		v, err := parseUCXPerftest([]byte(tc.in))
+		require.NoError(t, err, tc.name)
+		require.InDelta(t, tc.want, v, 1e-9, tc.name)
+	}
+	for _, bad := range []string{"", "UCX ERROR client failed. connect() failed: Connection refused\n",
+		"| Message size: 1048576 |\n", "Final: 1 2 3 4 0 0 0\n"} {
+		_, err := parseUCXPerftest([]byte(bad))
+		require.Error(t, err, bad)
+	}
+}
+
+func TestUCXIterations(t *testing.T) {
+	require.Equal(t, 2861, ucxIterations(1<<20, 3*time.Second))
+	require.Equal(t, 100, ucxIterations(1<<30, time.Second))
+	require.Equal(t, 1_000_000, ucxIterations(8, 5*time.Second))
+}
+
+func TestBaselinesNotInstalled(t *testing.T) {
+	t.Setenv("PATH", t.TempDir())
+	require.Equal(t, baseline{Name: "iperf3", Status: statusNotInstalled}, iperf3Baseline(context.Background(), time.Second))
+	require.Equal(t, baseline{Name: "ucx_tag_bw", ExtentBytes: 4096, Status: statusNotInstalled},
+		ucxBaseline(context.Background(), "ucx_tag_bw", "tag_bw", 4096, time.Second))
+}
+
+func TestMemcpyGBPerS(t *testing.T) {
+	l, err := newLayout(4096, 256<<10, 1, 1)
+	require.NoError(t, err)
+	require.Positive(t, memcpyGBPerS(l, 50*time.Millisecond))
+}
+
+func TestComputeRatios(t *testing.T) {
+	runs := []datapathResult{
+		{Transport: rdma.TransportTCP, ExtentBytes: 4 << 10, GBPerS: 1.5},
+		{Transport: rdma.TransportTCP, ExtentBytes: 1 << 20, GBPerS: 3},
+		{Transport: rdma.TransportSHM, ExtentBytes: 1 << 20, GBPerS: 10},
+		{Transport: rdma.TransportInproc, ExtentBytes: 64 << 10, GBPerS: 8},
+	}
+	bs := []baseline{
+		{Name: "iperf3", GBPerS: 2, Status: statusOK},
+		{Name: "memcpy", ExtentBytes: 1 << 20, GBPerS: 20, Status: statusOK},
+		{Name: "memcpy", ExtentBytes: 64 << 10, GBPerS: 16, Status: statusOK},
+		{Name: "ucx_tag_bw", ExtentBytes: 1 << 20, GBPerS: 5, Status: statusOK},
+		{Name: "ucx_tag_bw", ExtentBytes: 4 << 10, Status: "failed: timeout"},
+		{Name: "ucx_put_bw", ExtentBytes: 1 << 20, Status: statusNotInstalled},
+	}
+	require.Equal(t, []ratio{
+		{Name: "tcp/iperf3", ExtentBytes: 4 << 10, Value: 0.75},
+		{Name: "tcp 4KiB-vs-1MiB", ExtentBytes: 4 << 10, Value: 0.5, Target: targetSmallVsMiB},
+		{Name: "tcp/iperf3", ExtentBytes: 1 << 20, Value: 1.5, Target: targetTCPvsIperf3},
+		{Name: "tcp/ucx_tag_bw", ExtentBytes: 1 << 20, Value: 0.6, Target: targetTCPvsUCXTag},
+		{Name: "shm/memcpy", ExtentBytes: 1 << 20, Value: 0.5, Target: targetSHMvsMemcpy},
+		{Name: "inproc/memcpy", ExtentBytes: 64 << 10, Value: 0.5},
+	}, computeRatios(runs, bs))
+	require.Equal(t, []ratio{{Name: "tcp 4KiB-vs-1MiB", ExtentBytes: 4 << 10, Value: 0.5, Target: targetSmallVsMiB}},
+		computeRatios(runs, nil), "without baselines only the size ratio remains")
+}
