@@ -116,12 +116,14 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 		log.Warn("drain timed out; failing the requests left", "live", eng.Live())
 	}
 	cancel()
+	// Stopping the loop fails what is left (ErrClosed), so every handler
+	// answers and returns; then the API server stops.
+	stopLoop()
 	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	if err := apiSrv.shutdown(sctx); err != nil {
 		log.Warn("api shutdown", "err", err)
 	}
 	cancel()
-	stopLoop()
 	log.Info("decode stopped")
 	return nil
 }
