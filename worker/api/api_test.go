@@ -279,7 +279,7 @@ func TestClientDisconnectCancels(t *testing.T) {
 	defer srv.Close()
 	ctx, cancel := context.WithCancel(context.Background())
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/v1/completions",
-		strings.NewReader(`{"model":"tiny-hybrid","prompt":"long one","max_tokens":2000,"stream":true}`))
+		strings.NewReader(`{"model":"tiny-hybrid","prompt":"long one","max_tokens":2000,"temperature":0,"stream":true}`))
 	require.NoError(t, err)
 	resp, err := http.DefaultClient.Do(req)
 	require.NoError(t, err)
