@@ -68,7 +68,8 @@
 // fails the handoffs addressed to it with ErrPeerFailed; a request taken
 // through the queue group names its instance only in the reply, so until
 // then a silent death is bounded by the deadline); prefillers watch decode
-// instances (and stop work for one that disappears). Prefill workers are also
+// instances, pre-connect their data plane to each one as it appears (so no
+// handoff pays the connection set-up) and stop work for one that disappears. Prefill workers are also
 // NATS micro services (ServiceName), so `nats micro ls|info|stats` lists them.
 //
 // # Symmetry

@@ -456,6 +456,13 @@ func TestPrefillerStopsOnDecodeDeath(t *testing.T) {
 		}
 		return nil
 	})
+	// The worker pre-connected its data plane to the decode instance it saw.
+	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if tr, ok := ps.eng.TransportFor("dec"); !ok || tr != rdma.TransportInproc {
+			return fmt.Errorf("not connected (%q)", tr)
+		}
+		return nil
+	})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {

@@ -101,6 +101,7 @@ type Lease interface {
 // senderEngine is what a Prefiller needs from the data plane.
 type senderEngine interface {
 	Write(ctx context.Context, peer rdma.Descriptor, t rdma.Ticket, src []rdma.Extent) (rdma.Manifest, error)
+	Connect(ctx context.Context, peer rdma.Descriptor) (rdma.Transport, error)
 	Descriptor() rdma.Descriptor
 }
 
@@ -133,6 +134,12 @@ type Prefiller struct {
 	tasks   map[uint64]map[*task]struct{} // by request id
 	wg      sync.WaitGroup
 
+	// Pre-connection to decode instances seen in the registry, so a first
+	// handoff does not pay the data plane's connection set-up.
+	connected  map[string]string // decode instance id -> agent connected to
+	connCtx    context.Context
+	connCancel context.CancelFunc
+
 	maxPayload int64
 	received   atomic.Uint64
 	served     atomic.Uint64
@@ -151,7 +158,10 @@ func NewPrefiller(cfg PrefillerConfig, nc *nats.Conn, eng *rdma.Engine, exec Pre
 	if exec == nil {
 		return nil, fmt.Errorf("%w: nil executor", ErrInvalidConfig)
 	}
-	return &Prefiller{cfg: cfg, nc: nc, eng: eng, exec: exec, tasks: map[uint64]map[*task]struct{}{}, maxPayload: nc.MaxPayload()}, nil
+	p := &Prefiller{cfg: cfg, nc: nc, eng: eng, exec: exec, tasks: map[uint64]map[*task]struct{}{},
+		connected: map[string]string{}, maxPayload: nc.MaxPayload()}
+	p.connCtx, p.connCancel = context.WithCancel(context.Background())
+	return p, nil
 }
 
 // Stats returns cumulative counters.
@@ -209,9 +219,13 @@ func (p *Prefiller) Start(ctx context.Context) (err error) {
 		}
 		p.reg = reg
 		reg.OnChange(func(inst Instance, gone bool) {
-			if gone && inst.Role == RoleDecode {
+			if inst.Role != RoleDecode {
+				return
+			}
+			if gone {
 				p.abortFrom(inst.ID, CodePeerFailed)
 			}
+			p.preconnect(inst, gone)
 		})
 		if err := reg.Watch(ctx, RoleDecode); err != nil {
 			return err
@@ -225,6 +239,37 @@ func (p *Prefiller) Start(ctx context.Context) (err error) {
 	}
 	p.state = 1
 	return nil
+}
+
+// preconnect connects the data plane to a decode instance when it appears (or
+// its agent changes), in the background, bounded by 10 s and by Shutdown.
+func (p *Prefiller) preconnect(inst Instance, gone bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if gone {
+		delete(p.connected, inst.ID)
+		return
+	}
+	if p.state == 2 || p.connected[inst.ID] == inst.Peer.Agent {
+		return
+	}
+	p.connected[inst.ID] = inst.Peer.Agent
+	desc := inst.Peer.Descriptor()
+	p.wg.Go(func() {
+		ctx, cancel := context.WithTimeout(p.connCtx, 10*time.Second)
+		defer cancel()
+		tr, err := p.eng.Connect(ctx, desc)
+		if err != nil {
+			p.cfg.Logger.Warn("pre-connect to decode instance", "instance", inst.ID, "agent", desc.Agent, "err", err)
+			p.mu.Lock()
+			if p.connected[inst.ID] == inst.Peer.Agent {
+				delete(p.connected, inst.ID) // retried on its next heartbeat
+			}
+			p.mu.Unlock()
+			return
+		}
+		p.cfg.Logger.Info("pre-connected to decode instance", "instance", inst.ID, "agent", desc.Agent, "transport", tr)
+	})
 }
 
 func (p *Prefiller) self() Instance {
@@ -267,6 +312,7 @@ func (p *Prefiller) Shutdown(ctx context.Context) error {
 	err := p.stopIntakeLocked()
 	reg := p.reg
 	p.mu.Unlock()
+	p.connCancel()
 
 	drained := make(chan struct{})
 	go func() { p.wg.Wait(); close(drained) }()
