@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net"
+	"os"
 	"runtime"
 	"sync"
 	"testing"
@@ -38,6 +39,7 @@ type pair struct {
 	dst, src   *Region
 	desc       Descriptor
 	goroutines int
+	fds        int
 }
 
 const pairRegion = 1 << 20
@@ -47,7 +49,7 @@ func newPair(t *testing.T, tr Transport) *pair { return newPairCRC(t, tr, false,
 // newPairCRC sets SkipCRC on the receiver and the writer.
 func newPairCRC(t *testing.T, tr Transport, rxSkip, txSkip bool) *pair {
 	t.Helper()
-	p := &pair{t: tr, goroutines: runtime.NumGoroutine()}
+	p := &pair{t: tr, goroutines: runtime.NumGoroutine(), fds: openFDs()}
 	var err error
 	p.rx, err = New(Config{Agent: AgentID("rx-" + t.Name()), Transports: []Transport{tr}, Logger: quietLogger(), SkipCRC: rxSkip})
 	require.NoError(t, err)
@@ -74,6 +76,7 @@ func newPairCRC(t *testing.T, tr Transport, rxSkip, txSkip bool) *pair {
 		require.NoError(t, p.rx.Close())
 		require.NoError(t, p.rx.Close(), "Close is idempotent")
 		requireGoroutines(t, p.goroutines)
+		requireFDs(t, p.fds)
 	})
 	return p
 }
@@ -81,6 +84,40 @@ func newPairCRC(t *testing.T, tr Transport, rxSkip, txSkip bool) *pair {
 func fill(b []byte, v byte) {
 	for i := range b {
 		b[i] = v
+	}
+}
+
+var netpollWarm sync.Once
+
+// openFDs counts this process's open file descriptors (-1 where unknown).
+// The runtime's own poller descriptors are created first, so they are
+// counted in the baseline.
+func openFDs() int {
+	netpollWarm.Do(func() {
+		if ln, err := net.Listen("tcp", "127.0.0.1:0"); err == nil {
+			ln.Close()
+		}
+	})
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return -1
+	}
+	return len(ents)
+}
+
+// requireFDs waits for the descriptor count to fall back to n: no
+// connection, memfd or listener outlives its engine.
+func requireFDs(t *testing.T, n int) {
+	t.Helper()
+	if n < 0 {
+		return
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for openFDs() > n {
+		if time.Now().After(deadline) {
+			t.Fatalf("descriptor leak: %d open, %d before", openFDs(), n)
+		}
+		time.Sleep(5 * time.Millisecond)
 	}
 }
 
