@@ -5,5 +5,27 @@
 //
 // Main is each binary's whole program; RunDecode and RunPrefill are the
 // workers themselves, usable in process (standalone mode runs both, with an
-// embedded NATS server, in one process).
+// embedded NATS server, in one process, over the same NATS and TCP data-path
+// code as separate processes).
+//
+// # Start
+//
+//  1. The admin endpoint comes up first: /livez answers, /readyz is 503.
+//  2. The model is looked up and one hybrid cache manager per ADP rank is
+//     built; in remote mode its arenas are registered data-plane regions
+//     (reserved Mamba rows are forbidden at the data plane).
+//  3. NATS is dialled (forever, until ctx ends; a refused authentication is
+//     final), then the transfer Decoder or Prefiller announces the instance.
+//  4. The engine loop starts; decode opens its API listener. /readyz turns
+//     200 once NATS is connected, the instance registered and the data path
+//     listening.
+//
+// # Stop (ctx cancelled by SIGTERM or SIGINT)
+//
+//  1. /readyz turns 503; new requests are refused (503 at the API, a
+//     capacity refusal on the prefill service).
+//  2. In-flight requests finish, for up to --drain-timeout.
+//  3. The loop stops, failing what is left and freeing every row and block;
+//     then the API server, the transfer driver, NATS and the data plane close.
+//     The worker returns nil: the process exits 0.
 package service
