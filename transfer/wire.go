@@ -37,7 +37,14 @@ func (t Tokens) EncodeMsgpack(enc *msgpack.Encoder) error {
 	if t == nil {
 		return enc.EncodeNil()
 	}
-	return writePacked(enc, len(t), 4, func(b []byte, i int) { binary.LittleEndian.PutUint32(b, uint32(t[i])) })
+	b, err := packedBuf(enc, 4*len(t))
+	if err != nil {
+		return err
+	}
+	for i, v := range t {
+		binary.LittleEndian.PutUint32(b[4*i:], uint32(v))
+	}
+	return packedDone(enc, b)
 }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
@@ -66,11 +73,17 @@ func (x Extents) EncodeMsgpack(enc *msgpack.Encoder) error {
 	if x == nil {
 		return enc.EncodeNil()
 	}
-	return writePacked(enc, len(x), extentSize, func(o []byte, i int) {
-		binary.LittleEndian.PutUint32(o, uint32(x[i].Region))
-		binary.LittleEndian.PutUint64(o[4:], x[i].Offset)
-		binary.LittleEndian.PutUint64(o[12:], x[i].Length)
-	})
+	b, err := packedBuf(enc, extentSize*len(x))
+	if err != nil {
+		return err
+	}
+	for i, e := range x {
+		o := b[extentSize*i:]
+		binary.LittleEndian.PutUint32(o, uint32(e.Region))
+		binary.LittleEndian.PutUint64(o[4:], e.Offset)
+		binary.LittleEndian.PutUint64(o[12:], e.Length)
+	}
+	return packedDone(enc, b)
 }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
@@ -101,7 +114,14 @@ func (u U64s) EncodeMsgpack(enc *msgpack.Encoder) error {
 	if u == nil {
 		return enc.EncodeNil()
 	}
-	return writePacked(enc, len(u), 8, func(b []byte, i int) { binary.LittleEndian.PutUint64(b, u[i]) })
+	b, err := packedBuf(enc, 8*len(u))
+	if err != nil {
+		return err
+	}
+	for i, v := range u {
+		binary.LittleEndian.PutUint64(b[8*i:], v)
+	}
+	return packedDone(enc, b)
 }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
@@ -127,7 +147,14 @@ func (u U32s) EncodeMsgpack(enc *msgpack.Encoder) error {
 	if u == nil {
 		return enc.EncodeNil()
 	}
-	return writePacked(enc, len(u), 4, func(b []byte, i int) { binary.LittleEndian.PutUint32(b, u[i]) })
+	b, err := packedBuf(enc, 4*len(u))
+	if err != nil {
+		return err
+	}
+	for i, v := range u {
+		binary.LittleEndian.PutUint32(b[4*i:], v)
+	}
+	return packedDone(enc, b)
 }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
@@ -145,24 +172,21 @@ func (u *U32s) DecodeMsgpack(dec *msgpack.Decoder) error {
 	return nil
 }
 
-// writePacked writes n items of size bytes each as one msgpack bin, put
-// filling each item. Into the package's own buffers it fills the spare
-// capacity in place; elsewhere it builds the field first.
-func writePacked(enc *msgpack.Encoder, n, size int, put func(dst []byte, i int)) error {
-	if err := enc.EncodeBytesLen(n * size); err != nil {
-		return err
+// packedBuf writes the header of an n-byte bin and returns where to put its
+// bytes: the spare capacity of the package's own output buffer (filled in
+// place), or a new slice when encoding elsewhere. packedDone writes them.
+func packedBuf(enc *msgpack.Encoder, n int) ([]byte, error) {
+	if err := enc.EncodeBytesLen(n); err != nil {
+		return nil, err
 	}
-	var b []byte
-	bw, ok := enc.Writer().(*bytes.Buffer)
-	if ok {
-		bw.Grow(n * size)
-		b = bw.AvailableBuffer()[:n*size]
-	} else {
-		b = make([]byte, n*size)
+	if bw, ok := enc.Writer().(*bytes.Buffer); ok {
+		bw.Grow(n)
+		return bw.AvailableBuffer()[:n], nil
 	}
-	for i := range n {
-		put(b[i*size:], i)
-	}
+	return make([]byte, n), nil
+}
+
+func packedDone(enc *msgpack.Encoder, b []byte) error {
 	_, err := enc.Writer().Write(b)
 	return err
 }
@@ -543,10 +567,39 @@ func (w *encoder) int(k string, v int64) {
 	}
 }
 
-func (w *encoder) custom(k string, v msgpack.CustomEncoder) {
+func (w *encoder) u64s(k string, v U64s) {
 	w.key(k)
 	if w.err == nil {
 		w.err = v.EncodeMsgpack(w.e)
+	}
+}
+
+func (w *encoder) u32s(k string, v U32s) {
+	w.key(k)
+	if w.err == nil {
+		w.err = v.EncodeMsgpack(w.e)
+	}
+}
+
+func (w *encoder) tokens(k string, v Tokens) {
+	w.key(k)
+	if w.err == nil {
+		w.err = v.EncodeMsgpack(w.e)
+	}
+}
+
+func (w *encoder) extents(k string, v Extents) {
+	w.key(k)
+	if w.err == nil {
+		w.err = v.EncodeMsgpack(w.e)
+	}
+}
+
+// sub encodes a nested message by its method (no interface boxing).
+func (w *encoder) sub(k string, enc func(*msgpack.Encoder) error) {
+	w.key(k)
+	if w.err == nil {
+		w.err = enc(w.e)
 	}
 }
 
@@ -779,7 +832,7 @@ func (t Ticket) EncodeMsgpack(enc *msgpack.Encoder) error {
 		w.err = enc.EncodeBytes(t.Token)
 	}
 	w.uint("id", t.RequestID)
-	w.custom("x", t.Extents)
+	w.extents("x", t.Extents)
 	w.uint("b", t.Bytes)
 	w.int("dl", t.Deadline)
 	return w.err
@@ -827,8 +880,8 @@ func (t *Ticket) decode(dec *msgpack.Decoder, k *keys) error {
 func (m Manifest) EncodeMsgpack(enc *msgpack.Encoder) error {
 	w := encoder{e: enc}
 	w.mapLen(2)
-	w.custom("b", m.Bytes)
-	w.custom("c", m.CRC)
+	w.u64s("b", m.Bytes)
+	w.u32s("c", m.CRC)
 	return w.err
 }
 
@@ -867,11 +920,11 @@ func (m *PrefillRequest) EncodeMsgpack(enc *msgpack.Encoder) error {
 	w.str("from", m.From)
 	w.uint("try", uint64(m.Attempt))
 	w.str("fp", m.Fingerprint)
-	w.custom("tok", m.Tokens)
-	w.custom("smp", m.Sampling)
+	w.tokens("tok", m.Tokens)
+	w.sub("smp", m.Sampling.EncodeMsgpack)
 	w.int("dl", m.Deadline)
-	w.custom("peer", m.Peer)
-	w.custom("tk", m.Ticket)
+	w.sub("peer", m.Peer.EncodeMsgpack)
+	w.sub("tk", m.Ticket.EncodeMsgpack)
 	w.uint("kvb", m.KVBytes)
 	w.uint("mb", m.MambaBytes)
 	return w.err
@@ -933,7 +986,7 @@ func (m *PrefillReply) EncodeMsgpack(enc *msgpack.Encoder) error {
 	w.int("wr", m.WriteNanos)
 	w.uint("kvb", m.KVBytes)
 	w.uint("mb", m.MambaBytes)
-	w.custom("man", m.Manifest)
+	w.sub("man", m.Manifest.EncodeMsgpack)
 	return w.err
 }
 
