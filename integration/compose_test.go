@@ -40,7 +40,8 @@ const (
 	composeHealthyTimeout = 3 * time.Minute
 	composeRequestTimeout = 90 * time.Second // longer than the workers' 30 s request timeout
 	composePoolsIdleWait  = 90 * time.Second
-	composeModel          = "tiny-hybrid" // docker-compose.yml's default HANDOFF_MODEL
+	composePostKillWindow = 45 * time.Second // longer than the workers' 30 s request timeout
+	composeModel          = "tiny-hybrid"    // docker-compose.yml's default HANDOFF_MODEL
 )
 
 // composeStack is one running docker-compose project.
@@ -431,7 +432,24 @@ func TestComposeStack(t *testing.T) {
 	_, err := s.runCmd(ctx, "docker", "kill", victim)
 	cancel()
 	require.NoError(t, err)
-	time.Sleep(6 * time.Second)
+	// Keep the load on until requests started after the kill have succeeded
+	// (the surviving prefill takes the work), or past the workers' request
+	// timeout, by which every request caught by the kill has ended.
+	postKill := time.Now().Add(composePostKillWindow)
+	for time.Now().Before(postKill) {
+		mu.Lock()
+		n := 0
+		for _, o := range outcomes {
+			if o.ok() && o.start.After(killedAt) {
+				n++
+			}
+		}
+		mu.Unlock()
+		if n >= 3 && time.Since(killedAt) > 5*time.Second {
+			break
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
 	close(stop)
 	wg.Wait() // every client's last request has returned: nothing hangs
 
