@@ -275,6 +275,7 @@ func TestConformanceRefusals(t *testing.T) {
 		open := func(t *testing.T) (*Grant, Ticket) {
 			g, err := p.rx.OpenGrant(GrantSpec{RequestID: 7, Extents: dstExtents()})
 			require.NoError(t, err)
+			t.Cleanup(g.Revoke)
 			return g, g.Ticket()
 		}
 		src := func(tk Ticket) []Extent { return srcExtents(tk.Bytes) }
@@ -458,6 +459,27 @@ func TestOpenGrantValidation(t *testing.T) {
 		require.NoError(t, err, fmt.Sprint(ok))
 		g.Revoke()
 	}
+
+	// A destination held by an open grant cannot be granted again until
+	// that grant is Done.
+	g1, err := e.OpenGrant(GrantSpec{RequestID: 1, Extents: []Extent{{1, 100, 100}, {1, 2000, 100}}})
+	require.NoError(t, err)
+	g2, err := e.OpenGrant(GrantSpec{RequestID: 2, Extents: []Extent{{1, 200, 100}, {1, 1900, 100}}}) // touching, not overlapping
+	require.NoError(t, err)
+	for _, busy := range [][]Extent{x(150, 1), x(0, 101), x(2099, 50), x(1950, 51), {{1, 300, 10}, {1, 199, 2}}} {
+		_, err := e.OpenGrant(GrantSpec{RequestID: 3, Extents: busy})
+		require.ErrorIs(t, err, ErrBusy, fmt.Sprint(busy))
+	}
+	g1.Revoke()
+	g3, err := e.OpenGrant(GrantSpec{RequestID: 3, Extents: x(100, 100)})
+	require.NoError(t, err)
+	_, err = e.OpenGrant(GrantSpec{RequestID: 4, Extents: x(250, 1)})
+	require.ErrorIs(t, err, ErrBusy)
+	g2.Revoke()
+	g3.Revoke()
+	g4, err := e.OpenGrant(GrantSpec{RequestID: 4, Extents: x(0, 1024)})
+	require.NoError(t, err)
+	g4.Revoke()
 	require.Panics(t, func() { r.Forbid(4000, 97) })
 }
 

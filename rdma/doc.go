@@ -89,7 +89,7 @@
 //     there and verified; then the request may be scheduled.
 //  5. On cancel, timeout or a failure reported by the writer: Revoke. When
 //     Revoke returns (or Done is closed) the destination may be freed and
-//     reused. Never reuse a destination of a grant that is not Done.
+//     reused. OpenGrant refuses (ErrBusy) bytes that an open grant holds.
 //  6. Close at shutdown: open grants are revoked, regions unmapped; Region.Bytes
 //     must not be used afterwards.
 //

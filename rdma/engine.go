@@ -152,7 +152,8 @@ type Engine struct {
 	regions  map[RegionID]*Region
 	grants   map[uint64]*Grant
 	settled  map[uint64]*Grant
-	ring     []uint64 // settled grant ids, oldest first
+	busy     map[RegionID][]busySpan // destinations held by open grants, sorted
+	ring     []uint64                // settled grant ids, oldest first
 	ops      sync.WaitGroup
 	tcp      *tcpServer
 	shm      *shmServer
@@ -185,6 +186,7 @@ func New(cfg Config) (*Engine, error) {
 		regions: make(map[RegionID]*Region),
 		grants:  make(map[uint64]*Grant),
 		settled: make(map[uint64]*Grant),
+		busy:    make(map[RegionID][]busySpan),
 		peers:   make(map[AgentID]*peerState),
 	}
 	e.ctx, e.cancel = context.WithCancel(context.Background())
@@ -323,7 +325,8 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 		total += x.Length
 	}
 	e.mu.RUnlock()
-	if err := checkDisjoint(spec.Extents); err != nil {
+	sorted, err := checkDisjoint(spec.Extents)
+	if err != nil {
 		return nil, err
 	}
 	g.ticket = Ticket{
@@ -344,6 +347,10 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 		e.mu.Unlock()
 		return nil, fmt.Errorf("%w: %d open", ErrTooManyGrants, len(e.grants))
 	}
+	if err := e.checkBusyLocked(sorted); err != nil {
+		e.mu.Unlock()
+		return nil, err
+	}
 	g.id = e.nextGrant.Add(1)
 	if e.shm != nil {
 		// The grant id selects the shm slot (id mod slots): skip ids whose slot is busy.
@@ -355,6 +362,7 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 	g.epoch = e.newEpoch()
 	g.ticket.Grant, g.ticket.Epoch = g.id, g.epoch
 	e.grants[g.id] = g
+	e.markBusyLocked(sorted, g.id)
 	if e.shm != nil {
 		e.shm.publish(g)
 	}
@@ -366,11 +374,9 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 	return g, nil
 }
 
-// checkDisjoint refuses extents of one grant that overlap each other.
-func checkDisjoint(xs []Extent) error {
-	if len(xs) < 2 {
-		return nil
-	}
+// checkDisjoint refuses extents of one grant that overlap each other, and
+// returns them sorted by region and offset.
+func checkDisjoint(xs []Extent) ([]Extent, error) {
 	s := slices.Clone(xs)
 	slices.SortFunc(s, func(a, b Extent) int {
 		if a.Region != b.Region {
@@ -387,10 +393,72 @@ func checkDisjoint(xs []Extent) error {
 	for i := 1; i < len(s); i++ {
 		p, c := s[i-1], s[i]
 		if p.Region == c.Region && c.Offset < p.Offset+p.Length {
-			return fmt.Errorf("%w: extents [%d, +%d) and [%d, +%d) of region %d overlap", ErrOutOfRange, p.Offset, p.Length, c.Offset, c.Length, c.Region)
+			return nil, fmt.Errorf("%w: extents [%d, +%d) and [%d, +%d) of region %d overlap", ErrOutOfRange, p.Offset, p.Length, c.Offset, c.Length, c.Region)
+		}
+	}
+	return s, nil
+}
+
+// busySpan is a destination range held by an open grant.
+type busySpan struct{ off, end, grant uint64 }
+
+// checkBusyLocked refuses extents (sorted) that overlap an open grant's: a
+// destination is reusable only once its grant is Done. e.mu is held.
+func (e *Engine) checkBusyLocked(sorted []Extent) error {
+	for i := 0; i < len(sorted); {
+		r := sorted[i].Region
+		busy := e.busy[r]
+		j := 0
+		for ; i < len(sorted) && sorted[i].Region == r; i++ {
+			x := sorted[i]
+			for j < len(busy) && busy[j].end <= x.Offset {
+				j++
+			}
+			if j < len(busy) && busy[j].off < x.Offset+x.Length {
+				b := busy[j]
+				return fmt.Errorf("%w: [%d, +%d) of region %d overlaps [%d, %d) of open grant %d", ErrBusy, x.Offset, x.Length, r, b.off, b.end, b.grant)
+			}
 		}
 	}
 	return nil
+}
+
+// markBusyLocked merges a new grant's (sorted, checked) extents into the
+// busy lists. e.mu is held.
+func (e *Engine) markBusyLocked(sorted []Extent, grant uint64) {
+	for i := 0; i < len(sorted); {
+		r := sorted[i].Region
+		old := e.busy[r]
+		merged := make([]busySpan, 0, len(old)+len(sorted)-i)
+		j := 0
+		for ; i < len(sorted) && sorted[i].Region == r; i++ {
+			x := sorted[i]
+			for j < len(old) && old[j].off < x.Offset {
+				merged = append(merged, old[j])
+				j++
+			}
+			merged = append(merged, busySpan{x.Offset, x.Offset + x.Length, grant})
+		}
+		e.busy[r] = append(merged, old[j:]...)
+	}
+}
+
+// clearBusyLocked drops a settled grant's spans. e.mu is held.
+func (e *Engine) clearBusyLocked(g *Grant) {
+	for i, x := range g.ticket.Extents {
+		if i > 0 && g.ticket.Extents[i-1].Region == x.Region {
+			continue // consecutive extents of one region: filtered already
+		}
+		spans := e.busy[x.Region]
+		kept := spans[:0]
+		for _, s := range spans {
+			if s.grant != g.id {
+				kept = append(kept, s)
+			}
+		}
+		clear(spans[len(kept):])
+		e.busy[x.Region] = kept
+	}
 }
 
 // lookupGrant finds an open or recently settled grant.
@@ -417,6 +485,7 @@ func (e *Engine) retire(g *Grant) {
 		return
 	}
 	delete(e.grants, g.id)
+	e.clearBusyLocked(g)
 	if e.shm != nil && g.slot >= 0 {
 		e.shm.release(g)
 	}

@@ -44,6 +44,9 @@ var (
 	ErrWrongPeer = errors.New("rdma: reached the wrong agent")
 	// ErrTooManyGrants: OpenGrant while MaxGrants grants are open.
 	ErrTooManyGrants = errors.New("rdma: too many open grants")
+	// ErrBusy: OpenGrant over bytes an open grant holds; a destination is
+	// reusable only once its grant is Done.
+	ErrBusy = errors.New("rdma: extent overlaps an open grant")
 )
 
 // Status codes carried by reply frames. The numbering is part of the wire
@@ -67,6 +70,7 @@ const (
 	codeBadRequestID
 	codeTooManyGrants
 	codeInternal
+	codeBusy
 	numCodes
 )
 
@@ -87,6 +91,7 @@ var codeSentinels = [numCodes]error{
 	codeUnsupported:      ErrUnsupported,
 	codeBadRequestID:     ErrBadRequestID,
 	codeTooManyGrants:    ErrTooManyGrants,
+	codeBusy:             ErrBusy,
 }
 
 // codePriority orders the codes codeOf tries: an error can wrap several
@@ -96,7 +101,7 @@ var codePriority = [...]uint32{
 	codeRevoked, codeClosed, codeDeadline, codeCommitted, codeManifestMismatch,
 	codePeerClosed, codeMalformed, codeBadToken, codeUnknownGrant, codeForbidden,
 	codeOutOfRange, codeStaleEpoch, codeWrongPeer, codeUnsupported, codeBadRequestID,
-	codeTooManyGrants,
+	codeTooManyGrants, codeBusy,
 }
 
 // codeOf maps an error to the status code sent in a reply frame.
