@@ -29,6 +29,13 @@ const (
 	defaultHTTPPort    = 8222
 	defaultClusterPort = 6222
 	defaultMaxPayload  = 8 << 20
+	// A client whose host vanished without closing its TCP connection (a
+	// killed container, a lost node) keeps its subscriptions, and so its
+	// share of a queue group's requests, until the server gives up pinging
+	// it. NATS's default (2 min x 2) is long next to a request timeout;
+	// 10 s x 3 bounds it to about 30 s.
+	defaultPingInterval = 10 * time.Second
+	defaultMaxPingsOut  = 3
 )
 
 // config is everything the serve command needs. It is plain data: parse fills
@@ -51,6 +58,8 @@ type config struct {
 	ClusterPort int
 	Routes      []string
 	LameDuck    time.Duration
+	PingEvery   time.Duration
+	MaxPingsOut int
 	LogLevel    string
 	LogFormat   string
 }
@@ -159,6 +168,8 @@ func parseServe(args []string, getenv func(string) string, usage io.Writer) (con
 		JetStream:   true,
 		MaxPayload:  defaultMaxPayload,
 		ClusterPort: defaultClusterPort,
+		PingEvery:   defaultPingInterval,
+		MaxPingsOut: defaultMaxPingsOut,
 		LogLevel:    "info",
 		LogFormat:   "json",
 	}
@@ -186,6 +197,8 @@ func parseServe(args []string, getenv func(string) string, usage io.Writer) (con
 	fs.IntVar(&cfg.ClusterPort, "cluster-port", cfg.ClusterPort, "cluster port, used only when clustering"+env("cluster-port", "HANDOFF_NATS_CLUSTER_PORT"))
 	fs.Var(listValue{&cfg.Routes}, "routes", "comma-separated seed routes, e.g. nats://nats-0.nats:6222,nats://nats-1.nats:6222"+env("routes", "HANDOFF_NATS_ROUTES"))
 	fs.DurationVar(&cfg.LameDuck, "lame-duck-duration", 0, "on SIGTERM, stop accepting clients and spread existing disconnects over this duration before shutting down; 0 shuts down at once"+env("lame-duck-duration", "HANDOFF_NATS_LAME_DUCK_DURATION"))
+	fs.DurationVar(&cfg.PingEvery, "ping-interval", cfg.PingEvery, "how often the server pings each client; with --max-pings-out it bounds how long a vanished client keeps its subscriptions"+env("ping-interval", "HANDOFF_NATS_PING_INTERVAL"))
+	fs.IntVar(&cfg.MaxPingsOut, "max-pings-out", cfg.MaxPingsOut, "unanswered pings before the server closes a client"+env("max-pings-out", "HANDOFF_NATS_MAX_PINGS_OUT"))
 	fs.StringVar(&cfg.LogLevel, "log-level", cfg.LogLevel, "info, debug or trace"+env("log-level", "HANDOFF_LOG_LEVEL"))
 	fs.StringVar(&cfg.LogFormat, "log-format", cfg.LogFormat, "json or text"+env("log-format", "HANDOFF_LOG_FORMAT"))
 	fs.Usage = func() {
@@ -257,6 +270,12 @@ func (c config) validate() error {
 	if c.LameDuck < 0 {
 		errs = append(errs, fmt.Errorf("--lame-duck-duration %v: negative", c.LameDuck))
 	}
+	if c.PingEvery < time.Second {
+		errs = append(errs, fmt.Errorf("--ping-interval %v: want at least 1s", c.PingEvery))
+	}
+	if c.MaxPingsOut < 1 {
+		errs = append(errs, fmt.Errorf("--max-pings-out %d: want at least 1", c.MaxPingsOut))
+	}
 	if c.clustered() {
 		if !validPort(c.ClusterPort, false) {
 			errs = append(errs, fmt.Errorf("--cluster-port %d: want 1..65535 or -1", c.ClusterPort))
@@ -307,6 +326,8 @@ func (c config) serverOptions() *server.Options {
 		Password:           c.Password,
 		NoSigs:             true,
 		LameDuckDuration:   c.LameDuck,
+		PingInterval:       c.PingEvery,
+		MaxPingsOut:        c.MaxPingsOut,
 		Debug:              c.LogLevel == "debug" || c.LogLevel == "trace",
 		Trace:              c.LogLevel == "trace",
 	}

@@ -34,6 +34,9 @@ func TestParseServe(t *testing.T) {
 				require.Equal(t, "nats-0", c.ServerName)
 				require.False(t, c.clustered())
 				require.Equal(t, "json", c.LogFormat)
+				o := c.serverOptions()
+				require.Equal(t, 10*time.Second, o.PingInterval)
+				require.Equal(t, 3, o.MaxPingsOut)
 			},
 		},
 		{
@@ -102,6 +105,8 @@ func TestParseServe(t *testing.T) {
 		{name: "bad log level", args: []string{"--log-level", "loud"}, wantErr: "--log-level"},
 		{name: "bad log format", args: []string{"--log-format", "xml"}, wantErr: "--log-format"},
 		{name: "negative lame duck", args: []string{"--lame-duck-duration", "-1s"}, wantErr: "negative"},
+		{name: "ping interval too short", args: []string{"--ping-interval", "10ms"}, wantErr: "--ping-interval"},
+		{name: "no pings out", env: map[string]string{"HANDOFF_NATS_MAX_PINGS_OUT": "0"}, wantErr: "--max-pings-out"},
 		{name: "stray argument", args: []string{"serve2"}, wantErr: "unexpected argument"},
 		{name: "unknown flag", args: []string{"--nope"}, wantErr: "not defined"},
 	}

@@ -258,3 +258,27 @@ func TestProcessSIGTERM(t *testing.T) {
 	}
 	require.True(t, strings.Contains(stderr.String(), "msg=stopped"), stderr.String())
 }
+
+// TestServeDropsSilentClients checks that --ping-interval and --max-pings-out
+// reach the server: a client that stops answering pings (its host vanished)
+// is disconnected, which removes its queue subscriptions.
+func TestServeDropsSilentClients(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.PingEvery, cfg.MaxPingsOut = time.Second, 1
+	s, _ := startServe(t, cfg)
+
+	conn, err := net.Dial("tcp", s.Addr().String())
+	require.NoError(t, err)
+	defer conn.Close()
+	_, err = conn.Write([]byte("CONNECT {\"verbose\":false}\r\nSUB handoff.default.prefill.submit prefill 1\r\n"))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return s.NumSubscriptions() > 0 }, 5*time.Second, 20*time.Millisecond)
+
+	// Read everything (INFO, PINGs) and answer nothing, until the server closes.
+	require.NoError(t, conn.SetReadDeadline(time.Now().Add(10*time.Second)))
+	start := time.Now()
+	_, err = io.Copy(io.Discard, conn)
+	require.NoError(t, err, "the server should close the connection, not time out")
+	require.Less(t, time.Since(start), 8*time.Second)
+	require.Eventually(t, func() bool { return s.NumClients() == 0 }, 5*time.Second, 20*time.Millisecond)
+}
