@@ -626,3 +626,49 @@ func TestNoCommonTransport(t *testing.T) {
 	_, err = New(Config{Agent: "x", Transports: []Transport{"carrier-pigeon"}})
 	require.ErrorIs(t, err, ErrUnsupported)
 }
+
+// TestConformanceRandomLayouts writes random source layouts into random
+// destination layouts (property test): the concatenations match, nothing
+// outside the grant changes, and the manifest crcs are those of the landed
+// extents.
+func TestConformanceRandomLayouts(t *testing.T) {
+	forEachTransport(t, func(t *testing.T, p *pair) {
+		ctx := context.Background()
+		rng := rand.New(rand.NewPCG(5, 6))
+		for round := range 12 {
+			fill(p.dst.Bytes(), canary)
+			// Destination: 1..40 disjoint runs in random order.
+			var dst []Extent
+			for off := uint64(rng.IntN(64)); len(dst) < 1+rng.IntN(40); {
+				n := uint64(1 + rng.IntN(20000))
+				if off+n > pairRegion {
+					break
+				}
+				dst = append(dst, Extent{Region: 1, Offset: off, Length: n})
+				off += n + uint64(rng.IntN(3000))
+			}
+			rng.Shuffle(len(dst), func(i, j int) { dst[i], dst[j] = dst[j], dst[i] })
+			g, err := p.rx.OpenGrant(GrantSpec{RequestID: uint64(round + 1), Extents: dst})
+			require.NoError(t, err)
+			tk := g.Ticket()
+			// Source: the same byte count cut at random points, anywhere.
+			var src []Extent
+			for left := tk.Bytes; left > 0; {
+				n := min(left, uint64(1+rng.IntN(30000)))
+				off := uint64(rng.IntN(pairRegion - int(n) + 1))
+				src = append(src, Extent{Region: 1, Offset: off, Length: n})
+				left -= n
+			}
+			m, err := p.tx.Write(ctx, p.desc, tk, src)
+			require.NoError(t, err)
+			got, err := g.Wait(ctx)
+			require.NoError(t, err)
+			require.Equal(t, m, got)
+			require.True(t, bytes.Equal(concat(p.src, src), concat(p.dst, dst)), "round %d", round)
+			for i, x := range dst {
+				require.Equal(t, crc32Update(0, concat(p.dst, []Extent{x})), got.CRC[i])
+			}
+			p.requireCanary(t, dst)
+		}
+	})
+}
