@@ -541,16 +541,24 @@ func (h *handoff) replyEvent(m *nats.Msg) Event {
 
 func (h *handoff) setCause(err error) { h.cause = err }
 
-// failure builds the error Handoff returns for code, keeping the most specific
-// cause when it agrees with code.
+// failure builds the error Handoff returns for code. It wraps the most
+// specific cause seen (a remote refusal, a data-plane or pool error, the
+// context's) unless that cause belongs to another class (say, an earlier
+// attempt's refusal behind a final no-responders): then it is only quoted,
+// so that the error matches exactly one of the package's sentinels.
 func (h *handoff) failure(code Code) error {
-	if h.cause != nil && errors.Is(h.cause, code.Err()) {
+	if h.cause == nil {
+		return fmt.Errorf("transfer: request %d: %w", h.req.ID, code.Err())
+	}
+	if errors.Is(h.cause, code.Err()) {
 		return fmt.Errorf("transfer: request %d: %w", h.req.ID, h.cause)
 	}
-	if h.cause != nil && code != CodeTimeout && code != CodeCancelled && code != CodeClosed {
-		return fmt.Errorf("transfer: request %d: %w (%w)", h.req.ID, code.Err(), h.cause)
+	for c := Code(1); c < codeCount; c++ {
+		if c != code && errors.Is(h.cause, c.Err()) {
+			return fmt.Errorf("transfer: request %d: %w (after: %v)", h.req.ID, code.Err(), h.cause)
+		}
 	}
-	return fmt.Errorf("transfer: request %d: %w", h.req.ID, code.Err())
+	return fmt.Errorf("transfer: request %d: %w: %w", h.req.ID, code.Err(), h.cause)
 }
 
 // rdmaCode classifies a data-plane error.

@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"math"
@@ -765,3 +766,32 @@ func (l fixedLease) Prefill(context.Context) (Prefilled, error) {
 	return Prefilled{FirstToken: 1, Source: l.src}, nil
 }
 func (fixedLease) Release() {}
+
+// TestFailureMatchesOneSentinel: whatever happened before, a Handoff error
+// matches exactly one class.
+func TestFailureMatchesOneSentinel(t *testing.T) {
+	h := &handoff{req: Request{ID: 5}}
+	cases := []struct {
+		cause error
+		code  Code
+		also  error // a non-transfer error that must stay reachable
+	}{
+		{nil, CodeTimeout, nil},
+		{&RemoteError{Code: CodeCapacityRefused}, CodeCapacityRefused, nil},
+		{&RemoteError{Code: CodeCapacityRefused}, CodeNoPrefillWorker, nil},
+		{fmt.Errorf("grant: %w", rdma.ErrForbidden), CodeDummyRequest, rdma.ErrForbidden},
+		{context.Canceled, CodeCancelled, context.Canceled},
+		{context.DeadlineExceeded, CodeTimeout, context.DeadlineExceeded},
+	}
+	for _, c := range cases {
+		h.cause = c.cause
+		err := h.failure(c.code)
+		require.Equal(t, c.code, CodeOf(err), "%v", err)
+		for o := Code(1); o < codeCount; o++ {
+			require.Equal(t, o == c.code, errors.Is(err, o.Err()), "%v vs %s", err, o)
+		}
+		if c.also != nil {
+			require.ErrorIs(t, err, c.also)
+		}
+	}
+}
