@@ -361,6 +361,8 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 	}
 	g.epoch = e.newEpoch()
 	g.ticket.Grant, g.ticket.Epoch = g.id, g.epoch
+	// The timer exists before anyone can settle the grant (finish stops it).
+	g.timer = time.AfterFunc(deadline.Sub(now), func() { g.terminate(g.deadlineErr()) })
 	e.grants[g.id] = g
 	e.markBusyLocked(sorted, g.id)
 	if e.shm != nil {
@@ -368,7 +370,6 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 	}
 	e.mu.Unlock()
 
-	g.timer = time.AfterFunc(deadline.Sub(now), func() { g.terminate(g.deadlineErr()) })
 	e.stats.grantsOpened.Add(1)
 	e.log.Debug("rdma: grant opened", "grant", g.id, "request", spec.RequestID, "extents", len(spec.Extents), "bytes", total, "deadline", deadline)
 	return g, nil
