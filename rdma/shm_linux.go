@@ -600,6 +600,13 @@ func (l *shmLink) write(ctx context.Context, op *writeOp) error {
 			// Right token, wrong extents: tell the receiver, which fails the grant.
 			return l.abort(ctx, op, copyErr)
 		}
+		if ctx.Err() != nil {
+			// Cancelled mid-copy: the grant holds part of the data; tell the
+			// receiver now rather than let it wait for the deadline.
+			actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+			_ = l.abort(actx, op, fmt.Errorf("%w: writer cancelled: %w", ErrPeerClosed, copyErr))
+			cancel()
+		}
 		return copyErr
 	}
 	// The commit gives the receiver's verdict; after a slot refusal nothing

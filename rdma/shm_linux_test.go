@@ -136,3 +136,22 @@ func TestExtentsDigest(t *testing.T) {
 	require.NotEqual(t, d, extentsDigest(base[:2]))
 	require.NotEqual(t, d, extentsDigest([]Extent{base[1], base[0], base[2]}))
 }
+
+func TestSHMCancelledWriteFailsGrant(t *testing.T) {
+	p := newPair(t, TransportSHM)
+	g, err := p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: dstExtents()})
+	require.NoError(t, err)
+	tk := g.Ticket()
+	l, _ := shmSlot(t, p, g)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	op := &writeOp{t: &tk, manifest: &Manifest{Bytes: make([]uint64, len(tk.Extents)), CRC: make([]uint32, len(tk.Extents))}}
+	require.NoError(t, p.tx.split(op, srcExtents(tk.Bytes), tk.Bytes))
+	err = l.write(ctx, op)
+	require.ErrorIs(t, err, context.Canceled)
+	wctx, wcancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer wcancel()
+	_, err = g.Wait(wctx)
+	require.ErrorIs(t, err, ErrPeerClosed)
+	p.requireCanary(t, tk.Extents)
+}
