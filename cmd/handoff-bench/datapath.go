@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"os"
 	"os/exec"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -51,6 +52,7 @@ type datapathOptions struct {
 	baselines     bool
 	singleProcess bool
 	verbose       bool
+	cpuProfile    string
 	role          string // hidden: "receiver" in the child process
 }
 
@@ -68,6 +70,7 @@ func parseDatapathFlags(args []string, stderr io.Writer) (datapathOptions, error
 	fs.BoolVar(&o.baselines, "baselines", false, "also measure iperf3, memcpy and ucx_perftest, and print ratios")
 	fs.BoolVar(&o.singleProcess, "single-process", false, "run the receiver in this process even for tcp and shm")
 	fs.BoolVar(&o.verbose, "verbose", false, "log the engines' info lines (transport choice, regions) to stderr")
+	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of this (the writer) process to this file")
 	fs.StringVar(&o.role, "role", "", "")
 	fs.Usage = func() {
 		fmt.Fprint(stderr, datapathUsage)
@@ -144,6 +147,17 @@ func runDatapath(ctx context.Context, args []string) error {
 			return err
 		}
 		return serveReceiver(ctx, receiverConfig{Transport: o.transports[0], Layout: l, Logger: logger, GrantTTL: grantTTL}, os.Stdin, os.Stdout)
+	}
+	if o.cpuProfile != "" {
+		f, err := os.Create(o.cpuProfile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
 	}
 	rep, err := measureDatapath(ctx, o, logger, childSpawner{}, progressOut())
 	if err != nil {

@@ -57,9 +57,9 @@ func measureBaselines(ctx context.Context, o datapathOptions, progress io.Writer
 	out = append(out, iperf3Baseline(ctx, dur))
 	for _, e := range o.extents {
 		note("memcpy " + formatSize(e))
-		l, _ := newLayout(e, o.grantBytes, 1, 1)
+		l, _ := newLayout(e, o.grantBytes, 1, o.depth)
 		out = append(out, baseline{Name: "memcpy", ExtentBytes: e, GBPerS: memcpyGBPerS(l, dur), Status: statusOK,
-			Command: "Go copy(), one goroutine, same extents as one grant"})
+			Command: "Go copy(), one goroutine, the extents and memory footprint of one stream"})
 	}
 	for _, test := range []struct{ name, ucx string }{{"ucx_tag_bw", "tag_bw"}, {"ucx_put_bw", "ucp_put_bw"}} {
 		for _, e := range o.extents {
@@ -70,20 +70,22 @@ func measureBaselines(ctx context.Context, o datapathOptions, progress io.Writer
 	return out
 }
 
-// memcpyGBPerS copies one grant's extents from one buffer into another, over
-// and over on one goroutine, for about dur.
+// memcpyGBPerS copies the extents of one stream's grants, the same extents
+// from the same source into its Depth destination slots in turn (the memory
+// a run touches), on one goroutine for about dur.
 func memcpyGBPerS(l layout, dur time.Duration) float64 {
 	src := make([]byte, l.span())
-	dst := make([]byte, l.span())
+	dst := make([]byte, uint64(l.Depth)*l.span())
 	for i := range src {
 		src[i] = byte(i * 7)
 	}
 	xs := l.extents(0, 0)
 	var n uint64
 	start := time.Now()
-	for time.Since(start) < dur {
+	for slot := 0; time.Since(start) < dur; slot = (slot + 1) % l.Depth {
+		d := dst[uint64(slot)*l.span():]
 		for _, x := range xs {
-			copy(dst[x.Offset:x.Offset+x.Length], src[x.Offset:x.Offset+x.Length])
+			copy(d[x.Offset:x.Offset+x.Length], src[x.Offset:x.Offset+x.Length])
 		}
 		n += l.grantBytes()
 	}

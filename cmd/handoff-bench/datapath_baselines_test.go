@@ -94,7 +94,7 @@ func TestBaselinesNotInstalled(t *testing.T) {
 }
 
 func TestMemcpyGBPerS(t *testing.T) {
-	l, err := newLayout(4096, 256<<10, 1, 1)
+	l, err := newLayout(4096, 256<<10, 1, 3)
 	require.NoError(t, err)
 	require.Positive(t, memcpyGBPerS(l, 50*time.Millisecond))
 }
