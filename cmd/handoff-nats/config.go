@@ -202,7 +202,7 @@ func parseServe(args []string, getenv func(string) string, usage io.Writer) (con
 	fs.StringVar(&cfg.LogLevel, "log-level", cfg.LogLevel, "info, debug or trace"+env("log-level", "HANDOFF_LOG_LEVEL"))
 	fs.StringVar(&cfg.LogFormat, "log-format", cfg.LogFormat, "json or text"+env("log-format", "HANDOFF_LOG_FORMAT"))
 	fs.Usage = func() {
-		fmt.Fprintln(usage, "Usage: handoff-nats [flags] | healthcheck [--url URL] | version")
+		fmt.Fprintln(usage, "Usage: handoff-nats [serve] [flags] | healthcheck [--url URL] [--timeout D] | version")
 		fmt.Fprintln(usage, "Flags (a flag wins over its environment twin):")
 		fs.PrintDefaults()
 	}

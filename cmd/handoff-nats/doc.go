@@ -5,7 +5,7 @@
 //
 // Usage:
 //
-//	handoff-nats [flags]                 run the server until SIGTERM or SIGINT
+//	handoff-nats [serve] [flags]         run the server until SIGTERM or SIGINT
 //	handoff-nats healthcheck [--url URL] probe the monitoring /healthz (exit 0 when 200)
 //	handoff-nats version                 print build information
 //

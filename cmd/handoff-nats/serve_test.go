@@ -282,3 +282,55 @@ func TestServeDropsSilentClients(t *testing.T) {
 	require.Less(t, time.Since(start), 8*time.Second)
 	require.Eventually(t, func() bool { return s.NumClients() == 0 }, 5*time.Second, 20*time.Millisecond)
 }
+
+// TestServeJetStreamCluster runs the Kubernetes shape in miniature: three
+// servers, each given the same route list (itself included), JetStream on,
+// then a discovery bucket replicated on all three that survives losing one.
+func TestServeJetStreamCluster(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts three servers")
+	}
+	ports := []int{freePort(t), freePort(t), freePort(t)}
+	var routes []string
+	for _, p := range ports {
+		routes = append(routes, fmt.Sprintf("nats://127.0.0.1:%d", p))
+	}
+	servers := make([]*server.Server, 3)
+	stops := make([]func() error, 3)
+	for i := range servers {
+		c := testConfig(t)
+		c.ServerName = fmt.Sprintf("nats-%d", i)
+		c.ClusterName, c.ClusterHost, c.ClusterPort, c.Routes = "handoff", "127.0.0.1", ports[i], routes
+		servers[i], stops[i] = startServe(t, c)
+	}
+	nc, err := nats.Connect(servers[0].ClientURL() + "," + servers[1].ClientURL())
+	require.NoError(t, err)
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+
+	var kv jetstream.KeyValue
+	require.Eventually(t, func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		kv, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "handoff_default_instances", Replicas: 3, TTL: time.Minute})
+		return err == nil
+	}, 30*time.Second, 200*time.Millisecond, "no R3 bucket: %v", err)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	_, err = kv.Put(ctx, "prefill-0", []byte("10.0.0.2:7400"))
+	require.NoError(t, err)
+
+	// Lose one server; the bucket stays readable and writable (2 of 3).
+	require.NoError(t, stops[2]())
+	require.Eventually(t, func() bool {
+		c, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		_, err = kv.Put(c, "prefill-1", []byte("10.0.0.3:7400"))
+		return err == nil
+	}, 20*time.Second, 200*time.Millisecond, "bucket not writable after losing one server: %v", err)
+	e, err := kv.Get(ctx, "prefill-0")
+	require.NoError(t, err)
+	require.Equal(t, "10.0.0.2:7400", string(e.Value()))
+}
