@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -27,12 +28,57 @@ import (
 
 // TestMain lets the test binary act as handoff-nats, so the signal path is
 // tested on a real process without a separate build.
+// It also fails the run when goroutines outlive the tests: every server
+// started here must be shut down completely.
 func TestMain(m *testing.M) {
 	if os.Getenv("HANDOFF_NATS_TEST_AS_MAIN") == "1" {
 		main()
 		return
 	}
-	os.Exit(m.Run())
+	code := m.Run()
+	if code == 0 {
+		if leaked := leftover(5 * time.Second); leaked != "" {
+			fmt.Fprintf(os.Stderr, "goroutines left after the tests:\n%s\n", leaked)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+// leftover waits up to d for goroutines other than the runtime's and the
+// test framework's to end, and returns the stacks of those that did not.
+func leftover(d time.Duration) string {
+	ignore := []string{
+		"leftover(", "testing.(*M).Run", "testing.tRunner", "os/signal.loop", "signal.signal_recv",
+		"runtime.ensureSigM", "runtime.gc", "runtime.forcegchelper", "runtime.bgsweep",
+		"runtime.bgscavenge", "runtime.runfinq", "runtime.unique_runtime_registerUniqueMapCleanup",
+	}
+	deadline := time.Now().Add(d)
+	for {
+		http.DefaultClient.CloseIdleConnections()
+		buf := make([]byte, 1<<20)
+		buf = buf[:runtime.Stack(buf, true)]
+		var left []string
+		for _, g := range strings.Split(string(buf), "\n\n") {
+			keep := strings.TrimSpace(g) != ""
+			for _, ig := range ignore {
+				if strings.Contains(g, ig) {
+					keep = false
+					break
+				}
+			}
+			if keep {
+				left = append(left, g)
+			}
+		}
+		if len(left) == 0 {
+			return ""
+		}
+		if time.Now().After(deadline) {
+			return strings.Join(left, "\n\n")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 func testConfig(t *testing.T) config {
