@@ -35,11 +35,11 @@ type pciLocation struct {
 // locatePCI resolves a sysfs device link (absolute path under root) to its PCI
 // location. ok is false when no PCI function lies on the resolved path.
 func locatePCI(devLink string) (pciLocation, bool, error) {
-	real, err := filepath.EvalSymlinks(devLink)
+	resolved, err := filepath.EvalSymlinks(devLink)
 	if err != nil {
 		return pciLocation{}, false, err
 	}
-	comps := strings.Split(filepath.ToSlash(real), "/")
+	comps := strings.Split(filepath.ToSlash(resolved), "/")
 	last := -1
 	for i, c := range comps {
 		if pciBDFRe.MatchString(c) {

@@ -55,6 +55,13 @@ func Discover(ctx context.Context, opts ...TopologyOption) (Topology, error) {
 	if err != nil {
 		return Topology{}, fmt.Errorf("%w: nics: %w", ErrTopology, err)
 	}
+	// Empty, not nil: the JSON form says "gpus": [] rather than null.
+	if gpus == nil {
+		gpus = []GPU{}
+	}
+	if nics == nil {
+		nics = []NIC{}
+	}
 	return Topology{GPUs: gpus, NICs: nics}, nil
 }
 
