@@ -53,6 +53,7 @@ type datapathOptions struct {
 	singleProcess bool
 	verbose       bool
 	cpuProfile    string
+	repeat        int
 	role          string // hidden: "receiver" in the child process
 }
 
@@ -67,6 +68,7 @@ func parseDatapathFlags(args []string, stderr io.Writer) (datapathOptions, error
 	fs.IntVar(&o.streams, "streams", 1, "concurrent writers, each with its own grants")
 	fs.IntVar(&o.depth, "depth", 2, "grants open per stream: the next ticket is fetched while one is written")
 	fs.StringVar(&o.output, "output", "table", "table or json")
+	fs.IntVar(&o.repeat, "repeat", 1, "measure everything this many times, round-robin, and report medians")
 	fs.BoolVar(&o.baselines, "baselines", false, "also measure iperf3, memcpy and ucx_perftest, and print ratios")
 	fs.BoolVar(&o.singleProcess, "single-process", false, "run the receiver in this process even for tcp and shm")
 	fs.BoolVar(&o.verbose, "verbose", false, "log the engines' info lines (transport choice, regions) to stderr")
@@ -117,6 +119,9 @@ func parseDatapathFlags(args []string, stderr io.Writer) (datapathOptions, error
 	o.grantBytes = g
 	if o.duration <= 0 {
 		return o, errors.New("datapath: --duration must be > 0")
+	}
+	if o.repeat < 1 || o.repeat > 100 {
+		return o, fmt.Errorf("datapath: --repeat %d: want 1..100", o.repeat)
 	}
 	if o.output != "table" && o.output != "json" {
 		return o, fmt.Errorf("datapath: --output %q: want table or json", o.output)
@@ -207,6 +212,9 @@ type datapathResult struct {
 	GrantP50Ms      float64        `json:"grant_p50_ms"`
 	GrantP99Ms      float64        `json:"grant_p99_ms"`
 	Processes       int            `json:"processes"`
+	// Repeats holds each repetition's gb_per_s with --repeat > 1; the
+	// other fields are those of the median one.
+	Repeats []float64 `json:"gb_per_s_repeats,omitempty"`
 }
 
 // report is everything one invocation measured.
@@ -217,29 +225,71 @@ type report struct {
 }
 
 func measureDatapath(ctx context.Context, o datapathOptions, logger *slog.Logger, sp spawner, progress io.Writer) (report, error) {
-	var rep report
-	for _, t := range o.transports {
-		for _, e := range o.extents {
-			l, err := newLayout(e, o.grantBytes, o.streams, o.depth)
-			if err != nil {
-				return rep, err
+	repeat := max(o.repeat, 1)
+	n := len(o.transports) * len(o.extents)
+	samples := make([][]datapathResult, n)
+	var baseSamples [][]baseline
+	// Repetitions go round the whole matrix, baselines included, so that
+	// noise from other work on the machine spreads over all of them alike.
+	for range repeat {
+		i := 0
+		for _, t := range o.transports {
+			for _, e := range o.extents {
+				l, err := newLayout(e, o.grantBytes, o.streams, o.depth)
+				if err != nil {
+					return report{}, err
+				}
+				s := sp
+				if t == rdma.TransportInproc || o.singleProcess {
+					s = goroutineSpawner{}
+				}
+				r, err := runOnce(ctx, t, l, o.duration, logger, s, progress)
+				if err != nil {
+					return report{}, fmt.Errorf("datapath %s %s: %w", t, formatSize(e), err)
+				}
+				samples[i] = append(samples[i], r)
+				i++
 			}
-			s := sp
-			if t == rdma.TransportInproc || o.singleProcess {
-				s = goroutineSpawner{}
-			}
-			r, err := runOnce(ctx, t, l, o.duration, logger, s, progress)
-			if err != nil {
-				return rep, fmt.Errorf("datapath %s %s: %w", t, formatSize(e), err)
-			}
-			rep.Runs = append(rep.Runs, r)
+		}
+		if o.baselines {
+			baseSamples = append(baseSamples, measureBaselines(ctx, o, progress))
 		}
 	}
+	var rep report
+	for _, runs := range samples {
+		rep.Runs = append(rep.Runs, medianRun(runs))
+	}
 	if o.baselines {
-		rep.Baselines = measureBaselines(ctx, o, progress)
+		rep.Baselines = medianBaselines(baseSamples)
 		rep.Ratios = computeRatios(rep.Runs, rep.Baselines)
 	}
 	return rep, nil
+}
+
+// medianRun returns the run with the median rate (the lower middle one for
+// an even count), with every repetition's rate attached when there are
+// several.
+func medianRun(runs []datapathResult) datapathResult {
+	sorted := slices.Clone(runs)
+	slices.SortFunc(sorted, func(a, b datapathResult) int { return cmpFloat(a.GBPerS, b.GBPerS) })
+	m := sorted[(len(sorted)-1)/2]
+	if len(runs) > 1 {
+		m.Repeats = nil
+		for _, r := range runs {
+			m.Repeats = append(m.Repeats, r.GBPerS)
+		}
+	}
+	return m
+}
+
+func cmpFloat(a, b float64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
 }
 
 // receiverHandle is a running receiver seen from the writer.

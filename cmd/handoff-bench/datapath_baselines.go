@@ -11,6 +11,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -66,6 +67,30 @@ func measureBaselines(ctx context.Context, o datapathOptions, progress io.Writer
 			note(test.name + " " + formatSize(e))
 			out = append(out, ucxBaseline(ctx, test.name, test.ucx, e, dur))
 		}
+	}
+	return out
+}
+
+// medianBaselines folds repeated baseline measurements: per entry, the
+// median rate of the repetitions that succeeded; the first failure's status
+// when none did.
+func medianBaselines(reps [][]baseline) []baseline {
+	if len(reps) == 0 {
+		return nil
+	}
+	out := slices.Clone(reps[0])
+	for i := range out {
+		var rates []float64
+		for _, rep := range reps {
+			if i < len(rep) && rep[i].Status == statusOK {
+				rates = append(rates, rep[i].GBPerS)
+			}
+		}
+		if len(rates) == 0 {
+			continue
+		}
+		slices.Sort(rates)
+		out[i].GBPerS, out[i].Status = rates[(len(rates)-1)/2], statusOK
 	}
 	return out
 }

@@ -125,3 +125,23 @@ func TestComputeRatios(t *testing.T) {
 	require.Equal(t, []ratio{{Name: "tcp 4KiB-vs-1MiB", ExtentBytes: 4 << 10, Value: 0.5, Target: targetSmallVsMiB}},
 		computeRatios(runs, nil), "without baselines only the size ratio remains")
 }
+
+func TestMedians(t *testing.T) {
+	runs := []datapathResult{{GBPerS: 3, Grants: 3}, {GBPerS: 1, Grants: 1}, {GBPerS: 2, Grants: 2}, {GBPerS: 4, Grants: 4}}
+	m := medianRun(runs)
+	require.Equal(t, uint64(2), m.Grants, "lower middle of four")
+	require.Equal(t, []float64{3, 1, 2, 4}, m.Repeats, "in measurement order")
+	require.Nil(t, medianRun(runs[:1]).Repeats)
+
+	reps := [][]baseline{
+		{{Name: "iperf3", GBPerS: 2, Status: statusOK}, {Name: "ucx_tag_bw", Status: "failed: x"}, {Name: "ucx_put_bw", Status: statusNotInstalled}},
+		{{Name: "iperf3", GBPerS: 3, Status: statusOK}, {Name: "ucx_tag_bw", GBPerS: 5, Status: statusOK}, {Name: "ucx_put_bw", Status: statusNotInstalled}},
+		{{Name: "iperf3", GBPerS: 1, Status: statusOK}, {Name: "ucx_tag_bw", GBPerS: 7, Status: statusOK}, {Name: "ucx_put_bw", Status: statusNotInstalled}},
+	}
+	require.Equal(t, []baseline{
+		{Name: "iperf3", GBPerS: 2, Status: statusOK},
+		{Name: "ucx_tag_bw", GBPerS: 5, Status: statusOK},
+		{Name: "ucx_put_bw", Status: statusNotInstalled},
+	}, medianBaselines(reps))
+	require.Nil(t, medianBaselines(nil))
+}

@@ -11,6 +11,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -129,6 +130,7 @@ func TestParseDatapathFlags(t *testing.T) {
 		{"--depth", "0"},
 		{"--grant-bytes", "8GiB"},
 		{"--role", "writer"},
+		{"--repeat", "0"},
 		{"extra"},
 		{"--streams", "64", "--depth", "16", "--grant-bytes", "1GiB"}, // 2 TiB of destination
 	} {
@@ -414,11 +416,18 @@ func (m mismatchSpawner) spawn(ctx context.Context, t rdma.Transport, _ layout, 
 
 func TestMeasureDatapathReport(t *testing.T) {
 	noLeak(t)
-	o, err := parseDatapathFlags([]string{"--transport", "inproc", "--extent", "4KiB,64KiB", "--duration", "200ms", "--grant-bytes", "256KiB"}, io.Discard)
+	o, err := parseDatapathFlags([]string{"--transport", "inproc", "--extent", "4KiB,64KiB", "--duration", "200ms",
+		"--grant-bytes", "256KiB", "--repeat", "3"}, io.Discard)
 	require.NoError(t, err)
 	rep, err := measureDatapath(context.Background(), o, quietLogger(), goroutineSpawner{}, nil)
 	require.NoError(t, err)
 	require.Len(t, rep.Runs, 2)
+	for _, r := range rep.Runs {
+		require.Len(t, r.Repeats, 3)
+		sorted := slices.Clone(r.Repeats)
+		slices.Sort(sorted)
+		require.Equal(t, sorted[1], r.GBPerS, "the median repetition is reported")
+	}
 
 	var js bytes.Buffer
 	require.NoError(t, rep.write(&js, "json"))
