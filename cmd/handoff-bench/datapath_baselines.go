@@ -214,23 +214,37 @@ func parseIperf3JSON(b []byte) (float64, error) {
 	return r.End.SumReceived.BitsPerSecond / 8 / 1e9, nil
 }
 
-// ucxIterations sizes a ucx_perftest run to about dur at 1 GB/s.
-func ucxIterations(size uint64, dur time.Duration) int {
-	n := int(dur.Seconds() * 1e9 / float64(size))
+// ucxIterations sizes a ucx_perftest run to about dur at rate bytes/s.
+func ucxIterations(size uint64, dur time.Duration, rate float64) int {
+	n := int(dur.Seconds() * rate / float64(size))
 	return min(max(n, 100), 1_000_000)
 }
 
 // ucxBaseline runs ucx_perftest over TCP on loopback: a server and a client
-// process, as in UCX_TLS=tcp ucx_perftest 127.0.0.1 -t tag_bw -s SIZE.
+// process, as in UCX_TLS=tcp ucx_perftest 127.0.0.1 -t tag_bw -s SIZE. A
+// short probe run first sizes the measured run to about dur.
 func ucxBaseline(ctx context.Context, name, test string, size uint64, dur time.Duration) baseline {
 	if _, err := exec.LookPath("ucx_perftest"); err != nil {
 		return baseline{Name: name, ExtentBytes: size, Status: statusNotInstalled}
 	}
+	probe, cmdline, err := runUCXPerftest(ctx, test, size, ucxIterations(size, dur/20, 1e9), dur)
+	if err != nil {
+		return failed(name, size, cmdline, fmt.Errorf("probe: %w", err))
+	}
+	mibps, cmdline, err := runUCXPerftest(ctx, test, size, ucxIterations(size, dur, probe*(1<<20)), dur)
+	if err != nil {
+		return failed(name, size, cmdline, err)
+	}
+	return baseline{Name: name, ExtentBytes: size, GBPerS: mibps * (1 << 20) / 1e9, Status: statusOK, Command: cmdline}
+}
+
+// runUCXPerftest runs one ucx_perftest server and client pair for n
+// iterations and returns the client's overall bandwidth in MiB/s.
+func runUCXPerftest(ctx context.Context, test string, size uint64, n int, dur time.Duration) (float64, string, error) {
 	port, err := freePort()
 	if err != nil {
-		return failed(name, size, "", err)
+		return 0, "", err
 	}
-	n := ucxIterations(size, dur)
 	p, s := strconv.Itoa(port), strconv.FormatUint(size, 10)
 	args := []string{"127.0.0.1", "-p", p, "-t", test, "-s", s, "-n", strconv.Itoa(n), "-w", strconv.Itoa(max(10, n/10)), "-f"}
 	cmdline := "UCX_TLS=tcp ucx_perftest " + strings.Join(args, " ")
@@ -241,7 +255,7 @@ func ucxBaseline(ctx context.Context, name, test string, size uint64, dur time.D
 	srv.Env = env
 	srv.Stdout, srv.Stderr = io.Discard, io.Discard
 	if err := srv.Start(); err != nil {
-		return failed(name, size, cmdline, err)
+		return 0, cmdline, err
 	}
 	defer func() {
 		_ = srv.Process.Kill()
@@ -262,14 +276,14 @@ func ucxBaseline(ctx context.Context, name, test string, size uint64, dur time.D
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+	if ctx.Err() != nil {
+		return 0, cmdline, fmt.Errorf("no result within %s", 6*dur+30*time.Second)
+	}
 	if err != nil {
-		return failed(name, size, cmdline, fmt.Errorf("%w: %s", err, lastLine(out)))
+		return 0, cmdline, fmt.Errorf("%w: %s", err, lastLine(out))
 	}
 	mibps, err := parseUCXPerftest(out)
-	if err != nil {
-		return failed(name, size, cmdline, err)
-	}
-	return baseline{Name: name, ExtentBytes: size, GBPerS: mibps * (1 << 20) / 1e9, Status: statusOK, Command: cmdline}
+	return mibps, cmdline, err
 }
 
 func lastLine(b []byte) string {

@@ -81,9 +81,11 @@ func TestParseUCXPerftest(t *testing.T) {
 }
 
 func TestUCXIterations(t *testing.T) {
-	require.Equal(t, 2861, ucxIterations(1<<20, 3*time.Second))
-	require.Equal(t, 100, ucxIterations(1<<30, time.Second))
-	require.Equal(t, 1_000_000, ucxIterations(8, 5*time.Second))
+	require.Equal(t, 2861, ucxIterations(1<<20, 3*time.Second, 1e9))
+	require.Equal(t, 14305, ucxIterations(1<<20, 3*time.Second, 5e9))
+	require.Equal(t, 100, ucxIterations(1<<30, time.Second, 1e9))
+	require.Equal(t, 100, ucxIterations(4096, time.Second, 0), "a failed probe still measures something")
+	require.Equal(t, 1_000_000, ucxIterations(8, 5*time.Second, 1e9))
 }
 
 func TestBaselinesNotInstalled(t *testing.T) {
