@@ -49,9 +49,12 @@ const shmSupported = true
 // died: it can no longer store). No per-byte round trip: the data path is a
 // memcpy into the mapped arena, and the commit travels once over the socket.
 const (
-	slotSize   = 64
-	shmBracket = 1 << 20  // bytes copied per CAS bracket: bounds Revoke's wait
-	shmSubCopy = 64 << 10 // copy, then crc the same bytes while in cache
+	slotSize = 64
+	// parallelSumMin is the write size from which the writer sums its
+	// source on a second core while it copies.
+	parallelSumMin = 1 << 20
+	shmBracket     = 1 << 20  // bytes copied per CAS bracket: bounds Revoke's wait
+	shmSubCopy     = 64 << 10 // copy, then crc the same bytes while in cache
 
 	slotClosed  = 0
 	slotOpen    = 1
@@ -593,7 +596,20 @@ func (l *shmLink) write(ctx context.Context, op *writeOp) error {
 		l.copying.RUnlock()
 		return ErrClosed
 	}
-	copyErr := l.copyAll(ctx, op)
+	// The receiver idles while we copy: sum the source on another core
+	// meanwhile instead of after each chunk.
+	var sums sync.WaitGroup
+	inline := true
+	if !op.noCRC && runtime.GOMAXPROCS(0) > 1 && op.t.Bytes >= parallelSumMin {
+		inline = false
+		sums.Go(func() {
+			for i := range op.pieces {
+				op.sum(op.pieces[i].ext, op.pieces[i].src)
+			}
+		})
+	}
+	copyErr := l.copyAll(ctx, op, inline)
+	sums.Wait()
 	l.copying.RUnlock()
 	if copyErr != nil && !errors.Is(copyErr, errSlotRefused) {
 		if errors.Is(copyErr, ErrOutOfRange) {
@@ -618,7 +634,8 @@ func (l *shmLink) write(ctx context.Context, op *writeOp) error {
 var errSlotRefused = errors.New("rdma: shm slot refused the ticket")
 
 // copyAll copies op's pieces into the mapped destination, CAS-bracketed.
-func (l *shmLink) copyAll(ctx context.Context, op *writeOp) error {
+// sum tells whether to fold each copied chunk into the manifest.
+func (l *shmLink) copyAll(ctx context.Context, op *writeOp, sum bool) error {
 	t := op.t
 	sl := slotAt(l.table, int(t.Grant%uint64(l.n)))
 	w := sl.state().Load()
@@ -675,7 +692,9 @@ func (l *shmLink) copyAll(ctx context.Context, op *writeOp) error {
 			}
 			n := min(len(src), shmSubCopy)
 			copy(mem[base:base+uint64(n)], src[:n])
-			op.sum(p.ext, src[:n])
+			if sum {
+				op.sum(p.ext, src[:n])
+			}
 			src = src[n:]
 			base += uint64(n)
 			bracket += n
