@@ -795,3 +795,23 @@ func TestFailureMatchesOneSentinel(t *testing.T) {
 		}
 	}
 }
+
+// A prefill worker that starts after a decode instance is already announced
+// receives it from the registry's initial values while Start is still running;
+// Start must not hold the lock that pre-connecting takes.
+func TestPrefillerStartsAfterDecoderAnnounced(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	d := f.decoder("d1", ds, withRegistry)
+	started := make(chan *Prefiller, 1)
+	go func() { started <- f.prefiller("p1", f.fp, newExec(ps), withRegistryP) }()
+	select {
+	case <-started:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Prefiller.Start did not return with a decode instance already registered")
+	}
+	res, err := d.Handoff(context.Background(), Request{ID: 1, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(5 * time.Second)})
+	require.NoError(t, err)
+	require.Equal(t, "p1", res.Instance)
+	require.NoError(t, ds.rank.Free(1))
+}

@@ -126,7 +126,7 @@ type Prefiller struct {
 	exec PrefillExecutor
 
 	mu      sync.Mutex
-	state   int // 0 new, 1 serving, 2 shut down
+	state   int // 0 new, 3 starting, 1 serving, 2 shut down
 	svc     micro.Service
 	cancelS *nats.Subscription
 	cancelA *nats.Subscription
@@ -176,12 +176,52 @@ func (p *Prefiller) Stats() PrefillerStats {
 // PrefillQueue and the instance's own endpoint), subscribes the cancel
 // subjects and, unless NoRegistry, announces the instance and watches decode
 // instances. It returns once requests can be served.
-func (p *Prefiller) Start(ctx context.Context) (err error) {
+func (p *Prefiller) Start(ctx context.Context) error {
+	reg, err := p.startIntake(ctx)
+	if err != nil {
+		return err
+	}
+	// The registry runs outside p.mu: Watch delivers the decode instances that
+	// already exist to preconnect, which takes p.mu.
+	if reg != nil {
+		if err = reg.Watch(ctx, RoleDecode); err == nil {
+			err = reg.Announce(ctx, p.self)
+		}
+	}
+	if err == nil {
+		if err = p.nc.Flush(); err != nil {
+			err = fmt.Errorf("transfer: flush: %w", err)
+		}
+	}
+	if err != nil {
+		p.mu.Lock()
+		p.stopIntakeLocked()
+		p.mu.Unlock()
+		if reg != nil {
+			rctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			_ = reg.Close(rctx)
+			cancel()
+		}
+		return err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.state != 3 {
+		return fmt.Errorf("%w: prefiller shut down while starting", ErrClosed)
+	}
+	p.state = 1
+	return nil
+}
+
+// startIntake registers the endpoints and cancel subscriptions and opens the
+// registry (without watching or announcing yet), under p.mu.
+func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.state != 0 {
-		return fmt.Errorf("%w: prefiller already started", ErrClosed)
+		return nil, fmt.Errorf("%w: prefiller already started", ErrClosed)
 	}
+	p.state = 3
 	c := p.cfg
 	defer func() {
 		if err != nil {
@@ -194,51 +234,41 @@ func (p *Prefiller) Start(ctx context.Context) (err error) {
 		Metadata:    map[string]string{"instance": c.Instance, "namespace": c.Namespace, "fingerprint": c.Fingerprint},
 	})
 	if err != nil {
-		return fmt.Errorf("transfer: micro service: %w", err)
+		return nil, fmt.Errorf("transfer: micro service: %w", err)
 	}
 	p.svc = svc
 	h := micro.HandlerFunc(p.handle)
 	if err := svc.AddEndpoint("prefill", h, micro.WithEndpointSubject(Subject(c.Prefix, c.Namespace, SubjectPrefill, "")),
 		micro.WithEndpointQueueGroup(PrefillQueue)); err != nil {
-		return fmt.Errorf("transfer: prefill endpoint: %w", err)
+		return nil, fmt.Errorf("transfer: prefill endpoint: %w", err)
 	}
 	if err := svc.AddEndpoint("prefill-direct", h, micro.WithEndpointSubject(Subject(c.Prefix, c.Namespace, SubjectInstancePrefill, c.Instance)),
 		micro.WithEndpointQueueGroupDisabled()); err != nil {
-		return fmt.Errorf("transfer: prefill endpoint: %w", err)
+		return nil, fmt.Errorf("transfer: prefill endpoint: %w", err)
 	}
 	if p.cancelS, err = p.nc.Subscribe(Subject(c.Prefix, c.Namespace, SubjectInstanceCancel, c.Instance), p.onCancel); err != nil {
-		return fmt.Errorf("transfer: cancel subscription: %w", err)
+		return nil, fmt.Errorf("transfer: cancel subscription: %w", err)
 	}
 	if p.cancelA, err = p.nc.Subscribe(Subject(c.Prefix, c.Namespace, SubjectCancel, ""), p.onCancel); err != nil {
-		return fmt.Errorf("transfer: cancel subscription: %w", err)
+		return nil, fmt.Errorf("transfer: cancel subscription: %w", err)
 	}
-	if !c.NoRegistry {
-		reg, err := OpenRegistry(ctx, p.nc, c.Registry)
-		if err != nil {
-			return err
-		}
-		p.reg = reg
-		reg.OnChange(func(inst Instance, gone bool) {
-			if inst.Role != RoleDecode {
-				return
-			}
-			if gone {
-				p.abortFrom(inst.ID, CodePeerFailed)
-			}
-			p.preconnect(inst, gone)
-		})
-		if err := reg.Watch(ctx, RoleDecode); err != nil {
-			return err
-		}
-		if err := reg.Announce(ctx, p.self); err != nil {
-			return err
-		}
+	if c.NoRegistry {
+		return nil, nil
 	}
-	if err := p.nc.Flush(); err != nil {
-		return fmt.Errorf("transfer: flush: %w", err)
+	if reg, err = OpenRegistry(ctx, p.nc, c.Registry); err != nil {
+		return nil, err
 	}
-	p.state = 1
-	return nil
+	p.reg = reg
+	reg.OnChange(func(inst Instance, gone bool) {
+		if inst.Role != RoleDecode {
+			return
+		}
+		if gone {
+			p.abortFrom(inst.ID, CodePeerFailed)
+		}
+		p.preconnect(inst, gone)
+	})
+	return reg, nil
 }
 
 // preconnect connects the data plane to a decode instance when it appears (or
