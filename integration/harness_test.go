@@ -165,9 +165,15 @@ func startProc(t *testing.T, name string, args ...string) *proc {
 		close(p.done)
 	}()
 	t.Cleanup(func() {
+		if t.Failed() {
+			p.dumpGoroutines()
+		}
 		p.kill()
 		if t.Failed() {
 			t.Logf("---- %s log (tail) ----\n%s", p.name, tail(p.log.String(), 6000))
+			if dir := os.Getenv("HANDOFF_TEST_LOGS"); dir != "" {
+				_ = os.WriteFile(filepath.Join(dir, sanitize(t.Name())+"-"+p.name+"-"+itoa(p.cmd.Process.Pid)+".log"), []byte(p.log.String()), 0o644)
+			}
 		}
 	})
 	return p
@@ -182,6 +188,21 @@ func tail(s string, n int) string {
 		return s[len(s)-n:]
 	}
 	return s
+}
+
+// dumpGoroutines asks a live process for its goroutine stacks (SIGQUIT makes
+// the Go runtime print them and exit), so a hang explains itself.
+func (p *proc) dumpGoroutines() {
+	select {
+	case <-p.done:
+		return
+	default:
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGQUIT)
+	select {
+	case <-p.done:
+	case <-time.After(3 * time.Second):
+	}
 }
 
 func (p *proc) kill() {
