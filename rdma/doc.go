@@ -42,7 +42,9 @@
 // A frame never lands outside its grant: every data frame's extent index,
 // offset and length are checked against the receiver's own copy of the
 // grant, and a shm writer checks its ticket against a digest of the grant's
-// extents before its first copy.
+// extents before its first copy. shm trusts the writer's engine the way a
+// GPU IPC handle does: the peer maps whole regions, so the control socket
+// is created mode 0600 (same user only).
 //
 // # Integrity
 //

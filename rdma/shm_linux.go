@@ -158,6 +158,12 @@ func startSHM(e *Engine, path string) (*shmServer, error) {
 		return nil, fmt.Errorf("rdma: shm listen %s: %w", path, err)
 	}
 	ln.SetUnlinkOnClose(true)
+	// A peer that connects maps whole regions: only this user may.
+	if err := os.Chmod(path, 0o600); err != nil {
+		ln.Close()
+		freeShared(table, fd)
+		return nil, fmt.Errorf("rdma: shm socket %s: %w", path, err)
+	}
 	s := &shmServer{e: e, path: path, ln: ln, fd: fd, table: table, n: n, owner: make([]*Grant, n),
 		conns: make(map[*rxConn]struct{}), live: make(map[uint64]bool)}
 	s.wg.Add(1)

@@ -4,6 +4,7 @@ package rdma
 
 import (
 	"context"
+	"os"
 	"testing"
 	"time"
 
@@ -154,4 +155,11 @@ func TestSHMCancelledWriteFailsGrant(t *testing.T) {
 	_, err = g.Wait(wctx)
 	require.ErrorIs(t, err, ErrPeerClosed)
 	p.requireCanary(t, tk.Extents)
+}
+
+func TestSHMSocketIsPrivate(t *testing.T) {
+	p := newPair(t, TransportSHM)
+	st, err := os.Stat(p.desc.ShmAddr)
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
 }
