@@ -4,6 +4,7 @@ package rdma
 
 import (
 	"context"
+	"net"
 	"os"
 	"testing"
 	"time"
@@ -162,4 +163,62 @@ func TestSHMSocketIsPrivate(t *testing.T) {
 	st, err := os.Stat(p.desc.ShmAddr)
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
+}
+
+func TestSHMRawControlBadInput(t *testing.T) {
+	p := newPair(t, TransportSHM)
+	g, err := p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: dstExtents()})
+	require.NoError(t, err)
+	tk := g.Ticket()
+	dial := func() net.Conn {
+		c, err := net.Dial("unix", p.desc.ShmAddr)
+		require.NoError(t, err)
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	buf := make([]byte, headerSize+maxMsgLen)
+
+	// Garbage instead of a hello.
+	c := dial()
+	_, err = c.Write([]byte("GET / HTTP/1.1\r\n\r\n" + string(make([]byte, 64))))
+	require.NoError(t, err)
+	h, _, err := readReply(c, buf)
+	require.NoError(t, err)
+	require.Equal(t, codeMalformed, h.index)
+
+	// A valid hello, then a data frame: shm carries no data frames.
+	c = dial()
+	_, err = c.Write(appendHello(nil, "raw", p.rx.Agent()))
+	require.NoError(t, err)
+	_, _, err = readReply(c, buf) // the hello answer (its fds are dropped)
+	require.NoError(t, err)
+	d := make([]byte, headerSize)
+	(&header{typ: frameData, grant: tk.Grant, epoch: tk.Epoch, token: tk.Token, length: 4}).put(d)
+	_, err = c.Write(append(d, 1, 2, 3, 4))
+	require.NoError(t, err)
+	h, _, err = readReply(c, buf)
+	require.NoError(t, err)
+	require.Equal(t, codeMalformed, h.index)
+
+	// A truncated commit, then the writer goes away.
+	c = dial()
+	_, err = c.Write(appendHello(nil, "raw", p.rx.Agent()))
+	require.NoError(t, err)
+	_, _, err = readReply(c, buf)
+	require.NoError(t, err)
+	cm := make([]byte, headerSize+12)
+	(&header{typ: frameCommit, index: 1, grant: tk.Grant, epoch: tk.Epoch, token: tk.Token, length: 12}).put(cm)
+	_, err = c.Write(cm[:headerSize+5])
+	require.NoError(t, err)
+	c.Close()
+
+	select {
+	case <-g.Done():
+		t.Fatalf("grant settled by a writer that never copied: %v", g.Err())
+	case <-time.After(20 * time.Millisecond):
+	}
+	p.requireUntouched(t)
+	// The grant is still good for a real writer.
+	_, err = p.tx.Write(context.Background(), p.desc, tk, srcExtents(tk.Bytes))
+	require.NoError(t, err)
 }
