@@ -132,6 +132,7 @@ type Decoder struct {
 	sub        *nats.Subscription
 	prefillSub string // the shared prefill subject
 	seq        atomic.Uint64
+	picks      atomic.Uint64 // round-robin offset of pick
 
 	mu     sync.Mutex
 	calls  map[string]*call // by reply token
@@ -152,6 +153,7 @@ type Decoder struct {
 type call struct {
 	replies chan *nats.Msg // size 2: a reply and one duplicate; more are dropped
 	died    chan string    // size 1: a peer death is sticky, one is enough
+	target  string         // the instance addressed directly, if any (under Decoder.mu)
 }
 
 // NewDecoder subscribes the decoder's reply inbox and, unless NoRegistry,
@@ -480,16 +482,13 @@ func (h *handoff) send(a Action) (string, error) {
 	subj := d.prefillSub
 	target := a.Instance
 	if target == "" && (a.Attempt > 1 || d.cfg.DirectFirst) && d.reg != nil {
-		best := -1
-		for _, inst := range d.reg.Instances(RolePrefill, time.Now()) {
-			if inst.Fingerprint == d.cfg.Fingerprint && !containsStr(a.Exclude, inst.ID) &&
-				(best < 0 || inst.Capacity.Inflight < best) {
-				target, best = inst.ID, inst.Capacity.Inflight
-			}
-		}
+		target = d.pick(a.Exclude)
 	}
 	if target != "" {
 		subj = Subject(d.cfg.Prefix, d.cfg.Namespace, SubjectInstancePrefill, target)
+		d.mu.Lock()
+		h.c.target = target
+		d.mu.Unlock()
 	}
 	msg := PrefillRequest{
 		RequestID: h.req.ID, From: d.cfg.Instance, Attempt: uint8(min(a.Attempt, 255)), Fingerprint: d.cfg.Fingerprint,
@@ -508,6 +507,37 @@ func (h *handoff) send(a Action) (string, error) {
 		return "", fmt.Errorf("%w: publish: %w", ErrClosed, err)
 	}
 	return target, nil
+}
+
+// pick chooses the live prefill instance with the same layout, not in
+// exclude, with the least load: the requests it announced in flight (as of its
+// last heartbeat) plus the ones this decoder addressed to it since. Ties go
+// round-robin, so a burst between two heartbeats spreads out.
+func (d *Decoder) pick(exclude []string) string {
+	insts := d.reg.Instances(RolePrefill, time.Now())
+	if len(insts) == 0 {
+		return ""
+	}
+	d.mu.Lock()
+	mine := make(map[string]int, len(insts))
+	for _, c := range d.calls {
+		if c.target != "" {
+			mine[c.target]++
+		}
+	}
+	d.mu.Unlock()
+	target, best := "", 0
+	off := int(d.picks.Add(1))
+	for i := range insts {
+		inst := insts[(off+i)%len(insts)]
+		if inst.Fingerprint != d.cfg.Fingerprint || containsStr(exclude, inst.ID) {
+			continue
+		}
+		if load := inst.Capacity.Inflight + mine[inst.ID]; target == "" || load < best {
+			target, best = inst.ID, load
+		}
+	}
+	return target
 }
 
 func containsStr(xs []string, s string) bool {
