@@ -353,7 +353,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 			acts = acts[1:]
 			switch a.Kind {
 			case ActDeliver:
-				h.d.cfg.Logger.Debug("handoff delivered", "id", h.req.ID, "instance", h.sess.Instance())
+				h.d.cfg.Logger.Debug("handoff delivered", "id", h.req.ID, "peer", h.sess.Instance())
 				return Result{
 					FirstToken: h.reply.FirstToken, Instance: h.reply.Instance, Attempts: h.sess.Attempts(),
 					Prefill: time.Duration(h.reply.PrefillNanos), Transfer: time.Duration(h.reply.WriteNanos),

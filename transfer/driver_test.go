@@ -1,7 +1,9 @@
 package transfer
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -814,4 +816,70 @@ func TestPrefillerStartsAfterDecoderAnnounced(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "p1", res.Instance)
 	require.NoError(t, ds.rank.Free(1))
+}
+
+// syncBuffer is a bytes.Buffer safe for a logger shared by goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// duplicateKeys returns the top-level keys a JSON log line repeats.
+func duplicateKeys(t *testing.T, line string) []string {
+	t.Helper()
+	dec := json.NewDecoder(strings.NewReader(line))
+	tok, err := dec.Token()
+	require.NoError(t, err, line)
+	require.Equal(t, json.Delim('{'), tok, line)
+	seen := map[string]bool{}
+	var dups []string
+	for dec.More() {
+		k, err := dec.Token()
+		require.NoError(t, err, line)
+		if seen[k.(string)] {
+			dups = append(dups, k.(string))
+		}
+		seen[k.(string)] = true
+		var v json.RawMessage
+		require.NoError(t, dec.Decode(&v), line)
+	}
+	return dups
+}
+
+// The worker's logger already carries the instance id, so no log line of the
+// drivers may name a peer under the same key.
+func TestLogLinesHaveNoDuplicateKeys(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	var out syncBuffer
+	logger := func(id string) *slog.Logger {
+		return slog.New(slog.NewJSONHandler(&out, &slog.HandlerOptions{Level: slog.LevelDebug})).With("instance", id)
+	}
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { withRegistry(c); c.Logger = logger("d1") })
+	f.prefiller("p1", f.fp, newExec(ps), func(c *PrefillerConfig) { withRegistryP(c); c.Logger = logger("p1") })
+	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if !strings.Contains(out.String(), "pre-connected to decode instance") {
+			return errors.New("no pre-connect logged yet")
+		}
+		return nil
+	})
+	_, err := d.Handoff(context.Background(), Request{ID: 1, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(5 * time.Second)})
+	require.NoError(t, err)
+	require.NoError(t, ds.rank.Free(1))
+	require.Contains(t, out.String(), "handoff delivered")
+	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
+		require.Empty(t, duplicateKeys(t, line), line)
+	}
 }

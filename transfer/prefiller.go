@@ -290,7 +290,7 @@ func (p *Prefiller) preconnect(inst Instance, gone bool) {
 		defer cancel()
 		tr, err := p.eng.Connect(ctx, desc)
 		if err != nil {
-			p.cfg.Logger.Warn("pre-connect to decode instance", "instance", inst.ID, "agent", desc.Agent, "err", err)
+			p.cfg.Logger.Warn("pre-connect to decode instance", "peer", inst.ID, "peer_agent", desc.Agent, "err", err)
 			p.mu.Lock()
 			if p.connected[inst.ID] == inst.Peer.Agent {
 				delete(p.connected, inst.ID) // retried on its next heartbeat
@@ -298,7 +298,7 @@ func (p *Prefiller) preconnect(inst Instance, gone bool) {
 			p.mu.Unlock()
 			return
 		}
-		p.cfg.Logger.Info("pre-connected to decode instance", "instance", inst.ID, "agent", desc.Agent, "transport", tr)
+		p.cfg.Logger.Info("pre-connected to decode instance", "peer", inst.ID, "peer_agent", desc.Agent, "transport", tr)
 	})
 }
 
