@@ -49,12 +49,9 @@ const shmSupported = true
 // died: it can no longer store). No per-byte round trip: the data path is a
 // memcpy into the mapped arena, and the commit travels once over the socket.
 const (
-	slotSize = 64
-	// parallelSumMin is the write size from which the writer sums its
-	// source on a second core while it copies.
-	parallelSumMin = 1 << 20
-	shmBracket     = 1 << 20  // bytes copied per CAS bracket: bounds Revoke's wait
-	shmSubCopy     = 64 << 10 // copy, then crc the same bytes while in cache
+	slotSize   = 64
+	shmBracket = 1 << 20  // bytes copied per CAS bracket: bounds Revoke's wait
+	shmSubCopy = 64 << 10 // copy, then crc the same bytes while in cache
 
 	slotClosed  = 0
 	slotOpen    = 1
@@ -604,18 +601,11 @@ func (l *shmLink) write(ctx context.Context, op *writeOp) error {
 	}
 	// The receiver idles while we copy: sum the source on another core
 	// meanwhile instead of after each chunk.
-	var sums sync.WaitGroup
-	inline := true
-	if !op.noCRC && runtime.GOMAXPROCS(0) > 1 && op.t.Bytes >= parallelSumMin {
-		inline = false
-		sums.Go(func() {
-			for i := range op.pieces {
-				op.sum(op.pieces[i].ext, op.pieces[i].src)
-			}
-		})
+	wait := sumAside(op)
+	copyErr := l.copyAll(ctx, op, wait == nil)
+	if wait != nil {
+		wait()
 	}
-	copyErr := l.copyAll(ctx, op, inline)
-	sums.Wait()
 	l.copying.RUnlock()
 	if copyErr != nil && !errors.Is(copyErr, errSlotRefused) {
 		if errors.Is(copyErr, ErrOutOfRange) {

@@ -26,6 +26,11 @@ const (
 	// landChunk is the unit in which landings are filled and summed: data
 	// is checksummed right after it was copied, while it is in L2.
 	landChunk = 128 << 10
+	// rxReadChunk bounds one read straight into a destination; each read
+	// is then summed in landChunk pieces.
+	rxReadChunk = 1 << 20
+	// txBigBatchBytes bounds one writev when the source is summed aside.
+	txBigBatchBytes = 4 << 20
 	// txBatchVecs bounds the iovecs of one batch (Linux IOV_MAX is 1024;
 	// Go splits longer vectors itself).
 	txBatchVecs = 1024
@@ -285,10 +290,12 @@ func (c *rxConn) data(h *header) error {
 	}
 	var rerr error
 	for off := 0; off < len(ld.dst) && rerr == nil; {
-		end := min(off+landChunk, len(ld.dst))
+		end := min(off+rxReadChunk, len(ld.dst))
 		var n int
 		n, rerr = io.ReadFull(c.br, ld.dst[off:end])
-		ld.fill(ld.dst[off : off+n])
+		for s := off; s < off+n; s += landChunk {
+			ld.fill(ld.dst[s:min(s+landChunk, off+n)])
+		}
 		off += n
 	}
 	g.endLand(&ld, rerr == nil, c)
@@ -601,7 +608,8 @@ func (l *tcpLink) write(ctx context.Context, op *writeOp) error {
 		stop := context.AfterFunc(ctx, func() { _ = tc.c.SetDeadline(aLongTimeAgo) })
 		defer stop()
 	}
-	werr := tc.send(op)
+	wait := sumAside(op)
+	werr := tc.send(op, wait)
 	var h header
 	var msg []byte
 	var rerr error
@@ -640,8 +648,18 @@ func (l *tcpLink) write(ctx context.Context, op *writeOp) error {
 }
 
 // send writes the data frames and the commit with vectored writes straight
-// from the source memory, in batches of at most txBatchBytes.
-func (tc *txConn) send(op *writeOp) error {
+// from the source memory. When the source is summed aside (wait != nil),
+// data goes out in large batches and the commit follows once the sums are
+// done; otherwise each batch of at most txBatchBytes is summed right before
+// it is sent.
+func (tc *txConn) send(op *writeOp, wait func()) error {
+	if wait != nil {
+		defer func() {
+			if wait != nil {
+				wait() // never leave the summing goroutine behind
+			}
+		}()
+	}
 	n := len(op.pieces)
 	m := len(op.manifest.Bytes)
 	need := (n+1)*headerSize + m*manifestEntrySize
@@ -658,6 +676,17 @@ func (tc *txConn) send(op *writeOp) error {
 		h.index, h.offset, h.length = p.ext, p.off, uint64(len(p.src))
 		h.put(b)
 		iov = append(iov, b)
+		if wait != nil || op.noCRC {
+			iov = append(iov, p.src)
+			batch += uint64(len(p.src))
+			if batch >= txBigBatchBytes || len(iov) >= txBatchVecs {
+				if err := tc.flush(iov); err != nil {
+					return err
+				}
+				iov, batch = tc.iov[:0], 0
+			}
+			continue
+		}
 		// A long payload goes out as several vectors of one frame, so each
 		// batch is summed right before the kernel copies it.
 		for src := p.src; len(src) > 0; {
@@ -673,6 +702,14 @@ func (tc *txConn) send(op *writeOp) error {
 				iov, batch = tc.iov[:0], 0
 			}
 		}
+	}
+	if wait != nil {
+		if err := tc.flush(iov); err != nil {
+			return err
+		}
+		iov = tc.iov[:0]
+		wait()
+		wait = nil
 	}
 	cb := hdrs[n*headerSize:]
 	ch := header{typ: frameCommit, flags: op.commitFlags(), index: uint32(m), grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token, length: uint64(m * manifestEntrySize)}
