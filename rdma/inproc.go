@@ -68,6 +68,14 @@ func (l *inprocLink) write(ctx context.Context, op *writeOp) error {
 	if err != nil {
 		return remoteErr(l.rx.cfg.Agent, err)
 	}
+	wait := sumAside(op) // the writer's sums on another core
+	if wait != nil {
+		defer func() {
+			if wait != nil {
+				wait()
+			}
+		}()
+	}
 	for i := range op.pieces {
 		if i&63 == 0 {
 			if err := ctx.Err(); err != nil {
@@ -85,9 +93,15 @@ func (l *inprocLink) write(ctx context.Context, op *writeOp) error {
 			end := min(off+landChunk, len(p.src))
 			copy(ld.dst[off:end], p.src[off:end])
 			ld.fill(ld.dst[off:end])
-			op.sum(p.ext, p.src[off:end])
+			if wait == nil {
+				op.sum(p.ext, p.src[off:end])
+			}
 		}
 		g.endLand(&ld, true, nil)
+	}
+	if wait != nil {
+		wait()
+		wait = nil
 	}
 	return remoteErr(l.rx.cfg.Agent, g.commit(op.t.Epoch, &op.t.Token, op.manifest, true, !op.noCRC))
 }
