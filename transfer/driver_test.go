@@ -883,3 +883,32 @@ func TestLogLinesHaveNoDuplicateKeys(t *testing.T) {
 		require.Empty(t, duplicateKeys(t, line), line)
 	}
 }
+
+// nats.go ends a KV watch when the context it was created with ends, so the
+// registry must not create it with Watch's ctx, which only bounds the wait for
+// the initial entries.
+func TestRegistryWatchOutlivesItsContext(t *testing.T) {
+	noLeaks(t)
+	srv := transfertest.RunServer(t)
+	cfg := RegistryConfig{Namespace: "t1", TTL: 30 * time.Second}
+	watcher, err := OpenRegistry(context.Background(), transfertest.Connect(t, srv), cfg)
+	require.NoError(t, err)
+	defer watcher.Close(context.Background())
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	require.NoError(t, watcher.Watch(ctx, RolePrefill))
+	cancel()
+
+	time.Sleep(50 * time.Millisecond) // let a watch bound to ctx end
+	late, err := OpenRegistry(context.Background(), transfertest.Connect(t, srv), cfg)
+	require.NoError(t, err)
+	defer late.Close(context.Background())
+	require.NoError(t, late.Announce(context.Background(), func() Instance {
+		return Instance{ID: "p-late", Role: RolePrefill, Fingerprint: "fp"}
+	}))
+	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := len(watcher.Instances(RolePrefill, time.Now())); n != 1 {
+			return fmt.Errorf("%d instances, want the one announced after Watch's ctx ended", n)
+		}
+		return nil
+	})
+}

@@ -60,8 +60,13 @@ type Registry struct {
 	onChange []func(inst Instance, gone bool)
 
 	stop chan struct{}
-	wg   sync.WaitGroup
-	self string // key of the announced entry
+	// life bounds the watches' subscriptions: nats.go unsubscribes a KV
+	// watcher when the context it was created with ends, so it must not be
+	// the caller's. Cancelled by Close.
+	life     context.Context
+	lifeStop context.CancelFunc
+	wg       sync.WaitGroup
+	self     string // key of the announced entry
 }
 
 // OpenRegistry creates or opens the namespace's bucket.
@@ -89,7 +94,9 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, cfg RegistryConfig) (*Regi
 	if err != nil {
 		return nil, fmt.Errorf("transfer: registry bucket %s: %w", kcfg.Bucket, err)
 	}
-	return &Registry{cfg: cfg, kv: kv, entries: map[string]Instance{}, stop: make(chan struct{})}, nil
+	r := &Registry{cfg: cfg, kv: kv, entries: map[string]Instance{}, stop: make(chan struct{})}
+	r.life, r.lifeStop = context.WithCancel(context.Background())
+	return r, nil
 }
 
 func registryKey(role Role, id string) string { return string(role) + "." + id }
@@ -155,53 +162,60 @@ func (r *Registry) OnChange(fn func(inst Instance, gone bool)) {
 }
 
 // Watch mirrors the entries of role until Close. It returns once the current
-// entries are loaded.
+// entries are loaded, or with ctx's error when ctx ends first (the watch then
+// keeps starting in the background until Close); ctx does not bound the watch
+// itself.
 func (r *Registry) Watch(ctx context.Context, role Role) error {
-	w, err := r.kv.Watch(ctx, string(role)+".>")
-	if err != nil {
-		return fmt.Errorf("transfer: registry watch: %w", err)
-	}
-	loaded := make(chan struct{})
+	loaded := make(chan error, 1)
 	r.mu.Lock()
 	if r.closed {
 		r.mu.Unlock()
-		_ = w.Stop()
 		return ErrClosed
 	}
-	r.wg.Go(func() {
-		defer func() { _ = w.Stop() }()
-		initial := true
-		for {
-			select {
-			case <-r.stop:
-				if initial {
-					close(loaded)
-				}
-				return
-			case e, ok := <-w.Updates():
-				if !ok {
-					if initial {
-						close(loaded)
-					}
-					return
-				}
-				if e == nil {
-					if initial {
-						initial = false
-						close(loaded)
-					}
-					continue
-				}
-				r.apply(e)
-			}
-		}
-	})
+	r.wg.Go(func() { r.watch(role, loaded) })
 	r.mu.Unlock()
 	select {
-	case <-loaded:
-		return nil
+	case err := <-loaded:
+		return err
 	case <-ctx.Done():
-		return ctx.Err()
+		return fmt.Errorf("transfer: registry watch: %w", ctx.Err())
+	}
+}
+
+// watch runs one watch until Close, reporting on loaded (once) when its
+// initial entries are applied or it failed to start.
+func (r *Registry) watch(role Role, loaded chan<- error) {
+	w, err := r.kv.Watch(r.life, string(role)+".>")
+	if err != nil {
+		loaded <- fmt.Errorf("transfer: registry watch: %w", err)
+		return
+	}
+	defer func() { _ = w.Stop() }()
+	initial := true
+	for {
+		select {
+		case <-r.stop:
+			if initial {
+				loaded <- ErrClosed
+			}
+			return
+		case e, ok := <-w.Updates():
+			if !ok { // not our Stop: the subscription ended under us
+				if initial {
+					loaded <- fmt.Errorf("transfer: registry watch: %w", ErrClosed)
+				}
+				r.cfg.Logger.Warn("registry watch ended", "role", string(role))
+				return
+			}
+			if e == nil {
+				if initial {
+					initial = false
+					loaded <- nil
+				}
+				continue
+			}
+			r.apply(e)
+		}
 	}
 }
 
@@ -264,6 +278,7 @@ func (r *Registry) Close(ctx context.Context) error {
 	r.mu.Unlock()
 	close(r.stop)
 	r.wg.Wait()
+	r.lifeStop()
 	if self != "" {
 		if err := r.kv.Delete(ctx, self); err != nil {
 			return fmt.Errorf("transfer: registry delete %s: %w", self, err)
