@@ -93,7 +93,7 @@
 // (many per read(2), one copy out of it); payloads longer than the buffer are
 // read straight into the destination, up to 1 MiB per read(2). The writer
 // sends headers and payloads with writev straight from the source memory,
-// up to 1024 vectors or 4 MiB per call.
+// up to 1024 vectors and 4 MiB per call (128 KiB when summing inline).
 //
 // # Caller's duties
 //
