@@ -912,3 +912,50 @@ func TestRegistryWatchOutlivesItsContext(t *testing.T) {
 		return nil
 	})
 }
+
+// slowConnect is a sender engine whose pre-connects block until cancelled;
+// its first pre-connect also cancels the ctx of the Start that triggered it.
+type slowConnect struct {
+	senderEngine
+	cancelStart context.CancelFunc
+	connecting  chan struct{}
+	returned    chan struct{}
+}
+
+func (s *slowConnect) Descriptor() rdma.Descriptor {
+	select { // Start announces after the watch delivered the decode instance
+	case <-s.connecting:
+	case <-time.After(5 * time.Second):
+	}
+	return s.senderEngine.Descriptor()
+}
+
+func (s *slowConnect) Connect(ctx context.Context, _ rdma.Descriptor) (rdma.Transport, error) {
+	s.cancelStart()
+	close(s.connecting)
+	<-ctx.Done()
+	close(s.returned)
+	return "", ctx.Err()
+}
+
+// A Start that fails after the registry delivered a decode instance stops the
+// pre-connect it began before returning, as Shutdown would.
+func TestPrefillerFailedStartStopsPreconnect(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	f.decoder("d1", ds, withRegistry)
+	p, err := NewPrefiller(PrefillerConfig{Instance: "p1", Namespace: f.ns, Fingerprint: f.fp,
+		Registry: RegistryConfig{TTL: 30 * time.Second}}, transfertest.Connect(t, f.srv), ps.eng, newExec(ps))
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	eng := &slowConnect{senderEngine: ps.eng, cancelStart: cancel, connecting: make(chan struct{}), returned: make(chan struct{})}
+	p.eng = eng
+	require.Error(t, p.Start(ctx))
+	select {
+	case <-eng.returned:
+	default:
+		t.Fatal("Start returned an error with its pre-connect still running")
+	}
+	require.NoError(t, p.Shutdown(context.Background()))
+}

@@ -199,9 +199,12 @@ func (p *Prefiller) Start(ctx context.Context) error {
 		p.mu.Unlock()
 		if reg != nil {
 			rctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			_ = reg.Close(rctx)
+			_ = reg.Close(rctx) // no more registry callbacks, so no new pre-connects
 			cancel()
 		}
+		// Pre-connects the watch began; no request was served while starting.
+		p.connCancel()
+		p.wg.Wait()
 		return err
 	}
 	p.mu.Lock()
