@@ -42,6 +42,9 @@ func BenchmarkMemcpy(b *testing.B) {
 		b.Run(sizeName(size), func(b *testing.B) {
 			exts, n := benchLayout(size)
 			src, dst := make([]byte, n), make([]byte, n)
+			for i := range src { // real pages, not the shared zero page
+				src[i], dst[i] = byte(i*7), 1
+			}
 			b.SetBytes(benchTotal)
 			b.ReportAllocs()
 			for b.Loop() {
