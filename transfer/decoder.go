@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -152,8 +153,25 @@ type Decoder struct {
 // call is one Handoff's mailbox, written by NATS and registry callbacks.
 type call struct {
 	replies chan *nats.Msg // size 2: a reply and one duplicate; more are dropped
-	died    chan string    // size 1: a peer death is sticky, one is enough
-	target  string         // the instance addressed directly, if any (under Decoder.mu)
+	// died signals that dead holds instances (size 1: one pending signal
+	// covers any number of deaths). Every death is kept, not only the first:
+	// an unrelated instance may die just before the one this call waits on.
+	died   chan struct{}
+	dead   []string // prefill instances that left since the last take (under Decoder.mu)
+	target string   // the instance addressed directly, if any (under Decoder.mu)
+}
+
+func newCall() *call {
+	return &call{replies: make(chan *nats.Msg, 2), died: make(chan struct{}, 1)}
+}
+
+// takeDead returns and clears the deaths c was told of.
+func (d *Decoder) takeDead(c *call) []string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	dead := c.dead
+	c.dead = nil
+	return dead
 }
 
 // NewDecoder subscribes the decoder's reply inbox and, unless NoRegistry,
@@ -240,9 +258,12 @@ func (d *Decoder) peerDied(instance string) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for _, c := range d.calls {
+		if !slices.Contains(c.dead, instance) {
+			c.dead = append(c.dead, instance)
+		}
 		select {
-		case c.died <- instance:
-		default:
+		case c.died <- struct{}{}:
+		default: // a signal is pending; the taker sees this death too
 		}
 	}
 }
@@ -314,7 +335,7 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 			RequestID: req.ID, MaxDraftTokens: d.cfg.MaxDraftTokens, Deadline: deadline, MaxAttempts: d.cfg.MaxAttempts,
 		}),
 		tok: strconv.FormatUint(d.seq.Add(1), 36),
-		c:   &call{replies: make(chan *nats.Msg, 2), died: make(chan string, 1)},
+		c:   newCall(),
 	}
 	d.mu.Lock()
 	if d.closed {
@@ -370,6 +391,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 			}
 		}
 		var ev Event
+		var early []Action // outcomes of events taken along with ev
 		select {
 		case m := <-h.c.replies:
 			ev = h.replyEvent(m)
@@ -382,8 +404,15 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 				h.setCause(err)
 				ev = Event{Kind: EvGrantFailed, Code: rdmaCode(err)}
 			}
-		case inst := <-h.c.died:
-			ev = Event{Kind: EvPeerDied, Instance: inst}
+		case <-h.c.died:
+			dead := h.d.takeDead(h.c)
+			if len(dead) == 0 {
+				continue // taken with an earlier signal
+			}
+			for _, inst := range dead[:len(dead)-1] {
+				early = append(early, h.sess.Step(Event{Kind: EvPeerDied, Instance: inst, Now: time.Now()})...)
+			}
+			ev = Event{Kind: EvPeerDied, Instance: dead[len(dead)-1]}
 		case <-timer.C:
 			ev = Event{Kind: EvTick}
 		case <-ctx.Done():
@@ -396,7 +425,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 			ev = Event{Kind: EvCancel, Code: CodeClosed}
 		}
 		ev.Now = time.Now()
-		acts = h.sess.Step(ev)
+		acts = append(early, h.sess.Step(ev)...)
 		if ev.Kind == EvTick && !h.sess.State().Terminal() {
 			timer.Reset(time.Until(h.deadline)) // a tick that came early
 		}

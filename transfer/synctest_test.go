@@ -152,3 +152,48 @@ func TestRetryBudgetSynctest(t *testing.T) {
 		require.Equal(t, uint8(2), req.Attempt)
 	})
 }
+
+// Every peer death reaches a handoff, not only the first one since it last
+// looked: an unrelated instance may leave just before the one it waits on.
+func TestPeerDeathsAllDelivered(t *testing.T) {
+	d := &Decoder{calls: map[string]*call{}}
+	c := newCall()
+	d.calls["1"] = c
+	d.peerDied("p1")
+	d.peerDied("p2")
+	d.peerDied("p1")
+	require.Len(t, c.died, 1)
+	require.Equal(t, []string{"p1", "p2"}, d.takeDead(c))
+	require.Empty(t, d.takeDead(c))
+}
+
+// TestPeerDeathAfterUnrelatedDeathSynctest: the worker that replied dies right
+// after another one; the handoff fails at once with ErrPeerFailed instead of
+// waiting for its deadline.
+func TestPeerDeathAfterUnrelatedDeathSynctest(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		recv, send, dst, _ := bubbleEngines(t)
+		defer recv.Close()
+		defer send.Close()
+		d, rec := bubbleDecoder(t, recv, 1)
+		alloc := &countAlloc{d: Destination{Mamba: dst}}
+		done := make(chan error, 1)
+		start := time.Now()
+		go func() {
+			_, err := d.Handoff(context.Background(), Request{ID: 5, Tokens: tokens(4), Alloc: alloc, Deadline: start.Add(time.Minute)})
+			done <- err
+		}()
+		m := <-rec.sent
+		req, err := DecodePrefillRequest(m.Data)
+		require.NoError(t, err)
+		b, err := EncodePrefillReply(PrefillReply{RequestID: req.RequestID, Instance: "p2", Code: CodeOK}, 0)
+		require.NoError(t, err)
+		d.onReply(&nats.Msg{Subject: m.Reply, Data: b}) // replied; the commit never comes
+		synctest.Wait()
+		d.peerDied("p1")
+		d.peerDied("p2")
+		require.ErrorIs(t, <-done, ErrPeerFailed)
+		require.Equal(t, time.Duration(0), time.Since(start))
+		require.Equal(t, 1, alloc.frees)
+	})
+}
