@@ -36,6 +36,8 @@ const (
 	txBatchVecs = 1024
 	// maxIdlePerPeer is how many idle connections a writer keeps per peer.
 	maxIdlePerPeer = 8
+	// maxRefusals bounds the refusals a connection remembers until a commit.
+	maxRefusals = 16
 	// helloTimeout bounds the handshake.
 	helloTimeout = 10 * time.Second
 )
@@ -320,6 +322,11 @@ func (c *rxConn) refuse(grant uint64, err error) {
 		if r.grant == grant {
 			return
 		}
+	}
+	if len(c.refused) >= maxRefusals {
+		// A writer spraying frames at many grants: stop remembering. A
+		// commit for a forgotten grant is refused by the grant's own checks.
+		return
 	}
 	c.refused = append(c.refused, rejection{grant, err})
 	c.e.log.Debug("rdma: frame refused", "peer", c.peer, "grant", grant, "err", err)

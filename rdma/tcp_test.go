@@ -424,3 +424,17 @@ func TestTCPWriterContextAgainstSilentReceiver(t *testing.T) {
 	<-served
 	requireGoroutines(t, before)
 }
+
+func TestTCPRawRefusalsAreBounded(t *testing.T) {
+	r := newRawRx(t, time.Minute)
+	for i := range 1000 {
+		f := r.data(0, 0, []byte{1})
+		binary.LittleEndian.PutUint64(f[16:], uint64(1<<40+i)) // unknown grants
+		r.send(t, f)
+	}
+	r.send(t, r.commit(fullManifest(nil, nil)))
+	code, msg := r.reply(t)
+	require.Equal(t, codeManifestMismatch, code, msg) // the real grant: nothing landed
+	require.ErrorIs(t, r.wait(t), ErrManifestMismatch)
+	r.requireCanary(t)
+}
