@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go/micro"
 	"github.com/stretchr/testify/require"
 
 	"github.com/handoff-io/handoff/hybrid"
@@ -958,4 +959,53 @@ func TestPrefillerFailedStartStopsPreconnect(t *testing.T) {
 		t.Fatal("Start returned an error with its pre-connect still running")
 	}
 	require.NoError(t, p.Shutdown(context.Background()))
+}
+
+// fakeRequest is a micro.Request that keeps the reply.
+type fakeRequest struct {
+	micro.Request
+	data  []byte
+	reply []byte
+}
+
+func (r *fakeRequest) Data() []byte  { return r.data }
+func (r *fakeRequest) Reply() string { return "_INBOX.test" }
+func (r *fakeRequest) Respond(b []byte, _ ...micro.RespondOpt) error {
+	r.reply = b
+	return nil
+}
+func (r *fakeRequest) Error(_, _ string, b []byte, _ ...micro.RespondOpt) error {
+	r.reply = b
+	return nil
+}
+
+// A request that reaches a prefiller already shutting down (dispatched before
+// its endpoints stopped) is refused as capacity, which the decoder retries on
+// another worker, not failed as closed.
+func TestPrefillerNotServingRefusesAsCapacity(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	p := f.prefiller("p1", f.fp, x, nil)
+	require.NoError(t, p.Shutdown(context.Background()))
+	dest, err := ds.rank.Prepare(1, 9)
+	require.NoError(t, err)
+	defer ds.rank.Free(1)
+	kvb, mb := dest.Bytes()
+	deadline := time.Now().Add(5 * time.Second)
+	g, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 1, Extents: dest.Extents(), Deadline: deadline})
+	require.NoError(t, err)
+	defer g.Revoke()
+	b, err := EncodePrefillRequest(PrefillRequest{RequestID: 1, From: "d1", Fingerprint: f.fp, Tokens: tokens(9),
+		Deadline: deadline.UnixNano(), Peer: PeerOf(ds.eng.Descriptor()),
+		Ticket: TicketOf(g.Ticket()), KVBytes: kvb, MambaBytes: mb}, 0)
+	require.NoError(t, err)
+	r := &fakeRequest{data: b}
+	p.handle(r)
+	rep, err := DecodePrefillReply(r.reply)
+	require.NoError(t, err)
+	require.Equal(t, CodeCapacityRefused, rep.Code, rep.Msg)
+	require.ErrorIs(t, &RemoteError{Code: rep.Code}, ErrCapacityRefused)
+	require.Zero(t, x.admits.Load())
+	ps.requireInitial(t)
 }

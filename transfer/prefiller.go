@@ -469,11 +469,9 @@ func (p *Prefiller) handle(r micro.Request) {
 		return
 	}
 	p.mu.Lock()
-	if p.state != 1 {
+	if st := p.state; st != 1 {
 		p.mu.Unlock()
-		t.sess.Step(Event{Kind: EvCancel, Code: CodeClosed, Now: time.Now()})
-		p.refused.Add(1)
-		p.replyNow(r, t.replyFor(CodeClosed))
+		p.refuseNotServing(r, t, st)
 		return
 	}
 	p.mu.Unlock()
@@ -500,13 +498,11 @@ func (p *Prefiller) handle(r micro.Request) {
 	}
 	t.ctx, t.cancel = context.WithDeadline(context.Background(), deadline)
 	p.mu.Lock()
-	if p.state != 1 { // shut down while admitting
+	if st := p.state; st != 1 { // shut down while admitting
 		p.mu.Unlock()
 		t.cancel()
-		t.sess.Step(Event{Kind: EvCancel, Code: CodeClosed, Now: time.Now()})
 		lease.Release()
-		p.refused.Add(1)
-		p.replyNow(r, t.replyFor(CodeClosed))
+		p.refuseNotServing(r, t, st)
 		return
 	}
 	set := p.tasks[m.RequestID]
@@ -518,6 +514,19 @@ func (p *Prefiller) handle(r micro.Request) {
 	p.inflight.Add(1)
 	p.wg.Go(func() { t.run(acts) })
 	p.mu.Unlock()
+}
+
+// refuseNotServing refuses a request that reached the endpoints while the
+// prefiller was starting (state 3) or shutting down: a capacity refusal,
+// which the decoder retries on another worker, since nothing was written.
+func (p *Prefiller) refuseNotServing(r micro.Request, t *task, state int) {
+	why := "shutting down"
+	if state == 3 {
+		why = "starting"
+	}
+	t.cause = fmt.Errorf("%w: prefiller %s", ErrCapacityRefused, why)
+	p.refused.Add(1)
+	p.replyNow(r, t.replyFor(CodeCapacityRefused))
 }
 
 func (p *Prefiller) replyNow(r micro.Request, rep PrefillReply) {
