@@ -64,7 +64,7 @@ type Config struct {
 	TCPAddr    string        // listen address, default "127.0.0.1:0"
 	Advertise  string        // advertised TCP address (POD_IP:port); default the listener's
 	ShmSocket  string        // unix socket path for shm control; default a fresh path in os.TempDir()
-	Host       string        // host identity; default /proc/sys/kernel/random/boot_id, else the hostname
+	Host       string        // host identity; default boot id (else hostname) plus mount namespace
 	GrantTTL   time.Duration // deadline of grants opened without one; default 60s
 	MaxGrants  int           // open grants at once; default 16384
 	// SkipCRC trades integrity for speed: as a writer, commits carry byte
@@ -123,14 +123,21 @@ func (c *Config) validate() error {
 	return nil
 }
 
+// hostIdentity names what shm needs two engines to share: the kernel (boot
+// id) and the filesystem view (mount namespace), since the shm control socket
+// is a path and the regions are passed as memfds over it. Containers on one
+// host share the boot id but not their mount namespace, so they get tcp.
 func hostIdentity() string {
+	id, _ := os.Hostname()
 	if b, err := os.ReadFile("/proc/sys/kernel/random/boot_id"); err == nil {
 		if s := strings.TrimSpace(string(b)); s != "" {
-			return s
+			id = s
 		}
 	}
-	h, _ := os.Hostname()
-	return h
+	if ns, err := os.Readlink("/proc/self/ns/mnt"); err == nil {
+		id += "/" + ns
+	}
+	return id
 }
 
 // tombstones is how many settled grants are remembered so that late frames
