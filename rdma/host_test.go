@@ -1,6 +1,7 @@
 package rdma
 
 import (
+	"net"
 	"os"
 	"strings"
 	"testing"
@@ -18,4 +19,17 @@ func TestHostIdentityNamesMountNamespace(t *testing.T) {
 	id := hostIdentity()
 	require.True(t, strings.HasSuffix(id, "/"+ns), "host identity %q lacks the mount namespace %q", id, ns)
 	require.Equal(t, id, hostIdentity(), "host identity must be stable")
+}
+
+func TestDefaultAdvertise(t *testing.T) {
+	loop := &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 7400}
+	require.Equal(t, "127.0.0.1:7400", defaultAdvertise(loop), "a concrete listener is advertised as is")
+	wild := &net.TCPAddr{IP: net.IPv6unspecified, Port: 7400}
+	got := defaultAdvertise(wild)
+	h, _ := os.Hostname()
+	if _, err := net.LookupHost(h); err == nil {
+		require.Equal(t, net.JoinHostPort(h, "7400"), got)
+	} else {
+		require.Equal(t, wild.String(), got)
+	}
 }

@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -59,13 +61,28 @@ type tcpServer struct {
 	wg     sync.WaitGroup
 }
 
+// defaultAdvertise is the address peers dial when none was configured: the
+// listener's, except that a wildcard listener (":7400") is advertised by this
+// machine's host name where that resolves (containers on one network resolve
+// each other's), since no peer can dial a wildcard address from elsewhere.
+func defaultAdvertise(a *net.TCPAddr) string {
+	if a.IP.IsUnspecified() {
+		if h, err := os.Hostname(); err == nil && h != "" {
+			if addrs, err := net.LookupHost(h); err == nil && len(addrs) > 0 {
+				return net.JoinHostPort(h, strconv.Itoa(a.Port))
+			}
+		}
+	}
+	return a.String()
+}
+
 func startTCP(e *Engine, addr, advertise string) (*tcpServer, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("rdma: tcp listen %s: %w", addr, err)
 	}
 	if advertise == "" {
-		advertise = ln.Addr().String()
+		advertise = defaultAdvertise(ln.Addr().(*net.TCPAddr))
 	}
 	s := &tcpServer{e: e, ln: ln, advertise: advertise, conns: make(map[*rxConn]struct{})}
 	s.wg.Add(1)
