@@ -51,10 +51,12 @@ func (c *RegistryConfig) validate() error {
 // entries of one role into memory and drops them when they are deleted or
 // expire. Its goroutines stop on Close.
 type Registry struct {
-	cfg RegistryConfig
-	kv  jetstream.KeyValue
+	cfg  RegistryConfig
+	js   jetstream.JetStream
+	kcfg jetstream.KeyValueConfig
 
 	mu       sync.Mutex
+	kv       jetstream.KeyValue // replaced when the bucket is recreated
 	closed   bool
 	entries  map[string]Instance // by instance id
 	onChange []func(inst Instance, gone bool)
@@ -86,17 +88,40 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, cfg RegistryConfig) (*Regi
 		Storage:        jetstream.MemoryStorage,
 		LimitMarkerTTL: cfg.TTL, // watchers hear about expiries
 	}
-	kv, err := js.CreateOrUpdateKeyValue(ctx, kcfg)
-	if errors.Is(err, jetstream.ErrLimitMarkerTTLNotSupported) {
-		kcfg.LimitMarkerTTL = 0 // older server: expiry is then detected from Updated alone
-		kv, err = js.CreateOrUpdateKeyValue(ctx, kcfg)
+	r := &Registry{cfg: cfg, js: js, kcfg: kcfg, entries: map[string]Instance{}, stop: make(chan struct{})}
+	if err := r.open(ctx); err != nil {
+		return nil, err
 	}
-	if err != nil {
-		return nil, fmt.Errorf("transfer: registry bucket %s: %w", kcfg.Bucket, err)
-	}
-	r := &Registry{cfg: cfg, kv: kv, entries: map[string]Instance{}, stop: make(chan struct{})}
 	r.life, r.lifeStop = context.WithCancel(context.Background())
 	return r, nil
+}
+
+// open creates the bucket, or opens it when it exists, and makes it the one
+// the registry uses. Called again when the bucket is found missing: its
+// storage is memory, so a restarted NATS server has lost it.
+func (r *Registry) open(ctx context.Context) error {
+	r.mu.Lock()
+	kcfg := r.kcfg
+	r.mu.Unlock()
+	kv, err := r.js.CreateOrUpdateKeyValue(ctx, kcfg)
+	if errors.Is(err, jetstream.ErrLimitMarkerTTLNotSupported) {
+		kcfg.LimitMarkerTTL = 0 // older server: expiry is then detected from Updated alone
+		kv, err = r.js.CreateOrUpdateKeyValue(ctx, kcfg)
+	}
+	if err != nil {
+		return fmt.Errorf("transfer: registry bucket %s: %w", kcfg.Bucket, err)
+	}
+	r.mu.Lock()
+	r.kv, r.kcfg = kv, kcfg
+	r.mu.Unlock()
+	return nil
+}
+
+// bucket returns the bucket in use.
+func (r *Registry) bucket() jetstream.KeyValue {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.kv
 }
 
 func registryKey(role Role, id string) string { return string(role) + "." + id }
@@ -129,15 +154,30 @@ func (r *Registry) Announce(ctx context.Context, self func() Instance) error {
 			case <-r.stop:
 				return
 			case <-t.C:
-				hctx, cancel := context.WithTimeout(context.Background(), r.cfg.Heartbeat)
-				if err := r.put(hctx, key, self()); err != nil {
+				if err := r.heartbeat(key, self); err != nil {
 					r.cfg.Logger.Warn("registry heartbeat", "key", key, "err", err)
 				}
-				cancel()
 			}
 		}
 	})
 	return nil
+}
+
+// heartbeat refreshes the entry. When that fails it reopens the bucket (the
+// server may have restarted without it) and tries once more.
+func (r *Registry) heartbeat(key string, self func() Instance) error {
+	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.Heartbeat)
+	defer cancel()
+	err := r.put(ctx, key, self())
+	if err == nil {
+		return nil
+	}
+	octx, ocancel := context.WithTimeout(context.Background(), r.cfg.Heartbeat)
+	defer ocancel()
+	if oerr := r.open(octx); oerr != nil {
+		return errors.Join(err, oerr)
+	}
+	return r.put(octx, key, self())
 }
 
 func (r *Registry) put(ctx context.Context, key string, inst Instance) error {
@@ -146,7 +186,7 @@ func (r *Registry) put(ctx context.Context, key string, inst Instance) error {
 	if err != nil {
 		return err
 	}
-	if _, err := r.kv.Put(ctx, key, b); err != nil {
+	if _, err := r.bucket().Put(ctx, key, b); err != nil {
 		return fmt.Errorf("transfer: registry put %s: %w", key, err)
 	}
 	return nil
@@ -183,14 +223,24 @@ func (r *Registry) Watch(ctx context.Context, role Role) error {
 }
 
 // watch runs one watch until Close, reporting on loaded (once) when its
-// initial entries are applied or it failed to start.
+// initial entries are applied or it failed to start. Every Heartbeat it checks
+// that the bucket it watches is still the server's: a restarted server has
+// lost it (memory storage) and a watch on the old one hears nothing more, so
+// the bucket is then recreated if need be and watched again.
 func (r *Registry) watch(role Role, loaded chan<- error) {
-	w, err := r.kv.Watch(r.life, string(role)+".>")
+	w, born, err := r.startWatch(role)
 	if err != nil {
-		loaded <- fmt.Errorf("transfer: registry watch: %w", err)
+		loaded <- err
 		return
 	}
-	defer func() { _ = w.Stop() }()
+	updates := w.Updates()
+	defer func() {
+		if w != nil {
+			_ = w.Stop()
+		}
+	}()
+	check := time.NewTicker(r.cfg.Heartbeat)
+	defer check.Stop()
 	initial := true
 	for {
 		select {
@@ -199,13 +249,33 @@ func (r *Registry) watch(role Role, loaded chan<- error) {
 				loaded <- ErrClosed
 			}
 			return
-		case e, ok := <-w.Updates():
+		case <-check.C:
+			if initial || (w != nil && !r.bucketReplaced(born)) {
+				continue
+			}
+			if w != nil {
+				_ = w.Stop()
+			}
+			if w, born, err = r.startWatch(role); err != nil {
+				w, updates = nil, nil // retried at the next check
+				if errors.Is(err, nats.ErrConnectionClosed) {
+					r.cfg.Logger.Warn("registry watch stopped: connection closed", "role", string(role))
+					return
+				}
+				r.cfg.Logger.Warn("registry watch restart", "role", string(role), "err", err)
+				continue
+			}
+			updates = w.Updates()
+			r.cfg.Logger.Info("registry watch restarted on a new bucket", "role", string(role))
+		case e, ok := <-updates:
 			if !ok { // not our Stop: the subscription ended under us
 				if initial {
 					loaded <- fmt.Errorf("transfer: registry watch: %w", ErrClosed)
+					return
 				}
-				r.cfg.Logger.Warn("registry watch ended", "role", string(role))
-				return
+				r.cfg.Logger.Warn("registry watch ended; restarting it", "role", string(role))
+				w, updates = nil, nil // the next check restarts it
+				continue
 			}
 			if e == nil {
 				if initial {
@@ -217,6 +287,41 @@ func (r *Registry) watch(role Role, loaded chan<- error) {
 			r.apply(e)
 		}
 	}
+}
+
+// startWatch watches role's keys in the current bucket, and returns when that
+// bucket was created.
+func (r *Registry) startWatch(role Role) (jetstream.KeyWatcher, time.Time, error) {
+	kv := r.bucket()
+	ctx, cancel := context.WithTimeout(r.life, r.cfg.TTL)
+	defer cancel()
+	var born time.Time
+	if st, err := kv.Status(ctx); err == nil {
+		if bs, ok := st.(*jetstream.KeyValueBucketStatus); ok {
+			born = bs.StreamInfo().Created
+		}
+	}
+	w, err := kv.Watch(r.life, string(role)+".>")
+	if err != nil {
+		return nil, born, fmt.Errorf("transfer: registry watch: %w", err)
+	}
+	return w, born, nil
+}
+
+// bucketReplaced reports whether the server's bucket is not the one created
+// at born (it was recreated, or it is missing and was recreated now).
+func (r *Registry) bucketReplaced(born time.Time) bool {
+	ctx, cancel := context.WithTimeout(r.life, r.cfg.Heartbeat)
+	defer cancel()
+	st, err := r.bucket().Status(ctx)
+	if errors.Is(err, jetstream.ErrBucketNotFound) || errors.Is(err, jetstream.ErrStreamNotFound) {
+		return r.open(ctx) == nil
+	}
+	if err != nil {
+		return false // unreachable now: check again later
+	}
+	bs, ok := st.(*jetstream.KeyValueBucketStatus)
+	return ok && !bs.StreamInfo().Created.Equal(born)
 }
 
 func (r *Registry) apply(e jetstream.KeyValueEntry) {
@@ -280,7 +385,7 @@ func (r *Registry) Close(ctx context.Context) error {
 	r.wg.Wait()
 	r.lifeStop()
 	if self != "" {
-		if err := r.kv.Delete(ctx, self); err != nil {
+		if err := r.bucket().Delete(ctx, self); err != nil {
 			return fmt.Errorf("transfer: registry delete %s: %w", self, err)
 		}
 	}
