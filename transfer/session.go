@@ -207,9 +207,9 @@ type RecvSession struct {
 	granted   bool
 
 	attempts    int
-	outstanding bool   // a request is in flight without an answer
-	target      string // instance the outstanding request was sent to ("" queue group)
-	refused     []string
+	outstanding bool     // a request is in flight without an answer
+	target      string   // instance the outstanding request was sent to ("" queue group)
+	refused     []string // instances that refused this request or were found gone: not retried
 
 	replied        bool
 	replyInstance  string
@@ -304,6 +304,9 @@ func (s *RecvSession) Step(ev Event) []Action {
 			return nil
 		}
 		s.outstanding = false
+		if s.target != "" && !slices.Contains(s.refused, s.target) {
+			s.refused = append(s.refused, s.target) // its subject has no subscriber: it is gone
+		}
 		return s.retryOr(ev.Now, CodeNoPrefillWorker)
 	case EvReply:
 		if s.state != StateWaiting || !s.outstanding {

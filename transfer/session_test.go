@@ -186,6 +186,15 @@ func TestRecvSessionGolden(t *testing.T) {
 			at{ms(3), Event{Kind: EvSent}},
 			at{ms(4), Event{Kind: EvNoResponders}},
 		)},
+		// A direct request nobody answers: that instance is gone (its
+		// registry entry not yet expired); the retry must not pick it again.
+		{"no_responders_direct_excluded", 7, append(recvPrefix()[:3],
+			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
+			at{ms(2), Event{Kind: EvNoResponders}},
+			at{ms(2), Event{Kind: EvSent, Instance: "p2"}},
+			at{ms(8), Event{Kind: EvCommitted, Manifest: okManifest}},
+			at{ms(9), Event{Kind: EvReply, Instance: "p2", Manifest: okManifest}},
+		)},
 		{"capacity_refused_then_served", 7, append(recvPrefix(),
 			at{ms(2), Event{Kind: EvReply, Code: CodeCapacityRefused, Instance: "p1"}},
 			at{ms(2), Event{Kind: EvSent, Instance: "p2"}},
