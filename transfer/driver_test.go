@@ -1009,3 +1009,33 @@ func TestPrefillerNotServingRefusesAsCapacity(t *testing.T) {
 	require.Zero(t, x.admits.Load())
 	ps.requireInitial(t)
 }
+
+// Shutdown may come at any point of Start: both return, Start with nil or
+// ErrClosed, and nothing stays subscribed or running.
+func TestPrefillerShutdownDuringStart(t *testing.T) {
+	f := newFixture(t)
+	ps := newSide(t, "pre", testHybrid(64, 8))
+	nc := transfertest.Connect(t, f.srv)
+	_, err := nc.Request("$JS.API.INFO", nil, 5*time.Second) // the connection's reply mux subscribes once
+	require.NoError(t, err)
+	baseline := nc.NumSubscriptions()
+	for i := range 8 {
+		p, err := NewPrefiller(PrefillerConfig{Instance: fmt.Sprintf("p%d", i), Namespace: f.ns, Fingerprint: f.fp,
+			Registry: RegistryConfig{TTL: 30 * time.Second}}, nc, ps.eng, newExec(ps))
+		require.NoError(t, err)
+		started := make(chan error, 1)
+		go func() { started <- p.Start(context.Background()) }()
+		time.Sleep(time.Duration(i) * time.Millisecond)
+		require.NoError(t, p.Shutdown(context.Background()))
+		if err := <-started; err != nil {
+			require.ErrorIs(t, err, ErrClosed)
+		}
+		require.NoError(t, p.Shutdown(context.Background()))
+	}
+	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := nc.NumSubscriptions(); n != baseline {
+			return fmt.Errorf("%d subscriptions left, want %d", n, baseline)
+		}
+		return nil
+	})
+}

@@ -125,14 +125,12 @@ type Prefiller struct {
 	eng  senderEngine
 	exec PrefillExecutor
 
-	mu      sync.Mutex
-	state   int // 0 new, 3 starting, 1 serving, 2 shut down
-	svc     micro.Service
-	cancelS *nats.Subscription
-	cancelA *nats.Subscription
-	reg     *Registry
-	tasks   map[uint64]map[*task]struct{} // by request id
-	wg      sync.WaitGroup
+	mu    sync.Mutex
+	state int // 0 new, 3 starting, 1 serving, 2 shut down
+	in    intake
+	reg   *Registry
+	tasks map[uint64]map[*task]struct{} // by request id
+	wg    sync.WaitGroup
 
 	// Pre-connection to decode instances seen in the registry, so a first
 	// handoff does not pay the data plane's connection set-up.
@@ -195,8 +193,9 @@ func (p *Prefiller) Start(ctx context.Context) error {
 	}
 	if err != nil {
 		p.mu.Lock()
-		p.stopIntakeLocked()
+		in := p.stopIntakeLocked()
 		p.mu.Unlock()
+		_ = in.stop()
 		if reg != nil {
 			rctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 			_ = reg.Close(rctx) // no more registry callbacks, so no new pre-connects
@@ -216,19 +215,42 @@ func (p *Prefiller) Start(ctx context.Context) error {
 	return nil
 }
 
+// intake is what Start subscribed. It is stopped outside p.mu: stopping
+// is NATS IO.
+type intake struct {
+	svc  micro.Service
+	subs []*nats.Subscription
+}
+
+func (in intake) stop() error {
+	var err error
+	if in.svc != nil {
+		err = in.svc.Stop()
+	}
+	for _, s := range in.subs {
+		if e := s.Unsubscribe(); e != nil && !errors.Is(e, nats.ErrConnectionClosed) {
+			err = errors.Join(err, e)
+		}
+	}
+	return err
+}
+
 // startIntake registers the endpoints and cancel subscriptions and opens the
-// registry (without watching or announcing yet), under p.mu.
+// registry (without watching or announcing yet). Requests that arrive before
+// Start finished are refused (state 3).
 func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) {
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	if p.state != 0 {
+		p.mu.Unlock()
 		return nil, fmt.Errorf("%w: prefiller already started", ErrClosed)
 	}
 	p.state = 3
+	p.mu.Unlock()
 	c := p.cfg
+	var in intake
 	defer func() {
 		if err != nil {
-			p.stopIntakeLocked()
+			_ = in.stop()
 		}
 	}()
 	svc, err := micro.AddService(p.nc, micro.Config{
@@ -239,7 +261,7 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 	if err != nil {
 		return nil, fmt.Errorf("transfer: micro service: %w", err)
 	}
-	p.svc = svc
+	in.svc = svc
 	h := micro.HandlerFunc(p.handle)
 	if err := svc.AddEndpoint("prefill", h, micro.WithEndpointSubject(Subject(c.Prefix, c.Namespace, SubjectPrefill, "")),
 		micro.WithEndpointQueueGroup(PrefillQueue)); err != nil {
@@ -249,28 +271,39 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 		micro.WithEndpointQueueGroupDisabled()); err != nil {
 		return nil, fmt.Errorf("transfer: prefill endpoint: %w", err)
 	}
-	if p.cancelS, err = p.nc.Subscribe(Subject(c.Prefix, c.Namespace, SubjectInstanceCancel, c.Instance), p.onCancel); err != nil {
-		return nil, fmt.Errorf("transfer: cancel subscription: %w", err)
-	}
-	if p.cancelA, err = p.nc.Subscribe(Subject(c.Prefix, c.Namespace, SubjectCancel, ""), p.onCancel); err != nil {
-		return nil, fmt.Errorf("transfer: cancel subscription: %w", err)
-	}
-	if c.NoRegistry {
-		return nil, nil
-	}
-	if reg, err = OpenRegistry(ctx, p.nc, c.Registry); err != nil {
-		return nil, err
-	}
-	p.reg = reg
-	reg.OnChange(func(inst Instance, gone bool) {
-		if inst.Role != RoleDecode {
-			return
+	for _, subj := range []string{Subject(c.Prefix, c.Namespace, SubjectInstanceCancel, c.Instance), Subject(c.Prefix, c.Namespace, SubjectCancel, "")} {
+		sub, err := p.nc.Subscribe(subj, p.onCancel)
+		if err != nil {
+			return nil, fmt.Errorf("transfer: cancel subscription: %w", err)
 		}
-		if gone {
-			p.abortFrom(inst.ID, CodePeerFailed)
+		in.subs = append(in.subs, sub)
+	}
+	if !c.NoRegistry {
+		if reg, err = OpenRegistry(ctx, p.nc, c.Registry); err != nil {
+			return nil, err
 		}
-		p.preconnect(inst, gone)
-	})
+		reg.OnChange(func(inst Instance, gone bool) {
+			if inst.Role != RoleDecode {
+				return
+			}
+			if gone {
+				p.abortFrom(inst.ID, CodePeerFailed)
+			}
+			p.preconnect(inst, gone)
+		})
+	}
+	p.mu.Lock()
+	if p.state != 3 { // Shutdown came while subscribing: it found nothing to stop
+		p.mu.Unlock()
+		if reg != nil {
+			rctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			_ = reg.Close(rctx)
+			cancel()
+		}
+		return nil, fmt.Errorf("%w: prefiller shut down while starting", ErrClosed)
+	}
+	p.in, p.reg = in, reg
+	p.mu.Unlock()
 	return reg, nil
 }
 
@@ -342,9 +375,10 @@ func (p *Prefiller) Shutdown(ctx context.Context) error {
 		p.mu.Unlock()
 		return nil
 	}
-	err := p.stopIntakeLocked()
+	in := p.stopIntakeLocked()
 	reg := p.reg
 	p.mu.Unlock()
+	err := in.stop()
 	p.connCancel()
 
 	drained := make(chan struct{})
@@ -369,20 +403,14 @@ func (p *Prefiller) Shutdown(ctx context.Context) error {
 	return err
 }
 
-func (p *Prefiller) stopIntakeLocked() error {
+// stopIntakeLocked ends intake (state 2) and hands over what is to be
+// stopped, once, for the caller to stop after unlocking. The registry stays
+// open until after the drain, so decoders keep seeing us meanwhile.
+func (p *Prefiller) stopIntakeLocked() intake {
 	p.state = 2
-	var err error
-	if p.svc != nil {
-		err = p.svc.Stop()
-	}
-	for _, s := range []*nats.Subscription{p.cancelS, p.cancelA} {
-		if s != nil {
-			if e := s.Unsubscribe(); e != nil && !errors.Is(e, nats.ErrConnectionClosed) {
-				err = errors.Join(err, e)
-			}
-		}
-	}
-	return err // the registry closes after the drain, so decoders keep seeing us meanwhile
+	in := p.in
+	p.in = intake{}
+	return in
 }
 
 func (p *Prefiller) onCancel(m *nats.Msg) {
