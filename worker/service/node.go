@@ -200,6 +200,11 @@ func (n *node) transportInfo(m *worker.Metrics, agent string) {
 	}
 }
 
+// readTimeout bounds reading one request, body included, so a client that
+// stalls mid-request does not hold its connection and handler forever.
+// Responses (SSE streams included) are not bounded.
+var readTimeout = time.Minute
+
 // httpServer serves h on a listener it opens now, so the address is known
 // (and a busy port fails the start) before Serve.
 type httpServer struct {
@@ -214,7 +219,7 @@ func listenHTTP(addr string, h http.Handler, log *slog.Logger) (*httpServer, err
 		return nil, err
 	}
 	s := &httpServer{
-		srv: &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute,
+		srv: &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, ReadTimeout: readTimeout, IdleTimeout: 2 * time.Minute,
 			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)},
 		ln: ln, done: make(chan error, 1),
 	}
