@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -35,4 +36,36 @@ func TestHTTPStalledBodyTimesOut(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("handler still reading a stalled body")
 	}
+}
+
+// The read bound does not cut a response that lasts longer (an SSE stream):
+// once the body is read the request's context stays alive.
+func TestHTTPLongResponseOutlivesReadTimeout(t *testing.T) {
+	defer func(d time.Duration) { readTimeout = d }(readTimeout)
+	readTimeout = 200 * time.Millisecond
+	s, err := listenHTTP("127.0.0.1:0", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if _, err := io.ReadAll(r.Body); err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		rc := http.NewResponseController(w)
+		for range 6 {
+			select {
+			case <-r.Context().Done():
+				return
+			case <-time.After(100 * time.Millisecond):
+			}
+			_, _ = io.WriteString(w, "data: x\n\n")
+			_ = rc.Flush()
+		}
+		_, _ = io.WriteString(w, "data: [DONE]\n\n")
+	}), slog.New(slog.DiscardHandler))
+	require.NoError(t, err)
+	defer func() { require.NoError(t, s.shutdown(t.Context())) }()
+	resp, err := http.Post("http://"+s.addr()+"/", "application/json", strings.NewReader("{}"))
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	require.Contains(t, string(body), "[DONE]")
 }
