@@ -230,6 +230,9 @@ func (r *Registry) Watch(ctx context.Context, role Role) error {
 func (r *Registry) watch(role Role, loaded chan<- error) {
 	w, born, err := r.startWatch(role)
 	if err != nil {
+		if r.life.Err() != nil {
+			err = ErrClosed
+		}
 		loaded <- err
 		return
 	}
@@ -257,7 +260,10 @@ func (r *Registry) watch(role Role, loaded chan<- error) {
 				_ = w.Stop()
 			}
 			if w, born, err = r.startWatch(role); err != nil {
-				w, updates = nil, nil // retried at the next check
+				w, updates = nil, nil    // retried at the next check
+				if r.life.Err() != nil { // closing
+					return
+				}
 				if errors.Is(err, nats.ErrConnectionClosed) {
 					r.cfg.Logger.Warn("registry watch stopped: connection closed", "role", string(role))
 					return
@@ -268,7 +274,15 @@ func (r *Registry) watch(role Role, loaded chan<- error) {
 			updates = w.Updates()
 			r.cfg.Logger.Info("registry watch restarted on a new bucket", "role", string(role))
 		case e, ok := <-updates:
-			if !ok { // not our Stop: the subscription ended under us
+			if !ok {
+				select {
+				case <-r.stop: // Close ended it
+					if initial {
+						loaded <- ErrClosed
+					}
+					return
+				default: // the subscription ended under us
+				}
 				if initial {
 					loaded <- fmt.Errorf("transfer: registry watch: %w", ErrClosed)
 					return
@@ -382,8 +396,8 @@ func (r *Registry) Close(ctx context.Context) error {
 	self := r.self
 	r.mu.Unlock()
 	close(r.stop)
+	r.lifeStop() // aborts a bucket request in flight in the watch goroutines
 	r.wg.Wait()
-	r.lifeStop()
 	if self != "" {
 		if err := r.bucket().Delete(ctx, self); err != nil {
 			return fmt.Errorf("transfer: registry delete %s: %w", self, err)
