@@ -483,7 +483,7 @@ func (h *handoff) exec(a Action) (Event, bool) {
 		if h.grant != nil {
 			grant = h.grant.Ticket().Grant
 		}
-		b, err := EncodeCancel(Cancel{RequestID: h.req.ID, Grant: grant, Code: a.Code})
+		b, err := EncodeCancel(Cancel{RequestID: h.req.ID, Grant: grant, Code: a.Code, From: h.d.cfg.Instance})
 		if err == nil {
 			err = h.d.pub.Publish(subj, b)
 			h.d.published.Add(1)

@@ -1039,3 +1039,55 @@ func TestPrefillerShutdownDuringStart(t *testing.T) {
 		return nil
 	})
 }
+
+// localIDs admits each job under an id of its own in the prefill worker's
+// pools, as a worker does: decoders' request ids are theirs, not global.
+type localIDs struct {
+	x    *testExec
+	next atomic.Uint64
+}
+
+func (l *localIDs) Admit(job Job) (Lease, error) {
+	job.RequestID = 1000 + l.next.Add(1)
+	return l.x.Admit(job)
+}
+
+// Request ids and grant ids are per decoder, so two decoders' requests can
+// share both: a cancel from one decoder stops only its own request.
+func TestCancelStopsOnlyTheSendersRequest(t *testing.T) {
+	f := newFixture(t)
+	ds1, ds2 := newSide(t, "dec1", testHybrid(64, 8)), newSide(t, "dec2", testHybrid(64, 8))
+	ps := newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	x.block = make(chan struct{})
+	d1, d2 := f.decoder("d1", ds1, nil), f.decoder("d2", ds2, nil)
+	p, err := NewPrefiller(PrefillerConfig{Instance: "p1", Namespace: f.ns, Fingerprint: f.fp, MaxDraftTokens: 2, NoRegistry: true},
+		transfertest.Connect(t, f.srv), ps.eng, &localIDs{x: x})
+	require.NoError(t, err)
+	require.NoError(t, p.Start(context.Background()))
+	defer func() { require.NoError(t, p.Shutdown(context.Background())) }()
+
+	ctx1, cancel1 := context.WithCancel(context.Background())
+	defer cancel1()
+	failed1 := make(chan error, 1)
+	go func() {
+		_, err := d1.Handoff(ctx1, Request{ID: 1, Tokens: tokens(9), Alloc: ds1.rank, Deadline: time.Now().Add(time.Minute)})
+		failed1 <- err
+	}()
+	<-x.started
+	done2 := make(chan error, 1)
+	go func() {
+		_, err := d2.Handoff(context.Background(), Request{ID: 1, Tokens: tokens(9), Alloc: ds2.rank, Deadline: time.Now().Add(time.Minute)})
+		done2 <- err
+	}()
+	<-x.started // both prefills run: request 1, grant 1 of each decoder
+	cancel1()
+	require.ErrorIs(t, <-failed1, ErrCancelled)
+	require.ErrorIs(t, <-x.ctxErr, context.Canceled)
+	close(x.block)
+	require.NoError(t, <-done2, "d2's request was stopped by d1's cancel")
+	require.NoError(t, ds2.rank.Free(1))
+	ds1.requireInitial(t)
+	ds2.requireInitial(t)
+	ps.requireInitial(t)
+}

@@ -426,7 +426,7 @@ func (p *Prefiller) onCancel(m *nats.Msg) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for t := range p.tasks[c.RequestID] {
-		if c.Grant == 0 || c.Grant == t.ticket.Grant {
+		if (c.From == "" || c.From == t.msg.From) && (c.Grant == 0 || c.Grant == t.ticket.Grant) {
 			t.abort(code)
 		}
 	}

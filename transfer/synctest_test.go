@@ -92,7 +92,7 @@ func TestDeadlineSynctest(t *testing.T) {
 		require.Equal(t, 2*time.Second, time.Since(start), "ended exactly at the deadline")
 		require.Equal(t, 1, alloc.frees)
 		require.Len(t, rec.requests, 1)
-		require.Equal(t, []Cancel{{V: WireVersion, RequestID: 7, Grant: rec.cancelGrant(t), Code: CodeTimeout}}, rec.cancels)
+		require.Equal(t, []Cancel{{V: WireVersion, RequestID: 7, Grant: rec.cancelGrant(t), Code: CodeTimeout, From: "d1"}}, rec.cancels)
 
 		// The worker finishes late: its write is refused, nothing lands.
 		req, err := DecodePrefillRequest(rec.requests[0].Data)

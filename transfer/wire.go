@@ -360,6 +360,9 @@ type Cancel struct {
 	RequestID uint64 `msgpack:"id"`
 	Grant     uint64 `msgpack:"g"` // the grant of the cancelled attempt; 0 cancels any
 	Code      Code   `msgpack:"code"`
+	// From is the decode instance that sent the request: request and grant
+	// ids are only unique per decoder. Empty (an older sender) matches any.
+	From string `msgpack:"from"`
 }
 
 // Capacity is an instance's advertised room.

@@ -72,7 +72,7 @@ func TestWireRoundTrip(t *testing.T) {
 	require.Equal(t, rep, gotRep)
 	require.Equal(t, rep.Manifest, ManifestOf(gotRep.Manifest.RDMA()))
 
-	c := Cancel{RequestID: 42, Grant: 5, Code: CodeTimeout}
+	c := Cancel{RequestID: 42, Grant: 5, Code: CodeTimeout, From: "d1"}
 	b, err = EncodeCancel(c)
 	require.NoError(t, err)
 	gotC, err := DecodeCancel(b)
