@@ -26,7 +26,8 @@ import (
 const datapathUsage = `usage: handoff-bench datapath [flags]
 
 Measures the rdma data path: a receiver opens grants on request, a writer
-writes extents into them and commits, for --duration. The receiver runs in a
+writes extents into them and commits, for --duration. With --repeat N every
+figure is the median of N measurements (the table lists each one). The receiver runs in a
 second process (re-executing this binary) unless --transport inproc or
 --single-process. --transport and --extent take comma-separated lists; every
 combination is one run. With one run the JSON output is one flat object
@@ -598,10 +599,21 @@ func (r report) write(w io.Writer, format string) error {
 		return enc.Encode(r)
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "transport\textent\tstreams\tprocs\tgrants\tbytes\tseconds\tGB/s\tgrant p50 ms\tgrant p99 ms")
+	fmt.Fprintln(tw, "transport\textent\tstreams\tprocs\tgrants\tbytes\tseconds\tGB/s\tgrant p50 ms\tgrant p99 ms\trepeats GB/s")
 	for _, x := range r.Runs {
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%s\t%.2f\t%.2f\t%.3f\t%.3f\n", x.Transport, formatSize(x.ExtentBytes), x.Streams,
-			x.Processes, x.Grants, formatSize(x.Bytes), x.Seconds, x.GBPerS, x.GrantP50Ms, x.GrantP99Ms)
+		reps := "-"
+		if len(x.Repeats) > 0 {
+			var b strings.Builder
+			for i, v := range x.Repeats {
+				if i > 0 {
+					b.WriteByte(' ')
+				}
+				fmt.Fprintf(&b, "%.2f", v)
+			}
+			reps = b.String()
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%s\t%.2f\t%.2f\t%.3f\t%.3f\t%s\n", x.Transport, formatSize(x.ExtentBytes), x.Streams,
+			x.Processes, x.Grants, formatSize(x.Bytes), x.Seconds, x.GBPerS, x.GrantP50Ms, x.GrantP99Ms, reps)
 	}
 	if len(r.Baselines) > 0 {
 		fmt.Fprintln(tw, "\nbaseline\tsize\tGB/s\tstatus")

@@ -449,6 +449,9 @@ func TestMeasureDatapathReport(t *testing.T) {
 	require.EqualValues(t, 4096, flat["extent_bytes"])
 
 	var tab bytes.Buffer
+	require.NoError(t, rep.write(&tab, "table"))
+	require.Contains(t, tab.String(), fmt.Sprintf("%.2f %.2f %.2f", rep.Runs[0].Repeats[0], rep.Runs[0].Repeats[1], rep.Runs[0].Repeats[2]))
+	tab.Reset()
 	require.NoError(t, single.write(&tab, "table"))
 	require.Contains(t, tab.String(), "inproc")
 	require.Contains(t, tab.String(), "not installed")
