@@ -1091,3 +1091,31 @@ func TestCancelStopsOnlyTheSendersRequest(t *testing.T) {
 	ds2.requireInitial(t)
 	ps.requireInitial(t)
 }
+
+// The prefiller counts the bytes of served handoffs only: a handoff cancelled
+// mid-prefill adds nothing.
+func TestPrefillerCountsServedBytes(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	d := f.decoder("d1", ds, nil)
+	p := f.prefiller("p1", f.fp, x, nil)
+	res, err := d.Handoff(context.Background(), Request{ID: 1, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(5 * time.Second)})
+	require.NoError(t, err)
+	require.NoError(t, ds.rank.Free(1))
+
+	x.block = make(chan struct{})
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() { <-x.started; <-x.started; cancel() }()
+	_, err = d.Handoff(ctx, Request{ID: 2, Tokens: tokens(30), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+	require.ErrorIs(t, err, ErrCancelled)
+	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if st := p.Stats(); st.Cancelled != 1 {
+			return fmt.Errorf("stats %+v", st)
+		}
+		return nil
+	})
+	st := p.Stats()
+	require.Equal(t, res.KVBytes, st.KVBytes)
+	require.Equal(t, res.MambaBytes, st.MambaBytes)
+}

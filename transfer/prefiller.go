@@ -114,6 +114,9 @@ type PrefillerStats struct {
 	// Published counts NATS messages the prefiller published (replies;
 	// heartbeats excluded).
 	Published uint64
+	// KVBytes and MambaBytes are the bytes of the handoffs served (written
+	// and committed); failed and cancelled writes are not counted.
+	KVBytes, MambaBytes uint64
 }
 
 // Prefiller is the sending side of the handoff protocol: a NATS micro service
@@ -146,6 +149,8 @@ type Prefiller struct {
 	cancelled  atomic.Uint64
 	inflight   atomic.Int64
 	published  atomic.Uint64
+	kvBytes    atomic.Uint64
+	mambaBytes atomic.Uint64
 }
 
 // NewPrefiller validates cfg; Start begins serving.
@@ -167,6 +172,7 @@ func (p *Prefiller) Stats() PrefillerStats {
 	return PrefillerStats{
 		Received: p.received.Load(), Served: p.served.Load(), Refused: p.refused.Load(), Failed: p.failed.Load(),
 		Cancelled: p.cancelled.Load(), InFlight: p.inflight.Load(), Published: p.published.Load(),
+		KVBytes: p.kvBytes.Load(), MambaBytes: p.mambaBytes.Load(),
 	}
 }
 
@@ -663,6 +669,9 @@ func (t *task) sendReply(code Code) {
 	p := t.p
 	switch code {
 	case CodeOK:
+		kv, mamba := t.out.Source.Bytes()
+		p.kvBytes.Add(kv)
+		p.mambaBytes.Add(mamba)
 		p.served.Add(1)
 	case CodeCancelled, CodeClosed:
 		p.cancelled.Add(1)

@@ -163,6 +163,12 @@ func (p *prefillExec) syncStats() {
 	add(worker.TransferRefused, s.Refused, p.last.Refused)
 	add(worker.TransferFailed, s.Failed, p.last.Failed)
 	add(worker.TransferCancelled, s.Cancelled, p.last.Cancelled)
+	if s.KVBytes > p.last.KVBytes {
+		p.m.TransferBytes.WithLabelValues(role, "kv").Add(float64(s.KVBytes - p.last.KVBytes))
+	}
+	if s.MambaBytes > p.last.MambaBytes {
+		p.m.TransferBytes.WithLabelValues(role, "mamba").Add(float64(s.MambaBytes - p.last.MambaBytes))
+	}
 	p.last = s
 }
 
@@ -174,7 +180,6 @@ type prefillLease struct {
 
 	lease     *worker.Lease
 	pushStart time.Time
-	kv, mamba uint64
 }
 
 func (l *prefillLease) Prefill(ctx context.Context) (transfer.Prefilled, error) {
@@ -188,16 +193,14 @@ func (l *prefillLease) Prefill(ctx context.Context) (transfer.Prefilled, error) 
 	if err != nil {
 		return transfer.Prefilled{}, err
 	}
-	l.kv, l.mamba = src.Bytes()
 	return transfer.Prefilled{FirstToken: lease.First, Source: src}, nil
 }
 
 func (l *prefillLease) Release() {
 	if l.lease != nil {
 		role := string(worker.RolePrefill)
+		// Bytes are counted from the prefiller's stats: only served handoffs.
 		l.p.m.TransferDuration.WithLabelValues(role).Observe(time.Since(l.pushStart).Seconds())
-		l.p.m.TransferBytes.WithLabelValues(role, "kv").Add(float64(l.kv))
-		l.p.m.TransferBytes.WithLabelValues(role, "mamba").Add(float64(l.mamba))
 		l.lease.Release()
 	} else {
 		l.pend.Abandon()

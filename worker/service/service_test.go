@@ -188,6 +188,10 @@ func TestRemoteMatchesLocal(t *testing.T) {
 	require.Equal(t, n, metricValue(t, pep.Admin, `handoff_requests_total{result="ok",role="prefill"}`))
 	require.Equal(t, n, metricValue(t, pep.Admin, `handoff_transfers_total{result="ok",role="prefill"}`))
 	require.Greater(t, metricValue(t, rep.Admin, `handoff_transfer_bytes_total{kind="mamba",role="decode"}`), 0.0)
+	for _, kind := range []string{"kv", "mamba"} { // every handoff served: both sides count the same bytes
+		require.Equal(t, metricValue(t, rep.Admin, `handoff_transfer_bytes_total{kind="`+kind+`",role="decode"}`),
+			metricValue(t, pep.Admin, `handoff_transfer_bytes_total{kind="`+kind+`",role="prefill"}`), kind)
+	}
 	require.Equal(t, 1.0, metricValue(t, rep.Admin, `handoff_transport_info{transport="tcp"}`))
 	require.Equal(t, 1.0, metricValue(t, pep.Admin, `handoff_transport_info{transport="tcp"}`))
 	// Both roles padded dummies: with one real row per rank, a rank whose
