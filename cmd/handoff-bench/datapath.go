@@ -26,11 +26,11 @@ import (
 const datapathUsage = `usage: handoff-bench datapath [flags]
 
 Measures the rdma data path: a receiver opens grants on request, a writer
-writes extents into them and commits, for --duration. With --repeat N every
-figure is the median of N measurements (the table lists each one). The receiver runs in a
-second process (re-executing this binary) unless --transport inproc or
+writes extents into them and commits, for --duration. The receiver runs in
+a second process (re-executing this binary) unless --transport inproc or
 --single-process. --transport and --extent take comma-separated lists; every
-combination is one run. With one run the JSON output is one flat object
+combination is one run. With --repeat N every figure is the median of N
+measurements (the table lists each one). With one run the JSON output is one flat object
 (transport, extent_bytes, bytes, seconds, gb_per_s, streams, ...); with more
 it is {"runs": [...], "baselines": [...], "ratios": [...]}.
 
