@@ -515,10 +515,10 @@ func (h *handoff) send(a Action) (string, error) {
 	}
 	if target != "" {
 		subj = Subject(d.cfg.Prefix, d.cfg.Namespace, SubjectInstancePrefill, target)
-		d.mu.Lock()
-		h.c.target = target
-		d.mu.Unlock()
 	}
+	d.mu.Lock()
+	h.c.target = target // "" after a fall-back to the queue group: pick stops counting it
+	d.mu.Unlock()
 	msg := PrefillRequest{
 		RequestID: h.req.ID, From: d.cfg.Instance, Attempt: uint8(min(a.Attempt, 255)), Fingerprint: d.cfg.Fingerprint,
 		Tokens: h.req.Tokens, Sampling: h.req.Sampling, Deadline: h.deadline.UnixNano(), Peer: d.peer,
