@@ -217,12 +217,19 @@ func (d *Decoder) startRegistry(ctx context.Context) error {
 		return Instance{ID: d.cfg.Instance, Role: RoleDecode, Fingerprint: d.cfg.Fingerprint, Peer: d.peer,
 			Capacity: Capacity{Inflight: int(d.inflight.Load())}}
 	}
+	// Close with a ctx of its own: ctx may be what ended the start, and the
+	// entry just announced must still be deleted.
+	closeReg := func() {
+		cctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		_ = reg.Close(cctx)
+		cancel()
+	}
 	if err := reg.Announce(ctx, self); err != nil {
-		_ = reg.Close(ctx)
+		closeReg()
 		return err
 	}
 	if err := reg.Watch(ctx, RolePrefill); err != nil {
-		_ = reg.Close(ctx)
+		closeReg()
 		return err
 	}
 	d.reg = reg
