@@ -410,6 +410,7 @@ func (s *server) streamOut(w http.ResponseWriter, r *http.Request, log *slog.Log
 	h.Set("X-Accel-Buffering", "no")
 	w.WriteHeader(http.StatusOK)
 	rc := http.NewResponseController(w)
+	_ = rc.Flush() // the client sees a live stream while the request waits for its first token
 	chunk := func(text string, finish any) map[string]any {
 		return map[string]any{
 			"id": id, "object": "text_completion", "created": created, "model": s.cfg.Model,

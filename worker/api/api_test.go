@@ -309,3 +309,45 @@ func TestUTF8Holder(t *testing.T) {
 	require.Equal(t, "世", u.push(b[2]))
 	require.Equal(t, "", u.push(model.EOS))
 }
+
+// A streamed completion answers its headers at once, before the first token:
+// a request waiting for admission (or for its cache) still shows the client
+// a live event stream.
+func TestStreamHeadersBeforeFirstToken(t *testing.T) {
+	exec, err := model.Lookup(model.TinyHybrid)
+	require.NoError(t, err)
+	cfg, err := worker.PoolConfig(exec.Spec(), worker.PoolParams{MaxBatchSize: 2, KVBlocks: 64})
+	require.NoError(t, err)
+	m, err := hybrid.New(cfg)
+	require.NoError(t, err)
+	r, err := worker.NewRank(0, m, exec, make([]byte, cfg.KV.ArenaBytes()), make([]byte, cfg.Mamba.ArenaBytes()))
+	require.NoError(t, err)
+	e, err := worker.NewEngine(worker.Config{Role: worker.RoleDecode}, []*worker.Rank{r})
+	require.NoError(t, err)
+	srv := newServer(t, e) // the loop is not running yet: the request stays queued
+
+	ctx, cancel := context.WithCancel(context.Background())
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/v1/completions",
+		strings.NewReader(`{"model":"tiny-hybrid","prompt":"hi","max_tokens":4,"stream":true}`))
+	require.NoError(t, err)
+	got := make(chan *http.Response, 1)
+	go func() {
+		resp, err := http.DefaultClient.Do(req)
+		if err == nil {
+			got <- resp
+		}
+	}()
+	select {
+	case resp := <-got:
+		require.Equal(t, http.StatusOK, resp.StatusCode)
+		require.Equal(t, "text/event-stream", resp.Header.Get("Content-Type"))
+		resp.Body.Close()
+	case <-time.After(5 * time.Second):
+		t.Error("no response headers while the request waits for its first token")
+	}
+	cancel()
+	lctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- e.Run(lctx) }() // ends the cancelled request, so the handler returns
+	t.Cleanup(func() { stop(); require.NoError(t, <-done) })
+}
