@@ -32,6 +32,24 @@
 // prefill role serves Prefill: the returned Lease holds the cache until the
 // caller has pushed it and calls Release.
 //
+// # Caller duties
+//
+//  1. Size each rank's pools with PoolConfig, build one Rank per ADP rank
+//     over its manager and arenas, and one Engine over all of them.
+//  2. Call Run once, on a goroutine the caller owns; cancel its ctx to stop.
+//     Queued and running requests then fail with ErrClosed and every row
+//     and block is freed (leases and fetches in flight get ReleaseGrace).
+//  3. Decode: Generate per request; read the Stream to its final event, or
+//     cancel the request's ctx to leave early.
+//  4. Prefill: Prefill (or SubmitPrefill then Wait); Release the lease once
+//     its cache was pushed. A CacheSource must not return from Fetch while
+//     a byte can still land in the destination.
+//  5. To stop gracefully, Drain first (intake stops, accepted requests
+//     finish), then cancel Run's ctx.
+//
+// Lock order: Engine.mu, then a manager's lock; never the reverse. No IO,
+// executor call or CacheSource call runs under Engine.mu.
+//
 // Sub-packages: api (the OpenAI-compatible HTTP API), admin (liveness,
 // readiness, metrics), config (flags and environment), service (wiring of
 // the two binaries, NATS and the data path).
