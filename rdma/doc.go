@@ -35,7 +35,8 @@
 //   - shm: the grant's slot in a shared table holds a state word
 //     epoch<<18 | writer<<2 | state. A writer copies only inside a bracket
 //     won by CAS open(e) -> writing(e, w) and ended by a store back to
-//     open(e); a bracket copies at most 1 MiB. Revoke CASes open -> closed,
+//     open(e); a bracket copies at most 1 MiB per copying goroutine (two
+//     at most). Revoke CASes open -> closed,
 //     waiting while it finds a bracket in progress, unless writer w's
 //     control connection has closed (its process is gone).
 //
@@ -49,14 +50,22 @@
 // # Integrity
 //
 // The writer sums each destination extent (crc32c, SSE4.2/ARMv8 hardware).
-// From 1 MiB per write it does so on another goroutine while it sends or
-// copies (the manifest is needed only by the commit); smaller writes are
-// summed inline in 128 KiB chunks while the bytes are in cache. A tcp or
-// inproc receiver sums the data as it lands, chunk by chunk right after each
-// read; a shm receiver sums the fenced extents at commit time, on several
-// cores. crc32c costs about as much as a memcpy pass on current x86 cores,
-// so on a 2-core host it is the largest item after the kernel copies. A commit also fails if any extent did not receive
-// exactly its length. Config.SkipCRC (writer and receiver must both set it)
+// tcp and inproc: from 1 MiB per write it does so on another goroutine while
+// it sends or copies (the manifest is needed only by the commit); smaller
+// writes are summed inline in 128 KiB chunks while the bytes are in cache. A
+// tcp or inproc receiver sums the data as it lands, chunk by chunk right
+// after each read. shm: the writer copies 64 KiB at a time into the mapped
+// destination and sums the destination chunk right after, while it is in
+// cache, so the manifest certifies what landed; from 1 MiB and two extents
+// per write two goroutines share the extents. Writers add the bytes they
+// copied to the grant's slot, and the receiver checks that count at commit.
+// It takes the writer's sums as they are: a shm writer maps the receiver's
+// whole regions (same user only: the control socket is mode 0600), so a
+// second pass on the receiver would guard only against a faulty writer, at
+// the price of reading every byte again, cold; Config.VerifySHM turns that
+// pass on. crc32c costs about as much as a memcpy pass on current x86 cores,
+// so on a 2-core host it is the largest item after the copies. A commit
+// also fails if any extent did not receive exactly its length. Config.SkipCRC (writer and receiver must both set it)
 // leaves the crc out when the bandwidth matters more than end-to-end
 // integrity; fencing and byte counts still apply. Engine.Stats counts
 // grants, bytes and refused frames.

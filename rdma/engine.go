@@ -72,7 +72,14 @@ type Config struct {
 	// (fencing and byte counts still apply). Off by default; a receiver
 	// without it refuses crc-less commits with ErrManifestMismatch.
 	SkipCRC bool
-	Logger  *slog.Logger // default slog.Default()
+	// VerifySHM makes a shm receiver compute the crc32c of every committed
+	// extent again, over its own memory after the fence, instead of taking
+	// the sums the writer computed over the same destination bytes right
+	// after copying them. A shm writer maps whole regions (same user only),
+	// so this guards against a faulty writer, not a hostile one; it costs a
+	// read of every byte, more than the copy itself. Off by default.
+	VerifySHM bool
+	Logger    *slog.Logger // default slog.Default()
 }
 
 func (c *Config) validate() error {
@@ -511,6 +518,15 @@ func (e *Engine) shmFence(g *Grant, revoke bool) {
 	if e.shm != nil && g.slot >= 0 {
 		e.shm.fence(g, revoke)
 	}
+}
+
+// shmCopied returns the bytes shm writers recorded copying into g; the slot
+// is fenced.
+func (e *Engine) shmCopied(g *Grant) uint64 {
+	if e.shm == nil || g.slot < 0 {
+		return 0
+	}
+	return e.shm.copied(g)
 }
 
 // TransportFor reports the transport chosen for a connected peer.

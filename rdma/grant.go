@@ -276,8 +276,10 @@ func (g *Grant) endLand(l *landing, ok bool, ab lander) {
 
 // commit verifies a writer's manifest against what landed and completes or
 // fails the grant. counted is false for transports whose data does not pass
-// through the receiver (shm): then only the checksums are compared, over the
-// extents as they are in memory after the fence.
+// through the receiver (shm): then the byte count is the one the writers
+// kept in the grant's slot, and the checksums are the writer's own, taken
+// over the destination right after each copy (or, with Config.VerifySHM,
+// computed again here over the extents as they are after the fence).
 // hasCRC is false for a SkipCRC commit.
 func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted, hasCRC bool) error {
 	g.mu.Lock()
@@ -300,7 +302,11 @@ func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted, hasC
 
 	// Fence the shared-memory slot: after this no shm writer can copy in.
 	g.e.shmFence(g, false)
-	verr := g.verify(dst, ext, m, counted, hasCRC)
+	var copied uint64
+	if !counted {
+		copied = g.e.shmCopied(g)
+	}
+	verr := g.verify(dst, ext, m, counted, hasCRC, copied)
 
 	g.mu.Lock()
 	if g.state != grantCommitting { // revoked or expired while verifying
@@ -321,8 +327,9 @@ func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted, hasC
 }
 
 // verify compares m with the grant's extents. No landing is in flight and
-// none can start (state committing, shm slot fenced).
-func (g *Grant) verify(dst [][]byte, ext []extState, m *Manifest, counted, hasCRC bool) error {
+// none can start (state committing, shm slot fenced). copied is the byte
+// count shm writers recorded in the slot (counted false).
+func (g *Grant) verify(dst [][]byte, ext []extState, m *Manifest, counted, hasCRC bool, copied uint64) error {
 	if !hasCRC && !g.e.cfg.SkipCRC {
 		return fmt.Errorf("%w: commit without crc32c, and this receiver requires it (grant %d)", ErrManifestMismatch, g.id)
 	}
@@ -330,6 +337,14 @@ func (g *Grant) verify(dst [][]byte, ext []extState, m *Manifest, counted, hasCR
 	if len(m.Bytes) != n || len(m.CRC) != n {
 		return fmt.Errorf("%w: manifest lists %d/%d extents, grant %d has %d", ErrManifestMismatch, len(m.Bytes), len(m.CRC), g.id, n)
 	}
+	if !counted && copied != g.ticket.Bytes {
+		return fmt.Errorf("%w: %d bytes copied into grant %d, want %d", ErrManifestMismatch, copied, g.id, g.ticket.Bytes)
+	}
+	// shm: the writer summed the destination right after copying it, while
+	// it was in cache; re-reading it all here would cost more than the copy.
+	// The writer maps the whole region anyway (same user, 0600 socket), so
+	// its sums are trusted unless Config.VerifySHM asks otherwise.
+	recompute := counted || g.e.cfg.VerifySHM
 	var sumBytes uint64 // bytes whose crc must be computed now
 	for i, d := range dst {
 		want := uint64(len(d))
@@ -344,7 +359,7 @@ func (g *Grant) verify(dst [][]byte, ext []extState, m *Manifest, counted, hasCR
 			sumBytes += want
 		}
 	}
-	if !hasCRC {
+	if !hasCRC || !recompute {
 		return nil
 	}
 	crcs := make([]uint32, n)

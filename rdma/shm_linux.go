@@ -39,6 +39,7 @@ const shmSupported = true
 //	32  digest of the grant's extents (FNV-1a over region, offset, length)
 //	40  deadline (unix nanoseconds)
 //	48  id of the last writer that copied into the grant
+//	56  bytes copied into the grant (added by writers, once per bracket)
 //
 // Epochs are unique per engine, so (state, epoch) names one grant
 // incarnation. A writer brackets each copy of at most shmBracket bytes with
@@ -48,9 +49,16 @@ const shmSupported = true
 // the copy to end, or for writer w's control connection to close (the writer
 // died: it can no longer store). No per-byte round trip: the data path is a
 // memcpy into the mapped arena, and the commit travels once over the socket.
+//
+// The writer sums what landed: it copies a chunk into the destination, then
+// computes the crc32c of the destination chunk while it is in cache. From
+// 1 MiB per write and with two or more extents, two goroutines share the
+// work, each taking whole extents (a crc runs in extent order); both copy
+// inside one bracket, which the first takes and releases once both are
+// through their share.
 const (
 	slotSize   = 64
-	shmBracket = 1 << 20  // bytes copied per CAS bracket: bounds Revoke's wait
+	shmBracket = 1 << 20  // bytes copied per worker per CAS bracket: bounds Revoke's wait
 	shmSubCopy = 64 << 10 // copy, then crc the same bytes while in cache
 
 	slotClosed  = 0
@@ -84,6 +92,7 @@ func (s slotView) token1() *atomic.Uint64   { return s.word(24) }
 func (s slotView) digest() *atomic.Uint64   { return s.word(32) }
 func (s slotView) deadline() *atomic.Uint64 { return s.word(40) }
 func (s slotView) writer() *atomic.Uint64   { return s.word(48) }
+func (s slotView) copied() *atomic.Uint64   { return s.word(56) }
 
 func slotAt(table []byte, i int) slotView { return slotView{table[i*slotSize : (i+1)*slotSize]} }
 
@@ -238,7 +247,17 @@ func (s *shmServer) publish(g *Grant) {
 	sl.digest().Store(extentsDigest(g.ticket.Extents))
 	sl.deadline().Store(uint64(g.ticket.Deadline.UnixNano()))
 	sl.writer().Store(0)
+	sl.copied().Store(0)
 	sl.state().Store(slotWord(slotOpen, 0, g.epoch))
+}
+
+// copied returns the bytes writers recorded copying into g's slot.
+func (s *shmServer) copied(g *Grant) uint64 {
+	sl := slotAt(s.table, g.slot)
+	if sl.grant().Load() != g.id {
+		return 0
+	}
+	return sl.copied().Load()
 }
 
 // release frees g's slot after it was fenced; e.mu is held.
@@ -599,13 +618,7 @@ func (l *shmLink) write(ctx context.Context, op *writeOp) error {
 		l.copying.RUnlock()
 		return ErrClosed
 	}
-	// The receiver idles while we copy: sum the source on another core
-	// meanwhile instead of after each chunk.
-	wait := sumAside(op)
-	copyErr := l.copyAll(ctx, op, wait == nil)
-	if wait != nil {
-		wait()
-	}
+	copyErr := l.copyAll(ctx, op)
 	l.copying.RUnlock()
 	if copyErr != nil && !errors.Is(copyErr, errSlotRefused) {
 		if errors.Is(copyErr, ErrOutOfRange) {
@@ -629,9 +642,9 @@ func (l *shmLink) write(ctx context.Context, op *writeOp) error {
 // errSlotRefused: the slot does not admit this ticket; ask the receiver why.
 var errSlotRefused = errors.New("rdma: shm slot refused the ticket")
 
-// copyAll copies op's pieces into the mapped destination, CAS-bracketed.
-// sum tells whether to fold each copied chunk into the manifest.
-func (l *shmLink) copyAll(ctx context.Context, op *writeOp, sum bool) error {
+// copyAll copies op's pieces into the mapped destination, CAS-bracketed,
+// and sums each destination chunk right after copying it.
+func (l *shmLink) copyAll(ctx context.Context, op *writeOp) error {
 	t := op.t
 	sl := slotAt(l.table, int(t.Grant%uint64(l.n)))
 	w := sl.state().Load()
@@ -658,48 +671,113 @@ func (l *shmLink) copyAll(ctx context.Context, op *writeOp, sum bool) error {
 	open := slotWord(slotOpen, 0, t.Epoch)
 	writing := slotWord(slotWriting, l.wid, t.Epoch)
 	sl.writer().Store(l.wid)
-	var bracket int
-	held := false
-	release := func() {
-		if held {
-			sl.state().Store(open)
-			held = false
-		}
+
+	var ws [2]shmCursor
+	ws[0] = shmCursor{l: l, op: op, pieces: op.pieces}
+	nw := 1
+	if cut := shmSplit(op); cut > 0 {
+		ws[0].pieces, ws[1] = op.pieces[:cut], shmCursor{l: l, op: op, pieces: op.pieces[cut:]}
+		nw = 2
 	}
-	defer release()
-	for i := range op.pieces {
-		p := &op.pieces[i]
-		x := t.Extents[p.ext]
-		mem := l.regions[x.Region]
-		base := x.Offset + p.off
-		src := p.src
-		for len(src) > 0 {
-			if !held {
-				if err := ctx.Err(); err != nil {
-					return err
-				}
-				if l.closed.Load() {
-					return ErrClosed
-				}
-				if !sl.state().CompareAndSwap(open, writing) {
-					return errSlotRefused
-				}
-				held, bracket = true, 0
+	var req chan struct{}
+	var done chan uint64
+	if nw == 2 {
+		// The helper copies its share of each bracket when told to.
+		req, done = make(chan struct{}), make(chan uint64)
+		go func() {
+			for range req {
+				done <- ws[1].step(shmBracket)
 			}
-			n := min(len(src), shmSubCopy)
-			copy(mem[base:base+uint64(n)], src[:n])
-			if sum {
-				op.sum(p.ext, src[:n])
+			close(done)
+		}()
+		defer func() {
+			close(req)
+			for range done {
 			}
-			src = src[n:]
-			base += uint64(n)
-			bracket += n
-			if bracket >= shmBracket {
-				release()
-			}
+		}()
+	}
+	for ws[0].more() || nw == 2 && ws[1].more() {
+		if err := ctx.Err(); err != nil {
+			return err
 		}
+		if l.closed.Load() {
+			return ErrClosed
+		}
+		if !sl.state().CompareAndSwap(open, writing) {
+			return errSlotRefused
+		}
+		helping := nw == 2 && ws[1].more()
+		if helping {
+			req <- struct{}{}
+		}
+		n := ws[0].step(shmBracket)
+		if helping {
+			n += <-done
+		}
+		sl.copied().Add(n)
+		sl.state().Store(open)
 	}
 	return nil
+}
+
+// shmSplit returns where op's pieces are cut between two copying
+// goroutines (0: one goroutine copies all): at an extent boundary near the
+// middle of the bytes, since each extent's crc runs in order.
+func shmSplit(op *writeOp) int {
+	if op.t.Bytes < parallelSumMin || len(op.t.Extents) < 2 || runtime.GOMAXPROCS(0) < 2 {
+		return 0
+	}
+	var acc uint64
+	best, bestDiff := 0, op.t.Bytes
+	for i := 1; i < len(op.pieces); i++ {
+		acc += uint64(len(op.pieces[i-1].src))
+		if op.pieces[i].ext == op.pieces[i-1].ext {
+			continue
+		}
+		diff := max(acc, op.t.Bytes-acc) - min(acc, op.t.Bytes-acc)
+		if diff < bestDiff {
+			best, bestDiff = i, diff
+		}
+		if acc >= op.t.Bytes/2 {
+			break
+		}
+	}
+	return best
+}
+
+// shmCursor walks a run of op's pieces, copying each into the mapped
+// destination and summing the destination chunk while it is in cache.
+type shmCursor struct {
+	l      *shmLink
+	op     *writeOp
+	pieces []piece
+	pi     int    // current piece
+	off    uint64 // bytes of it done
+}
+
+func (c *shmCursor) more() bool { return c.pi < len(c.pieces) }
+
+// step copies up to budget bytes (whole pieces' remainders or chunks of
+// them) and returns how many it copied.
+func (c *shmCursor) step(budget int) uint64 {
+	var done uint64
+	t := c.op.t
+	for c.pi < len(c.pieces) && done < uint64(budget) {
+		p := &c.pieces[c.pi]
+		x := t.Extents[p.ext]
+		mem := c.l.regions[x.Region]
+		n := min(uint64(len(p.src))-c.off, shmSubCopy, uint64(budget)-done)
+		base := x.Offset + p.off + c.off
+		dst := mem[base : base+n : base+n]
+		copy(dst, p.src[c.off:c.off+n])
+		c.op.sum(p.ext, dst)
+		done += n
+		c.off += n
+		if c.off == uint64(len(p.src)) {
+			c.pi, c.off = c.pi+1, 0
+		}
+	}
+	return done
 }
 
 // commit sends the commit frame over the control socket and reads the verdict.

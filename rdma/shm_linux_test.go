@@ -3,9 +3,12 @@
 package rdma
 
 import (
+	"bytes"
 	"context"
+	"math/rand/v2"
 	"net"
 	"os"
+	"runtime"
 	"testing"
 	"time"
 
@@ -221,4 +224,131 @@ func TestSHMRawControlBadInput(t *testing.T) {
 	// The grant is still good for a real writer.
 	_, err = p.tx.Write(context.Background(), p.desc, tk, srcExtents(tk.Bytes))
 	require.NoError(t, err)
+}
+
+// TestSHMParallelCopy writes grants of 1 MiB and more (copied by two
+// goroutines) with random extents, and checks the bytes, the canary around
+// them and the crcs, against a receiver that trusts the writer's sums and
+// one that computes them again (VerifySHM).
+func TestSHMParallelCopy(t *testing.T) {
+	for _, verify := range []bool{false, true} {
+		t.Run(map[bool]string{false: "trusting", true: "verifying"}[verify], func(t *testing.T) {
+			const size = 6 << 20
+			rx, err := New(Config{Agent: "par-rx", Transports: []Transport{TransportSHM}, Logger: quietLogger(), VerifySHM: verify})
+			require.NoError(t, err)
+			defer rx.Close()
+			tx, err := New(Config{Agent: "par-tx", Transports: []Transport{TransportSHM}, Logger: quietLogger()})
+			require.NoError(t, err)
+			defer tx.Close()
+			dst, err := rx.Register("dst", size)
+			require.NoError(t, err)
+			src, err := tx.Register("src", size)
+			require.NoError(t, err)
+			rng := rand.New(rand.NewPCG(7, 8))
+			for i := range src.Bytes() {
+				src.Bytes()[i] = byte(rng.Uint32())
+			}
+			ctx := context.Background()
+			desc := rx.Descriptor()
+			for round := range 6 {
+				fill(dst.Bytes(), canary)
+				var xs []Extent
+				for off := uint64(rng.IntN(4096)); ; {
+					n := uint64(1 + rng.IntN(1<<(10+round%4*3))) // up to 1 KiB .. 512 KiB
+					if off+n > size {
+						break
+					}
+					xs = append(xs, Extent{Region: 1, Offset: off, Length: n})
+					off += n + uint64(rng.IntN(5000))
+				}
+				rng.Shuffle(len(xs), func(i, j int) { xs[i], xs[j] = xs[j], xs[i] })
+				g, err := rx.OpenGrant(GrantSpec{RequestID: uint64(round + 1), Extents: xs})
+				require.NoError(t, err)
+				tk := g.Ticket()
+				require.GreaterOrEqual(t, tk.Bytes, uint64(parallelSumMin))
+				srcX := []Extent{{Region: 1, Offset: uint64(rng.IntN(int(size - tk.Bytes))), Length: tk.Bytes}}
+				m, err := tx.Write(ctx, desc, tk, srcX)
+				require.NoError(t, err)
+				got, err := g.Wait(ctx)
+				require.NoError(t, err)
+				require.Equal(t, m, got)
+				var all []byte
+				for i, x := range xs {
+					b := dst.Bytes()[x.Offset : x.Offset+x.Length]
+					require.Equal(t, crc32Update(0, b), got.CRC[i], "round %d extent %d", round, i)
+					all = append(all, b...)
+				}
+				o := srcX[0].Offset
+				require.True(t, bytes.Equal(src.Bytes()[o:o+tk.Bytes], all), "round %d", round)
+				in := make([]bool, size)
+				for _, x := range xs {
+					for i := x.Offset; i < x.Offset+x.Length; i++ {
+						in[i] = true
+					}
+				}
+				for i, b := range dst.Bytes() {
+					if !in[i] && b != canary {
+						t.Fatalf("round %d: byte %d outside the grant changed", round, i)
+					}
+				}
+			}
+		})
+	}
+}
+
+// TestSHMCommitWithoutCopy: a commit whose manifest matches the memory as it
+// is (here the canary) is refused when no writer copied the bytes.
+func TestSHMCommitWithoutCopy(t *testing.T) {
+	p := newPair(t, TransportSHM)
+	g, err := p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: dstExtents()})
+	require.NoError(t, err)
+	tk := g.Ticket()
+	l, _ := shmSlot(t, p, g)
+	m := Manifest{}
+	for _, x := range tk.Extents {
+		m.Bytes = append(m.Bytes, x.Length)
+		m.CRC = append(m.CRC, crc32Update(0, p.dst.Bytes()[x.Offset:x.Offset+x.Length]))
+	}
+	err = l.commit(context.Background(), &writeOp{t: &tk, manifest: &m})
+	require.ErrorIs(t, err, ErrManifestMismatch)
+	_, err = g.Wait(context.Background())
+	require.ErrorIs(t, err, ErrManifestMismatch)
+	p.requireUntouched(t)
+}
+
+func TestSHMSplit(t *testing.T) {
+	mk := func(lens ...int) *writeOp {
+		op := &writeOp{t: &Ticket{}}
+		for i, n := range lens {
+			op.t.Extents = append(op.t.Extents, Extent{Region: 1, Length: uint64(n)})
+			op.t.Bytes += uint64(n)
+			// two pieces per extent: cuts only fall between extents
+			op.pieces = append(op.pieces, piece{ext: uint32(i), src: make([]byte, n/2)}, piece{ext: uint32(i), off: uint64(n / 2), src: make([]byte, n-n/2)})
+		}
+		return op
+	}
+	for _, tc := range []struct {
+		name string
+		lens []int
+		want int
+	}{
+		{"small write", []int{1000, 1000}, 0},
+		{"one extent", []int{4 << 20}, 0},
+		{"even", []int{1 << 20, 1 << 20, 1 << 20, 1 << 20}, 4},
+		{"uneven", []int{3 << 20, 1 << 20, 1 << 20}, 2},
+		{"last", []int{1 << 20, 3 << 20}, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			op := mk(tc.lens...)
+			got := shmSplit(op)
+			if runtime.GOMAXPROCS(0) < 2 {
+				require.Zero(t, got)
+				return
+			}
+			require.Equal(t, tc.want, got)
+			if got > 0 {
+				require.NotEqual(t, op.pieces[got-1].ext, op.pieces[got].ext)
+			}
+		})
+	}
 }

@@ -23,6 +23,7 @@ func (s *shmServer) publish(g *Grant)                               {}
 func (s *shmServer) release(g *Grant)                               {}
 func (s *shmServer) fence(g *Grant, revoke bool)                    {}
 func (s *shmServer) close()                                         {}
+func (s *shmServer) copied(g *Grant) uint64                         { return 0 }
 func (s *shmServer) unmap()                                         {}
 func (r *shmRxState) closed(err error)                              {}
 func (r *shmRxState) hello(c *rxConn) error                         { return nil }
