@@ -65,8 +65,8 @@
 // <prefix>_<ns> (key "<role>.<id>": rdma descriptor, layout fingerprint,
 // capacity), refreshed every Heartbeat and expiring after TTL. The bucket is
 // kept in memory, so a restarted NATS server has lost it: announcers recreate
-// it on a failed heartbeat and watchers, which check it every Heartbeat, watch
-// the new one (entries reappear within a heartbeat). Decoders watch
+// it on a failed heartbeat and watchers, which check it every TTL/2, watch
+// the new one (entries reappear within TTL/2 plus a heartbeat). Decoders watch
 // prefill instances (targeted retries; a watched instance that disappears
 // fails the handoffs addressed to it with ErrPeerFailed; a request taken
 // through the queue group names its instance only in the reply, so until

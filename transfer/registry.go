@@ -223,10 +223,11 @@ func (r *Registry) Watch(ctx context.Context, role Role) error {
 }
 
 // watch runs one watch until Close, reporting on loaded (once) when its
-// initial entries are applied or it failed to start. Every Heartbeat it checks
-// that the bucket it watches is still the server's: a restarted server has
-// lost it (memory storage) and a watch on the old one hears nothing more, so
-// the bucket is then recreated if need be and watched again.
+// initial entries are applied or it failed to start. Every TTL/2 (one bucket
+// info request, whatever the number of entries) it checks that the bucket it
+// watches is still the server's: a restarted server has lost it (memory
+// storage) and a watch on the old one hears nothing more, so the bucket is
+// then recreated if need be and watched again.
 func (r *Registry) watch(role Role, loaded chan<- error) {
 	w, born, err := r.startWatch(role)
 	if err != nil {
@@ -242,7 +243,7 @@ func (r *Registry) watch(role Role, loaded chan<- error) {
 			_ = w.Stop()
 		}
 	}()
-	check := time.NewTicker(r.cfg.Heartbeat)
+	check := time.NewTicker(r.cfg.TTL / 2)
 	defer check.Stop()
 	initial := true
 	for {
