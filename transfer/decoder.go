@@ -545,8 +545,8 @@ func (h *handoff) send(a Action) (string, error) {
 	return target, nil
 }
 
-// pick chooses the live prefill instance with the same layout, not in
-// exclude, with the least load: the requests it announced in flight (as of its
+// pick chooses the live prefill instance with the same layout, not draining
+// and not in exclude, with the least load: the requests it announced in flight (as of its
 // last heartbeat) plus the ones this decoder addressed to it since. Ties go
 // round-robin, so a burst between two heartbeats spreads out.
 func (d *Decoder) pick(exclude []string) string {
@@ -566,7 +566,7 @@ func (d *Decoder) pick(exclude []string) string {
 	off := int(d.picks.Add(1))
 	for i := range insts {
 		inst := insts[(off+i)%len(insts)]
-		if inst.Fingerprint != d.cfg.Fingerprint || containsStr(exclude, inst.ID) {
+		if inst.Fingerprint != d.cfg.Fingerprint || inst.Draining || containsStr(exclude, inst.ID) {
 			continue
 		}
 		if load := inst.Capacity.Inflight + mine[inst.ID]; target == "" || load < best {

@@ -72,7 +72,9 @@
 // through the queue group names its instance only in the reply, so until
 // then a silent death is bounded by the deadline); prefillers watch decode
 // instances, pre-connect their data plane to each one as it appears (so no
-// handoff pays the connection set-up) and stop work for one that disappears. Prefill workers are also
+// handoff pays the connection set-up) and stop work for one that disappears.
+// A prefiller that shuts down stays registered until its requests are done
+// but re-announces itself draining at once, and decoders stop addressing it. Prefill workers are also
 // NATS micro services (ServiceName), so `nats micro ls|info|stats` lists them.
 //
 // # Symmetry

@@ -1119,3 +1119,71 @@ func TestPrefillerCountsServedBytes(t *testing.T) {
 	require.Equal(t, res.KVBytes, st.KVBytes)
 	require.Equal(t, res.MambaBytes, st.MambaBytes)
 }
+
+// A prefiller that shuts down stays registered for its requests in flight
+// but announces it is draining: decoders stop addressing it at once instead
+// of spending an attempt on it.
+func TestDrainingPrefillerNotAddressed(t *testing.T) {
+	f := newFixture(t)
+	ds := newSide(t, "dec", testHybrid(64, 8))
+	ps1, ps2 := newSide(t, "pre1", testHybrid(64, 8)), newSide(t, "pre2", testHybrid(64, 8))
+	x1, x2 := newExec(ps1), newExec(ps2)
+	x1.block, x2.block = make(chan struct{}), make(chan struct{})
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { withRegistry(c); c.DirectFirst = true })
+	p1 := f.prefiller("p1", f.fp, x1, withRegistryP)
+	f.prefiller("p2", f.fp, x2, withRegistryP)
+	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
+			return fmt.Errorf("%d prefill instances", n)
+		}
+		return nil
+	})
+	type outcome struct {
+		res Result
+		err error
+	}
+	results := make(chan outcome, 4)
+	handoff := func(id uint64) {
+		res, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(5), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+		results <- outcome{res, err}
+	}
+	// Load: one request blocked on p1, two on p2, so p1 is the least loaded.
+	go handoff(1)
+	go handoff(2)
+	go handoff(3)
+	for range 3 {
+		select {
+		case <-x1.started:
+		case <-x2.started:
+		}
+	}
+	require.Equal(t, int64(1), x1.admits.Load())
+
+	shut := make(chan error, 1)
+	go func() { shut <- p1.Shutdown(context.Background()) }() // drains its blocked request
+	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		for _, inst := range d.Registry().Instances(RolePrefill, time.Now()) {
+			if inst.ID == "p1" && inst.Draining {
+				return nil
+			}
+		}
+		return errors.New("p1 not seen draining")
+	})
+	go handoff(4)
+	<-x2.started
+	close(x1.block)
+	close(x2.block)
+	require.NoError(t, <-shut)
+	for range 4 {
+		o := <-results
+		require.NoError(t, o.err)
+		if o.res.FirstToken == 4 { // the test executor's first token is the request id
+			require.Equal(t, "p2", o.res.Instance)
+			require.Equal(t, 1, o.res.Attempts, "request 4 spent an attempt on the draining instance")
+		}
+	}
+	for id := uint64(1); id <= 4; id++ {
+		require.NoError(t, ds.rank.Free(id))
+	}
+	ds.requireInitial(t)
+}

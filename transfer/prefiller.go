@@ -142,6 +142,7 @@ type Prefiller struct {
 	connCancel context.CancelFunc
 
 	maxPayload int64
+	draining   atomic.Bool // announced, so decoders stop addressing us
 	received   atomic.Uint64
 	served     atomic.Uint64
 	refused    atomic.Uint64
@@ -350,6 +351,7 @@ func (p *Prefiller) self() Instance {
 		inst.Capacity = p.cfg.Capacity()
 	}
 	inst.Capacity.Inflight = int(p.inflight.Load())
+	inst.Draining = p.draining.Load()
 	return inst
 }
 
@@ -386,6 +388,14 @@ func (p *Prefiller) Shutdown(ctx context.Context) error {
 	p.mu.Unlock()
 	err := in.stop()
 	p.connCancel()
+	if reg != nil && ctx.Err() == nil { // stay registered for the requests in flight, marked draining
+		p.draining.Store(true)
+		rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		if rerr := reg.Refresh(rctx); rerr != nil && !errors.Is(rerr, ErrClosed) {
+			p.cfg.Logger.Warn("announce draining", "err", rerr)
+		}
+		cancel()
+	}
 
 	drained := make(chan struct{})
 	go func() { p.wg.Wait(); close(drained) }()

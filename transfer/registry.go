@@ -68,7 +68,8 @@ type Registry struct {
 	life     context.Context
 	lifeStop context.CancelFunc
 	wg       sync.WaitGroup
-	self     string // key of the announced entry
+	self     string          // key of the announced entry
+	selfFn   func() Instance // what Announce publishes
 }
 
 // OpenRegistry creates or opens the namespace's bucket.
@@ -145,7 +146,7 @@ func (r *Registry) Announce(ctx context.Context, self func() Instance) error {
 	if r.self != "" {
 		return fmt.Errorf("transfer: registry: already announcing %s", r.self)
 	}
-	r.self = key
+	r.self, r.selfFn = key, self
 	r.wg.Go(func() {
 		t := time.NewTicker(r.cfg.Heartbeat)
 		defer t.Stop()
@@ -161,6 +162,19 @@ func (r *Registry) Announce(ctx context.Context, self func() Instance) error {
 		}
 	})
 	return nil
+}
+
+// Refresh publishes the announced entry now, ahead of its next heartbeat
+// (after a change peers should see at once). It returns ErrClosed when
+// nothing is announced.
+func (r *Registry) Refresh(ctx context.Context) error {
+	r.mu.Lock()
+	key, self, closed := r.self, r.selfFn, r.closed
+	r.mu.Unlock()
+	if closed || key == "" {
+		return ErrClosed
+	}
+	return r.put(ctx, key, self())
 }
 
 // heartbeat refreshes the entry. When that fails it reopens the bucket (the

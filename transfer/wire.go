@@ -385,6 +385,9 @@ type Instance struct {
 	Peer        Peer     `msgpack:"peer"`
 	Capacity    Capacity `msgpack:"cap"`
 	Updated     int64    `msgpack:"at"` // unix nanoseconds of the heartbeat
+	// Draining: the instance takes no new requests (it finishes the ones it
+	// holds, so it stays registered); decoders do not address it.
+	Draining bool `msgpack:"drain"`
 }
 
 // Role is a worker's role in the registry.
