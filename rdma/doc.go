@@ -50,11 +50,12 @@
 // # Integrity
 //
 // The writer sums each destination extent (crc32c, SSE4.2/ARMv8 hardware).
-// tcp and inproc: from 1 MiB per write it does so on another goroutine while
-// it sends or copies (the manifest is needed only by the commit); smaller
-// writes are summed inline in 128 KiB chunks while the bytes are in cache. A
-// tcp or inproc receiver sums the data as it lands, chunk by chunk right
-// after each read. shm: the writer copies 64 KiB at a time into the mapped
+// tcp: it sends 256 KiB per writev and sums each batch right after the
+// kernel copied it, while it is in cache (the manifest is needed only by the
+// commit). inproc: from 1 MiB per write it sums on another goroutine while
+// it copies; smaller writes are summed inline in 128 KiB chunks. A tcp or
+// inproc receiver sums the data as it lands, chunk by chunk right after each
+// read. shm: the writer copies 64 KiB at a time into the mapped
 // destination and sums the destination chunk right after, while it is in
 // cache, so the manifest certifies what landed; from 1 MiB and two extents
 // per write two goroutines share the extents. Writers add the bytes they
@@ -100,9 +101,9 @@
 // the commit's reply; a malformed frame is answered with a reply and the
 // connection is closed. Small frames arrive through a 64 KiB read buffer
 // (many per read(2), one copy out of it); payloads longer than the buffer are
-// read straight into the destination, up to 1 MiB per read(2). The writer
+// read straight into the destination, up to 256 KiB per read(2). The writer
 // sends headers and payloads with writev straight from the source memory,
-// up to 1024 vectors and 4 MiB per call (128 KiB when summing inline).
+// up to 1024 vectors and 256 KiB per call (4 MiB without crc).
 //
 // # Caller's duties
 //

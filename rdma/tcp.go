@@ -21,17 +21,17 @@ const (
 	// through the buffer, many per read(2), so small extents do not cost two
 	// syscalls each. 64 KiB keeps 1 MiB extents ~94% zero-copy.
 	rxBufSize = 64 << 10
-	// txBatchBytes bounds the payload of one writev batch. The writer crcs
-	// a batch right before sending it, so the kernel's copy finds the source
-	// in cache, and the receiver drains one batch while the next is summed.
-	txBatchBytes = landChunk
+	// txBatchBytes bounds the payload of one writev batch when summing:
+	// the writer crcs a batch right after the kernel copied it, while it
+	// is in L2, and the receiver drains one batch while the next is sent.
+	txBatchBytes = 256 << 10
 	// landChunk is the unit in which landings are filled and summed: data
 	// is checksummed right after it was copied, while it is in L2.
 	landChunk = 128 << 10
 	// rxReadChunk bounds one read straight into a destination; each read
-	// is then summed in landChunk pieces.
-	rxReadChunk = 1 << 20
-	// txBigBatchBytes bounds one writev when the source is summed aside.
+	// is then summed in landChunk pieces while it is in L2.
+	rxReadChunk = 256 << 10
+	// txBigBatchBytes bounds one writev without crc.
 	txBigBatchBytes = 4 << 20
 	// txBatchVecs bounds the iovecs of one batch (Linux IOV_MAX is 1024;
 	// Go splits longer vectors itself).
@@ -469,6 +469,7 @@ type txConn struct {
 	c    *net.TCPConn
 	hdrs []byte   // frame headers of the current request
 	iov  [][]byte // vectors of the current batch
+	pend []pendSum
 	bufs net.Buffers
 	rbuf [headerSize + maxMsgLen]byte
 }
@@ -632,8 +633,7 @@ func (l *tcpLink) write(ctx context.Context, op *writeOp) error {
 		stop := context.AfterFunc(ctx, func() { _ = tc.c.SetDeadline(aLongTimeAgo) })
 		defer stop()
 	}
-	wait := sumAside(op)
-	werr := tc.send(op, wait)
+	werr := tc.send(op)
 	var h header
 	var msg []byte
 	var rerr error
@@ -672,18 +672,16 @@ func (l *tcpLink) write(ctx context.Context, op *writeOp) error {
 }
 
 // send writes the data frames and the commit with vectored writes straight
-// from the source memory. When the source is summed aside (wait != nil),
-// data goes out in large batches and the commit follows once the sums are
-// done; otherwise each batch of at most txBatchBytes is summed right before
-// it is sent.
-func (tc *txConn) send(op *writeOp, wait func()) error {
-	if wait != nil {
-		defer func() {
-			if wait != nil {
-				wait() // never leave the summing goroutine behind
-			}
-		}()
-	}
+// from the source memory. Without crc the data goes out in batches of up to
+// txBigBatchBytes. With crc, batches hold txBatchBytes and each is summed
+// right after the kernel copied it into the socket, while it is still in
+// cache: summing first, or on another core, reads the source from memory a
+// second time, which costs more than the crc itself.
+func (tc *txConn) send(op *writeOp) error {
+	defer func() {
+		clear(tc.pend) // drop references to the source after a failed flush
+		tc.pend = tc.pend[:0]
+	}()
 	n := len(op.pieces)
 	m := len(op.manifest.Bytes)
 	need := (n+1)*headerSize + m*manifestEntrySize
@@ -700,7 +698,7 @@ func (tc *txConn) send(op *writeOp, wait func()) error {
 		h.index, h.offset, h.length = p.ext, p.off, uint64(len(p.src))
 		h.put(b)
 		iov = append(iov, b)
-		if wait != nil || op.noCRC {
+		if op.noCRC {
 			iov = append(iov, p.src)
 			batch += uint64(len(p.src))
 			if batch >= txBigBatchBytes || len(iov) >= txBatchVecs {
@@ -711,29 +709,30 @@ func (tc *txConn) send(op *writeOp, wait func()) error {
 			}
 			continue
 		}
-		// A long payload goes out as several vectors of one frame, so each
-		// batch is summed right before the kernel copies it.
+		// A long payload goes out as several vectors of one frame, so that
+		// no batch outgrows the cache.
 		for src := p.src; len(src) > 0; {
-			n := min(len(src), landChunk)
-			op.sum(p.ext, src[:n])
+			n := min(len(src), txBatchBytes)
 			iov = append(iov, src[:n])
+			tc.pend = append(tc.pend, pendSum{p.ext, src[:n]})
 			src = src[n:]
 			batch += uint64(n)
 			if batch >= txBatchBytes || len(iov) >= txBatchVecs {
 				if err := tc.flush(iov); err != nil {
 					return err
 				}
+				tc.sumPending(op)
 				iov, batch = tc.iov[:0], 0
 			}
 		}
 	}
-	if wait != nil {
+	if len(tc.pend) > 0 {
+		// The commit needs the last sums: send the rest of the data first.
 		if err := tc.flush(iov); err != nil {
 			return err
 		}
+		tc.sumPending(op)
 		iov = tc.iov[:0]
-		wait()
-		wait = nil
 	}
 	cb := hdrs[n*headerSize:]
 	ch := header{typ: frameCommit, flags: op.commitFlags(), index: uint32(m), grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token, length: uint64(m * manifestEntrySize)}
@@ -741,6 +740,21 @@ func (tc *txConn) send(op *writeOp, wait func()) error {
 	putManifest(cb[headerSize:], op.manifest)
 	iov = append(iov, cb)
 	return tc.flush(iov)
+}
+
+// pendSum is bytes of extent ext that were sent but not summed yet.
+type pendSum struct {
+	ext uint32
+	b   []byte
+}
+
+// sumPending folds the bytes just sent into the manifest, in order.
+func (tc *txConn) sumPending(op *writeOp) {
+	for i, p := range tc.pend {
+		op.sum(p.ext, p.b)
+		tc.pend[i].b = nil
+	}
+	tc.pend = tc.pend[:0]
 }
 
 func (tc *txConn) flush(iov [][]byte) error {
