@@ -280,14 +280,14 @@ func (r *Registry) watch(role Role, loaded chan<- error) {
 					return
 				}
 				if errors.Is(err, nats.ErrConnectionClosed) {
-					r.cfg.Logger.Warn("registry watch stopped: connection closed", "role", string(role))
+					r.cfg.Logger.Warn("registry watch stopped: connection closed", "watching", string(role))
 					return
 				}
-				r.cfg.Logger.Warn("registry watch restart", "role", string(role), "err", err)
+				r.cfg.Logger.Warn("registry watch restart", "watching", string(role), "err", err)
 				continue
 			}
 			updates = w.Updates()
-			r.cfg.Logger.Info("registry watch restarted on a new bucket", "role", string(role))
+			r.cfg.Logger.Info("registry watch restarted on a new bucket", "watching", string(role))
 		case e, ok := <-updates:
 			if !ok {
 				select {
@@ -302,7 +302,7 @@ func (r *Registry) watch(role Role, loaded chan<- error) {
 					loaded <- fmt.Errorf("transfer: registry watch: %w", ErrClosed)
 					return
 				}
-				r.cfg.Logger.Warn("registry watch ended; restarting it", "role", string(role))
+				r.cfg.Logger.Warn("registry watch ended; restarting it", "watching", string(role))
 				w, updates = nil, nil // the next check restarts it
 				continue
 			}

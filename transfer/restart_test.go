@@ -3,7 +3,9 @@ package transfer
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net"
+	"strings"
 	"testing"
 	"time"
 
@@ -25,7 +27,9 @@ func TestRegistryRecoversAfterServerRestart(t *testing.T) {
 	t.Cleanup(func() { srv.Shutdown(); srv.WaitForShutdown() })
 	reconnect := []nats.Option{nats.MaxReconnects(-1), nats.ReconnectWait(50 * time.Millisecond)}
 	ctx := context.Background()
-	cfg := RegistryConfig{Namespace: "t1", TTL: 2 * time.Second, Heartbeat: 200 * time.Millisecond}
+	var logs syncBuffer // the worker's logger carries its role and instance
+	cfg := RegistryConfig{Namespace: "t1", TTL: 2 * time.Second, Heartbeat: 200 * time.Millisecond,
+		Logger: slog.New(slog.NewJSONHandler(&logs, nil)).With("role", "decode", "instance", "d1")}
 	watcher, err := OpenRegistry(ctx, transfertest.Connect(t, srv, reconnect...), cfg)
 	require.NoError(t, err)
 	defer watcher.Close(ctx)
@@ -62,4 +66,8 @@ func TestRegistryRecoversAfterServerRestart(t *testing.T) {
 		}
 		return nil
 	})
+	require.Contains(t, logs.String(), "registry watch restarted on a new bucket")
+	for _, line := range strings.Split(strings.TrimSpace(logs.String()), "\n") {
+		require.Empty(t, duplicateKeys(t, line), line)
+	}
 }
