@@ -381,7 +381,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 			acts = acts[1:]
 			switch a.Kind {
 			case ActDeliver:
-				h.d.cfg.Logger.Debug("handoff delivered", "id", h.req.ID, "peer", h.sess.Instance())
+				h.d.cfg.Logger.Debug("handoff delivered", "seq", h.req.ID, "peer", h.sess.Instance())
 				return Result{
 					FirstToken: h.reply.FirstToken, Instance: h.reply.Instance, Attempts: h.sess.Attempts(),
 					Prefill: time.Duration(h.reply.PrefillNanos), Transfer: time.Duration(h.reply.WriteNanos),
@@ -389,7 +389,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 				}, nil
 			case ActFail:
 				err := h.failure(a.Code)
-				h.d.cfg.Logger.Debug("handoff failed", "id", h.req.ID, "err", err)
+				h.d.cfg.Logger.Debug("handoff failed", "seq", h.req.ID, "err", err)
 				return Result{}, err
 			default:
 				if ev, ok := h.exec(a); ok {
@@ -496,7 +496,7 @@ func (h *handoff) exec(a Action) (Event, bool) {
 			h.d.published.Add(1)
 		}
 		if err != nil { // best effort: the revoke that follows is the fence
-			h.d.cfg.Logger.Warn("publish cancel", "id", h.req.ID, "err", err)
+			h.d.cfg.Logger.Warn("publish cancel", "seq", h.req.ID, "err", err)
 		}
 	case ActRevoke:
 		if h.grant != nil {
@@ -504,7 +504,7 @@ func (h *handoff) exec(a Action) (Event, bool) {
 		}
 	case ActFree:
 		if err := h.req.Alloc.Free(h.req.ID); err != nil {
-			h.d.cfg.Logger.Error("free after failed handoff", "id", h.req.ID, "err", err)
+			h.d.cfg.Logger.Error("free after failed handoff", "seq", h.req.ID, "err", err)
 		}
 	}
 	return Event{}, false

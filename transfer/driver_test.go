@@ -880,6 +880,7 @@ func TestLogLinesHaveNoDuplicateKeys(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, ds.rank.Free(1))
 	require.Contains(t, out.String(), "handoff delivered")
+	require.Contains(t, out.String(), `"seq":1`, "the decode engine logs the request's seq under that key")
 	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
 		require.Empty(t, duplicateKeys(t, line), line)
 	}

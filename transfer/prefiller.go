@@ -587,7 +587,7 @@ func (p *Prefiller) replyNow(r micro.Request, rep PrefillReply) {
 		err = r.Error(strconv.Itoa(int(rep.Code)), rep.Code.String(), b)
 	}
 	if err != nil {
-		p.cfg.Logger.Warn("reply", "id", rep.RequestID, "err", err)
+		p.cfg.Logger.Warn("reply", "seq", rep.RequestID, "err", err)
 	}
 }
 
@@ -692,11 +692,11 @@ func (t *task) sendReply(code Code) {
 	rep.Instance = p.cfg.Instance
 	b, err := EncodePrefillReply(rep, p.maxPayload)
 	if err != nil {
-		p.cfg.Logger.Error("encode reply", "id", rep.RequestID, "err", err)
+		p.cfg.Logger.Error("encode reply", "seq", rep.RequestID, "from", t.msg.From, "err", err)
 		return
 	}
 	p.published.Add(1)
 	if err := p.nc.Publish(t.reply, b); err != nil {
-		p.cfg.Logger.Warn("reply", "id", rep.RequestID, "err", err)
+		p.cfg.Logger.Warn("reply", "seq", rep.RequestID, "from", t.msg.From, "err", err)
 	}
 }
