@@ -642,11 +642,11 @@ func (e *Engine) place(q *request, r *Rank) {
 	r.held = append(r.held, q)
 	r.promised += q.promise
 	if q.prefillOnly || e.cfg.Source == nil {
-		q.phase = PhaseContext
+		e.setPhase(q, PhaseContext)
 		q.log.Debug("request admitted", "row", res.Row, "runs", len(res.Runs))
 		return
 	}
-	q.phase = PhaseAwaitCache
+	e.setPhase(q, PhaseAwaitCache)
 	q.log.Debug("request admitted, awaiting cache", "row", res.Row, "runs", len(res.Runs))
 	f := FetchRequest{
 		ID: q.id, LogID: q.logID, Rank: r.index, Prompt: q.prompt,
@@ -679,7 +679,7 @@ func (e *Engine) fetched(q *request, res FetchResult, err error) {
 		e.finish(q, nil)
 		return
 	}
-	q.phase = PhaseGenerate
+	e.setPhase(q, PhaseGenerate)
 }
 
 // TransferResult maps a transfer's error to its metric label.
@@ -781,7 +781,7 @@ func (e *Engine) prefillStep(r *Rank, q *request) {
 		}
 		q.firstAt = time.Now()
 		q.timing.FirstToken = q.firstAt.Sub(q.accepted)
-		q.phase = PhasePush
+		e.setPhase(q, PhasePush)
 		q.leaseOut = true
 		q.lease <- leaseResult{lease: &Lease{
 			Rank: r.index, ID: q.id, Row: c.Row, Runs: runs, Tokens: len(q.prompt),
@@ -793,7 +793,7 @@ func (e *Engine) prefillStep(r *Rank, q *request) {
 		q.finished = true
 		return
 	}
-	q.phase = PhaseGenerate
+	e.setPhase(q, PhaseGenerate)
 }
 
 func (e *Engine) decodeStep(r *Rank, q *request) {
@@ -854,7 +854,7 @@ func (e *Engine) finish(q *request, err error) {
 			}
 		}
 	}
-	q.phase = PhaseDone
+	e.setPhase(q, PhaseDone)
 	if q.stopAfter != nil {
 		q.stopAfter()
 	}
@@ -900,18 +900,27 @@ func (e *Engine) finish(q *request, err error) {
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
-// publish updates the pool and session gauges.
+// publish updates the pool gauges.
 func (e *Engine) publish() {
-	inflight := 0
 	for _, r := range e.ranks {
 		e.m.setPools(e.cfg.Role, r.index, r.mgr.Stats())
-		for _, q := range r.held {
-			if q.phase == PhaseAwaitCache || q.phase == PhasePush {
-				inflight++
-			}
-		}
 	}
-	e.m.Sessions.WithLabelValues(string(e.cfg.Role)).Set(float64(inflight))
+}
+
+// setPhase moves q to phase p, keeping handoff_sessions_inflight live: it
+// counts the requests whose cache is in flight (PhaseAwaitCache, PhasePush)
+// as they enter and leave, not at the end of an iteration, which may be long
+// (one iteration prefills every admitted prompt). Called by the goroutine
+// that owns q.
+func (e *Engine) setPhase(q *request, p Phase) {
+	inFlight := func(p Phase) bool { return p == PhaseAwaitCache || p == PhasePush }
+	switch was, now := inFlight(q.phase), inFlight(p); {
+	case now && !was:
+		e.m.Sessions.WithLabelValues(string(e.cfg.Role)).Inc()
+	case was && !now:
+		e.m.Sessions.WithLabelValues(string(e.cfg.Role)).Dec()
+	}
+	q.phase = p
 }
 
 // shutdown fails what is left and waits for fetches and leases, up to

@@ -3,6 +3,7 @@ package worker
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -514,4 +515,30 @@ func TestEngineStopFailsInflight(t *testing.T) {
 	require.Equal(t, idle, ranks[0].mgr.Stats())
 	_, err = e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("c"), MaxTokens: 3})
 	require.ErrorIs(t, err, ErrClosed)
+}
+
+// handoff_sessions_inflight follows a lease at once, not at the end of the
+// iteration that produced it: one iteration prefills every admitted prompt,
+// and with slow prefills it lasts long after the first lease went out.
+func TestEngineSessionsGaugeLive(t *testing.T) {
+	ranks := newRanks(t, rankOpts{ranks: 1, batch: 2, model: model.TinyHybrid + "?prefill_delay=2ms"})
+	e, err := NewEngine(Config{Role: RolePrefill}, ranks)
+	require.NoError(t, err)
+	prompt := model.Encode(strings.Repeat("p", 200)) // about 0.4 s of prefill each
+	first, err := e.SubmitPrefill(context.Background(), PrefillJob{Prompt: prompt})
+	require.NoError(t, err)
+	second, err := e.SubmitPrefill(context.Background(), PrefillJob{Prompt: prompt})
+	require.NoError(t, err)
+	startEngine(t, e) // both are admitted to the same iteration
+	l, err := first.Wait(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, 1.0, gaugeValue(t, e.m.Sessions.WithLabelValues("prefill")), "the second prefill still runs")
+	l2, err := second.Wait(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, 2.0, gaugeValue(t, e.m.Sessions.WithLabelValues("prefill")))
+	l.Release()
+	l2.Release()
+	require.Eventually(t, func() bool {
+		return e.Live() == 0 && gaugeValue(t, e.m.Sessions.WithLabelValues("prefill")) == 0
+	}, 5*time.Second, time.Millisecond)
 }
