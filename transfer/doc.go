@@ -74,8 +74,11 @@
 // instances, pre-connect their data plane to each one as it appears (so no
 // handoff pays the connection set-up) and stop work for one that disappears.
 // A prefiller that shuts down stays registered until its requests are done
-// but re-announces itself draining at once, and decoders stop addressing it. Prefill workers are also
-// NATS micro services (ServiceName), so `nats micro ls|info|stats` lists them.
+// but re-announces itself draining at once, and decoders stop addressing it;
+// a request that still reaches a starting or draining prefiller is refused as
+// capacity, so it is retried elsewhere. A cancel names its decoder: request
+// and grant ids are unique per decoder only. Prefill workers are also NATS
+// micro services (ServiceName), so `nats micro ls|info|stats` lists them.
 //
 // # Symmetry
 //
