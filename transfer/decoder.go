@@ -403,19 +403,16 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 		case m := <-h.c.replies:
 			ev = h.replyEvent(m)
 		case <-h.doneCh:
-			h.doneCh = nil
-			m, err := h.grant.Wait(context.Background()) // terminal: returns at once
-			if err == nil {
-				ev = Event{Kind: EvCommitted, Manifest: m}
-			} else {
-				h.setCause(err)
-				ev = Event{Kind: EvGrantFailed, Code: rdmaCode(err)}
-			}
+			ev = h.grantEvent()
 		case <-h.c.died:
 			dead := h.d.takeDead(h.c)
 			if len(dead) == 0 {
 				continue // taken with an earlier signal
 			}
+			// A reply or commit already delivered came before the death was
+			// seen (a draining worker replies, then leaves the registry):
+			// apply it first, or a handoff that succeeded would fail.
+			early = h.delivered()
 			for _, inst := range dead[:len(dead)-1] {
 				early = append(early, h.sess.Step(Event{Kind: EvPeerDied, Instance: inst, Now: time.Now()})...)
 			}
@@ -436,6 +433,39 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 		if ev.Kind == EvTick && !h.sess.State().Terminal() {
 			timer.Reset(time.Until(h.deadline)) // a tick that came early
 		}
+	}
+}
+
+// grantEvent is the event of the grant's end (h.doneCh closed).
+func (h *handoff) grantEvent() Event {
+	h.doneCh = nil
+	m, err := h.grant.Wait(context.Background()) // terminal: returns at once
+	if err != nil {
+		h.setCause(err)
+		return Event{Kind: EvGrantFailed, Code: rdmaCode(err)}
+	}
+	return Event{Kind: EvCommitted, Manifest: m}
+}
+
+// delivered steps the replies and the grant's end that are already there,
+// without waiting, and returns the actions.
+func (h *handoff) delivered() []Action {
+	var acts []Action
+	for {
+		select {
+		case m := <-h.c.replies:
+			ev := h.replyEvent(m)
+			ev.Now = time.Now()
+			acts = append(acts, h.sess.Step(ev)...)
+			continue
+		case <-h.doneCh: // nil once taken: never ready
+			ev := h.grantEvent()
+			ev.Now = time.Now()
+			acts = append(acts, h.sess.Step(ev)...)
+			continue
+		default:
+		}
+		return acts
 	}
 }
 

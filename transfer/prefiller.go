@@ -412,6 +412,10 @@ func (p *Prefiller) Shutdown(ctx context.Context) error {
 		<-drained
 	}
 	if reg != nil {
+		// The last replies reach the server before the entry goes: a decoder
+		// that hears of the deletion has the reply in hand already, and does
+		// not fail a handoff that was served.
+		_ = p.nc.FlushTimeout(2 * time.Second) // best effort: the connection may be gone
 		rctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		err = errors.Join(err, reg.Close(rctx))
 		cancel()
