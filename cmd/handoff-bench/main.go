@@ -22,14 +22,16 @@ func main() {
 
 func run(ctx context.Context, args []string) error {
 	if len(args) == 0 {
-		return fmt.Errorf("usage: handoff-bench datapath|control [flags]")
+		return fmt.Errorf("usage: handoff-bench datapath|control|topology [flags]")
 	}
 	switch args[0] {
 	case "datapath":
 		return runDatapath(ctx, args[1:])
 	case "control":
 		return runControl(ctx, args[1:])
+	case "topology":
+		return runTopology(ctx, args[1:])
 	default:
-		return fmt.Errorf("unknown subcommand %q (want datapath or control)", args[0])
+		return fmt.Errorf("unknown subcommand %q (want datapath, control or topology)", args[0])
 	}
 }
