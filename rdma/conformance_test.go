@@ -220,6 +220,11 @@ func TestConformanceWriteReadBack(t *testing.T) {
 			default:
 				t.Fatal("Done not closed after commit")
 			}
+			select {
+			case <-g.Failed():
+				t.Fatal("Failed closed after commit")
+			default:
+			}
 			rs, ts := p.rx.Stats(), p.tx.Stats()
 			require.Equal(t, uint64(round+1), rs.GrantsCommitted)
 			require.Equal(t, uint64(round+1)*tk.Bytes, rs.BytesLanded)
@@ -229,6 +234,11 @@ func TestConformanceWriteReadBack(t *testing.T) {
 			g.Revoke() // no-op after commit
 			_, err = g.Wait(ctx)
 			require.NoError(t, err)
+			select {
+			case <-g.Failed():
+				t.Fatal("Failed closed by a revoke after commit")
+			default:
+			}
 			// A second write into the committed grant is refused.
 			_, err = p.tx.Write(ctx, p.desc, tk, src)
 			require.ErrorIs(t, err, ErrCommitted)
@@ -283,6 +293,8 @@ func TestConformanceRefusals(t *testing.T) {
 			select {
 			case <-g.Done():
 				t.Fatalf("grant settled: %v", g.Err())
+			case <-g.Failed():
+				t.Fatalf("grant failed: %v", g.Err())
 			default:
 			}
 		}
@@ -327,6 +339,11 @@ func TestConformanceRefusals(t *testing.T) {
 			g.Revoke()
 			_, err := g.Wait(ctx)
 			require.ErrorIs(t, err, ErrRevoked)
+			select {
+			case <-g.Failed():
+			default:
+				t.Fatal("Failed not closed after a revoke")
+			}
 			require.NotEqual(t, tk.Epoch, g.Ticket().Epoch, "revoke bumps the epoch")
 			_, err = p.tx.Write(ctx, p.desc, tk, src(tk))
 			require.Error(t, err)

@@ -312,11 +312,12 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 		return nil, fmt.Errorf("%w: grant deadline %s already passed", ErrDeadline, deadline.Format(time.RFC3339Nano))
 	}
 	g := &Grant{
-		e:    e,
-		done: make(chan struct{}),
-		dst:  make([][]byte, len(spec.Extents)),
-		ext:  make([]extState, len(spec.Extents)),
-		slot: -1,
+		e:      e,
+		done:   make(chan struct{}),
+		failed: make(chan struct{}),
+		dst:    make([][]byte, len(spec.Extents)),
+		ext:    make([]extState, len(spec.Extents)),
+		slot:   -1,
 	}
 	g.quiet.L = &g.mu
 	var total uint64

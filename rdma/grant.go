@@ -76,6 +76,7 @@ type Grant struct {
 	ticket Ticket
 	dst    [][]byte // per extent, aliasing region memory
 	done   chan struct{}
+	failed chan struct{} // closed with done when the grant ends without a commit
 	timer  *time.Timer
 	slot   int // shm grant slot, -1 when shm is not served
 
@@ -110,6 +111,13 @@ func (g *Grant) Ticket() Ticket {
 // Done is closed once the grant reached a terminal state (committed, revoked,
 // expired, refused) and no byte can land in it any more.
 func (g *Grant) Done() <-chan struct{} { return g.done }
+
+// Failed is closed, together with Done, once the grant ended without a
+// commit (revoked, expired, refused); it stays open for a committed grant.
+// A receiver that learns of the commit some other way (the writer's reply)
+// watches Failed until then, and is not woken by a commit it has no use for
+// yet.
+func (g *Grant) Failed() <-chan struct{} { return g.failed }
 
 // Wait blocks until the grant is terminal or ctx ends. It returns the
 // verified manifest when the writer's commit was accepted; otherwise the
@@ -453,8 +461,11 @@ func (g *Grant) finish() {
 		g.timer.Stop()
 	}
 	g.e.retire(g)
-	close(g.done)
 	err := g.Err()
+	if err != nil {
+		close(g.failed)
+	}
+	close(g.done)
 	if err == nil {
 		g.e.stats.grantsCommitted.Add(1)
 		g.e.stats.bytesLanded.Add(g.ticket.Bytes)

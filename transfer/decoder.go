@@ -315,6 +315,12 @@ type handoff struct {
 	mB     uint64
 	grant  *rdma.Grant
 	doneCh <-chan struct{} // the grant's Done while it is watched, else nil
+	// failCh is the grant's Failed while it is watched, else nil. Until an
+	// OK reply arrives the handoff waits on failCh, not doneCh: a commit
+	// alone decides nothing (the reply must agree), so it need not wake the
+	// handoff; a grant that fails still does.
+	failCh  <-chan struct{}
+	replied bool // an OK reply arrived: the commit is what is awaited now
 
 	cause error // the most specific error behind a failure
 	reply PrefillReply
@@ -399,10 +405,14 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 		}
 		var ev Event
 		var early []Action // outcomes of events taken along with ev
+		grantCh := h.failCh
+		if h.replied {
+			grantCh = h.doneCh
+		}
 		select {
 		case m := <-h.c.replies:
 			ev = h.replyEvent(m)
-		case <-h.doneCh:
+		case <-grantCh:
 			ev = h.grantEvent()
 		case <-h.c.died:
 			dead := h.d.takeDead(h.c)
@@ -438,7 +448,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 
 // grantEvent is the event of the grant's end (h.doneCh closed).
 func (h *handoff) grantEvent() Event {
-	h.doneCh = nil
+	h.doneCh, h.failCh = nil, nil
 	m, err := h.grant.Wait(context.Background()) // terminal: returns at once
 	if err != nil {
 		h.setCause(err)
@@ -499,7 +509,7 @@ func (h *handoff) exec(a Action) (Event, bool) {
 		for i, e := range exts {
 			expected[i] = e.Length
 		}
-		h.doneCh = g.Done()
+		h.doneCh, h.failCh = g.Done(), g.Failed()
 		return Event{Kind: EvGranted, Now: now(), Expected: expected}, true
 	case ActSendRequest:
 		target, err := h.send(a)
@@ -629,6 +639,7 @@ func (h *handoff) replyEvent(m *nats.Msg) Event {
 	}
 	if r.Code == CodeOK {
 		h.reply = r
+		h.replied = true
 	} else {
 		h.setCause(&RemoteError{Code: r.Code, Msg: r.Msg, Instance: r.Instance})
 	}
