@@ -104,7 +104,9 @@
 //     decoder then knows its peer at once and fails fast if it disappears.
 //  3. Prefill: implement PrefillExecutor (Admit must not block; Lease.Prefill
 //     must honour ctx; Release is called once, after every use of the
-//     extents); NewPrefiller, Start (or Serve), Shutdown on exit.
+//     extents); NewPrefiller, Start (or Serve), Shutdown on exit. A lease
+//     whose result is already there at admission may implement ReadyLease:
+//     its small inproc handoffs then skip one goroutine hand-off.
 //
 // Lock order: Prefiller.mu, Decoder.mu and Registry.mu are leaves: no IO and
 // no other lock is taken while one is held.

@@ -110,6 +110,8 @@ type testExec struct {
 	ctxErr   chan error    // receives the ctx error of a blocked prefill
 	admits   atomic.Int64
 	releases atomic.Int64
+	ready    atomic.Bool  // Admit returns ReadyLeases
+	inline   atomic.Int64 // prefills that ran on the NATS dispatch goroutine
 }
 
 func newExec(s *side) *testExec {
@@ -125,8 +127,17 @@ func (x *testExec) Admit(job Job) (Lease, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrCapacityRefused, err)
 	}
-	return &testLease{x: x, job: job, d: d}, nil
+	l := &testLease{x: x, job: job, d: d}
+	if x.ready.Load() {
+		return readyLease{l}, nil
+	}
+	return l, nil
 }
+
+// readyLease is a testLease that declares its prefill ready at admission.
+type readyLease struct{ *testLease }
+
+func (readyLease) Ready() bool { return true }
 
 type testLease struct {
 	x        *testExec
@@ -137,6 +148,10 @@ type testLease struct {
 
 func (l *testLease) Prefill(ctx context.Context) (Prefilled, error) {
 	l.x.started <- l.job.RequestID
+	buf := make([]byte, 64<<10)
+	if strings.Contains(string(buf[:runtime.Stack(buf, false)]), "transfer.(*Prefiller).handle(") {
+		l.x.inline.Add(1)
+	}
 	if l.x.block != nil {
 		select {
 		case <-l.x.block:
@@ -256,6 +271,87 @@ func TestHandoffHappy(t *testing.T) {
 	require.Equal(t, uint64(5), d.Stats().Delivered)
 	require.Equal(t, uint64(5), p.Stats().Served)
 	require.Equal(t, int64(5), x.releases.Load())
+}
+
+// A ReadyLease's request to a decoder connected inproc runs on the dispatch
+// goroutine, with the same outcome, messages and cleanup; the first one,
+// before the engines are connected, runs on its own goroutine.
+func TestHandoffReadyLeaseInline(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	x.ready.Store(true)
+	d := f.decoder("d1", ds, nil)
+	p := f.prefiller("p1", f.fp, x, nil)
+	before := inMsgs(t, f.srv)
+	for id := uint64(1); id <= 5; id++ {
+		res, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(5 * time.Second)})
+		require.NoError(t, err)
+		require.Equal(t, int32(id), res.FirstToken)
+		i := 0
+		for _, e := range res.Dest.Extents() {
+			for _, b := range ds.bytes(e) {
+				require.Equal(t, pattern(id, i), b, "request %d byte %d", id, i)
+				i++
+			}
+		}
+		require.NoError(t, ds.rank.Free(id))
+		<-x.started
+	}
+	require.Equal(t, int64(4), x.inline.Load())
+	require.Equal(t, int64(2*5), inMsgs(t, f.srv)-before)
+	ds.requireInitial(t)
+	ps.requireInitial(t)
+	require.Equal(t, uint64(5), p.Stats().Served)
+	require.Equal(t, int64(5), x.releases.Load())
+	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := p.Stats().InFlight; n != 0 {
+			return fmt.Errorf("%d in flight", n)
+		}
+		return nil
+	})
+}
+
+// transportEngine is a sender engine with a fixed connection state.
+type transportEngine struct {
+	senderEngine
+	tr        rdma.Transport
+	connected bool
+}
+
+func (e transportEngine) TransportFor(rdma.AgentID) (rdma.Transport, bool) { return e.tr, e.connected }
+
+type notReady struct{ readyLease }
+
+func (notReady) Ready() bool { return false }
+
+func TestInlineOnlyWhenNothingCanBlock(t *testing.T) {
+	ready, plain := readyLease{&testLease{}}, &testLease{}
+	cases := []struct {
+		name      string
+		lease     Lease
+		tr        rdma.Transport
+		connected bool
+		kv, mamba uint64
+		want      bool
+	}{
+		{"ready inproc small", ready, rdma.TransportInproc, true, 4096, 128, true},
+		{"ready inproc at the limit", ready, rdma.TransportInproc, true, InlineMaxBytes - 1, 1, true},
+		{"ready inproc too large", ready, rdma.TransportInproc, true, InlineMaxBytes, 1, false},
+		{"ready inproc overflowing sizes", ready, rdma.TransportInproc, true, math.MaxUint64, 2, false},
+		{"ready not connected yet", ready, "", false, 1, 1, false},
+		{"ready over tcp", ready, rdma.TransportTCP, true, 1, 1, false},
+		{"ready over shm", ready, rdma.TransportSHM, true, 1, 1, false},
+		{"not ready", notReady{ready}, rdma.TransportInproc, true, 1, 1, false},
+		{"plain lease", plain, rdma.TransportInproc, true, 1, 1, false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			p := &Prefiller{eng: transportEngine{tr: c.tr, connected: c.connected}}
+			tk := &task{lease: c.lease, msg: PrefillRequest{KVBytes: c.kv, MambaBytes: c.mamba}}
+			require.Equal(t, c.want, p.inline(tk))
+		})
+	}
 }
 
 func TestHandoffConcurrent(t *testing.T) {

@@ -98,10 +98,30 @@ type Lease interface {
 	Release()
 }
 
+// ReadyLease is a Lease whose result is already there when it is admitted (a
+// prompt whose cache is already computed, for instance): Prefill returns at
+// once, without compute. For such a lease, when the decoder's engine is
+// already connected in this process (inproc, so the write is a memcpy that
+// no peer can stall) and the cache is small (at most InlineMaxBytes), the
+// prefiller writes and replies on the NATS dispatch goroutine itself instead
+// of starting the request's goroutine: the same steps, one goroutine
+// hand-off fewer. Every other request runs on its own goroutine, so a
+// prefill that computes never delays the intake of the next request.
+type ReadyLease interface {
+	Lease
+	// Ready reports whether Prefill will return without blocking.
+	Ready() bool
+}
+
+// InlineMaxBytes is the largest cache a ReadyLease's request writes on the
+// dispatch goroutine (see ReadyLease).
+const InlineMaxBytes = 64 << 10
+
 // senderEngine is what a Prefiller needs from the data plane.
 type senderEngine interface {
 	Write(ctx context.Context, peer rdma.Descriptor, t rdma.Ticket, src []rdma.Extent) (rdma.Manifest, error)
 	Connect(ctx context.Context, peer rdma.Descriptor) (rdma.Transport, error)
+	TransportFor(agent rdma.AgentID) (rdma.Transport, bool)
 	Descriptor() rdma.Descriptor
 }
 
@@ -560,8 +580,26 @@ func (p *Prefiller) handle(r micro.Request) {
 	}
 	set[t] = struct{}{}
 	p.inflight.Add(1)
-	p.wg.Go(func() { t.run(acts) })
+	if !p.inline(t) {
+		p.wg.Go(func() { t.run(acts) })
+		p.mu.Unlock()
+		return
+	}
+	p.wg.Add(1) // the task is registered and cancellable like any other
 	p.mu.Unlock()
+	defer p.wg.Done()
+	t.run(acts)
+}
+
+// inline reports whether t may run on the dispatch goroutine (see
+// ReadyLease): nothing in it can block for long.
+func (p *Prefiller) inline(t *task) bool {
+	rl, ok := t.lease.(ReadyLease)
+	if !ok || t.msg.KVBytes+t.msg.MambaBytes > InlineMaxBytes || t.msg.KVBytes+t.msg.MambaBytes < t.msg.KVBytes {
+		return false
+	}
+	tr, ok := p.eng.TransportFor(t.ticket.Agent)
+	return ok && tr == rdma.TransportInproc && rl.Ready()
 }
 
 // refuseNotServing refuses a request that reached the endpoints while the

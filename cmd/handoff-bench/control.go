@@ -123,6 +123,11 @@ func (l controlLease) Prefill(context.Context) (transfer.Prefilled, error) {
 }
 func (controlLease) Release() {}
 
+// Ready: the fixed source is there at admission, as for a prompt whose cache
+// is already computed; a computing prefill would not be (see
+// transfer.ReadyLease).
+func (controlLease) Ready() bool { return true }
+
 func measureControl(ctx context.Context, o controlOptions) (controlReport, error) {
 	dir, err := os.MkdirTemp("", "handoff-bench-control-")
 	if err != nil {
