@@ -171,9 +171,10 @@ func startProc(t *testing.T, name string, args ...string) *proc {
 		p.kill()
 		if t.Failed() {
 			t.Logf("---- %s log (tail) ----\n%s", p.name, tail(p.log.String(), 6000))
-			if dir := os.Getenv("HANDOFF_TEST_LOGS"); dir != "" {
-				_ = os.WriteFile(filepath.Join(dir, sanitize(t.Name())+"-"+p.name+"-"+itoa(p.cmd.Process.Pid)+".log"), []byte(p.log.String()), 0o644)
-			}
+		}
+		// HANDOFF_TEST_LOGS=dir keeps every process's whole log, pass or fail.
+		if dir := os.Getenv("HANDOFF_TEST_LOGS"); dir != "" {
+			_ = os.WriteFile(filepath.Join(dir, sanitize(t.Name())+"-"+p.name+"-"+itoa(p.cmd.Process.Pid)+".log"), []byte(p.log.String()), 0o644)
 		}
 	})
 	return p
