@@ -37,6 +37,7 @@ type controlOptions struct {
 	requests int
 	warmup   int
 	output   string
+	prefill  string
 }
 
 func parseControlFlags(args []string, stderr io.Writer) (controlOptions, error) {
@@ -46,6 +47,7 @@ func parseControlFlags(args []string, stderr io.Writer) (controlOptions, error) 
 	fs.IntVar(&o.requests, "requests", 2000, "measured handoffs (and as many raw request-replies)")
 	fs.IntVar(&o.warmup, "warmup", 200, "unmeasured iterations of each before measuring")
 	fs.StringVar(&o.output, "output", "table", "table or json")
+	fs.StringVar(&o.prefill, "prefill", "ready", "ready: the cache is there at admission (a cached prompt; the prefill worker may hand it off on its NATS dispatch goroutine); computing: every prefill runs on its own goroutine, as a computing prefill does")
 	fs.Usage = func() {
 		fmt.Fprint(stderr, controlUsage)
 		fs.VisitAll(func(f *flag.Flag) {
@@ -61,6 +63,9 @@ func parseControlFlags(args []string, stderr io.Writer) (controlOptions, error) 
 	if o.requests < 1 || o.warmup < 0 {
 		return o, fmt.Errorf("control: --requests must be >= 1 and --warmup >= 0")
 	}
+	if o.prefill != "ready" && o.prefill != "computing" {
+		return o, fmt.Errorf("control: --prefill must be ready or computing, not %q", o.prefill)
+	}
 	if o.output != "table" && o.output != "json" {
 		return o, fmt.Errorf("control: --output must be table or json, not %q", o.output)
 	}
@@ -70,6 +75,7 @@ func parseControlFlags(args []string, stderr io.Writer) (controlOptions, error) 
 // controlReport is the JSON output.
 type controlReport struct {
 	Requests           int     `json:"requests"`
+	Prefill            string  `json:"prefill"`
 	HandoffP50us       float64 `json:"handoff_p50_us"`
 	HandoffP90us       float64 `json:"handoff_p90_us"`
 	HandoffP99us       float64 `json:"handoff_p99_us"`
@@ -112,9 +118,26 @@ func (a controlAlloc) Prepare(uint64, int) (transfer.Destination, error) { retur
 func (a controlAlloc) Free(uint64) error                                 { return nil }
 
 // controlExec admits everything and "prefills" a fixed 1-byte source.
-type controlExec struct{ src transfer.Destination }
+type controlExec struct {
+	src       transfer.Destination
+	computing bool
+}
 
-func (x controlExec) Admit(transfer.Job) (transfer.Lease, error) { return controlLease(x), nil }
+func (x controlExec) Admit(transfer.Job) (transfer.Lease, error) {
+	if x.computing {
+		return computingLease{controlLease{x.src}}, nil
+	}
+	return controlLease{x.src}, nil
+}
+
+// computingLease hides Ready: the prefill worker treats it as a prefill that
+// computes, on a goroutine of its own.
+type computingLease struct{ l controlLease }
+
+func (c computingLease) Prefill(ctx context.Context) (transfer.Prefilled, error) {
+	return c.l.Prefill(ctx)
+}
+func (c computingLease) Release() { c.l.Release() }
 
 type controlLease struct{ src transfer.Destination }
 
@@ -185,7 +208,7 @@ func measureControl(ctx context.Context, o controlOptions) (controlReport, error
 	regCfg := transfer.RegistryConfig{TTL: 10 * time.Minute, Heartbeat: 3 * time.Minute}
 	pre, err := transfer.NewPrefiller(transfer.PrefillerConfig{Instance: "prefill-0", Namespace: ns, Fingerprint: fp,
 		Registry: regCfg, Logger: quiet}, preNC, preEng,
-		controlExec{src: transfer.Destination{Mamba: rdma.Extent{Region: preReg.ID(), Offset: 0, Length: 1}}})
+		controlExec{src: transfer.Destination{Mamba: rdma.Extent{Region: preReg.ID(), Offset: 0, Length: 1}}, computing: o.prefill == "computing"})
 	if err != nil {
 		return controlReport{}, err
 	}
@@ -291,6 +314,7 @@ func measureControl(ctx context.Context, o controlOptions) (controlReport, error
 	}
 	rep := controlReport{
 		Requests:     o.requests,
+		Prefill:      o.prefill,
 		HandoffP50us: controlPercentile(hs, 50), HandoffP90us: controlPercentile(hs, 90), HandoffP99us: controlPercentile(hs, 99),
 		NATSP50us: controlPercentile(rs, 50), NATSP90us: controlPercentile(rs, 90), NATSP99us: controlPercentile(rs, 99),
 		MsgsPerRequest: handoffMsgs, NATSMsgsPerRequest: rawMsgs,
@@ -358,8 +382,8 @@ func printControl(w io.Writer, format string, r controlReport) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintf(w, "ratio p50 %.2f (goal <= %.1f), p99 %.2f; %d requests, request %d B, reply %d B, payload %d B, nats-server %s",
-		r.RatioP50, r.GoalRatioP50, r.RatioP99, r.Requests, r.RequestBytes, r.ReplyBytes, r.PayloadBytes, r.NATSServerVersion)
+	fmt.Fprintf(w, "ratio p50 %.2f (goal <= %.1f), p99 %.2f; prefill %s, %d requests, request %d B, reply %d B, payload %d B, nats-server %s",
+		r.RatioP50, r.GoalRatioP50, r.RatioP99, r.Prefill, r.Requests, r.RequestBytes, r.ReplyBytes, r.PayloadBytes, r.NATSServerVersion)
 	if r.HandoffErrors > 0 {
 		fmt.Fprintf(w, "; %d handoffs failed", r.HandoffErrors)
 	}
