@@ -498,6 +498,9 @@ func (h *handoff) exec(a Action) (Event, bool) {
 		h.kvB, h.mB = dest.Bytes()
 		return Event{Kind: EvAllocated, Now: now()}, true
 	case ActOpenGrant:
+		// A re-grant after a dead peer: the old grant is revoked already, and
+		// what it carried (its end, an OK reply of its attempt) is dropped.
+		h.grant, h.doneCh, h.failCh, h.replied, h.reply = nil, nil, nil, false, PrefillReply{}
 		exts := h.dest.Extents()
 		g, err := h.d.eng.OpenGrant(rdma.GrantSpec{RequestID: h.req.ID, Extents: exts, Deadline: h.deadline})
 		if err != nil {
@@ -557,8 +560,13 @@ func (h *handoff) send(a Action) (string, error) {
 	d := h.d
 	subj := d.prefillSub
 	target := a.Instance
-	if target == "" && (a.Attempt > 1 || d.cfg.DirectFirst) && d.reg != nil {
+	if target == "" && (a.Attempt > 1 || d.cfg.DirectFirst || a.Live) && d.reg != nil {
 		target = d.pick(a.Exclude)
+	}
+	if target == "" && a.Live {
+		// The queue group could hand the request back to the instance reported
+		// dead (it may only be partitioned): only a known live one will do.
+		return "", fmt.Errorf("%w: no other live prefill instance (excluded %v)", ErrPeerFailed, a.Exclude)
 	}
 	if target != "" {
 		subj = Subject(d.cfg.Prefix, d.cfg.Namespace, SubjectInstancePrefill, target)
@@ -637,7 +645,7 @@ func (h *handoff) replyEvent(m *nats.Msg) Event {
 		h.setCause(err)
 		return Event{Kind: EvReply, Code: CodeBadMessage}
 	}
-	if r.Code == CodeOK {
+	if r.Code == CodeOK && !h.sess.ignores(r.Instance) {
 		h.reply = r
 		h.replied = true
 	} else {

@@ -55,7 +55,13 @@
 // late write or commit is refused by the data plane), then frees the blocks
 // and row. It retries on another worker only when nothing can have been
 // written (no responders, capacity refused) and the deadline and MaxAttempts
-// allow. The prefiller stops on a cancel, on the deadline, on a failed write
+// allow, or when the instance serving the request is reported dead before a
+// commit was accepted: that instance may only be partitioned, so the retry is
+// fenced. The decoder publishes it a cancel, revokes the grant (its late
+// writes and commit are refused from then on), opens a fresh grant over the
+// same blocks and row, ignores the instance's replies and addresses the next
+// attempt to a live instance only (never the queue group, which could route
+// back to it); with none known it fails with ErrPeerFailed. The prefiller stops on a cancel, on the deadline, on a failed write
 // (receiver revoked or died) or when the decode instance leaves the
 // registry; it releases its lease only after the step in flight returned.
 //
@@ -68,7 +74,8 @@
 // it on a failed heartbeat and watchers, which check it every TTL/2, watch
 // the new one (entries reappear within TTL/2 plus a heartbeat). Decoders watch
 // prefill instances (targeted retries; a watched instance that disappears
-// fails the handoffs addressed to it with ErrPeerFailed; a request taken
+// moves the handoffs addressed to it to another instance, fenced as above, or
+// fails them with ErrPeerFailed; a request taken
 // through the queue group names its instance only in the reply, so until
 // then a silent death is bounded by the deadline); prefillers watch decode
 // instances, pre-connect their data plane to each one as it appears (so no

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/micro"
 	"github.com/stretchr/testify/require"
 
@@ -1283,4 +1284,105 @@ func TestDrainingPrefillerNotAddressed(t *testing.T) {
 		require.NoError(t, ds.rank.Free(id))
 	}
 	ds.requireInitial(t)
+}
+
+// TestHandoffPrefillDeathRetried: the worker that took the request leaves the
+// registry before any commit; the decoder revokes the grant, opens a fresh one
+// over the same blocks and row, and the other worker serves the request. The
+// "dead" worker was only partitioned: a write with its old ticket is refused
+// and changes no byte.
+func TestHandoffPrefillDeathRetried(t *testing.T) {
+	f := newFixture(t)
+	ds := newSide(t, "dec", testHybrid(64, 8))
+	ps := map[string]*side{"p1": newSide(t, "pre1", testHybrid(64, 8)), "p2": newSide(t, "pre2", testHybrid(64, 8))}
+	xs := map[string]*testExec{}
+	pre := map[string]*Prefiller{}
+	for _, name := range []string{"p1", "p2"} {
+		xs[name] = newExec(ps[name])
+		xs[name].block = make(chan struct{})
+		pre[name] = f.prefiller(name, f.fp, xs[name], withRegistryP)
+	}
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
+	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
+			return fmt.Errorf("%d prefill instances known", n)
+		}
+		return nil
+	})
+	// Every request addressed to an instance, as sent.
+	nc := transfertest.Connect(t, f.srv)
+	sent := make(chan PrefillRequest, 8)
+	sub, err := nc.Subscribe(Subject(DefaultPrefix, f.ns, SubjectInstancePrefill, "*"), func(m *nats.Msg) {
+		if r, err := DecodePrefillRequest(m.Data); err == nil {
+			sent <- r
+		}
+	})
+	require.NoError(t, err)
+	defer sub.Unsubscribe()
+	require.NoError(t, nc.Flush())
+
+	type out struct {
+		res Result
+		err error
+	}
+	done := make(chan out, 1)
+	go func() {
+		res, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+		done <- out{res, err}
+	}()
+	var dead, live string
+	select {
+	case <-xs["p1"].started:
+		dead, live = "p1", "p2"
+	case <-xs["p2"].started:
+		dead, live = "p2", "p1"
+	}
+	first := <-sent
+	require.Equal(t, uint8(1), first.Attempt)
+	// What expiry of the worker's entry looks like to watchers.
+	require.NoError(t, pre[dead].Registry().kv.Delete(context.Background(), registryKey(RolePrefill, dead)))
+	<-xs[live].started
+	second := <-sent
+	require.Equal(t, uint8(2), second.Attempt)
+	require.NotEqual(t, first.Ticket.Grant, second.Ticket.Grant, "the retry writes into a fresh grant")
+	close(xs[live].block)
+	o := <-done
+	require.NoError(t, o.err)
+	require.Equal(t, live, o.res.Instance)
+	require.Equal(t, 2, o.res.Attempts)
+	require.Equal(t, int32(3), o.res.FirstToken)
+	checkPattern := func() {
+		i := 0
+		for _, e := range o.res.Dest.Extents() {
+			for _, b := range ds.bytes(e) {
+				require.Equal(t, pattern(3, i), b, "byte %d", i)
+				i++
+			}
+		}
+	}
+	checkPattern()
+	// The dead worker was alive after all: it got the cancel and stopped.
+	require.ErrorIs(t, <-xs[dead].ctxErr, context.Canceled)
+
+	// A late write with the dead worker's ticket is refused by the data plane.
+	old, err := first.Ticket.RDMA()
+	require.NoError(t, err)
+	src, err := ps[dead].rank.Prepare(99, 9)
+	require.NoError(t, err)
+	for _, e := range src.Extents() {
+		for j, b := 0, ps[dead].bytes(e); j < len(b); j++ {
+			b[j] = 0xEE
+		}
+	}
+	_, err = ps[dead].eng.Write(context.Background(), first.Peer.Descriptor(), old, src.Extents())
+	require.Error(t, err)
+	require.Equal(t, CodeCancelled, rdmaCode(err), "late write: %v", err) // revoked, unknown or stale grant
+	require.NoError(t, ps[dead].rank.Free(99))
+	checkPattern()
+
+	require.NoError(t, ds.rank.Free(3))
+	ds.requireInitial(t)
+	ps["p1"].requireInitial(t)
+	ps["p2"].requireInitial(t)
+	require.Equal(t, uint64(1), d.Stats().Retries)
 }

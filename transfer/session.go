@@ -82,6 +82,10 @@ type Action struct {
 	Instance string   // ActSendRequest, ActPublishCancel: target instance ("" = any / all)
 	Attempt  int      // ActSendRequest: 1-based attempt number
 	Exclude  []string // ActSendRequest: instances that refused this request
+	// Live (ActSendRequest): address only a live instance not in Exclude, never
+	// the queue group, which may still route to an instance reported dead but
+	// only partitioned; when none is known the send fails with peer_failed.
+	Live bool
 }
 
 func (a Action) String() string {
@@ -96,6 +100,9 @@ func (a Action) String() string {
 		fmt.Fprintf(&b, " to=%s attempt=%d", orAny(a.Instance), a.Attempt)
 		if len(a.Exclude) > 0 {
 			fmt.Fprintf(&b, " exclude=%s", strings.Join(a.Exclude, ","))
+		}
+		if a.Live {
+			b.WriteString(" live")
 		}
 	}
 	return b.String()
@@ -210,6 +217,7 @@ type RecvSession struct {
 	outstanding bool     // a request is in flight without an answer
 	target      string   // instance the outstanding request was sent to ("" queue group)
 	refused     []string // instances that refused this request or were found gone: not retried
+	dead        []string // instances reported dead while serving this request: their replies are ignored
 
 	replied        bool
 	replyInstance  string
@@ -312,6 +320,9 @@ func (s *RecvSession) Step(ev Event) []Action {
 		if s.state != StateWaiting || !s.outstanding {
 			return nil // duplicate or unsolicited reply
 		}
+		if s.ignores(ev.Instance) {
+			return nil // a late reply of an attempt abandoned when its instance was reported dead
+		}
 		s.outstanding = false
 		switch ev.Code {
 		case CodeOK:
@@ -359,17 +370,52 @@ func (s *RecvSession) Step(ev Event) []Action {
 			return nil
 		}
 		if (s.outstanding && s.target == ev.Instance) || (s.replied && s.replyInstance == ev.Instance) {
-			return s.fail(CodePeerFailed)
+			return s.regrantOr(ev.Now, ev.Instance)
 		}
 		return nil
 	}
 	return nil
 }
 
+// ignores reports whether replies from instance are dropped: it was reported
+// dead while serving this request, and its attempt was abandoned.
+func (s *RecvSession) ignores(instance string) bool {
+	return instance != "" && slices.Contains(s.dead, instance)
+}
+
 func (s *RecvSession) send(target string) []Action {
 	s.attempts++
 	s.outstanding, s.target = true, target
-	return []Action{{Kind: ActSendRequest, Instance: target, Attempt: s.attempts, Exclude: slices.Clone(s.refused)}}
+	return []Action{{Kind: ActSendRequest, Instance: target, Attempt: s.attempts, Exclude: slices.Clone(s.refused),
+		Live: len(s.dead) > 0}}
+}
+
+// regrantOr retries after the instance serving this request was reported
+// dead, where the deadline and attempt budget allow and no commit was
+// accepted; otherwise it fails with peer_failed. The instance may only be
+// partitioned and still writing, so the retry is fenced: the current grant is
+// revoked first (no byte of the old ticket lands after Revoke), a fresh grant
+// is opened over the same destination, and the instance is excluded and its
+// replies ignored from then on.
+func (s *RecvSession) regrantOr(now time.Time, dead string) []Action {
+	if s.committed || s.attempts >= s.p.MaxAttempts || !now.Before(s.p.Deadline) {
+		return s.fail(CodePeerFailed)
+	}
+	var acts []Action
+	if s.outstanding {
+		acts = append(acts, Action{Kind: ActPublishCancel, Instance: s.target, Code: CodePeerFailed})
+		s.outstanding = false
+	}
+	if !slices.Contains(s.dead, dead) {
+		s.dead = append(s.dead, dead)
+	}
+	if !slices.Contains(s.refused, dead) {
+		s.refused = append(s.refused, dead)
+	}
+	s.replied, s.replyInstance, s.replyManifest = false, "", rdma.Manifest{}
+	s.granted, s.expected = false, nil
+	s.state, s.busy = StateGranting, true
+	return append(acts, Action{Kind: ActRevoke}, Action{Kind: ActOpenGrant})
 }
 
 // retryOr retries where that is safe (nothing was written: no commit seen, the
