@@ -191,43 +191,6 @@ func (s *composeStack) metrics() map[string]*dto.MetricFamily {
 	return mf
 }
 
-// composeSum adds the values of the samples of a family whose labels include
-// want.
-func composeSum(mf map[string]*dto.MetricFamily, name string, want map[string]string) float64 {
-	f, ok := mf[name]
-	if !ok {
-		return 0
-	}
-	var total float64
-	for _, m := range f.GetMetric() {
-		labels := map[string]string{}
-		for _, l := range m.GetLabel() {
-			labels[l.GetName()] = l.GetValue()
-		}
-		match := true
-		for k, v := range want {
-			if labels[k] != v {
-				match = false
-				break
-			}
-		}
-		if !match {
-			continue
-		}
-		switch {
-		case m.Counter != nil:
-			total += m.GetCounter().GetValue()
-		case m.Gauge != nil:
-			total += m.GetGauge().GetValue()
-		case m.Histogram != nil:
-			total += float64(m.GetHistogram().GetSampleCount())
-		case m.Untyped != nil:
-			total += m.GetUntyped().GetValue()
-		}
-	}
-	return total
-}
-
 // composeOutcome is how one completion request ended.
 type composeOutcome struct {
 	start  time.Time
@@ -364,9 +327,9 @@ func (s *composeStack) waitPoolsIdle() {
 	deadline := time.Now().Add(composePoolsIdleWait)
 	for time.Now().Before(deadline) {
 		mf := s.metrics()
-		kv = composeSum(mf, "handoff_kv_blocks", map[string]string{"role": "decode", "state": "used"})
-		rows = composeSum(mf, "handoff_mamba_rows", map[string]string{"role": "decode", "state": "used"})
-		inflight = composeSum(mf, "handoff_sessions_inflight", map[string]string{"role": "decode"})
+		kv = sum(mf, "handoff_kv_blocks", map[string]string{"role": "decode", "state": "used"})
+		rows = sum(mf, "handoff_mamba_rows", map[string]string{"role": "decode", "state": "used"})
+		inflight = sum(mf, "handoff_sessions_inflight", map[string]string{"role": "decode"})
 		if kv == 0 && rows == 0 && inflight == 0 {
 			_, hasKV := mf["handoff_kv_blocks"]
 			_, hasRows := mf["handoff_mamba_rows"]
@@ -388,12 +351,12 @@ func TestComposeStack(t *testing.T) {
 		require.True(t, o.ok(), "request %d: status %d, error %q", i, o.status, o.errMsg)
 	}
 	mf := s.metrics()
-	require.GreaterOrEqual(t, composeSum(mf, "handoff_requests_total", map[string]string{"role": "decode", "result": "ok"}), 6.0)
-	require.GreaterOrEqual(t, composeSum(mf, "handoff_transfers_total", map[string]string{"role": "decode", "result": "ok"}), 6.0)
-	require.Positive(t, composeSum(mf, "handoff_transfer_bytes_total", map[string]string{"role": "decode", "kind": "kv"}))
-	require.Positive(t, composeSum(mf, "handoff_transfer_bytes_total", map[string]string{"role": "decode", "kind": "mamba"}))
-	require.GreaterOrEqual(t, composeSum(mf, "handoff_transfer_duration_seconds", map[string]string{"role": "decode"}), 6.0)
-	require.Equal(t, 1.0, composeSum(mf, "handoff_transport_info", map[string]string{"transport": "tcp"}),
+	require.GreaterOrEqual(t, sum(mf, "handoff_requests_total", map[string]string{"role": "decode", "result": "ok"}), 6.0)
+	require.GreaterOrEqual(t, sum(mf, "handoff_transfers_total", map[string]string{"role": "decode", "result": "ok"}), 6.0)
+	require.Positive(t, sum(mf, "handoff_transfer_bytes_total", map[string]string{"role": "decode", "kind": "kv"}))
+	require.Positive(t, sum(mf, "handoff_transfer_bytes_total", map[string]string{"role": "decode", "kind": "mamba"}))
+	require.GreaterOrEqual(t, sum(mf, "handoff_transfer_duration_seconds", map[string]string{"role": "decode"}), 6.0)
+	require.Equal(t, 1.0, sum(mf, "handoff_transport_info", map[string]string{"transport": "tcp"}),
 		"compose runs on TCP; handoff_transport_info should say so")
 	s.waitPoolsIdle()
 
