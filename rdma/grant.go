@@ -4,16 +4,13 @@ import (
 	"context"
 	"crypto/subtle"
 	"fmt"
-	"hash/crc32"
 	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
-)
 
-// castagnoli is the crc32c table; hash/crc32 uses the SSE4.2/ARMv8 CRC
-// instructions for it.
-var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+	"github.com/handoff-io/handoff/internal/crc32c"
+)
 
 // GrantSpec describes a grant to open on the receiver.
 type GrantSpec struct {
@@ -376,7 +373,7 @@ func (g *Grant) verify(dst [][]byte, ext []extState, m *Manifest, counted, hasCR
 		if counted && st.seq && st.next == uint64(len(dst[i])) {
 			crcs[i] = st.crc
 		} else {
-			crcs[i] = crc32.Checksum(dst[i], castagnoli)
+			crcs[i] = crc32c.Checksum(dst[i])
 		}
 	}
 	if workers := min(runtime.GOMAXPROCS(0), maxVerifyWorkers, n); sumBytes >= parallelVerifyMin && workers > 1 {
@@ -475,5 +472,6 @@ func (g *Grant) finish() {
 	g.e.log.Debug("rdma: grant settled", "grant", g.id, "request", g.ticket.RequestID, "err", err)
 }
 
-// crc32Update extends a crc32c with b.
-func crc32Update(crc uint32, b []byte) uint32 { return crc32.Update(crc, castagnoli, b) }
+// crc32Update extends a crc32c with b (AVX-512 folding where the core has
+// it, else hash/crc32's SSE4.2/ARMv8 instructions).
+func crc32Update(crc uint32, b []byte) uint32 { return crc32c.Update(crc, b) }

@@ -1,0 +1,31 @@
+// Package crc32c computes CRC-32C (Castagnoli), the checksum in the data
+// path's commit manifests, with the result hash/crc32 gives for the
+// Castagnoli table. On x86-64 cores with AVX-512 carry-less multiply
+// (VPCLMULQDQ) long inputs are folded 512 bytes at a time in eight
+// independent lanes, which runs several times faster than the SSE 4.2
+// CRC32 instruction that hash/crc32 uses; elsewhere, and for short inputs,
+// it is hash/crc32.
+package crc32c
+
+import "hash/crc32"
+
+var table = crc32.MakeTable(crc32.Castagnoli)
+
+// Update returns the CRC-32C of crc's message followed by p, as
+// crc32.Update(crc, crc32.MakeTable(crc32.Castagnoli), p) does.
+func Update(crc uint32, p []byte) uint32 {
+	if len(p) >= foldMin && haveFold {
+		return updateFold(crc, p)
+	}
+	return crc32.Update(crc, table, p)
+}
+
+// Checksum returns the CRC-32C of p.
+func Checksum(p []byte) uint32 { return Update(0, p) }
+
+// foldBytes is the span of the folding lanes: eight 512-bit registers.
+const foldBytes = 512
+
+// foldMin is the shortest input worth folding: below it the lanes' load
+// and reduction cost more than they save.
+const foldMin = 2 * foldBytes

@@ -1,0 +1,105 @@
+package crc32c
+
+import (
+	"hash/crc32"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func reference(crc uint32, p []byte) uint32 { return crc32.Update(crc, table, p) }
+
+func TestFoldKeys(t *testing.T) {
+	// x^(8·16±32) for a 16-byte fold, as published for CRC-32C folding.
+	require.Equal(t, [2]uint64{0xf20c0dfe, 0x14cd00bd6}, foldKeys(16))
+}
+
+func TestUpdateMatchesHashCRC32(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	buf := make([]byte, 3*foldBytes*4+64)
+	for i := range buf {
+		buf[i] = byte(rng.Uint32())
+	}
+	// Every length around the thresholds, at every alignment of a cache line.
+	for n := 0; n <= len(buf)-64; n++ {
+		off := n % 64
+		p := buf[off : off+n]
+		crc := rng.Uint32()
+		want := reference(crc, p)
+		require.Equal(t, want, Update(crc, p), "len %d offset %d", n, off)
+		if haveFold && n >= foldBytes {
+			require.Equal(t, want, updateFold(crc, p), "folded, len %d", n)
+		}
+	}
+}
+
+func TestUpdateLongAndStreamed(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	p := make([]byte, 8<<20+13)
+	for i := range p {
+		p[i] = byte(rng.Uint32())
+	}
+	want := reference(0, p)
+	require.Equal(t, want, Checksum(p))
+	// Streamed in uneven pieces, as a writer sums a frame's batches.
+	var c uint32
+	for rest := p; len(rest) > 0; {
+		n := min(len(rest), 1+rng.IntN(300<<10))
+		c = Update(c, rest[:n])
+		rest = rest[n:]
+	}
+	require.Equal(t, want, c)
+	require.Equal(t, uint32(0xe3069283), Checksum([]byte("123456789")))
+}
+
+func TestUpdateAllocatesNothing(t *testing.T) {
+	p := make([]byte, 64<<10)
+	require.Zero(t, testing.AllocsPerRun(100, func() { Update(1, p) }))
+}
+
+func FuzzUpdate(f *testing.F) {
+	f.Add(uint32(0), make([]byte, 2*foldBytes))
+	f.Add(uint32(0xdeadbeef), make([]byte, 5000))
+	f.Fuzz(func(t *testing.T, crc uint32, p []byte) {
+		if got, want := Update(crc, p), reference(crc, p); got != want {
+			t.Fatalf("len %d: %#x, want %#x", len(p), got, want)
+		}
+		if haveFold && len(p) >= foldBytes {
+			if got, want := updateFold(crc, p), reference(crc, p); got != want {
+				t.Fatalf("folded, len %d: %#x, want %#x", len(p), got, want)
+			}
+		}
+	})
+}
+
+func benchmark(b *testing.B, n int, f func(uint32, []byte) uint32) {
+	p := make([]byte, n)
+	b.SetBytes(int64(n))
+	for b.Loop() {
+		f(0, p)
+	}
+}
+
+func BenchmarkUpdate(b *testing.B) {
+	for _, n := range []int{4 << 10, 64 << 10, 1 << 20, 64 << 20} {
+		b.Run(sizeName(n)+"/crc32c", func(b *testing.B) { benchmark(b, n, Update) })
+		b.Run(sizeName(n)+"/hash-crc32", func(b *testing.B) { benchmark(b, n, reference) })
+	}
+}
+
+func sizeName(n int) string {
+	switch {
+	case n >= 1<<20:
+		return itoa(n>>20) + "MiB"
+	default:
+		return itoa(n>>10) + "KiB"
+	}
+}
+
+func itoa(n int) string {
+	if n < 10 {
+		return string(rune('0' + n))
+	}
+	return itoa(n/10) + string(rune('0'+n%10))
+}

@@ -1,0 +1,9 @@
+//go:build !amd64
+
+package crc32c
+
+import "hash/crc32"
+
+const haveFold = false
+
+func updateFold(crc uint32, p []byte) uint32 { return crc32.Update(crc, table, p) }
