@@ -10,6 +10,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/vmihailenco/msgpack/v5"
@@ -32,25 +33,20 @@ const maxPacked = 8 << 20
 // Tokens is a prompt, packed as little-endian int32 on the wire.
 type Tokens []int32
 
-// EncodeMsgpack implements msgpack.CustomEncoder.
-func (t Tokens) EncodeMsgpack(enc *msgpack.Encoder) error {
+func (t Tokens) appendTo(b []byte) []byte {
 	if t == nil {
-		return enc.EncodeNil()
+		return appendNil(b)
 	}
-	b, err := packedBuf(enc, 4*len(t))
-	if err != nil {
-		return err
+	b = appendBinLen(b, 4*len(t))
+	for _, v := range t {
+		b = binary.LittleEndian.AppendUint32(b, uint32(v))
 	}
-	for i, v := range t {
-		binary.LittleEndian.PutUint32(b[4*i:], uint32(v))
-	}
-	return packedDone(enc, b)
+	return b
 }
 
-// DecodeMsgpack implements msgpack.CustomDecoder.
-func (t *Tokens) DecodeMsgpack(dec *msgpack.Decoder) error {
-	b, err := decodePacked(dec, 4, "tokens")
-	if err != nil || b == nil {
+func (t *Tokens) decode(r *reader) error {
+	b, ok, err := r.packed(4, "tokens")
+	if err != nil || !ok {
 		*t = nil
 		return err
 	}
@@ -62,34 +58,34 @@ func (t *Tokens) DecodeMsgpack(dec *msgpack.Decoder) error {
 	return nil
 }
 
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (t Tokens) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(enc, t.appendTo) }
+
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (t *Tokens) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, t.decode) }
+
 // extentSize is the packed size of one rdma.Extent: region u32, offset u64, length u64.
 const extentSize = 20
 
 // Extents is a list of data-plane extents, packed 20 bytes each on the wire.
 type Extents []rdma.Extent
 
-// EncodeMsgpack implements msgpack.CustomEncoder.
-func (x Extents) EncodeMsgpack(enc *msgpack.Encoder) error {
+func (x Extents) appendTo(b []byte) []byte {
 	if x == nil {
-		return enc.EncodeNil()
+		return appendNil(b)
 	}
-	b, err := packedBuf(enc, extentSize*len(x))
-	if err != nil {
-		return err
+	b = appendBinLen(b, extentSize*len(x))
+	for _, e := range x {
+		b = binary.LittleEndian.AppendUint32(b, uint32(e.Region))
+		b = binary.LittleEndian.AppendUint64(b, e.Offset)
+		b = binary.LittleEndian.AppendUint64(b, e.Length)
 	}
-	for i, e := range x {
-		o := b[extentSize*i:]
-		binary.LittleEndian.PutUint32(o, uint32(e.Region))
-		binary.LittleEndian.PutUint64(o[4:], e.Offset)
-		binary.LittleEndian.PutUint64(o[12:], e.Length)
-	}
-	return packedDone(enc, b)
+	return b
 }
 
-// DecodeMsgpack implements msgpack.CustomDecoder.
-func (x *Extents) DecodeMsgpack(dec *msgpack.Decoder) error {
-	b, err := decodePacked(dec, extentSize, "extents")
-	if err != nil || b == nil {
+func (x *Extents) decode(r *reader) error {
+	b, ok, err := r.packed(extentSize, "extents")
+	if err != nil || !ok {
 		*x = nil
 		return err
 	}
@@ -106,28 +102,29 @@ func (x *Extents) DecodeMsgpack(dec *msgpack.Decoder) error {
 	return nil
 }
 
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (x Extents) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(enc, x.appendTo) }
+
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (x *Extents) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, x.decode) }
+
 // U64s is a list of uint64, packed little-endian on the wire.
 type U64s []uint64
 
-// EncodeMsgpack implements msgpack.CustomEncoder.
-func (u U64s) EncodeMsgpack(enc *msgpack.Encoder) error {
+func (u U64s) appendTo(b []byte) []byte {
 	if u == nil {
-		return enc.EncodeNil()
+		return appendNil(b)
 	}
-	b, err := packedBuf(enc, 8*len(u))
-	if err != nil {
-		return err
+	b = appendBinLen(b, 8*len(u))
+	for _, v := range u {
+		b = binary.LittleEndian.AppendUint64(b, v)
 	}
-	for i, v := range u {
-		binary.LittleEndian.PutUint64(b[8*i:], v)
-	}
-	return packedDone(enc, b)
+	return b
 }
 
-// DecodeMsgpack implements msgpack.CustomDecoder.
-func (u *U64s) DecodeMsgpack(dec *msgpack.Decoder) error {
-	b, err := decodePacked(dec, 8, "u64s")
-	if err != nil || b == nil {
+func (u *U64s) decode(r *reader) error {
+	b, ok, err := r.packed(8, "u64s")
+	if err != nil || !ok {
 		*u = nil
 		return err
 	}
@@ -139,28 +136,29 @@ func (u *U64s) DecodeMsgpack(dec *msgpack.Decoder) error {
 	return nil
 }
 
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (u U64s) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(enc, u.appendTo) }
+
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (u *U64s) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, u.decode) }
+
 // U32s is a list of uint32, packed little-endian on the wire.
 type U32s []uint32
 
-// EncodeMsgpack implements msgpack.CustomEncoder.
-func (u U32s) EncodeMsgpack(enc *msgpack.Encoder) error {
+func (u U32s) appendTo(b []byte) []byte {
 	if u == nil {
-		return enc.EncodeNil()
+		return appendNil(b)
 	}
-	b, err := packedBuf(enc, 4*len(u))
-	if err != nil {
-		return err
+	b = appendBinLen(b, 4*len(u))
+	for _, v := range u {
+		b = binary.LittleEndian.AppendUint32(b, v)
 	}
-	for i, v := range u {
-		binary.LittleEndian.PutUint32(b[4*i:], v)
-	}
-	return packedDone(enc, b)
+	return b
 }
 
-// DecodeMsgpack implements msgpack.CustomDecoder.
-func (u *U32s) DecodeMsgpack(dec *msgpack.Decoder) error {
-	b, err := decodePacked(dec, 4, "u32s")
-	if err != nil || b == nil {
+func (u *U32s) decode(r *reader) error {
+	b, ok, err := r.packed(4, "u32s")
+	if err != nil || !ok {
 		*u = nil
 		return err
 	}
@@ -172,41 +170,39 @@ func (u *U32s) DecodeMsgpack(dec *msgpack.Decoder) error {
 	return nil
 }
 
-// packedBuf writes the header of an n-byte bin and returns where to put its
-// bytes: the spare capacity of the package's own output buffer (filled in
-// place), or a new slice when encoding elsewhere. packedDone writes them.
-func packedBuf(enc *msgpack.Encoder, n int) ([]byte, error) {
-	if err := enc.EncodeBytesLen(n); err != nil {
-		return nil, err
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (u U32s) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(enc, u.appendTo) }
+
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (u *U32s) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, u.decode) }
+
+// packed reads a bin of whole elem-byte items in place; ok is false for nil.
+func (r *reader) packed(elem int, what string) (b []byte, ok bool, err error) {
+	n, err := r.bytesLen()
+	if err != nil || n < 0 {
+		return nil, false, err
 	}
-	if bw, ok := enc.Writer().(*bytes.Buffer); ok {
-		bw.Grow(n)
-		return bw.AvailableBuffer()[:n], nil
+	if n > maxPacked || n%elem != 0 {
+		return nil, false, fmt.Errorf("%w: packed %s of %d bytes", ErrBadMessage, what, n)
 	}
-	return make([]byte, n), nil
+	b, err = r.next(n)
+	return b, err == nil, err
 }
 
-func packedDone(enc *msgpack.Encoder, b []byte) error {
-	_, err := enc.Writer().Write(b)
+// encodeWith writes what app appends to enc: the hand-written codecs serve
+// reflection (a Peer inside an Instance, say) through it.
+func encodeWith(enc *msgpack.Encoder, app func([]byte) []byte) error {
+	_, err := enc.Writer().Write(app(nil))
 	return err
 }
 
-func decodePacked(dec *msgpack.Decoder, elem int, what string) ([]byte, error) {
-	n, err := dec.DecodeBytesLen()
+// decodeWith reads the next value from dec and decodes it with dec.
+func decodeWith(dec *msgpack.Decoder, f func(*reader) error) error {
+	raw, err := dec.DecodeRaw()
 	if err != nil {
-		return nil, err
+		return err
 	}
-	if n < 0 {
-		return nil, nil
-	}
-	if n > maxPacked || n%elem != 0 {
-		return nil, fmt.Errorf("%w: packed %s of %d bytes", ErrBadMessage, what, n)
-	}
-	b := make([]byte, n)
-	if err := dec.ReadFull(b); err != nil {
-		return nil, err
-	}
-	return b, nil
+	return f(&reader{b: raw})
 }
 
 // Sampling carries the request's sampling parameters to the prefill worker,
@@ -401,43 +397,116 @@ const (
 // EncodePrefillRequest encodes m (stamping the version) and fails with
 // ErrPayloadTooLarge when the result exceeds maxPayload (<= 0: DefaultMaxPayload).
 func EncodePrefillRequest(m PrefillRequest, maxPayload int64) ([]byte, error) {
+	return appendPrefillRequest(make([]byte, 0, 512+4*len(m.Tokens)+extentSize*len(m.Ticket.Extents)), &m, maxPayload)
+}
+
+// appendPrefillRequest appends m to dst (stamping m's version) and checks
+// the size against maxPayload.
+func appendPrefillRequest(dst []byte, m *PrefillRequest, maxPayload int64) ([]byte, error) {
 	m.V = WireVersion
-	return encode(&m, maxPayload, 512+4*len(m.Tokens)+extentSize*len(m.Ticket.Extents))
+	return checkPayload(m.appendTo(dst), len(dst), maxPayload)
 }
 
 // DecodePrefillRequest decodes and checks a PrefillRequest.
 func DecodePrefillRequest(b []byte) (PrefillRequest, error) {
+	m, _, err := decodePrefillRequest(b, nil)
+	return m, err
+}
+
+// decodePrefillRequest is DecodePrefillRequest with, when peers is not nil,
+// the peer's descriptor too: a prefill worker hears from the same decoders
+// over and over, and a peer whose wire bytes are those of the last one is
+// not decoded again.
+func decodePrefillRequest(b []byte, peers *peerCache) (PrefillRequest, rdma.Descriptor, error) {
 	var m PrefillRequest
-	if err := decode(b, &m, &m.V); err != nil {
-		return PrefillRequest{}, err
+	r := reader{b: b, peers: peers}
+	if err := checkDecoded(m.decode(&r), m.V); err != nil {
+		return PrefillRequest{}, rdma.Descriptor{}, err
 	}
+	if err := m.check(); err != nil {
+		return PrefillRequest{}, rdma.Descriptor{}, err
+	}
+	if peers != nil && r.desc == nil { // no peer at all: a zero one
+		r.desc = new(rdma.Descriptor)
+		*r.desc = m.Peer.Descriptor()
+	}
+	if r.desc == nil {
+		return m, rdma.Descriptor{}, nil
+	}
+	return m, *r.desc, nil
+}
+
+// check validates a decoded request's fields against each other.
+func (m *PrefillRequest) check() error {
 	if m.Ticket.RequestID != m.RequestID {
-		return PrefillRequest{}, fmt.Errorf("%w: ticket names request %d, message %d", ErrBadMessage, m.Ticket.RequestID, m.RequestID)
+		return fmt.Errorf("%w: ticket names request %d, message %d", ErrBadMessage, m.Ticket.RequestID, m.RequestID)
 	}
 	if len(m.Ticket.Token) != 16 {
-		return PrefillRequest{}, fmt.Errorf("%w: grant token of %d bytes", ErrBadMessage, len(m.Ticket.Token))
+		return fmt.Errorf("%w: grant token of %d bytes", ErrBadMessage, len(m.Ticket.Token))
 	}
 	var sum uint64
 	for _, e := range m.Ticket.Extents {
 		sum += e.Length
 	}
 	if sum != m.Ticket.Bytes || m.KVBytes+m.MambaBytes != sum || m.KVBytes > sum {
-		return PrefillRequest{}, fmt.Errorf("%w: extents hold %d bytes, ticket says %d, kv+mamba %d+%d",
+		return fmt.Errorf("%w: extents hold %d bytes, ticket says %d, kv+mamba %d+%d",
 			ErrBadMessage, sum, m.Ticket.Bytes, m.KVBytes, m.MambaBytes)
 	}
-	return m, nil
+	return nil
+}
+
+// peerCache keeps the last Peer a prefill worker decoded, by its wire bytes,
+// with its descriptor. Both are shared, read-only, by every request that
+// names the same peer.
+type peerCache struct {
+	mu   sync.Mutex
+	raw  []byte
+	peer Peer
+	desc *rdma.Descriptor
+}
+
+// decode reads a Peer into p, from the cache when its bytes are the last
+// ones, and sets r.desc.
+func (c *peerCache) decode(r *reader, p *Peer) error {
+	start := r.b
+	if err := r.skip(); err != nil {
+		return err
+	}
+	raw := start[:len(start)-len(r.b)]
+	c.mu.Lock()
+	if bytes.Equal(raw, c.raw) {
+		*p, r.desc = c.peer, c.desc
+		c.mu.Unlock()
+		return nil
+	}
+	c.mu.Unlock()
+	if err := p.decode(&reader{b: raw}); err != nil {
+		return err
+	}
+	desc := p.Descriptor()
+	r.desc = &desc
+	c.mu.Lock()
+	c.raw, c.peer, c.desc = bytes.Clone(raw), *p, r.desc
+	c.mu.Unlock()
+	return nil
 }
 
 // EncodePrefillReply encodes m (stamping the version).
 func EncodePrefillReply(m PrefillReply, maxPayload int64) ([]byte, error) {
+	return appendPrefillReply(make([]byte, 0, 192+len(m.Msg)+12*len(m.Manifest.Bytes)), &m, maxPayload)
+}
+
+// appendPrefillReply appends m to dst (stamping m's version) and checks the
+// size against maxPayload.
+func appendPrefillReply(dst []byte, m *PrefillReply, maxPayload int64) ([]byte, error) {
 	m.V = WireVersion
-	return encode(&m, maxPayload, 192+len(m.Msg)+12*len(m.Manifest.Bytes))
+	return checkPayload(m.appendTo(dst), len(dst), maxPayload)
 }
 
 // DecodePrefillReply decodes and checks a PrefillReply.
 func DecodePrefillReply(b []byte) (PrefillReply, error) {
 	var m PrefillReply
-	if err := decode(b, &m, &m.V); err != nil {
+	if err := checkDecoded(m.decode(&reader{b: b}), m.V); err != nil {
 		return PrefillReply{}, err
 	}
 	if m.Code >= codeCount {
@@ -447,6 +516,42 @@ func DecodePrefillReply(b []byte) (PrefillReply, error) {
 		return PrefillReply{}, fmt.Errorf("%w: manifest with %d sizes and %d checksums", ErrBadMessage, len(m.Manifest.Bytes), len(m.Manifest.CRC))
 	}
 	return m, nil
+}
+
+// checkPayload returns b, whose message starts at off, or ErrPayloadTooLarge.
+func checkPayload(b []byte, off int, maxPayload int64) ([]byte, error) {
+	if maxPayload <= 0 {
+		maxPayload = DefaultMaxPayload
+	}
+	if n := len(b) - off; int64(n) > maxPayload {
+		return nil, fmt.Errorf("%w: %d bytes, max %d", ErrPayloadTooLarge, n, maxPayload)
+	}
+	return b, nil
+}
+
+// checkDecoded classifies a decoding error and checks the version decoded.
+func checkDecoded(err error, version uint8) error {
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrBadMessage, err)
+	}
+	if version != WireVersion {
+		return fmt.Errorf("%w: version %d, want %d", ErrBadMessage, version, WireVersion)
+	}
+	return nil
+}
+
+// msgBufs holds the drivers' encode buffers. NATS copies a message into its
+// own write buffer before Publish returns, so a buffer is reused at once.
+var msgBufs = sync.Pool{New: func() any { return new([]byte) }}
+
+func getMsgBuf() *[]byte { return msgBufs.Get().(*[]byte) }
+
+func putMsgBuf(b *[]byte, used []byte) {
+	if cap(used) > 64<<10 { // a rare big prompt: let it go
+		return
+	}
+	*b = used[:0]
+	msgBufs.Put(b)
 }
 
 // EncodeCancel encodes m (stamping the version).
@@ -537,206 +642,84 @@ func fromUnixNano(n int64) time.Time {
 }
 
 // The two messages on every handoff's path, PrefillRequest and PrefillReply,
-// encode and decode by hand instead of by reflection (~4x cheaper). The
-// format is the one reflection produces for their tags: a map of the same
-// keys; integers are written compactly; unknown keys are skipped.
+// encode and decode by hand, on bytes (msgp.go), instead of by reflection.
+// The format is the one reflection produces for their tags: a map of the
+// same keys, in field order; integers are written compactly; unknown keys are
+// skipped. Their EncodeMsgpack and DecodeMsgpack methods serve reflection
+// where they are nested in other messages.
 
-type encoder struct {
-	e   *msgpack.Encoder
-	err error
+func (s Sampling) appendTo(b []byte) []byte {
+	b = appendMapLen(b, 3)
+	b = appendFloat64(appendStr(b, "t"), s.Temperature)
+	b = appendUint(appendStr(b, "s"), s.Seed)
+	return appendInt(appendStr(b, "n"), int64(s.MaxTokens))
 }
 
-func (w *encoder) key(k string) {
-	if w.err == nil {
-		w.err = w.e.EncodeString(k)
-	}
-}
-
-func (w *encoder) str(k, v string) {
-	w.key(k)
-	if w.err == nil {
-		w.err = w.e.EncodeString(v)
-	}
-}
-
-func (w *encoder) uint(k string, v uint64) {
-	w.key(k)
-	if w.err == nil {
-		w.err = w.e.EncodeUint(v)
-	}
-}
-
-func (w *encoder) int(k string, v int64) {
-	w.key(k)
-	if w.err == nil {
-		w.err = w.e.EncodeInt(v)
-	}
-}
-
-func (w *encoder) u64s(k string, v U64s) {
-	w.key(k)
-	if w.err == nil {
-		w.err = v.EncodeMsgpack(w.e)
-	}
-}
-
-func (w *encoder) u32s(k string, v U32s) {
-	w.key(k)
-	if w.err == nil {
-		w.err = v.EncodeMsgpack(w.e)
-	}
-}
-
-func (w *encoder) tokens(k string, v Tokens) {
-	w.key(k)
-	if w.err == nil {
-		w.err = v.EncodeMsgpack(w.e)
-	}
-}
-
-func (w *encoder) extents(k string, v Extents) {
-	w.key(k)
-	if w.err == nil {
-		w.err = v.EncodeMsgpack(w.e)
-	}
-}
-
-// sub encodes a nested message by its method (no interface boxing).
-func (w *encoder) sub(k string, enc func(*msgpack.Encoder) error) {
-	w.key(k)
-	if w.err == nil {
-		w.err = enc(w.e)
-	}
-}
-
-func (w *encoder) mapLen(n int) {
-	if w.err == nil {
-		w.err = w.e.EncodeMapLen(n)
-	}
-}
-
-// keys reads map keys into a scratch buffer, so decoding a message does not
-// allocate a string per key.
-type keys struct{ buf [16]byte }
-
-// mapLen reads a map header; nil counts as an empty map.
-func mapLen(dec *msgpack.Decoder) (int, error) {
-	n, err := dec.DecodeMapLen()
-	return max(n, 0), err
-}
-
-// next reads one key. Keys longer than the buffer (unknown to this version)
-// come back empty, which no decoder knows, so their value is skipped.
-// The slice is valid until the next call.
-func (k *keys) next(dec *msgpack.Decoder) ([]byte, error) {
-	n, err := dec.DecodeBytesLen()
-	if err != nil || n <= 0 {
-		return nil, err
-	}
-	if n > len(k.buf) {
-		if n > maxPacked {
-			return nil, fmt.Errorf("%w: key of %d bytes", ErrBadMessage, n)
-		}
-		if err := dec.ReadFull(make([]byte, n)); err != nil {
-			return nil, err
-		}
-		return k.buf[:0], nil // the empty key: unknown to every decoder
-	}
-	if err := dec.ReadFull(k.buf[:n]); err != nil {
-		return nil, err
-	}
-	return k.buf[:n], nil
-}
-
-// EncodeMsgpack implements msgpack.CustomEncoder.
-func (s Sampling) EncodeMsgpack(enc *msgpack.Encoder) error {
-	w := encoder{e: enc}
-	w.mapLen(3)
-	w.key("t")
-	if w.err == nil {
-		w.err = enc.EncodeFloat64(s.Temperature)
-	}
-	w.uint("s", s.Seed)
-	w.int("n", int64(s.MaxTokens))
-	return w.err
-}
-
-// DecodeMsgpack implements msgpack.CustomDecoder.
-func (s *Sampling) DecodeMsgpack(dec *msgpack.Decoder) error {
-	var k keys
-	return s.decode(dec, &k)
-}
-
-func (s *Sampling) decode(dec *msgpack.Decoder, k *keys) error {
+func (s *Sampling) decode(r *reader) error {
 	*s = Sampling{}
-	n, err := mapLen(dec)
+	n, err := r.mapLen()
 	for ; err == nil && n > 0; n-- {
 		var key []byte
-		if key, err = k.next(dec); err != nil {
+		if key, err = r.bytes(); err != nil {
 			break
 		}
 		switch string(key) {
 		case "t":
-			s.Temperature, err = dec.DecodeFloat64()
+			s.Temperature, err = r.float64()
 		case "s":
-			s.Seed, err = dec.DecodeUint64()
+			s.Seed, err = r.uint()
 		case "n":
-			s.MaxTokens, err = dec.DecodeInt32()
+			var v int64
+			v, err = r.int()
+			s.MaxTokens = int32(v)
 		default:
-			err = dec.Skip()
+			err = r.skip()
 		}
 	}
 	return err
 }
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
-func (p Peer) EncodeMsgpack(enc *msgpack.Encoder) error {
-	w := encoder{e: enc}
-	w.mapLen(6)
-	w.str("a", p.Agent)
-	w.str("h", p.Host)
-	w.str("tcp", p.TCPAddr)
-	w.str("shm", p.ShmAddr)
-	w.key("tr")
-	if w.err == nil {
-		w.err = encodeStrings(enc, p.Transports)
-	}
-	w.key("r")
-	if w.err == nil && p.Regions == nil {
-		w.err = enc.EncodeNil()
-	} else if w.err == nil {
-		w.err = enc.EncodeArrayLen(len(p.Regions))
-		for _, r := range p.Regions {
-			w.mapLen(3)
-			w.uint("id", uint64(r.ID))
-			w.str("n", r.Name)
-			w.uint("l", r.Length)
-		}
-	}
-	return w.err
-}
+func (s Sampling) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(enc, s.appendTo) }
 
-func encodeStrings(enc *msgpack.Encoder, ss []string) error {
-	if ss == nil {
-		return enc.EncodeNil()
-	}
-	if err := enc.EncodeArrayLen(len(ss)); err != nil {
-		return err
-	}
-	for _, s := range ss {
-		if err := enc.EncodeString(s); err != nil {
-			return err
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (s *Sampling) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, s.decode) }
+
+func (p *Peer) appendTo(b []byte) []byte {
+	b = appendMapLen(b, 6)
+	b = appendStr(appendStr(b, "a"), p.Agent)
+	b = appendStr(appendStr(b, "h"), p.Host)
+	b = appendStr(appendStr(b, "tcp"), p.TCPAddr)
+	b = appendStr(appendStr(b, "shm"), p.ShmAddr)
+	b = appendStr(b, "tr")
+	if p.Transports == nil {
+		b = appendNil(b)
+	} else {
+		b = appendArrayLen(b, len(p.Transports))
+		for _, t := range p.Transports {
+			b = appendStr(b, t)
 		}
 	}
-	return nil
+	b = appendStr(b, "r")
+	if p.Regions == nil {
+		return appendNil(b)
+	}
+	b = appendArrayLen(b, len(p.Regions))
+	for _, r := range p.Regions {
+		b = appendMapLen(b, 3)
+		b = appendUint(appendStr(b, "id"), uint64(r.ID))
+		b = appendStr(appendStr(b, "n"), r.Name)
+		b = appendUint(appendStr(b, "l"), r.Length)
+	}
+	return b
 }
 
 // maxListLen bounds decoded lists of structs and strings (a peer has a
 // handful of transports and regions).
 const maxListLen = 1024
 
-func decodeListLen(dec *msgpack.Decoder) (int, error) {
-	n, err := dec.DecodeArrayLen()
+func (r *reader) listLen() (int, error) {
+	n, err := r.arrayLen()
 	if err != nil {
 		return 0, err
 	}
@@ -746,77 +729,79 @@ func decodeListLen(dec *msgpack.Decoder) (int, error) {
 	return n, nil
 }
 
-// DecodeMsgpack implements msgpack.CustomDecoder.
-func (p *Peer) DecodeMsgpack(dec *msgpack.Decoder) error {
-	var k keys
-	return p.decode(dec, &k)
-}
-
-func (p *Peer) decode(dec *msgpack.Decoder, k *keys) error {
+func (p *Peer) decode(r *reader) error {
 	*p = Peer{}
-	n, err := mapLen(dec)
+	n, err := r.mapLen()
 	for ; err == nil && n > 0; n-- {
 		var key []byte
-		if key, err = k.next(dec); err != nil {
+		if key, err = r.bytes(); err != nil {
 			break
 		}
 		switch string(key) {
 		case "a":
-			p.Agent, err = dec.DecodeString()
+			p.Agent, err = r.str()
 		case "h":
-			p.Host, err = dec.DecodeString()
+			p.Host, err = r.str()
 		case "tcp":
-			p.TCPAddr, err = dec.DecodeString()
+			p.TCPAddr, err = r.str()
 		case "shm":
-			p.ShmAddr, err = dec.DecodeString()
+			p.ShmAddr, err = r.str()
 		case "tr":
-			p.Transports, err = decodeStrings(dec)
+			p.Transports, err = decodeStrings(r)
 		case "r":
-			p.Regions, err = decodeRegions(dec, k)
+			p.Regions, err = decodeRegions(r)
 		default:
-			err = dec.Skip()
+			err = r.skip()
 		}
 	}
 	return err
 }
 
-func decodeStrings(dec *msgpack.Decoder) ([]string, error) {
-	n, err := decodeListLen(dec)
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (p Peer) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(enc, p.appendTo) }
+
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (p *Peer) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, p.decode) }
+
+func decodeStrings(r *reader) ([]string, error) {
+	n, err := r.listLen()
 	if err != nil || n < 0 {
 		return nil, err
 	}
 	out := make([]string, n)
 	for i := range out {
-		if out[i], err = dec.DecodeString(); err != nil {
+		if out[i], err = r.str(); err != nil {
 			return nil, err
 		}
 	}
 	return out, nil
 }
 
-func decodeRegions(dec *msgpack.Decoder, k *keys) ([]RegionInfo, error) {
-	n, err := decodeListLen(dec)
+func decodeRegions(r *reader) ([]RegionInfo, error) {
+	n, err := r.listLen()
 	if err != nil || n < 0 {
 		return nil, err
 	}
 	out := make([]RegionInfo, n)
 	for i := range out {
-		r := &out[i]
-		m, err := mapLen(dec)
+		ri := &out[i]
+		m, err := r.mapLen()
 		for ; err == nil && m > 0; m-- {
 			var key []byte
-			if key, err = k.next(dec); err != nil {
+			if key, err = r.bytes(); err != nil {
 				break
 			}
 			switch string(key) {
 			case "id":
-				r.ID, err = dec.DecodeUint32()
+				var v uint64
+				v, err = r.uint()
+				ri.ID = uint32(v)
 			case "n":
-				r.Name, err = dec.DecodeString()
+				ri.Name, err = r.str()
 			case "l":
-				r.Length, err = dec.DecodeUint64()
+				ri.Length, err = r.uint()
 			default:
-				err = dec.Skip()
+				err = r.skip()
 			}
 		}
 		if err != nil {
@@ -826,92 +811,152 @@ func decodeRegions(dec *msgpack.Decoder, k *keys) ([]RegionInfo, error) {
 	return out, nil
 }
 
-// EncodeMsgpack implements msgpack.CustomEncoder.
-func (t Ticket) EncodeMsgpack(enc *msgpack.Encoder) error {
-	w := encoder{e: enc}
-	w.mapLen(8)
-	w.str("a", t.Agent)
-	w.uint("g", t.Grant)
-	w.uint("e", t.Epoch)
-	w.key("k")
-	if w.err == nil {
-		w.err = enc.EncodeBytes(t.Token)
-	}
-	w.uint("id", t.RequestID)
-	w.extents("x", t.Extents)
-	w.uint("b", t.Bytes)
-	w.int("dl", t.Deadline)
-	return w.err
+func (t *Ticket) appendTo(b []byte) []byte {
+	b = appendMapLen(b, 8)
+	b = appendStr(appendStr(b, "a"), t.Agent)
+	b = appendUint(appendStr(b, "g"), t.Grant)
+	b = appendUint(appendStr(b, "e"), t.Epoch)
+	b = appendBin(appendStr(b, "k"), t.Token)
+	b = appendUint(appendStr(b, "id"), t.RequestID)
+	b = t.Extents.appendTo(appendStr(b, "x"))
+	b = appendUint(appendStr(b, "b"), t.Bytes)
+	return appendInt(appendStr(b, "dl"), t.Deadline)
 }
 
-// DecodeMsgpack implements msgpack.CustomDecoder.
-func (t *Ticket) DecodeMsgpack(dec *msgpack.Decoder) error {
-	var k keys
-	return t.decode(dec, &k)
-}
-
-func (t *Ticket) decode(dec *msgpack.Decoder, k *keys) error {
+func (t *Ticket) decode(r *reader) error {
 	*t = Ticket{}
-	n, err := mapLen(dec)
+	n, err := r.mapLen()
 	for ; err == nil && n > 0; n-- {
 		var key []byte
-		if key, err = k.next(dec); err != nil {
+		if key, err = r.bytes(); err != nil {
 			break
 		}
 		switch string(key) {
 		case "a":
-			t.Agent, err = dec.DecodeString()
+			t.Agent, err = r.str()
 		case "g":
-			t.Grant, err = dec.DecodeUint64()
+			t.Grant, err = r.uint()
 		case "e":
-			t.Epoch, err = dec.DecodeUint64()
+			t.Epoch, err = r.uint()
 		case "k":
-			t.Token, err = decodePacked(dec, 1, "token")
+			var b []byte
+			var ok bool
+			if b, ok, err = r.packed(1, "token"); ok {
+				t.Token = append(make([]byte, 0, len(b)), b...)
+			} else {
+				t.Token = nil
+			}
 		case "id":
-			t.RequestID, err = dec.DecodeUint64()
+			t.RequestID, err = r.uint()
 		case "x":
-			err = t.Extents.DecodeMsgpack(dec)
+			err = t.Extents.decode(r)
 		case "b":
-			t.Bytes, err = dec.DecodeUint64()
+			t.Bytes, err = r.uint()
 		case "dl":
-			t.Deadline, err = dec.DecodeInt64()
+			t.Deadline, err = r.int()
 		default:
-			err = dec.Skip()
+			err = r.skip()
 		}
 	}
 	return err
 }
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
-func (m Manifest) EncodeMsgpack(enc *msgpack.Encoder) error {
-	w := encoder{e: enc}
-	w.mapLen(2)
-	w.u64s("b", m.Bytes)
-	w.u32s("c", m.CRC)
-	return w.err
-}
+func (t Ticket) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(enc, t.appendTo) }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
-func (m *Manifest) DecodeMsgpack(dec *msgpack.Decoder) error {
-	var k keys
-	return m.decode(dec, &k)
+func (t *Ticket) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, t.decode) }
+
+func (m *Manifest) appendTo(b []byte) []byte {
+	b = appendMapLen(b, 2)
+	b = m.Bytes.appendTo(appendStr(b, "b"))
+	return m.CRC.appendTo(appendStr(b, "c"))
 }
 
-func (m *Manifest) decode(dec *msgpack.Decoder, k *keys) error {
+func (m *Manifest) decode(r *reader) error {
 	*m = Manifest{}
-	n, err := mapLen(dec)
+	n, err := r.mapLen()
 	for ; err == nil && n > 0; n-- {
 		var key []byte
-		if key, err = k.next(dec); err != nil {
+		if key, err = r.bytes(); err != nil {
 			break
 		}
 		switch string(key) {
 		case "b":
-			err = m.Bytes.DecodeMsgpack(dec)
+			err = m.Bytes.decode(r)
 		case "c":
-			err = m.CRC.DecodeMsgpack(dec)
+			err = m.CRC.decode(r)
 		default:
-			err = dec.Skip()
+			err = r.skip()
+		}
+	}
+	return err
+}
+
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (m Manifest) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(enc, m.appendTo) }
+
+// DecodeMsgpack implements msgpack.CustomDecoder.
+func (m *Manifest) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, m.decode) }
+
+func (m *PrefillRequest) appendTo(b []byte) []byte {
+	b = appendMapLen(b, 12)
+	b = appendUint(appendStr(b, "v"), uint64(m.V))
+	b = appendUint(appendStr(b, "id"), m.RequestID)
+	b = appendStr(appendStr(b, "from"), m.From)
+	b = appendUint(appendStr(b, "try"), uint64(m.Attempt))
+	b = appendStr(appendStr(b, "fp"), m.Fingerprint)
+	b = m.Tokens.appendTo(appendStr(b, "tok"))
+	b = m.Sampling.appendTo(appendStr(b, "smp"))
+	b = appendInt(appendStr(b, "dl"), m.Deadline)
+	b = m.Peer.appendTo(appendStr(b, "peer"))
+	b = m.Ticket.appendTo(appendStr(b, "tk"))
+	b = appendUint(appendStr(b, "kvb"), m.KVBytes)
+	return appendUint(appendStr(b, "mb"), m.MambaBytes)
+}
+
+func (m *PrefillRequest) decode(r *reader) error {
+	*m = PrefillRequest{}
+	n, err := r.mapLen()
+	for ; err == nil && n > 0; n-- {
+		var key []byte
+		if key, err = r.bytes(); err != nil {
+			break
+		}
+		var v uint64
+		switch string(key) {
+		case "v":
+			v, err = r.uint()
+			m.V = uint8(v)
+		case "id":
+			m.RequestID, err = r.uint()
+		case "from":
+			m.From, err = r.str()
+		case "try":
+			v, err = r.uint()
+			m.Attempt = uint8(v)
+		case "fp":
+			m.Fingerprint, err = r.str()
+		case "tok":
+			err = m.Tokens.decode(r)
+		case "smp":
+			err = m.Sampling.decode(r)
+		case "dl":
+			m.Deadline, err = r.int()
+		case "peer":
+			if r.peers != nil {
+				err = r.peers.decode(r, &m.Peer)
+			} else {
+				err = m.Peer.decode(r)
+			}
+		case "tk":
+			err = m.Ticket.decode(r)
+		case "kvb":
+			m.KVBytes, err = r.uint()
+		case "mb":
+			m.MambaBytes, err = r.uint()
+		default:
+			err = r.skip()
 		}
 	}
 	return err
@@ -919,60 +964,67 @@ func (m *Manifest) decode(dec *msgpack.Decoder, k *keys) error {
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
 func (m *PrefillRequest) EncodeMsgpack(enc *msgpack.Encoder) error {
-	w := encoder{e: enc}
-	w.mapLen(12)
-	w.uint("v", uint64(m.V))
-	w.uint("id", m.RequestID)
-	w.str("from", m.From)
-	w.uint("try", uint64(m.Attempt))
-	w.str("fp", m.Fingerprint)
-	w.tokens("tok", m.Tokens)
-	w.sub("smp", m.Sampling.EncodeMsgpack)
-	w.int("dl", m.Deadline)
-	w.sub("peer", m.Peer.EncodeMsgpack)
-	w.sub("tk", m.Ticket.EncodeMsgpack)
-	w.uint("kvb", m.KVBytes)
-	w.uint("mb", m.MambaBytes)
-	return w.err
+	return encodeWith(enc, m.appendTo)
 }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
 func (m *PrefillRequest) DecodeMsgpack(dec *msgpack.Decoder) error {
-	*m = PrefillRequest{}
-	var k keys
-	n, err := mapLen(dec)
+	return decodeWith(dec, m.decode)
+}
+
+func (m *PrefillReply) appendTo(b []byte) []byte {
+	b = appendMapLen(b, 11)
+	b = appendUint(appendStr(b, "v"), uint64(m.V))
+	b = appendUint(appendStr(b, "id"), m.RequestID)
+	b = appendStr(appendStr(b, "inst"), m.Instance)
+	b = appendUint(appendStr(b, "code"), uint64(m.Code))
+	b = appendStr(appendStr(b, "msg"), m.Msg)
+	b = appendInt(appendStr(b, "tok"), int64(m.FirstToken))
+	b = appendInt(appendStr(b, "pf"), m.PrefillNanos)
+	b = appendInt(appendStr(b, "wr"), m.WriteNanos)
+	b = appendUint(appendStr(b, "kvb"), m.KVBytes)
+	b = appendUint(appendStr(b, "mb"), m.MambaBytes)
+	return m.Manifest.appendTo(appendStr(b, "man"))
+}
+
+func (m *PrefillReply) decode(r *reader) error {
+	*m = PrefillReply{}
+	n, err := r.mapLen()
 	for ; err == nil && n > 0; n-- {
 		var key []byte
-		if key, err = k.next(dec); err != nil {
+		if key, err = r.bytes(); err != nil {
 			break
 		}
+		var v uint64
+		var i int64
 		switch string(key) {
 		case "v":
-			m.V, err = dec.DecodeUint8()
+			v, err = r.uint()
+			m.V = uint8(v)
 		case "id":
-			m.RequestID, err = dec.DecodeUint64()
-		case "from":
-			m.From, err = dec.DecodeString()
-		case "try":
-			m.Attempt, err = dec.DecodeUint8()
-		case "fp":
-			m.Fingerprint, err = dec.DecodeString()
+			m.RequestID, err = r.uint()
+		case "inst":
+			m.Instance, err = r.str()
+		case "code":
+			v, err = r.uint()
+			m.Code = Code(uint16(v))
+		case "msg":
+			m.Msg, err = r.str()
 		case "tok":
-			err = m.Tokens.DecodeMsgpack(dec)
-		case "smp":
-			err = m.Sampling.decode(dec, &k)
-		case "dl":
-			m.Deadline, err = dec.DecodeInt64()
-		case "peer":
-			err = m.Peer.decode(dec, &k)
-		case "tk":
-			err = m.Ticket.decode(dec, &k)
+			i, err = r.int()
+			m.FirstToken = int32(i)
+		case "pf":
+			m.PrefillNanos, err = r.int()
+		case "wr":
+			m.WriteNanos, err = r.int()
 		case "kvb":
-			m.KVBytes, err = dec.DecodeUint64()
+			m.KVBytes, err = r.uint()
 		case "mb":
-			m.MambaBytes, err = dec.DecodeUint64()
+			m.MambaBytes, err = r.uint()
+		case "man":
+			err = m.Manifest.decode(r)
 		default:
-			err = dec.Skip()
+			err = r.skip()
 		}
 	}
 	return err
@@ -980,60 +1032,10 @@ func (m *PrefillRequest) DecodeMsgpack(dec *msgpack.Decoder) error {
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
 func (m *PrefillReply) EncodeMsgpack(enc *msgpack.Encoder) error {
-	w := encoder{e: enc}
-	w.mapLen(11)
-	w.uint("v", uint64(m.V))
-	w.uint("id", m.RequestID)
-	w.str("inst", m.Instance)
-	w.uint("code", uint64(m.Code))
-	w.str("msg", m.Msg)
-	w.int("tok", int64(m.FirstToken))
-	w.int("pf", m.PrefillNanos)
-	w.int("wr", m.WriteNanos)
-	w.uint("kvb", m.KVBytes)
-	w.uint("mb", m.MambaBytes)
-	w.sub("man", m.Manifest.EncodeMsgpack)
-	return w.err
+	return encodeWith(enc, m.appendTo)
 }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
 func (m *PrefillReply) DecodeMsgpack(dec *msgpack.Decoder) error {
-	*m = PrefillReply{}
-	var k keys
-	n, err := mapLen(dec)
-	for ; err == nil && n > 0; n-- {
-		var key []byte
-		if key, err = k.next(dec); err != nil {
-			break
-		}
-		switch string(key) {
-		case "v":
-			m.V, err = dec.DecodeUint8()
-		case "id":
-			m.RequestID, err = dec.DecodeUint64()
-		case "inst":
-			m.Instance, err = dec.DecodeString()
-		case "code":
-			var c uint16
-			c, err = dec.DecodeUint16()
-			m.Code = Code(c)
-		case "msg":
-			m.Msg, err = dec.DecodeString()
-		case "tok":
-			m.FirstToken, err = dec.DecodeInt32()
-		case "pf":
-			m.PrefillNanos, err = dec.DecodeInt64()
-		case "wr":
-			m.WriteNanos, err = dec.DecodeInt64()
-		case "kvb":
-			m.KVBytes, err = dec.DecodeUint64()
-		case "mb":
-			m.MambaBytes, err = dec.DecodeUint64()
-		case "man":
-			err = m.Manifest.decode(dec, &k)
-		default:
-			err = dec.Skip()
-		}
-	}
-	return err
+	return decodeWith(dec, m.decode)
 }

@@ -1,6 +1,7 @@
 package transfer
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"testing"
@@ -212,6 +213,47 @@ func TestWireHandCodecsMatchReflection(t *testing.T) {
 	require.Equal(t, req, got)
 }
 
+// The byte-level encoders write exactly the bytes reflection writes with
+// compact integers, over the ranges of every integer and string length class.
+func TestWireHandCodecsSameBytesAsReflection(t *testing.T) {
+	marshal := func(v any) ([]byte, error) {
+		var buf bytes.Buffer
+		enc := msgpack.NewEncoder(&buf)
+		enc.UseCompactInts(true)
+		err := enc.Encode(v)
+		return buf.Bytes(), err
+	}
+	ints := []int64{0, 1, 127, 128, 255, 256, 65535, 65536, 1<<32 - 1, 1 << 32, -1, -32, -33, -128, -129, -32768, -32769, -1 << 31, -1<<31 - 1}
+	strs := []string{"", "a", string(make([]byte, 31)), string(make([]byte, 32)), string(make([]byte, 255)), string(make([]byte, 256)), string(make([]byte, 65536))}
+	for i, n := range ints {
+		req := sampleRequest(i, 1+i%3)
+		req.V = WireVersion
+		req.RequestID, req.Ticket.RequestID = uint64(n), uint64(n)
+		req.Deadline, req.Ticket.Deadline = n, -n
+		req.Sampling.MaxTokens = int32(n)
+		req.From = strs[i%len(strs)]
+		if i%4 == 0 {
+			req.Peer.Transports, req.Peer.Regions, req.Ticket.Token = nil, nil, nil
+		}
+		b, err := EncodePrefillRequest(req, 1<<30)
+		require.NoError(t, err)
+		want, err := marshal(plainOfRequest(req))
+		require.NoError(t, err)
+		require.Equal(t, want, b, "request %d", n)
+
+		rep := sampleReply()
+		rep.V, rep.RequestID, rep.PrefillNanos, rep.FirstToken, rep.Msg = WireVersion, uint64(n), n, int32(n), strs[(i+3)%len(strs)]
+		if i%3 == 0 {
+			rep.Manifest = Manifest{}
+		}
+		b, err = EncodePrefillReply(rep, 1<<30)
+		require.NoError(t, err)
+		want, err = marshal(plainOfReply(rep))
+		require.NoError(t, err)
+		require.Equal(t, want, b, "reply %d", n)
+	}
+}
+
 func TestWireOversize(t *testing.T) {
 	// 262144 tokens are exactly 1 MiB packed: with the rest of the message the
 	// request exceeds NATS's default max payload.
@@ -340,6 +382,26 @@ func FuzzDecodePrefillRequest(f *testing.F) {
 		again2, err := EncodePrefillRequest(m2, 1<<30)
 		require.NoError(t, err)
 		require.Equal(t, again, again2)
+	})
+}
+
+// FuzzDecodeMatchesReflection: whatever msgpack's own decoder makes of a
+// message, the byte-level decoder makes the same of it, or refuses it.
+func FuzzDecodeMatchesReflection(f *testing.F) {
+	a, _ := EncodePrefillRequest(sampleRequest(16, 3), 0)
+	b, _ := EncodePrefillReply(sampleReply(), 0)
+	fuzzSeeds(f, a, b)
+	f.Fuzz(func(t *testing.T, data []byte) {
+		if m, err := DecodePrefillRequest(data); err == nil {
+			var p plainRequest
+			require.NoError(t, msgpack.Unmarshal(data, &p))
+			require.Equal(t, plainOfRequest(m), p)
+		}
+		if m, err := DecodePrefillReply(data); err == nil {
+			var p plainReply
+			require.NoError(t, msgpack.Unmarshal(data, &p))
+			require.Equal(t, plainOfReply(m), p)
+		}
 	})
 }
 
