@@ -101,7 +101,9 @@ type DecoderStats struct {
 }
 
 // publisher is what a Decoder needs from NATS on the request path
-// (*nats.Conn; a recorder in tests).
+// (*nats.Conn; a recorder in tests). Like *nats.Conn, which copies a message
+// into its write buffer, it must not keep data after returning: the decoder
+// reuses the buffer.
 type publisher interface {
 	PublishRequest(subj, reply string, data []byte) error
 	Publish(subj string, data []byte) error
@@ -135,6 +137,8 @@ type Decoder struct {
 	seq        atomic.Uint64
 	picks      atomic.Uint64 // round-robin offset of pick
 
+	timers sync.Pool // *time.Timer, see getTimer
+
 	mu     sync.Mutex
 	calls  map[string]*call // by reply token
 	closed bool
@@ -161,8 +165,8 @@ type call struct {
 	target string   // the instance addressed directly, if any (under Decoder.mu)
 }
 
-func newCall() *call {
-	return &call{replies: make(chan *nats.Msg, 2), died: make(chan struct{}, 1)}
+func (c *call) init() {
+	c.replies, c.died = make(chan *nats.Msg, 2), make(chan struct{}, 1)
 }
 
 // takeDead returns and clears the deaths c was told of.
@@ -306,9 +310,11 @@ type handoff struct {
 	d        *Decoder
 	req      Request
 	deadline time.Time
-	sess     *RecvSession
-	tok      string
+	sess     RecvSession
+	reply    string // the reply subject: the inbox and tok
+	tok      string // the call's token, a suffix of reply
 	c        *call
+	mailbox  call // what c points to: one allocation for the handoff
 
 	dest   Destination
 	kvB    uint64
@@ -323,7 +329,7 @@ type handoff struct {
 	replied bool // an OK reply arrived: the commit is what is awaited now
 
 	cause error // the most specific error behind a failure
-	reply PrefillReply
+	ok    PrefillReply
 }
 
 // Handoff runs one request's handoff and returns once it is delivered or
@@ -342,14 +348,15 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 	if deadline.IsZero() {
 		deadline = start.Add(d.cfg.DefaultTimeout)
 	}
-	h := &handoff{
-		d: d, req: req, deadline: deadline,
-		sess: NewRecvSession(RecvParams{
-			RequestID: req.ID, MaxDraftTokens: d.cfg.MaxDraftTokens, Deadline: deadline, MaxAttempts: d.cfg.MaxAttempts,
-		}),
-		tok: strconv.FormatUint(d.seq.Add(1), 36),
-		c:   newCall(),
-	}
+	h := &handoff{d: d, req: req, deadline: deadline}
+	h.sess.init(RecvParams{
+		RequestID: req.ID, MaxDraftTokens: d.cfg.MaxDraftTokens, Deadline: deadline, MaxAttempts: d.cfg.MaxAttempts,
+	})
+	var sb [64]byte
+	h.reply = string(strconv.AppendUint(append(append(sb[:0], d.inbox...), '.'), d.seq.Add(1), 36))
+	h.tok = h.reply[len(d.inbox)+1:]
+	h.mailbox.init()
+	h.c = &h.mailbox
 	d.mu.Lock()
 	if d.closed {
 		d.mu.Unlock()
@@ -378,8 +385,8 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 }
 
 func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
-	timer := time.NewTimer(time.Until(h.deadline))
-	defer timer.Stop()
+	timer := h.d.getTimer(time.Until(h.deadline))
+	defer h.d.putTimer(timer)
 	acts := h.sess.Step(Event{Kind: EvStart, Now: time.Now()})
 	for {
 		for len(acts) > 0 {
@@ -387,15 +394,19 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 			acts = acts[1:]
 			switch a.Kind {
 			case ActDeliver:
-				h.d.cfg.Logger.Debug("handoff delivered", "seq", h.req.ID, "peer", h.sess.Instance())
+				if log := h.d.cfg.Logger; log.Enabled(ctx, slog.LevelDebug) {
+					log.Debug("handoff delivered", "seq", h.req.ID, "peer", h.sess.Instance())
+				}
 				return Result{
-					FirstToken: h.reply.FirstToken, Instance: h.reply.Instance, Attempts: h.sess.Attempts(),
-					Prefill: time.Duration(h.reply.PrefillNanos), Transfer: time.Duration(h.reply.WriteNanos),
+					FirstToken: h.ok.FirstToken, Instance: h.ok.Instance, Attempts: h.sess.Attempts(),
+					Prefill: time.Duration(h.ok.PrefillNanos), Transfer: time.Duration(h.ok.WriteNanos),
 					Total: time.Since(start), KVBytes: h.kvB, MambaBytes: h.mB, Dest: h.dest,
 				}, nil
 			case ActFail:
 				err := h.failure(a.Code)
-				h.d.cfg.Logger.Debug("handoff failed", "seq", h.req.ID, "err", err)
+				if log := h.d.cfg.Logger; log.Enabled(ctx, slog.LevelDebug) {
+					log.Debug("handoff failed", "seq", h.req.ID, "err", err)
+				}
 				return Result{}, err
 			default:
 				if ev, ok := h.exec(a); ok {
@@ -500,7 +511,7 @@ func (h *handoff) exec(a Action) (Event, bool) {
 	case ActOpenGrant:
 		// A re-grant after a dead peer: the old grant is revoked already, and
 		// what it carried (its end, an OK reply of its attempt) is dropped.
-		h.grant, h.doneCh, h.failCh, h.replied, h.reply = nil, nil, nil, false, PrefillReply{}
+		h.grant, h.doneCh, h.failCh, h.replied, h.ok = nil, nil, nil, false, PrefillReply{}
 		exts := h.dest.Extents()
 		g, err := h.d.eng.OpenGrant(rdma.GrantSpec{RequestID: h.req.ID, Extents: exts, Deadline: h.deadline})
 		if err != nil {
@@ -579,12 +590,16 @@ func (h *handoff) send(a Action) (string, error) {
 		Tokens: h.req.Tokens, Sampling: h.req.Sampling, Deadline: h.deadline.UnixNano(), Peer: d.peer,
 		Ticket: TicketOf(h.grant.Ticket()), KVBytes: h.kvB, MambaBytes: h.mB,
 	}
-	b, err := EncodePrefillRequest(msg, d.maxPayload)
+	buf := getMsgBuf()
+	b, err := appendPrefillRequest(*buf, &msg, d.maxPayload)
 	if err != nil {
+		putMsgBuf(buf, *buf)
 		return "", err
 	}
 	d.published.Add(1)
-	if err := d.pub.PublishRequest(subj, d.inbox+"."+h.tok, b); err != nil {
+	err = d.pub.PublishRequest(subj, h.reply, b)
+	putMsgBuf(buf, b) // the publisher copied it
+	if err != nil {
 		if errors.Is(err, nats.ErrMaxPayload) {
 			return "", fmt.Errorf("%w: %w", ErrPayloadTooLarge, err)
 		}
@@ -646,7 +661,7 @@ func (h *handoff) replyEvent(m *nats.Msg) Event {
 		return Event{Kind: EvReply, Code: CodeBadMessage}
 	}
 	if r.Code == CodeOK && !h.sess.ignores(r.Instance) {
-		h.reply = r
+		h.ok = r
 		h.replied = true
 	} else {
 		h.setCause(&RemoteError{Code: r.Code, Msg: r.Msg, Instance: r.Instance})
@@ -697,4 +712,21 @@ func rdmaCode(err error) Code {
 	default:
 		return CodePeerFailed
 	}
+}
+
+// getTimer returns a deadline timer set to fire after dur: a stopped one of
+// an earlier handoff (a stopped or reset timer delivers no stale tick, by Go
+// 1.23 timer semantics) or a new one. The pool is the decoder's own, so a
+// timer never crosses from one synctest bubble to another.
+func (d *Decoder) getTimer(dur time.Duration) *time.Timer {
+	if t, ok := d.timers.Get().(*time.Timer); ok {
+		t.Reset(dur)
+		return t
+	}
+	return time.NewTimer(dur)
+}
+
+func (d *Decoder) putTimer(t *time.Timer) {
+	t.Stop()
+	d.timers.Put(t)
 }

@@ -152,8 +152,9 @@ type Prefiller struct {
 	state int // 0 new, 3 starting, 1 serving, 2 shut down
 	in    intake
 	reg   *Registry
-	tasks map[uint64]map[*task]struct{} // by request id
+	tasks map[uint64]*task // by request id, each the head of a list (task.next)
 	wg    sync.WaitGroup
+	peers peerCache // the last requester's descriptor, see decodePrefillRequest
 
 	// Pre-connection to decode instances seen in the registry, so a first
 	// handoff does not pay the data plane's connection set-up.
@@ -182,7 +183,7 @@ func NewPrefiller(cfg PrefillerConfig, nc *nats.Conn, eng *rdma.Engine, exec Pre
 	if exec == nil {
 		return nil, fmt.Errorf("%w: nil executor", ErrInvalidConfig)
 	}
-	p := &Prefiller{cfg: cfg, nc: nc, eng: eng, exec: exec, tasks: map[uint64]map[*task]struct{}{},
+	p := &Prefiller{cfg: cfg, nc: nc, eng: eng, exec: exec, tasks: map[uint64]*task{},
 		connected: map[string]string{}, maxPayload: nc.MaxPayload()}
 	p.connCtx, p.connCancel = context.WithCancel(context.Background())
 	return p, nil
@@ -423,8 +424,8 @@ func (p *Prefiller) Shutdown(ctx context.Context) error {
 	case <-drained:
 	case <-ctx.Done():
 		p.mu.Lock()
-		for _, set := range p.tasks {
-			for t := range set {
+		for _, t := range p.tasks {
+			for ; t != nil; t = t.next {
 				t.abort(CodeClosed)
 			}
 		}
@@ -465,7 +466,7 @@ func (p *Prefiller) onCancel(m *nats.Msg) {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for t := range p.tasks[c.RequestID] {
+	for t := p.tasks[c.RequestID]; t != nil; t = t.next {
 		if (c.From == "" || c.From == t.msg.From) && (c.Grant == 0 || c.Grant == t.ticket.Grant) {
 			t.abort(code)
 		}
@@ -475,8 +476,8 @@ func (p *Prefiller) onCancel(m *nats.Msg) {
 func (p *Prefiller) abortFrom(instance string, code Code) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for _, set := range p.tasks {
-		for t := range set {
+	for _, t := range p.tasks {
+		for ; t != nil; t = t.next {
 			if t.msg.From == instance {
 				t.abort(code)
 			}
@@ -487,10 +488,12 @@ func (p *Prefiller) abortFrom(instance string, code Code) {
 // task is one admitted request's driver state, owned by its goroutine.
 type task struct {
 	p      *Prefiller
+	next   *task  // the next task of the same request id (under Prefiller.mu)
 	reply  string // reply subject
 	msg    PrefillRequest
+	peer   rdma.Descriptor // msg.Peer's
 	ticket rdma.Ticket
-	sess   *SendSession
+	sess   SendSession
 	lease  Lease
 
 	ctx    context.Context
@@ -498,9 +501,31 @@ type task struct {
 	aborts atomic.Uint32 // external abort code, first one wins
 
 	out      Prefilled
+	src      [4]rdma.Extent // room for out.Source's extents
 	manifest rdma.Manifest
 	pf, wr   time.Duration
 	cause    error
+}
+
+// removeTaskLocked drops t from the tasks of its request id. p.mu is held.
+func (p *Prefiller) removeTaskLocked(t *task) {
+	id := t.msg.RequestID
+	for at := p.tasks[id]; at != nil; at = at.next {
+		switch {
+		case at == t && at == p.tasks[id]:
+			if t.next == nil {
+				delete(p.tasks, id)
+			} else {
+				p.tasks[id] = t.next
+			}
+		case at.next == t:
+			at.next = t.next
+		default:
+			continue
+		}
+		t.next = nil
+		return
+	}
 }
 
 func (t *task) abort(code Code) {
@@ -513,7 +538,7 @@ func (t *task) abort(code Code) {
 // either reply at once (refusals) or hand the request to its own goroutine.
 func (p *Prefiller) handle(r micro.Request) {
 	p.received.Add(1)
-	m, err := DecodePrefillRequest(r.Data())
+	m, peer, err := decodePrefillRequest(r.Data(), &p.peers)
 	if err != nil {
 		p.refused.Add(1)
 		p.replyNow(r, PrefillReply{Code: CodeBadMessage, Msg: err.Error()})
@@ -526,10 +551,11 @@ func (p *Prefiller) handle(r micro.Request) {
 		return
 	}
 	deadline := time.Unix(0, m.Deadline)
-	t := &task{p: p, reply: r.Reply(), msg: m, ticket: tk, sess: NewSendSession(SendParams{
+	t := &task{p: p, reply: r.Reply(), msg: m, peer: peer, ticket: tk}
+	t.sess.p = SendParams{
 		RequestID: m.RequestID, MaxDraftTokens: p.cfg.MaxDraftTokens, Deadline: deadline,
 		Fingerprint: m.Fingerprint, Local: p.cfg.Fingerprint, KVBytes: m.KVBytes, MambaBytes: m.MambaBytes,
-	})}
+	}
 	acts := t.sess.Step(Event{Kind: EvRequest, Now: time.Now()})
 	if t.sess.State().Terminal() {
 		p.refused.Add(1)
@@ -573,12 +599,8 @@ func (p *Prefiller) handle(r micro.Request) {
 		p.refuseNotServing(r, t, st)
 		return
 	}
-	set := p.tasks[m.RequestID]
-	if set == nil {
-		set = map[*task]struct{}{}
-		p.tasks[m.RequestID] = set
-	}
-	set[t] = struct{}{}
+	t.next = p.tasks[m.RequestID]
+	p.tasks[m.RequestID] = t
 	p.inflight.Add(1)
 	if !p.inline(t) {
 		p.wg.Go(func() { t.run(acts) })
@@ -617,8 +639,10 @@ func (p *Prefiller) refuseNotServing(r micro.Request, t *task, state int) {
 
 func (p *Prefiller) replyNow(r micro.Request, rep PrefillReply) {
 	rep.Instance = p.cfg.Instance
-	b, err := EncodePrefillReply(rep, p.maxPayload)
+	buf := getMsgBuf()
+	b, err := appendPrefillReply(*buf, &rep, p.maxPayload)
 	if err != nil {
+		putMsgBuf(buf, *buf)
 		p.cfg.Logger.Error("encode reply", "err", err)
 		return
 	}
@@ -628,6 +652,7 @@ func (p *Prefiller) replyNow(r micro.Request, rep PrefillReply) {
 	} else {
 		err = r.Error(strconv.Itoa(int(rep.Code)), rep.Code.String(), b)
 	}
+	putMsgBuf(buf, b) // NATS copied it
 	if err != nil {
 		p.cfg.Logger.Warn("reply", "seq", rep.RequestID, "err", err)
 	}
@@ -654,12 +679,7 @@ func (t *task) run(acts []Action) {
 	defer func() {
 		t.cancel()
 		p.mu.Lock()
-		if set := p.tasks[t.msg.RequestID]; set != nil {
-			delete(set, t)
-			if len(set) == 0 {
-				delete(p.tasks, t.msg.RequestID)
-			}
-		}
+		p.removeTaskLocked(t)
 		p.mu.Unlock()
 		p.inflight.Add(-1)
 	}()
@@ -686,7 +706,8 @@ func (t *task) run(acts []Action) {
 			outcome = &ev
 		case ActWrite:
 			start := time.Now()
-			m, err := p.eng.Write(t.ctx, t.msg.Peer.Descriptor(), t.ticket, t.out.Source.Extents())
+			src := append(append(t.src[:0], t.out.Source.KV...), t.out.Source.Mamba)
+			m, err := p.eng.Write(t.ctx, t.peer, t.ticket, src)
 			t.wr = time.Since(start)
 			ev := Event{Kind: EvWritten, Manifest: m}
 			if err != nil {
@@ -732,13 +753,17 @@ func (t *task) sendReply(code Code) {
 	}
 	rep := t.replyFor(code)
 	rep.Instance = p.cfg.Instance
-	b, err := EncodePrefillReply(rep, p.maxPayload)
+	buf := getMsgBuf()
+	b, err := appendPrefillReply(*buf, &rep, p.maxPayload)
 	if err != nil {
+		putMsgBuf(buf, *buf)
 		p.cfg.Logger.Error("encode reply", "seq", rep.RequestID, "from", t.msg.From, "err", err)
 		return
 	}
 	p.published.Add(1)
-	if err := p.nc.Publish(t.reply, b); err != nil {
+	err = p.nc.Publish(t.reply, b)
+	putMsgBuf(buf, b) // NATS copied it
+	if err != nil {
 		p.cfg.Logger.Warn("reply", "seq", rep.RequestID, "from", t.msg.From, "err", err)
 	}
 }

@@ -229,10 +229,18 @@ type RecvSession struct {
 
 // NewRecvSession returns a session in StateNew.
 func NewRecvSession(p RecvParams) *RecvSession {
+	s := new(RecvSession)
+	s.init(p)
+	return s
+}
+
+// init sets a zero session up as NewRecvSession does, in place (a driver
+// embeds its session).
+func (s *RecvSession) init(p RecvParams) {
 	if p.MaxAttempts < 1 {
 		p.MaxAttempts = 1
 	}
-	return &RecvSession{p: p}
+	*s = RecvSession{p: p}
 }
 
 // State returns the current phase.

@@ -1,6 +1,7 @@
 package transfer
 
 import (
+	"bytes"
 	"context"
 	"log/slog"
 	"sync"
@@ -24,7 +25,7 @@ type recorder struct {
 }
 
 func (r *recorder) PublishRequest(subj, reply string, data []byte) error {
-	m := &nats.Msg{Subject: subj, Reply: reply, Data: data}
+	m := &nats.Msg{Subject: subj, Reply: reply, Data: bytes.Clone(data)} // data is the caller's again on return
 	r.mu.Lock()
 	r.requests = append(r.requests, m)
 	r.mu.Unlock()
@@ -157,7 +158,8 @@ func TestRetryBudgetSynctest(t *testing.T) {
 // looked: an unrelated instance may leave just before the one it waits on.
 func TestPeerDeathsAllDelivered(t *testing.T) {
 	d := &Decoder{calls: map[string]*call{}}
-	c := newCall()
+	c := new(call)
+	c.init()
 	d.calls["1"] = c
 	d.peerDied("p1")
 	d.peerDied("p2")
