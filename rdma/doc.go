@@ -80,7 +80,11 @@
 // process: memcpy), shm (same Host: the writer maps the receiver's region
 // memfds and copies straight into them; commit over a unix socket) and tcp
 // (persistent pooled connections, vectored writes straight from the source
-// regions, payloads read straight into the destination extents), restricted
+// regions, payloads read straight into the destination extents; a write of
+// 2 MiB or more over two or more extents is striped, whole extents per lane,
+// over up to Config.TCPLanes connections, each lane but one ending with a
+// flush that the receiver answers once its frames have landed, and the last
+// lane commits after every flush was answered), restricted
 // to what both engines serve. The choice is logged with slog and reported by
 // Engine.TransportFor; a transport that fails to connect is logged as a
 // warning with the reason before the next is tried. GPU transports (CUDA
@@ -98,7 +102,9 @@
 //	data    writer -> receiver: payload lands at offset of extent index
 //	commit  writer -> receiver: count x (bytes u64, crc32c u32)
 //	abort   writer -> receiver: give the grant up with a status code
-//	reply   receiver -> writer: status code and message for a commit/abort
+//	flush   writer -> receiver (tcp): end of one lane of a striped write
+//	reply   receiver -> writer: status code and message for a commit, abort
+//	        or flush
 //
 // A refused data frame's payload is skipped and the refusal is reported in
 // the commit's reply; a malformed frame is answered with a reply and the

@@ -79,7 +79,13 @@ type Config struct {
 	// so this guards against a faulty writer, not a hostile one; it costs a
 	// read of every byte, more than the copy itself. Off by default.
 	VerifySHM bool
-	Logger    *slog.Logger // default slog.Default()
+	// TCPLanes is how many pooled connections a tcp writer stripes one
+	// large write over (whole extents per lane, at least 1 MiB each): one
+	// TCP stream leaves a core idle waiting on the other side, several
+	// keep both sides busy. Default 4; 1 sends every write on one
+	// connection.
+	TCPLanes int
+	Logger   *slog.Logger // default slog.Default()
 }
 
 func (c *Config) validate() error {
@@ -105,6 +111,12 @@ func (c *Config) validate() error {
 		default:
 			return fmt.Errorf("%w: transport %q", ErrUnsupported, t)
 		}
+	}
+	if c.TCPLanes < 0 {
+		return fmt.Errorf("rdma: Config.TCPLanes %d is negative", c.TCPLanes)
+	}
+	if c.TCPLanes == 0 {
+		c.TCPLanes = defaultTCPLanes
 	}
 	if c.TCPAddr == "" {
 		c.TCPAddr = "127.0.0.1:0"

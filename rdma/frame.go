@@ -11,7 +11,7 @@ import (
 //
 //	off size field
 //	0   4    magic "HOF1"
-//	4   1    type (hello, data, commit, reply, abort)
+//	4   1    type (hello, data, commit, reply, abort, flush)
 //	5   1    flags: commit may set flagNoCRC; otherwise 0
 //	6   2    reserved, must be 0
 //	8   4    index: data = destination extent index, commit = extent count,
@@ -27,7 +27,10 @@ import (
 // (bytes u64, crc32c u32); reply and abort = a UTF-8 message; hello =
 // "from\nto" agent ids (the shm hello answer adds the slot table layout).
 // An abort is a writer giving up a grant it holds the token of: the receiver
-// fails the grant with the status code as the reason.
+// fails the grant with the status code as the reason. A flush (no payload)
+// ends one lane of a write striped over several connections: the receiver
+// replies once every earlier frame of the connection has landed, and the
+// writer commits on another lane after all flushes were answered.
 const (
 	frameMagic      = 0x31464f48 // "HOF1"
 	headerSize      = 64
@@ -38,6 +41,7 @@ const (
 	frameCommit = 3
 	frameReply  = 4
 	frameAbort  = 5
+	frameFlush  = 6
 
 	// flagNoCRC marks a commit whose manifest carries byte counts only
 	// (a writer configured with SkipCRC).
@@ -136,6 +140,10 @@ func decodeHeader(b []byte) (header, error) {
 		}
 		if h.length > maxMsgLen || h.offset != 0 {
 			return h, malformed("reply message of %d bytes", h.length)
+		}
+	case frameFlush:
+		if h.index != 0 || h.offset != 0 || h.length != 0 {
+			return h, malformed("flush with index %d, offset %d, length %d", h.index, h.offset, h.length)
 		}
 	case frameHello:
 		if h.index != protocolVersion {

@@ -34,6 +34,10 @@ func realFrames() [][]byte {
 	a := make([]byte, headerSize)
 	(&header{typ: frameAbort, index: codeOutOfRange, grant: 7, epoch: 99, token: tok, length: 3}).put(a)
 	out = append(out, append(a, "bad"...))
+
+	fl := make([]byte, headerSize)
+	(&header{typ: frameFlush, grant: 7, epoch: 99, token: tok}).put(fl)
+	out = append(out, fl)
 	return out
 }
 

@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -37,7 +38,12 @@ const (
 	// Go splits longer vectors itself).
 	txBatchVecs = 1024
 	// maxIdlePerPeer is how many idle connections a writer keeps per peer.
-	maxIdlePerPeer = 8
+	maxIdlePerPeer = 16
+	// defaultTCPLanes is Config.TCPLanes' default.
+	defaultTCPLanes = 4
+	// laneMinBytes is the least a lane of a striped write carries: below it
+	// the lane's flush round trip costs more than the parallelism gives.
+	laneMinBytes = 1 << 20
 	// maxRefusals bounds the refusals a connection remembers until a commit.
 	maxRefusals = 16
 	// helloTimeout bounds the handshake.
@@ -210,6 +216,8 @@ func (c *rxConn) serve() {
 				err = c.commit(&h)
 			case h.typ == frameAbort:
 				err = c.abort(&h)
+			case h.typ == frameFlush && c.kind == TransportTCP:
+				err = c.flush(&h)
 			default:
 				err = malformed("unexpected frame type %d on %s", h.typ, c.kind)
 			}
@@ -390,6 +398,30 @@ func (c *rxConn) commit(h *header) error {
 	return c.reply(h.grant, h.epoch, err)
 }
 
+// flush answers the end of one lane of a striped write: every earlier frame
+// of this connection has landed by now, or was refused, and the reply says
+// which. The grant is no longer this connection's to fail if it closes: its
+// bytes are all in, and the commit comes on another connection.
+func (c *rxConn) flush(h *header) error {
+	var err error
+	for _, r := range c.refused {
+		if r.grant == h.grant {
+			err = r.err
+		}
+	}
+	if err == nil {
+		var g *Grant
+		if g, err = c.grant(h.grant); err == nil {
+			g.mu.Lock()
+			err = g.checkLocked(h.epoch, &h.token)
+			g.mu.Unlock()
+		}
+	}
+	c.touched = slices.DeleteFunc(c.touched, func(g *Grant) bool { return g.id == h.grant })
+	c.refused = slices.DeleteFunc(c.refused, func(r rejection) bool { return r.grant == h.grant })
+	return c.reply(h.grant, h.epoch, err)
+}
+
 // abort fails a grant on its writer's request and replies with the reason.
 func (c *rxConn) abort(h *header) error {
 	n := int(h.length)
@@ -471,7 +503,9 @@ type txConn struct {
 	iov  [][]byte // vectors of the current batch
 	pend []pendSum
 	bufs net.Buffers
-	rbuf [headerSize + maxMsgLen]byte
+	// unbind stops the ctx binding of the write in progress (bind).
+	unbind func() bool
+	rbuf   [headerSize + maxMsgLen]byte
 }
 
 // dialTCP pre-connects one connection to peer.
@@ -602,6 +636,10 @@ func (l *tcpLink) put(tc *txConn) {
 
 // drop closes a connection that is out of sync or broken.
 func (l *tcpLink) drop(tc *txConn) {
+	if tc.unbind != nil {
+		tc.unbind()
+		tc.unbind = nil
+	}
 	l.mu.Lock()
 	delete(l.busy, tc)
 	l.mu.Unlock()
@@ -622,18 +660,97 @@ func (l *tcpLink) close() {
 }
 
 func (l *tcpLink) write(ctx context.Context, op *writeOp) error {
+	if cuts := stripe(op, l.e.cfg.TCPLanes); len(cuts) > 2 {
+		return l.writeStriped(ctx, op, cuts)
+	}
 	tc, err := l.get(ctx)
 	if err != nil {
 		return err
 	}
+	tc.bind(ctx)
+	return l.finish(ctx, tc, tc.send(op, op.pieces, frameCommit))
+}
+
+// bind makes tc's reads and writes end with ctx, until finish.
+func (tc *txConn) bind(ctx context.Context) {
 	if dl, ok := ctx.Deadline(); ok {
 		_ = tc.c.SetDeadline(dl)
 	}
 	if ctx.Done() != nil {
-		stop := context.AfterFunc(ctx, func() { _ = tc.c.SetDeadline(aLongTimeAgo) })
-		defer stop()
+		tc.unbind = context.AfterFunc(ctx, func() { _ = tc.c.SetDeadline(aLongTimeAgo) })
 	}
-	werr := tc.send(op)
+}
+
+// stripe splits op's pieces into up to lanes groups at extent boundaries,
+// each carrying at least laneMinBytes and about the same bytes, and returns
+// the cut points (first 0, last len(op.pieces)). Fewer than three cut points
+// means one connection carries it all.
+func stripe(op *writeOp, lanes int) []int {
+	k := min(uint64(lanes), op.t.Bytes/laneMinBytes)
+	if k < 2 || len(op.pieces) < 2 {
+		return nil
+	}
+	cuts := []int{0}
+	var acc uint64
+	for i, p := range op.pieces {
+		if uint64(len(cuts)) < k && i > 0 && p.ext != op.pieces[i-1].ext &&
+			acc >= op.t.Bytes*uint64(len(cuts))/k {
+			cuts = append(cuts, i)
+		}
+		acc += uint64(len(p.src))
+	}
+	return append(cuts, len(op.pieces))
+}
+
+// writeStriped sends op's pieces over len(cuts)-1 connections at once: each
+// lane but the first ends with a flush, and once every flush was answered
+// the first lane, whose own data went out meanwhile, commits.
+func (l *tcpLink) writeStriped(ctx context.Context, op *writeOp, cuts []int) error {
+	k := len(cuts) - 1
+	lanes := make([]*txConn, k)
+	for i := range lanes {
+		tc, err := l.get(ctx)
+		if err != nil {
+			for _, tc := range lanes[:i] {
+				l.put(tc)
+			}
+			return err
+		}
+		lanes[i] = tc
+	}
+	for _, tc := range lanes {
+		tc.bind(ctx)
+	}
+	errs := make([]error, k)
+	var wg sync.WaitGroup
+	for i := 1; i < k; i++ {
+		wg.Go(func() {
+			tc := lanes[i]
+			errs[i] = l.finish(ctx, tc, tc.send(op, op.pieces[cuts[i]:cuts[i+1]], frameFlush))
+		})
+	}
+	tc := lanes[0]
+	werr := tc.send(op, op.pieces[:cuts[1]], 0)
+	wg.Wait()
+	if err := errors.Join(errs[1:]...); err != nil {
+		// No commit: dropping the first lane fails the grant on the
+		// receiver (a connection that landed bytes and closed).
+		l.drop(tc)
+		if werr != nil {
+			err = errors.Join(err, fmt.Errorf("%w: writing to %s: %w", ErrPeerClosed, l.peer.Agent, werr))
+		}
+		return err
+	}
+	if werr == nil {
+		werr = tc.send(op, nil, frameCommit)
+	}
+	return l.finish(ctx, tc, werr)
+}
+
+// finish reads the reply to what send wrote on tc (after werr, a write
+// error, it looks briefly for the receiver's reason), returns tc to the pool
+// or drops it, and classifies the outcome.
+func (l *tcpLink) finish(ctx context.Context, tc *txConn, werr error) error {
 	var h header
 	var msg []byte
 	var rerr error
@@ -642,10 +759,16 @@ func (l *tcpLink) write(ctx context.Context, op *writeOp) error {
 		_ = tc.c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
 	}
 	h, msg, rerr = readReply(tc.c, tc.rbuf[:])
-	if werr != nil || rerr != nil || h.typ != frameReply || h.index == codeMalformed {
+	fired := false
+	if tc.unbind != nil {
+		// A deadline set by ctx after this point would outlive the write.
+		fired = !tc.unbind()
+		tc.unbind = nil
+	}
+	if werr != nil || rerr != nil || h.typ != frameReply || h.index == codeMalformed || fired {
 		l.drop(tc)
 	} else {
-		if _, ok := ctx.Deadline(); ok || ctx.Done() != nil {
+		if _, ok := ctx.Deadline(); ok {
 			_ = tc.c.SetDeadline(time.Time{})
 		}
 		l.put(tc)
@@ -677,12 +800,16 @@ func (l *tcpLink) write(ctx context.Context, op *writeOp) error {
 // right after the kernel copied it into the socket, while it is still in
 // cache: summing first, or on another core, reads the source from memory a
 // second time, which costs more than the crc itself.
-func (tc *txConn) send(op *writeOp) error {
+//
+// end is the frame that closes what was sent: frameCommit (op's manifest,
+// complete once every lane's pieces were sent), frameFlush (one lane of a
+// striped write), or 0 for none.
+func (tc *txConn) send(op *writeOp, pieces []piece, end uint8) error {
 	defer func() {
 		clear(tc.pend) // drop references to the source after a failed flush
 		tc.pend = tc.pend[:0]
 	}()
-	n := len(op.pieces)
+	n := len(pieces)
 	m := len(op.manifest.Bytes)
 	need := (n+1)*headerSize + m*manifestEntrySize
 	if cap(tc.hdrs) < need {
@@ -692,8 +819,8 @@ func (tc *txConn) send(op *writeOp) error {
 	h := header{typ: frameData, grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token}
 	iov := tc.iov[:0]
 	var batch uint64
-	for i := range op.pieces {
-		p := &op.pieces[i]
+	for i := range pieces {
+		p := &pieces[i]
 		b := hdrs[i*headerSize : (i+1)*headerSize]
 		h.index, h.offset, h.length = p.ext, p.off, uint64(len(p.src))
 		h.put(b)
@@ -735,10 +862,20 @@ func (tc *txConn) send(op *writeOp) error {
 		iov = tc.iov[:0]
 	}
 	cb := hdrs[n*headerSize:]
-	ch := header{typ: frameCommit, flags: op.commitFlags(), index: uint32(m), grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token, length: uint64(m * manifestEntrySize)}
-	ch.put(cb)
-	putManifest(cb[headerSize:], op.manifest)
-	iov = append(iov, cb)
+	switch end {
+	case frameCommit:
+		ch := header{typ: frameCommit, flags: op.commitFlags(), index: uint32(m), grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token, length: uint64(m * manifestEntrySize)}
+		ch.put(cb)
+		putManifest(cb[headerSize:], op.manifest)
+		iov = append(iov, cb)
+	case frameFlush:
+		fh := header{typ: frameFlush, grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token}
+		fh.put(cb)
+		iov = append(iov, cb[:headerSize])
+	}
+	if len(iov) == 0 {
+		return nil
+	}
 	return tc.flush(iov)
 }
 

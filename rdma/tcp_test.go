@@ -242,6 +242,18 @@ func TestTCPRawMalformed(t *testing.T) {
 			binary.LittleEndian.PutUint32(b[8:], 3)
 			return b
 		}},
+		{"flush with a payload", func(r *rawRx) []byte {
+			h := header{typ: frameFlush, grant: r.tk.Grant, epoch: r.tk.Epoch, token: r.tk.Token, length: 1}
+			b := make([]byte, headerSize)
+			h.put(b)
+			return append(b, 0)
+		}},
+		{"flush with an index", func(r *rawRx) []byte {
+			h := header{typ: frameFlush, index: 1, grant: r.tk.Grant, epoch: r.tk.Epoch, token: r.tk.Token}
+			b := make([]byte, headerSize)
+			h.put(b)
+			return b
+		}},
 		{"reply from a writer", func(r *rawRx) []byte {
 			h := header{typ: frameReply}
 			b := make([]byte, headerSize)
