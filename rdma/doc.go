@@ -53,7 +53,7 @@
 // AVX-512 VPCLMULQDQ folding where the core has it, about twice the speed of
 // the SSE4.2 CRC32 instruction in cache and nearly three times from memory;
 // else hash/crc32's SSE4.2/ARMv8 instructions).
-// tcp: it sends 256 KiB per writev and sums each batch right after the
+// tcp: it sends 1 MiB per writev and sums each batch right after the
 // kernel copied it, while it is in cache (the manifest is needed only by the
 // commit). inproc: from 1 MiB per write it sums on another goroutine while
 // it copies; smaller writes are summed inline in 128 KiB chunks. A tcp or
@@ -112,7 +112,7 @@
 // (many per read(2), one copy out of it); payloads longer than the buffer are
 // read straight into the destination, up to 256 KiB per read(2). The writer
 // sends headers and payloads with writev straight from the source memory,
-// up to 1024 vectors and 256 KiB per call (4 MiB without crc).
+// up to 1024 vectors and 1 MiB per call (4 MiB without crc).
 //
 // # Caller's duties
 //

@@ -55,7 +55,16 @@ type datapathOptions struct {
 	verbose       bool
 	cpuProfile    string
 	repeat        int
+	tcpLanes      int
+	skipCRC       bool
 	role          string // hidden: "receiver" in the child process
+}
+
+// layout is the run's layout for one extent size, with the engine settings.
+func (o datapathOptions) layout(extent uint64) (layout, error) {
+	l, err := newLayout(extent, o.grantBytes, o.streams, o.depth)
+	l.TCPLanes, l.SkipCRC = o.tcpLanes, o.skipCRC
+	return l, err
 }
 
 func parseDatapathFlags(args []string, stderr io.Writer) (datapathOptions, error) {
@@ -70,6 +79,8 @@ func parseDatapathFlags(args []string, stderr io.Writer) (datapathOptions, error
 	fs.IntVar(&o.depth, "depth", 2, "grants open per stream: the next ticket is fetched while one is written")
 	fs.StringVar(&o.output, "output", "table", "table or json")
 	fs.IntVar(&o.repeat, "repeat", 1, "measure everything this many times, round-robin, and report medians")
+	fs.IntVar(&o.tcpLanes, "tcp-lanes", 4, "tcp connections one grant's write is striped over (rdma.Config.TCPLanes; 1: one connection)")
+	fs.BoolVar(&o.skipCRC, "skip-crc", false, "leave crc32c out of the manifests on both sides (rdma.Config.SkipCRC), to see what integrity costs")
 	fs.BoolVar(&o.baselines, "baselines", false, "also measure iperf3, memcpy and ucx_perftest, and print ratios")
 	fs.BoolVar(&o.singleProcess, "single-process", false, "run the receiver in this process even for tcp and shm")
 	fs.BoolVar(&o.verbose, "verbose", false, "log the engines' info lines (transport choice, regions) to stderr")
@@ -127,11 +138,14 @@ func parseDatapathFlags(args []string, stderr io.Writer) (datapathOptions, error
 	if o.output != "table" && o.output != "json" {
 		return o, fmt.Errorf("datapath: --output %q: want table or json", o.output)
 	}
+	if o.tcpLanes < 1 || o.tcpLanes > 64 {
+		return o, fmt.Errorf("datapath: --tcp-lanes %d: want 1..64", o.tcpLanes)
+	}
 	if o.role != "" && o.role != "receiver" {
 		return o, fmt.Errorf("datapath: unknown role %q", o.role)
 	}
 	for _, e := range o.extents {
-		if _, err := newLayout(e, o.grantBytes, o.streams, o.depth); err != nil {
+		if _, err := o.layout(e); err != nil {
 			return o, fmt.Errorf("datapath: %w", err)
 		}
 	}
@@ -148,7 +162,7 @@ func runDatapath(ctx context.Context, args []string) error {
 	}
 	logger := benchLogger(o.verbose)
 	if o.role == "receiver" {
-		l, err := newLayout(o.extents[0], o.grantBytes, o.streams, o.depth)
+		l, err := o.layout(o.extents[0])
 		if err != nil {
 			return err
 		}
@@ -213,6 +227,8 @@ type datapathResult struct {
 	GrantP50Ms      float64        `json:"grant_p50_ms"`
 	GrantP99Ms      float64        `json:"grant_p99_ms"`
 	Processes       int            `json:"processes"`
+	TCPLanes        int            `json:"tcp_lanes,omitempty"` // tcp only
+	CRC             bool           `json:"crc32c"`              // manifests carried crc32c
 	// Repeats holds each repetition's gb_per_s with --repeat > 1; the
 	// other fields are those of the median one.
 	Repeats []float64 `json:"gb_per_s_repeats,omitempty"`
@@ -236,7 +252,7 @@ func measureDatapath(ctx context.Context, o datapathOptions, logger *slog.Logger
 		i := 0
 		for _, t := range o.transports {
 			for _, e := range o.extents {
-				l, err := newLayout(e, o.grantBytes, o.streams, o.depth)
+				l, err := o.layout(e)
 				if err != nil {
 					return report{}, err
 				}
@@ -337,7 +353,9 @@ func (c childSpawner) spawn(ctx context.Context, t rdma.Transport, l layout, _ *
 		"--extent="+strconv.FormatUint(l.Extent, 10),
 		"--grant-bytes="+strconv.FormatUint(l.grantBytes(), 10),
 		"--streams="+strconv.Itoa(l.Streams),
-		"--depth="+strconv.Itoa(l.Depth))
+		"--depth="+strconv.Itoa(l.Depth),
+		"--tcp-lanes="+strconv.Itoa(max(l.TCPLanes, 1)),
+		"--skip-crc="+strconv.FormatBool(l.SkipCRC))
 	cmd.Env = append(os.Environ(), c.env...)
 	cmd.Stderr = os.Stderr
 	cmd.WaitDelay = 5 * time.Second
@@ -391,7 +409,7 @@ func runOnce(ctx context.Context, t rdma.Transport, l layout, dur time.Duration,
 		return res, fmt.Errorf("receiver: descriptor has regions %+v, want one of %d bytes", peer.Regions, l.regionBytes())
 	}
 
-	eng, err := rdma.New(rdma.Config{Agent: agentID("writer"), Transports: []rdma.Transport{t}, Logger: logger})
+	eng, err := rdma.New(rdma.Config{Agent: agentID("writer"), Transports: []rdma.Transport{t}, Logger: logger, TCPLanes: l.TCPLanes, SkipCRC: l.SkipCRC})
 	if err != nil {
 		return res, err
 	}
@@ -503,6 +521,10 @@ func runOnce(ctx context.Context, t rdma.Transport, l layout, dur time.Duration,
 		GBPerS: float64(total.Load()) / elapsed.Seconds() / 1e9, Streams: l.Streams, Depth: l.Depth,
 		GrantBytes: l.grantBytes(), ExtentsPerGrant: l.PerGrant, Grants: grants.Load(),
 		GrantP50Ms: quantileMs(all, 0.50), GrantP99Ms: quantileMs(all, 0.99), Processes: rx.processes,
+		CRC: !l.SkipCRC,
+	}
+	if t == rdma.TransportTCP {
+		res.TCPLanes = max(l.TCPLanes, 1)
 	}
 	return res, nil
 }
@@ -599,7 +621,7 @@ func (r report) write(w io.Writer, format string) error {
 		return enc.Encode(r)
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "transport\textent\tstreams\tprocs\tgrants\tbytes\tseconds\tGB/s\tgrant p50 ms\tgrant p99 ms\trepeats GB/s")
+	fmt.Fprintln(tw, "transport\textent\tstreams\tlanes\tcrc\tprocs\tgrants\tbytes\tseconds\tGB/s\tgrant p50 ms\tgrant p99 ms\trepeats GB/s")
 	for _, x := range r.Runs {
 		reps := "-"
 		if len(x.Repeats) > 0 {
@@ -612,8 +634,15 @@ func (r report) write(w io.Writer, format string) error {
 			}
 			reps = b.String()
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%s\t%.2f\t%.2f\t%.3f\t%.3f\t%s\n", x.Transport, formatSize(x.ExtentBytes), x.Streams,
-			x.Processes, x.Grants, formatSize(x.Bytes), x.Seconds, x.GBPerS, x.GrantP50Ms, x.GrantP99Ms, reps)
+		lanes, crc := "-", "no"
+		if x.TCPLanes > 0 {
+			lanes = strconv.Itoa(x.TCPLanes)
+		}
+		if x.CRC {
+			crc = "yes"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%d\t%d\t%s\t%.2f\t%.2f\t%.3f\t%.3f\t%s\n", x.Transport, formatSize(x.ExtentBytes), x.Streams,
+			lanes, crc, x.Processes, x.Grants, formatSize(x.Bytes), x.Seconds, x.GBPerS, x.GrantP50Ms, x.GrantP99Ms, reps)
 	}
 	if len(r.Baselines) > 0 {
 		fmt.Fprintln(tw, "\nbaseline\tsize\tGB/s\tstatus")

@@ -40,6 +40,9 @@ type layout struct {
 	PerGrant int    // extents per grant
 	Streams  int
 	Depth    int
+	// Engine settings of the run, the same on both sides.
+	TCPLanes int  // rdma.Config.TCPLanes (0: the engine's default)
+	SkipCRC  bool // rdma.Config.SkipCRC
 }
 
 func newLayout(extent, grantBytes uint64, streams, depth int) (layout, error) {
@@ -206,6 +209,7 @@ func serveReceiver(ctx context.Context, cfg receiverConfig, in io.Reader, out io
 		Transports: []rdma.Transport{cfg.Transport},
 		Logger:     cfg.Logger,
 		MaxGrants:  cfg.Layout.slots() + 1,
+		SkipCRC:    cfg.Layout.SkipCRC,
 	})
 	if err != nil {
 		return err

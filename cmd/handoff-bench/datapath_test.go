@@ -131,6 +131,7 @@ func TestParseDatapathFlags(t *testing.T) {
 		{"--grant-bytes", "8GiB"},
 		{"--role", "writer"},
 		{"--repeat", "0"},
+		{"--tcp-lanes", "0"},
 		{"extra"},
 		{"--streams", "64", "--depth", "16", "--grant-bytes", "1GiB"}, // 2 TiB of destination
 	} {
@@ -350,6 +351,26 @@ func TestRunTwoProcesses(t *testing.T) {
 	sp := childSpawner{env: []string{testRoleEnv + "=receiver"}}
 	r := runShort(t, rdma.TransportTCP, 1<<20, 1, sp)
 	require.Equal(t, 2, r.Processes)
+}
+
+// The engine settings reach the child receiver: a crc-less commit is
+// accepted only by a receiver that skips crc too, and 4 MiB grants of 1 MiB
+// extents are striped over the lanes.
+func TestRunTwoProcessesSettings(t *testing.T) {
+	if testing.Short() {
+		t.Skip("spawns a child process")
+	}
+	noLeak(t)
+	o, err := parseDatapathFlags([]string{"--grant-bytes", "4MiB", "--tcp-lanes", "3", "--skip-crc"}, io.Discard)
+	require.NoError(t, err)
+	l, err := o.layout(1 << 20)
+	require.NoError(t, err)
+	sp := childSpawner{env: []string{testRoleEnv + "=receiver"}}
+	r, err := runOnce(context.Background(), rdma.TransportTCP, l, 300*time.Millisecond, quietLogger(), sp, nil)
+	require.NoError(t, err)
+	require.Positive(t, r.Grants)
+	require.Equal(t, 3, r.TCPLanes)
+	require.False(t, r.CRC)
 }
 
 // failingSpawner starts a receiver with a real engine that says hello, reads
