@@ -387,7 +387,10 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 	timer := h.d.getTimer(time.Until(h.deadline))
 	defer h.d.putTimer(timer)
-	acts := h.sess.Step(Event{Kind: EvStart, Now: time.Now()})
+	// The queue of actions to execute; a Step's actions are copied in at once
+	// (the session reuses its slice).
+	var queue [8]Action
+	acts := append(queue[:0], h.sess.Step(Event{Kind: EvStart, Now: time.Now()})...)
 	for {
 		for len(acts) > 0 {
 			a := acts[0]
@@ -450,7 +453,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 			ev = Event{Kind: EvCancel, Code: CodeClosed}
 		}
 		ev.Now = time.Now()
-		acts = append(early, h.sess.Step(ev)...)
+		acts = append(append(queue[:0], early...), h.sess.Step(ev)...) // acts was drained
 		if ev.Kind == EvTick && !h.sess.State().Terminal() {
 			timer.Reset(time.Until(h.deadline)) // a tick that came early
 		}

@@ -683,6 +683,10 @@ func (t *task) run(acts []Action) {
 		p.mu.Unlock()
 		p.inflight.Add(-1)
 	}()
+	// The queue of actions to execute; a Step's actions are copied in at once
+	// (the session reuses its slice).
+	var queue [8]Action
+	acts = append(queue[:0], acts...)
 	for len(acts) > 0 {
 		a := acts[0]
 		acts = acts[1:]

@@ -225,6 +225,8 @@ type RecvSession struct {
 	committed      bool
 	commitManifest rdma.Manifest
 	expected       []uint64
+
+	out [4]Action // what Step returns, reused by the next Step
 }
 
 // NewRecvSession returns a session in StateNew.
@@ -255,7 +257,8 @@ func (s *RecvSession) Attempts() int { return s.attempts }
 // Instance returns the instance that replied successfully, if any.
 func (s *RecvSession) Instance() string { return s.replyInstance }
 
-// Step applies ev and returns the actions to execute, in order.
+// Step applies ev and returns the actions to execute, in order. The slice is
+// the session's own: it is valid until the next Step.
 func (s *RecvSession) Step(ev Event) []Action {
 	if s.state.Terminal() {
 		return nil
@@ -272,7 +275,7 @@ func (s *RecvSession) Step(ev Event) []Action {
 			return s.fail(CodeTimeout)
 		}
 		s.state, s.busy = StateAllocating, true
-		return []Action{{Kind: ActAllocate}}
+		return s.acts(Action{Kind: ActAllocate})
 	case EvAllocated:
 		if s.state != StateAllocating || !s.busy {
 			return nil
@@ -288,7 +291,7 @@ func (s *RecvSession) Step(ev Event) []Action {
 			return s.fail(ev.Code)
 		}
 		s.state, s.busy = StateGranting, true
-		return []Action{{Kind: ActOpenGrant}}
+		return s.acts(Action{Kind: ActOpenGrant})
 	case EvGranted:
 		if s.state != StateGranting || !s.busy {
 			return nil
@@ -394,9 +397,12 @@ func (s *RecvSession) ignores(instance string) bool {
 func (s *RecvSession) send(target string) []Action {
 	s.attempts++
 	s.outstanding, s.target = true, target
-	return []Action{{Kind: ActSendRequest, Instance: target, Attempt: s.attempts, Exclude: slices.Clone(s.refused),
-		Live: len(s.dead) > 0}}
+	return s.acts(Action{Kind: ActSendRequest, Instance: target, Attempt: s.attempts, Exclude: slices.Clone(s.refused),
+		Live: len(s.dead) > 0})
 }
+
+// acts returns as, in the session's own buffer.
+func (s *RecvSession) acts(as ...Action) []Action { return append(s.out[:0], as...) }
 
 // regrantOr retries after the instance serving this request was reported
 // dead, where the deadline and attempt budget allow and no commit was
@@ -409,7 +415,7 @@ func (s *RecvSession) regrantOr(now time.Time, dead string) []Action {
 	if s.committed || s.attempts >= s.p.MaxAttempts || !now.Before(s.p.Deadline) {
 		return s.fail(CodePeerFailed)
 	}
-	var acts []Action
+	acts := s.out[:0]
 	if s.outstanding {
 		acts = append(acts, Action{Kind: ActPublishCancel, Instance: s.target, Code: CodePeerFailed})
 		s.outstanding = false
@@ -443,7 +449,7 @@ func (s *RecvSession) maybeAccept() []Action {
 		return s.fail(CodeIntegrity)
 	}
 	s.state = StateDone
-	return []Action{{Kind: ActRevoke}, {Kind: ActDeliver}}
+	return s.acts(Action{Kind: ActRevoke}, Action{Kind: ActDeliver})
 }
 
 func manifestsAgree(reply, commit rdma.Manifest, expected []uint64) bool {
@@ -461,7 +467,7 @@ func (s *RecvSession) fail(code Code) []Action {
 		}
 		return nil
 	}
-	var acts []Action
+	acts := s.out[:0]
 	if s.outstanding {
 		acts = append(acts, Action{Kind: ActPublishCancel, Instance: s.target, Code: code})
 		s.outstanding = false
@@ -496,6 +502,8 @@ type SendSession struct {
 	busy    bool // ActAdmit, ActPrefill or ActWrite outstanding
 	pending Code
 	leased  bool
+
+	out [2]Action // what Step returns, reused by the next Step
 }
 
 // NewSendSession returns a session in StateNew.
@@ -507,7 +515,8 @@ func (s *SendSession) State() State { return s.state }
 // Code returns the code of the reply sent (CodeOK on success or while running).
 func (s *SendSession) Code() Code { return s.code }
 
-// Step applies ev and returns the actions to execute, in order.
+// Step applies ev and returns the actions to execute, in order. The slice is
+// the session's own: it is valid until the next Step.
 func (s *SendSession) Step(ev Event) []Action {
 	if s.state.Terminal() {
 		return nil
@@ -526,7 +535,7 @@ func (s *SendSession) Step(ev Event) []Action {
 			return s.fail(CodeTimeout)
 		}
 		s.state, s.busy = StateAdmitting, true
-		return []Action{{Kind: ActAdmit}}
+		return s.acts(Action{Kind: ActAdmit})
 	case EvAdmitted:
 		if s.state != StateAdmitting || !s.busy {
 			return nil
@@ -542,7 +551,7 @@ func (s *SendSession) Step(ev Event) []Action {
 			return s.fail(ev.Code)
 		}
 		s.state, s.busy = StatePrefilling, true
-		return []Action{{Kind: ActPrefill}}
+		return s.acts(Action{Kind: ActPrefill})
 	case EvPrefilled:
 		if s.state != StatePrefilling || !s.busy {
 			return nil
@@ -558,7 +567,7 @@ func (s *SendSession) Step(ev Event) []Action {
 			return s.fail(CodeLayoutMismatch) // before any byte moves
 		}
 		s.state, s.busy = StateWriting, true
-		return []Action{{Kind: ActWrite}}
+		return s.acts(Action{Kind: ActWrite})
 	case EvWritten:
 		if s.state != StateWriting || !s.busy {
 			return nil
@@ -601,7 +610,7 @@ func (s *SendSession) fail(code Code) []Action {
 			return nil
 		}
 		s.pending = code
-		return []Action{{Kind: ActAbort}}
+		return s.acts(Action{Kind: ActAbort})
 	}
 	s.state = StateFailed
 	return s.finish(code)
@@ -609,10 +618,13 @@ func (s *SendSession) fail(code Code) []Action {
 
 func (s *SendSession) finish(code Code) []Action {
 	s.code = code
-	acts := []Action{{Kind: ActReply, Code: code}}
+	acts := s.acts(Action{Kind: ActReply, Code: code})
 	if s.leased {
 		acts = append(acts, Action{Kind: ActRelease})
 		s.leased = false
 	}
 	return acts
 }
+
+// acts returns as, in the session's own buffer.
+func (s *SendSession) acts(as ...Action) []Action { return append(s.out[:0], as...) }
