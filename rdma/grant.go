@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/subtle"
 	"fmt"
+	"log/slog"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -147,7 +148,7 @@ func (g *Grant) Err() error {
 // return no further byte lands and the destination may be reused. A
 // committed grant stays committed. Revoke is idempotent.
 func (g *Grant) Revoke() {
-	g.terminate(fmt.Errorf("%w: grant %d (request %d)", ErrRevoked, g.id, g.ticket.RequestID))
+	g.terminate(nil)
 }
 
 // checkLocked validates a frame's epoch and token against the grant.
@@ -367,38 +368,42 @@ func (g *Grant) verify(dst [][]byte, ext []extState, m *Manifest, counted, hasCR
 	if !hasCRC || !recompute {
 		return nil
 	}
-	crcs := make([]uint32, n)
-	sum := func(i int) {
-		st := &ext[i]
-		if counted && st.seq && st.next == uint64(len(dst[i])) {
-			crcs[i] = st.crc
-		} else {
-			crcs[i] = crc32c.Checksum(dst[i])
-		}
-	}
-	if workers := min(runtime.GOMAXPROCS(0), maxVerifyWorkers, n); sumBytes >= parallelVerifyMin && workers > 1 {
-		// The writer is idle waiting for the verdict: use the other cores.
-		var next atomic.Int64
-		var wg sync.WaitGroup
-		for range workers {
-			wg.Go(func() {
-				for i := int(next.Add(1) - 1); i < n; i = int(next.Add(1) - 1) {
-					sum(i)
-				}
-			})
-		}
-		wg.Wait()
-	} else {
+	workers := min(runtime.GOMAXPROCS(0), maxVerifyWorkers, n)
+	if sumBytes < parallelVerifyMin || workers < 2 {
 		for i := range n {
-			sum(i)
+			if crc := extentCRC(dst[i], &ext[i], counted); crc != m.CRC[i] {
+				return fmt.Errorf("%w: extent %d: crc32c %08x landed, manifest says %08x (grant %d)", ErrManifestMismatch, i, crc, m.CRC[i], g.id)
+			}
 		}
+		return nil
 	}
+	// The writer is idle waiting for the verdict: use the other cores.
+	crcs := make([]uint32, n)
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Go(func() {
+			for i := int(next.Add(1) - 1); i < n; i = int(next.Add(1) - 1) {
+				crcs[i] = extentCRC(dst[i], &ext[i], counted)
+			}
+		})
+	}
+	wg.Wait()
 	for i, crc := range crcs {
 		if crc != m.CRC[i] {
 			return fmt.Errorf("%w: extent %d: crc32c %08x landed, manifest says %08x (grant %d)", ErrManifestMismatch, i, crc, m.CRC[i], g.id)
 		}
 	}
 	return nil
+}
+
+// extentCRC returns the crc32c of a landed extent: the one kept while it
+// landed in order, else computed over d.
+func extentCRC(d []byte, st *extState, counted bool) uint32 {
+	if counted && st.seq && st.next == uint64(len(d)) {
+		return st.crc
+	}
+	return crc32c.Checksum(d)
 }
 
 const (
@@ -417,8 +422,9 @@ func (g *Grant) settleLocked(s grantState, err error) {
 	}
 }
 
-// terminate fails the grant with cause unless it is already terminal, aborts
-// in-flight landings, fences shm, and returns once nothing can land.
+// terminate fails the grant with cause (nil: revoked) unless it is already
+// terminal, aborts in-flight landings, fences shm, and returns once nothing
+// can land.
 func (g *Grant) terminate(cause error) {
 	g.mu.Lock()
 	switch g.state {
@@ -429,6 +435,9 @@ func (g *Grant) terminate(cause error) {
 		g.mu.Unlock()
 		<-g.done
 		return
+	}
+	if cause == nil { // built only here: a committed grant is revoked after every delivery
+		cause = fmt.Errorf("%w: grant %d (request %d)", ErrRevoked, g.id, g.ticket.RequestID)
 	}
 	g.settleLocked(grantFailed, cause)
 	for _, l := range g.landers {
@@ -469,7 +478,9 @@ func (g *Grant) finish() {
 	} else {
 		g.e.stats.grantsFailed.Add(1)
 	}
-	g.e.log.Debug("rdma: grant settled", "grant", g.id, "request", g.ticket.RequestID, "err", err)
+	if g.e.log.Enabled(context.Background(), slog.LevelDebug) { // the arguments would allocate
+		g.e.log.Debug("rdma: grant settled", "grant", g.id, "request", g.ticket.RequestID, "err", err)
+	}
 }
 
 // crc32Update extends a crc32c with b (AVX-512 folding where the core has
