@@ -180,7 +180,8 @@ type Engine struct {
 	grants   map[uint64]*Grant
 	settled  map[uint64]*Grant
 	busy     map[RegionID][]busySpan // destinations held by open grants, sorted
-	ring     []uint64                // settled grant ids, oldest first
+	ring     []uint64                // settled grant ids, a circle of up to tombstones from ringAt
+	ringAt   int                     // where the next settled id goes once the ring is full
 	ops      sync.WaitGroup
 	tcp      *tcpServer
 	shm      *shmServer
@@ -399,13 +400,19 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 	e.mu.Unlock()
 
 	e.stats.grantsOpened.Add(1)
-	e.log.Debug("rdma: grant opened", "grant", g.id, "request", spec.RequestID, "extents", len(spec.Extents), "bytes", total, "deadline", deadline)
+	if e.log.Enabled(context.Background(), slog.LevelDebug) { // the arguments would allocate
+		e.log.Debug("rdma: grant opened", "grant", g.id, "request", spec.RequestID, "extents", len(spec.Extents), "bytes", total, "deadline", deadline)
+	}
 	return g, nil
 }
 
 // checkDisjoint refuses extents of one grant that overlap each other, and
-// returns them sorted by region and offset.
+// returns them sorted by region and offset (xs itself when it is one extent;
+// the caller only reads the result).
 func checkDisjoint(xs []Extent) ([]Extent, error) {
+	if len(xs) == 1 {
+		return xs, nil
+	}
 	s := slices.Clone(xs)
 	slices.SortFunc(s, func(a, b Extent) int {
 		if a.Region != b.Region {
@@ -453,22 +460,30 @@ func (e *Engine) checkBusyLocked(sorted []Extent) error {
 }
 
 // markBusyLocked merges a new grant's (sorted, checked) extents into the
-// busy lists. e.mu is held.
+// busy lists, in place from the back (a list keeps its capacity as grants
+// come and go). e.mu is held.
 func (e *Engine) markBusyLocked(sorted []Extent, grant uint64) {
-	for i := 0; i < len(sorted); {
-		r := sorted[i].Region
-		old := e.busy[r]
-		merged := make([]busySpan, 0, len(old)+len(sorted)-i)
-		j := 0
-		for ; i < len(sorted) && sorted[i].Region == r; i++ {
-			x := sorted[i]
-			for j < len(old) && old[j].off < x.Offset {
-				merged = append(merged, old[j])
-				j++
-			}
-			merged = append(merged, busySpan{x.Offset, x.Offset + x.Length, grant})
+	for start := 0; start < len(sorted); {
+		r := sorted[start].Region
+		end := start + 1
+		for end < len(sorted) && sorted[end].Region == r {
+			end++
 		}
-		e.busy[r] = append(merged, old[j:]...)
+		spans := e.busy[r]
+		n, k := len(spans), end-start
+		spans = slices.Grow(spans, k)[:n+k]
+		i, j := n-1, end-1
+		for w := n + k - 1; j >= start; w-- {
+			if x := sorted[j]; i >= 0 && spans[i].off >= x.Offset {
+				spans[w] = spans[i]
+				i--
+			} else {
+				spans[w] = busySpan{x.Offset, x.Offset + x.Length, grant}
+				j--
+			}
+		}
+		e.busy[r] = spans
+		start = end
 	}
 }
 
@@ -519,10 +534,12 @@ func (e *Engine) retire(g *Grant) {
 		e.shm.release(g)
 	}
 	e.settled[g.id] = g
-	e.ring = append(e.ring, g.id)
-	if len(e.ring) > tombstones {
-		delete(e.settled, e.ring[0])
-		e.ring = e.ring[1:]
+	if len(e.ring) < tombstones {
+		e.ring = append(e.ring, g.id)
+	} else { // forget the oldest, in its place
+		delete(e.settled, e.ring[e.ringAt])
+		e.ring[e.ringAt] = g.id
+		e.ringAt = (e.ringAt + 1) % tombstones
 	}
 }
 
@@ -695,10 +712,12 @@ type piece struct {
 
 // writeOp is one Write as the backends see it.
 type writeOp struct {
-	t        *Ticket
+	t        *Ticket // &tk
+	tk       Ticket
 	pieces   []piece
-	manifest *Manifest // Bytes set; CRC filled by the backend through sum
-	noCRC    bool      // SkipCRC: the manifest carries byte counts only
+	manifest *Manifest // &mf: Bytes set; CRC filled by the backend through sum
+	mf       Manifest
+	noCRC    bool // SkipCRC: the manifest carries byte counts only
 }
 
 // sum folds src, the next bytes of destination extent ext, into the
@@ -755,10 +774,11 @@ func (e *Engine) Write(ctx context.Context, peer Descriptor, t Ticket, src []Ext
 	op := opPool.Get().(*writeOp)
 	defer func() {
 		clear(op.pieces)
-		op.pieces, op.t, op.manifest, op.noCRC = op.pieces[:0], nil, nil, false
+		op.pieces, op.t, op.tk, op.manifest, op.mf, op.noCRC = op.pieces[:0], nil, Ticket{}, nil, Manifest{}, false
 		opPool.Put(op)
 	}()
-	op.t, op.manifest, op.noCRC = &t, &m, e.cfg.SkipCRC
+	op.tk, op.mf = t, m // in the pooled op, so that neither escapes; mf shares m's arrays
+	op.t, op.manifest, op.noCRC = &op.tk, &op.mf, e.cfg.SkipCRC
 	if err := e.split(op, src, total); err != nil {
 		return Manifest{}, err
 	}
