@@ -58,10 +58,11 @@
 // commit). inproc: from 1 MiB per write it sums on another goroutine while
 // it copies; smaller writes are summed inline in 128 KiB chunks. A tcp or
 // inproc receiver sums the data as it lands, chunk by chunk right after each
-// read. shm: the writer copies 64 KiB at a time into the mapped
-// destination and sums the destination chunk right after, while it is in
-// cache, so the manifest certifies what landed; from 1 MiB and two extents
-// per write two goroutines share the extents. Writers add the bytes they
+// read. shm: the writer copies into the mapped destination with
+// crc32c.CopyUpdate, which sums the bytes from the registers that store
+// them (one pass over memory, as fast as the copy alone), so the manifest
+// certifies what landed; from 1 MiB and two extents per write two
+// goroutines share the extents. Writers add the bytes they
 // copied to the grant's slot, and the receiver checks that count at commit.
 // It takes the writer's sums as they are: a shm writer maps the receiver's
 // whole regions (same user only: the control socket is mode 0600), so a

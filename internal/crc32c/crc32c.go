@@ -20,6 +20,22 @@ func Update(crc uint32, p []byte) uint32 {
 	return crc32.Update(crc, table, p)
 }
 
+// CopyUpdate copies src into dst, which must be at least as long and must
+// not overlap it, and returns Update(crc, src). With folding the bytes are summed from the
+// registers that copy them, in one pass over memory: about the cost of the
+// copy alone, where a copy and then a sum of the destination costs half
+// as much again.
+func CopyUpdate(crc uint32, dst, src []byte) uint32 {
+	if len(dst) < len(src) {
+		panic("crc32c: CopyUpdate destination shorter than source")
+	}
+	if len(src) >= foldMin && haveFold {
+		return copyUpdateFold(crc, dst, src)
+	}
+	copy(dst, src)
+	return crc32.Update(crc, table, src)
+}
+
 // Checksum returns the CRC-32C of p.
 func Checksum(p []byte) uint32 { return Update(0, p) }
 

@@ -1,6 +1,7 @@
 package crc32c
 
 import (
+	"bytes"
 	"hash/crc32"
 	"math/rand/v2"
 	"testing"
@@ -53,9 +54,36 @@ func TestUpdateLongAndStreamed(t *testing.T) {
 	require.Equal(t, uint32(0xe3069283), Checksum([]byte("123456789")))
 }
 
+func TestCopyUpdate(t *testing.T) {
+	rng := rand.New(rand.NewPCG(5, 6))
+	src := make([]byte, 5*foldBytes+128)
+	for i := range src {
+		src[i] = byte(rng.Uint32())
+	}
+	dst := make([]byte, len(src)+64)
+	for n := 0; n <= len(src)-64; n++ {
+		so, do := n%64, (n*7)%64
+		p := src[so : so+n]
+		for i := range dst {
+			dst[i] = 0xA5
+		}
+		crc := rng.Uint32()
+		require.Equal(t, reference(crc, p), CopyUpdate(crc, dst[do:do+n+1], p), "len %d", n)
+		require.Equal(t, p, dst[do:do+n], "len %d: copied bytes", n)
+		for i, b := range dst {
+			if (i < do || i >= do+n) && b != 0xA5 {
+				t.Fatalf("len %d: byte %d outside the copy changed", n, i)
+			}
+		}
+	}
+	require.Panics(t, func() { CopyUpdate(0, make([]byte, 3), make([]byte, 4)) })
+}
+
 func TestUpdateAllocatesNothing(t *testing.T) {
 	p := make([]byte, 64<<10)
 	require.Zero(t, testing.AllocsPerRun(100, func() { Update(1, p) }))
+	d := make([]byte, len(p))
+	require.Zero(t, testing.AllocsPerRun(100, func() { CopyUpdate(1, d, p) }))
 }
 
 func FuzzUpdate(f *testing.F) {
@@ -70,6 +98,10 @@ func FuzzUpdate(f *testing.F) {
 				t.Fatalf("folded, len %d: %#x, want %#x", len(p), got, want)
 			}
 		}
+		d := make([]byte, len(p))
+		if got, want := CopyUpdate(crc, d, p), reference(crc, p); got != want || !bytes.Equal(d, p) {
+			t.Fatalf("CopyUpdate, len %d: %#x, want %#x (copy equal: %v)", len(p), got, want, bytes.Equal(d, p))
+		}
 	})
 }
 
@@ -78,6 +110,38 @@ func benchmark(b *testing.B, n int, f func(uint32, []byte) uint32) {
 	b.SetBytes(int64(n))
 	for b.Loop() {
 		f(0, p)
+	}
+}
+
+// BenchmarkCopyUpdate copies 8 MiB in 64 KiB chunks into a 32 MiB
+// destination (two slots in turn, larger than most L2s) and sums it: in one
+// pass, and as a copy then a sum of the destination chunk.
+func BenchmarkCopyUpdate(b *testing.B) {
+	const total, chunk = 8 << 20, 64 << 10
+	src, dst := make([]byte, total), make([]byte, 4*total)
+	for i := range src {
+		src[i] = byte(i)
+	}
+	for _, tc := range []struct {
+		name string
+		f    func(crc uint32, d, s []byte) uint32
+	}{
+		{"copy", func(crc uint32, d, s []byte) uint32 { copy(d, s); return crc }},
+		{"fused", CopyUpdate},
+		{"copy-then-sum", func(crc uint32, d, s []byte) uint32 { copy(d, s); return Update(crc, d) }},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			b.SetBytes(total)
+			slot := 0
+			for b.Loop() {
+				base := slot % 4 * total
+				slot++
+				var crc uint32
+				for o := 0; o < total; o += chunk {
+					crc = tc.f(crc, dst[base+o:base+o+chunk], src[o:o+chunk])
+				}
+			}
+		})
 	}
 }
 

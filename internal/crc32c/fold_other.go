@@ -7,3 +7,8 @@ import "hash/crc32"
 const haveFold = false
 
 func updateFold(crc uint32, p []byte) uint32 { return crc32.Update(crc, table, p) }
+
+func copyUpdateFold(crc uint32, dst, src []byte) uint32 {
+	copy(dst, src)
+	return crc32.Update(crc, table, src)
+}
