@@ -154,7 +154,9 @@ type Prefiller struct {
 	reg   *Registry
 	tasks map[uint64]*task // by request id, each the head of a list (task.next)
 	wg    sync.WaitGroup
-	peers peerCache // the last requester's descriptor, see decodePrefillRequest
+	work  chan taskStart // to an idle worker; unbuffered (see dispatchLocked)
+	quit  chan struct{}  // closed when intake stops: idle workers exit
+	peers peerCache      // the last requester's descriptor, see decodePrefillRequest
 
 	// Pre-connection to decode instances seen in the registry, so a first
 	// handoff does not pay the data plane's connection set-up.
@@ -184,6 +186,7 @@ func NewPrefiller(cfg PrefillerConfig, nc *nats.Conn, eng *rdma.Engine, exec Pre
 		return nil, fmt.Errorf("%w: nil executor", ErrInvalidConfig)
 	}
 	p := &Prefiller{cfg: cfg, nc: nc, eng: eng, exec: exec, tasks: map[uint64]*task{},
+		work: make(chan taskStart), quit: make(chan struct{}),
 		connected: map[string]string{}, maxPayload: nc.MaxPayload()}
 	p.connCtx, p.connCancel = context.WithCancel(context.Background())
 	return p, nil
@@ -448,6 +451,9 @@ func (p *Prefiller) Shutdown(ctx context.Context) error {
 // stopped, once, for the caller to stop after unlocking. The registry stays
 // open until after the drain, so decoders keep seeing us meanwhile.
 func (p *Prefiller) stopIntakeLocked() intake {
+	if p.state != 2 {
+		close(p.quit) // no task is dispatched any more
+	}
 	p.state = 2
 	in := p.in
 	p.in = intake{}
@@ -603,7 +609,7 @@ func (p *Prefiller) handle(r micro.Request) {
 	p.tasks[m.RequestID] = t
 	p.inflight.Add(1)
 	if !p.inline(t) {
-		p.wg.Go(func() { t.run(acts) })
+		p.dispatchLocked(taskStart{t, acts})
 		p.mu.Unlock()
 		return
 	}
@@ -611,6 +617,51 @@ func (p *Prefiller) handle(r micro.Request) {
 	p.mu.Unlock()
 	defer p.wg.Done()
 	t.run(acts)
+}
+
+// taskStart is a task to run and its first actions.
+type taskStart struct {
+	t    *task
+	acts []Action
+}
+
+// workerIdle is how long a worker waits for its next task before it exits.
+const workerIdle = 10 * time.Second
+
+// dispatchLocked runs s off the dispatch goroutine: on an idle worker when
+// one waits, else on a new one. A steady stream of requests reuses workers,
+// whose stacks are already grown; a burst gets a goroutine per task, and the
+// extra workers exit once idle for workerIdle. p.mu is held and the
+// prefiller is serving (p.quit is open).
+func (p *Prefiller) dispatchLocked(s taskStart) {
+	select {
+	case p.work <- s:
+	default:
+		p.wg.Go(func() { p.worker(s) })
+	}
+}
+
+// worker runs s, then the tasks dispatched to it, until it idled for
+// workerIdle or intake stopped.
+func (p *Prefiller) worker(s taskStart) {
+	var idle *time.Timer
+	for {
+		s.t.run(s.acts)
+		s = taskStart{}
+		if idle == nil {
+			idle = time.NewTimer(workerIdle)
+		} else {
+			idle.Reset(workerIdle)
+		}
+		select {
+		case s = <-p.work:
+		case <-idle.C:
+			return
+		case <-p.quit:
+			idle.Stop()
+			return
+		}
+	}
 }
 
 // inline reports whether t may run on the dispatch goroutine (see
