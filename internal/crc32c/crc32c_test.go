@@ -75,6 +75,25 @@ func TestCopyUpdate(t *testing.T) {
 				t.Fatalf("len %d: byte %d outside the copy changed", n, i)
 			}
 		}
+		if haveFold && n >= foldBytes { // the fused assembly, below fuseMin too
+			for i := range dst {
+				dst[i] = 0xA5
+			}
+			require.Equal(t, reference(crc, p), copyUpdateFold(crc, dst[do:do+n+1], p), "fused, len %d", n)
+			require.Equal(t, p, dst[do:do+n], "fused, len %d: copied bytes", n)
+			require.Equal(t, byte(0xA5), dst[do+n], "fused, len %d: byte after the copy", n)
+		}
+	}
+	// Long copies, at odd offsets.
+	big := make([]byte, 3<<20)
+	for i := range big {
+		big[i] = byte(rng.Uint32())
+	}
+	out := make([]byte, len(big)+64)
+	for _, n := range []int{fuseMin, fuseMin + 1, 1 << 20, 3<<20 - 3} {
+		p := big[3 : 3+n-3]
+		require.Equal(t, reference(9, p), CopyUpdate(9, out[5:], p), "len %d", len(p))
+		require.Equal(t, p, out[5:5+len(p)])
 	}
 	require.Panics(t, func() { CopyUpdate(0, make([]byte, 3), make([]byte, 4)) })
 }
@@ -102,6 +121,12 @@ func FuzzUpdate(f *testing.F) {
 		if got, want := CopyUpdate(crc, d, p), reference(crc, p); got != want || !bytes.Equal(d, p) {
 			t.Fatalf("CopyUpdate, len %d: %#x, want %#x (copy equal: %v)", len(p), got, want, bytes.Equal(d, p))
 		}
+		if haveFold && len(p) >= foldBytes {
+			d := make([]byte, len(p))
+			if got, want := copyUpdateFold(crc, d, p), reference(crc, p); got != want || !bytes.Equal(d, p) {
+				t.Fatalf("fused, len %d: %#x, want %#x (copy equal: %v)", len(p), got, want, bytes.Equal(d, p))
+			}
+		}
 	})
 }
 
@@ -113,11 +138,17 @@ func benchmark(b *testing.B, n int, f func(uint32, []byte) uint32) {
 	}
 }
 
-// BenchmarkCopyUpdate copies 8 MiB in 64 KiB chunks into a 32 MiB
+// BenchmarkCopyUpdate copies 8 MiB in 4 or 64 KiB chunks into a 32 MiB
 // destination (two slots in turn, larger than most L2s) and sums it: in one
 // pass, and as a copy then a sum of the destination chunk.
 func BenchmarkCopyUpdate(b *testing.B) {
-	const total, chunk = 8 << 20, 64 << 10
+	for _, chunk := range []int{4 << 10, 64 << 10} {
+		b.Run(sizeName(chunk), func(b *testing.B) { benchmarkCopyUpdate(b, chunk) })
+	}
+}
+
+func benchmarkCopyUpdate(b *testing.B, chunk int) {
+	const total = 8 << 20
 	src, dst := make([]byte, total), make([]byte, 4*total)
 	for i := range src {
 		src[i] = byte(i)
@@ -129,6 +160,7 @@ func BenchmarkCopyUpdate(b *testing.B) {
 		{"copy", func(crc uint32, d, s []byte) uint32 { copy(d, s); return crc }},
 		{"fused", CopyUpdate},
 		{"copy-then-sum", func(crc uint32, d, s []byte) uint32 { copy(d, s); return Update(crc, d) }},
+		{"copy-then-sse42", func(crc uint32, d, s []byte) uint32 { copy(d, s); return reference(crc, d) }},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			b.SetBytes(total)
