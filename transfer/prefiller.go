@@ -502,8 +502,7 @@ type task struct {
 	sess   SendSession
 	lease  Lease
 
-	ctx    context.Context
-	cancel context.CancelFunc
+	ctx    deadlineCtx   // the task's context: its steps take &ctx
 	aborts atomic.Uint32 // external abort code, first one wins
 
 	out      Prefilled
@@ -536,7 +535,7 @@ func (p *Prefiller) removeTaskLocked(t *task) {
 
 func (t *task) abort(code Code) {
 	if t.aborts.CompareAndSwap(0, uint32(code)) {
-		t.cancel()
+		t.ctx.cancel()
 	}
 }
 
@@ -596,11 +595,11 @@ func (p *Prefiller) handle(r micro.Request) {
 		}
 		return
 	}
-	t.ctx, t.cancel = context.WithDeadline(context.Background(), deadline)
+	t.ctx.deadline = deadline
 	p.mu.Lock()
 	if st := p.state; st != 1 { // shut down while admitting
 		p.mu.Unlock()
-		t.cancel()
+		t.ctx.cancel()
 		lease.Release()
 		p.refuseNotServing(r, t, st)
 		return
@@ -625,14 +624,15 @@ type taskStart struct {
 	acts []Action
 }
 
-// workerIdle is how long a worker waits for its next task before it exits.
+// workerIdle is how long a worker waits for a task before it exits (up to
+// twice as long: the idle check runs every workerIdle, not per task).
 const workerIdle = 10 * time.Second
 
 // dispatchLocked runs s off the dispatch goroutine: on an idle worker when
 // one waits, else on a new one. A steady stream of requests reuses workers,
 // whose stacks are already grown; a burst gets a goroutine per task, and the
-// extra workers exit once idle for workerIdle. p.mu is held and the
-// prefiller is serving (p.quit is open).
+// extra workers exit once idle. p.mu is held and the prefiller is serving
+// (p.quit is open).
 func (p *Prefiller) dispatchLocked(s taskStart) {
 	select {
 	case p.work <- s:
@@ -641,24 +641,26 @@ func (p *Prefiller) dispatchLocked(s taskStart) {
 	}
 }
 
-// worker runs s, then the tasks dispatched to it, until it idled for
-// workerIdle or intake stopped.
+// worker runs s, then the tasks dispatched to it, until a workerIdle period
+// passed without one or intake stopped.
 func (p *Prefiller) worker(s taskStart) {
-	var idle *time.Timer
+	idle := time.NewTimer(workerIdle)
+	defer idle.Stop()
+	busy := false // ran a task since idle was last set
 	for {
-		s.t.run(s.acts)
-		s = taskStart{}
-		if idle == nil {
-			idle = time.NewTimer(workerIdle)
-		} else {
-			idle.Reset(workerIdle)
+		if s.t != nil {
+			s.t.run(s.acts)
+			s, busy = taskStart{}, true
 		}
 		select {
 		case s = <-p.work:
 		case <-idle.C:
-			return
+			if !busy {
+				return
+			}
+			busy = false
+			idle.Reset(workerIdle)
 		case <-p.quit:
-			idle.Stop()
 			return
 		}
 	}
@@ -728,7 +730,7 @@ func (t *task) replyFor(code Code) PrefillReply {
 func (t *task) run(acts []Action) {
 	p := t.p
 	defer func() {
-		t.cancel()
+		t.ctx.cancel()
 		p.mu.Lock()
 		p.removeTaskLocked(t)
 		p.mu.Unlock()
@@ -745,7 +747,7 @@ func (t *task) run(acts []Action) {
 		switch a.Kind {
 		case ActPrefill:
 			start := time.Now()
-			out, err := t.lease.Prefill(t.ctx)
+			out, err := t.lease.Prefill(&t.ctx)
 			t.pf = time.Since(start)
 			ev := Event{Kind: EvPrefilled}
 			if err != nil {
@@ -762,7 +764,7 @@ func (t *task) run(acts []Action) {
 		case ActWrite:
 			start := time.Now()
 			src := append(append(t.src[:0], t.out.Source.KV...), t.out.Source.Mamba)
-			m, err := p.eng.Write(t.ctx, t.peer, t.ticket, src)
+			m, err := p.eng.Write(&t.ctx, t.peer, t.ticket, src)
 			t.wr = time.Since(start)
 			ev := Event{Kind: EvWritten, Manifest: m}
 			if err != nil {
@@ -773,7 +775,7 @@ func (t *task) run(acts []Action) {
 			}
 			outcome = &ev
 		case ActAbort:
-			t.cancel()
+			t.ctx.cancel()
 		case ActRelease:
 			t.lease.Release()
 		case ActReply:
