@@ -200,6 +200,16 @@ func (l *landing) fill(b []byte) {
 	}
 }
 
+// copyFill copies src into dst, the next bytes of the landing, and extends
+// the crc over them in the same pass when tracked.
+func (l *landing) copyFill(dst, src []byte) {
+	if l.track {
+		l.crc = crc32c.CopyUpdate(l.crc, dst, src)
+		return
+	}
+	copy(dst, src)
+}
+
 // beginLand admits one data frame: it checks token, epoch, state, deadline
 // and that [off, off+n) lies inside extent idx, then registers the landing as
 // in flight and returns it. The caller fills dst (calling fill on each
@@ -207,12 +217,18 @@ func (l *landing) fill(b []byte) {
 // the grant is fenced. A frame with the right token but out of range fails
 // the grant.
 func (g *Grant) beginLand(epoch uint64, token *[16]byte, idx uint32, off, n uint64, ab lander) (landing, error) {
+	return g.beginLandAt(time.Now(), epoch, token, idx, off, n, ab)
+}
+
+// beginLandAt is beginLand with the deadline checked against now, for a
+// writer that lands many small pieces and reads the clock once per batch.
+func (g *Grant) beginLandAt(now time.Time, epoch uint64, token *[16]byte, idx uint32, off, n uint64, ab lander) (landing, error) {
 	g.mu.Lock()
 	if err := g.checkLocked(epoch, token); err != nil {
 		g.mu.Unlock()
 		return landing{}, err
 	}
-	if g.expired(time.Now()) {
+	if g.expired(now) {
 		g.mu.Unlock()
 		err := g.deadlineErr()
 		g.terminate(err)

@@ -3,6 +3,7 @@ package rdma
 import (
 	"context"
 	"sync"
+	"time"
 )
 
 // inprocEngines lists the live engines of this process by agent, so that a
@@ -76,23 +77,26 @@ func (l *inprocLink) write(ctx context.Context, op *writeOp) error {
 			}
 		}()
 	}
+	var now time.Time
 	for i := range op.pieces {
 		if i&63 == 0 {
 			if err := ctx.Err(); err != nil {
 				return err
 			}
+			now = time.Now()
 		}
 		p := &op.pieces[i]
-		ld, err := g.beginLand(op.t.Epoch, &op.t.Token, p.ext, p.off, uint64(len(p.src)), nil)
+		ld, err := g.beginLandAt(now, op.t.Epoch, &op.t.Token, p.ext, p.off, uint64(len(p.src)), nil)
 		if err != nil {
 			l.rx.stats.framesRefused.Add(1)
 			return remoteErr(l.rx.cfg.Agent, err)
 		}
-		// Copy in cache-sized chunks; both crcs read the chunk while it is hot.
+		// Copy in cache-sized chunks: the receiver's crc comes with the
+		// copy, the writer's (unless summed aside) reads the source chunk
+		// while it is hot.
 		for off := 0; off < len(p.src); off += landChunk {
 			end := min(off+landChunk, len(p.src))
-			copy(ld.dst[off:end], p.src[off:end])
-			ld.fill(ld.dst[off:end])
+			ld.copyFill(ld.dst[off:end], p.src[off:end])
 			if wait == nil {
 				op.sum(p.ext, p.src[off:end])
 			}
