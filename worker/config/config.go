@@ -55,6 +55,7 @@ type Config struct {
 	DataAddr       string
 	DataAdvertise  string
 	Transport      string // auto, tcp, shm, inproc
+	TCPLanes       int    // connections one large tcp write is striped over
 	AdminAddr      string
 	LogLevel       slog.Level
 	LogFormat      string // json, text
@@ -121,6 +122,7 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	str(&c.DataAddr, "data-addr", "HANDOFF_DATA_ADDR", DefaultDataAddr, "data-plane TCP listen address", false)
 	str(&c.DataAdvertise, "data-advertise", "HANDOFF_DATA_ADVERTISE", "", "data-plane address peers dial (default $POD_IP:<port> when POD_IP is set, else the listener's)", false)
 	str(&c.Transport, "transport", "HANDOFF_TRANSPORT", "auto", "data-plane transport: auto, tcp, shm or inproc", false)
+	num(&c.TCPLanes, "tcp-lanes", "HANDOFF_TCP_LANES", 4, "tcp connections one large cache write is striped over (1: one)")
 	str(&c.AdminAddr, "admin-addr", "HANDOFF_ADMIN_ADDR", adminDefault, "admin HTTP address (/livez, /readyz, /metrics); empty disables", false)
 	str(&logLevel, "log-level", "HANDOFF_LOG_LEVEL", "info", "log level: debug, info, warn, error", false)
 	str(&c.LogFormat, "log-format", "HANDOFF_LOG_FORMAT", "json", "log format: json or text", false)
@@ -204,6 +206,9 @@ func (c *Config) Validate() error {
 	}
 	if c.KVBlocks < 0 {
 		bad("--kv-blocks %d: want ≥ 0", c.KVBlocks)
+	}
+	if c.TCPLanes < 1 || c.TCPLanes > 64 {
+		bad("--tcp-lanes %d: want 1..64", c.TCPLanes)
 	}
 	if c.QueueSize < 1 {
 		bad("--queue-size %d: want ≥ 1", c.QueueSize)

@@ -34,6 +34,7 @@ func TestDefaults(t *testing.T) {
 	require.Equal(t, slog.LevelInfo, c.LogLevel)
 	require.Equal(t, "json", c.LogFormat)
 	require.False(t, c.Standalone)
+	require.Equal(t, 4, c.TCPLanes)
 
 	p, err := Parse(worker.RolePrefill, nil, envOf(nil), &bytes.Buffer{})
 	require.NoError(t, err)
@@ -45,7 +46,7 @@ func TestDefaults(t *testing.T) {
 func TestPrecedence(t *testing.T) {
 	env := envOf(map[string]string{
 		"HANDOFF_DP_SIZE": "4", "NATS_URL": "nats://env:4222", "HANDOFF_LOG_LEVEL": "debug",
-		"HANDOFF_DRAIN_TIMEOUT": "5s", "POD_IP": "10.1.2.3", "HANDOFF_PREFILL": "local",
+		"HANDOFF_DRAIN_TIMEOUT": "5s", "POD_IP": "10.1.2.3", "HANDOFF_PREFILL": "local", "HANDOFF_TCP_LANES": "2",
 	})
 	c, err := Parse(worker.RoleDecode, []string{"--dp-size", "2", "--data-addr", ":7500"}, env, &bytes.Buffer{})
 	require.NoError(t, err)
@@ -56,6 +57,7 @@ func TestPrecedence(t *testing.T) {
 	require.Equal(t, 5*time.Second, c.DrainTimeout)
 	require.Equal(t, "10.1.2.3:7500", c.DataAdvertise)
 	require.Equal(t, "local", c.Prefill)
+	require.Equal(t, 2, c.TCPLanes)
 
 	c, err = Parse(worker.RoleDecode, []string{"--dp-size=2", "--attention-dp=false", "--standalone"}, envOf(nil), &bytes.Buffer{})
 	require.NoError(t, err)
@@ -85,6 +87,7 @@ func TestInvalid(t *testing.T) {
 		{"decode flag on prefill", worker.RolePrefill, []string{"--http-addr", ":1"}, nil},
 		{"stray argument", worker.RoleDecode, []string{"extra"}, nil},
 		{"bad attention dp", worker.RoleDecode, []string{"--attention-dp", "maybe"}, nil},
+		{"no tcp lanes", worker.RolePrefill, []string{"--tcp-lanes", "0"}, nil},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -101,7 +101,7 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool) (*node, error) 
 	}
 	n := &node{cfg: cfg, log: log, exec: exec, spec: spec, fingerprint: spec.Fingerprint()}
 	if remote {
-		rc := rdma.Config{Agent: rdma.AgentID(cfg.InstanceID), TCPAddr: cfg.DataAddr, Advertise: cfg.DataAdvertise, Logger: log}
+		rc := rdma.Config{Agent: rdma.AgentID(cfg.InstanceID), TCPAddr: cfg.DataAddr, Advertise: cfg.DataAdvertise, TCPLanes: cfg.TCPLanes, Logger: log}
 		if cfg.Transport != "auto" {
 			rc.Transports = []rdma.Transport{rdma.Transport(cfg.Transport)}
 			if cfg.Transport != "tcp" {
