@@ -61,8 +61,8 @@
 // read. shm: the writer copies into the mapped destination with
 // crc32c.CopyUpdate, which sums the bytes from the registers that store
 // them (one pass over memory, as fast as the copy alone), so the manifest
-// certifies what landed; from 1 MiB and two extents per write two
-// goroutines share the extents. Writers add the bytes they
+// certifies what landed. One goroutine copies: the copy is bound by memory
+// bandwidth, and a second one measured slower. Writers add the bytes they
 // copied to the grant's slot, and the receiver checks that count at commit.
 // It takes the writer's sums as they are: a shm writer maps the receiver's
 // whole regions (same user only: the control socket is mode 0600), so a

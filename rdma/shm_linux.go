@@ -58,7 +58,7 @@ const shmSupported = true
 // through their share.
 const (
 	slotSize   = 64
-	shmBracket = 4 << 20   // bytes copied per worker per CAS bracket: bounds Revoke's wait (~0.2 ms)
+	shmBracket = 4 << 20   // bytes copied per CAS bracket: bounds Revoke's wait (~0.1 ms)
 	shmSubCopy = 256 << 10 // copied and summed in one pass (crc32c.CopyUpdate)
 
 	slotClosed  = 0
@@ -672,31 +672,8 @@ func (l *shmLink) copyAll(ctx context.Context, op *writeOp) error {
 	writing := slotWord(slotWriting, l.wid, t.Epoch)
 	sl.writer().Store(l.wid)
 
-	var ws [2]shmCursor
-	ws[0] = shmCursor{l: l, op: op, pieces: op.pieces}
-	nw := 1
-	if cut := shmSplit(op); cut > 0 {
-		ws[0].pieces, ws[1] = op.pieces[:cut], shmCursor{l: l, op: op, pieces: op.pieces[cut:]}
-		nw = 2
-	}
-	var req chan struct{}
-	var done chan uint64
-	if nw == 2 {
-		// The helper copies its share of each bracket when told to.
-		req, done = make(chan struct{}), make(chan uint64)
-		go func() {
-			for range req {
-				done <- ws[1].step(shmBracket)
-			}
-			close(done)
-		}()
-		defer func() {
-			close(req)
-			for range done {
-			}
-		}()
-	}
-	for ws[0].more() || nw == 2 && ws[1].more() {
+	c := shmCursor{l: l, op: op, pieces: op.pieces}
+	for c.more() {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
@@ -706,47 +683,15 @@ func (l *shmLink) copyAll(ctx context.Context, op *writeOp) error {
 		if !sl.state().CompareAndSwap(open, writing) {
 			return errSlotRefused
 		}
-		helping := nw == 2 && ws[1].more()
-		if helping {
-			req <- struct{}{}
-		}
-		n := ws[0].step(shmBracket)
-		if helping {
-			n += <-done
-		}
+		n := c.step(shmBracket)
 		sl.copied().Add(n)
 		sl.state().Store(open)
 	}
 	return nil
 }
 
-// shmSplit returns where op's pieces are cut between two copying
-// goroutines (0: one goroutine copies all): at an extent boundary near the
-// middle of the bytes, since each extent's crc runs in order.
-func shmSplit(op *writeOp) int {
-	if op.t.Bytes < parallelSumMin || len(op.t.Extents) < 2 || runtime.GOMAXPROCS(0) < 2 {
-		return 0
-	}
-	var acc uint64
-	best, bestDiff := 0, op.t.Bytes
-	for i := 1; i < len(op.pieces); i++ {
-		acc += uint64(len(op.pieces[i-1].src))
-		if op.pieces[i].ext == op.pieces[i-1].ext {
-			continue
-		}
-		diff := max(acc, op.t.Bytes-acc) - min(acc, op.t.Bytes-acc)
-		if diff < bestDiff {
-			best, bestDiff = i, diff
-		}
-		if acc >= op.t.Bytes/2 {
-			break
-		}
-	}
-	return best
-}
-
-// shmCursor walks a run of op's pieces, copying each into the mapped
-// destination and summing the destination chunk while it is in cache.
+// shmCursor walks op's pieces, copying each into the mapped destination
+// and summing the bytes as they are copied.
 type shmCursor struct {
 	l      *shmLink
 	op     *writeOp
