@@ -698,6 +698,8 @@ type shmCursor struct {
 	pieces []piece
 	pi     int    // current piece
 	off    uint64 // bytes of it done
+	region RegionID
+	mem    []byte // l.regions[region]; nil until the first lookup
 }
 
 func (c *shmCursor) more() bool { return c.pi < len(c.pieces) }
@@ -710,7 +712,10 @@ func (c *shmCursor) step(budget int) uint64 {
 	for c.pi < len(c.pieces) && done < uint64(budget) {
 		p := &c.pieces[c.pi]
 		x := t.Extents[p.ext]
-		mem := c.l.regions[x.Region]
+		if c.mem == nil || x.Region != c.region {
+			c.region, c.mem = x.Region, c.l.regions[x.Region]
+		}
+		mem := c.mem
 		n := min(uint64(len(p.src))-c.off, shmSubCopy, uint64(budget)-done)
 		base := x.Offset + p.off + c.off
 		dst := mem[base : base+n : base+n]
