@@ -137,7 +137,8 @@ type Decoder struct {
 	seq        atomic.Uint64
 	picks      atomic.Uint64 // round-robin offset of pick
 
-	timers sync.Pool // *time.Timer, see getTimer
+	timers   sync.Pool // *time.Timer, see getTimer
+	handoffs sync.Pool // *handoff, see newHandoff
 
 	mu     sync.Mutex
 	calls  map[string]*call // by reply token
@@ -254,12 +255,12 @@ func (d *Decoder) Stats() DecoderStats {
 func (d *Decoder) onReply(m *nats.Msg) {
 	tok := m.Subject[len(d.inbox)+1:]
 	d.mu.Lock()
+	defer d.mu.Unlock()
 	c := d.calls[tok]
-	d.mu.Unlock()
 	if c == nil {
 		return // late reply of a finished handoff
 	}
-	select {
+	select { // under d.mu, so never into a mailbox already reused (see freeHandoff)
 	case c.replies <- m:
 	default: // a third copy: the session ignores duplicates anyway
 	}
@@ -348,14 +349,14 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 	if deadline.IsZero() {
 		deadline = start.Add(d.cfg.DefaultTimeout)
 	}
-	h := &handoff{d: d, req: req, deadline: deadline}
+	h := d.newHandoff()
+	h.d, h.req, h.deadline = d, req, deadline
 	h.sess.init(RecvParams{
 		RequestID: req.ID, MaxDraftTokens: d.cfg.MaxDraftTokens, Deadline: deadline, MaxAttempts: d.cfg.MaxAttempts,
 	})
 	var sb [64]byte
 	h.reply = string(strconv.AppendUint(append(append(sb[:0], d.inbox...), '.'), d.seq.Add(1), 36))
 	h.tok = h.reply[len(d.inbox)+1:]
-	h.mailbox.init()
 	h.c = &h.mailbox
 	d.mu.Lock()
 	if d.closed {
@@ -372,6 +373,7 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 		delete(d.calls, h.tok)
 		d.mu.Unlock()
 		d.inflight.Add(-1)
+		d.freeHandoff(h)
 		d.wg.Done()
 	}()
 
@@ -715,6 +717,32 @@ func rdmaCode(err error) Code {
 	default:
 		return CodePeerFailed
 	}
+}
+
+// newHandoff returns a zero handoff with its mailbox's channels: one a
+// finished handoff left (freeHandoff) or a new one.
+func (d *Decoder) newHandoff() *handoff {
+	if h, ok := d.handoffs.Get().(*handoff); ok {
+		return h
+	}
+	h := new(handoff)
+	h.mailbox.init()
+	return h
+}
+
+// freeHandoff keeps h for a later handoff. h is out of d.calls: nothing
+// sends into its mailbox any more (senders hold d.mu while they look it up
+// and send), and what was sent but not taken is dropped here.
+func (d *Decoder) freeHandoff(h *handoff) {
+	mb := call{replies: h.mailbox.replies, died: h.mailbox.died}
+	for len(mb.replies) > 0 {
+		<-mb.replies
+	}
+	for len(mb.died) > 0 {
+		<-mb.died
+	}
+	*h = handoff{mailbox: mb}
+	d.handoffs.Put(h)
 }
 
 // getTimer returns a deadline timer set to fire after dur: a stopped one of
