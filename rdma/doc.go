@@ -55,10 +55,11 @@
 // else hash/crc32's SSE4.2/ARMv8 instructions).
 // tcp: it sends 1 MiB per writev and sums each batch right after the
 // kernel copied it, while it is in cache (the manifest is needed only by the
-// commit). inproc: from 1 MiB per write it sums on another goroutine while
-// it copies; smaller writes are summed inline in 128 KiB chunks. A tcp or
-// inproc receiver sums the data as it lands, chunk by chunk right after each
-// read. shm: the writer copies into the mapped destination with
+// commit). A tcp receiver sums the data as it lands, chunk by chunk right
+// after each read. inproc: one pass (crc32c.CopyUpdate) copies each chunk
+// and yields the crc for both the writer's manifest and the receiver's
+// landing: in one process they are the same bytes, the case shm's
+// receiver also trusts. shm: the writer copies into the mapped destination with
 // crc32c.CopyUpdate, which sums the bytes from the registers that store
 // them (one pass over memory, as fast as the copy alone), so the manifest
 // certifies what landed. One goroutine copies: the copy is bound by memory

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"runtime"
 	"slices"
 	"sort"
 	"strings"
@@ -679,28 +678,6 @@ func (e *Engine) dial(ctx context.Context, peer Descriptor) (link, error) {
 		return nil, fmt.Errorf("%w: with %s (we serve %v, it serves %v)", ErrNoTransport, peer.Agent, e.served, peer.Transports)
 	}
 	return nil, fmt.Errorf("%w: with %s: %w", ErrNoTransport, peer.Agent, errors.Join(errs...))
-}
-
-// parallelSumMin is the write size from which a writer sums its source on
-// another core while it sends or copies (the manifest is needed only at
-// commit time).
-const parallelSumMin = 1 << 20
-
-// sumAside starts summing op's source on another goroutine when that pays;
-// the returned wait (nil when the caller must sum inline) must be called
-// before the manifest is used.
-func sumAside(op *writeOp) (wait func()) {
-	if op.noCRC || op.t.Bytes < parallelSumMin || runtime.GOMAXPROCS(0) < 2 {
-		return nil
-	}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for i := range op.pieces {
-			op.sum(op.pieces[i].ext, op.pieces[i].src)
-		}
-	}()
-	return func() { <-done }
 }
 
 // piece is one contiguous copy: src lands at offset off of destination extent ext.

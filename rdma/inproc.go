@@ -4,6 +4,8 @@ import (
 	"context"
 	"sync"
 	"time"
+
+	"github.com/handoff-io/handoff/internal/crc32c"
 )
 
 // inprocEngines lists the live engines of this process by agent, so that a
@@ -69,14 +71,6 @@ func (l *inprocLink) write(ctx context.Context, op *writeOp) error {
 	if err != nil {
 		return remoteErr(l.rx.cfg.Agent, err)
 	}
-	wait := sumAside(op) // the writer's sums on another core
-	if wait != nil {
-		defer func() {
-			if wait != nil {
-				wait()
-			}
-		}()
-	}
 	var now time.Time
 	for i := range op.pieces {
 		if i&63 == 0 {
@@ -91,21 +85,21 @@ func (l *inprocLink) write(ctx context.Context, op *writeOp) error {
 			l.rx.stats.framesRefused.Add(1)
 			return remoteErr(l.rx.cfg.Agent, err)
 		}
-		// Copy in cache-sized chunks: the receiver's crc comes with the
-		// copy, the writer's (unless summed aside) reads the source chunk
-		// while it is hot.
 		for off := 0; off < len(p.src); off += landChunk {
 			end := min(off+landChunk, len(p.src))
-			ld.copyFill(ld.dst[off:end], p.src[off:end])
-			if wait == nil {
-				op.sum(p.ext, p.src[off:end])
+			d, s := ld.dst[off:end], p.src[off:end]
+			if ld.track && !op.noCRC && ld.crc == op.manifest.CRC[p.ext] {
+				// One pass for both sides: in one process the bytes the
+				// receiver sums as they land are the ones the writer copies
+				// (as with shm, whose receiver takes the writer's sums).
+				ld.crc = crc32c.CopyUpdate(ld.crc, d, s)
+				op.manifest.CRC[p.ext] = ld.crc
+				continue
 			}
+			ld.copyFill(d, s)
+			op.sum(p.ext, s)
 		}
 		g.endLand(&ld, true, nil)
-	}
-	if wait != nil {
-		wait()
-		wait = nil
 	}
 	return remoteErr(l.rx.cfg.Agent, g.commit(op.t.Epoch, &op.t.Token, op.manifest, true, !op.noCRC))
 }
