@@ -1,6 +1,7 @@
 package rdma
 
 import (
+	"container/heap"
 	"context"
 	"crypto/rand"
 	"errors"
@@ -173,14 +174,21 @@ type Engine struct {
 	nextGrant atomic.Uint64
 	nextEpoch atomic.Uint64
 
-	mu       sync.RWMutex
-	closed   bool
-	regions  map[RegionID]*Region
-	grants   map[uint64]*Grant
-	settled  map[uint64]*Grant
-	busy     map[RegionID][]busySpan // destinations held by open grants, sorted
-	ring     []uint64                // settled grant ids, a circle of up to tombstones from ringAt
-	ringAt   int                     // where the next settled id goes once the ring is full
+	mu      sync.RWMutex
+	closed  bool
+	regions map[RegionID]*Region
+	grants  map[uint64]*Grant
+	settled map[uint64]*Grant
+	busy    map[RegionID][]busySpan // destinations held by open grants, sorted
+	ring    []uint64                // settled grant ids, a circle of up to tombstones from ringAt
+	ringAt  int                     // where the next settled id goes once the ring is full
+	// Open grants by deadline, and one timer for all of them: it is set for
+	// the earliest deadline (or earlier) and moved only when a grant comes
+	// due before it, not per grant.
+	expiry   grantHeap
+	expTimer *time.Timer // nil until the first grant
+	expAt    time.Time   // when expTimer fires, while expArmed
+	expArmed bool
 	ops      sync.WaitGroup
 	tcp      *tcpServer
 	shm      *shmServer
@@ -330,6 +338,7 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 		dst:    make([][]byte, len(spec.Extents)),
 		ext:    make([]extState, len(spec.Extents)),
 		slot:   -1,
+		due:    -1,
 	}
 	g.quiet.L = &g.mu
 	var total uint64
@@ -389,8 +398,9 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 	}
 	g.epoch = e.newEpoch()
 	g.ticket.Grant, g.ticket.Epoch = g.id, g.epoch
-	// The timer exists before anyone can settle the grant (finish stops it).
-	g.timer = time.AfterFunc(deadline.Sub(now), func() { g.terminate(g.deadlineErr()) })
+	// The grant is due before anyone can settle it (retire removes it).
+	heap.Push(&e.expiry, g)
+	e.armExpiryLocked(deadline)
 	e.grants[g.id] = g
 	e.markBusyLocked(sorted, g.id)
 	if e.shm != nil {
@@ -528,6 +538,9 @@ func (e *Engine) retire(g *Grant) {
 		return
 	}
 	delete(e.grants, g.id)
+	if g.due >= 0 {
+		heap.Remove(&e.expiry, g.due)
+	}
 	e.clearBusyLocked(g)
 	if e.shm != nil && g.slot >= 0 {
 		e.shm.release(g)
@@ -540,6 +553,64 @@ func (e *Engine) retire(g *Grant) {
 		e.ring[e.ringAt] = g.id
 		e.ringAt = (e.ringAt + 1) % tombstones
 	}
+}
+
+// armExpiryLocked makes sure the expiry timer fires by at. e.mu is held.
+func (e *Engine) armExpiryLocked(at time.Time) {
+	switch {
+	case e.expTimer == nil:
+		e.expTimer = time.AfterFunc(time.Until(at), e.expire)
+	case e.expArmed && !at.Before(e.expAt):
+		return // it fires early enough, and looks again then
+	default:
+		e.expTimer.Reset(time.Until(at))
+	}
+	e.expAt, e.expArmed = at, true
+}
+
+// expire fails the grants whose deadline passed and sets the timer for the
+// next one.
+func (e *Engine) expire() {
+	now := time.Now()
+	var due []*Grant
+	e.mu.Lock()
+	e.expArmed = false
+	for len(e.expiry) > 0 && !now.Before(e.expiry[0].ticket.Deadline) {
+		due = append(due, heap.Pop(&e.expiry).(*Grant))
+	}
+	if len(e.expiry) > 0 && !e.closed {
+		e.armExpiryLocked(e.expiry[0].ticket.Deadline)
+	}
+	e.mu.Unlock()
+	for _, g := range due {
+		g.terminate(g.deadlineErr())
+	}
+}
+
+// grantHeap orders open grants by deadline (container/heap); Grant.due is a
+// grant's index, -1 when it is not in the heap.
+type grantHeap []*Grant
+
+func (h grantHeap) Len() int { return len(h) }
+func (h grantHeap) Less(i, j int) bool {
+	return h[i].ticket.Deadline.Before(h[j].ticket.Deadline)
+}
+func (h grantHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].due, h[j].due = i, j
+}
+func (h *grantHeap) Push(x any) {
+	g := x.(*Grant)
+	g.due = len(*h)
+	*h = append(*h, g)
+}
+func (h *grantHeap) Pop() any {
+	old := *h
+	g := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	g.due = -1
+	return g
 }
 
 // shmFence closes g's shm slot; see shm.go.
@@ -819,6 +890,9 @@ func (e *Engine) Close() error {
 	}
 	e.closed = true
 	e.cancel()
+	if e.expTimer != nil {
+		e.expTimer.Stop()
+	}
 	open := make([]*Grant, 0, len(e.grants))
 	for _, g := range e.grants {
 		open = append(open, g)

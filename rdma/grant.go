@@ -75,8 +75,8 @@ type Grant struct {
 	dst    [][]byte // per extent, aliasing region memory
 	done   chan struct{}
 	failed chan struct{} // closed with done when the grant ends without a commit
-	timer  *time.Timer
-	slot   int // shm grant slot, -1 when shm is not served
+	due    int           // index in the engine's expiry heap, -1 once out of it (under Engine.mu)
+	slot   int           // shm grant slot, -1 when shm is not served
 
 	mu       sync.Mutex
 	quiet    sync.Cond // signalled when inflight drops to 0; L = &mu
@@ -479,9 +479,6 @@ func (g *Grant) finish() {
 	// reason) but no longer needs its per-extent state.
 	g.dst, g.ext, g.landers = nil, nil, nil
 	g.mu.Unlock()
-	if g.timer != nil {
-		g.timer.Stop()
-	}
 	g.e.retire(g)
 	err := g.Err()
 	if err != nil {
