@@ -11,9 +11,64 @@ import (
 
 func reference(crc uint32, p []byte) uint32 { return crc32.Update(crc, table, p) }
 
+// kernel is one folding implementation; use selects it until its result
+// is called.
+type kernel struct {
+	name string
+	use  func() (restore func())
+}
+
+// eachKernel runs f with every folding kernel this core has (none: f is not
+// run; Update is hash/crc32 there and the other tests cover it).
+func eachKernel(t *testing.T, f func(t *testing.T)) {
+	for _, k := range kernels() {
+		t.Run(k.name, func(t *testing.T) {
+			defer k.use()()
+			f(t)
+		})
+	}
+}
+
 func TestFoldKeys(t *testing.T) {
 	// x^(8·16±32) for a 16-byte fold, as published for CRC-32C folding.
 	require.Equal(t, [2]uint64{0xf20c0dfe, 0x14cd00bd6}, foldKeys(16))
+	t.Logf("kernels on this core: %v", kernels())
+}
+
+func TestFoldKernels(t *testing.T) {
+	rng := rand.New(rand.NewPCG(9, 10))
+	buf := make([]byte, 4*foldBytes+64)
+	for i := range buf {
+		buf[i] = byte(rng.Uint32())
+	}
+	eachKernel(t, func(t *testing.T) {
+		dst := make([]byte, len(buf)+64)
+		for n := 256; n <= len(buf)-64; n++ {
+			off := n % 64
+			p := buf[off : off+n]
+			crc := rng.Uint32()
+			want := reference(crc, p)
+			require.Equal(t, want, updateFold(crc, p), "len %d", n)
+			for i := range dst {
+				dst[i] = 0xA5
+			}
+			do := (n * 3) % 64
+			require.Equal(t, want, copyUpdateFold(crc, dst[do:do+n+1], p), "copy, len %d", n)
+			require.Equal(t, p, dst[do:do+n], "copy, len %d: bytes", n)
+			require.Equal(t, byte(0xA5), dst[do+n], "copy, len %d: byte after", n)
+			if do > 0 {
+				require.Equal(t, byte(0xA5), dst[do-1], "copy, len %d: byte before", n)
+			}
+		}
+		big := make([]byte, 5<<20+7)
+		for i := range big {
+			big[i] = byte(rng.Uint32())
+		}
+		require.Equal(t, reference(0, big), Update(0, big))
+		out := make([]byte, len(big))
+		require.Equal(t, reference(0, big), CopyUpdate(0, out, big))
+		require.Equal(t, big, out)
+	})
 }
 
 func TestUpdateMatchesHashCRC32(t *testing.T) {
@@ -121,10 +176,13 @@ func FuzzUpdate(f *testing.F) {
 		if got, want := CopyUpdate(crc, d, p), reference(crc, p); got != want || !bytes.Equal(d, p) {
 			t.Fatalf("CopyUpdate, len %d: %#x, want %#x (copy equal: %v)", len(p), got, want, bytes.Equal(d, p))
 		}
-		if haveFold && len(p) >= foldBytes {
+		for _, k := range kernels() {
+			restore := k.use()
 			d := make([]byte, len(p))
-			if got, want := copyUpdateFold(crc, d, p), reference(crc, p); got != want || !bytes.Equal(d, p) {
-				t.Fatalf("fused, len %d: %#x, want %#x (copy equal: %v)", len(p), got, want, bytes.Equal(d, p))
+			got, gotCopy, want := updateFold(crc, p), copyUpdateFold(crc, d, p), reference(crc, p)
+			restore()
+			if got != want || gotCopy != want || !bytes.Equal(d, p) {
+				t.Fatalf("%s, len %d: %#x and %#x, want %#x (copy equal: %v)", k.name, len(p), got, gotCopy, want, bytes.Equal(d, p))
 			}
 		}
 	})
@@ -198,4 +256,18 @@ func itoa(n int) string {
 		return string(rune('0' + n))
 	}
 	return itoa(n/10) + string(rune('0'+n%10))
+}
+
+// BenchmarkKernels compares the folding kernels this core has: a sum in
+// cache (64 KiB) and from memory (64 MiB), and a fused copy in 64 KiB chunks.
+func BenchmarkKernels(b *testing.B) {
+	for _, k := range kernels() {
+		b.Run(k.name, func(b *testing.B) {
+			defer k.use()()
+			for _, n := range []int{64 << 10, 64 << 20} {
+				b.Run("sum/"+sizeName(n), func(b *testing.B) { benchmark(b, n, Update) })
+			}
+			b.Run("copy/64KiB", func(b *testing.B) { benchmarkCopyUpdate(b, 64<<10) })
+		})
+	}
 }

@@ -7,18 +7,18 @@ import "math/bits"
 // lo(B)·K1 ⊕ hi(B)·K2 placed d bytes further on, with K1 = x^(8d+32) mod P
 // and K2 = x^(8d-32) mod P, bit-reflected and shifted left by one (the
 // carry-less product of two reflected 64-bit values is the reflected
-// 127-bit product). Eight 512-bit lanes fold foldBytes at a time, then
-// into the last lane; the CRC32 instruction sums that lane's 64 bytes and
-// hash/crc32 the tail shorter than foldBytes.
+// 127-bit product). Eight lanes (512- or 256-bit) fold eight lanes' bytes
+// at a time, then into the last lane; the CRC32 instruction sums that
+// lane's bytes and hash/crc32 the tail.
 
-// foldKeyTable returns the keys the assembly uses: [0] folds a lane by
-// foldBytes, [i] for i in 1..7 folds lane i-1 (of eight, 64 bytes each) onto
-// the last one, (8-i)·64 bytes on.
-func foldKeyTable() [8][2]uint64 {
+// foldKeyTable returns the keys of eight lanes of laneBytes each: [0] folds
+// a lane by all eight lanes' bytes, [i] for i in 1..7 folds lane i-1 onto
+// the last one, (8-i)·laneBytes on.
+func foldKeyTable(laneBytes int) [8][2]uint64 {
 	var t [8][2]uint64
-	t[0] = foldKeys(foldBytes)
+	t[0] = foldKeys(8 * laneBytes)
 	for i := 1; i < 8; i++ {
-		t[i] = foldKeys((8 - i) * 64)
+		t[i] = foldKeys((8 - i) * laneBytes)
 	}
 	return t
 }
