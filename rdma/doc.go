@@ -50,9 +50,9 @@
 // # Integrity
 //
 // The writer sums each destination extent with crc32c (internal/crc32c:
-// AVX-512 VPCLMULQDQ folding where the core has it, about twice the speed of
-// the SSE4.2 CRC32 instruction in cache and nearly three times from memory;
-// else hash/crc32's SSE4.2/ARMv8 instructions).
+// VPCLMULQDQ folding, AVX-512 or AVX2, where the core has it: with AVX-512
+// about twice the speed of the SSE4.2 CRC32 instruction in cache and three
+// to four times from memory; else hash/crc32's SSE4.2/ARMv8 instructions).
 // tcp: it sends 1 MiB per writev and sums each batch right after the
 // kernel copied it, while it is in cache (the manifest is needed only by the
 // commit). A tcp receiver sums the data as it lands, chunk by chunk right

@@ -87,6 +87,10 @@ type Grant struct {
 	inflight int
 	landers  []lander
 	ext      []extState
+	// Room for the dst and ext of a grant of few extents (most grants are
+	// one Mamba row and a KV run or two): no allocation for them.
+	dstRoom  [2][]byte
+	extRoom  [2]extState
 	finished bool // finish ran
 }
 
@@ -496,6 +500,6 @@ func (g *Grant) finish() {
 	}
 }
 
-// crc32Update extends a crc32c with b (AVX-512 folding where the core has
-// it, else hash/crc32's SSE4.2/ARMv8 instructions).
+// crc32Update extends a crc32c with b (internal/crc32c: vector folding
+// where the core has it, else hash/crc32's SSE4.2/ARMv8 instructions).
 func crc32Update(crc uint32, b []byte) uint32 { return crc32c.Update(crc, b) }
