@@ -20,6 +20,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/handoff-io/handoff/internal/crc32c"
 	"github.com/handoff-io/handoff/rdma"
 )
 
@@ -227,8 +228,9 @@ type datapathResult struct {
 	GrantP50Ms      float64        `json:"grant_p50_ms"`
 	GrantP99Ms      float64        `json:"grant_p99_ms"`
 	Processes       int            `json:"processes"`
-	TCPLanes        int            `json:"tcp_lanes,omitempty"` // tcp only
-	CRC             bool           `json:"crc32c"`              // manifests carried crc32c
+	TCPLanes        int            `json:"tcp_lanes,omitempty"`     // tcp only
+	CRC             bool           `json:"crc32c"`                  // manifests carried crc32c
+	CRCKernel       string         `json:"crc32c_kernel,omitempty"` // the writer's crc32c implementation
 	// Repeats holds each repetition's gb_per_s with --repeat > 1; the
 	// other fields are those of the median one.
 	Repeats []float64 `json:"gb_per_s_repeats,omitempty"`
@@ -523,6 +525,9 @@ func runOnce(ctx context.Context, t rdma.Transport, l layout, dur time.Duration,
 		GrantP50Ms: quantileMs(all, 0.50), GrantP99Ms: quantileMs(all, 0.99), Processes: rx.processes,
 		CRC: !l.SkipCRC,
 	}
+	if res.CRC {
+		res.CRCKernel = crc32c.Kernel()
+	}
 	if t == rdma.TransportTCP {
 		res.TCPLanes = max(l.TCPLanes, 1)
 	}
@@ -643,6 +648,12 @@ func (r report) write(w io.Writer, format string) error {
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%d\t%d\t%s\t%.2f\t%.2f\t%.3f\t%.3f\t%s\n", x.Transport, formatSize(x.ExtentBytes), x.Streams,
 			lanes, crc, x.Processes, x.Grants, formatSize(x.Bytes), x.Seconds, x.GBPerS, x.GrantP50Ms, x.GrantP99Ms, reps)
+	}
+	for _, x := range r.Runs {
+		if x.CRCKernel != "" {
+			fmt.Fprintf(tw, "(crc32c: %s)\n", x.CRCKernel)
+			break
+		}
 	}
 	if len(r.Baselines) > 0 {
 		fmt.Fprintln(tw, "\nbaseline\tsize\tGB/s\tstatus")

@@ -81,3 +81,14 @@ func copyUpdateFold(crc uint32, dst, src []byte) uint32 {
 	copy(dst[n:], src[n:])
 	return crc32.Update(^raw, table, src[n:])
 }
+
+// Kernel names the implementation long inputs use on this core.
+func Kernel() string {
+	switch {
+	case have512:
+		return "avx512-vpclmulqdq"
+	case have256:
+		return "avx2-vpclmulqdq"
+	}
+	return "hash/crc32 (sse4.2)"
+}
