@@ -335,10 +335,13 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 		e:      e,
 		done:   make(chan struct{}),
 		failed: make(chan struct{}),
-		dst:    make([][]byte, len(spec.Extents)),
-		ext:    make([]extState, len(spec.Extents)),
 		slot:   -1,
 		due:    -1,
+	}
+	if n := len(spec.Extents); n <= len(g.dstRoom) {
+		g.dst, g.ext = g.dstRoom[:n], g.extRoom[:n]
+	} else {
+		g.dst, g.ext = make([][]byte, n), make([]extState, n)
 	}
 	g.quiet.L = &g.mu
 	var total uint64
