@@ -590,10 +590,11 @@ func (h *handoff) send(a Action) (string, error) {
 	d.mu.Lock()
 	h.c.target = target // "" after a fall-back to the queue group: pick stops counting it
 	d.mu.Unlock()
+	tk := h.grant.Ticket()
 	msg := PrefillRequest{
 		RequestID: h.req.ID, From: d.cfg.Instance, Attempt: uint8(min(a.Attempt, 255)), Fingerprint: d.cfg.Fingerprint,
 		Tokens: h.req.Tokens, Sampling: h.req.Sampling, Deadline: h.deadline.UnixNano(), Peer: d.peer,
-		Ticket: TicketOf(h.grant.Ticket()), KVBytes: h.kvB, MambaBytes: h.mB,
+		Ticket: ticketOf(&tk), KVBytes: h.kvB, MambaBytes: h.mB,
 	}
 	buf := getMsgBuf()
 	b, err := appendPrefillRequest(*buf, &msg, d.maxPayload)

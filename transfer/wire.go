@@ -280,7 +280,11 @@ type Ticket struct {
 }
 
 // TicketOf converts an rdma.Ticket to its wire form.
-func TicketOf(t rdma.Ticket) Ticket {
+func TicketOf(t rdma.Ticket) Ticket { return ticketOf(&t) }
+
+// ticketOf is TicketOf for a ticket the caller keeps: the result's Token
+// aliases t's.
+func ticketOf(t *rdma.Ticket) Ticket {
 	return Ticket{
 		Agent: string(t.Agent), Grant: t.Grant, Epoch: t.Epoch, Token: t.Token[:],
 		RequestID: t.RequestID, Extents: Extents(t.Extents), Bytes: t.Bytes, Deadline: unixNano(t.Deadline),
