@@ -269,20 +269,21 @@ func measureControl(ctx context.Context, o controlOptions) (controlReport, error
 	// Handoffs alone first, to count their messages, then interleaved with
 	// raw requests for the latency comparison.
 	countN := min(o.requests, 500)
-	before := serverInMsgs(srv)
+	before := settledInMsgs(srv)
 	for range countN {
 		if _, err := handoff(); err != nil {
 			return controlReport{}, fmt.Errorf("control: handoff: %w", err)
 		}
 	}
-	handoffMsgs := float64(serverInMsgs(srv)-before) / float64(countN)
-	before = serverInMsgs(srv)
+	after := settledInMsgs(srv)
+	handoffMsgs := float64(after-before) / float64(countN)
+	before = after
 	for range countN {
 		if _, err := raw(); err != nil {
 			return controlReport{}, fmt.Errorf("control: request: %w", err)
 		}
 	}
-	rawMsgs := float64(serverInMsgs(srv)-before) / float64(countN)
+	rawMsgs := float64(settledInMsgs(srv)-before) / float64(countN)
 
 	hs := make([]time.Duration, 0, o.requests)
 	rs := make([]time.Duration, 0, o.requests)
@@ -347,6 +348,22 @@ func controlMessageSizes(decEng *rdma.Engine, prompt []int32, fp string) (int, i
 		return 0, 0, err
 	}
 	return len(rb), len(pb), nil
+}
+
+// settledInMsgs returns the server's message count once it stopped moving:
+// the server adds a read's messages to it after delivering them, so the last
+// reply of a run can arrive before it is counted.
+func settledInMsgs(s *server.Server) int64 {
+	n := serverInMsgs(s)
+	for range 100 {
+		time.Sleep(time.Millisecond)
+		m := serverInMsgs(s)
+		if m == n {
+			break
+		}
+		n = m
+	}
+	return n
 }
 
 func serverInMsgs(s *server.Server) int64 {
