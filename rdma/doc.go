@@ -83,10 +83,11 @@
 // memfds and copies straight into them; commit over a unix socket) and tcp
 // (persistent pooled connections, vectored writes straight from the source
 // regions, payloads read straight into the destination extents; a write of
-// 2 MiB or more over two or more extents is striped, whole extents per lane,
-// over up to Config.TCPLanes connections, each lane but one ending with a
-// flush that the receiver answers once its frames have landed, and the last
-// lane commits after every flush was answered), restricted
+// 2 MiB or more is striped in equal byte ranges over up to Config.TCPLanes
+// connections, each lane but one ending with a flush that the receiver
+// answers once its frames have landed, and the last lane commits after
+// every flush was answered; an extent two lanes share is summed aside by
+// the writer, from the source, and by the receiver at commit), restricted
 // to what both engines serve. The choice is logged with slog and reported by
 // Engine.TransportFor; a transport that fails to connect is logged as a
 // warning with the reason before the next is tried. GPU transports (CUDA

@@ -80,7 +80,7 @@ type Config struct {
 	// read of every byte, more than the copy itself. Off by default.
 	VerifySHM bool
 	// TCPLanes is how many pooled connections a tcp writer stripes one
-	// large write over (whole extents per lane, at least 1 MiB each): one
+	// large write over (equal byte ranges, at least 1 MiB each): one
 	// TCP stream leaves a core idle waiting on the other side, several
 	// keep both sides busy. Default 4; 1 sends every write on one
 	// connection.
@@ -756,9 +756,10 @@ func (e *Engine) dial(ctx context.Context, peer Descriptor) (link, error) {
 
 // piece is one contiguous copy: src lands at offset off of destination extent ext.
 type piece struct {
-	ext uint32
-	off uint64
-	src []byte
+	ext   uint32
+	off   uint64
+	src   []byte
+	nosum bool // summed elsewhere (an extent a striped tcp write splits)
 }
 
 // writeOp is one Write as the backends see it.

@@ -50,12 +50,9 @@ const shmSupported = true
 // died: it can no longer store). No per-byte round trip: the data path is a
 // memcpy into the mapped arena, and the commit travels once over the socket.
 //
-// The writer sums what landed: it copies a chunk into the destination, then
-// computes the crc32c of the destination chunk while it is in cache. From
-// 1 MiB per write and with two or more extents, two goroutines share the
-// work, each taking whole extents (a crc runs in extent order); both copy
-// inside one bracket, which the first takes and releases once both are
-// through their share.
+// The writer sums what landed: crc32c.CopyUpdate copies each chunk into the
+// destination and sums the bytes from the registers that store them, in
+// brackets of shmBracket bytes (the slot says "writing" during each).
 const (
 	slotSize   = 64
 	shmBracket = 4 << 20   // bytes copied per CAS bracket: bounds Revoke's wait (~0.1 ms)

@@ -662,8 +662,8 @@ func (l *tcpLink) close() {
 }
 
 func (l *tcpLink) write(ctx context.Context, op *writeOp) error {
-	if cuts := stripe(op, l.e.cfg.TCPLanes); len(cuts) > 2 {
-		return l.writeStriped(ctx, op, cuts)
+	if pieces, cuts := stripe(op, l.e.cfg.TCPLanes); len(cuts) > 2 {
+		return l.writeStriped(ctx, op, pieces, cuts)
 	}
 	tc, err := l.get(ctx)
 	if err != nil {
@@ -683,31 +683,59 @@ func (tc *txConn) bind(ctx context.Context) {
 	}
 }
 
-// stripe splits op's pieces into up to lanes groups at extent boundaries,
-// each carrying at least laneMinBytes and about the same bytes, and returns
-// the cut points (first 0, last len(op.pieces)). Fewer than three cut points
-// means one connection carries it all.
-func stripe(op *writeOp, lanes int) []int {
+// stripe divides op's pieces among up to lanes lanes of about equal bytes,
+// at least laneMinBytes each, splitting a piece where a lane ends. It
+// returns the pieces in order and the cut points between lanes (first 0,
+// last len(pieces)); no cuts means one connection carries it all. The
+// pieces of an extent that two lanes share are marked nosum: lanes run
+// concurrently and an extent's crc runs in order, so those are summed
+// aside (and the receiver sums such an extent at commit).
+func stripe(op *writeOp, lanes int) ([]piece, []int) {
 	k := min(uint64(lanes), op.t.Bytes/laneMinBytes)
-	if k < 2 || len(op.pieces) < 2 {
-		return nil
+	if k < 2 {
+		return nil, nil
 	}
-	cuts := []int{0}
-	var acc uint64
-	for i, p := range op.pieces {
-		if uint64(len(cuts)) < k && i > 0 && p.ext != op.pieces[i-1].ext &&
-			acc >= op.t.Bytes*uint64(len(cuts))/k {
-			cuts = append(cuts, i)
+	all := make([]piece, 0, len(op.pieces)+int(k))
+	cuts := make([]int, 1, k+1)
+	var acc uint64 // bytes before the current lane's end
+	for _, p := range op.pieces {
+		for len(p.src) > 0 {
+			lane := uint64(len(cuts)) // 1-based lane number
+			end := op.t.Bytes * lane / k
+			if lane == k {
+				end = op.t.Bytes
+			}
+			n := min(uint64(len(p.src)), end-acc)
+			all = append(all, piece{ext: p.ext, off: p.off, src: p.src[:n]})
+			p.off, p.src = p.off+n, p.src[n:]
+			acc += n
+			if acc == end && lane < k {
+				cuts = append(cuts, len(all))
+			}
 		}
-		acc += uint64(len(p.src))
 	}
-	return append(cuts, len(op.pieces))
+	cuts = append(cuts, len(all))
+	// Mark the extents that span a cut.
+	for _, c := range cuts[1 : len(cuts)-1] {
+		if c == 0 || c == len(all) || all[c-1].ext != all[c].ext {
+			continue
+		}
+		ext := all[c].ext
+		for i := c - 1; i >= 0 && all[i].ext == ext; i-- {
+			all[i].nosum = true
+		}
+		for i := c; i < len(all) && all[i].ext == ext; i++ {
+			all[i].nosum = true
+		}
+	}
+	return all, cuts
 }
 
-// writeStriped sends op's pieces over len(cuts)-1 connections at once: each
-// lane but the first ends with a flush, and once every flush was answered
-// the first lane, whose own data went out meanwhile, commits.
-func (l *tcpLink) writeStriped(ctx context.Context, op *writeOp, cuts []int) error {
+// writeStriped sends pieces over len(cuts)-1 connections at once: each lane
+// but the first ends with a flush, and once every flush was answered the
+// first lane, whose own data went out meanwhile, commits. The sums of the
+// pieces marked nosum are taken on another goroutine, from the source.
+func (l *tcpLink) writeStriped(ctx context.Context, op *writeOp, pieces []piece, cuts []int) error {
 	k := len(cuts) - 1
 	lanes := make([]*txConn, k)
 	for i := range lanes {
@@ -725,15 +753,26 @@ func (l *tcpLink) writeStriped(ctx context.Context, op *writeOp, cuts []int) err
 	}
 	errs := make([]error, k)
 	var wg sync.WaitGroup
-	for i := 1; i < k; i++ {
+	if !op.noCRC {
 		wg.Go(func() {
+			for _, p := range pieces {
+				if p.nosum {
+					op.sum(p.ext, p.src)
+				}
+			}
+		})
+	}
+	var lanesDone sync.WaitGroup
+	for i := 1; i < k; i++ {
+		lanesDone.Go(func() {
 			tc := lanes[i]
-			errs[i] = l.finish(ctx, tc, tc.send(op, op.pieces[cuts[i]:cuts[i+1]], frameFlush))
+			errs[i] = l.finish(ctx, tc, tc.send(op, pieces[cuts[i]:cuts[i+1]], frameFlush))
 		})
 	}
 	tc := lanes[0]
-	werr := tc.send(op, op.pieces[:cuts[1]], 0)
-	wg.Wait()
+	werr := tc.send(op, pieces[:cuts[1]], 0)
+	lanesDone.Wait()
+	wg.Wait() // the manifest is complete
 	if err := errors.Join(errs[1:]...); err != nil {
 		// No commit: dropping the first lane fails the grant on the
 		// receiver (a connection that landed bytes and closed).
@@ -843,7 +882,9 @@ func (tc *txConn) send(op *writeOp, pieces []piece, end uint8) error {
 		for src := p.src; len(src) > 0; {
 			n := min(len(src), txBatchBytes)
 			iov = append(iov, src[:n])
-			tc.pend = append(tc.pend, pendSum{p.ext, src[:n]})
+			if !p.nosum {
+				tc.pend = append(tc.pend, pendSum{p.ext, src[:n]})
+			}
 			src = src[n:]
 			batch += uint64(n)
 			if batch >= txBatchBytes || len(iov) >= txBatchVecs {

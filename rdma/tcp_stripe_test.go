@@ -79,26 +79,51 @@ func TestStripe(t *testing.T) {
 		name  string
 		op    *writeOp
 		lanes int
-		want  []int
+		want  []int // lane bytes
 	}{
 		{"one lane configured", mk(mib, mib, mib, mib), 1, nil},
 		{"under two lanes' minimum", mk(mib/2, mib/2, mib/2), 4, nil},
-		{"one extent", mk(8 * mib), 4, nil},
-		{"even", mk(mib, mib, mib, mib, mib, mib, mib, mib), 4, []int{0, 2, 4, 6, 8}},
-		{"bytes bound the lanes", mk(mib, mib, mib), 8, []int{0, 1, 2, 3}},
-		{"uneven extents", mk(6*mib, mib, mib), 4, []int{0, 1, 2, 3}},
+		{"one extent", mk(8 * mib), 4, []int{2 * mib, 2 * mib, 2 * mib, 2 * mib}},
+		{"even", mk(mib, mib, mib, mib, mib, mib, mib, mib), 4, []int{2 * mib, 2 * mib, 2 * mib, 2 * mib}},
+		{"bytes bound the lanes", mk(mib, mib, mib), 8, []int{mib, mib, mib}},
+		{"uneven extents", mk(6*mib, mib, mib), 4, []int{2 * mib, 2 * mib, 2 * mib, 2 * mib}},
+		{"odd bytes", mk(3*mib+1, 2), 2, []int{(3*mib + 3) / 2, (3*mib + 3) - (3*mib+3)/2}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			require.Equal(t, tc.want, stripe(tc.op, tc.lanes))
+			pieces, cuts := stripe(tc.op, tc.lanes)
+			if tc.want == nil {
+				require.Nil(t, cuts)
+				return
+			}
+			require.Len(t, cuts, len(tc.want)+1)
+			var got []int
+			for i := range tc.want {
+				n := 0
+				for _, p := range pieces[cuts[i]:cuts[i+1]] {
+					n += len(p.src)
+				}
+				got = append(got, n)
+			}
+			require.Equal(t, tc.want, got)
+			// The pieces cover the source in order, each extent from its
+			// offset 0 on, and an extent is nosum exactly when two lanes
+			// carry it.
+			next := map[uint32]uint64{}
+			lanesOf := map[uint32]map[int]bool{}
+			for lane := range tc.want {
+				for _, p := range pieces[cuts[lane]:cuts[lane+1]] {
+					require.Equal(t, next[p.ext], p.off)
+					next[p.ext] += uint64(len(p.src))
+					if lanesOf[p.ext] == nil {
+						lanesOf[p.ext] = map[int]bool{}
+					}
+					lanesOf[p.ext][lane] = true
+				}
+			}
+			for _, p := range pieces {
+				require.Equal(t, len(lanesOf[p.ext]) > 1, p.nosum, "extent %d", p.ext)
+			}
 		})
-	}
-	// Pieces of one extent stay on one lane (its crc runs in order).
-	op := mk(mib, mib, mib, mib)
-	op.pieces = append(op.pieces[:2], append([]piece{{ext: 1, src: make([]byte, mib)}}, op.pieces[2:]...)...)
-	op.t.Bytes += mib
-	cuts := stripe(op, 4)
-	for _, c := range cuts[1 : len(cuts)-1] {
-		require.NotEqual(t, op.pieces[c-1].ext, op.pieces[c].ext, "cut inside extent at piece %d: %v", c, cuts)
 	}
 }
 
@@ -131,6 +156,31 @@ func TestTCPStripedWrite(t *testing.T) {
 	require.Equal(t, 4, p.rxConns())
 	st := p.rx.Stats()
 	require.Equal(t, uint64(3), st.GrantsCommitted)
+}
+
+// One large destination extent, the usual shape of a KV run: the lanes
+// split it, the writer sums it aside and the receiver at commit, and the
+// manifests agree with the bytes.
+func TestTCPStripedWriteOneExtent(t *testing.T) {
+	p := newStripePair(t, 4)
+	ctx := context.Background()
+	dst := []Extent{{Region: 1, Offset: 4096, Length: 16<<20 + 3}}
+	src := []Extent{{Region: 1, Offset: 11, Length: 5 << 20}, {Region: 1, Offset: 6 << 20, Length: 11<<20 + 3}}
+	for round := range 3 {
+		g, err := p.rx.OpenGrant(GrantSpec{RequestID: uint64(round + 1), Extents: dst})
+		require.NoError(t, err)
+		m, err := p.tx.Write(ctx, p.desc, g.Ticket(), src)
+		require.NoError(t, err)
+		got, err := g.Wait(ctx)
+		require.NoError(t, err)
+		require.Equal(t, m, got)
+		want := concat(p.src, src)
+		require.Equal(t, crc32Update(0, want), got.CRC[0])
+		require.Equal(t, want, concat(p.dst, dst))
+	}
+	require.Equal(t, 4, p.rxConns())
+	require.Equal(t, byte(canary), p.dst.Bytes()[4095])
+	require.Equal(t, byte(canary), p.dst.Bytes()[4096+16<<20+3])
 }
 
 func TestTCPStripedWriteOneLane(t *testing.T) {
