@@ -36,6 +36,14 @@ func (c *deadlineCtx) arm() context.Context {
 	return c.real
 }
 
+// armed reports whether the context was armed: something asked for Done or
+// a Value.
+func (c *deadlineCtx) armed() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.real != nil
+}
+
 // Deadline implements context.Context.
 func (c *deadlineCtx) Deadline() (time.Time, bool) { return c.deadline, true }
 

@@ -69,3 +69,15 @@ func TestDeadlineCtx(t *testing.T) {
 		require.Equal(t, c.deadline, dl)
 	})
 }
+
+// A task whose context was armed is not reused: whoever asked for its Done
+// may still hold the context.
+func TestArmedTaskNotReused(t *testing.T) {
+	p := &Prefiller{}
+	tk := p.newTask()
+	tk.ctx.deadline = time.Now().Add(time.Hour)
+	_ = tk.ctx.Done()
+	tk.ctx.cancel()
+	p.freeTask(tk)
+	require.Nil(t, p.free.Get())
+}

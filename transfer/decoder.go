@@ -387,12 +387,12 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 }
 
 func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
-	timer := h.d.getTimer(time.Until(h.deadline))
+	timer := h.d.getTimer(h.deadline.Sub(start))
 	defer h.d.putTimer(timer)
 	// The queue of actions to execute; a Step's actions are copied in at once
 	// (the session reuses its slice).
 	var queue [8]Action
-	acts := append(queue[:0], h.sess.Step(Event{Kind: EvStart, Now: time.Now()})...)
+	acts := append(queue[:0], h.sess.Step(Event{Kind: EvStart, Now: start})...)
 	for {
 		for len(acts) > 0 {
 			a := acts[0]

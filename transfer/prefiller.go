@@ -157,6 +157,7 @@ type Prefiller struct {
 	work  chan taskStart // to an idle worker; unbuffered (see dispatchLocked)
 	quit  chan struct{}  // closed when intake stops: idle workers exit
 	peers peerCache      // the last requester's descriptor, see decodePrefillRequest
+	free  sync.Pool      // *task, see freeTask
 
 	// Pre-connection to decode instances seen in the registry, so a first
 	// handoff does not pay the data plane's connection set-up.
@@ -512,6 +513,26 @@ type task struct {
 	cause    error
 }
 
+// newTask returns a zero task: one a finished request left, or a new one.
+func (p *Prefiller) newTask() *task {
+	if t, ok := p.free.Get().(*task); ok {
+		return t
+	}
+	return new(task)
+}
+
+// freeTask keeps t for a later request, once it is out of p.tasks and done
+// with: no abort reaches it any more, its lease was released and the caller
+// of run does not touch it. A task whose context was armed is left to the
+// collector: something asked for its Done and may still hold it.
+func (p *Prefiller) freeTask(t *task) {
+	if t.ctx.armed() {
+		return
+	}
+	*t = task{}
+	p.free.Put(t)
+}
+
 // removeTaskLocked drops t from the tasks of its request id. p.mu is held.
 func (p *Prefiller) removeTaskLocked(t *task) {
 	id := t.msg.RequestID
@@ -556,7 +577,8 @@ func (p *Prefiller) handle(r micro.Request) {
 		return
 	}
 	deadline := time.Unix(0, m.Deadline)
-	t := &task{p: p, reply: r.Reply(), msg: m, peer: peer, ticket: tk}
+	t := p.newTask()
+	t.p, t.reply, t.msg, t.peer, t.ticket = p, r.Reply(), m, peer, tk
 	t.sess.p = SendParams{
 		RequestID: m.RequestID, MaxDraftTokens: p.cfg.MaxDraftTokens, Deadline: deadline,
 		Fingerprint: m.Fingerprint, Local: p.cfg.Fingerprint, KVBytes: m.KVBytes, MambaBytes: m.MambaBytes,
@@ -735,11 +757,13 @@ func (t *task) run(acts []Action) {
 		p.removeTaskLocked(t)
 		p.mu.Unlock()
 		p.inflight.Add(-1)
+		p.freeTask(t)
 	}()
 	// The queue of actions to execute; a Step's actions are copied in at once
 	// (the session reuses its slice).
 	var queue [8]Action
 	acts = append(queue[:0], acts...)
+	var now time.Time // the end of the last step: the clock of its outcome
 	for len(acts) > 0 {
 		a := acts[0]
 		acts = acts[1:]
@@ -748,7 +772,8 @@ func (t *task) run(acts []Action) {
 		case ActPrefill:
 			start := time.Now()
 			out, err := t.lease.Prefill(&t.ctx)
-			t.pf = time.Since(start)
+			now = time.Now()
+			t.pf = now.Sub(start)
 			ev := Event{Kind: EvPrefilled}
 			if err != nil {
 				t.cause = err
@@ -765,7 +790,8 @@ func (t *task) run(acts []Action) {
 			start := time.Now()
 			src := append(append(t.src[:0], t.out.Source.KV...), t.out.Source.Mamba)
 			m, err := p.eng.Write(&t.ctx, t.peer, t.ticket, src)
-			t.wr = time.Since(start)
+			now = time.Now()
+			t.wr = now.Sub(start)
 			ev := Event{Kind: EvWritten, Manifest: m}
 			if err != nil {
 				t.cause = err
@@ -782,7 +808,6 @@ func (t *task) run(acts []Action) {
 			t.sendReply(a.Code)
 		}
 		if outcome != nil {
-			now := time.Now()
 			// Interruptions that happened during the step come first, so the
 			// session sees the cancel or the deadline, not just a failed step.
 			if c := Code(t.aborts.Load()); c != CodeOK {
