@@ -104,9 +104,10 @@ type Lease interface {
 // already connected in this process (inproc, so the write is a memcpy that
 // no peer can stall) and the cache is small (at most InlineMaxBytes), the
 // prefiller writes and replies on the NATS dispatch goroutine itself instead
-// of starting the request's goroutine: the same steps, one goroutine
-// hand-off fewer. Every other request runs on its own goroutine, so a
-// prefill that computes never delays the intake of the next request.
+// of handing the request to a worker goroutine: the same steps, one
+// goroutine hand-off fewer. Every other request runs on a worker goroutine
+// (see dispatchLocked), one request at a time each, so a prefill that
+// computes never delays the intake of the next request.
 type ReadyLease interface {
 	Lease
 	// Ready reports whether Prefill will return without blocking.
@@ -561,7 +562,7 @@ func (t *task) abort(code Code) {
 }
 
 // handle runs on the endpoint's dispatch goroutine: decode, check, admit, and
-// either reply at once (refusals) or hand the request to its own goroutine.
+// either reply at once (refusals) or hand the request to a worker goroutine.
 func (p *Prefiller) handle(r micro.Request) {
 	p.received.Add(1)
 	m, peer, err := decodePrefillRequest(r.Data(), &p.peers)
