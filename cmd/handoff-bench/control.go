@@ -47,7 +47,7 @@ func parseControlFlags(args []string, stderr io.Writer) (controlOptions, error) 
 	fs.IntVar(&o.requests, "requests", 2000, "measured handoffs (and as many raw request-replies)")
 	fs.IntVar(&o.warmup, "warmup", 200, "unmeasured iterations of each before measuring")
 	fs.StringVar(&o.output, "output", "table", "table or json")
-	fs.StringVar(&o.prefill, "prefill", "ready", "ready: the cache is there at admission (a cached prompt; the prefill worker may hand it off on its NATS dispatch goroutine); computing: every prefill runs on its own goroutine, as a computing prefill does")
+	fs.StringVar(&o.prefill, "prefill", "ready", "ready: the cache is there at admission (a cached prompt; the prefill worker may hand it off on its NATS dispatch goroutine); computing: every prefill runs off the NATS dispatch goroutine, on a worker goroutine, as a computing prefill does")
 	fs.Usage = func() {
 		fmt.Fprint(stderr, controlUsage)
 		fs.VisitAll(func(f *flag.Flag) {
@@ -131,7 +131,7 @@ func (x controlExec) Admit(transfer.Job) (transfer.Lease, error) {
 }
 
 // computingLease hides Ready: the prefill worker treats it as a prefill that
-// computes, on a goroutine of its own.
+// computes, on a worker goroutine rather than its NATS dispatch goroutine.
 type computingLease struct{ l controlLease }
 
 func (c computingLease) Prefill(ctx context.Context) (transfer.Prefilled, error) {
