@@ -424,6 +424,16 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 		grantCh := h.failCh
 		if h.replied {
 			grantCh = h.doneCh
+			// The writer commits before it replies, so the grant is usually
+			// done once the reply is in: take it without the full select.
+			select {
+			case <-grantCh: // nil once taken: never ready
+				ev = h.grantEvent()
+				ev.Now = time.Now()
+				acts = append(queue[:0], h.sess.Step(ev)...) // acts was drained
+				continue
+			default:
+			}
 		}
 		select {
 		case m := <-h.c.replies:
