@@ -100,7 +100,9 @@
 // extent index; commit: extent count; reply/abort: status code; hello:
 // version), grant id, epoch, token, offset and payload length. Types:
 //
-//	hello   writer -> receiver "from\nto", answered by hello (shm: with the
+//	hello   writer -> receiver "from\nto", answered by hello (tcp: with a
+//	        third line naming optional frames it accepts, "flush"; a writer
+//	        stripes only over a receiver that announced it. shm: with the
 //	        memfds of the slot table and the regions, by SCM_RIGHTS)
 //	data    writer -> receiver: payload lands at offset of extent index
 //	commit  writer -> receiver: count x (bytes u64, crc32c u32)

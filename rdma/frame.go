@@ -25,7 +25,9 @@ import (
 //
 // Payloads: data = the bytes to land; commit = count entries of
 // (bytes u64, crc32c u32); reply and abort = a UTF-8 message; hello =
-// "from\nto" agent ids (the shm hello answer adds the slot table layout).
+// "from\nto" agent ids (a tcp receiver's answer adds a third line: the
+// optional frames it accepts, space-separated, e.g. "flush"; the shm hello
+// answer adds the slot table layout).
 // An abort is a writer giving up a grant it holds the token of: the receiver
 // fails the grant with the status code as the reason. A flush (no payload)
 // ends one lane of a write striped over several connections: the receiver

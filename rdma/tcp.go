@@ -262,6 +262,7 @@ func (c *rxConn) hello() error {
 		return fmt.Errorf("%w: reading hello: %w", ErrPeerClosed, err)
 	}
 	from, to, ok := strings.Cut(string(p), "\n")
+	to, _, _ = strings.Cut(to, "\n") // later fields: features of newer writers
 	if !ok {
 		err := malformed("hello payload %q is not from\\nto", p)
 		c.reply(0, 0, err)
@@ -276,12 +277,23 @@ func (c *rxConn) hello() error {
 	if c.shm != nil {
 		return c.shm.hello(c)
 	}
-	_, err = c.c.Write(appendHello(c.out[:0], c.e.cfg.Agent, AgentID(from)))
+	// The answer lists what this receiver understands beyond version 1
+	// frames; a writer that predates a feature reads only the first field.
+	_, err = c.c.Write(appendHello(c.out[:0], c.e.cfg.Agent, AgentID(from), tcpFeatures...))
 	return err
 }
 
-func appendHello(b []byte, from, to AgentID) []byte {
+// tcpFeatures are the optional frames a tcp receiver accepts, announced in
+// its hello answer: featureFlush, the striped writes' flush frame.
+var tcpFeatures = []string{featureFlush}
+
+const featureFlush = "flush"
+
+func appendHello(b []byte, from, to AgentID, features ...string) []byte {
 	msg := string(from) + "\n" + string(to)
+	if len(features) > 0 {
+		msg += "\n" + strings.Join(features, " ")
+	}
 	h := header{typ: frameHello, index: protocolVersion, length: uint64(len(msg))}
 	b = append(b, make([]byte, headerSize)...)
 	h.put(b[len(b)-headerSize:])
@@ -489,8 +501,9 @@ func ctxErr(ctx context.Context) error {
 
 // tcpLink is a writer's pool of connections to one peer.
 type tcpLink struct {
-	e    *Engine
-	peer Descriptor
+	e       *Engine
+	peer    Descriptor
+	stripes atomic.Bool // the receiver accepts flush frames (striped writes)
 
 	mu     sync.Mutex
 	idle   []*txConn
@@ -530,15 +543,19 @@ func (l *tcpLink) dial(ctx context.Context) (*txConn, error) {
 		return nil, fmt.Errorf("rdma: dial %s at %s: %w", l.peer.Agent, l.peer.TCPAddr, err)
 	}
 	tc := &txConn{c: nc.(*net.TCPConn)}
-	if err := handshake(ctx, nc, tc.rbuf[:], l.e.cfg.Agent, l.peer.Agent); err != nil {
+	features, err := handshake(ctx, nc, tc.rbuf[:], l.e.cfg.Agent, l.peer.Agent)
+	if err != nil {
 		nc.Close()
 		return nil, err
 	}
+	// A receiver that predates striped writes does not know the flush frame.
+	l.stripes.Store(slices.Contains(features, featureFlush))
 	return tc, nil
 }
 
-// handshake sends our hello and checks the receiver's.
-func handshake(ctx context.Context, nc net.Conn, buf []byte, self, peer AgentID) error {
+// handshake sends our hello and checks the receiver's; it returns the
+// features the receiver announced.
+func handshake(ctx context.Context, nc net.Conn, buf []byte, self, peer AgentID) ([]string, error) {
 	dl := time.Now().Add(helloTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(dl) {
 		dl = d
@@ -551,28 +568,31 @@ func handshake(ctx context.Context, nc net.Conn, buf []byte, self, peer AgentID)
 	}
 	if _, err := nc.Write(appendHello(nil, self, peer)); err != nil {
 		if cerr := ctxErr(ctx); cerr != nil {
-			return fmt.Errorf("hello to %s: %w", peer, cerr)
+			return nil, fmt.Errorf("hello to %s: %w", peer, cerr)
 		}
-		return fmt.Errorf("%w: sending hello to %s: %w", ErrPeerClosed, peer, err)
+		return nil, fmt.Errorf("%w: sending hello to %s: %w", ErrPeerClosed, peer, err)
 	}
 	h, msg, err := readReply(nc, buf)
 	if err != nil {
 		if cerr := ctxErr(ctx); cerr != nil {
-			return fmt.Errorf("hello from %s: %w", peer, cerr)
+			return nil, fmt.Errorf("hello from %s: %w", peer, cerr)
 		}
-		return fmt.Errorf("hello from %s: %w", peer, err)
+		return nil, fmt.Errorf("hello from %s: %w", peer, err)
 	}
 	switch h.typ {
 	case frameReply:
-		return &RemoteError{Agent: peer, Code: h.index, Msg: string(msg)}
+		return nil, &RemoteError{Agent: peer, Code: h.index, Msg: string(msg)}
 	case frameHello:
-		from, _, _ := strings.Cut(string(msg), "\n")
-		if AgentID(from) != peer {
-			return fmt.Errorf("%w: expected %q, reached %q", ErrWrongPeer, peer, from)
+		fields := strings.SplitN(string(msg), "\n", 3)
+		if AgentID(fields[0]) != peer {
+			return nil, fmt.Errorf("%w: expected %q, reached %q", ErrWrongPeer, peer, fields[0])
 		}
-		return nil
+		if len(fields) == 3 {
+			return strings.Fields(fields[2]), nil
+		}
+		return nil, nil
 	}
-	return malformed("handshake answered with frame type %d", h.typ)
+	return nil, malformed("handshake answered with frame type %d", h.typ)
 }
 
 // readReply reads one reply or hello frame into buf.
@@ -662,8 +682,10 @@ func (l *tcpLink) close() {
 }
 
 func (l *tcpLink) write(ctx context.Context, op *writeOp) error {
-	if pieces, cuts := stripe(op, l.e.cfg.TCPLanes); len(cuts) > 2 {
-		return l.writeStriped(ctx, op, pieces, cuts)
+	if l.stripes.Load() {
+		if pieces, cuts := stripe(op, l.e.cfg.TCPLanes); len(cuts) > 2 {
+			return l.writeStriped(ctx, op, pieces, cuts)
+		}
 	}
 	tc, err := l.get(ctx)
 	if err != nil {

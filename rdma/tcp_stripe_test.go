@@ -183,6 +183,26 @@ func TestTCPStripedWriteOneExtent(t *testing.T) {
 	require.Equal(t, byte(canary), p.dst.Bytes()[4096+16<<20+3])
 }
 
+// A receiver that does not announce the flush frame (one that predates
+// striped writes) gets every write on one connection.
+func TestTCPNoStripingWithoutFlushFeature(t *testing.T) {
+	p := newStripePair(t, 4)
+	p.tx.peerMu.Lock()
+	l := p.tx.peers[p.rx.Agent()].link.(*tcpLink)
+	p.tx.peerMu.Unlock()
+	require.True(t, l.stripes.Load(), "this receiver announced flush")
+	l.stripes.Store(false)
+	ctx := context.Background()
+	dst := stripedDst(8, 1<<20)
+	g, err := p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: dst})
+	require.NoError(t, err)
+	_, err = p.tx.Write(ctx, p.desc, g.Ticket(), []Extent{{Region: 1, Offset: 0, Length: 8 << 20}})
+	require.NoError(t, err)
+	_, err = g.Wait(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, p.rxConns())
+}
+
 func TestTCPStripedWriteOneLane(t *testing.T) {
 	p := newStripePair(t, 1)
 	ctx := context.Background()

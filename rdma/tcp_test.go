@@ -49,7 +49,9 @@ func (r *rawRx) dial(t *testing.T, from, to AgentID) net.Conn {
 	c, err := net.Dial("tcp", r.e.Descriptor().TCPAddr)
 	require.NoError(t, err)
 	if to != "" {
-		require.NoError(t, handshake(context.Background(), c, make([]byte, headerSize+maxMsgLen), from, to))
+		features, err := handshake(context.Background(), c, make([]byte, headerSize+maxMsgLen), from, to)
+		require.NoError(t, err)
+		require.Equal(t, []string{featureFlush}, features)
 	}
 	return c
 }
@@ -347,7 +349,7 @@ func TestTCPRawHello(t *testing.T) {
 	c, err := net.Dial("tcp", r.e.Descriptor().TCPAddr)
 	require.NoError(t, err)
 	defer c.Close()
-	err = handshake(context.Background(), c, make([]byte, headerSize+maxMsgLen), "x", "someone-else")
+	_, err = handshake(context.Background(), c, make([]byte, headerSize+maxMsgLen), "x", "someone-else")
 	require.ErrorIs(t, err, ErrWrongPeer)
 
 	c2 := r.dial(t, "x", "")
