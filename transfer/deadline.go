@@ -64,10 +64,27 @@ func (c *deadlineCtx) Err() error {
 		return real.Err()
 	case err != nil:
 		return err
-	case !time.Now().Before(c.deadline):
+	case time.Until(c.deadline) <= 0:
 		return context.DeadlineExceeded
 	}
 	return nil
+}
+
+// release ends the context once its task is done: an armed one is
+// cancelled (its timer stopped); an unarmed one, which nothing waits on, is
+// marked cancelled without reading the clock. Idempotent.
+func (c *deadlineCtx) release() {
+	c.mu.Lock()
+	if c.real == nil {
+		if c.err == nil {
+			c.err = context.Canceled
+		}
+		c.mu.Unlock()
+		return
+	}
+	stop := c.stop
+	c.mu.Unlock()
+	stop()
 }
 
 // cancel ends the context with context.Canceled, unless its deadline passed
@@ -82,7 +99,7 @@ func (c *deadlineCtx) cancel() {
 	}
 	if c.err == nil {
 		c.err = context.Canceled
-		if !time.Now().Before(c.deadline) {
+		if time.Until(c.deadline) <= 0 {
 			c.err = context.DeadlineExceeded
 		}
 	}

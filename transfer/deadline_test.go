@@ -70,6 +70,21 @@ func TestDeadlineCtx(t *testing.T) {
 	})
 }
 
+func TestDeadlineCtxRelease(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var c deadlineCtx
+		c.deadline = time.Now().Add(time.Second)
+		c.release()
+		require.ErrorIs(t, c.Err(), context.Canceled)
+		var armed deadlineCtx
+		armed.deadline = time.Now().Add(time.Second)
+		done := armed.Done()
+		armed.release()
+		<-done
+		require.ErrorIs(t, armed.Err(), context.Canceled)
+	})
+}
+
 // A task whose context was armed is not reused: whoever asked for its Done
 // may still hold the context.
 func TestArmedTaskNotReused(t *testing.T) {

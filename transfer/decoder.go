@@ -310,6 +310,7 @@ func (d *Decoder) Close() error {
 type handoff struct {
 	d        *Decoder
 	req      Request
+	start    time.Time // Handoff's start: a monotonic reading, see now
 	deadline time.Time
 	sess     RecvSession
 	reply    string // the reply subject: the inbox and tok
@@ -350,7 +351,7 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 		deadline = start.Add(d.cfg.DefaultTimeout)
 	}
 	h := d.newHandoff()
-	h.d, h.req, h.deadline = d, req, deadline
+	h.d, h.req, h.start, h.deadline = d, req, start, deadline
 	h.sess.init(RecvParams{
 		RequestID: req.ID, MaxDraftTokens: d.cfg.MaxDraftTokens, Deadline: deadline, MaxAttempts: d.cfg.MaxAttempts,
 	})
@@ -429,7 +430,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 			select {
 			case <-grantCh: // nil once taken: never ready
 				ev = h.grantEvent()
-				ev.Now = time.Now()
+				ev.Now = h.now()
 				acts = append(queue[:0], h.sess.Step(ev)...) // acts was drained
 				continue
 			default:
@@ -464,13 +465,18 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 		case <-h.d.done:
 			ev = Event{Kind: EvCancel, Code: CodeClosed}
 		}
-		ev.Now = time.Now()
+		ev.Now = h.now()
 		acts = append(append(queue[:0], early...), h.sess.Step(ev)...) // acts was drained
 		if ev.Kind == EvTick && !h.sess.State().Terminal() {
 			timer.Reset(time.Until(h.deadline)) // a tick that came early
 		}
 	}
 }
+
+// now reads the clock as the monotonic time since the handoff's start: half
+// the cost of time.Now (one clock read, not two), and as good for the
+// deadline checks, which compare monotonic readings.
+func (h *handoff) now() time.Time { return h.start.Add(time.Since(h.start)) }
 
 // grantEvent is the event of the grant's end (h.doneCh closed).
 func (h *handoff) grantEvent() Event {
@@ -508,7 +514,7 @@ func (h *handoff) delivered() []Action {
 // exec performs a non-terminal action. It returns the outcome event of
 // synchronous actions.
 func (h *handoff) exec(a Action) (Event, bool) {
-	now := time.Now
+	now := h.now
 	switch a.Kind {
 	case ActAllocate:
 		dest, err := h.req.Alloc.Prepare(h.req.ID, len(h.req.Tokens))
