@@ -254,6 +254,27 @@ func TestWireHandCodecsSameBytesAsReflection(t *testing.T) {
 	}
 }
 
+// A prefill worker's decode takes a peer it decoded before from its cache:
+// the same request and descriptor as a plain decode, for any peer.
+func TestWirePeerCache(t *testing.T) {
+	var c peerCache
+	a, b := sampleRequest(3, 2), sampleRequest(3, 2)
+	b.Peer.Agent, b.Peer.Regions = "other", nil
+	for i, req := range []PrefillRequest{a, a, b, a, b, b} {
+		req.V = WireVersion
+		data, err := EncodePrefillRequest(req, 0)
+		require.NoError(t, err)
+		got, desc, err := decodePrefillRequest(data, &c)
+		require.NoError(t, err)
+		require.Equal(t, req, got, "request %d", i)
+		require.Equal(t, req.Peer.Descriptor(), desc, "request %d", i)
+	}
+	data, err := EncodePrefillRequest(a, 0)
+	require.NoError(t, err)
+	_, _, err = decodePrefillRequest(data[:len(data)/2], &c)
+	require.ErrorIs(t, err, ErrBadMessage)
+}
+
 func TestWireOversize(t *testing.T) {
 	// 262144 tokens are exactly 1 MiB packed: with the rest of the message the
 	// request exceeds NATS's default max payload.
