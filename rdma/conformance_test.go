@@ -689,3 +689,65 @@ func TestConformanceRandomLayouts(t *testing.T) {
 		}
 	})
 }
+
+// A receiver hears once that a writer is gone when the writer's engine
+// closes its connections, and not while the writer lives (tcp with several
+// pooled connections, shm with its control socket).
+func TestWriterGone(t *testing.T) {
+	for _, tr := range []Transport{TransportTCP, TransportSHM} {
+		if tr == TransportSHM && !shmSupported {
+			continue
+		}
+		t.Run(string(tr), func(t *testing.T) {
+			rx, err := New(Config{Agent: "gone-rx", Transports: []Transport{tr}, Logger: quietLogger()})
+			require.NoError(t, err)
+			defer rx.Close()
+			gone := make(chan AgentID, 4)
+			rx.OnWriterGone(func(a AgentID) { gone <- a })
+			_, err = rx.Register("dst", 4<<20)
+			require.NoError(t, err)
+			tx, err := New(Config{Agent: "gone-tx", Transports: []Transport{tr}, Logger: quietLogger()})
+			require.NoError(t, err)
+			src, err := tx.Register("src", 4<<20)
+			require.NoError(t, err)
+			_, err = tx.Connect(context.Background(), rx.Descriptor())
+			require.NoError(t, err)
+			// A striped write opens more connections; none of them closing
+			// while the writer lives is reported.
+			g, err := rx.OpenGrant(GrantSpec{RequestID: 1, Extents: []Extent{{1, 0, 2 << 20}, {1, 2 << 20, 2 << 20}}})
+			require.NoError(t, err)
+			_, err = tx.Write(context.Background(), rx.Descriptor(), g.Ticket(), []Extent{{src.ID(), 0, 4 << 20}})
+			require.NoError(t, err)
+			select {
+			case a := <-gone:
+				t.Fatalf("%s reported gone while it lives", a)
+			case <-time.After(50 * time.Millisecond):
+			}
+			require.NoError(t, tx.Close())
+			select {
+			case a := <-gone:
+				require.Equal(t, AgentID("gone-tx"), a)
+			case <-time.After(5 * time.Second):
+				t.Fatal("no report after the writer closed")
+			}
+			select {
+			case a := <-gone:
+				t.Fatalf("a second report for %s", a)
+			case <-time.After(50 * time.Millisecond):
+			}
+			// The receiver closing ends its connections: that is no news of
+			// the writer.
+			tx2, err := New(Config{Agent: "gone-tx2", Transports: []Transport{tr}, Logger: quietLogger()})
+			require.NoError(t, err)
+			defer tx2.Close()
+			_, err = tx2.Connect(context.Background(), rx.Descriptor())
+			require.NoError(t, err)
+			require.NoError(t, rx.Close())
+			select {
+			case a := <-gone:
+				t.Fatalf("%s reported gone when the receiver closed", a)
+			case <-time.After(100 * time.Millisecond):
+			}
+		})
+	}
+}

@@ -155,6 +155,8 @@ func TestCrossProcessWriterKilled(t *testing.T) {
 			rx, err := New(Config{Agent: "cross-rx", Transports: []Transport{tr}, Logger: quietLogger()})
 			require.NoError(t, err)
 			defer rx.Close()
+			gone := make(chan AgentID, 4)
+			rx.OnWriterGone(func(a AgentID) { gone <- a })
 			dst, err := rx.Register("dst", size+8192)
 			require.NoError(t, err)
 			fill(dst.Bytes(), canary)
@@ -181,6 +183,18 @@ func TestCrossProcessWriterKilled(t *testing.T) {
 			g.Revoke()
 			time.Sleep(10 * time.Millisecond)
 			require.Equal(t, snap, dst.Bytes())
+			// The receiver was told the writer is gone, once.
+			select {
+			case a := <-gone:
+				require.Equal(t, AgentID("helper-writer"), a)
+			case <-time.After(5 * time.Second):
+				t.Fatal("no writer-gone report after the writer was killed")
+			}
+			select {
+			case a := <-gone:
+				t.Fatalf("a second report for %s", a)
+			case <-time.After(50 * time.Millisecond):
+			}
 		})
 	}
 }

@@ -198,6 +198,10 @@ type Engine struct {
 	peerMu sync.Mutex
 	peers  map[AgentID]*peerState
 
+	writersMu    sync.Mutex
+	writers      map[AgentID]int // live connections by writer, once past hello
+	onWriterGone []func(AgentID)
+
 	ctx    context.Context // cancelled by Close: aborts dials in progress
 	cancel context.CancelFunc
 

@@ -194,6 +194,8 @@ func (c *rxConn) serve() {
 		c.e.log.Warn("rdma: handshake refused", "transport", string(c.kind), "remote", c.c.RemoteAddr().String(), "err", cause)
 		return
 	}
+	c.e.writerUp(AgentID(c.peer))
+	defer c.e.writerDown(AgentID(c.peer))
 	for {
 		_, err := io.ReadFull(c.br, c.hbuf[:])
 		if err != nil {
