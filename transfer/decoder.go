@@ -205,6 +205,7 @@ func NewDecoder(ctx context.Context, cfg DecoderConfig, nc *nats.Conn, eng *rdma
 		d.Close()
 		return nil, fmt.Errorf("transfer: decoder flush: %w", err)
 	}
+	d.watchWriters(eng)
 	return d, nil
 }
 

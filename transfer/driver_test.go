@@ -69,7 +69,13 @@ type side struct {
 
 func newSide(t *testing.T, agent string, cfg hybrid.Config) *side {
 	t.Helper()
-	eng, err := rdma.New(rdma.Config{Agent: rdma.AgentID(agent), Transports: []rdma.Transport{rdma.TransportInproc},
+	return newSideOn(t, agent, cfg, rdma.TransportInproc)
+}
+
+// newSideOn is newSide with its engine serving transport tr.
+func newSideOn(t *testing.T, agent string, cfg hybrid.Config, tr rdma.Transport) *side {
+	t.Helper()
+	eng, err := rdma.New(rdma.Config{Agent: rdma.AgentID(agent), Transports: []rdma.Transport{tr},
 		Logger: slog.New(slog.DiscardHandler)})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = eng.Close() })
@@ -1399,4 +1405,74 @@ func TestHandoffPrefillDeathRetried(t *testing.T) {
 	ps["p1"].requireInitial(t)
 	ps["p2"].requireInitial(t)
 	require.Equal(t, uint64(1), d.Stats().Retries)
+}
+
+// TestHandoffWriterGoneRetried: the prefill worker serving a handoff loses
+// every data-path connection (its engine closes, as when the process is
+// killed) while its registry entry stays fresh. The decoder learns it from
+// its own engine at once, fences the grant and retries on the other worker,
+// long before any registry TTL.
+func TestHandoffWriterGoneRetried(t *testing.T) {
+	f := newFixture(t)
+	ds := newSideOn(t, "dec", testHybrid(64, 8), rdma.TransportTCP)
+	ps := map[string]*side{
+		"p1": newSideOn(t, "p1", testHybrid(64, 8), rdma.TransportTCP),
+		"p2": newSideOn(t, "p2", testHybrid(64, 8), rdma.TransportTCP),
+	}
+	xs := map[string]*testExec{}
+	for _, name := range []string{"p1", "p2"} {
+		xs[name] = newExec(ps[name])
+		xs[name].block = make(chan struct{})
+		f.prefiller(name, f.fp, xs[name], withRegistryP)
+	}
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
+	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
+			return fmt.Errorf("%d prefill instances known", n)
+		}
+		for name, p := range ps { // pre-connected at discovery
+			if _, ok := p.eng.TransportFor(ds.eng.Agent()); !ok {
+				return fmt.Errorf("%s not connected to the decoder yet", name)
+			}
+		}
+		return nil
+	})
+	type out struct {
+		res Result
+		err error
+	}
+	done := make(chan out, 1)
+	go func() {
+		res, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+		done <- out{res, err}
+	}()
+	var dead, live string
+	select {
+	case <-xs["p1"].started:
+		dead, live = "p1", "p2"
+	case <-xs["p2"].started:
+		dead, live = "p2", "p1"
+	}
+	start := time.Now()
+	require.NoError(t, ps[dead].eng.Close())
+	<-xs[live].started
+	require.Less(t, time.Since(start), 2*time.Second, "retried on the writer's disconnect, not a registry expiry")
+	close(xs[live].block)
+	o := <-done
+	require.NoError(t, o.err)
+	require.Equal(t, live, o.res.Instance)
+	require.Equal(t, 2, o.res.Attempts)
+	i := 0
+	for _, e := range o.res.Dest.Extents() {
+		for _, b := range ds.bytes(e) {
+			require.Equal(t, pattern(3, i), b, "byte %d", i)
+			i++
+		}
+	}
+	// The worker that lost its engine got the cancel and stopped.
+	require.ErrorIs(t, <-xs[dead].ctxErr, context.Canceled)
+	require.NoError(t, ds.rank.Free(3))
+	ds.requireInitial(t)
+	ps[live].requireInitial(t)
+	ps[dead].requireInitial(t)
 }
