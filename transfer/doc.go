@@ -58,8 +58,10 @@
 // and row. It retries on another worker only when nothing can have been
 // written (no responders, capacity refused) and the deadline and MaxAttempts
 // allow, or when the instance serving the request is reported dead before a
-// commit was accepted: that instance may only be partitioned, so the retry is
-// fenced. The decoder publishes it a cancel, revokes the grant (its late
+// commit was accepted (its registry entry expired, or, at once, every one of
+// its data-path connections to this decoder closed: rdma.Engine.OnWriterGone,
+// which a killed worker's kernel triggers): that instance may only be
+// partitioned, so the retry is fenced. The decoder publishes it a cancel, revokes the grant (its late
 // writes and commit are refused from then on), opens a fresh grant over the
 // same blocks and row, ignores the instance's replies and addresses the next
 // attempt to a live instance only (never the queue group, which could route
