@@ -373,6 +373,17 @@ func (c *rxConn) refuse(grant uint64, err error) {
 	c.e.log.Debug("rdma: frame refused", "peer", c.peer, "grant", grant, "err", err)
 }
 
+// refusal is why this connection refused frames of grant since its last
+// commit, or nil.
+func (c *rxConn) refusal(grant uint64) error {
+	for _, r := range c.refused {
+		if r.grant == grant {
+			return r.err
+		}
+	}
+	return nil
+}
+
 // commit verifies a commit frame and replies. The returned error ends the
 // connection (only write failures and malformed payloads do).
 func (c *rxConn) commit(h *header) error {
@@ -387,12 +398,7 @@ func (c *rxConn) commit(h *header) error {
 	if err := decodeManifest(c.mbuf, int(h.index), &c.man); err != nil {
 		return err
 	}
-	var err error
-	for _, r := range c.refused {
-		if r.grant == h.grant {
-			err = r.err
-		}
-	}
+	err := c.refusal(h.grant)
 	if err == nil {
 		var g *Grant
 		if g, err = c.grant(h.grant); err == nil {
@@ -419,12 +425,7 @@ func (c *rxConn) commit(h *header) error {
 // which. The grant is no longer this connection's to fail if it closes: its
 // bytes are all in, and the commit comes on another connection.
 func (c *rxConn) flush(h *header) error {
-	var err error
-	for _, r := range c.refused {
-		if r.grant == h.grant {
-			err = r.err
-		}
-	}
+	err := c.refusal(h.grant)
 	if err == nil {
 		var g *Grant
 		if g, err = c.grant(h.grant); err == nil {
