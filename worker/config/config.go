@@ -128,13 +128,10 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	str(&c.LogFormat, "log-format", "HANDOFF_LOG_FORMAT", "json", "log format: json or text", false)
 	dur(fs, &c.DrainTimeout, "drain-timeout", "HANDOFF_DRAIN_TIMEOUT", 30*time.Second, "how long SIGTERM waits for in-flight requests", &bindings)
 	dur(fs, &c.RequestTimeout, "request-timeout", "HANDOFF_REQUEST_TIMEOUT", 30*time.Second, "deadline of one cache handoff", &bindings)
-	var standalone string
 	if role == worker.RoleDecode {
 		str(&c.HTTPAddr, "http-addr", "HANDOFF_HTTP_ADDR", DefaultHTTPAddr, "OpenAI-compatible API address", true)
 		str(&c.Prefill, "prefill", "HANDOFF_PREFILL", "remote", "where prefill runs: remote (prefill workers over NATS) or local (in process, no transfer)", true)
-		fs.StringVar(&standalone, "standalone", "", "run an embedded NATS server and an in-process prefill worker: one command, the whole pipeline"+envNote("HANDOFF_STANDALONE"))
-		fs.Lookup("standalone").DefValue = "false"
-		// A bare --standalone means true.
+		fs.BoolVar(&c.Standalone, "standalone", false, "run an embedded NATS server and an in-process prefill worker: one command, the whole pipeline"+envNote("HANDOFF_STANDALONE"))
 		bindings = append(bindings, binding{"standalone", "HANDOFF_STANDALONE", true})
 	}
 	fs.Usage = func() {
@@ -142,7 +139,6 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 			role, role, role)
 		fs.PrintDefaults()
 	}
-	args = expandBoolFlags(args, "standalone")
 	if err := fs.Parse(args); err != nil {
 		return Config{}, err
 	}
@@ -170,11 +166,6 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 		c.AttentionDP = c.DPSize > 1
 	} else if c.AttentionDP, err = strconv.ParseBool(attentionDP); err != nil {
 		return Config{}, fmt.Errorf("%w: --attention-dp %q: want true or false", ErrInvalid, attentionDP)
-	}
-	if standalone != "" {
-		if c.Standalone, err = strconv.ParseBool(standalone); err != nil {
-			return Config{}, fmt.Errorf("%w: --standalone %q: want true or false", ErrInvalid, standalone)
-		}
 	}
 	if c.InstanceID == "" {
 		c.InstanceID = defaultInstance(getenv)
@@ -282,24 +273,6 @@ func lookup(getenv func(string) string, name string) (string, bool) {
 func dur(fs *flag.FlagSet, p *time.Duration, name, envName string, def time.Duration, usage string, b *[]binding) {
 	fs.DurationVar(p, name, def, usage+envNote(envName))
 	*b = append(*b, binding{name, envName, false})
-}
-
-// expandBoolFlags turns a bare "--name" (or "-name") of a string-backed
-// boolean flag into "--name=true", so it reads like a flag.Bool.
-func expandBoolFlags(args []string, names ...string) []string {
-	out := make([]string, 0, len(args))
-	for i, a := range args {
-		if a == "--" {
-			return append(out, args[i:]...)
-		}
-		for _, n := range names {
-			if a == "--"+n || a == "-"+n {
-				a = "--" + n + "=true"
-			}
-		}
-		out = append(out, a)
-	}
-	return out
 }
 
 func parseLevel(s string) (slog.Level, error) {

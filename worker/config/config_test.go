@@ -87,6 +87,8 @@ func TestInvalid(t *testing.T) {
 		{"decode flag on prefill", worker.RolePrefill, []string{"--http-addr", ":1"}, nil},
 		{"stray argument", worker.RoleDecode, []string{"extra"}, nil},
 		{"bad attention dp", worker.RoleDecode, []string{"--attention-dp", "maybe"}, nil},
+		{"bad standalone", worker.RoleDecode, []string{"--standalone=maybe"}, nil},
+		{"bad env standalone", worker.RoleDecode, nil, map[string]string{"HANDOFF_STANDALONE": "maybe"}},
 		{"no tcp lanes", worker.RolePrefill, []string{"--tcp-lanes", "0"}, nil},
 	}
 	for _, tt := range tests {
