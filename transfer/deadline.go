@@ -27,11 +27,15 @@ var _ context.Context = (*deadlineCtx)(nil)
 func (c *deadlineCtx) arm() context.Context {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.real == nil {
+	switch {
+	case c.real != nil:
+	case c.err == context.Canceled:
+		// Cancelled before it was armed: it stays Canceled, even when its
+		// deadline has passed since (Err must not change once non-nil).
+		c.real, c.stop = context.WithCancel(context.Background())
+		c.stop()
+	default:
 		c.real, c.stop = context.WithDeadline(context.Background(), c.deadline)
-		if c.err == context.Canceled {
-			c.stop()
-		}
 	}
 	return c.real
 }

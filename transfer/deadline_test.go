@@ -96,3 +96,27 @@ func TestArmedTaskNotReused(t *testing.T) {
 	p.freeTask(tk)
 	require.Nil(t, p.free.Get())
 }
+
+// Err keeps the error it reported first, as context.Context requires: a
+// context cancelled before its deadline and armed (Done asked for) after it
+// stays Canceled, not DeadlineExceeded.
+func TestDeadlineCtxErrStableWhenArmedAfterDeadline(t *testing.T) {
+	for _, end := range []struct {
+		name string
+		f    func(*deadlineCtx)
+	}{{"cancel", (*deadlineCtx).cancel}, {"release", (*deadlineCtx).release}} {
+		t.Run(end.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				var c deadlineCtx
+				c.deadline = time.Now().Add(time.Second)
+				end.f(&c)
+				require.Equal(t, context.Canceled, c.Err())
+				time.Sleep(2 * time.Second)
+				require.Equal(t, context.Canceled, c.Err(), "unarmed, past the deadline")
+				<-c.Done()
+				require.Equal(t, context.Canceled, c.Err(), "armed past the deadline")
+				require.Equal(t, context.Canceled, context.Cause(&c))
+			})
+		})
+	}
+}
