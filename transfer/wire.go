@@ -735,6 +735,7 @@ func (r *reader) listLen() (int, error) {
 
 func (p *Peer) decode(r *reader) error {
 	*p = Peer{}
+	var seen uint8
 	n, err := r.mapLen()
 	for ; err == nil && n > 0; n-- {
 		var key []byte
@@ -753,12 +754,25 @@ func (p *Peer) decode(r *reader) error {
 		case "tr":
 			p.Transports, err = decodeStrings(r)
 		case "r":
-			p.Regions, err = decodeRegions(r)
+			if err = once(&seen, 1, "r"); err == nil {
+				p.Regions, err = decodeRegions(r)
+			}
 		default:
 			err = r.skip()
 		}
 	}
 	return err
+}
+
+// once refuses a struct-valued key seen before in the same map (bit marks
+// it in seen): msgpack's own decoder merges a repeat into the first value,
+// which these decoders, which start each struct afresh, would not.
+func once(seen *uint8, bit uint8, key string) error {
+	if *seen&bit != 0 {
+		return fmt.Errorf("msgpack: repeated key %q", key)
+	}
+	*seen |= bit
+	return nil
 }
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
@@ -921,6 +935,7 @@ func (m *PrefillRequest) appendTo(b []byte) []byte {
 
 func (m *PrefillRequest) decode(r *reader) error {
 	*m = PrefillRequest{}
+	var seen uint8
 	n, err := r.mapLen()
 	for ; err == nil && n > 0; n-- {
 		var key []byte
@@ -944,17 +959,24 @@ func (m *PrefillRequest) decode(r *reader) error {
 		case "tok":
 			err = m.Tokens.decode(r)
 		case "smp":
-			err = m.Sampling.decode(r)
+			if err = once(&seen, 1, "smp"); err == nil {
+				err = m.Sampling.decode(r)
+			}
 		case "dl":
 			m.Deadline, err = r.int()
 		case "peer":
+			if err = once(&seen, 2, "peer"); err != nil {
+				break
+			}
 			if r.peers != nil {
 				err = r.peers.decode(r, &m.Peer)
 			} else {
 				err = m.Peer.decode(r)
 			}
 		case "tk":
-			err = m.Ticket.decode(r)
+			if err = once(&seen, 4, "tk"); err == nil {
+				err = m.Ticket.decode(r)
+			}
 		case "kvb":
 			m.KVBytes, err = r.uint()
 		case "mb":
@@ -993,6 +1015,7 @@ func (m *PrefillReply) appendTo(b []byte) []byte {
 
 func (m *PrefillReply) decode(r *reader) error {
 	*m = PrefillReply{}
+	var seen uint8
 	n, err := r.mapLen()
 	for ; err == nil && n > 0; n-- {
 		var key []byte
@@ -1026,7 +1049,9 @@ func (m *PrefillReply) decode(r *reader) error {
 		case "mb":
 			m.MambaBytes, err = r.uint()
 		case "man":
-			err = m.Manifest.decode(r)
+			if err = once(&seen, 1, "man"); err == nil {
+				err = m.Manifest.decode(r)
+			}
 		default:
 			err = r.skip()
 		}

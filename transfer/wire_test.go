@@ -333,6 +333,56 @@ func TestWireRefusesBadMessages(t *testing.T) {
 	require.ErrorIs(t, err, ErrBadMessage)
 }
 
+// A message that repeats a key whose value is a struct decodes as msgpack's
+// own decoder makes of it (which merges the repeat into the first) or is
+// refused; the request goes through the prefill worker's peer cache too.
+func TestWireRepeatedStructKeys(t *testing.T) {
+	again := func(b []byte, key string, v any) []byte {
+		b = append([]byte(nil), b...)
+		b[0]++ // one more key in the fixmap
+		b = appendStr(b, key)
+		tail, err := msgpack.Marshal(v)
+		require.NoError(t, err)
+		return append(b, tail...)
+	}
+	req, err := EncodePrefillRequest(sampleRequest(3, 2), 0)
+	require.NoError(t, err)
+	rep, err := EncodePrefillReply(sampleReply(), 0)
+	require.NoError(t, err)
+	peer := PeerOf(rdma.Descriptor{Agent: "decode-0", Regions: []rdma.RegionDesc{{ID: 1, Name: "kv", Length: 8}}})
+	peerB := peer.appendTo(nil)
+	peerB[0]++
+	peerB = append(appendStr(peerB, "r"), []byte{0x91, 0x81, 0xa1, 'n', 0xa1, 'x'}...) // r: [{n: "x"}]
+	peerAgain := append(appendStr(append([]byte(nil), req...), "peer"), peerB...)
+	peerAgain[0]++
+	requests := map[string][]byte{
+		"smp":  again(req, "smp", map[string]any{"n": 3}),
+		"tk":   again(req, "tk", map[string]any{"a": "other"}),
+		"peer": again(req, "peer", map[string]any{"h": "other"}),
+		"r":    peerAgain,
+	}
+	for name, b := range requests {
+		var p plainRequest
+		require.NoError(t, msgpack.Unmarshal(b, &p), name)
+		for _, peers := range []*peerCache{nil, new(peerCache)} {
+			m, _, err := decodePrefillRequest(b, peers)
+			if err != nil {
+				require.ErrorIs(t, err, ErrBadMessage, name)
+				continue
+			}
+			require.Equal(t, p, plainOfRequest(m), name)
+		}
+	}
+	b := again(rep, "man", map[string]any{"c": []byte{}})
+	var p plainReply
+	require.NoError(t, msgpack.Unmarshal(b, &p))
+	if m, err := DecodePrefillReply(b); err != nil {
+		require.ErrorIs(t, err, ErrBadMessage)
+	} else {
+		require.Equal(t, p, plainOfReply(m))
+	}
+}
+
 // TestWireIgnoresUnknownKeys: a later minor revision may add fields.
 func TestWireIgnoresUnknownKeys(t *testing.T) {
 	b, err := msgpack.Marshal(map[string]any{"v": 1, "id": 5, "code": 2, "future": []int{1, 2, 3}})
