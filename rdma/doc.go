@@ -86,8 +86,8 @@
 // 2 MiB or more is striped in equal byte ranges over up to Config.TCPLanes
 // connections, each lane but one ending with a flush that the receiver
 // answers once its frames have landed, and the last lane commits after
-// every flush was answered; an extent two lanes share is summed aside by
-// the writer, from the source, and by the receiver at commit), restricted
+// every flush was answered; an extent two lanes share is summed piece by
+// piece on each side and the sums joined in order, crc32c.Combine), restricted
 // to what both engines serve. The choice is logged with slog and reported by
 // Engine.TransportFor; a transport that fails to connect is logged as a
 // warning with the reason before the next is tried. GPU transports (CUDA

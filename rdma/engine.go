@@ -760,10 +760,13 @@ func (e *Engine) dial(ctx context.Context, peer Descriptor) (link, error) {
 
 // piece is one contiguous copy: src lands at offset off of destination extent ext.
 type piece struct {
-	ext   uint32
-	off   uint64
-	src   []byte
-	nosum bool // summed elsewhere (an extent a striped tcp write splits)
+	ext uint32
+	off uint64
+	src []byte
+	// apart: the piece is summed into crc, on its own, and joined into the
+	// manifest afterwards (an extent that lanes of a striped tcp write share).
+	apart bool
+	crc   uint32
 }
 
 // writeOp is one Write as the backends see it.

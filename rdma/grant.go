@@ -1,11 +1,13 @@
 package rdma
 
 import (
+	"cmp"
 	"context"
 	"crypto/subtle"
 	"fmt"
 	"log/slog"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -49,16 +51,50 @@ const (
 	grantFailed                       // revoked, expired, refused or abandoned
 )
 
-// extState tracks what landed in one destination extent. While every
-// landing arrived in order from offset 0 (the normal case for one writer)
-// the crc is kept incrementally over data that is still in cache, and the
-// commit does not read the extent again.
+// extState tracks what landed in one destination extent. The landings that
+// continue the extent in order from offset 0 (the normal case for one
+// writer) extend a running crc over data still in cache; a landing that
+// starts elsewhere (another lane of a striped write) keeps a crc of its own,
+// a segment. At commit the running crc and the segments, joined in offset
+// order with crc32c.Combine, give the extent's crc without reading it again;
+// when they do not tile the extent exactly the commit sums it.
 type extState struct {
 	landed uint64 // bytes landed, counting rewrites
 	next   uint64 // offset the in-order crc has reached
 	crc    uint32
-	seq    bool // every landing so far continued the extent in order
-	busy   bool // an in-order landing is in flight
+	seq    bool      // the in-order crc is usable (no in-order landing failed)
+	busy   bool      // an in-order landing is in flight
+	segs   []segment // whole landings away from next, in landing order
+}
+
+// segment is a landing's own crc over [off, off+n) of its extent.
+type segment struct {
+	off, n uint64
+	crc    uint32
+}
+
+// maxSegments bounds the segments an extent keeps; a landing beyond them
+// makes the commit sum the extent instead.
+const maxSegments = 64
+
+// crcOf returns the crc of an extent of n bytes from its in-order crc and
+// segments, and false when they do not tile [0, n) exactly.
+func (st *extState) crcOf(n uint64) (uint32, bool) {
+	if !st.seq {
+		return 0, false
+	}
+	if len(st.segs) == 0 {
+		return st.crc, st.next == n
+	}
+	slices.SortFunc(st.segs, func(a, b segment) int { return cmp.Compare(a.off, b.off) })
+	crc, pos := st.crc, st.next
+	for _, s := range st.segs {
+		if s.off != pos {
+			return 0, false
+		}
+		crc, pos = crc32c.Combine(crc, s.crc, int64(s.n)), pos+s.n
+	}
+	return crc, pos == n
 }
 
 // lander is a connection landing bytes into a grant; abortLanding makes its
@@ -195,6 +231,7 @@ type landing struct {
 	dst   []byte
 	crc   uint32
 	track bool
+	seg   bool // tracked as a segment of its own, not the in-order crc
 }
 
 // fill records that dst[:n] was filled, extending the crc when tracked.
@@ -251,10 +288,14 @@ func (g *Grant) beginLandAt(now time.Time, epoch uint64, token *[16]byte, idx ui
 	}
 	l := landing{idx: idx, off: off, dst: g.dst[idx][off : off+n : off+n]}
 	st := &g.ext[idx]
-	if st.seq && !st.busy && off == st.next && !g.e.cfg.SkipCRC {
+	switch {
+	case g.e.cfg.SkipCRC || !st.seq:
+	case !st.busy && off == st.next:
 		l.track, l.crc = true, st.crc
 		st.busy = true
-	} else {
+	case len(st.segs) < maxSegments:
+		l.track, l.seg = true, true
+	default:
 		st.seq = false
 	}
 	g.inflight++
@@ -273,14 +314,18 @@ func (g *Grant) endLand(l *landing, ok bool, ab lander) {
 	if ok {
 		st.landed += uint64(len(l.dst))
 	}
-	if l.track {
-		st.busy = false
-		if ok {
-			st.crc = l.crc
-			st.next += uint64(len(l.dst))
-		} else {
-			st.seq = false
+	switch {
+	case l.track && !ok:
+		if !l.seg {
+			st.busy = false
 		}
+		st.seq = false // the extent is summed at commit
+	case l.seg:
+		st.segs = append(st.segs, segment{l.off, uint64(len(l.dst)), l.crc})
+	case l.track:
+		st.busy = false
+		st.crc = l.crc
+		st.next += uint64(len(l.dst))
 	}
 	if ab != nil {
 		for i, x := range g.landers {
@@ -381,7 +426,7 @@ func (g *Grant) verify(dst [][]byte, ext []extState, m *Manifest, counted, hasCR
 		if counted && st.landed != want {
 			return fmt.Errorf("%w: extent %d: %d bytes landed, want %d (grant %d)", ErrManifestMismatch, i, st.landed, want, g.id)
 		}
-		if hasCRC && !(counted && st.seq && st.next == want) {
+		if _, ok := st.crcOf(want); hasCRC && !(counted && ok) {
 			sumBytes += want
 		}
 	}
@@ -418,10 +463,10 @@ func (g *Grant) verify(dst [][]byte, ext []extState, m *Manifest, counted, hasCR
 }
 
 // extentCRC returns the crc32c of a landed extent: the one kept while it
-// landed in order, else computed over d.
+// landed (in order and in segments), else computed over d.
 func extentCRC(d []byte, st *extState, counted bool) uint32 {
-	if counted && st.seq && st.next == uint64(len(d)) {
-		return st.crc
+	if crc, ok := st.crcOf(uint64(len(d))); counted && ok {
+		return crc
 	}
 	return crc32c.Checksum(d)
 }

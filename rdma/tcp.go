@@ -14,6 +14,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/handoff-io/handoff/internal/crc32c"
 )
 
 const (
@@ -712,9 +714,10 @@ func (tc *txConn) bind(ctx context.Context) {
 // at least laneMinBytes each, splitting a piece where a lane ends. It
 // returns the pieces in order and the cut points between lanes (first 0,
 // last len(pieces)); no cuts means one connection carries it all. The
-// pieces of an extent that two lanes share are marked nosum: lanes run
-// concurrently and an extent's crc runs in order, so those are summed
-// aside (and the receiver sums such an extent at commit).
+// pieces of an extent that two lanes share are marked apart: lanes run
+// concurrently and an extent's crc runs in order, so each such piece is
+// summed on its own and the sums are joined in order after the lanes
+// (crc32c.Combine), as the receiver joins its landings' sums.
 func stripe(op *writeOp, lanes int) ([]piece, []int) {
 	k := min(uint64(lanes), op.t.Bytes/laneMinBytes)
 	if k < 2 {
@@ -747,10 +750,10 @@ func stripe(op *writeOp, lanes int) ([]piece, []int) {
 		}
 		ext := all[c].ext
 		for i := c - 1; i >= 0 && all[i].ext == ext; i-- {
-			all[i].nosum = true
+			all[i].apart = true
 		}
 		for i := c; i < len(all) && all[i].ext == ext; i++ {
-			all[i].nosum = true
+			all[i].apart = true
 		}
 	}
 	return all, cuts
@@ -758,8 +761,8 @@ func stripe(op *writeOp, lanes int) ([]piece, []int) {
 
 // writeStriped sends pieces over len(cuts)-1 connections at once: each lane
 // but the first ends with a flush, and once every flush was answered the
-// first lane, whose own data went out meanwhile, commits. The sums of the
-// pieces marked nosum are taken on another goroutine, from the source.
+// first lane, whose own data went out meanwhile, commits, with the sums of
+// the pieces marked apart joined into the manifest.
 func (l *tcpLink) writeStriped(ctx context.Context, op *writeOp, pieces []piece, cuts []int) error {
 	k := len(cuts) - 1
 	lanes := make([]*txConn, k)
@@ -777,16 +780,6 @@ func (l *tcpLink) writeStriped(ctx context.Context, op *writeOp, pieces []piece,
 		tc.bind(ctx)
 	}
 	errs := make([]error, k)
-	var wg sync.WaitGroup
-	if !op.noCRC {
-		wg.Go(func() {
-			for _, p := range pieces {
-				if p.nosum {
-					op.sum(p.ext, p.src)
-				}
-			}
-		})
-	}
 	var lanesDone sync.WaitGroup
 	for i := 1; i < k; i++ {
 		lanesDone.Go(func() {
@@ -797,7 +790,13 @@ func (l *tcpLink) writeStriped(ctx context.Context, op *writeOp, pieces []piece,
 	tc := lanes[0]
 	werr := tc.send(op, pieces[:cuts[1]], 0)
 	lanesDone.Wait()
-	wg.Wait() // the manifest is complete
+	if !op.noCRC {
+		for i := range pieces {
+			if p := &pieces[i]; p.apart {
+				op.manifest.CRC[p.ext] = crc32c.Combine(op.manifest.CRC[p.ext], p.crc, int64(len(p.src)))
+			}
+		}
+	}
 	if err := errors.Join(errs[1:]...); err != nil {
 		// No commit: dropping the first lane fails the grant on the
 		// receiver (a connection that landed bytes and closed).
@@ -907,16 +906,18 @@ func (tc *txConn) send(op *writeOp, pieces []piece, end uint8) error {
 		for src := p.src; len(src) > 0; {
 			n := min(len(src), txBatchBytes)
 			iov = append(iov, src[:n])
-			if !p.nosum {
-				tc.pend = append(tc.pend, pendSum{p.ext, src[:n]})
+			sum := &op.manifest.CRC[p.ext]
+			if p.apart {
+				sum = &p.crc
 			}
+			tc.pend = append(tc.pend, pendSum{sum, src[:n]})
 			src = src[n:]
 			batch += uint64(n)
 			if batch >= txBatchBytes || len(iov) >= txBatchVecs {
 				if err := tc.flush(iov); err != nil {
 					return err
 				}
-				tc.sumPending(op)
+				tc.sumPending()
 				iov, batch = tc.iov[:0], 0
 			}
 		}
@@ -926,7 +927,7 @@ func (tc *txConn) send(op *writeOp, pieces []piece, end uint8) error {
 		if err := tc.flush(iov); err != nil {
 			return err
 		}
-		tc.sumPending(op)
+		tc.sumPending()
 		iov = tc.iov[:0]
 	}
 	cb := hdrs[n*headerSize:]
@@ -947,17 +948,18 @@ func (tc *txConn) send(op *writeOp, pieces []piece, end uint8) error {
 	return tc.flush(iov)
 }
 
-// pendSum is bytes of extent ext that were sent but not summed yet.
+// pendSum is bytes that were sent but not summed yet, and the crc they
+// extend: the manifest's for their extent, or their piece's own.
 type pendSum struct {
-	ext uint32
+	crc *uint32
 	b   []byte
 }
 
-// sumPending folds the bytes just sent into the manifest, in order.
-func (tc *txConn) sumPending(op *writeOp) {
+// sumPending folds the bytes just sent into their crcs, in order.
+func (tc *txConn) sumPending() {
 	for i, p := range tc.pend {
-		op.sum(p.ext, p.b)
-		tc.pend[i].b = nil
+		*p.crc = crc32Update(*p.crc, p.b)
+		tc.pend[i] = pendSum{}
 	}
 	tc.pend = tc.pend[:0]
 }

@@ -106,7 +106,7 @@ func TestStripe(t *testing.T) {
 			}
 			require.Equal(t, tc.want, got)
 			// The pieces cover the source in order, each extent from its
-			// offset 0 on, and an extent is nosum exactly when two lanes
+			// offset 0 on, and an extent is apart exactly when two lanes
 			// carry it.
 			next := map[uint32]uint64{}
 			lanesOf := map[uint32]map[int]bool{}
@@ -121,7 +121,7 @@ func TestStripe(t *testing.T) {
 				}
 			}
 			for _, p := range pieces {
-				require.Equal(t, len(lanesOf[p.ext]) > 1, p.nosum, "extent %d", p.ext)
+				require.Equal(t, len(lanesOf[p.ext]) > 1, p.apart, "extent %d", p.ext)
 			}
 		})
 	}
@@ -159,7 +159,7 @@ func TestTCPStripedWrite(t *testing.T) {
 }
 
 // One large destination extent, the usual shape of a KV run: the lanes
-// split it, the writer sums it aside and the receiver at commit, and the
+// split it, each side sums the pieces apart and joins the sums, and the
 // manifests agree with the bytes.
 func TestTCPStripedWriteOneExtent(t *testing.T) {
 	p := newStripePair(t, 4)
