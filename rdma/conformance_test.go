@@ -751,3 +751,78 @@ func TestWriterGone(t *testing.T) {
 		})
 	}
 }
+
+// A writer that lives is never reported gone: not when its only connection
+// breaks on a cancelled write (it connects again before letting it go), not
+// when the receiver fences a landing and cuts the connection, not when shm
+// reconnects to map a region registered later.
+func TestWriterGoneNotReportedForLiveWriter(t *testing.T) {
+	for _, tr := range []Transport{TransportTCP, TransportSHM} {
+		if tr == TransportSHM && !shmSupported {
+			continue
+		}
+		t.Run(string(tr), func(t *testing.T) {
+			const size = 32 << 20
+			rx, err := New(Config{Agent: "live-rx", Transports: []Transport{tr}, Logger: quietLogger()})
+			require.NoError(t, err)
+			defer rx.Close()
+			gone := make(chan AgentID, 4)
+			rx.OnWriterGone(func(a AgentID) { gone <- a })
+			_, err = rx.Register("dst", size)
+			require.NoError(t, err)
+			tx, err := New(Config{Agent: "live-tx", Transports: []Transport{tr}, Logger: quietLogger(), TCPLanes: 1})
+			require.NoError(t, err)
+			defer tx.Close()
+			src, err := tx.Register("src", size)
+			require.NoError(t, err)
+			_, err = tx.Connect(context.Background(), rx.Descriptor())
+			require.NoError(t, err)
+			quiet := func(what string) {
+				t.Helper()
+				select {
+				case a := <-gone:
+					t.Fatalf("%s reported gone after %s", a, what)
+				case <-time.After(150 * time.Millisecond):
+				}
+			}
+			write := func(ctx context.Context, id uint64) (*Grant, error) {
+				g, err := rx.OpenGrant(GrantSpec{RequestID: id, Extents: []Extent{{1, 0, size}}})
+				require.NoError(t, err)
+				_, err = tx.Write(ctx, rx.Descriptor(), g.Ticket(), []Extent{{src.ID(), 0, size}})
+				return g, err
+			}
+			// A write cancelled while it sends.
+			ctx, cancel := context.WithCancel(context.Background())
+			time.AfterFunc(time.Millisecond, cancel)
+			g, _ := write(ctx, 1)
+			g.Revoke()
+			quiet("a cancelled write")
+			// A landing fenced by the receiver.
+			g, err = rx.OpenGrant(GrantSpec{RequestID: 2, Extents: []Extent{{1, 0, size}}})
+			require.NoError(t, err)
+			werr := make(chan error, 1)
+			go func() {
+				_, err := tx.Write(context.Background(), rx.Descriptor(), g.Ticket(), []Extent{{src.ID(), 0, size}})
+				werr <- err
+			}()
+			time.Sleep(time.Millisecond)
+			g.Revoke()
+			<-werr
+			quiet("a fenced landing")
+			if tr == TransportSHM {
+				// A region registered after the connection: shm maps it anew.
+				_, err := rx.Register("later", 4096)
+				require.NoError(t, err)
+				g, err := rx.OpenGrant(GrantSpec{RequestID: 3, Extents: []Extent{{2, 0, 4096}}})
+				require.NoError(t, err)
+				_, err = tx.Write(context.Background(), rx.Descriptor(), g.Ticket(), []Extent{{src.ID(), 0, 4096}})
+				require.NoError(t, err)
+				quiet("a reconnect")
+			}
+			// And it still writes.
+			_, err = write(context.Background(), 4)
+			require.NoError(t, err)
+			quiet("a good write")
+		})
+	}
+}

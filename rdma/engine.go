@@ -200,7 +200,8 @@ type Engine struct {
 
 	writersMu    sync.Mutex
 	writers      map[AgentID]int // live connections by writer, once past hello
-	onWriterGone []func(AgentID)
+	onWriterGone map[uint64]func(AgentID)
+	nextWatch    uint64
 
 	ctx    context.Context // cancelled by Close: aborts dials in progress
 	cancel context.CancelFunc

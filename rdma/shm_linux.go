@@ -546,18 +546,23 @@ func (l *shmLink) connect(ctx context.Context) error {
 // unmapLocked drops the connection and mappings; l.mu and l.copying (W)
 // are held, in that order (the lock order of shmLink).
 func (l *shmLink) unmapLocked() {
-	if l.conn != nil {
-		l.conn.Close()
-		l.conn = nil
-		l.connRef.Store(nil)
+	releaseShm(l.conn, l.table, l.regions)
+	l.conn, l.table = nil, nil
+	l.connRef.Store(nil)
+	clear(l.regions)
+}
+
+// releaseShm closes a control connection and unmaps what it mapped (any may
+// be nil).
+func releaseShm(conn *net.UnixConn, table []byte, regions map[RegionID][]byte) {
+	if conn != nil {
+		conn.Close()
 	}
-	if l.table != nil {
-		freeShared(l.table, -1)
-		l.table = nil
+	if table != nil {
+		freeShared(table, -1)
 	}
-	for id, m := range l.regions {
+	for _, m := range regions {
 		freeShared(m, -1)
-		delete(l.regions, id)
 	}
 }
 
@@ -600,10 +605,18 @@ func (l *shmLink) ready(ctx context.Context, t *Ticket) error {
 		l.copying.Unlock()
 		return ErrClosed
 	}
-	l.unmapLocked()
-	err := l.connect(ctx)
+	// Connect first, then let the old control socket go: the receiver
+	// reads a writer with no connection left as gone (OnWriterGone).
+	conn, table, regions := l.conn, l.table, l.regions
+	if err := l.connect(ctx); err != nil {
+		// connect changed nothing: a broken link stays broken, retried on
+		// the next write.
+		l.copying.Unlock()
+		return err
+	}
+	releaseShm(conn, table, regions)
 	l.copying.Unlock()
-	return err
+	return nil
 }
 
 func (l *shmLink) write(ctx context.Context, op *writeOp) error {

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/handoff-io/handoff/internal/crc32c"
@@ -197,7 +198,16 @@ func (c *rxConn) serve() {
 		return
 	}
 	c.e.writerUp(AgentID(c.peer))
-	defer c.e.writerDown(AgentID(c.peer))
+	// The writer closed this connection (or its process died) when a read
+	// found the end, or when a fence cut a landing and what the writer still
+	// sent ended in a hang-up (a killed writer's connections all end at once,
+	// and the first to fail its grant fences the others' reads). A malformed
+	// frame or our own close say nothing about the writer.
+	hungUp := false
+	defer func() {
+		byWriter := errors.Is(cause, ErrPeerClosed) && !errors.Is(cause, errFenced) || hungUp
+		c.e.writerDown(AgentID(c.peer), byWriter)
+	}()
 	for {
 		_, err := io.ReadFull(c.br, c.hbuf[:])
 		if err != nil {
@@ -233,10 +243,26 @@ func (c *rxConn) serve() {
 			if errors.Is(err, ErrMalformedFrame) {
 				c.reply(h.grant, h.epoch, err)
 			}
+			if errors.Is(err, errFenced) {
+				hungUp = c.drainToEnd()
+			}
 			c.logEnd(err)
 			return
 		}
 	}
+}
+
+// fenceDrain bounds drainToEnd.
+const fenceDrain = 50 * time.Millisecond
+
+// drainToEnd reads and drops what the writer still sends after a fence cut
+// a landing, for up to fenceDrain, and reports whether the writer hung up: a
+// writer that died ends its stream right after the bytes its kernel had
+// queued, a live one keeps the connection open waiting for a reply.
+func (c *rxConn) drainToEnd() bool {
+	_ = c.c.SetReadDeadline(time.Now().Add(fenceDrain))
+	_, err := io.Copy(io.Discard, c.br)
+	return err == nil || errors.Is(err, syscall.ECONNRESET)
 }
 
 func (c *rxConn) logEnd(err error) {
@@ -352,8 +378,11 @@ func (c *rxConn) data(h *header) error {
 		_ = c.c.SetReadDeadline(time.Time{})
 	}
 	if rerr != nil {
-		if g.Err() != nil {
-			return fmt.Errorf("landing aborted by fence: %w", g.Err())
+		// A fence cuts the read with a deadline in the past; anything else
+		// (end of stream, reset) is the writer's side going away, even when
+		// the grant failed meanwhile (another of its connections closed).
+		if errors.Is(rerr, os.ErrDeadlineExceeded) && g.Err() != nil {
+			return fmt.Errorf("%w: %w", errFenced, g.Err())
 		}
 		return fmt.Errorf("%w: mid-frame: %w", ErrPeerClosed, rerr)
 	}
@@ -490,6 +519,10 @@ func (c *rxConn) reply(grant, epoch uint64, err error) error {
 	return nil
 }
 
+// errFenced ends a connection whose landing a fence aborted (its read was
+// cut mid-frame, so the stream is out of step).
+var errFenced = errors.New("rdma: landing aborted by fence")
+
 // ----- writer -----
 
 // ctxErr is ctx.Err(), also when a connection deadline copied from ctx fired
@@ -508,7 +541,8 @@ func ctxErr(ctx context.Context) error {
 type tcpLink struct {
 	e       *Engine
 	peer    Descriptor
-	stripes atomic.Bool // the receiver accepts flush frames (striped writes)
+	stripes atomic.Bool    // the receiver accepts flush frames (striped writes)
+	wg      sync.WaitGroup // replacements being dialled (drop)
 
 	mu     sync.Mutex
 	idle   []*txConn
@@ -669,13 +703,31 @@ func (l *tcpLink) drop(tc *txConn) {
 	}
 	l.mu.Lock()
 	delete(l.busy, tc)
+	last := !l.closed && len(l.idle) == 0 && len(l.busy) == 0
+	if last {
+		l.wg.Add(1)
+	}
 	l.mu.Unlock()
-	tc.c.Close()
+	if !last {
+		tc.c.Close()
+		return
+	}
+	// The receiver reads a writer whose connections all closed as gone
+	// (Engine.OnWriterGone): a live writer connects again before it lets
+	// its last connection go.
+	go func() {
+		defer l.wg.Done()
+		ctx, cancel := context.WithTimeout(l.e.ctx, helloTimeout)
+		defer cancel()
+		if fresh, err := l.dial(ctx); err == nil {
+			l.put(fresh)
+		}
+		tc.c.Close()
+	}()
 }
 
 func (l *tcpLink) close() {
 	l.mu.Lock()
-	defer l.mu.Unlock()
 	l.closed = true
 	for _, tc := range l.idle {
 		tc.c.Close()
@@ -684,6 +736,8 @@ func (l *tcpLink) close() {
 	for tc := range l.busy {
 		tc.c.Close()
 	}
+	l.mu.Unlock()
+	l.wg.Wait() // a replacement being dialled (drop) sees closed and lets go
 }
 
 func (l *tcpLink) write(ctx context.Context, op *writeOp) error {

@@ -6,16 +6,29 @@ package rdma
 // kernel closes a killed process's sockets at once. A receiver that waits for
 // that writer's data learns it then, not at its grant's deadline.
 
-// OnWriterGone registers f, called with a writer's agent id when the last
-// connection from it closes (a writer process killed with SIGKILL, an engine
-// closed, a writer host whose connections reset). f runs on the connection's
-// goroutine and must not block; it is not called once this engine is
-// closing. A writer whose connections all failed and that dials again is
-// reported too: treat the report as "its writes in flight are lost".
-func (e *Engine) OnWriterGone(f func(AgentID)) {
+// OnWriterGone registers f, called with a writer's agent id when the writer
+// closes its last connection to this engine: its process was killed (the
+// kernel closes its sockets), its engine closed, its host reset the
+// connections. A live writer engine never lets its last connection to a
+// peer go without connecting again first (tcp replaces a broken connection,
+// shm connects before it closes the old control socket), and a connection
+// this engine cut itself is not reported, so a report means the writer is
+// gone or unreachable. f runs on the connection's goroutine and must not
+// block; it is not called once this engine is closing, nor after stop.
+func (e *Engine) OnWriterGone(f func(AgentID)) (stop func()) {
 	e.writersMu.Lock()
 	defer e.writersMu.Unlock()
-	e.onWriterGone = append(e.onWriterGone, f)
+	e.nextWatch++
+	id := e.nextWatch
+	if e.onWriterGone == nil {
+		e.onWriterGone = make(map[uint64]func(AgentID))
+	}
+	e.onWriterGone[id] = f
+	return func() {
+		e.writersMu.Lock()
+		defer e.writersMu.Unlock()
+		delete(e.onWriterGone, id)
+	}
 }
 
 // writerUp counts a connection from agent that passed its hello.
@@ -28,8 +41,11 @@ func (e *Engine) writerUp(agent AgentID) {
 	e.writers[agent]++
 }
 
-// writerDown uncounts one; the last one reports the writer gone.
-func (e *Engine) writerDown(agent AgentID) {
+// writerDown uncounts one. The last one reports the writer gone when the
+// writer's side ended it (byWriter): a live writer always holds a connection
+// (it connects again before closing its last one), while a connection this
+// engine cut (a fence, a malformed frame) says nothing about the writer.
+func (e *Engine) writerDown(agent AgentID, byWriter bool) {
 	e.writersMu.Lock()
 	e.writers[agent]--
 	if e.writers[agent] > 0 {
@@ -37,7 +53,14 @@ func (e *Engine) writerDown(agent AgentID) {
 		return
 	}
 	delete(e.writers, agent)
-	fs := e.onWriterGone
+	if !byWriter {
+		e.writersMu.Unlock()
+		return
+	}
+	fs := make([]func(AgentID), 0, len(e.onWriterGone))
+	for _, f := range e.onWriterGone {
+		fs = append(fs, f)
+	}
 	e.writersMu.Unlock()
 	e.mu.RLock()
 	closed := e.closed

@@ -134,6 +134,7 @@ type Decoder struct {
 	inbox      string
 	sub        *nats.Subscription
 	prefillSub string // the shared prefill subject
+	unwatch    func() // stops the writer-gone reports (watchWriters)
 	seq        atomic.Uint64
 	picks      atomic.Uint64 // round-robin offset of pick
 
@@ -293,6 +294,9 @@ func (d *Decoder) Close() error {
 	d.closed = true
 	close(d.done)
 	d.mu.Unlock()
+	if d.unwatch != nil {
+		d.unwatch()
+	}
 	d.wg.Wait()
 	err := d.sub.Unsubscribe()
 	if errors.Is(err, nats.ErrConnectionClosed) || errors.Is(err, nats.ErrBadSubscription) {

@@ -6,15 +6,15 @@ import (
 	"github.com/handoff-io/handoff/rdma"
 )
 
-// watchWriters treats a prefill instance whose data-path connections all
-// closed (rdma.Engine.OnWriterGone: a worker killed with SIGKILL, an engine
-// closed) as dead, as a registry expiry does, but at once: a handoff
+// watchWriters treats a prefill instance that closed its last data-path
+// connection to this decoder (rdma.Engine.OnWriterGone: a worker killed
+// with SIGKILL, an engine closed; a live engine never lets its last
+// connection go) as dead, as a registry expiry does, but at once: a handoff
 // addressed to it is fenced and re-granted to a live instance in
-// milliseconds instead of after the registry TTL. A report about a writer
-// that still lives (its pool lost its last connection) costs a retry, never
-// a wrong byte: the old grant is revoked first.
+// milliseconds instead of after the registry TTL. Even a wrong report would
+// cost a retry, never a wrong byte: the old grant is revoked first.
 func (d *Decoder) watchWriters(eng *rdma.Engine) {
-	eng.OnWriterGone(func(a rdma.AgentID) {
+	d.unwatch = eng.OnWriterGone(func(a rdma.AgentID) {
 		for _, id := range d.instancesOf(string(a)) {
 			d.peerDied(id)
 		}
