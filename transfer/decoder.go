@@ -354,6 +354,10 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 	}
 	if deadline.IsZero() {
 		deadline = start.Add(d.cfg.DefaultTimeout)
+	} else {
+		// On the monotonic clock from here on, as every time this handoff
+		// compares against it (a wall-clock step must not move it).
+		deadline = start.Add(deadline.Sub(start))
 	}
 	h := d.newHandoff()
 	h.d, h.req, h.start, h.deadline = d, req, start, deadline
