@@ -166,6 +166,7 @@ type rxConn struct {
 	refused []rejection // refusals since the last commit
 	aborted atomic.Bool // a grant fence set our read deadline
 	shm     *shmRxState // shm only
+	counted bool        // writerUp was called for this connection (hello)
 }
 
 func newRxConn(e *Engine, c net.Conn, kind Transport) *rxConn {
@@ -194,10 +195,12 @@ func (c *rxConn) serve() {
 	}()
 	cause = c.hello()
 	if cause != nil {
+		if c.counted {
+			c.e.writerDown(AgentID(c.peer), false)
+		}
 		c.e.log.Warn("rdma: handshake refused", "transport", string(c.kind), "remote", c.c.RemoteAddr().String(), "err", cause)
 		return
 	}
-	c.e.writerUp(AgentID(c.peer))
 	// The writer closed this connection (or its process died) when a read
 	// found the end, or when a fence cut a landing and what the writer still
 	// sent ended in a hang-up (a killed writer's connections all end at once,
@@ -304,6 +307,10 @@ func (c *rxConn) hello() error {
 		c.reply(0, 0, err)
 		return err
 	}
+	// Counted before the answer: a writer that replaces a connection closes
+	// the old one once this answer is in (Engine.OnWriterGone).
+	c.e.writerUp(AgentID(from))
+	c.counted = true
 	if c.shm != nil {
 		return c.shm.hello(c)
 	}
