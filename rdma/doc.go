@@ -133,7 +133,12 @@
 //  5. On cancel, timeout or a failure reported by the writer: Revoke. When
 //     Revoke returns (or Done is closed) the destination may be freed and
 //     reused. OpenGrant refuses (ErrBusy) bytes that an open grant holds.
-//  6. Close at shutdown: open grants are revoked, regions unmapped; Region.Bytes
+//  6. Optionally watch OnWriterGone: a writer that closed its last
+//     connection (killed, closed) will not write or commit; fail over what
+//     waits for it instead of waiting for its deadline. A live writer
+//     always keeps a connection, and the receiver's own cuts are not
+//     reported.
+//  7. Close at shutdown: open grants are revoked, regions unmapped; Region.Bytes
 //     must not be used afterwards.
 //
 // Writer (prefill):
