@@ -217,7 +217,8 @@ func TestPrefillKilledMidTransfer(t *testing.T) {
 		require.NotEmpty(t, results[i].Err, "request %d failed without a message", i)
 	}
 	require.Positive(t, ok, "no request succeeded on the surviving worker")
-	t.Logf("%d of %d requests succeeded across the SIGKILL; slowest took %v", ok, n, slices.Max(took))
+	t.Logf("%d of %d requests succeeded across the SIGKILL; slowest took %v; %v handoffs retried", ok, n, slices.Max(took),
+		sum(dec.metrics(), "handoff_retries_total", map[string]string{"role": "decode"}))
 	requireIdle(t, dec, "decode")
 	// The survivor still serves.
 	c, err := complete(ctx, dec.api, completionRequest{Model: name, Prompt: "after the fault", MaxTokens: 4})

@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/handoff-io/handoff/hybrid"
 	"github.com/handoff-io/handoff/transfer"
@@ -81,6 +83,7 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 			}
 		}()
 		registered.Store(true)
+		registerDecoderStats(o.Registry, dec, log)
 		source = &transferSource{dec: dec, n: n, m: o.Metrics, timeout: cfg.RequestTimeout}
 	}
 	eng, err := worker.NewEngine(worker.Config{
@@ -178,4 +181,18 @@ func classify(ctx context.Context, err error) error {
 		return fmt.Errorf("%w: %w", ctx.Err(), err)
 	}
 	return err
+}
+
+// registerDecoderStats exports the decoder's retry count: handoffs retried on
+// another prefill instance (a refusal, no responders, or the instance died:
+// its registry entry expired or its data-path connections closed).
+func registerDecoderStats(reg prometheus.Registerer, dec *transfer.Decoder, log *slog.Logger) {
+	c := prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name:        "handoff_retries_total",
+		Help:        "Handoff attempts retried on another prefill instance (refused, no responders, instance died).",
+		ConstLabels: prometheus.Labels{"role": string(worker.RoleDecode)},
+	}, func() float64 { return float64(dec.Stats().Retries) })
+	if err := reg.Register(c); err != nil {
+		log.Warn("metrics: handoff_retries_total not registered", "err", err)
+	}
 }
