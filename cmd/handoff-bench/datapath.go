@@ -36,8 +36,10 @@ measurements (the table lists each one). With one run the JSON output is one fla
 it is {"runs": [...], "baselines": [...], "ratios": [...]}.
 
 --baselines measures, in the same invocation: iperf3 single stream on
-loopback, Go memcpy on one goroutine, and ucx_perftest tag_bw and
-ucp_put_bw over TCP (UCX_TLS=tcp), and prints the ratios against them.
+loopback, a plain Go TCP connection to a child process carrying the same
+extents (tcp_raw: the tcp path without frames, grants, crc or lanes), Go
+memcpy on one goroutine, and ucx_perftest tag_bw and ucp_put_bw over TCP
+(UCX_TLS=tcp), and prints the ratios against them.
 
 flags:
 `
@@ -58,7 +60,8 @@ type datapathOptions struct {
 	repeat        int
 	tcpLanes      int
 	skipCRC       bool
-	role          string // hidden: "receiver" in the child process
+	role          string // hidden: "receiver" or "rawsink" in a child process
+	rawAddr       string // hidden: where a rawsink child connects
 }
 
 // layout is the run's layout for one extent size, with the engine settings.
@@ -82,15 +85,16 @@ func parseDatapathFlags(args []string, stderr io.Writer) (datapathOptions, error
 	fs.IntVar(&o.repeat, "repeat", 1, "measure everything this many times, round-robin, and report medians")
 	fs.IntVar(&o.tcpLanes, "tcp-lanes", 4, "tcp connections one grant's write is striped over (rdma.Config.TCPLanes; 1: one connection)")
 	fs.BoolVar(&o.skipCRC, "skip-crc", false, "leave crc32c out of the manifests on both sides (rdma.Config.SkipCRC), to see what integrity costs")
-	fs.BoolVar(&o.baselines, "baselines", false, "also measure iperf3, memcpy and ucx_perftest, and print ratios")
+	fs.BoolVar(&o.baselines, "baselines", false, "also measure iperf3, a raw Go TCP socket, memcpy and ucx_perftest, and print ratios")
 	fs.BoolVar(&o.singleProcess, "single-process", false, "run the receiver in this process even for tcp and shm")
 	fs.BoolVar(&o.verbose, "verbose", false, "log the engines' info lines (transport choice, regions) to stderr")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of this (the writer) process to this file")
 	fs.StringVar(&o.role, "role", "", "")
+	fs.StringVar(&o.rawAddr, "raw-addr", "", "")
 	fs.Usage = func() {
 		fmt.Fprint(stderr, datapathUsage)
 		fs.VisitAll(func(f *flag.Flag) {
-			if f.Name == "role" {
+			if f.Name == "role" || f.Name == "raw-addr" {
 				return
 			}
 			fmt.Fprintf(stderr, "  --%s (default %q)\n    \t%s\n", f.Name, f.DefValue, f.Usage)
@@ -142,7 +146,7 @@ func parseDatapathFlags(args []string, stderr io.Writer) (datapathOptions, error
 	if o.tcpLanes < 1 || o.tcpLanes > 64 {
 		return o, fmt.Errorf("datapath: --tcp-lanes %d: want 1..64", o.tcpLanes)
 	}
-	if o.role != "" && o.role != "receiver" {
+	if o.role != "" && o.role != "receiver" && o.role != "rawsink" {
 		return o, fmt.Errorf("datapath: unknown role %q", o.role)
 	}
 	for _, e := range o.extents {
@@ -168,6 +172,13 @@ func runDatapath(ctx context.Context, args []string) error {
 			return err
 		}
 		return serveReceiver(ctx, receiverConfig{Transport: o.transports[0], Layout: l, Logger: logger, GrantTTL: grantTTL}, os.Stdin, os.Stdout)
+	}
+	if o.role == "rawsink" {
+		l, err := o.layout(o.extents[0])
+		if err != nil {
+			return err
+		}
+		return serveRawSink(ctx, o.rawAddr, l, os.Stdout)
 	}
 	if o.cpuProfile != "" {
 		f, err := os.Create(o.cpuProfile)

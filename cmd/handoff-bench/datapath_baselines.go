@@ -26,7 +26,7 @@ const (
 
 // baseline is one reference figure measured on this machine in this run.
 type baseline struct {
-	Name        string  `json:"name"` // iperf3, memcpy, ucx_tag_bw, ucx_put_bw
+	Name        string  `json:"name"` // iperf3, tcp_raw, memcpy, ucx_tag_bw, ucx_put_bw
 	ExtentBytes uint64  `json:"extent_bytes,omitempty"`
 	GBPerS      float64 `json:"gb_per_s,omitempty"`
 	Status      string  `json:"status"` // ok, not installed, or what went wrong
@@ -56,6 +56,14 @@ func measureBaselines(ctx context.Context, o datapathOptions, progress io.Writer
 	var out []baseline
 	note("iperf3")
 	out = append(out, iperf3Baseline(ctx, dur))
+	for _, e := range o.extents {
+		if !slices.Contains(o.transports, rdma.TransportTCP) {
+			break
+		}
+		note("tcp_raw " + formatSize(e))
+		l, _ := newLayout(e, o.grantBytes, 1, o.depth)
+		out = append(out, rawTCPBaseline(ctx, l, dur))
+	}
 	for _, e := range o.extents {
 		note("memcpy " + formatSize(e))
 		l, _ := newLayout(e, o.grantBytes, 1, o.depth)
@@ -365,6 +373,9 @@ func computeRatios(runs []datapathResult, bs []baseline) []ratio {
 		case rdma.TransportTCP:
 			if v, ok := find("iperf3", 0); ok {
 				out = append(out, ratio{Name: "tcp/iperf3", ExtentBytes: r.ExtentBytes, Value: r.GBPerS / v, Target: target(targetTCPvsIperf3, r.ExtentBytes)})
+			}
+			if v, ok := find("tcp_raw", r.ExtentBytes); ok {
+				out = append(out, ratio{Name: "tcp/tcp_raw", ExtentBytes: r.ExtentBytes, Value: r.GBPerS / v})
 			}
 			if v, ok := find("ucx_tag_bw", r.ExtentBytes); ok {
 				out = append(out, ratio{Name: "tcp/ucx_tag_bw", ExtentBytes: r.ExtentBytes, Value: r.GBPerS / v, Target: target(targetTCPvsUCXTag, r.ExtentBytes)})

@@ -1,7 +1,10 @@
 package main
 
 import (
+	"bytes"
 	"context"
+	"fmt"
+	"net"
 	"testing"
 	"time"
 
@@ -110,6 +113,8 @@ func TestComputeRatios(t *testing.T) {
 	}
 	bs := []baseline{
 		{Name: "iperf3", GBPerS: 2, Status: statusOK},
+		{Name: "tcp_raw", ExtentBytes: 1 << 20, GBPerS: 2.5, Status: statusOK},
+		{Name: "tcp_raw", ExtentBytes: 4 << 10, Status: "failed: raw sink did not connect"},
 		{Name: "memcpy", ExtentBytes: 1 << 20, GBPerS: 20, Status: statusOK},
 		{Name: "memcpy", ExtentBytes: 64 << 10, GBPerS: 16, Status: statusOK},
 		{Name: "ucx_tag_bw", ExtentBytes: 1 << 20, GBPerS: 5, Status: statusOK},
@@ -120,6 +125,7 @@ func TestComputeRatios(t *testing.T) {
 		{Name: "tcp/iperf3", ExtentBytes: 4 << 10, Value: 0.75},
 		{Name: "tcp 4KiB-vs-1MiB", ExtentBytes: 4 << 10, Value: 0.5, Target: targetSmallVsMiB},
 		{Name: "tcp/iperf3", ExtentBytes: 1 << 20, Value: 1.5, Target: targetTCPvsIperf3},
+		{Name: "tcp/tcp_raw", ExtentBytes: 1 << 20, Value: 1.2},
 		{Name: "tcp/ucx_tag_bw", ExtentBytes: 1 << 20, Value: 0.6, Target: targetTCPvsUCXTag},
 		{Name: "shm/memcpy", ExtentBytes: 1 << 20, Value: 0.5, Target: targetSHMvsMemcpy},
 		{Name: "inproc/memcpy", ExtentBytes: 64 << 10, Value: 0.5},
@@ -146,4 +152,43 @@ func TestMedians(t *testing.T) {
 		{Name: "ucx_put_bw", Status: statusNotInstalled},
 	}, medianBaselines(reps))
 	require.Nil(t, medianBaselines(nil))
+}
+
+// The raw socket baseline runs its sink as a child process (this test
+// binary, through TestMain) and checks that every byte sent was read.
+func TestRawTCPBaseline(t *testing.T) {
+	if testing.Short() {
+		t.Skip("spawns a child process")
+	}
+	noLeak(t)
+	t.Setenv(testRoleEnv, "receiver")
+	l, err := newLayout(64<<10, 1<<20, 1, 2)
+	require.NoError(t, err)
+	b := rawTCPBaseline(context.Background(), l, 200*time.Millisecond)
+	require.Equal(t, statusOK, b.Status, b.Command)
+	require.Equal(t, "tcp_raw", b.Name)
+	require.Equal(t, uint64(64<<10), b.ExtentBytes)
+	require.Positive(t, b.GBPerS)
+}
+
+// The sink counts what it read up to the end of the stream, a partial
+// extent included, so a short stream does not pass for a whole one.
+func TestServeRawSinkCounts(t *testing.T) {
+	noLeak(t)
+	l, err := newLayout(4<<10, 16<<10, 1, 2)
+	require.NoError(t, err)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	var out bytes.Buffer
+	done := make(chan error, 1)
+	go func() { done <- serveRawSink(context.Background(), ln.Addr().String(), l, &out) }()
+	c, err := ln.Accept()
+	require.NoError(t, err)
+	const sent = 10*4<<10 + 1000 // two grants and a half extent over
+	_, err = c.Write(make([]byte, sent))
+	require.NoError(t, err)
+	require.NoError(t, c.Close())
+	require.NoError(t, <-done)
+	require.Equal(t, fmt.Sprintln(sent), out.String())
 }
