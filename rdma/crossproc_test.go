@@ -164,7 +164,16 @@ func TestCrossProcessWriterKilled(t *testing.T) {
 			g, err := rx.OpenGrant(GrantSpec{RequestID: 12, Extents: exts, Deadline: time.Now().Add(time.Minute)})
 			require.NoError(t, err)
 			cmd, _ := startWriter(t, helperJob{Transport: tr, Peer: rx.Descriptor(), Ticket: g.Ticket()})
-			time.Sleep(2 * time.Millisecond)
+			// Kill it once its first bytes landed: a writer killed before it
+			// touched the grant leaves the grant open (the transfer layer
+			// fences it on the writer-gone report), which is not this test.
+			// The region is not Go memory: the race detector does not see
+			// these reads, and the poll only waits for a byte to change.
+			landed := time.Now().Add(10 * time.Second)
+			for dst.Bytes()[4096] == canary && time.Now().Before(landed) {
+				time.Sleep(50 * time.Microsecond)
+			}
+			require.NotEqual(t, byte(canary), dst.Bytes()[4096], "nothing landed in 10s")
 			require.NoError(t, cmd.Process.Kill())
 			_ = cmd.Wait()
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
