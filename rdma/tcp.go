@@ -424,27 +424,42 @@ func (c *rxConn) refusal(grant uint64) error {
 
 // commit verifies a commit frame and replies. The returned error ends the
 // connection (only write failures and malformed payloads do).
+//
+// The manifest (up to 12 MiB) is held only for a commit whose token and
+// epoch match an open grant: any other is refused and its payload skipped
+// unbuffered, so a peer that knows nothing but the agent id cannot make the
+// receiver allocate.
 func (c *rxConn) commit(h *header) error {
-	n := int(h.length)
-	if cap(c.mbuf) < n {
-		c.mbuf = make([]byte, n)
-	}
-	c.mbuf = c.mbuf[:n]
-	if _, err := io.ReadFull(c.br, c.mbuf); err != nil {
-		return fmt.Errorf("%w: reading a manifest: %w", ErrPeerClosed, err)
-	}
-	if err := decodeManifest(c.mbuf, int(h.index), &c.man); err != nil {
-		return err
-	}
 	err := c.refusal(h.grant)
+	var g *Grant
 	if err == nil {
-		var g *Grant
-		if g, err = c.grant(h.grant); err == nil {
-			if c.shm != nil {
-				err = c.shm.commit(g, h, &c.man)
-			} else {
-				err = g.commit(h.epoch, &h.token, &c.man, true, h.flags&flagNoCRC == 0)
-			}
+		g, err = c.grant(h.grant)
+	}
+	if err == nil {
+		g.mu.Lock()
+		err = g.checkLocked(h.epoch, &h.token)
+		g.mu.Unlock()
+	}
+	if err != nil {
+		if _, derr := c.br.Discard(int(h.length)); derr != nil {
+			return fmt.Errorf("%w: skipping a refused manifest: %w", ErrPeerClosed, derr)
+		}
+	} else {
+		n := int(h.length)
+		if cap(c.mbuf) < n {
+			c.mbuf = make([]byte, n)
+		}
+		c.mbuf = c.mbuf[:n]
+		if _, err := io.ReadFull(c.br, c.mbuf); err != nil {
+			return fmt.Errorf("%w: reading a manifest: %w", ErrPeerClosed, err)
+		}
+		if err := decodeManifest(c.mbuf, int(h.index), &c.man); err != nil {
+			return err
+		}
+		if c.shm != nil {
+			err = c.shm.commit(g, h, &c.man)
+		} else {
+			err = g.commit(h.epoch, &h.token, &c.man, true, h.flags&flagNoCRC == 0)
 		}
 	}
 	if err != nil {

@@ -452,3 +452,55 @@ func TestTCPRawRefusalsAreBounded(t *testing.T) {
 	require.ErrorIs(t, r.wait(t), ErrManifestMismatch)
 	r.requireCanary(t)
 }
+
+// A commit whose grant or token is wrong is refused without its manifest
+// being held: connections that know only the agent id and send the largest
+// manifest a header allows (12 MiB) leave the receiver's heap as it was.
+func TestCommitManifestHeldOnlyWhenAuthentic(t *testing.T) {
+	r := newRawRx(t, time.Minute)
+	bad := r.tk
+	bad.Token[0] ^= 1
+	for _, tc := range []struct {
+		name         string
+		grant, epoch uint64
+		token        [16]byte
+		code         uint32
+	}{
+		{"unknown grant", r.tk.Grant + 100, r.tk.Epoch, r.tk.Token, codeUnknownGrant},
+		{"wrong token", r.tk.Grant, r.tk.Epoch, bad.Token, codeBadToken},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			const conns = 4
+			var ms runtime.MemStats
+			runtime.GC()
+			runtime.ReadMemStats(&ms)
+			before := ms.HeapAlloc
+			h := header{typ: frameCommit, index: maxExtents, grant: tc.grant, epoch: tc.epoch, token: tc.token, length: maxExtents * manifestEntrySize}
+			frame := make([]byte, headerSize+maxExtents*manifestEntrySize)
+			h.put(frame)
+			for range conns {
+				c := r.dial(t, "mallory", "raw-rx")
+				defer c.Close()
+				_, err := c.Write(frame)
+				require.NoError(t, err)
+				require.NoError(t, c.SetReadDeadline(time.Now().Add(10*time.Second)))
+				rh, _, err := readReply(c, make([]byte, headerSize+maxMsgLen))
+				require.NoError(t, err)
+				require.Equal(t, tc.code, rh.index)
+			}
+			frame = nil
+			runtime.GC()
+			runtime.ReadMemStats(&ms)
+			grew := ms.HeapAlloc - min(ms.HeapAlloc, before)
+			require.Less(t, grew, uint64(maxExtents*manifestEntrySize),
+				"%d refused commits left %d MiB held on the receiver", conns, grew>>20)
+		})
+	}
+	// The grant itself is untouched and still completes.
+	r.send(t, r.data(0, 0, make([]byte, 8192)))
+	r.send(t, r.data(1, 0, make([]byte, 65536)))
+	m := Manifest{Bytes: []uint64{8192, 65536}, CRC: []uint32{crc32Update(0, make([]byte, 8192)), crc32Update(0, make([]byte, 65536))}}
+	r.send(t, r.commit(m))
+	code, msg := r.reply(t)
+	require.Equal(t, codeOK, code, msg)
+}
