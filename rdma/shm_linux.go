@@ -785,7 +785,13 @@ func (l *shmLink) exchangeLocked(ctx context.Context, b []byte) error {
 	if ctx.Done() != nil {
 		conn := l.conn
 		stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(aLongTimeAgo) })
-		defer stop()
+		defer func() {
+			if !stop() {
+				// ctx ended as the exchange did: its past deadline may
+				// land after any reset, so the connection is not reused.
+				l.broken = true
+			}
+		}()
 	}
 	if _, err := l.conn.Write(b); err != nil {
 		l.broken = true

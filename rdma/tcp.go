@@ -616,7 +616,7 @@ func (l *tcpLink) dial(ctx context.Context) (*txConn, error) {
 
 // handshake sends our hello and checks the receiver's; it returns the
 // features the receiver announced.
-func handshake(ctx context.Context, nc net.Conn, buf []byte, self, peer AgentID) ([]string, error) {
+func handshake(ctx context.Context, nc net.Conn, buf []byte, self, peer AgentID) (features []string, err error) {
 	dl := time.Now().Add(helloTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(dl) {
 		dl = d
@@ -625,7 +625,13 @@ func handshake(ctx context.Context, nc net.Conn, buf []byte, self, peer AgentID)
 	defer nc.SetDeadline(time.Time{})
 	if ctx.Done() != nil {
 		stop := context.AfterFunc(ctx, func() { _ = nc.SetDeadline(aLongTimeAgo) })
-		defer stop()
+		defer func() {
+			if !stop() && err == nil {
+				// ctx ended as the hello did: its past deadline may land
+				// after the reset above, so the connection is not used.
+				features, err = nil, fmt.Errorf("hello to %s: %w", peer, ctx.Err())
+			}
+		}()
 	}
 	if _, err := nc.Write(appendHello(nil, self, peer)); err != nil {
 		if cerr := ctxErr(ctx); cerr != nil {
