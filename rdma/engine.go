@@ -674,6 +674,9 @@ func (e *Engine) peerFor(ctx context.Context, peer Descriptor) (*peerState, erro
 	if peer.Agent == "" {
 		return nil, fmt.Errorf("%w: descriptor without agent", ErrNoTransport)
 	}
+	// A replaced link is closed after peerMu is released: closing waits for
+	// the link's own reconnects, which must not stall every other peer.
+	var stale link
 	e.peerMu.Lock()
 	if p, ok := e.peers[peer.Agent]; ok {
 		if sameEndpoint(p.desc, peer) {
@@ -681,10 +684,13 @@ func (e *Engine) peerFor(ctx context.Context, peer Descriptor) (*peerState, erro
 			return p, nil
 		}
 		e.log.Info("rdma: peer descriptor changed, reconnecting", "peer", string(peer.Agent))
-		p.link.close()
 		delete(e.peers, peer.Agent)
+		stale = p.link
 	}
 	e.peerMu.Unlock()
+	if stale != nil {
+		stale.close()
+	}
 
 	// Dial without the lock; Close cancels a dial in progress.
 	dctx, cancel := context.WithCancel(ctx)
@@ -699,20 +705,23 @@ func (e *Engine) peerFor(ctx context.Context, peer Descriptor) (*peerState, erro
 		return nil, err
 	}
 	e.peerMu.Lock()
-	defer e.peerMu.Unlock()
 	if e.ctx.Err() != nil {
+		e.peerMu.Unlock()
 		l.close()
 		return nil, ErrClosed
 	}
-	if p, ok := e.peers[peer.Agent]; ok {
-		if sameEndpoint(p.desc, peer) { // a concurrent dial won
-			l.close()
-			return p, nil
-		}
-		p.link.close()
+	old, ok := e.peers[peer.Agent]
+	if ok && sameEndpoint(old.desc, peer) { // a concurrent dial won
+		e.peerMu.Unlock()
+		l.close()
+		return old, nil
 	}
 	p := &peerState{desc: peer, link: l}
 	e.peers[peer.Agent] = p
+	e.peerMu.Unlock()
+	if ok {
+		old.link.close()
+	}
 	return p, nil
 }
 
