@@ -680,10 +680,9 @@ func (l *shmLink) copyAll(ctx context.Context, op *writeOp) error {
 	}
 	open := slotWord(slotOpen, 0, t.Epoch)
 	writing := slotWord(slotWriting, l.wid, t.Epoch)
-	sl.writer().Store(l.wid)
 
 	c := shmCursor{l: l, op: op, pieces: op.pieces}
-	for c.more() {
+	for first := true; c.more(); first = false {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
@@ -693,9 +692,19 @@ func (l *shmLink) copyAll(ctx context.Context, op *writeOp) error {
 		if !sl.state().CompareAndSwap(open, writing) {
 			return errSlotRefused
 		}
+		if first {
+			// Tagged inside the bracket, where the slot cannot be fenced
+			// and handed to another grant: this writer's departure fails
+			// this grant only (shmRxState.closed).
+			sl.writer().Store(l.wid)
+		}
 		n := c.step(shmBracket)
 		sl.copied().Add(n)
-		sl.state().Store(open)
+		// A fence that judged this writer gone closed the slot meanwhile:
+		// leave it closed and copy no more.
+		if !sl.state().CompareAndSwap(writing, open) {
+			return errSlotRefused
+		}
 	}
 	return nil
 }
