@@ -410,10 +410,25 @@ type shmLink struct {
 	copying sync.RWMutex // held (R) while copying; close takes it (W) before unmapping
 	closed  atomic.Bool
 	connRef atomic.Pointer[net.UnixConn] // l.conn, for close to unblock an exchange
+
+	// A reconnect retires the old control connection, but the receiver
+	// fails the uncommitted grants of a writer id whose connection closed:
+	// a retired connection stays open until the writes that copied under
+	// its id have committed. genMu is a leaf lock (taken under copying).
+	genMu   sync.Mutex
+	users   map[uint64]int      // writer id → writes between their copy and the end of their commit
+	retired map[uint64]*shmConn // retired connections waiting for their users
+}
+
+// shmConn is one control connection and the mappings its hello gave.
+type shmConn struct {
+	conn    *net.UnixConn
+	table   []byte
+	regions map[RegionID][]byte
 }
 
 func dialSHM(ctx context.Context, e *Engine, peer Descriptor) (link, error) {
-	l := &shmLink{e: e, peer: peer}
+	l := &shmLink{e: e, peer: peer, users: make(map[uint64]int), retired: make(map[uint64]*shmConn)}
 	if err := l.connect(ctx); err != nil {
 		return nil, err
 	}
@@ -581,6 +596,49 @@ func (l *shmLink) close() {
 	l.unmapLocked()
 	l.copying.Unlock()
 	l.mu.Unlock()
+	l.genMu.Lock()
+	retired := l.retired
+	l.retired = make(map[uint64]*shmConn)
+	l.genMu.Unlock()
+	for _, r := range retired {
+		releaseShm(r.conn, r.table, r.regions)
+	}
+}
+
+// hold counts a write copying under writer id wid, until unhold.
+func (l *shmLink) hold(wid uint64) {
+	l.genMu.Lock()
+	l.users[wid]++
+	l.genMu.Unlock()
+}
+
+// unhold ends a write's hold on wid and releases wid's retired connection
+// when that was its last user.
+func (l *shmLink) unhold(wid uint64) {
+	l.genMu.Lock()
+	var r *shmConn
+	if l.users[wid]--; l.users[wid] <= 0 {
+		delete(l.users, wid)
+		r = l.retired[wid]
+		delete(l.retired, wid)
+	}
+	l.genMu.Unlock()
+	if r != nil {
+		releaseShm(r.conn, r.table, r.regions)
+	}
+}
+
+// retire lets a replaced connection go once no write holds its writer id.
+func (l *shmLink) retire(wid uint64, c *shmConn) {
+	l.genMu.Lock()
+	if l.users[wid] > 0 {
+		l.retired[wid] = c
+		c = nil
+	}
+	l.genMu.Unlock()
+	if c != nil {
+		releaseShm(c.conn, c.table, c.regions)
+	}
 }
 
 // ready reconnects after a broken control connection or when the ticket
@@ -607,29 +665,21 @@ func (l *shmLink) ready(ctx context.Context, t *Ticket) error {
 	}
 	// Connect first, then let the old control socket go: the receiver
 	// reads a writer with no connection left as gone (OnWriterGone).
-	conn, table, regions := l.conn, l.table, l.regions
+	old, wid := &shmConn{l.conn, l.table, l.regions}, l.wid
 	if err := l.connect(ctx); err != nil {
 		// connect changed nothing: a broken link stays broken, retried on
 		// the next write.
 		l.copying.Unlock()
 		return err
 	}
-	releaseShm(conn, table, regions)
+	l.retire(wid, old)
 	l.copying.Unlock()
 	return nil
 }
 
 func (l *shmLink) write(ctx context.Context, op *writeOp) error {
-	if err := l.ready(ctx, op.t); err != nil {
-		return err
-	}
-	l.copying.RLock()
-	if l.closed.Load() || l.table == nil {
-		l.copying.RUnlock()
-		return ErrClosed
-	}
-	copyErr := l.copyAll(ctx, op)
-	l.copying.RUnlock()
+	release, copyErr := l.copyOp(ctx, op)
+	defer release()
 	if copyErr != nil && !errors.Is(copyErr, errSlotRefused) {
 		if errors.Is(copyErr, ErrOutOfRange) {
 			// Right token, wrong extents: tell the receiver, which fails the grant.
@@ -647,6 +697,23 @@ func (l *shmLink) write(ctx context.Context, op *writeOp) error {
 	// The commit gives the receiver's verdict; after a slot refusal nothing
 	// was copied and the receiver names the precise reason.
 	return l.commit(ctx, op)
+}
+
+// copyOp readies the link and copies op into the peer's memory. Until
+// release is called, the control connection of the writer id it copied
+// under stays open, even if another write reconnects meanwhile.
+func (l *shmLink) copyOp(ctx context.Context, op *writeOp) (release func(), err error) {
+	if err := l.ready(ctx, op.t); err != nil {
+		return func() {}, err
+	}
+	l.copying.RLock()
+	defer l.copying.RUnlock()
+	if l.closed.Load() || l.table == nil {
+		return func() {}, ErrClosed
+	}
+	wid := l.wid
+	l.hold(wid)
+	return func() { l.unhold(wid) }, l.copyAll(ctx, op)
 }
 
 // errSlotRefused: the slot does not admit this ticket; ask the receiver why.

@@ -314,3 +314,53 @@ func TestSHMCommitWithoutCopy(t *testing.T) {
 	require.ErrorIs(t, err, ErrManifestMismatch)
 	p.requireUntouched(t)
 }
+
+// shmOp builds the writeOp Engine.Write would, for driving a shmLink's
+// steps in an order that concurrent writes produce.
+func shmOp(t *testing.T, e *Engine, tk Ticket, src []Extent) *writeOp {
+	t.Helper()
+	op := &writeOp{tk: tk, mf: Manifest{Bytes: make([]uint64, len(tk.Extents)), CRC: make([]uint32, len(tk.Extents))}}
+	for i, x := range tk.Extents {
+		op.mf.Bytes[i] = x.Length
+	}
+	op.t, op.manifest = &op.tk, &op.mf
+	require.NoError(t, e.split(op, src, tk.Bytes))
+	return op
+}
+
+// A write that reconnects the link (here: its ticket names a region the
+// receiver registered after the hello) must not fail another write's grant
+// that was copied under the old connection's writer id and is about to be
+// committed: the old connection stays open until that commit is in.
+func TestSHMReconnectKeepsCopiedGrants(t *testing.T) {
+	p := newPair(t, TransportSHM)
+	ctx := context.Background()
+	gA, err := p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: dstExtents()})
+	require.NoError(t, err)
+	l, _ := shmSlot(t, p, gA)
+	opA := shmOp(t, p.tx, gA.Ticket(), srcExtents(gA.Ticket().Bytes))
+	releaseA, err := l.copyOp(ctx, opA)
+	require.NoError(t, err)
+	oldWid := l.wid
+
+	late, err := p.rx.Register("late", 8192)
+	require.NoError(t, err)
+	gB, err := p.rx.OpenGrant(GrantSpec{RequestID: 2, Extents: []Extent{{Region: late.ID(), Offset: 0, Length: 4000}}})
+	require.NoError(t, err)
+	_, err = p.tx.Write(ctx, p.rx.Descriptor(), gB.Ticket(), []Extent{{Region: 1, Offset: 0, Length: 4000}})
+	require.NoError(t, err)
+	require.NotEqual(t, oldWid, l.wid, "write B reconnected")
+
+	require.NoError(t, l.commit(ctx, opA), "a copied grant was failed by another write's reconnect")
+	releaseA()
+	_, err = gA.Wait(ctx)
+	require.NoError(t, err)
+
+	// The retired connection is let go once its last write is done: the
+	// receiver sees that writer id leave.
+	l.genMu.Lock()
+	require.Empty(t, l.retired)
+	require.Empty(t, l.users)
+	l.genMu.Unlock()
+	require.Eventually(t, func() bool { return !p.rx.shm.writerLive(oldWid) }, 5*time.Second, time.Millisecond)
+}
