@@ -1,30 +1,55 @@
 package kvcache
 
 import (
+	"math"
 	"testing"
 )
+
+// benchBackground is the first id of the background requests benchPool
+// holds. A benchmark loop numbers its requests from 0 by iteration, and an
+// iteration count is an int, so loop ids stay below 1<<63 and never meet
+// a background id, however long the run.
+const benchBackground = uint64(1) << 63
 
 // benchPool is a pool shaped like a real rank (Llama-ish 8 kv heads x 128,
 // bf16, 32 tokens per block, 4 layers for brevity) with 4096 blocks, a
 // quarter of them held by background requests scattered over the pool.
-func benchPool(b *testing.B) *Pool {
-	b.Helper()
+func benchPool(tb testing.TB) *Pool {
+	tb.Helper()
 	p, err := New(Config{Layers: 4, KVHeads: 8, HeadDim: 128, ElemSize: 2, TokensPerBlock: 32, Blocks: 4096})
 	if err != nil {
-		b.Fatal(err)
+		tb.Fatal(err)
 	}
 	// Fragment: 64 requests of 32 blocks, free every other one.
 	for i := range uint64(64) {
-		if err := p.Allocate(1_000_000+i, 32*32); err != nil {
-			b.Fatal(err)
+		if err := p.Allocate(benchBackground+i, 32*32); err != nil {
+			tb.Fatal(err)
 		}
 	}
 	for i := uint64(0); i < 64; i += 2 {
-		if err := p.Free(1_000_000 + i); err != nil {
-			b.Fatal(err)
+		if err := p.Free(benchBackground + i); err != nil {
+			tb.Fatal(err)
 		}
 	}
 	return p
+}
+
+// allocateFree4k allocates and frees a 4096-token request id on p. With
+// runs non-nil it also reads the request's runs into (*runs)[:0] and
+// checks they are the single run a 128-block request gets on benchPool.
+func allocateFree4k(tb testing.TB, p *Pool, id uint64, runs *[]Run) {
+	if err := p.Allocate(id, 4096); err != nil {
+		tb.Fatal(err)
+	}
+	if runs != nil {
+		var err error
+		if *runs, err = p.Runs(id, (*runs)[:0]); err != nil || len(*runs) != 1 {
+			tb.Fatal(err, *runs)
+		}
+	}
+	if err := p.Free(id); err != nil {
+		tb.Fatal(err)
+	}
 }
 
 // BenchmarkAllocateFree4k allocates and frees a 4096-token request (128
@@ -33,13 +58,7 @@ func BenchmarkAllocateFree4k(b *testing.B) {
 	p := benchPool(b)
 	b.ReportAllocs()
 	for i := 0; b.Loop(); i++ {
-		id := uint64(i)
-		if err := p.Allocate(id, 4096); err != nil {
-			b.Fatal(err)
-		}
-		if err := p.Free(id); err != nil {
-			b.Fatal(err)
-		}
+		allocateFree4k(b, p, uint64(i), nil)
 	}
 }
 
@@ -50,16 +69,19 @@ func BenchmarkAllocateRunsFree4k(b *testing.B) {
 	var runs []Run
 	b.ReportAllocs()
 	for i := 0; b.Loop(); i++ {
-		id := uint64(i)
-		if err := p.Allocate(id, 4096); err != nil {
-			b.Fatal(err)
-		}
-		var err error
-		if runs, err = p.Runs(id, runs[:0]); err != nil || len(runs) != 1 {
-			b.Fatal(err, runs)
-		}
-		if err := p.Free(id); err != nil {
-			b.Fatal(err)
+		allocateFree4k(b, p, uint64(i), &runs)
+	}
+}
+
+// TestBenchLoopIDsMissBackground runs the 4k loop body at the ids a long
+// benchmark run reaches: the first ones, those around a million
+// iterations, and the last an int iteration count allows.
+func TestBenchLoopIDsMissBackground(t *testing.T) {
+	p := benchPool(t)
+	var runs []Run
+	for _, base := range []uint64{0, 1_000_000 - 64, math.MaxInt - 127} {
+		for id := base; id < base+128; id++ {
+			allocateFree4k(t, p, id, &runs)
 		}
 	}
 }
@@ -105,33 +127,74 @@ func BenchmarkDummyAddFree(b *testing.B) {
 	}
 }
 
+// Churn shape: churnLive requests of 1..churnMaxTokens tokens live at
+// once. The pool has room for all of them at their largest, so a run of
+// unlucky sizes can never leave too few blocks free; the sizes average half
+// the largest, so the pool runs about half full.
+const (
+	churnLive      = 48
+	churnMaxTokens = 4096
+	churnTPB       = 32
+	churnBlocks    = churnLive * (churnMaxTokens + churnTPB - 1) / churnTPB
+)
+
+// churn replaces the oldest of churnLive live requests with a new one of a
+// pseudo-random size on each step.
+type churn struct {
+	p    *Pool
+	x    uint64 // xorshift state: deterministic sizes without math/rand
+	next uint64 // id of the next request
+}
+
+func newChurn(tb testing.TB) *churn {
+	tb.Helper()
+	p, err := New(Config{Layers: 4, KVHeads: 8, HeadDim: 128, ElemSize: 2, TokensPerBlock: churnTPB, Blocks: churnBlocks})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	c := &churn{p: p, x: 1}
+	for range churnLive {
+		c.allocate(tb)
+	}
+	return c
+}
+
+func (c *churn) size() int {
+	c.x ^= c.x << 13
+	c.x ^= c.x >> 7
+	c.x ^= c.x << 17
+	return int(c.x%churnMaxTokens) + 1
+}
+
+func (c *churn) allocate(tb testing.TB) {
+	if err := c.p.Allocate(c.next, c.size()); err != nil {
+		tb.Fatal(err)
+	}
+	c.next++
+}
+
+func (c *churn) step(tb testing.TB) {
+	if err := c.p.Free(c.next - churnLive); err != nil {
+		tb.Fatal(err)
+	}
+	c.allocate(tb)
+}
+
 // BenchmarkChurn keeps 48 requests of 1..4096 tokens live, replacing one per
 // iteration, so the pool fragments as a busy server's does.
 func BenchmarkChurn(b *testing.B) {
-	p, err := New(Config{Layers: 4, KVHeads: 8, HeadDim: 128, ElemSize: 2, TokensPerBlock: 32, Blocks: 4096})
-	if err != nil {
-		b.Fatal(err)
-	}
-	const live = 48
-	x := uint64(1)
-	next := func() int { // xorshift: deterministic sizes without math/rand
-		x ^= x << 13
-		x ^= x >> 7
-		x ^= x << 17
-		return int(x%4096) + 1
-	}
-	for i := range uint64(live) {
-		if err := p.Allocate(i, next()); err != nil {
-			b.Fatal(err)
-		}
-	}
+	c := newChurn(b)
 	b.ReportAllocs()
-	for i := uint64(live); b.Loop(); i++ {
-		if err := p.Free(i - live); err != nil {
-			b.Fatal(err)
-		}
-		if err := p.Allocate(i, next()); err != nil {
-			b.Fatal(err)
-		}
+	for b.Loop() {
+		c.step(b)
+	}
+}
+
+// TestChurnNeverRunsOut runs the churn steps well past where a pool too
+// small for every live request at its largest runs out.
+func TestChurnNeverRunsOut(t *testing.T) {
+	c := newChurn(t)
+	for range 300_000 {
+		c.step(t)
 	}
 }
