@@ -34,9 +34,9 @@
 //     zero.
 //   - shm: the grant's slot in a shared table holds a state word
 //     epoch<<18 | writer<<2 | state. A writer copies only inside a bracket
-//     won by CAS open(e) -> writing(e, w) and ended by a store back to
-//     open(e); a bracket copies at most 1 MiB per copying goroutine (two
-//     at most). Revoke CASes open -> closed,
+//     won by CAS open(e) -> writing(e, w) and ended by a CAS back to
+//     open(e) (a writer that finds the slot closed copies no more); a
+//     bracket copies at most 4 MiB, on one goroutine. Revoke CASes open -> closed,
 //     waiting while it finds a bracket in progress, unless writer w's
 //     control connection has closed (its process is gone).
 //

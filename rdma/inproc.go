@@ -2,6 +2,7 @@ package rdma
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"time"
 
@@ -75,6 +76,11 @@ func (l *inprocLink) write(ctx context.Context, op *writeOp) error {
 	for i := range op.pieces {
 		if i&63 == 0 {
 			if err := ctx.Err(); err != nil {
+				if i > 0 {
+					// The grant holds part of the data: fail it now, as the
+					// other transports do, rather than at its deadline.
+					g.terminate(fmt.Errorf("%w: writer cancelled: %w", ErrPeerClosed, err))
+				}
 				return err
 			}
 			now = time.Now()
