@@ -17,6 +17,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -39,7 +40,13 @@ it is {"runs": [...], "baselines": [...], "ratios": [...]}.
 loopback, a plain Go TCP connection to a child process carrying the same
 extents (tcp_raw: the tcp path without frames, grants, crc or lanes), Go
 memcpy on one goroutine, and ucx_perftest tag_bw and ucp_put_bw over TCP
-(UCX_TLS=tcp), and prints the ratios against them.
+(UCX_TLS=tcp), and prints the ratios against them. The tcp baselines are
+skipped without a tcp run. A ratio is judged against the project's target
+only for runs with the settings the targets were set for (one stream, crc32c
+on, default --tcp-lanes); other runs print it without one.
+
+SIGINT or SIGTERM stops the run (its child processes included) and exits
+nonzero without a report; a second one ends the process at once.
 
 flags:
 `
@@ -60,14 +67,15 @@ type datapathOptions struct {
 	repeat        int
 	tcpLanes      int
 	skipCRC       bool
-	role          string // hidden: "receiver" or "rawsink" in a child process
-	rawAddr       string // hidden: where a rawsink child connects
+	role          string        // hidden: "receiver" or "rawsink" in a child process
+	rawAddr       string        // hidden: where a rawsink child connects
+	grantTTL      time.Duration // hidden: the deadline of each grant
 }
 
 // layout is the run's layout for one extent size, with the engine settings.
 func (o datapathOptions) layout(extent uint64) (layout, error) {
 	l, err := newLayout(extent, o.grantBytes, o.streams, o.depth)
-	l.TCPLanes, l.SkipCRC = o.tcpLanes, o.skipCRC
+	l.TCPLanes, l.SkipCRC, l.GrantTTL = o.tcpLanes, o.skipCRC, o.grantTTL
 	return l, err
 }
 
@@ -83,7 +91,7 @@ func parseDatapathFlags(args []string, stderr io.Writer) (datapathOptions, error
 	fs.IntVar(&o.depth, "depth", 2, "grants open per stream: the next ticket is fetched while one is written")
 	fs.StringVar(&o.output, "output", "table", "table or json")
 	fs.IntVar(&o.repeat, "repeat", 1, "measure everything this many times, round-robin, and report medians")
-	fs.IntVar(&o.tcpLanes, "tcp-lanes", 4, "tcp connections one grant's write is striped over (rdma.Config.TCPLanes; 1: one connection)")
+	fs.IntVar(&o.tcpLanes, "tcp-lanes", defaultTCPLanes, "tcp connections one grant's write is striped over (rdma.Config.TCPLanes; 1: one connection)")
 	fs.BoolVar(&o.skipCRC, "skip-crc", false, "leave crc32c out of the manifests on both sides (rdma.Config.SkipCRC), to see what integrity costs")
 	fs.BoolVar(&o.baselines, "baselines", false, "also measure iperf3, a raw Go TCP socket, memcpy and ucx_perftest, and print ratios")
 	fs.BoolVar(&o.singleProcess, "single-process", false, "run the receiver in this process even for tcp and shm")
@@ -91,10 +99,11 @@ func parseDatapathFlags(args []string, stderr io.Writer) (datapathOptions, error
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of this (the writer) process to this file")
 	fs.StringVar(&o.role, "role", "", "")
 	fs.StringVar(&o.rawAddr, "raw-addr", "", "")
+	fs.DurationVar(&o.grantTTL, "grant-ttl", grantTTL, "")
 	fs.Usage = func() {
 		fmt.Fprint(stderr, datapathUsage)
 		fs.VisitAll(func(f *flag.Flag) {
-			if f.Name == "role" || f.Name == "raw-addr" {
+			if f.Name == "role" || f.Name == "raw-addr" || f.Name == "grant-ttl" {
 				return
 			}
 			fmt.Fprintf(stderr, "  --%s (default %q)\n    \t%s\n", f.Name, f.DefValue, f.Usage)
@@ -137,6 +146,9 @@ func parseDatapathFlags(args []string, stderr io.Writer) (datapathOptions, error
 	if o.duration <= 0 {
 		return o, errors.New("datapath: --duration must be > 0")
 	}
+	if o.grantTTL <= 0 {
+		return o, errors.New("datapath: --grant-ttl must be > 0")
+	}
 	if o.repeat < 1 || o.repeat > 100 {
 		return o, fmt.Errorf("datapath: --repeat %d: want 1..100", o.repeat)
 	}
@@ -171,14 +183,14 @@ func runDatapath(ctx context.Context, args []string) error {
 		if err != nil {
 			return err
 		}
-		return serveReceiver(ctx, receiverConfig{Transport: o.transports[0], Layout: l, Logger: logger, GrantTTL: grantTTL}, os.Stdin, os.Stdout)
+		return childErr(ctx, serveReceiver(ctx, receiverConfig{Transport: o.transports[0], Layout: l, Logger: logger, GrantTTL: l.ttl()}, os.Stdin, os.Stdout))
 	}
 	if o.role == "rawsink" {
 		l, err := o.layout(o.extents[0])
 		if err != nil {
 			return err
 		}
-		return serveRawSink(ctx, o.rawAddr, l, os.Stdout)
+		return childErr(ctx, serveRawSink(ctx, o.rawAddr, l, os.Stdout))
 	}
 	if o.cpuProfile != "" {
 		f, err := os.Create(o.cpuProfile)
@@ -198,8 +210,33 @@ func runDatapath(ctx context.Context, args []string) error {
 	return rep.write(os.Stdout, o.output)
 }
 
-// grantTTL bounds every grant of the bench; a stuck peer fails the run.
+// errChildStopped is a child role's error when a signal (its parent's
+// SIGTERM, or the terminal's SIGINT) stopped it: it exits nonzero and
+// quietly, the parent tells what happened.
+var errChildStopped = errors.New("stopped by a signal")
+
+func childErr(ctx context.Context, err error) error {
+	if err != nil && ctx.Err() != nil {
+		return errChildStopped
+	}
+	return err
+}
+
+// grantTTL bounds every grant of the bench, and so every write and every
+// wait for the receiver: a stuck peer fails the run.
 const grantTTL = 30 * time.Second
+
+// defaultTCPLanes is --tcp-lanes' default, the setting the ratio targets
+// were set for.
+const defaultTCPLanes = 4
+
+// receiverGrace is how long a receiver has to exit on its own once its run
+// is over before it is stopped (SIGTERM, then SIGKILL after
+// receiverKillDelay).
+const (
+	receiverGrace     = 3 * time.Second
+	receiverKillDelay = 5 * time.Second
+)
 
 func benchLogger(verbose bool) *slog.Logger {
 	lvl := slog.LevelWarn
@@ -261,6 +298,9 @@ func measureDatapath(ctx context.Context, o datapathOptions, logger *slog.Logger
 	var baseSamples [][]baseline
 	// Repetitions go round the whole matrix, baselines included, so that
 	// noise from other work on the machine spreads over all of them alike.
+	// An interrupted invocation reports nothing but the interruption (the
+	// context's cause): what was measured is incomplete, and what failed
+	// failed because it was cut short.
 	for range repeat {
 		i := 0
 		for _, t := range o.transports {
@@ -273,7 +313,13 @@ func measureDatapath(ctx context.Context, o datapathOptions, logger *slog.Logger
 				if t == rdma.TransportInproc || o.singleProcess {
 					s = goroutineSpawner{}
 				}
+				if ctx.Err() != nil {
+					return report{}, context.Cause(ctx)
+				}
 				r, err := runOnce(ctx, t, l, o.duration, logger, s, progress)
+				if ctx.Err() != nil {
+					return report{}, context.Cause(ctx)
+				}
 				if err != nil {
 					return report{}, fmt.Errorf("datapath %s %s: %w", t, formatSize(e), err)
 				}
@@ -282,7 +328,11 @@ func measureDatapath(ctx context.Context, o datapathOptions, logger *slog.Logger
 			}
 		}
 		if o.baselines {
-			baseSamples = append(baseSamples, measureBaselines(ctx, o, progress))
+			bs := measureBaselines(ctx, o, progress)
+			if ctx.Err() != nil {
+				return report{}, context.Cause(ctx)
+			}
+			baseSamples = append(baseSamples, bs)
 		}
 	}
 	var rep report
@@ -327,8 +377,12 @@ type receiverHandle struct {
 	in   io.WriteCloser // to the receiver
 	out  io.Reader      // from the receiver
 	wait func() error   // after in is closed: the receiver's exit
+	// abort, when set, tells a receiver that did not exit on its own to
+	// stop now; a child gets SIGTERM and, receiverKillDelay later, SIGKILL.
+	abort func()
 	// processes is 2 when the receiver is a child process.
 	processes int
+	pid       int // the child's process id; 0 in this process
 }
 
 // spawner starts a receiver for one run.
@@ -343,24 +397,34 @@ func (goroutineSpawner) spawn(ctx context.Context, t rdma.Transport, l layout, l
 	toRx, fromWriter := io.Pipe()
 	fromRx, toWriter := io.Pipe()
 	done := make(chan error, 1)
+	ctx, abort := context.WithCancel(ctx)
 	go func() {
-		err := serveReceiver(ctx, receiverConfig{Transport: t, Layout: l, Logger: logger, GrantTTL: grantTTL}, toRx, toWriter)
+		err := serveReceiver(ctx, receiverConfig{Transport: t, Layout: l, Logger: logger, GrantTTL: l.ttl()}, toRx, toWriter)
 		_ = toRx.CloseWithError(io.ErrClosedPipe) // unblock a writer still sending
 		_ = toWriter.CloseWithError(io.EOF)
 		done <- err
 	}()
-	return &receiverHandle{in: fromWriter, out: fromRx, wait: func() error { return <-done }, processes: 1}, nil
+	wait := func() error {
+		defer abort()
+		return <-done
+	}
+	return &receiverHandle{in: fromWriter, out: fromRx, wait: wait, abort: abort, processes: 1}, nil
 }
 
 // childSpawner re-executes this binary as the receiver; env is added to its
 // environment.
 type childSpawner struct{ env []string }
 
+// spawn starts the receiver on a context of its own under ctx. When that ends
+// (the caller's ctx, or abort) the child gets SIGTERM, on which it closes its
+// engine, which removes its shm socket, and exits; SIGKILL follows only if
+// it has not exited receiverKillDelay later.
 func (c childSpawner) spawn(ctx context.Context, t rdma.Transport, l layout, _ *slog.Logger) (*receiverHandle, error) {
 	exe, err := os.Executable()
 	if err != nil {
 		return nil, fmt.Errorf("locate own binary: %w", err)
 	}
+	ctx, abort := context.WithCancel(ctx)
 	cmd := exec.CommandContext(ctx, exe, "datapath", "--role=receiver",
 		"--transport="+string(t),
 		"--extent="+strconv.FormatUint(l.Extent, 10),
@@ -368,22 +432,31 @@ func (c childSpawner) spawn(ctx context.Context, t rdma.Transport, l layout, _ *
 		"--streams="+strconv.Itoa(l.Streams),
 		"--depth="+strconv.Itoa(l.Depth),
 		"--tcp-lanes="+strconv.Itoa(max(l.TCPLanes, 1)),
-		"--skip-crc="+strconv.FormatBool(l.SkipCRC))
+		"--skip-crc="+strconv.FormatBool(l.SkipCRC),
+		"--grant-ttl="+l.ttl().String())
 	cmd.Env = append(os.Environ(), c.env...)
 	cmd.Stderr = os.Stderr
-	cmd.WaitDelay = 5 * time.Second
+	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+	cmd.WaitDelay = receiverKillDelay
 	in, err := cmd.StdinPipe()
 	if err != nil {
+		abort()
 		return nil, err
 	}
 	out, err := cmd.StdoutPipe()
 	if err != nil {
+		abort()
 		return nil, err
 	}
 	if err := cmd.Start(); err != nil {
+		abort()
 		return nil, fmt.Errorf("start receiver: %w", err)
 	}
-	return &receiverHandle{in: in, out: out, wait: cmd.Wait, processes: 2}, nil
+	wait := func() error {
+		defer abort()
+		return cmd.Wait()
+	}
+	return &receiverHandle{in: in, out: out, wait: wait, abort: abort, processes: 2, pid: cmd.Process.Pid}, nil
 }
 
 // runOnce measures one transport at one layout.
@@ -397,14 +470,28 @@ func runOnce(ctx context.Context, t rdma.Transport, l layout, dur time.Duration,
 		return res, err
 	}
 	var dispatch sync.WaitGroup
-	defer func() {
+	// hangUp closes the control channel, which ends a healthy receiver; one
+	// that has not hung up receiverGrace later (stuck, or stopped) is
+	// aborted, so that reading its last words below cannot wait forever.
+	var backstop *time.Timer
+	hangUp := func() {
 		_ = rx.in.Close()
+		if backstop == nil && rx.abort != nil {
+			backstop = time.AfterFunc(receiverGrace, rx.abort)
+		}
+	}
+	defer func() {
+		hangUp()
 		cancel(errors.New("run over"))
 		dispatch.Wait()
 		// Read what the receiver still says (an error report) until it
 		// hangs up, so that it never blocks writing to us.
 		_, _ = io.Copy(io.Discard, rx.out)
-		if werr := rx.wait(); werr != nil && err == nil {
+		werr := rx.wait()
+		if backstop != nil {
+			backstop.Stop()
+		}
+		if werr != nil && err == nil {
 			err = fmt.Errorf("receiver: %w", werr)
 		}
 	}()
@@ -508,9 +595,10 @@ func runOnce(ctx context.Context, t rdma.Transport, l layout, dur time.Duration,
 		// A failed write or send often has its reason on the receiver's
 		// side: hang up, let the dispatcher read the receiver's last words,
 		// and report those first.
-		_ = rx.in.Close()
+		hangUp()
 		dispatch.Wait()
-		if c := context.Cause(ctx); c != nil && !errors.Is(err, c) {
+		// A receiver that merely hung up (or was stopped) said nothing.
+		if c := context.Cause(ctx); c != nil && !errors.Is(err, c) && !errors.Is(c, io.EOF) {
 			err = fmt.Errorf("%w (%w)", c, err)
 		}
 		return res, err
@@ -519,13 +607,20 @@ func runOnce(ctx context.Context, t rdma.Transport, l layout, dur time.Duration,
 		return res, err
 	}
 	var st receiverStats
+	statsWait := time.NewTimer(l.ttl())
+	defer statsWait.Stop()
 	select {
 	case st = <-statsCh:
 	case <-ctx.Done():
 		return res, context.Cause(ctx)
+	case <-statsWait.C:
+		return res, fmt.Errorf("receiver sent no stats within %s of stop", l.ttl())
 	}
 	if st.Bytes != total.Load() || st.Committed != grants.Load() {
 		return res, fmt.Errorf("receiver committed %d grants / %d bytes, writer wrote %d / %d", st.Committed, st.Bytes, grants.Load(), total.Load())
+	}
+	if grants.Load() == 0 {
+		return res, fmt.Errorf("no grant was written within --duration %s: nothing was measured", dur)
 	}
 	all := slices.Concat(lats...)
 	slices.Sort(all)
@@ -562,12 +657,17 @@ func writeStream(ctx context.Context, eng *rdma.Engine, peer rdma.Descriptor, l 
 			return nil, err
 		}
 	}
+	ticketWait := time.NewTimer(l.ttl())
+	defer ticketWait.Stop()
 	for time.Now().Before(until) {
 		var m ctrlMsg
+		ticketWait.Reset(l.ttl())
 		select {
 		case m = <-tickets:
 		case <-ctx.Done():
 			return nil, context.Cause(ctx)
+		case <-ticketWait.C:
+			return nil, fmt.Errorf("stream %d: the receiver sent no ticket within %s", s, l.ttl())
 		}
 		if m.Slot < 0 || m.Slot >= l.Depth {
 			return nil, fmt.Errorf("receiver: ticket for slot %d", m.Slot)
@@ -576,7 +676,16 @@ func writeStream(ctx context.Context, eng *rdma.Engine, peer rdma.Descriptor, l 
 		t := rdma.Ticket{Agent: peer.Agent, Grant: wt.Grant, Epoch: wt.Epoch, Token: wt.Token, RequestID: wt.RequestID,
 			Extents: dst[m.Slot], Bytes: wt.Bytes, Deadline: wt.Deadline}
 		t0 := time.Now()
-		if _, err := eng.Write(ctx, peer, t, src); err != nil {
+		// The grant ends at its deadline: a write the receiver has not
+		// answered by then never will be.
+		wctx, cancel := context.WithDeadline(ctx, wt.Deadline)
+		_, err := eng.Write(wctx, peer, t, src)
+		cancel()
+		if err != nil {
+			if ctx.Err() == nil && wctx.Err() != nil {
+				return nil, fmt.Errorf("stream %d grant %d: not committed by the grant's deadline, %s after it was opened (is the receiver stuck?): %w",
+					s, wt.Grant, l.ttl(), err)
+			}
 			return nil, fmt.Errorf("stream %d grant %d: %w", s, wt.Grant, err)
 		}
 		lats = append(lats, time.Since(t0))

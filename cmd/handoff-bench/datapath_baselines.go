@@ -22,6 +22,7 @@ import (
 const (
 	statusOK           = "ok"
 	statusNotInstalled = "not installed"
+	statusNoTCPRun     = "skipped: no tcp run" // the tcp baselines compare with tcp runs only
 )
 
 // baseline is one reference figure measured on this machine in this run.
@@ -45,6 +46,9 @@ type ratio struct {
 // baselineTime bounds each baseline measurement.
 func baselineTime(d time.Duration) time.Duration { return min(max(d, time.Second), 5*time.Second) }
 
+// measureBaselines measures the baselines in a fixed order (the same entries
+// every repetition). The tcp ones are skipped when no tcp run is measured.
+// It stops early when ctx ends; the caller then discards what it returns.
 func measureBaselines(ctx context.Context, o datapathOptions, progress io.Writer) []baseline {
 	dur := baselineTime(o.duration)
 	note := func(s string) {
@@ -53,28 +57,53 @@ func measureBaselines(ctx context.Context, o datapathOptions, progress io.Writer
 		}
 	}
 	defer note("")
+	tcp := slices.Contains(o.transports, rdma.TransportTCP)
 	var out []baseline
-	note("iperf3")
-	out = append(out, iperf3Baseline(ctx, dur))
-	for _, e := range o.extents {
-		if !slices.Contains(o.transports, rdma.TransportTCP) {
-			break
+	steps := []func() baseline{func() baseline {
+		if !tcp {
+			return baseline{Name: "iperf3", Status: statusNoTCPRun}
 		}
-		note("tcp_raw " + formatSize(e))
-		l, _ := newLayout(e, o.grantBytes, 1, o.depth)
-		out = append(out, rawTCPBaseline(ctx, l, dur))
+		note("iperf3")
+		return iperf3Baseline(ctx, dur)
+	}}
+	for _, e := range o.extents {
+		steps = append(steps, func() baseline {
+			if !tcp {
+				return baseline{Name: "tcp_raw", ExtentBytes: e, Status: statusNoTCPRun}
+			}
+			note("tcp_raw " + formatSize(e))
+			l, _ := newLayout(e, o.grantBytes, 1, o.depth)
+			return rawTCPBaseline(ctx, l, dur)
+		})
 	}
 	for _, e := range o.extents {
-		note("memcpy " + formatSize(e))
-		l, _ := newLayout(e, o.grantBytes, 1, o.depth)
-		out = append(out, baseline{Name: "memcpy", ExtentBytes: e, GBPerS: memcpyGBPerS(l, dur), Status: statusOK,
-			Command: "Go copy(), one goroutine, the extents and memory footprint of one stream"})
+		steps = append(steps, func() baseline {
+			note("memcpy " + formatSize(e))
+			l, _ := newLayout(e, o.grantBytes, 1, o.depth)
+			const cmd = "Go copy(), one goroutine, the extents and memory footprint of one stream"
+			v, err := memcpyGBPerS(ctx, l, dur)
+			if err != nil {
+				return failed("memcpy", e, cmd, err)
+			}
+			return baseline{Name: "memcpy", ExtentBytes: e, GBPerS: v, Status: statusOK, Command: cmd}
+		})
 	}
 	for _, test := range []struct{ name, ucx string }{{"ucx_tag_bw", "tag_bw"}, {"ucx_put_bw", "ucp_put_bw"}} {
 		for _, e := range o.extents {
-			note(test.name + " " + formatSize(e))
-			out = append(out, ucxBaseline(ctx, test.name, test.ucx, e, dur))
+			steps = append(steps, func() baseline {
+				if !tcp {
+					return baseline{Name: test.name, ExtentBytes: e, Status: statusNoTCPRun}
+				}
+				note(test.name + " " + formatSize(e))
+				return ucxBaseline(ctx, test.name, test.ucx, e, dur)
+			})
 		}
+	}
+	for _, step := range steps {
+		if ctx.Err() != nil {
+			break
+		}
+		out = append(out, step())
 	}
 	return out
 }
@@ -105,8 +134,9 @@ func medianBaselines(reps [][]baseline) []baseline {
 
 // memcpyGBPerS copies the extents of one stream's grants, the same extents
 // from the same source into its Depth destination slots in turn (the memory
-// a run touches), on one goroutine for about dur.
-func memcpyGBPerS(l layout, dur time.Duration) float64 {
+// a run touches), on one goroutine for about dur, or until ctx ends (an
+// error then).
+func memcpyGBPerS(ctx context.Context, l layout, dur time.Duration) (float64, error) {
 	src := make([]byte, l.span())
 	dst := make([]byte, uint64(l.Depth)*l.span())
 	for i := range src {
@@ -116,13 +146,16 @@ func memcpyGBPerS(l layout, dur time.Duration) float64 {
 	var n uint64
 	start := time.Now()
 	for slot := 0; time.Since(start) < dur; slot = (slot + 1) % l.Depth {
+		if err := ctx.Err(); err != nil {
+			return 0, context.Cause(ctx)
+		}
 		d := dst[uint64(slot)*l.span():]
 		for _, x := range xs {
 			copy(d[x.Offset:x.Offset+x.Length], src[x.Offset:x.Offset+x.Length])
 		}
 		n += l.grantBytes()
 	}
-	return float64(n) / time.Since(start).Seconds() / 1e9
+	return float64(n) / time.Since(start).Seconds() / 1e9, nil
 }
 
 func freePort() (int, error) {
@@ -134,8 +167,11 @@ func freePort() (int, error) {
 	return ln.Addr().(*net.TCPAddr).Port, nil
 }
 
+// failed is a baseline that went wrong; its status is one line (a table
+// row), whatever err's text is.
 func failed(name string, extent uint64, cmd string, err error) baseline {
-	return baseline{Name: name, ExtentBytes: extent, Status: "failed: " + err.Error(), Command: cmd}
+	msg := strings.Join(strings.FieldsFunc(err.Error(), func(r rune) bool { return r == '\n' || r == '\r' }), "; ")
+	return baseline{Name: name, ExtentBytes: extent, Status: "failed: " + msg, Command: cmd}
 }
 
 // iperf3Baseline runs a one-off iperf3 server and a single-stream client on
@@ -190,11 +226,22 @@ func iperf3Baseline(ctx context.Context, dur time.Duration) baseline {
 		}
 	case <-time.After(10 * time.Second):
 		return failed(name, 0, clientCmd, errors.New("server did not start listening"))
+	case <-ctx.Done():
+		return failed(name, 0, clientCmd, context.Cause(ctx))
 	}
 	out, err := exec.CommandContext(ctx, "iperf3", "-c", "127.0.0.1", "-p", p, "-t", secs, "-J").Output()
 	gbps, perr := parseIperf3JSON(out)
 	if perr != nil {
-		return failed(name, 0, clientCmd, errors.Join(err, perr))
+		if err != nil {
+			// The report says why when there is one; the exit status and
+			// stderr when there is not.
+			var ee *exec.ExitError
+			if errors.As(err, &ee) && len(bytes.TrimSpace(ee.Stderr)) > 0 {
+				err = fmt.Errorf("%w: %s", err, lastLine(ee.Stderr))
+			}
+			perr = fmt.Errorf("client: %v; %v", err, perr)
+		}
+		return failed(name, 0, clientCmd, perr)
 	}
 	return baseline{Name: name, GBPerS: gbps, Status: statusOK, Command: clientCmd}
 }
@@ -256,6 +303,7 @@ func runUCXPerftest(ctx context.Context, test string, size uint64, n int, dur ti
 	p, s := strconv.Itoa(port), strconv.FormatUint(size, 10)
 	args := []string{"127.0.0.1", "-p", p, "-t", test, "-s", s, "-n", strconv.Itoa(n), "-w", strconv.Itoa(max(10, n/10)), "-f"}
 	cmdline := "UCX_TLS=tcp ucx_perftest " + strings.Join(args, " ")
+	parent := ctx
 	ctx, cancel := context.WithTimeout(ctx, 6*dur+30*time.Second)
 	defer cancel()
 	env := append(os.Environ(), "UCX_TLS=tcp")
@@ -282,7 +330,13 @@ func runUCXPerftest(ctx context.Context, test string, size uint64, n int, dur ti
 		if err == nil || !bytes.Contains(out, []byte("Connection refused")) || attempt >= 50 || ctx.Err() != nil {
 			break
 		}
-		time.Sleep(100 * time.Millisecond)
+		select {
+		case <-time.After(100 * time.Millisecond):
+		case <-ctx.Done():
+		}
+	}
+	if parent.Err() != nil {
+		return 0, cmdline, context.Cause(parent)
 	}
 	if ctx.Err() != nil {
 		return 0, cmdline, fmt.Errorf("no result within %s", 6*dur+30*time.Second)
@@ -343,9 +397,17 @@ const (
 	targetSmallVsMiB  = 0.5
 )
 
+// targetConfig reports whether a run has the settings the targets were set
+// for: one stream, crc32c on and, for tcp, the default lanes. Other runs get
+// their ratios without a target.
+func targetConfig(r datapathResult) bool {
+	return r.Streams == 1 && r.CRC && (r.Transport != rdma.TransportTCP || r.TCPLanes == defaultTCPLanes)
+}
+
 // computeRatios compares runs with the baselines, and each transport's
 // extent sizes with the largest one measured for it. Targets attach at the
-// sizes the project set them for (1 MiB; 4 KiB vs 1 MiB).
+// sizes the project set them for (1 MiB; 4 KiB vs 1 MiB), and only to runs
+// with the settings they were set for (targetConfig).
 func computeRatios(runs []datapathResult, bs []baseline) []ratio {
 	find := func(name string, extent uint64) (float64, bool) {
 		for _, b := range bs {
@@ -355,8 +417,9 @@ func computeRatios(runs []datapathResult, bs []baseline) []ratio {
 		}
 		return 0, false
 	}
+	var r datapathResult // the run being compared
 	target := func(t float64, extent uint64) float64 {
-		if extent == 1<<20 {
+		if extent == 1<<20 && targetConfig(r) {
 			return t
 		}
 		return 0
@@ -368,7 +431,7 @@ func computeRatios(runs []datapathResult, bs []baseline) []ratio {
 			largest[r.Transport] = r
 		}
 	}
-	for _, r := range runs {
+	for _, r = range runs {
 		switch r.Transport {
 		case rdma.TransportTCP:
 			if v, ok := find("iperf3", 0); ok {
@@ -394,7 +457,7 @@ func computeRatios(runs []datapathResult, bs []baseline) []ratio {
 		}
 		if big := largest[r.Transport]; big.ExtentBytes > r.ExtentBytes && big.GBPerS > 0 {
 			var tgt float64
-			if r.ExtentBytes == 4<<10 && big.ExtentBytes == 1<<20 {
+			if r.ExtentBytes == 4<<10 && big.ExtentBytes == 1<<20 && targetConfig(r) && targetConfig(big) {
 				tgt = targetSmallVsMiB
 			}
 			out = append(out, ratio{Name: fmt.Sprintf("%s %s-vs-%s", r.Transport, formatSize(r.ExtentBytes), formatSize(big.ExtentBytes)),

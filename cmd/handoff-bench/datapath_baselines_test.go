@@ -3,8 +3,14 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -101,16 +107,27 @@ func TestBaselinesNotInstalled(t *testing.T) {
 func TestMemcpyGBPerS(t *testing.T) {
 	l, err := newLayout(4096, 256<<10, 1, 3)
 	require.NoError(t, err)
-	require.Positive(t, memcpyGBPerS(l, 50*time.Millisecond))
+	v, err := memcpyGBPerS(context.Background(), l, 50*time.Millisecond)
+	require.NoError(t, err)
+	require.Positive(t, v)
+
+	// An ended context ends the copying, however long it was to run.
+	cause := errors.New("interrupted")
+	ctx, cancel := context.WithCancelCause(context.Background())
+	cancel(cause)
+	_, err = memcpyGBPerS(ctx, l, time.Hour)
+	require.ErrorIs(t, err, cause)
 }
 
 func TestComputeRatios(t *testing.T) {
+	tcp := datapathResult{Transport: rdma.TransportTCP, Streams: 1, TCPLanes: defaultTCPLanes, CRC: true}
 	runs := []datapathResult{
-		{Transport: rdma.TransportTCP, ExtentBytes: 4 << 10, GBPerS: 1.5},
-		{Transport: rdma.TransportTCP, ExtentBytes: 1 << 20, GBPerS: 3},
-		{Transport: rdma.TransportSHM, ExtentBytes: 1 << 20, GBPerS: 10},
-		{Transport: rdma.TransportInproc, ExtentBytes: 64 << 10, GBPerS: 8},
+		tcp, tcp,
+		{Transport: rdma.TransportSHM, ExtentBytes: 1 << 20, GBPerS: 10, Streams: 1, CRC: true},
+		{Transport: rdma.TransportInproc, ExtentBytes: 64 << 10, GBPerS: 8, Streams: 1, CRC: true},
 	}
+	runs[0].ExtentBytes, runs[0].GBPerS = 4<<10, 1.5
+	runs[1].ExtentBytes, runs[1].GBPerS = 1<<20, 3
 	bs := []baseline{
 		{Name: "iperf3", GBPerS: 2, Status: statusOK},
 		{Name: "tcp_raw", ExtentBytes: 1 << 20, GBPerS: 2.5, Status: statusOK},
@@ -132,6 +149,33 @@ func TestComputeRatios(t *testing.T) {
 	}, computeRatios(runs, bs))
 	require.Equal(t, []ratio{{Name: "tcp 4KiB-vs-1MiB", ExtentBytes: 4 << 10, Value: 0.5, Target: targetSmallVsMiB}},
 		computeRatios(runs, nil), "without baselines only the size ratio remains")
+
+	// Settings other than those the targets were set for give the ratios
+	// without targets.
+	for name, change := range map[string]func(*datapathResult){
+		"streams": func(r *datapathResult) { r.Streams = 4 },
+		"lanes":   func(r *datapathResult) { r.TCPLanes = 2 },
+		"crc":     func(r *datapathResult) { r.CRC = false },
+	} {
+		other := slices.Clone(runs)
+		for i := range other {
+			change(&other[i])
+		}
+		want := computeRatios(runs, bs)
+		for i, r := range computeRatios(other, bs) {
+			if name == "lanes" && !strings.HasPrefix(r.Name, "tcp") {
+				require.Equal(t, want[i], r, "lanes are tcp's")
+				continue
+			}
+			require.Zero(t, r.Target, "%s with other %s", r.Name, name)
+		}
+	}
+	// A size ratio needs both runs in the target's settings.
+	other := slices.Clone(runs)
+	other[1].Streams = 2
+	for _, r := range computeRatios(other, nil) {
+		require.Zero(t, r.Target, r.Name)
+	}
 }
 
 func TestMedians(t *testing.T) {
@@ -191,4 +235,45 @@ func TestServeRawSinkCounts(t *testing.T) {
 	require.NoError(t, c.Close())
 	require.NoError(t, <-done)
 	require.Equal(t, fmt.Sprintln(sent), out.String())
+}
+
+// A failed iperf3 (here a stand-in that announces itself, then fails as a
+// client with a few lines on stderr and no report) has a one-line status.
+func TestIperf3FailureStatusOneLine(t *testing.T) {
+	dir := t.TempDir()
+	script := `#!/bin/sh
+case " $* " in
+*" -s "*) echo "Server listening on 5201"; exec sleep 60 ;;
+esac
+printf 'iperf3: error - unable to connect\nsecond line\n' >&2
+exit 1
+`
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "iperf3"), []byte(script), 0o755))
+	t.Setenv("PATH", dir+string(os.PathListSeparator)+os.Getenv("PATH"))
+	b := iperf3Baseline(context.Background(), time.Second)
+	require.True(t, strings.HasPrefix(b.Status, "failed: "), b.Status)
+	require.NotContains(t, b.Status, "\n")
+	require.Contains(t, b.Status, "exit status 1")
+
+	var tab bytes.Buffer
+	require.NoError(t, report{Baselines: []baseline{b, failed("x", 0, "", errors.Join(errors.New("a"), errors.New("b")))}}.write(&tab, "table"))
+	_, rows, ok := strings.Cut(tab.String(), "\nbaseline")
+	require.True(t, ok, tab.String())
+	lines := strings.Split(strings.TrimSpace(rows), "\n")
+	require.Len(t, lines, 3, "a header and one line per baseline:\n%s", tab.String())
+	require.True(t, strings.HasPrefix(lines[1], "iperf3 "), lines[1])
+	require.True(t, strings.HasPrefix(lines[2], "x "), lines[2])
+}
+
+// Without a tcp run the tcp baselines are not measured, and say so.
+func TestBaselinesSkippedWithoutTCP(t *testing.T) {
+	t.Setenv("PATH", t.TempDir()) // were they run, they would say "not installed"
+	o, err := parseDatapathFlags([]string{"--transport", "shm,inproc", "--extent", "4KiB", "--grant-bytes", "64KiB", "--duration", "1ms"}, io.Discard)
+	require.NoError(t, err)
+	got := map[string]string{}
+	for _, b := range measureBaselines(context.Background(), o, nil) {
+		got[b.Name] = b.Status
+	}
+	require.Equal(t, map[string]string{"iperf3": statusNoTCPRun, "tcp_raw": statusNoTCPRun, "memcpy": statusOK,
+		"ucx_tag_bw": statusNoTCPRun, "ucx_put_bw": statusNoTCPRun}, got)
 }

@@ -41,8 +41,9 @@ type layout struct {
 	Streams  int
 	Depth    int
 	// Engine settings of the run, the same on both sides.
-	TCPLanes int  // rdma.Config.TCPLanes (0: the engine's default)
-	SkipCRC  bool // rdma.Config.SkipCRC
+	TCPLanes int           // rdma.Config.TCPLanes (0: the engine's default)
+	SkipCRC  bool          // rdma.Config.SkipCRC
+	GrantTTL time.Duration // each grant's deadline after its opening (0: grantTTL)
 }
 
 func newLayout(extent, grantBytes uint64, streams, depth int) (layout, error) {
@@ -65,8 +66,18 @@ func newLayout(extent, grantBytes uint64, streams, depth int) (layout, error) {
 }
 
 func (l layout) grantBytes() uint64 { return l.Extent * uint64(l.PerGrant) }
-func (l layout) span() uint64       { return 2 * l.grantBytes() }
-func (l layout) slots() int         { return l.Streams * l.Depth }
+
+// ttl is the deadline of each grant after its opening, which also bounds
+// every wait of the writer for the receiver.
+func (l layout) ttl() time.Duration {
+	if l.GrantTTL > 0 {
+		return l.GrantTTL
+	}
+	return grantTTL
+}
+
+func (l layout) span() uint64 { return 2 * l.grantBytes() }
+func (l layout) slots() int   { return l.Streams * l.Depth }
 
 // regionBytes is the receiver's destination region size.
 func (l layout) regionBytes() uint64 { return uint64(l.slots()) * l.span() }
@@ -196,7 +207,8 @@ type receiverConfig struct {
 }
 
 // serveReceiver runs the receiving side until the writer says stop, the
-// channel closes, or ctx ends. It owns its engine and closes it on return.
+// channel closes, or ctx ends (at once, even while it waits for the writer).
+// It owns its engine and closes it on return.
 func serveReceiver(ctx context.Context, cfg receiverConfig, in io.Reader, out io.Writer) (err error) {
 	w := newCtrlWriter(out)
 	defer func() {
@@ -243,12 +255,37 @@ func serveReceiver(ctx context.Context, cfg receiverConfig, in io.Reader, out io
 	if err := w.send(ctrlMsg{Type: "hello", Descriptor: &d}); err != nil {
 		return err
 	}
-	r := newCtrlReader(in)
-	for {
-		if err := ctx.Err(); err != nil {
-			return err
+	// The channel is read on a goroutine of its own, so that an end of ctx
+	// is seen while a read blocks (a read of stdin cannot be interrupted).
+	type next struct {
+		m   ctrlMsg
+		err error
+	}
+	msgs := make(chan next)
+	done := make(chan struct{})
+	defer close(done)
+	go func() {
+		r := newCtrlReader(in)
+		for {
+			m, err := r.next()
+			select {
+			case msgs <- next{m, err}:
+			case <-done:
+				return
+			}
+			if err != nil {
+				return
+			}
 		}
-		m, err := r.next()
+	}()
+	for {
+		var m ctrlMsg
+		select {
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		case n := <-msgs:
+			m, err = n.m, n.err
+		}
 		if errors.Is(err, io.EOF) {
 			return errors.New("control channel closed before stop")
 		}

@@ -62,7 +62,12 @@ func runRawTCP(ctx context.Context, l layout, dur time.Duration) (float64, error
 		}
 	}()
 	_ = ln.(*net.TCPListener).SetDeadline(time.Now().Add(10 * time.Second))
+	stopAccept := context.AfterFunc(ctx, func() { _ = ln.Close() })
 	c, err := ln.Accept()
+	stopAccept()
+	if ctx.Err() != nil {
+		return 0, context.Cause(ctx)
+	}
 	if err != nil {
 		return 0, fmt.Errorf("raw sink did not connect: %w", err)
 	}
@@ -80,6 +85,9 @@ func runRawTCP(ctx context.Context, l layout, dur time.Duration) (float64, error
 	scratch := make(net.Buffers, len(vec))
 	start := time.Now()
 	for time.Since(start) < dur {
+		if ctx.Err() != nil {
+			return 0, context.Cause(ctx)
+		}
 		bufs := scratch[:copy(scratch, vec)] // WriteTo consumes its vectors
 		n, err := bufs.WriteTo(c)
 		sent += uint64(n)
@@ -112,6 +120,8 @@ func serveRawSink(ctx context.Context, addr string, l layout, stdout io.Writer) 
 		return err
 	}
 	defer c.Close()
+	// A signal (ctx) ends the sink at once, even inside a read.
+	defer context.AfterFunc(ctx, func() { _ = c.Close() })()
 	br := bufio.NewReaderSize(c, 64<<10)
 	dst := make([]byte, uint64(l.Depth)*l.span())
 	xs := l.extents(0, 0)
@@ -121,6 +131,9 @@ func serveRawSink(ctx context.Context, addr string, l layout, stdout io.Writer) 
 		for _, x := range xs {
 			k, err := io.ReadFull(br, d[x.Offset:x.Offset+x.Length])
 			n += uint64(k)
+			if ctx.Err() != nil {
+				return context.Cause(ctx)
+			}
 			if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
 				_, err = fmt.Fprintln(stdout, n)
 				return err

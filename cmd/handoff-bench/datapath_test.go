@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -10,9 +11,13 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"strings"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -20,17 +25,14 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// testRoleEnv makes the test binary act as the receiver child, so the
-// two-process path runs under go test.
+// testRoleEnv makes the test binary act as handoff-bench itself (the
+// receiver child, or the whole command), so the two-process path and the
+// command's signal handling run under go test.
 const testRoleEnv = "HANDOFF_BENCH_TEST_ROLE"
 
 func TestMain(m *testing.M) {
-	if os.Getenv(testRoleEnv) == "receiver" {
-		if err := run(context.Background(), os.Args[1:]); err != nil {
-			fmt.Fprintln(os.Stderr, "receiver:", err)
-			os.Exit(1)
-		}
-		os.Exit(0)
+	if os.Getenv(testRoleEnv) != "" {
+		os.Exit(runMain(os.Args[1:], os.Stdout, os.Stderr))
 	}
 	os.Exit(m.Run())
 }
@@ -476,4 +478,197 @@ func TestMeasureDatapathReport(t *testing.T) {
 	require.NoError(t, single.write(&tab, "table"))
 	require.Contains(t, tab.String(), "inproc")
 	require.Contains(t, tab.String(), "not installed")
+}
+
+func TestHelp(t *testing.T) {
+	for _, arg := range []string{"--help", "-h", "help"} {
+		var out, errOut bytes.Buffer
+		require.Equal(t, 0, runMain([]string{arg}, &out, &errOut), arg)
+		for _, sub := range []string{"datapath", "control", "topology"} {
+			require.Contains(t, out.String(), sub, arg)
+		}
+		require.Empty(t, errOut.String(), arg)
+	}
+	var out, errOut bytes.Buffer
+	require.NotEqual(t, 0, runMain(nil, &out, &errOut))
+	require.Contains(t, errOut.String(), "datapath")
+	require.NotEqual(t, 0, runMain([]string{"bogus"}, &out, &errOut))
+}
+
+// A run that moves nothing measured nothing: an error, not a zero rate.
+func TestRunTooShort(t *testing.T) {
+	noLeak(t)
+	l, err := newLayout(4096, 65536, 1, 2)
+	require.NoError(t, err)
+	_, err = runOnce(context.Background(), rdma.TransportInproc, l, time.Nanosecond, quietLogger(), goroutineSpawner{}, nil)
+	require.ErrorContains(t, err, "no grant was written")
+}
+
+// cancelWriter ends a context when what is written to it contains a word.
+type cancelWriter struct {
+	word   string
+	cancel context.CancelCauseFunc
+	cause  error
+}
+
+func (c cancelWriter) Write(p []byte) (int, error) {
+	if bytes.Contains(p, []byte(c.word)) {
+		c.cancel(c.cause)
+	}
+	return len(p), nil
+}
+
+// An interruption during the baselines (here, as memcpy starts, with a
+// second repetition to come) ends the measurement with the interruption and
+// nothing else: no report, no failed receiver start.
+func TestMeasureInterruptedInBaselines(t *testing.T) {
+	noLeak(t)
+	t.Setenv("PATH", t.TempDir())
+	o, err := parseDatapathFlags([]string{"--transport", "inproc", "--extent", "4KiB", "--grant-bytes", "64KiB",
+		"--duration", "1h", "--baselines", "--repeat", "2"}, io.Discard)
+	require.NoError(t, err)
+	o.duration = 100 * time.Millisecond // the runs; the baselines still take baselineTime(1h) each unless cut short
+	cause := fmt.Errorf("interrupted")
+	ctx, cancel := context.WithCancelCause(context.Background())
+	defer cancel(nil)
+	rep, err := measureDatapath(ctx, o, quietLogger(), goroutineSpawner{}, cancelWriter{"baseline: memcpy", cancel, cause})
+	require.ErrorIs(t, err, cause)
+	require.Equal(t, cause.Error(), err.Error())
+	require.Empty(t, rep.Runs)
+}
+
+// hookSpawner wraps a spawner: onOut runs on each read from the receiver,
+// with what was read, and onAbort after the receiver's own abort.
+type hookSpawner struct {
+	sp      spawner
+	onOut   func(rx *receiverHandle, p []byte)
+	onAbort func(rx *receiverHandle)
+}
+
+type hookReader struct {
+	r  io.Reader
+	fn func([]byte)
+}
+
+func (h hookReader) Read(p []byte) (int, error) {
+	n, err := h.r.Read(p)
+	h.fn(p[:n])
+	return n, err
+}
+
+func (h hookSpawner) spawn(ctx context.Context, t rdma.Transport, l layout, logger *slog.Logger) (*receiverHandle, error) {
+	rx, err := h.sp.spawn(ctx, t, l, logger)
+	if err != nil {
+		return nil, err
+	}
+	if h.onOut != nil {
+		rx.out = hookReader{rx.out, func(p []byte) { h.onOut(rx, p) }}
+	}
+	if abort := rx.abort; h.onAbort != nil {
+		rx.abort = func() { abort(); h.onAbort(rx) }
+	}
+	return rx, nil
+}
+
+func shmSockets(t *testing.T, dir string) []string {
+	t.Helper()
+	m, err := filepath.Glob(filepath.Join(dir, "*.sock"))
+	require.NoError(t, err)
+	return m
+}
+
+// An shm run cancelled while it writes (as by a signal) stops its child
+// receiver gently: the child closes its engine, which removes its socket.
+func TestRunCancelledLeavesNoSocket(t *testing.T) {
+	if testing.Short() {
+		t.Skip("spawns a child process")
+	}
+	noLeak(t)
+	dir := t.TempDir()
+	l, err := newLayout(1<<20, 1<<20, 1, 2)
+	require.NoError(t, err)
+	cause := fmt.Errorf("interrupted")
+	ctx, cancel := context.WithCancelCause(context.Background())
+	defer cancel(nil)
+	var sockets []string
+	sp := hookSpawner{
+		sp: childSpawner{env: []string{testRoleEnv + "=receiver", "TMPDIR=" + dir}},
+		onOut: func(_ *receiverHandle, p []byte) {
+			if bytes.Contains(p, []byte(`"ticket"`)) && ctx.Err() == nil {
+				sockets, _ = filepath.Glob(filepath.Join(dir, "*.sock"))
+				cancel(cause)
+			}
+		},
+	}
+	_, err = runOnce(ctx, rdma.TransportSHM, l, time.Hour, quietLogger(), sp, nil)
+	require.ErrorIs(t, err, cause)
+	require.Len(t, sockets, 1, "the receiver's socket is where this test looks")
+	require.Empty(t, shmSockets(t, dir))
+}
+
+// A receiver that stops answering (SIGSTOP once it has handed out a ticket)
+// fails the run at the grant's deadline instead of holding it forever; the
+// stopped child is then aborted.
+func TestRunStuckReceiver(t *testing.T) {
+	if testing.Short() {
+		t.Skip("spawns a child process")
+	}
+	noLeak(t)
+	dir := t.TempDir()
+	l, err := newLayout(1<<20, 1<<20, 1, 2)
+	require.NoError(t, err)
+	l.GrantTTL = 2 * time.Second
+	var stopped atomic.Bool
+	sp := hookSpawner{
+		sp: childSpawner{env: []string{testRoleEnv + "=receiver", "TMPDIR=" + dir}},
+		onOut: func(rx *receiverHandle, p []byte) {
+			if bytes.Contains(p, []byte(`"ticket"`)) && !stopped.Swap(true) {
+				_ = syscall.Kill(rx.pid, syscall.SIGSTOP)
+			}
+		},
+		// Let the aborted child run, so that it exits on SIGTERM and this
+		// test also sees it clean up.
+		onAbort: func(rx *receiverHandle) { _ = syscall.Kill(rx.pid, syscall.SIGCONT) },
+	}
+	_, err = runOnce(context.Background(), rdma.TransportSHM, l, time.Hour, quietLogger(), sp, nil)
+	require.True(t, stopped.Load())
+	require.ErrorContains(t, err, "deadline")
+	require.Empty(t, shmSockets(t, dir))
+}
+
+// The command interrupted by SIGINT during an shm run exits nonzero, says
+// it was interrupted, prints no report and leaves no socket behind.
+func TestCommandInterrupted(t *testing.T) {
+	if testing.Short() {
+		t.Skip("spawns processes")
+	}
+	exe, err := os.Executable()
+	require.NoError(t, err)
+	dir := t.TempDir()
+	cmd := exec.Command(exe, "datapath", "--transport", "shm", "--duration", "1h", "--verbose")
+	cmd.Env = append(os.Environ(), testRoleEnv+"=main", "TMPDIR="+dir)
+	var stdout bytes.Buffer
+	cmd.Stdout = &stdout
+	stderr, err := cmd.StderrPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	// The writer logs its transport choice just before it starts writing.
+	sc := bufio.NewScanner(stderr)
+	var log strings.Builder
+	for sc.Scan() {
+		log.WriteString(sc.Text() + "\n")
+		if strings.Contains(sc.Text(), "transport chosen") {
+			break
+		}
+	}
+	require.NoError(t, cmd.Process.Signal(os.Interrupt))
+	rest, _ := io.ReadAll(stderr)
+	log.Write(rest)
+	err = cmd.Wait()
+	var ee *exec.ExitError
+	require.ErrorAs(t, err, &ee, log.String())
+	require.NotEqual(t, 0, ee.ExitCode(), log.String())
+	require.Contains(t, log.String(), "handoff-bench: interrupted")
+	require.Empty(t, stdout.String())
+	require.Empty(t, shmSockets(t, dir))
 }
