@@ -3,6 +3,9 @@ package transfer
 import (
 	"errors"
 	"fmt"
+	"math"
+
+	"github.com/vmihailenco/msgpack/v5"
 )
 
 // Sentinel errors. Every error a Decoder or Prefiller returns wraps exactly one
@@ -49,6 +52,20 @@ var (
 // Code is the wire form of a failure class. CodeOK means success. Codes are
 // stable: they are part of the wire format.
 type Code uint16
+
+// DecodeMsgpack refuses a code too wide for a Code, which msgpack's
+// reflection would truncate into another, valid-looking one.
+func (c *Code) DecodeMsgpack(dec *msgpack.Decoder) error {
+	v, err := dec.DecodeUint64()
+	if err != nil {
+		return err
+	}
+	if v > math.MaxUint16 {
+		return fmt.Errorf("code %d out of range", v)
+	}
+	*c = Code(v)
+	return nil
+}
 
 const (
 	CodeOK Code = iota

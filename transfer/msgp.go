@@ -221,6 +221,16 @@ func (r *reader) uint() (uint64, error) {
 	return uint64(v), err
 }
 
+// uintMax reads an unsigned integer for a narrower field, refusing one
+// above max rather than truncating it.
+func (r *reader) uintMax(max uint64, what string) (uint64, error) {
+	v, err := r.uint()
+	if err == nil && v > max {
+		err = fmt.Errorf("msgpack: %s %d out of range", what, v)
+	}
+	return v, err
+}
+
 func (r *reader) float64() (float64, error) {
 	c, err := r.code()
 	if err != nil {

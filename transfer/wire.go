@@ -10,6 +10,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"fmt"
+	"math"
 	"sync"
 	"time"
 
@@ -625,8 +626,18 @@ func decode(b []byte, v any, version *uint8) error {
 	if err := dec.Decode(v); err != nil {
 		return fmt.Errorf("%w: %w", ErrBadMessage, err)
 	}
-	if *version != WireVersion {
-		return fmt.Errorf("%w: version %d, want %d", ErrBadMessage, *version, WireVersion)
+	// Reflection stores an integer into a narrower field by truncating it:
+	// read the version again at full width, so that 257 is not taken for 1
+	// (Code refuses what does not fit itself: Code.DecodeMsgpack).
+	var wide struct {
+		V uint64 `msgpack:"v"`
+	}
+	dec.Reset(bytes.NewReader(b))
+	if err := dec.Decode(&wide); err != nil {
+		return fmt.Errorf("%w: %w", ErrBadMessage, err)
+	}
+	if wide.V != uint64(WireVersion) || *version != WireVersion {
+		return fmt.Errorf("%w: version %d, want %d", ErrBadMessage, wide.V, WireVersion)
 	}
 	return nil
 }
@@ -945,14 +956,14 @@ func (m *PrefillRequest) decode(r *reader) error {
 		var v uint64
 		switch string(key) {
 		case "v":
-			v, err = r.uint()
+			v, err = r.uintMax(math.MaxUint8, "version")
 			m.V = uint8(v)
 		case "id":
 			m.RequestID, err = r.uint()
 		case "from":
 			m.From, err = r.str()
 		case "try":
-			v, err = r.uint()
+			v, err = r.uintMax(math.MaxUint8, "attempt")
 			m.Attempt = uint8(v)
 		case "fp":
 			m.Fingerprint, err = r.str()
@@ -1026,15 +1037,15 @@ func (m *PrefillReply) decode(r *reader) error {
 		var i int64
 		switch string(key) {
 		case "v":
-			v, err = r.uint()
+			v, err = r.uintMax(math.MaxUint8, "version")
 			m.V = uint8(v)
 		case "id":
 			m.RequestID, err = r.uint()
 		case "inst":
 			m.Instance, err = r.str()
 		case "code":
-			v, err = r.uint()
-			m.Code = Code(uint16(v))
+			v, err = r.uintMax(math.MaxUint16, "code")
+			m.Code = Code(v)
 		case "msg":
 			m.Msg, err = r.str()
 		case "tok":

@@ -560,3 +560,63 @@ func BenchmarkDecodePrefillRequest(b *testing.B) {
 		})
 	}
 }
+
+// Integers too wide for their field are refused, not truncated into
+// another value: a reply code 65536 is not OK, a version 257 is not 1.
+func TestDecodeRefusesTruncation(t *testing.T) {
+	msg := func(kv ...any) []byte {
+		b := appendMapLen(nil, len(kv)/2)
+		for i := 0; i < len(kv); i += 2 {
+			b = appendStr(b, kv[i].(string))
+			switch v := kv[i+1].(type) {
+			case int:
+				b = appendUint(b, uint64(v))
+			case string:
+				b = appendStr(b, v)
+			}
+		}
+		return b
+	}
+	for _, tc := range []struct {
+		name   string
+		decode func([]byte) error
+		data   []byte
+	}{
+		{"reply code", func(b []byte) error { _, err := DecodePrefillReply(b); return err },
+			msg("v", 1, "id", 7, "inst", "p1", "code", 1<<16)},
+		{"reply version", func(b []byte) error { _, err := DecodePrefillReply(b); return err },
+			msg("v", 257, "id", 7, "inst", "p1", "code", 0)},
+		{"request version", func(b []byte) error { _, err := DecodePrefillRequest(b); return err },
+			requestWith(t, "v", 257)},
+		{"request attempt", func(b []byte) error { _, err := DecodePrefillRequest(b); return err },
+			requestWith(t, "try", 256)},
+		{"cancel code", func(b []byte) error { _, err := DecodeCancel(b); return err },
+			msg("v", 1, "id", 7, "code", 1<<16+int(CodeCancelled))},
+		{"cancel version", func(b []byte) error { _, err := DecodeCancel(b); return err },
+			msg("v", 257, "id", 7, "code", int(CodeCancelled))},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			require.ErrorIs(t, tc.decode(tc.data), ErrBadMessage)
+		})
+	}
+	// The same messages in range decode.
+	_, err := DecodeCancel(msg("v", 1, "id", 7, "code", int(CodeCancelled)))
+	require.NoError(t, err)
+	_, err = DecodePrefillRequest(requestWith(t, "try", 255))
+	require.NoError(t, err)
+}
+
+// requestWith is a valid encoded request with key set to v.
+func requestWith(t *testing.T, key string, v uint64) []byte {
+	t.Helper()
+	b, err := EncodePrefillRequest(sampleRequest(16, 3), 0)
+	require.NoError(t, err)
+	var m map[string]msgpack.RawMessage
+	require.NoError(t, msgpack.Unmarshal(b, &m))
+	m[key] = appendUint(nil, v)
+	out := appendMapLen(nil, len(m))
+	for k, raw := range m {
+		out = append(appendStr(out, k), raw...)
+	}
+	return out
+}
