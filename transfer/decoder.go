@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -255,7 +256,7 @@ func (d *Decoder) Stats() DecoderStats {
 }
 
 func (d *Decoder) onReply(m *nats.Msg) {
-	tok := m.Subject[len(d.inbox)+1:]
+	tok, _ := replyToken(m.Subject[len(d.inbox)+1:])
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	c := d.calls[tok]
@@ -318,8 +319,9 @@ type handoff struct {
 	start    time.Time // Handoff's start: a monotonic reading, see now
 	deadline time.Time
 	sess     RecvSession
-	reply    string // the reply subject: the inbox and tok
+	reply    string // the reply subject of attempt 1: the inbox and tok
 	tok      string // the call's token, a suffix of reply
+	attempt  int    // the attempt last sent
 	c        *call
 	mailbox  call // what c points to: one allocation for the handoff
 
@@ -628,7 +630,15 @@ func (h *handoff) send(a Action) (string, error) {
 		return "", err
 	}
 	d.published.Add(1)
-	err = d.pub.PublishRequest(subj, h.reply, b)
+	h.attempt = a.Attempt
+	reply := h.reply
+	if a.Attempt > 1 {
+		// Each retry has a reply subject of its own, so that an answer is
+		// told apart from the earlier attempts' (replyToken): a
+		// no-responders names nothing else.
+		reply += "-" + strconv.Itoa(a.Attempt)
+	}
+	err = d.pub.PublishRequest(subj, reply, b)
 	putMsgBuf(buf, b) // the publisher copied it
 	if err != nil {
 		if errors.Is(err, nats.ErrMaxPayload) {
@@ -679,9 +689,29 @@ func containsStr(xs []string, s string) bool {
 	return false
 }
 
+// replyToken splits the last token of a reply subject into the call's
+// token and the attempt it answers: "tok" is attempt 1, "tok-N" attempt N.
+func replyToken(s string) (tok string, attempt int) {
+	i := strings.LastIndexByte(s, '-')
+	if i < 0 {
+		return s, 1
+	}
+	n, err := strconv.Atoi(s[i+1:])
+	if err != nil || n < 2 {
+		return s, -1 // not a subject this decoder made: no call has this token
+	}
+	return s[:i], n
+}
+
 func (h *handoff) replyEvent(m *nats.Msg) Event {
+	_, attempt := replyToken(m.Subject[len(h.d.inbox)+1:])
+	if attempt != h.attempt {
+		// An answer to an earlier attempt: the session drops it, and
+		// nothing of it may stand as this attempt's reply or cause.
+		return Event{Kind: EvReply, Code: CodeBadMessage, Attempt: attempt}
+	}
 	if m.Header.Get("Status") == "503" {
-		return Event{Kind: EvNoResponders}
+		return Event{Kind: EvNoResponders, Attempt: attempt}
 	}
 	r, err := DecodePrefillReply(m.Data)
 	if err != nil || r.RequestID != h.req.ID {
@@ -697,7 +727,7 @@ func (h *handoff) replyEvent(m *nats.Msg) Event {
 	} else {
 		h.setCause(&RemoteError{Code: r.Code, Msg: r.Msg, Instance: r.Instance})
 	}
-	return Event{Kind: EvReply, Code: r.Code, Instance: r.Instance, Manifest: r.Manifest.RDMA()}
+	return Event{Kind: EvReply, Code: r.Code, Instance: r.Instance, Manifest: r.Manifest.RDMA(), Attempt: attempt}
 }
 
 func (h *handoff) setCause(err error) { h.cause = err }

@@ -164,6 +164,11 @@ type Event struct {
 	Expected   []uint64 // EvGranted: bytes per granted extent, for the manifest check
 	KVBytes    uint64   // EvPrefilled: source KV bytes
 	MambaBytes uint64   // EvPrefilled: source Mamba bytes
+	// Attempt is the attempt an EvReply or EvNoResponders answers, where the
+	// driver knows it (0: unknown). An answer to an earlier attempt than the
+	// last one sent is dropped: after a fenced retry, the no-responders of
+	// the dead instance's attempt must not count against the new one.
+	Attempt int
 }
 
 // State is a session's phase.
@@ -319,7 +324,7 @@ func (s *RecvSession) Step(ev Event) []Action {
 		s.outstanding = false
 		return s.fail(ev.Code)
 	case EvNoResponders:
-		if s.state != StateWaiting || !s.outstanding {
+		if s.state != StateWaiting || !s.outstanding || s.stale(ev) {
 			return nil
 		}
 		s.outstanding = false
@@ -328,8 +333,8 @@ func (s *RecvSession) Step(ev Event) []Action {
 		}
 		return s.retryOr(ev.Now, CodeNoPrefillWorker)
 	case EvReply:
-		if s.state != StateWaiting || !s.outstanding {
-			return nil // duplicate or unsolicited reply
+		if s.state != StateWaiting || !s.outstanding || s.stale(ev) {
+			return nil // duplicate or unsolicited reply, or one to an earlier attempt
 		}
 		if s.ignores(ev.Instance) {
 			return nil // a late reply of an attempt abandoned when its instance was reported dead
@@ -387,6 +392,9 @@ func (s *RecvSession) Step(ev Event) []Action {
 	}
 	return nil
 }
+
+// stale reports whether ev answers an attempt before the last one sent.
+func (s *RecvSession) stale(ev Event) bool { return ev.Attempt != 0 && ev.Attempt != s.attempts }
 
 // ignores reports whether replies from instance are dropped: it was reported
 // dead while serving this request, and its attempt was abandoned.

@@ -3,6 +3,7 @@ package transfer
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"log/slog"
 	"sync"
 	"testing"
@@ -198,4 +199,59 @@ func TestPeerDeathAfterUnrelatedDeathSynctest(t *testing.T) {
 		require.Equal(t, time.Duration(0), time.Since(start))
 		require.Equal(t, 1, alloc.frees)
 	})
+}
+
+// After a fenced retry (the serving instance was reported dead), the
+// no-responders the NATS server sends for the dead instance's attempt must
+// not count against the retry: with two instances the handoff would fail
+// while the second serves it, with three a third attempt would go out on
+// the same grant as the second.
+func TestLateNoRespondersOfAbandonedAttempt(t *testing.T) {
+	for _, n := range []int{2, 3} {
+		t.Run(fmt.Sprintf("%d instances", n), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				recv, send, dst, _ := bubbleEngines(t)
+				defer recv.Close()
+				defer send.Close()
+				d, rec := bubbleDecoder(t, recv, 3)
+				d.cfg.DirectFirst = true
+				reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]Instance{}}
+				for _, id := range []string{"p1", "p2", "p3"}[:n] {
+					reg.entries[id] = Instance{ID: id, Role: RolePrefill, Fingerprint: "fp", Updated: time.Now().UnixNano()}
+				}
+				d.reg = reg
+				type out struct {
+					res Result
+					err error
+				}
+				done := make(chan out, 1)
+				go func() {
+					res, err := d.Handoff(context.Background(), Request{ID: 5, Tokens: tokens(4),
+						Alloc: &countAlloc{d: Destination{Mamba: dst}}, Deadline: time.Now().Add(time.Minute)})
+					done <- out{res, err}
+				}()
+				m1 := <-rec.sent
+				dead := m1.Subject[len(m1.Subject)-len("p1.prefill"):][:2]
+				d.peerDied(dead) // its writer's connection went: a fenced retry
+				m2 := <-rec.sent
+				r2, err := DecodePrefillRequest(m2.Data)
+				require.NoError(t, err)
+				require.NotEqual(t, m1.Reply, m2.Reply, "each attempt has its own reply subject")
+				// The server's no-responders for attempt 1 arrives now.
+				d.onReply(&nats.Msg{Subject: m1.Reply, Header: nats.Header{"Status": []string{"503"}}})
+				synctest.Wait()
+				require.Len(t, rec.requests, 2, "no third attempt while the second is served")
+				select {
+				case o := <-done:
+					t.Fatalf("the handoff ended while attempt 2 is served: %v", o.err)
+				default:
+				}
+				// Attempt 2 is still awaited: its answer never comes, and the
+				// handoff ends at its deadline (the bubble's clock), on
+				// grant r2's revocation.
+				o := <-done
+				require.ErrorIs(t, o.err, ErrTimeout, "grant %d", r2.Ticket.Grant)
+			})
+		})
+	}
 }
