@@ -366,6 +366,12 @@ func (s *RecvSession) Step(ev Event) []Action {
 		if code == CodeOK {
 			code = CodePeerFailed
 		}
+		if code == CodePeerFailed && s.outstanding && s.target != "" {
+			// The writer's connection went mid-write (it died, or will be
+			// taken for dead): retry fenced on another instance, as when
+			// its death is reported first.
+			return s.regrantOr(ev.Now, s.target)
+		}
 		return s.fail(code)
 	case EvTick:
 		if s.state == StateNew || ev.Now.Before(s.p.Deadline) {
