@@ -60,8 +60,10 @@
 // allow, or when the instance serving the request is reported dead before a
 // commit was accepted (its registry entry expired, or, at once, every one of
 // its data-path connections to this decoder closed: rdma.Engine.OnWriterGone,
-// which a killed worker's kernel triggers): that instance may only be
-// partitioned, so the retry is fenced. The decoder publishes it a cancel, revokes the grant (its late
+// which a killed worker's kernel triggers), or when the grant fails because
+// the writer's connection closed mid-write and the serving instance is known
+// (a request sent to the queue group names it only in its reply): that
+// instance may only be partitioned, so the retry is fenced. The decoder publishes it a cancel, revokes the grant (its late
 // writes and commit are refused from then on), opens a fresh grant over the
 // same blocks and row, ignores the instance's replies and addresses the next
 // attempt to a live instance only (never the queue group, which could route
