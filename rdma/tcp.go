@@ -255,17 +255,31 @@ func (c *rxConn) serve() {
 	}
 }
 
-// fenceDrain bounds drainToEnd.
-const fenceDrain = 50 * time.Millisecond
+// fenceDrain is the silence that ends drainToEnd, fenceDrainMax its bound.
+const (
+	fenceDrain    = 50 * time.Millisecond
+	fenceDrainMax = time.Second
+)
 
 // drainToEnd reads and drops what the writer still sends after a fence cut
-// a landing, for up to fenceDrain, and reports whether the writer hung up: a
-// writer that died ends its stream right after the bytes its kernel had
-// queued, a live one keeps the connection open waiting for a reply.
+// a landing, and reports whether the writer hung up: a writer that died ends
+// its stream right after the bytes its kernel had queued, a live one keeps
+// the connection open waiting for a reply. It stops at the end of the
+// stream, after fenceDrain without a byte, or after fenceDrainMax: a dead
+// writer's queued bytes (megabytes, at the pace of a loaded machine) do not
+// pass for a live writer's silence.
 func (c *rxConn) drainToEnd() bool {
-	_ = c.c.SetReadDeadline(time.Now().Add(fenceDrain))
-	_, err := io.Copy(io.Discard, c.br)
-	return err == nil || errors.Is(err, syscall.ECONNRESET)
+	until := time.Now().Add(fenceDrainMax)
+	for {
+		dl := time.Now().Add(fenceDrain)
+		if dl.After(until) {
+			dl = until
+		}
+		_ = c.c.SetReadDeadline(dl)
+		if _, err := c.br.Discard(rxBufSize); err != nil {
+			return errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET)
+		}
+	}
 }
 
 func (c *rxConn) logEnd(err error) {
