@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"slices"
 	"strconv"
 	"strings"
@@ -142,8 +143,13 @@ type Decoder struct {
 	timers   sync.Pool // *time.Timer, see getTimer
 	handoffs sync.Pool // *handoff, see newHandoff
 
-	mu     sync.Mutex
-	calls  map[string]*call // by reply token
+	mu    sync.Mutex
+	calls map[string]*call // by reply token
+	// gone holds prefill instances reported gone by the data plane
+	// (watchWriters) with the heartbeat time of their registry entry then:
+	// pick passes them over until the entry is refreshed (a live instance
+	// heartbeats again) or expires.
+	gone   map[string]int64
 	closed bool
 	done   chan struct{}
 	wg     sync.WaitGroup
@@ -217,7 +223,15 @@ func (d *Decoder) startRegistry(ctx context.Context) error {
 		return err
 	}
 	reg.OnChange(func(inst Instance, gone bool) {
-		if gone && inst.Role == RolePrefill {
+		if inst.Role != RolePrefill {
+			return
+		}
+		d.mu.Lock()
+		if at, ok := d.gone[inst.ID]; ok && (gone || inst.Updated != at) {
+			delete(d.gone, inst.ID) // expired, or heartbeating again
+		}
+		d.mu.Unlock()
+		if gone {
 			d.peerDied(inst.ID)
 		}
 	})
@@ -665,6 +679,10 @@ func (d *Decoder) pick(exclude []string) string {
 			mine[c.target]++
 		}
 	}
+	var gone map[string]int64
+	if len(d.gone) > 0 {
+		gone = maps.Clone(d.gone)
+	}
 	d.mu.Unlock()
 	target, best := "", 0
 	off := int(d.picks.Add(1))
@@ -672,6 +690,9 @@ func (d *Decoder) pick(exclude []string) string {
 		inst := insts[(off+i)%len(insts)]
 		if inst.Fingerprint != d.cfg.Fingerprint || inst.Draining || containsStr(exclude, inst.ID) {
 			continue
+		}
+		if at, ok := gone[inst.ID]; ok && inst.Updated == at {
+			continue // reported gone, no heartbeat since
 		}
 		if load := inst.Capacity.Inflight + mine[inst.ID]; target == "" || load < best {
 			target, best = inst.ID, load

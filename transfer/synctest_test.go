@@ -255,3 +255,32 @@ func TestLateNoRespondersOfAbandonedAttempt(t *testing.T) {
 		})
 	}
 }
+
+// An instance the data plane reported gone (its last connection closed: a
+// SIGKILL) is not picked for new handoffs while its registry entry shows no
+// heartbeat since: the entry stays fresh for up to the TTL, and a request
+// sent to it would spend an attempt on a no-responders.
+func TestPickPassesOverWriterGone(t *testing.T) {
+	d := &Decoder{cfg: DecoderConfig{Fingerprint: "fp"}, calls: map[string]*call{}}
+	reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]Instance{}}
+	now := time.Now().UnixNano()
+	for _, id := range []string{"p1", "p2"} {
+		reg.entries[id] = Instance{ID: id, Role: RolePrefill, Fingerprint: "fp", Updated: now}
+	}
+	d.reg = reg
+	seen := func() map[string]int {
+		n := map[string]int{}
+		for range 10 {
+			n[d.pick(nil)]++
+		}
+		return n
+	}
+	require.Positive(t, seen()["p1"], "both are picked before")
+	d.writerGone("p1")
+	require.Equal(t, map[string]int{"p2": 10}, seen())
+	// A heartbeat after the report: p1 is alive after all.
+	e := reg.entries["p1"]
+	e.Updated++
+	reg.entries["p1"] = e
+	require.Positive(t, seen()["p1"])
+}

@@ -13,25 +13,37 @@ import (
 // addressed to it is fenced and re-granted to a live instance in
 // milliseconds instead of after the registry TTL. Even a wrong report would
 // cost a retry, never a wrong byte: the old grant is revoked first.
+//
+// New handoffs pass such an instance over (pick) until its registry entry
+// shows a heartbeat after the report: its entry stays fresh for up to the
+// TTL after a SIGKILL, and a request sent to it would spend an attempt on a
+// no-responders.
 func (d *Decoder) watchWriters(eng *rdma.Engine) {
-	d.unwatch = eng.OnWriterGone(func(a rdma.AgentID) {
-		for _, id := range d.instancesOf(string(a)) {
-			d.peerDied(id)
-		}
-	})
+	d.unwatch = eng.OnWriterGone(func(a rdma.AgentID) { d.writerGone(string(a)) })
 }
 
-// instancesOf lists the prefill instances whose data-path agent is agent:
-// the registry's entries that name it, and the agent itself (the workers use
-// their instance id as agent id).
-func (d *Decoder) instancesOf(agent string) []string {
-	ids := []string{agent}
+func (d *Decoder) writerGone(agent string) {
+	ids := []string{agent} // the workers use their instance id as agent id
+	var entries []Instance // the registry's entries that name the agent
 	if d.reg != nil {
 		for _, inst := range d.reg.Instances(RolePrefill, time.Now()) {
-			if inst.Peer.Agent == agent && inst.ID != agent {
-				ids = append(ids, inst.ID)
+			if inst.Peer.Agent == agent || inst.ID == agent {
+				entries = append(entries, inst)
+				if inst.ID != agent {
+					ids = append(ids, inst.ID)
+				}
 			}
 		}
 	}
-	return ids
+	d.mu.Lock()
+	if d.gone == nil {
+		d.gone = make(map[string]int64)
+	}
+	for _, inst := range entries {
+		d.gone[inst.ID] = inst.Updated
+	}
+	d.mu.Unlock()
+	for _, id := range ids {
+		d.peerDied(id)
+	}
 }
