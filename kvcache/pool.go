@@ -101,7 +101,7 @@ func (p *Pool) allocate(id uint64, tokens, headroom int, dummy bool) error {
 		return fmt.Errorf("%w: id %d", ErrAlreadyExists, id)
 	}
 	need := p.cfg.BlocksFor(tokens)
-	if need+headroom > p.idx.free {
+	if need > p.idx.free-headroom { // need+headroom could overflow
 		return fmt.Errorf("%w: id %d needs %d blocks (+%d headroom), %d free", ErrNoFreeBlocks, id, need, headroom, p.idx.free)
 	}
 	i := p.newRequest()
@@ -139,7 +139,7 @@ func (p *Pool) GrowWithHeadroom(id uint64, tokens, headroom int) error {
 	r := &p.slab[i]
 	need := p.cfg.BlocksFor(tokens) - r.blocks
 	if need > 0 {
-		if need+headroom > p.idx.free {
+		if need > p.idx.free-headroom { // need+headroom could overflow
 			return fmt.Errorf("%w: grow %d by %d blocks (+%d headroom), %d free", ErrNoFreeBlocks, id, need, headroom, p.idx.free)
 		}
 		p.take(r, need)

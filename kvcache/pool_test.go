@@ -1,6 +1,7 @@
 package kvcache
 
 import (
+	"math"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -266,4 +267,15 @@ func TestFitScansWholeClass(t *testing.T) {
 	require.NoError(t, p.Allocate(2000, 7*4))
 	require.Equal(t, []Run{{0, 7}}, runsOf(t, p, 2000))
 	require.NoError(t, p.checkInvariants())
+}
+
+// A headroom too large to add to the blocks needed is refused, not wrapped
+// into a check that passes.
+func TestHeadroomDoesNotOverflow(t *testing.T) {
+	p := newPool(t, 4)
+	require.ErrorIs(t, p.AllocateWithHeadroom(1, 1, math.MaxInt), ErrNoFreeBlocks)
+	require.ErrorIs(t, p.AllocateDummyWithHeadroom(2, math.MaxInt), ErrNoFreeBlocks)
+	require.NoError(t, p.Allocate(3, 1))
+	require.ErrorIs(t, p.GrowWithHeadroom(3, 8, math.MaxInt), ErrNoFreeBlocks)
+	require.Equal(t, 3, p.FreeBlocks(), "nothing was handed out")
 }
