@@ -18,6 +18,7 @@ subcommands:
   datapath   the rdma data path (tcp, shm, inproc) against iperf3, memcpy and ucx_perftest
   control    the control overhead of a handoff against plain NATS request-replies
   topology   the GPUs and NICs this host offers the data path
+  serve      load an OpenAI /v1/completions endpoint as vllm bench serve does
 
 handoff-bench <subcommand> --help lists a subcommand's flags.
 `
@@ -60,10 +61,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runControl(ctx, args[1:])
 	case "topology":
 		return runTopology(ctx, args[1:])
+	case "serve":
+		return runServe(ctx, args[1:], stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		fmt.Fprint(stdout, usage)
 		return nil
 	default:
-		return fmt.Errorf("unknown subcommand %q (want datapath, control or topology; see handoff-bench --help)", args[0])
+		return fmt.Errorf("unknown subcommand %q (want datapath, control, topology or serve; see handoff-bench --help)", args[0])
 	}
 }
