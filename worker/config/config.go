@@ -4,6 +4,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"hash/fnv"
 	"io"
 	"log/slog"
 	"net"
@@ -12,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/handoff-io/handoff/transfer"
 	"github.com/handoff-io/handoff/worker"
 )
 
@@ -67,9 +69,6 @@ type Config struct {
 	Prefill    string // remote, local
 	Standalone bool
 }
-
-// env is the process environment, injectable for tests.
-type env func(string) string
 
 type binding struct {
 	name, envName string
@@ -220,11 +219,14 @@ func (c *Config) Validate() error {
 	if c.RequestTimeout <= 0 {
 		bad("--request-timeout %v: want > 0", c.RequestTimeout)
 	}
-	if !validToken(c.Namespace) {
-		bad("--namespace %q: want letters, digits, '-' or '_'", c.Namespace)
+	// Both name NATS subject tokens and the registry bucket: transfer
+	// refuses at start-up what its ValidToken refuses, so refuse it here, by
+	// flag name.
+	if !transfer.ValidToken(c.Namespace) {
+		bad("--namespace %q: want 1-%d letters, digits, '-' or '_'", c.Namespace, maxTokenLen)
 	}
-	if !validToken(c.InstanceID) {
-		bad("--instance-id %q: want letters, digits, '-' or '_'", c.InstanceID)
+	if !transfer.ValidToken(c.InstanceID) {
+		bad("--instance-id %q: want 1-%d letters, digits, '-' or '_'", c.InstanceID, maxTokenLen)
 	}
 	if c.Model == "" {
 		bad("--model is empty")
@@ -289,17 +291,9 @@ func parseLevel(s string) (slog.Level, error) {
 	return 0, fmt.Errorf("%w: --log-level %q: want debug, info, warn or error", ErrInvalid, s)
 }
 
-func validToken(s string) bool {
-	if s == "" {
-		return false
-	}
-	for _, r := range s {
-		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_') {
-			return false
-		}
-	}
-	return true
-}
+// maxTokenLen is the longest namespace or instance id transfer.ValidToken
+// accepts.
+const maxTokenLen = 64
 
 // defaultInstance is $POD_NAME, else hostname-pid, made a valid token.
 func defaultInstance(getenv func(string) string) string {
@@ -313,6 +307,10 @@ func defaultInstance(getenv func(string) string) string {
 	return sanitize(fmt.Sprintf("%s-%d", h, os.Getpid()))
 }
 
+// sanitize replaces every byte outside [A-Za-z0-9_-] with '-' and cuts a name
+// longer than maxTokenLen to its head, a '-' and 8 hex digits of a hash of
+// the whole name: pod names may run to 253 characters, and the ones that
+// differ only in their tail (a ReplicaSet's random suffix) must stay apart.
 func sanitize(s string) string {
 	b := []byte(s)
 	for i, c := range b {
@@ -320,7 +318,12 @@ func sanitize(s string) string {
 			b[i] = '-'
 		}
 	}
-	return string(b)
+	if len(b) <= maxTokenLen {
+		return string(b)
+	}
+	h := fnv.New32a()
+	h.Write([]byte(s))
+	return fmt.Sprintf("%s-%08x", b[:maxTokenLen-9], h.Sum32())
 }
 
 // AdminPort returns the port of --admin-addr for role as configured by the

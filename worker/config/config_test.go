@@ -5,11 +5,13 @@ import (
 	"errors"
 	"flag"
 	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/handoff-io/handoff/transfer"
 	"github.com/handoff-io/handoff/worker"
 )
 
@@ -40,7 +42,7 @@ func TestDefaults(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, ":9090", p.AdminAddr)
 	require.NotEmpty(t, p.InstanceID)
-	require.True(t, validToken(p.InstanceID))
+	require.True(t, transfer.ValidToken(p.InstanceID))
 }
 
 func TestPrecedence(t *testing.T) {
@@ -97,6 +99,44 @@ func TestInvalid(t *testing.T) {
 			require.Error(t, err)
 		})
 	}
+}
+
+// TestTokenLength checks that config refuses, by flag name, the namespaces and
+// instance ids transfer would refuse at start-up for their length, and that a
+// long pod name still makes a valid default instance id.
+func TestTokenLength(t *testing.T) {
+	at, over := strings.Repeat("p", maxTokenLen), strings.Repeat("p", maxTokenLen+1)
+	require.True(t, transfer.ValidToken(at))
+	require.False(t, transfer.ValidToken(over))
+
+	c, err := Parse(worker.RolePrefill, []string{"--instance-id", at, "--namespace", at}, envOf(nil), &bytes.Buffer{})
+	require.NoError(t, err)
+	require.Equal(t, at, c.InstanceID)
+
+	for _, flag := range []string{"--instance-id", "--namespace"} {
+		_, err = Parse(worker.RolePrefill, []string{flag, over}, envOf(nil), &bytes.Buffer{})
+		require.ErrorIs(t, err, ErrInvalid)
+		require.ErrorContains(t, err, flag+" \""+over+"\": want 1-64 letters")
+	}
+	_, err = Parse(worker.RoleDecode, nil, envOf(map[string]string{"HANDOFF_INSTANCE_ID": over}), &bytes.Buffer{})
+	require.ErrorContains(t, err, "--instance-id")
+
+	// Pod names up to 253 characters; two that differ only in their tail
+	// must not collide once cut.
+	long := strings.Repeat("decode-statefulset-", 10)
+	a, err := Parse(worker.RoleDecode, nil, envOf(map[string]string{"POD_NAME": long + "x7k2q"}), &bytes.Buffer{})
+	require.NoError(t, err)
+	b, err := Parse(worker.RoleDecode, nil, envOf(map[string]string{"POD_NAME": long + "m4v9z"}), &bytes.Buffer{})
+	require.NoError(t, err)
+	require.Len(t, a.InstanceID, maxTokenLen)
+	require.True(t, transfer.ValidToken(a.InstanceID))
+	require.True(t, strings.HasPrefix(a.InstanceID, "decode-statefulset-"))
+	require.NotEqual(t, a.InstanceID, b.InstanceID)
+
+	// A name that fits is kept as it is, only sanitized.
+	c, err = Parse(worker.RoleDecode, nil, envOf(map[string]string{"POD_NAME": "decode.0"}), &bytes.Buffer{})
+	require.NoError(t, err)
+	require.Equal(t, "decode-0", c.InstanceID)
 }
 
 func TestHelpNamesEnv(t *testing.T) {
