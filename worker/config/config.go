@@ -13,7 +13,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/handoff-io/handoff/transfer"
 	"github.com/handoff-io/handoff/worker"
 )
 
@@ -222,10 +221,10 @@ func (c *Config) Validate() error {
 	// Both name NATS subject tokens and the registry bucket: transfer
 	// refuses at start-up what its ValidToken refuses, so refuse it here, by
 	// flag name.
-	if !transfer.ValidToken(c.Namespace) {
+	if !validToken(c.Namespace) {
 		bad("--namespace %q: want 1-%d letters, digits, '-' or '_'", c.Namespace, maxTokenLen)
 	}
-	if !transfer.ValidToken(c.InstanceID) {
+	if !validToken(c.InstanceID) {
 		bad("--instance-id %q: want 1-%d letters, digits, '-' or '_'", c.InstanceID, maxTokenLen)
 	}
 	if c.Model == "" {
@@ -294,6 +293,24 @@ func parseLevel(s string) (slog.Level, error) {
 // maxTokenLen is the longest namespace or instance id transfer.ValidToken
 // accepts.
 const maxTokenLen = 64
+
+// validToken is transfer.ValidToken (1-64 characters of [A-Za-z0-9_-]),
+// written again so that config does not import the data path: the manifest
+// tests of deploy/k8s build config into a binary that links kustomize's
+// plugin loader, which binds every symbol at start-up, and go-nvml's are
+// resolved only once NVML is loaded. TestValidTokenMatchesTransfer keeps the
+// two equal.
+func validToken(s string) bool {
+	if len(s) == 0 || len(s) > maxTokenLen {
+		return false
+	}
+	for _, r := range s {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_') {
+			return false
+		}
+	}
+	return true
+}
 
 // defaultInstance is $POD_NAME, else hostname-pid, made a valid token.
 func defaultInstance(getenv func(string) string) string {

@@ -42,7 +42,7 @@ func TestDefaults(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, ":9090", p.AdminAddr)
 	require.NotEmpty(t, p.InstanceID)
-	require.True(t, transfer.ValidToken(p.InstanceID))
+	require.True(t, validToken(p.InstanceID))
 }
 
 func TestPrecedence(t *testing.T) {
@@ -137,6 +137,18 @@ func TestTokenLength(t *testing.T) {
 	c, err = Parse(worker.RoleDecode, nil, envOf(map[string]string{"POD_NAME": "decode.0"}), &bytes.Buffer{})
 	require.NoError(t, err)
 	require.Equal(t, "decode-0", c.InstanceID)
+}
+
+// TestValidTokenMatchesTransfer checks config's copy of the token grammar
+// against transfer's, which the subjects and the registry bucket use.
+func TestValidTokenMatchesTransfer(t *testing.T) {
+	for _, s := range []string{
+		"", "a", "decode-0", "prefill_1", "A-Z_09", "a.b", "a b", "a*", "a>", "é", "a/b",
+		strings.Repeat("x", maxTokenLen-1), strings.Repeat("x", maxTokenLen),
+		strings.Repeat("x", maxTokenLen+1), strings.Repeat("x", 253),
+	} {
+		require.Equal(t, transfer.ValidToken(s), validToken(s), "%q", s)
+	}
 }
 
 func TestHelpNamesEnv(t *testing.T) {
