@@ -6,7 +6,6 @@
 package integration
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -216,20 +215,6 @@ func (p *proc) kill() {
 	<-p.done
 }
 
-// term sends SIGTERM and waits up to d for a clean exit.
-func (p *proc) term(d time.Duration) error {
-	_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-p.done:
-		if code := p.cmd.ProcessState.ExitCode(); code != 0 {
-			return fmt.Errorf("%s exited with %d", p.name, code)
-		}
-		return nil
-	case <-time.After(d):
-		return fmt.Errorf("%s did not exit within %v", p.name, d)
-	}
-}
-
 // waitReady polls /readyz until it answers 200.
 func (p *proc) waitReady(d time.Duration) {
 	p.t.Helper()
@@ -313,19 +298,6 @@ func complete(ctx context.Context, api string, req completionRequest) (completio
 		c.Err = out.Error.Message
 	}
 	return c, nil
-}
-
-// logLines returns the JSON log lines of p that contain substr.
-func (p *proc) logLines(substr string) []string {
-	var out []string
-	sc := bufio.NewScanner(strings.NewReader(p.log.String()))
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		if strings.Contains(sc.Text(), substr) {
-			out = append(out, sc.Text())
-		}
-	}
-	return out
 }
 
 func ptr[T any](v T) *T { return &v }
