@@ -1,6 +1,9 @@
 package model
 
-import "math"
+import (
+	"math"
+	"slices"
+)
 
 // Sample picks the next token from logits.
 //
@@ -46,6 +49,65 @@ func Sample(logits []float32, temperature float64, seed uint64, step int) int32 
 		}
 	}
 	return last // rounding left target just above the running sum
+}
+
+// SampleTopP is Sample restricted to the nucleus: the most likely tokens
+// (at the sampling temperature) whose probabilities add up to at least topP,
+// the most likely first and the lower index first on ties; the draw uses the
+// same (seed, step) number as Sample. A topP outside (0, 1) (0 meaning unset)
+// is plain Sample; a greedy temperature ignores topP.
+func SampleTopP(logits []float32, temperature, topP float64, seed uint64, step int) int32 {
+	if !(topP > 0 && topP < 1) {
+		return Sample(logits, temperature, seed, step)
+	}
+	best := argmax(logits)
+	if best < 0 || !(temperature > 0) {
+		return best
+	}
+	m := float64(logits[best])
+	if math.IsInf(m, 0) {
+		return best
+	}
+	weights := make([]float64, len(logits))
+	idx := make([]int32, 0, len(logits))
+	var total float64
+	for i, l := range logits {
+		w := math.Exp((float64(l) - m) / temperature)
+		if w != w || w == 0 {
+			continue
+		}
+		weights[i] = w
+		total += w
+		idx = append(idx, int32(i))
+	}
+	slices.SortStableFunc(idx, func(a, b int32) int {
+		switch wa, wb := weights[a], weights[b]; {
+		case wa > wb:
+			return -1
+		case wa < wb:
+			return 1
+		}
+		return 0
+	})
+	var kept float64
+	n := 0
+	for n < len(idx) {
+		kept += weights[idx[n]]
+		n++
+		if kept >= topP*total {
+			break
+		}
+	}
+	u := float64(mix64(seed^0x5a3c_e1f0_9d2b_4c67, uint64(step))>>11) * 0x1p-53
+	target := u * kept
+	var acc float64
+	for _, i := range idx[:n] {
+		acc += weights[i]
+		if acc > target {
+			return i
+		}
+	}
+	return idx[n-1]
 }
 
 // argmax returns the index of the largest non-NaN value, lowest on ties; -1
