@@ -82,6 +82,7 @@ type Request struct {
 // the caller frees it when the request finishes.
 type Result struct {
 	FirstToken int32
+	Logprobs   []byte        // the first token's logprobs, when asked (PrefillReply.Logprobs)
 	Instance   string        // the prefill instance that served it
 	Attempts   int           // prefill requests sent
 	Prefill    time.Duration // prefill compute time, measured by the prefill worker
@@ -429,7 +430,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 					log.Debug("handoff delivered", "seq", h.req.ID, "peer", h.sess.Instance())
 				}
 				return Result{
-					FirstToken: h.ok.FirstToken, Instance: h.ok.Instance, Attempts: h.sess.Attempts(),
+					FirstToken: h.ok.FirstToken, Logprobs: h.ok.Logprobs, Instance: h.ok.Instance, Attempts: h.sess.Attempts(),
 					Prefill: time.Duration(h.ok.PrefillNanos), Transfer: time.Duration(h.ok.WriteNanos),
 					Total: time.Since(start), KVBytes: h.kvB, MambaBytes: h.mB, Dest: h.dest,
 				}, nil

@@ -76,6 +76,7 @@ type Job struct {
 // token order, its Mamba row).
 type Prefilled struct {
 	FirstToken int32
+	Logprobs   []byte // the first token's logprobs, when asked (PrefillReply.Logprobs)
 	Source     Destination
 }
 
@@ -745,7 +746,7 @@ func (p *Prefiller) replyNow(r micro.Request, rep PrefillReply) {
 func (t *task) replyFor(code Code) PrefillReply {
 	rep := PrefillReply{RequestID: t.msg.RequestID, Code: code}
 	if code == CodeOK {
-		rep.FirstToken = t.out.FirstToken
+		rep.FirstToken, rep.Logprobs = t.out.FirstToken, t.out.Logprobs
 		rep.PrefillNanos, rep.WriteNanos = int64(t.pf), int64(t.wr)
 		rep.KVBytes, rep.MambaBytes = t.out.Source.Bytes()
 		rep.Manifest = ManifestOf(t.manifest)

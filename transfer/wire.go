@@ -212,6 +212,12 @@ type Sampling struct {
 	Temperature float64 `msgpack:"t"`
 	Seed        uint64  `msgpack:"s"`
 	MaxTokens   int32   `msgpack:"n"`
+	// TopP restricts the draw to the nucleus; 0 means unset (omitted, so a
+	// request without it encodes as before).
+	TopP float64 `msgpack:"p,omitempty"`
+	// Logprobs asks for the first token's logprobs: 0 none, else 1 plus
+	// the number of alternatives.
+	Logprobs uint8 `msgpack:"lp,omitempty"`
 }
 
 // RegionInfo is the wire form of rdma.RegionDesc.
@@ -352,6 +358,9 @@ type PrefillReply struct {
 	KVBytes      uint64   `msgpack:"kvb"`
 	MambaBytes   uint64   `msgpack:"mb"`
 	Manifest     Manifest `msgpack:"man"`
+	// Logprobs are the first token's logprobs when the request asked, in
+	// the worker's encoding (model.Logprobs.MarshalBinary); omitted when empty.
+	Logprobs []byte `msgpack:"lp,omitempty"`
 }
 
 // Cancel tells the worker that serves a request to stop and free it. Published
@@ -664,10 +673,24 @@ func fromUnixNano(n int64) time.Time {
 // where they are nested in other messages.
 
 func (s Sampling) appendTo(b []byte) []byte {
-	b = appendMapLen(b, 3)
+	n := 3
+	if s.TopP != 0 {
+		n++
+	}
+	if s.Logprobs != 0 {
+		n++
+	}
+	b = appendMapLen(b, n)
 	b = appendFloat64(appendStr(b, "t"), s.Temperature)
 	b = appendUint(appendStr(b, "s"), s.Seed)
-	return appendInt(appendStr(b, "n"), int64(s.MaxTokens))
+	b = appendInt(appendStr(b, "n"), int64(s.MaxTokens))
+	if s.TopP != 0 {
+		b = appendFloat64(appendStr(b, "p"), s.TopP)
+	}
+	if s.Logprobs != 0 {
+		b = appendUint(appendStr(b, "lp"), uint64(s.Logprobs))
+	}
+	return b
 }
 
 func (s *Sampling) decode(r *reader) error {
@@ -687,6 +710,12 @@ func (s *Sampling) decode(r *reader) error {
 			var v int64
 			v, err = r.int()
 			s.MaxTokens = int32(v)
+		case "p":
+			s.TopP, err = r.float64()
+		case "lp":
+			var v uint64
+			v, err = r.uintMax(math.MaxUint8, "logprobs")
+			s.Logprobs = uint8(v)
 		default:
 			err = r.skip()
 		}
@@ -1010,7 +1039,11 @@ func (m *PrefillRequest) DecodeMsgpack(dec *msgpack.Decoder) error {
 }
 
 func (m *PrefillReply) appendTo(b []byte) []byte {
-	b = appendMapLen(b, 11)
+	n := 11
+	if len(m.Logprobs) > 0 {
+		n++
+	}
+	b = appendMapLen(b, n)
 	b = appendUint(appendStr(b, "v"), uint64(m.V))
 	b = appendUint(appendStr(b, "id"), m.RequestID)
 	b = appendStr(appendStr(b, "inst"), m.Instance)
@@ -1021,7 +1054,11 @@ func (m *PrefillReply) appendTo(b []byte) []byte {
 	b = appendInt(appendStr(b, "wr"), m.WriteNanos)
 	b = appendUint(appendStr(b, "kvb"), m.KVBytes)
 	b = appendUint(appendStr(b, "mb"), m.MambaBytes)
-	return m.Manifest.appendTo(appendStr(b, "man"))
+	b = m.Manifest.appendTo(appendStr(b, "man"))
+	if len(m.Logprobs) > 0 {
+		b = appendBin(appendStr(b, "lp"), m.Logprobs)
+	}
+	return b
 }
 
 func (m *PrefillReply) decode(r *reader) error {
@@ -1062,6 +1099,11 @@ func (m *PrefillReply) decode(r *reader) error {
 		case "man":
 			if err = once(&seen, 1, "man"); err == nil {
 				err = m.Manifest.decode(r)
+			}
+		case "lp":
+			var p []byte
+			if p, err = r.bytes(); err == nil && len(p) > 0 {
+				m.Logprobs = append([]byte(nil), p...)
 			}
 		default:
 			err = r.skip()

@@ -109,6 +109,8 @@ type plainSampling struct {
 	Temperature float64 `msgpack:"t"`
 	Seed        uint64  `msgpack:"s"`
 	MaxTokens   int32   `msgpack:"n"`
+	TopP        float64 `msgpack:"p,omitempty"`
+	Logprobs    uint8   `msgpack:"lp,omitempty"`
 }
 
 type plainPeer struct {
@@ -163,6 +165,7 @@ type plainReply struct {
 	KVBytes      uint64        `msgpack:"kvb"`
 	MambaBytes   uint64        `msgpack:"mb"`
 	Manifest     plainManifest `msgpack:"man"`
+	Logprobs     []byte        `msgpack:"lp,omitempty"`
 }
 
 func plainOfRequest(m PrefillRequest) plainRequest {
@@ -174,7 +177,7 @@ func plainOfRequest(m PrefillRequest) plainRequest {
 func plainOfReply(m PrefillReply) plainReply {
 	return plainReply{V: m.V, RequestID: m.RequestID, Instance: m.Instance, Code: m.Code, Msg: m.Msg,
 		FirstToken: m.FirstToken, PrefillNanos: m.PrefillNanos, WriteNanos: m.WriteNanos, KVBytes: m.KVBytes,
-		MambaBytes: m.MambaBytes, Manifest: plainManifest(m.Manifest)}
+		MambaBytes: m.MambaBytes, Manifest: plainManifest(m.Manifest), Logprobs: m.Logprobs}
 }
 
 func TestWireHandCodecsMatchReflection(t *testing.T) {
@@ -231,6 +234,9 @@ func TestWireHandCodecsSameBytesAsReflection(t *testing.T) {
 		req.RequestID, req.Ticket.RequestID = uint64(n), uint64(n)
 		req.Deadline, req.Ticket.Deadline = n, -n
 		req.Sampling.MaxTokens = int32(n)
+		if i%2 == 1 { // the optional fields, present and absent
+			req.Sampling.TopP, req.Sampling.Logprobs = 0.9, uint8(i)
+		}
 		req.From = strs[i%len(strs)]
 		if i%4 == 0 {
 			req.Peer.Transports, req.Peer.Regions, req.Ticket.Token = nil, nil, nil
@@ -245,6 +251,9 @@ func TestWireHandCodecsSameBytesAsReflection(t *testing.T) {
 		rep.V, rep.RequestID, rep.PrefillNanos, rep.FirstToken, rep.Msg = WireVersion, uint64(n), n, int32(n), strs[(i+3)%len(strs)]
 		if i%3 == 0 {
 			rep.Manifest = Manifest{}
+		}
+		if i%2 == 1 {
+			rep.Logprobs = []byte(strs[i%len(strs)] + "lp")
 		}
 		b, err = EncodePrefillReply(rep, 1<<30)
 		require.NoError(t, err)
