@@ -75,3 +75,26 @@ func TestMetrics(t *testing.T) {
 	require.Equal(t, 200, code)
 	require.True(t, strings.Contains(body, "handoff_test_total 1"), body)
 }
+
+// A server with no check registered is not ready: a worker that has just
+// started (its admin port open, nothing else yet) must not read as ready.
+func TestNotReadyWithoutChecks(t *testing.T) {
+	s := New(prometheus.NewRegistry())
+	code, body := get(t, s.Handler(), "/readyz")
+	require.Equal(t, 503, code, body)
+	require.Contains(t, body, "no readiness check")
+}
+
+func TestGateAndWarning(t *testing.T) {
+	s := New(prometheus.NewRegistry())
+	g := s.AddGate("serving")
+	s.AddCheck("prefill_instances", func() error { return Warn("none for %s", "2s") })
+	h := s.Handler()
+	code, body := get(t, h, "/readyz")
+	require.Equal(t, 503, code, body)
+	require.Contains(t, body, `"serving":"starting"`)
+	g.Open()
+	code, body = get(t, h, "/readyz")
+	require.Equal(t, 200, code, body)
+	require.Contains(t, body, `"prefill_instances":"warn: none for 2s"`)
+}
