@@ -21,34 +21,12 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/handoff-io/handoff/hybrid"
+	"github.com/handoff-io/handoff/internal/leakcheck"
+	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/kvcache"
 	"github.com/handoff-io/handoff/mambacache"
 	"github.com/handoff-io/handoff/rdma"
-	"github.com/handoff-io/handoff/transfer/transfertest"
 )
-
-// noLeaks fails the test if goroutines of this package outlive it. Register it
-// first so it runs after every other cleanup.
-func noLeaks(t *testing.T) {
-	t.Cleanup(func() {
-		var stacks string
-		for range 100 {
-			buf := make([]byte, 1<<20)
-			stacks = string(buf[:runtime.Stack(buf, true)])
-			leaked := false
-			for _, g := range strings.Split(stacks, "\n\n") {
-				if strings.Contains(g, "handoff/transfer.(*") && !strings.Contains(g, "handoff/transfer.Test") {
-					leaked = true
-				}
-			}
-			if !leaked {
-				return
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-		t.Errorf("goroutines of package transfer leaked:\n%s", stacks)
-	})
-}
 
 func testHybrid(blocks, mbs int) hybrid.Config {
 	return hybrid.Config{
@@ -96,7 +74,7 @@ func (s *side) bytes(x rdma.Extent) []byte {
 
 func (s *side) requireInitial(t *testing.T) {
 	t.Helper()
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if got := s.m.Stats(); got != s.initial {
 			return fmt.Errorf("pools not back to initial: %+v, want %+v", got, s.initial)
 		}
@@ -196,8 +174,8 @@ type fixture struct {
 }
 
 func newFixture(t *testing.T) *fixture {
-	noLeaks(t)
-	return &fixture{t: t, srv: transfertest.RunServer(t), ns: "t1", fp: "fp-tiny"}
+	leakcheck.Check(t)
+	return &fixture{t: t, srv: natstest.Run(t), ns: "t1", fp: "fp-tiny"}
 }
 
 func (f *fixture) decoder(name string, s *side, mod func(*DecoderConfig)) *Decoder {
@@ -207,7 +185,7 @@ func (f *fixture) decoder(name string, s *side, mod func(*DecoderConfig)) *Decod
 	if mod != nil {
 		mod(&cfg)
 	}
-	nc := transfertest.Connect(f.t, f.srv)
+	nc := natstest.Connect(f.t, f.srv)
 	d, err := NewDecoder(context.Background(), cfg, nc, s.eng)
 	require.NoError(f.t, err)
 	f.t.Cleanup(func() { require.NoError(f.t, d.Close()) })
@@ -221,7 +199,7 @@ func (f *fixture) prefiller(name, fp string, x *testExec, mod func(*PrefillerCon
 	if mod != nil {
 		mod(&cfg)
 	}
-	nc := transfertest.Connect(f.t, f.srv)
+	nc := natstest.Connect(f.t, f.srv)
 	p, err := NewPrefiller(cfg, nc, x.s.eng, x)
 	require.NoError(f.t, err)
 	require.NoError(f.t, p.Start(context.Background()))
@@ -247,7 +225,7 @@ func inMsgs(t *testing.T, s *server.Server) int64 {
 // the last reply may reach its receiver a moment before it is counted.
 func requireInMsgs(t *testing.T, s *server.Server, before, want int64) {
 	t.Helper()
-	transfertest.CheckFor(t, 5*time.Second, time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, time.Millisecond, func() error {
 		if n := inMsgs(t, s) - before; n < want {
 			return fmt.Errorf("%d messages, want %d", n, want)
 		}
@@ -325,7 +303,7 @@ func TestHandoffReadyLeaseInline(t *testing.T) {
 	ps.requireInitial(t)
 	require.Equal(t, uint64(5), p.Stats().Served)
 	require.Equal(t, int64(5), x.releases.Load())
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if n := p.Stats().InFlight; n != 0 {
 			return fmt.Errorf("%d in flight", n)
 		}
@@ -434,7 +412,7 @@ func TestHandoffRetriesOnAnotherWorker(t *testing.T) {
 	f.prefiller("p1", f.fp, full, withRegistryP)
 	f.prefiller("p2", f.fp, free, withRegistryP)
 	d := f.decoder("d1", ds, withRegistry)
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d prefill instances known", n)
 		}
@@ -500,7 +478,7 @@ func TestHandoffTimeoutFreesBothSides(t *testing.T) {
 	ds.requireInitial(t)
 	require.Error(t, <-x.ctxErr)
 	ps.requireInitial(t)
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if st := p.Stats(); st.InFlight != 0 {
 			return fmt.Errorf("%d in flight", st.InFlight)
 		}
@@ -524,7 +502,7 @@ func TestHandoffCancelStopsPrefill(t *testing.T) {
 	require.ErrorIs(t, <-x.ctxErr, context.Canceled)
 	ds.requireInitial(t)
 	ps.requireInitial(t)
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if st := p.Stats(); st.Cancelled != 1 {
 			return fmt.Errorf("stats %+v", st)
 		}
@@ -541,7 +519,7 @@ func TestHandoffPrefillDeath(t *testing.T) {
 	x.block = make(chan struct{})
 	p := f.prefiller("p1", f.fp, x, withRegistryP)
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 1 {
 			return fmt.Errorf("%d prefill instances known", n)
 		}
@@ -571,14 +549,14 @@ func TestPrefillerStopsOnDecodeDeath(t *testing.T) {
 	x.block = make(chan struct{})
 	p := f.prefiller("p1", f.fp, x, withRegistryP)
 	d := f.decoder("d1", ds, withRegistry)
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if n := len(p.Registry().Instances(RoleDecode, time.Now())); n != 1 {
 			return fmt.Errorf("%d decode instances known", n)
 		}
 		return nil
 	})
 	// The worker pre-connected its data plane to the decode instance it saw.
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if tr, ok := ps.eng.TransportFor("dec"); !ok || tr != rdma.TransportInproc {
 			return fmt.Errorf("not connected (%q)", tr)
 		}
@@ -691,7 +669,7 @@ func TestDummiesNeverTransferred(t *testing.T) {
 	require.Zero(t, alloc.prepares.Load())
 
 	// The worker refuses a request naming a dummy id, whoever sent it.
-	nc := transfertest.Connect(t, f.srv)
+	nc := natstest.Connect(t, f.srv)
 	for _, id := range []uint64{0, math.MaxUint64 - 1} {
 		req := sampleRequest(4, 2)
 		req.RequestID, req.Ticket.RequestID, req.Fingerprint = id, id, f.fp
@@ -758,7 +736,7 @@ func TestMicroServiceListed(t *testing.T) {
 	f := newFixture(t)
 	ps := newSide(t, "pre", testHybrid(64, 8))
 	f.prefiller("p1", f.fp, newExec(ps), nil)
-	nc := transfertest.Connect(t, f.srv)
+	nc := natstest.Connect(t, f.srv)
 	m, err := nc.Request("$SRV.INFO."+ServiceName, nil, 5*time.Second)
 	require.NoError(t, err)
 	s := string(m.Data)
@@ -770,9 +748,9 @@ func TestMicroServiceListed(t *testing.T) {
 }
 
 func TestRegistryExpiry(t *testing.T) {
-	noLeaks(t)
-	srv := transfertest.RunServer(t)
-	nc := transfertest.Connect(t, srv)
+	leakcheck.Check(t)
+	srv := natstest.Run(t)
+	nc := natstest.Connect(t, srv)
 	ctx := context.Background()
 	cfg := RegistryConfig{Namespace: "t1", TTL: time.Second}
 	watcher, err := OpenRegistry(ctx, nc, cfg)
@@ -787,15 +765,15 @@ func TestRegistryExpiry(t *testing.T) {
 	require.NoError(t, watcher.Watch(ctx, RolePrefill))
 
 	// A live instance, refreshed by heartbeats, and one that stops.
-	live, err := OpenRegistry(ctx, transfertest.Connect(t, srv), RegistryConfig{Namespace: "t1", TTL: time.Second, Heartbeat: 200 * time.Millisecond})
+	live, err := OpenRegistry(ctx, natstest.Connect(t, srv), RegistryConfig{Namespace: "t1", TTL: time.Second, Heartbeat: 200 * time.Millisecond})
 	require.NoError(t, err)
 	defer live.Close(ctx)
 	require.NoError(t, live.Announce(ctx, func() Instance { return Instance{ID: "p-live", Role: RolePrefill, Fingerprint: "fp"} }))
-	dead, err := OpenRegistry(ctx, transfertest.Connect(t, srv), cfg)
+	dead, err := OpenRegistry(ctx, natstest.Connect(t, srv), cfg)
 	require.NoError(t, err)
 	require.NoError(t, dead.put(ctx, registryKey(RolePrefill, "p-dead"), Instance{ID: "p-dead", Role: RolePrefill, Fingerprint: "fp"}))
 	require.NoError(t, dead.Close(ctx))
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if n := len(watcher.Instances(RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d instances", n)
 		}
@@ -816,9 +794,9 @@ func TestRegistryExpiry(t *testing.T) {
 }
 
 func TestConfigValidation(t *testing.T) {
-	noLeaks(t)
-	srv := transfertest.RunServer(t)
-	nc := transfertest.Connect(t, srv)
+	leakcheck.Check(t)
+	srv := natstest.Run(t)
+	nc := natstest.Connect(t, srv)
 	ds := newSide(t, "dec", testHybrid(8, 2))
 	for _, cfg := range []DecoderConfig{
 		{Namespace: "n", Fingerprint: "f"},
@@ -844,7 +822,7 @@ func TestConfigValidation(t *testing.T) {
 // BenchmarkHandoff measures one minimal handoff end to end (1-byte cache,
 // embedded NATS, inproc data path).
 func BenchmarkHandoff(b *testing.B) {
-	srv := transfertest.RunServer(b)
+	srv := natstest.Run(b)
 	quiet := slog.New(slog.DiscardHandler)
 	newEng := func(agent string) (*rdma.Engine, *rdma.Region) {
 		e, err := rdma.New(rdma.Config{Agent: rdma.AgentID(agent), Transports: []rdma.Transport{rdma.TransportInproc}, Logger: quiet})
@@ -857,12 +835,12 @@ func BenchmarkHandoff(b *testing.B) {
 	de, dr := newEng("bd")
 	pe, pr := newEng("bp")
 	p, err := NewPrefiller(PrefillerConfig{Instance: "p", Namespace: "b", Fingerprint: "f", NoRegistry: true},
-		transfertest.Connect(b, srv), pe, fixedExec{Destination{Mamba: rdma.Extent{Region: pr.ID(), Length: 1}}})
+		natstest.Connect(b, srv), pe, fixedExec{Destination{Mamba: rdma.Extent{Region: pr.ID(), Length: 1}}})
 	require.NoError(b, err)
 	require.NoError(b, p.Start(context.Background()))
 	b.Cleanup(func() { _ = p.Shutdown(context.Background()) })
 	d, err := NewDecoder(context.Background(), DecoderConfig{Instance: "d", Namespace: "b", Fingerprint: "f", NoRegistry: true},
-		transfertest.Connect(b, srv), de)
+		natstest.Connect(b, srv), de)
 	require.NoError(b, err)
 	b.Cleanup(func() { _ = d.Close() })
 	alloc := Prepared(Destination{Mamba: rdma.Extent{Region: dr.ID(), Length: 1}})
@@ -987,7 +965,7 @@ func TestLogLinesHaveNoDuplicateKeys(t *testing.T) {
 	}
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { withRegistry(c); c.Logger = logger("d1") })
 	f.prefiller("p1", f.fp, newExec(ps), func(c *PrefillerConfig) { withRegistryP(c); c.Logger = logger("p1") })
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if !strings.Contains(out.String(), "pre-connected to decode instance") {
 			return errors.New("no pre-connect logged yet")
 		}
@@ -1007,10 +985,10 @@ func TestLogLinesHaveNoDuplicateKeys(t *testing.T) {
 // registry must not create it with Watch's ctx, which only bounds the wait for
 // the initial entries.
 func TestRegistryWatchOutlivesItsContext(t *testing.T) {
-	noLeaks(t)
-	srv := transfertest.RunServer(t)
+	leakcheck.Check(t)
+	srv := natstest.Run(t)
 	cfg := RegistryConfig{Namespace: "t1", TTL: 30 * time.Second}
-	watcher, err := OpenRegistry(context.Background(), transfertest.Connect(t, srv), cfg)
+	watcher, err := OpenRegistry(context.Background(), natstest.Connect(t, srv), cfg)
 	require.NoError(t, err)
 	defer watcher.Close(context.Background())
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -1018,13 +996,13 @@ func TestRegistryWatchOutlivesItsContext(t *testing.T) {
 	cancel()
 
 	time.Sleep(50 * time.Millisecond) // let a watch bound to ctx end
-	late, err := OpenRegistry(context.Background(), transfertest.Connect(t, srv), cfg)
+	late, err := OpenRegistry(context.Background(), natstest.Connect(t, srv), cfg)
 	require.NoError(t, err)
 	defer late.Close(context.Background())
 	require.NoError(t, late.Announce(context.Background(), func() Instance {
 		return Instance{ID: "p-late", Role: RolePrefill, Fingerprint: "fp"}
 	}))
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if n := len(watcher.Instances(RolePrefill, time.Now())); n != 1 {
 			return fmt.Errorf("%d instances, want the one announced after Watch's ctx ended", n)
 		}
@@ -1064,7 +1042,7 @@ func TestPrefillerFailedStartStopsPreconnect(t *testing.T) {
 	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
 	f.decoder("d1", ds, withRegistry)
 	p, err := NewPrefiller(PrefillerConfig{Instance: "p1", Namespace: f.ns, Fingerprint: f.fp,
-		Registry: RegistryConfig{TTL: 30 * time.Second}}, transfertest.Connect(t, f.srv), ps.eng, newExec(ps))
+		Registry: RegistryConfig{TTL: 30 * time.Second}}, natstest.Connect(t, f.srv), ps.eng, newExec(ps))
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -1133,7 +1111,7 @@ func TestPrefillerNotServingRefusesAsCapacity(t *testing.T) {
 func TestPrefillerShutdownDuringStart(t *testing.T) {
 	f := newFixture(t)
 	ps := newSide(t, "pre", testHybrid(64, 8))
-	nc := transfertest.Connect(t, f.srv)
+	nc := natstest.Connect(t, f.srv)
 	_, err := nc.Request("$JS.API.INFO", nil, 5*time.Second) // the connection's reply mux subscribes once
 	require.NoError(t, err)
 	baseline := nc.NumSubscriptions()
@@ -1150,7 +1128,7 @@ func TestPrefillerShutdownDuringStart(t *testing.T) {
 		}
 		require.NoError(t, p.Shutdown(context.Background()))
 	}
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if n := nc.NumSubscriptions(); n != baseline {
 			return fmt.Errorf("%d subscriptions left, want %d", n, baseline)
 		}
@@ -1180,7 +1158,7 @@ func TestCancelStopsOnlyTheSendersRequest(t *testing.T) {
 	x.block = make(chan struct{})
 	d1, d2 := f.decoder("d1", ds1, nil), f.decoder("d2", ds2, nil)
 	p, err := NewPrefiller(PrefillerConfig{Instance: "p1", Namespace: f.ns, Fingerprint: f.fp, MaxDraftTokens: 2, NoRegistry: true},
-		transfertest.Connect(t, f.srv), ps.eng, &localIDs{x: x})
+		natstest.Connect(t, f.srv), ps.eng, &localIDs{x: x})
 	require.NoError(t, err)
 	require.NoError(t, p.Start(context.Background()))
 	defer func() { require.NoError(t, p.Shutdown(context.Background())) }()
@@ -1227,7 +1205,7 @@ func TestPrefillerCountsServedBytes(t *testing.T) {
 	go func() { <-x.started; <-x.started; cancel() }()
 	_, err = d.Handoff(ctx, Request{ID: 2, Tokens: tokens(30), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
 	require.ErrorIs(t, err, ErrCancelled)
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if st := p.Stats(); st.Cancelled != 1 {
 			return fmt.Errorf("stats %+v", st)
 		}
@@ -1250,7 +1228,7 @@ func TestDrainingPrefillerNotAddressed(t *testing.T) {
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { withRegistry(c); c.DirectFirst = true })
 	p1 := f.prefiller("p1", f.fp, x1, withRegistryP)
 	f.prefiller("p2", f.fp, x2, withRegistryP)
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d prefill instances", n)
 		}
@@ -1279,7 +1257,7 @@ func TestDrainingPrefillerNotAddressed(t *testing.T) {
 
 	shut := make(chan error, 1)
 	go func() { shut <- p1.Shutdown(context.Background()) }() // drains its blocked request
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		for _, inst := range d.Registry().Instances(RolePrefill, time.Now()) {
 			if inst.ID == "p1" && inst.Draining {
 				return nil
@@ -1323,14 +1301,14 @@ func TestHandoffPrefillDeathRetried(t *testing.T) {
 		pre[name] = f.prefiller(name, f.fp, xs[name], withRegistryP)
 	}
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d prefill instances known", n)
 		}
 		return nil
 	})
 	// Every request addressed to an instance, as sent.
-	nc := transfertest.Connect(t, f.srv)
+	nc := natstest.Connect(t, f.srv)
 	sent := make(chan PrefillRequest, 8)
 	sub, err := nc.Subscribe(Subject(DefaultPrefix, f.ns, SubjectInstancePrefill, "*"), func(m *nats.Msg) {
 		if r, err := DecodePrefillRequest(m.Data); err == nil {
@@ -1425,7 +1403,7 @@ func TestHandoffWriterGoneRetried(t *testing.T) {
 		f.prefiller(name, f.fp, xs[name], withRegistryP)
 	}
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d prefill instances known", n)
 		}
@@ -1493,7 +1471,7 @@ func TestHandoffSurvivesLiveWriterDroppingItsConnection(t *testing.T) {
 	stop := ds.eng.OnWriterGone(func(a rdma.AgentID) { gone <- a })
 	defer stop()
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 1 {
 			return fmt.Errorf("%d prefill instances known", n)
 		}

@@ -8,9 +8,9 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/handoff-io/handoff/transfer"
-	"github.com/handoff-io/handoff/transfer/transfertest"
 )
 
 // oneRow is a PrefillExecutor whose "prefill" fills a 16-byte state row.
@@ -31,7 +31,7 @@ func (oneRow) Release() {}
 func Example() {
 	dir, _ := os.MkdirTemp("", "example")
 	defer os.RemoveAll(dir)
-	srv, err := transfertest.Start(transfertest.Options(dir))
+	srv, err := natstest.Start(natstest.Options(dir))
 	if err != nil {
 		panic(err)
 	}

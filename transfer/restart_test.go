@@ -12,16 +12,17 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
 
-	"github.com/handoff-io/handoff/transfer/transfertest"
+	"github.com/handoff-io/handoff/internal/leakcheck"
+	"github.com/handoff-io/handoff/internal/natstest"
 )
 
 // The registry's bucket lives in memory on the NATS server: a restarted
 // server has none. Announcers recreate it and announce again, and watchers
 // watch it again, so discovery recovers without restarting the workers.
 func TestRegistryRecoversAfterServerRestart(t *testing.T) {
-	noLeaks(t)
-	opts := transfertest.Options(t.TempDir())
-	srv, err := transfertest.Start(opts)
+	leakcheck.Check(t)
+	opts := natstest.Options(t.TempDir())
+	srv, err := natstest.Start(opts)
 	require.NoError(t, err)
 	opts.Port = srv.Addr().(*net.TCPAddr).Port
 	t.Cleanup(func() { srv.Shutdown(); srv.WaitForShutdown() })
@@ -30,11 +31,11 @@ func TestRegistryRecoversAfterServerRestart(t *testing.T) {
 	var logs syncBuffer // the worker's logger carries its role and instance
 	cfg := RegistryConfig{Namespace: "t1", TTL: 2 * time.Second, Heartbeat: 200 * time.Millisecond,
 		Logger: slog.New(slog.NewJSONHandler(&logs, nil)).With("role", "decode", "instance", "d1")}
-	watcher, err := OpenRegistry(ctx, transfertest.Connect(t, srv, reconnect...), cfg)
+	watcher, err := OpenRegistry(ctx, natstest.Connect(t, srv, reconnect...), cfg)
 	require.NoError(t, err)
 	defer watcher.Close(ctx)
 	require.NoError(t, watcher.Watch(ctx, RolePrefill))
-	live, err := OpenRegistry(ctx, transfertest.Connect(t, srv, reconnect...), cfg)
+	live, err := OpenRegistry(ctx, natstest.Connect(t, srv, reconnect...), cfg)
 	require.NoError(t, err)
 	defer live.Close(ctx)
 	require.NoError(t, live.Announce(ctx, func() Instance { return Instance{ID: "p1", Role: RolePrefill, Fingerprint: "fp"} }))
@@ -44,23 +45,23 @@ func TestRegistryRecoversAfterServerRestart(t *testing.T) {
 		}
 		return nil
 	}
-	transfertest.CheckFor(t, 5*time.Second, 10*time.Millisecond, seen)
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, seen)
 
 	// Restart: same port, empty memory store.
 	srv.Shutdown()
 	srv.WaitForShutdown()
 	opts.StoreDir = t.TempDir()
-	srv, err = transfertest.Start(opts)
+	srv, err = natstest.Start(opts)
 	require.NoError(t, err)
 	time.Sleep(cfg.TTL) // the entry seen before the restart is now too old to count
-	transfertest.CheckFor(t, 10*time.Second, 10*time.Millisecond, seen)
+	natstest.CheckFor(t, 10*time.Second, 10*time.Millisecond, seen)
 
 	// And the watch follows the new bucket: an instance announced now is seen.
-	late, err := OpenRegistry(ctx, transfertest.Connect(t, srv, reconnect...), cfg)
+	late, err := OpenRegistry(ctx, natstest.Connect(t, srv, reconnect...), cfg)
 	require.NoError(t, err)
 	defer late.Close(ctx)
 	require.NoError(t, late.Announce(ctx, func() Instance { return Instance{ID: "p2", Role: RolePrefill, Fingerprint: "fp"} }))
-	transfertest.CheckFor(t, 10*time.Second, 10*time.Millisecond, func() error {
+	natstest.CheckFor(t, 10*time.Second, 10*time.Millisecond, func() error {
 		if n := len(watcher.Instances(RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d instances", n)
 		}
