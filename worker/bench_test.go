@@ -30,7 +30,7 @@ func BenchmarkEngineGenerate(b *testing.B) {
 	for done := 0; done < b.N; {
 		var streams []*Stream
 		for range 8 {
-			s, err := e.Generate(context.Background(), GenerateRequest{Prompt: prompt, MaxTokens: perRequest, Temperature: 0.5, Seed: uint64(done)})
+			s, err := e.Generate(context.Background(), GenerateRequest{Prompt: prompt, MaxTokens: perRequest, Sampling: Sampling{Temperature: 0.5, Seed: uint64(done)}})
 			require.NoError(b, err)
 			streams = append(streams, s)
 		}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"slices"
 	"sync"
 	"time"
 
@@ -31,16 +32,18 @@ type FetchRequest struct {
 	ID          uint64 // engine-local request id, never 0
 	LogID       string // the request id used in logs
 	Rank        int
-	Prompt      []int32
-	Temperature float64
-	Seed        uint64
-	Row         mambacache.Row
-	Runs        []kvcache.Run // KV runs covering exactly len(Prompt) tokens
+	Prompt []int32
+	// Sampling picks the first token (and asks for its logprobs).
+	Sampling
+	Row  mambacache.Row
+	Runs []kvcache.Run // KV runs covering exactly len(Prompt) tokens
 }
 
 // FetchResult is what a successful Fetch reports.
 type FetchResult struct {
 	First      int32         // the first generated token, sampled at step 0
+	// FirstLogprobs are the first token's logprobs, when asked for.
+	FirstLogprobs *model.Logprobs
 	Compute    time.Duration // prefill compute on the remote worker
 	Transfer   time.Duration // data-plane write and commit, as measured by the writer
 	KVBytes    int64
@@ -57,41 +60,35 @@ type Timing struct {
 	Total      time.Duration // accepted until done
 }
 
-// Event is one item of a Stream: a token, or the final event (Done).
-type Event struct {
-	Token  int32
-	Done   bool
-	Err    error  // set on a failed final event
-	Finish string // on a successful final event: "stop" (EOS sampled) or "length"
-	Timing Timing // set on the final event
+// Sampling is how a request picks its tokens.
+type Sampling struct {
+	Temperature float64
+	// TopP restricts sampling to the nucleus (model.SampleTopP); 0 or 1
+	// means no restriction.
+	TopP float64
+	Seed uint64
+	// Logprobs asks for each token's logprobs (Event.Logprobs) with
+	// TopLogprobs alternatives (0..model.MaxTopLogprobs).
+	Logprobs    bool
+	TopLogprobs int
 }
-
-// Stream delivers a request's tokens, then exactly one final event. The
-// channel is buffered for the whole request, so the engine never waits for a
-// slow reader; a reader that leaves must cancel the request's context.
-type Stream struct {
-	ID     uint64
-	events <-chan Event
-}
-
-// Events returns the stream's channel.
-func (s *Stream) Events() <-chan Event { return s.events }
 
 // GenerateRequest is a decode request, already tokenized.
 type GenerateRequest struct {
-	Prompt      []int32
-	MaxTokens   int
-	Temperature float64
-	Seed        uint64
-	LogID       string
+	Prompt    []int32
+	MaxTokens int
+	Sampling
+	// Stop ends the generation at the first of these texts (finish
+	// "stop"); the matched text is not emitted.
+	Stop  []string
+	LogID string
 }
 
 // PrefillJob is a prefill request, already tokenized.
 type PrefillJob struct {
-	Prompt      []int32
-	Temperature float64
-	Seed        uint64
-	LogID       string
+	Prompt []int32
+	Sampling
+	LogID string
 }
 
 // Lease is a prefilled cache held on a rank until Release. The holder reads
@@ -104,7 +101,9 @@ type Lease struct {
 	Runs    []kvcache.Run
 	Tokens  int   // prompt tokens the runs hold
 	First   int32 // first token, sampled at step 0
-	Compute time.Duration
+	// FirstLogprobs are the first token's logprobs, when the job asked.
+	FirstLogprobs *model.Logprobs
+	Compute       time.Duration
 
 	e    *Engine
 	q    *request
@@ -190,12 +189,11 @@ type request struct {
 	logID       string
 	log         *slog.Logger
 	ctx         context.Context
-	cancel      context.CancelFunc
+	cancel      context.CancelCauseFunc
 	stopAfter   func() bool
 	prompt      []int32
 	maxTokens   int
-	temp        float64
-	seed        uint64
+	smp         Sampling
 	prefillOnly bool
 	promise     int
 
@@ -205,11 +203,14 @@ type request struct {
 	pos       int
 	last      int32
 	generated int
+	tokens    int // generated tokens other than EOS
 	stepErr   error
 	finished  bool
 	reason    string
 
-	out      chan Event       // decode role
+	out      *Stream          // decode role
+	stop     stopper          // decode role
+	emit     []Event          // scratch for stop
 	lease    chan leaseResult // prefill role, capacity 1
 	leaseOut bool
 
@@ -217,10 +218,11 @@ type request struct {
 	timing                      Timing
 }
 
-// accept takes the token sampled at step q.generated and reports whether
-// the request is complete: EOS ends it without being emitted, reaching
-// maxTokens ends it after the token.
-func (q *request) accept(tok int32) bool {
+// accept takes the token sampled at step q.generated (with its logprobs
+// when asked for) and reports whether the request is complete: EOS ends it
+// without being emitted, a stop sequence ends it without emitting the match,
+// reaching maxTokens ends it after the token.
+func (q *request) accept(tok int32, lp *model.Logprobs) bool {
 	if q.generated == 0 {
 		q.firstAt = time.Now()
 		q.timing.FirstToken = q.firstAt.Sub(q.accepted)
@@ -231,12 +233,33 @@ func (q *request) accept(tok int32) bool {
 		q.reason = "stop"
 		return true
 	}
-	q.out <- Event{Token: tok}
+	q.tokens++
+	var match bool
+	q.emit, match = q.stop.push(Event{Token: tok, Text: model.TokenText(tok), Logprobs: lp}, q.emit[:0])
+	for _, ev := range q.emit {
+		q.out.push(ev)
+	}
+	clear(q.emit)
+	if match {
+		q.reason = "stop"
+		return true
+	}
 	if q.generated >= q.maxTokens {
 		q.reason = "length"
 		return true
 	}
 	return false
+}
+
+// sample picks the token at step q.generated from logits, with its
+// logprobs when the request asked for them.
+func (q *request) sample(logits []float32) (int32, *model.Logprobs) {
+	tok := model.SampleTopP(logits, q.smp.Temperature, q.smp.TopP, q.smp.Seed, q.generated)
+	if !q.smp.Logprobs {
+		return tok, nil
+	}
+	lp := model.ComputeLogprobs(logits, tok, q.smp.TopLogprobs)
+	return tok, &lp
 }
 
 // Engine runs a worker's attention-DP ranks in lockstep. Generate (decode)
@@ -314,17 +337,27 @@ func (e *Engine) Generate(ctx context.Context, g GenerateRequest) (*Stream, erro
 	if e.cfg.Role != RoleDecode {
 		return nil, ErrWrongRole
 	}
-	if err := e.check(g.Prompt, g.MaxTokens, g.Temperature); err != nil {
+	if err := e.check(g.Prompt, g.MaxTokens, g.Sampling); err != nil {
 		e.m.Requests.WithLabelValues(string(e.cfg.Role), ResultInvalid).Inc()
 		return nil, err
 	}
+	for _, st := range g.Stop {
+		if st == "" {
+			e.m.Requests.WithLabelValues(string(e.cfg.Role), ResultInvalid).Inc()
+			return nil, fmt.Errorf("%w: empty stop sequence", ErrInvalidRequest)
+		}
+	}
 	need := len(g.Prompt) + g.MaxTokens
-	q := e.newRequest(ctx, g.LogID, g.Prompt, g.MaxTokens, g.Temperature, g.Seed, need)
-	q.out = make(chan Event, g.MaxTokens+1)
+	q := e.newRequest(ctx, g.LogID, g.Prompt, g.MaxTokens, g.Sampling, need)
+	// Nothing here is sized by MaxTokens: the stream grows with the tokens
+	// generated, once the request was admitted.
+	q.out = newStream()
+	q.stop.stops = g.Stop
 	if err := e.enqueue(q); err != nil {
 		return nil, err
 	}
-	return &Stream{ID: q.id, events: q.out}, nil
+	q.out.ID = q.id
+	return q.out, nil
 }
 
 // Prefill queues a prefill job and waits until it ran: the returned lease
@@ -350,11 +383,11 @@ func (e *Engine) SubmitPrefill(ctx context.Context, j PrefillJob) (*PendingPrefi
 	if e.cfg.Role != RolePrefill {
 		return nil, ErrWrongRole
 	}
-	if err := e.check(j.Prompt, 1, j.Temperature); err != nil {
+	if err := e.check(j.Prompt, 1, j.Sampling); err != nil {
 		e.m.Requests.WithLabelValues(string(e.cfg.Role), ResultInvalid).Inc()
 		return nil, err
 	}
-	q := e.newRequest(ctx, j.LogID, j.Prompt, 1, j.Temperature, j.Seed, len(j.Prompt))
+	q := e.newRequest(ctx, j.LogID, j.Prompt, 1, j.Sampling, len(j.Prompt))
 	q.prefillOnly = true
 	q.lease = make(chan leaseResult, 1)
 	if err := e.enqueue(q); err != nil {
@@ -381,7 +414,8 @@ func (p *PendingPrefill) Wait(ctx context.Context) (*Lease, error) {
 // (Release that instead).
 func (p *PendingPrefill) Abandon() { p.e.post(inboxEvent{kind: evAbandon, q: p.q}) }
 
-func (e *Engine) check(prompt []int32, maxTokens int, temp float64) error {
+func (e *Engine) check(prompt []int32, maxTokens int, smp Sampling) error {
+	temp := smp.Temperature
 	switch {
 	case len(prompt) == 0:
 		return fmt.Errorf("%w: empty prompt", ErrInvalidRequest)
@@ -389,6 +423,10 @@ func (e *Engine) check(prompt []int32, maxTokens int, temp float64) error {
 		return fmt.Errorf("%w: max tokens %d", ErrInvalidRequest, maxTokens)
 	case temp < 0 || math.IsNaN(temp) || math.IsInf(temp, 0):
 		return fmt.Errorf("%w: temperature %v", ErrInvalidRequest, temp)
+	case !(smp.TopP >= 0 && smp.TopP <= 1):
+		return fmt.Errorf("%w: top_p %v", ErrInvalidRequest, smp.TopP)
+	case smp.TopLogprobs < 0 || smp.TopLogprobs > model.MaxTopLogprobs:
+		return fmt.Errorf("%w: top logprobs %d", ErrInvalidRequest, smp.TopLogprobs)
 	case len(prompt)+maxTokens > e.maxContext:
 		return fmt.Errorf("%w: %d prompt + %d new tokens > %d", ErrTooLong, len(prompt), maxTokens, e.maxContext)
 	}
@@ -396,11 +434,11 @@ func (e *Engine) check(prompt []int32, maxTokens int, temp float64) error {
 }
 
 func (e *Engine) newRequest(ctx context.Context, logID string, prompt []int32, maxTokens int,
-	temp float64, seed uint64, tokens int) *request {
-	rctx, cancel := context.WithCancel(ctx)
+	smp Sampling, tokens int) *request {
+	rctx, cancel := context.WithCancelCause(ctx)
 	return &request{
 		logID: logID, ctx: rctx, cancel: cancel,
-		prompt: prompt, maxTokens: maxTokens, temp: temp, seed: seed,
+		prompt: prompt, maxTokens: maxTokens, smp: smp,
 		promise:  ranksBlocksFor(e.ranks[0], tokens),
 		accepted: time.Now(),
 	}
@@ -421,7 +459,7 @@ func (e *Engine) enqueue(q *request) error {
 	}
 	if err != nil {
 		e.mu.Unlock()
-		q.cancel()
+		q.cancel(err)
 		e.m.Requests.WithLabelValues(string(e.cfg.Role), ResultRejected).Inc()
 		return err
 	}
@@ -593,7 +631,7 @@ func (e *Engine) unqueue(q *request) bool {
 	defer e.mu.Unlock()
 	for i, x := range e.queue {
 		if x == q {
-			e.queue = append(e.queue[:i], e.queue[i+1:]...)
+			e.queue = slices.Delete(e.queue, i, i+1) // clears the vacated slot
 			return true
 		}
 	}
@@ -618,7 +656,10 @@ func (e *Engine) admit() {
 			e.mu.Unlock()
 			return
 		}
-		e.queue = e.queue[1:]
+		// Shift rather than reslice: a resliced array would keep every
+		// admitted request (and its stream) reachable until it is
+		// reallocated.
+		e.queue = slices.Delete(e.queue, 0, 1)
 		e.mu.Unlock()
 		e.place(q, e.ranks[idx])
 	}
@@ -650,7 +691,7 @@ func (e *Engine) place(q *request, r *Rank) {
 	q.log.Debug("request admitted, awaiting cache", "row", res.Row, "runs", len(res.Runs))
 	f := FetchRequest{
 		ID: q.id, LogID: q.logID, Rank: r.index, Prompt: q.prompt,
-		Temperature: q.temp, Seed: q.seed, Row: res.Row,
+		Sampling: q.smp, Row: res.Row,
 		Runs: append([]kvcache.Run(nil), res.Runs...),
 	}
 	src := e.cfg.Source
@@ -666,6 +707,11 @@ func (e *Engine) fetched(q *request, res FetchResult, err error) {
 	e.m.TransferDuration.WithLabelValues(role).Observe(time.Since(q.admitted).Seconds())
 	e.m.Transfers.WithLabelValues(role, TransferResult(err)).Inc()
 	if err != nil {
+		if cause := context.Cause(q.ctx); cause != nil && !errors.Is(err, cause) {
+			// Ended by its context: say why (ErrClosed at shutdown, so
+			// the request fails as every other phase does then).
+			err = fmt.Errorf("%w: %w", cause, err)
+		}
 		e.finish(q, fmt.Errorf("worker: fetch cache: %w", err))
 		return
 	}
@@ -675,7 +721,7 @@ func (e *Engine) fetched(q *request, res FetchResult, err error) {
 	q.timing.Transfer = res.Transfer
 	q.timing.Handoff = time.Since(q.admitted)
 	q.pos = len(q.prompt)
-	if q.accept(res.First) {
+	if q.accept(res.First, res.FirstLogprobs) {
 		e.finish(q, nil)
 		return
 	}
@@ -769,7 +815,7 @@ func (e *Engine) prefillStep(r *Rank, q *request) {
 		q.stepErr = err
 		return
 	}
-	tok := model.Sample(logits, q.temp, q.seed, 0)
+	tok, lp := q.sample(logits)
 	q.timing.Prefill = time.Since(start)
 	q.pos = len(q.prompt)
 	if q.prefillOnly {
@@ -785,11 +831,11 @@ func (e *Engine) prefillStep(r *Rank, q *request) {
 		q.leaseOut = true
 		q.lease <- leaseResult{lease: &Lease{
 			Rank: r.index, ID: q.id, Row: c.Row, Runs: runs, Tokens: len(q.prompt),
-			First: tok, Compute: q.timing.Prefill, e: e, q: q,
+			First: tok, FirstLogprobs: lp, Compute: q.timing.Prefill, e: e, q: q,
 		}}
 		return
 	}
-	if q.accept(tok) {
+	if q.accept(tok, lp) {
 		q.finished = true
 		return
 	}
@@ -812,9 +858,9 @@ func (e *Engine) decodeStep(r *Rank, q *request) {
 		q.stepErr = err
 		return
 	}
-	tok := model.Sample(logits, q.temp, q.seed, q.generated)
+	tok, lp := q.sample(logits)
 	q.pos++
-	q.finished = q.accept(tok)
+	q.finished = q.accept(tok, lp)
 }
 
 // collect ends the requests the iteration finished or failed.
@@ -849,7 +895,7 @@ func (e *Engine) finish(q *request, err error) {
 		r.promised -= q.promise
 		for i, x := range r.held {
 			if x == q {
-				r.held = append(r.held[:i], r.held[i+1:]...)
+				r.held = slices.Delete(r.held, i, i+1) // clears the vacated slot
 				break
 			}
 		}
@@ -858,11 +904,14 @@ func (e *Engine) finish(q *request, err error) {
 	if q.stopAfter != nil {
 		q.stopAfter()
 	}
-	q.cancel()
+	q.cancel(nil)
 	q.timing.Total = time.Since(q.accepted)
 	result := ResultOK
 	switch {
 	case err == nil:
+	case errors.Is(err, ErrClosed):
+		// Shutdown fails every phase alike, whatever else err wraps.
+		result = ResultFailed
 	case errors.Is(err, context.Canceled):
 		result = ResultCancelled
 	default:
@@ -870,11 +919,14 @@ func (e *Engine) finish(q *request, err error) {
 	}
 	e.m.Requests.WithLabelValues(string(e.cfg.Role), result).Inc()
 	if q.out != nil {
-		ev := Event{Done: true, Err: err, Timing: q.timing}
+		ev := Event{Done: true, Err: err, Timing: q.timing, Tokens: q.tokens}
 		if err == nil {
 			ev.Finish = q.reason
+			for _, h := range q.stop.flush(q.emit[:0]) {
+				q.out.push(h)
+			}
 		}
-		q.out <- ev
+		q.out.push(ev)
 	}
 	if q.lease != nil && !q.leaseOut {
 		q.leaseOut = true
@@ -943,7 +995,9 @@ func (e *Engine) shutdown() {
 		case PhaseContext, PhaseGenerate:
 			e.finish(q, ErrClosed)
 		case PhaseAwaitCache:
-			q.cancel()
+			// The fetch ends with its context; it then fails with
+			// ErrClosed, like every other phase.
+			q.cancel(ErrClosed)
 		}
 	}
 	timer := time.NewTimer(e.cfg.ReleaseGrace)

@@ -76,17 +76,15 @@ func newEngine(t testing.TB, cfg Config, ranks []*Rank) *Engine {
 func drainStream(t testing.TB, s *Stream) ([]int32, Event) {
 	t.Helper()
 	var toks []int32
-	timeout := time.After(20 * time.Second)
 	for {
-		select {
-		case ev := <-s.Events():
-			if ev.Done {
-				return toks, ev
-			}
-			toks = append(toks, ev.Token)
-		case <-timeout:
-			t.Fatal("stream did not end")
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		ev, err := s.Next(ctx)
+		cancel()
+		require.NoError(t, err, "stream did not end")
+		if ev.Done {
+			return toks, ev
 		}
+		toks = append(toks, ev.Token)
 	}
 }
 
@@ -150,7 +148,7 @@ func TestEngineLocalMatchesReference(t *testing.T) {
 		for _, temp := range []float64{0, 0.8} {
 			j := &job{prompt: model.Encode(p), temp: temp, seed: uint64(i + 7)}
 			s, err := e.Generate(context.Background(), GenerateRequest{
-				Prompt: j.prompt, MaxTokens: 8, Temperature: j.temp, Seed: j.seed,
+				Prompt: j.prompt, MaxTokens: 8, Sampling: Sampling{Temperature: j.temp, Seed: j.seed},
 			})
 			require.NoError(t, err)
 			j.stream = s
@@ -175,7 +173,7 @@ func TestEngineDeterministic(t *testing.T) {
 		go func() { _ = e.Run(ctx) }()
 		var out [][]int32
 		for i, p := range testPrompts {
-			s, err := e.Generate(ctx, GenerateRequest{Prompt: model.Encode(p), MaxTokens: 6, Temperature: 0.7, Seed: uint64(i)})
+			s, err := e.Generate(ctx, GenerateRequest{Prompt: model.Encode(p), MaxTokens: 6, Sampling: Sampling{Temperature: 0.7, Seed: uint64(i)}})
 			require.NoError(t, err)
 			toks, ev := drainStream(t, s)
 			require.NoError(t, ev.Err)
@@ -199,7 +197,7 @@ func TestEngineValidation(t *testing.T) {
 		{"empty prompt", GenerateRequest{MaxTokens: 1}, ErrInvalidRequest},
 		{"zero max tokens", GenerateRequest{Prompt: []int32{1}}, ErrInvalidRequest},
 		{"negative max tokens", GenerateRequest{Prompt: []int32{1}, MaxTokens: -3}, ErrInvalidRequest},
-		{"negative temperature", GenerateRequest{Prompt: []int32{1}, MaxTokens: 1, Temperature: -1}, ErrInvalidRequest},
+		{"negative temperature", GenerateRequest{Prompt: []int32{1}, MaxTokens: 1, Sampling: Sampling{Temperature: -1}}, ErrInvalidRequest},
 		{"too long", GenerateRequest{Prompt: make([]int32, max), MaxTokens: 1}, ErrTooLong},
 	}
 	for _, tt := range tests {
@@ -242,7 +240,7 @@ func (g *gateSource) Fetch(ctx context.Context, f FetchRequest) (FetchResult, er
 
 // loopbackFetch prefills f on pre and copies the cache into f's destination.
 func loopbackFetch(ctx context.Context, pre *Engine, dst []*Rank, f FetchRequest) (FetchResult, error) {
-	l, err := pre.Prefill(ctx, PrefillJob{Prompt: f.Prompt, Temperature: f.Temperature, Seed: f.Seed, LogID: f.LogID})
+	l, err := pre.Prefill(ctx, PrefillJob{Prompt: f.Prompt, Sampling: f.Sampling, LogID: f.LogID})
 	if err != nil {
 		return FetchResult{}, err
 	}
@@ -266,7 +264,7 @@ func loopbackFetch(ctx context.Context, pre *Engine, dst []*Rank, f FetchRequest
 	}
 	sx, dx := src.mCfg.RowExtent(l.Row), d.mCfg.RowExtent(f.Row)
 	copy(d.mambaArena[dx.Offset:dx.Offset+dx.Length], src.mambaArena[sx.Offset:sx.Offset+sx.Length])
-	return FetchResult{First: l.First, Compute: l.Compute, KVBytes: kvBytes, MambaBytes: dx.Length}, nil
+	return FetchResult{First: l.First, FirstLogprobs: l.FirstLogprobs, Compute: l.Compute, KVBytes: kvBytes, MambaBytes: dx.Length}, nil
 }
 
 func TestEngineRemoteMatchesLocal(t *testing.T) {
@@ -275,7 +273,7 @@ func TestEngineRemoteMatchesLocal(t *testing.T) {
 	dec := newEngine(t, Config{AttentionDP: true, Source: &gateSource{pre: pre, dst: dranks}}, dranks)
 	var streams []*Stream
 	for i, p := range testPrompts {
-		s, err := dec.Generate(context.Background(), GenerateRequest{Prompt: model.Encode(p), MaxTokens: 6, Temperature: float64(i%2) * 0.9, Seed: uint64(i)})
+		s, err := dec.Generate(context.Background(), GenerateRequest{Prompt: model.Encode(p), MaxTokens: 6, Sampling: Sampling{Temperature: float64(i%2) * 0.9, Seed: uint64(i)}})
 		require.NoError(t, err)
 		streams = append(streams, s)
 	}
@@ -482,7 +480,8 @@ func TestEngineCancel(t *testing.T) {
 	ctx3, cancel3 := context.WithCancel(context.Background())
 	s3, err := le.Generate(ctx3, GenerateRequest{Prompt: model.Encode("long"), MaxTokens: 500})
 	require.NoError(t, err)
-	<-s3.Events()
+	_, err = s3.Next(context.Background())
+	require.NoError(t, err)
 	cancel3()
 	_, ev = drainStream(t, s3)
 	require.ErrorIs(t, ev.Err, context.Canceled)

@@ -30,4 +30,6 @@ var (
 	ErrTransferRefused = errors.New("worker: transfer refused")
 	// ErrTransferTimeout wraps a transfer that ran past its deadline.
 	ErrTransferTimeout = errors.New("worker: transfer timed out")
+	// ErrStreamEnded is returned by Stream.Next after the final event.
+	ErrStreamEnded = errors.New("worker: stream ended")
 )

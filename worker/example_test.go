@@ -21,14 +21,19 @@ func ExampleEngine() {
 	done := make(chan error)
 	go func() { done <- e.Run(ctx) }()
 
-	s, err := e.Generate(ctx, worker.GenerateRequest{Prompt: model.Encode("Hello"), MaxTokens: 8, Temperature: 0})
+	s, err := e.Generate(ctx, worker.GenerateRequest{Prompt: model.Encode("Hello"), MaxTokens: 8})
 	if err != nil {
 		fmt.Println(err)
 		stop()
 		return
 	}
 	var toks []int32
-	for ev := range s.Events() {
+	for {
+		ev, err := s.Next(ctx)
+		if err != nil {
+			fmt.Println(err)
+			break
+		}
 		if ev.Done {
 			fmt.Println("finish:", ev.Finish, "err:", ev.Err)
 			break

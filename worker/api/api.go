@@ -1,7 +1,6 @@
 package api
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -10,7 +9,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	mrand "math/rand/v2"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
@@ -40,6 +39,10 @@ type Config struct {
 	Logger *slog.Logger
 	// Metrics counts refused requests (result "invalid"); may be nil.
 	Metrics *worker.Metrics
+	// WriteTimeout bounds each write of a response: a client that reads
+	// nothing for that long is cut off and its request cancelled. 0 means
+	// 30s; negative means no bound.
+	WriteTimeout time.Duration
 	// Now is the clock for "created"; nil means time.Now.
 	Now func() time.Time
 }
@@ -64,6 +67,9 @@ func New(cfg Config, gen Generator) http.Handler {
 	}
 	if cfg.Now == nil {
 		cfg.Now = time.Now
+	}
+	if cfg.WriteTimeout == 0 {
+		cfg.WriteTimeout = 30 * time.Second
 	}
 	base, _, _ := strings.Cut(cfg.Model, "?")
 	s := &server{cfg: cfg, gen: gen, log: cfg.Logger, base: base}
@@ -145,133 +151,12 @@ func methodNotAllowed(w http.ResponseWriter, r *http.Request, allow string) {
 		Code: "method_not_allowed"})
 }
 
-// completionRequest is the subset of OpenAI's completion request served.
-type completionRequest struct {
-	Model       string          `json:"model"`
-	Prompt      json.RawMessage `json:"prompt"`
-	MaxTokens   *int64          `json:"max_tokens"`
-	Temperature *float64        `json:"temperature"`
-	Seed        *json.Number    `json:"seed"`
-	Stream      bool            `json:"stream"`
-	N           *int            `json:"n"`
-}
-
-// parsed is a validated request.
-type parsed struct {
-	prompt    []int32
-	maxTokens int
-	temp      float64
-	seed      uint64
-	stream    bool
-}
-
-// parse validates a request body; the error is what the client gets.
-func (s *server) parse(body []byte) (parsed, int, *apiError) {
-	var req completionRequest
-	dec := json.NewDecoder(bytes.NewReader(body))
-	if err := dec.Decode(&req); err != nil {
-		return parsed{}, http.StatusBadRequest, &apiError{
-			Message: "We could not parse the JSON body of your request: " + err.Error(),
-			Type:    typeInvalid, Code: "invalid_json"}
-	}
-	if dec.More() {
-		return parsed{}, http.StatusBadRequest, &apiError{
-			Message: "The JSON body must be a single object.", Type: typeInvalid, Code: "invalid_json"}
-	}
-	if req.Model == "" {
-		return parsed{}, http.StatusBadRequest, &apiError{
-			Message: "You must provide a model parameter.", Type: typeInvalid, Param: param("model"), Code: "missing_required_parameter"}
-	}
-	if !s.serves(req.Model) {
-		return parsed{}, http.StatusNotFound, unknownModel(req.Model)
-	}
-	text, perr := promptText(req.Prompt)
-	if perr != nil {
-		return parsed{}, http.StatusBadRequest, perr
-	}
-	p := parsed{prompt: model.Encode(text), maxTokens: s.cfg.DefaultMaxTokens, temp: 1, stream: req.Stream}
-	if req.N != nil && *req.N != 1 {
-		return parsed{}, http.StatusBadRequest, &apiError{
-			Message: "Only n=1 is supported.", Type: typeInvalid, Param: param("n"), Code: "unsupported_value"}
-	}
-	maxCtx := s.gen.MaxContext()
-	if req.MaxTokens != nil {
-		if *req.MaxTokens < 1 {
-			return parsed{}, http.StatusBadRequest, &apiError{
-				Message: fmt.Sprintf("max_tokens must be at least 1, got %d.", *req.MaxTokens),
-				Type:    typeInvalid, Param: param("max_tokens"), Code: "invalid_value"}
-		}
-		if *req.MaxTokens > int64(maxCtx) {
-			return parsed{}, http.StatusBadRequest, contextExceeded(maxCtx, len(p.prompt), *req.MaxTokens, "max_tokens")
-		}
-		p.maxTokens = int(*req.MaxTokens)
-	}
-	if len(p.prompt) >= maxCtx {
-		return parsed{}, http.StatusBadRequest, contextExceeded(maxCtx, len(p.prompt), int64(p.maxTokens), "prompt")
-	}
-	if len(p.prompt)+p.maxTokens > maxCtx {
-		return parsed{}, http.StatusBadRequest, contextExceeded(maxCtx, len(p.prompt), int64(p.maxTokens), "max_tokens")
-	}
-	if req.Temperature != nil {
-		t := *req.Temperature
-		if !(t >= 0 && t <= 2) {
-			return parsed{}, http.StatusBadRequest, &apiError{
-				Message: fmt.Sprintf("temperature must be between 0 and 2, got %v.", t),
-				Type:    typeInvalid, Param: param("temperature"), Code: "invalid_value"}
-		}
-		p.temp = t
-	}
-	if req.Seed != nil {
-		seed, ok := parseSeed(*req.Seed)
-		if !ok {
-			return parsed{}, http.StatusBadRequest, &apiError{
-				Message: fmt.Sprintf("seed must be an integer in [-2^63, 2^64), got %s.", req.Seed.String()),
-				Type:    typeInvalid, Param: param("seed"), Code: "invalid_value"}
-		}
-		p.seed = seed
-	} else {
-		p.seed = mrand.Uint64()
-	}
-	return p, 0, nil
-}
-
-// parseSeed accepts any 64-bit integer, signed or not.
-func parseSeed(n json.Number) (uint64, bool) {
-	if v, err := strconv.ParseInt(n.String(), 10, 64); err == nil {
-		return uint64(v), true
-	}
-	v, err := strconv.ParseUint(n.String(), 10, 64)
-	return v, err == nil
-}
-
 func contextExceeded(maxCtx, prompt int, maxTokens int64, which string) *apiError {
 	return &apiError{
 		Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens "+
 			"(%d in your prompt; %d for the completion). Please reduce your prompt or completion length.",
 			maxCtx, int64(prompt)+maxTokens, prompt, maxTokens),
 		Type: typeInvalid, Param: param(which), Code: "context_length_exceeded"}
-}
-
-// promptText accepts a string or an array of exactly one string.
-func promptText(raw json.RawMessage) (string, *apiError) {
-	missing := &apiError{Message: "You must provide a non-empty prompt.", Type: typeInvalid,
-		Param: param("prompt"), Code: "missing_required_parameter"}
-	if len(raw) == 0 || string(raw) == "null" {
-		return "", missing
-	}
-	var text string
-	if err := json.Unmarshal(raw, &text); err != nil {
-		var list []string
-		if err := json.Unmarshal(raw, &list); err != nil || len(list) != 1 {
-			return "", &apiError{Message: "prompt must be a string or an array of one string.",
-				Type: typeInvalid, Param: param("prompt"), Code: "invalid_type"}
-		}
-		text = list[0]
-	}
-	if text == "" {
-		return "", missing
-	}
-	return text, nil
 }
 
 // requestID returns the client's X-Request-Id when it is short and plain,
@@ -294,25 +179,20 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 		methodNotAllowed(w, r, http.MethodPost)
 		return
 	}
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes))
-	if err != nil {
-		var tooBig *http.MaxBytesError
-		if errors.As(err, &tooBig) {
-			s.refuse(w, log, http.StatusRequestEntityTooLarge, &apiError{
-				Message: fmt.Sprintf("request body larger than %d bytes", s.cfg.MaxBodyBytes), Type: typeInvalid,
-				Code: "request_too_large"})
-			return
-		}
-		s.refuse(w, log, http.StatusBadRequest, &apiError{Message: "reading body: " + err.Error(), Type: typeInvalid})
+	body, ok := s.readBody(w, r, log)
+	if !ok {
 		return
 	}
-	p, status, perr := s.parse(body)
+	c, status, perr := s.parseCompletion(body)
 	if perr != nil {
 		s.refuse(w, log, status, perr)
 		return
 	}
+	if c.user != "" {
+		log = log.With("user", c.user)
+	}
 	stream, err := s.gen.Generate(r.Context(), worker.GenerateRequest{
-		Prompt: p.prompt, MaxTokens: p.maxTokens, Temperature: p.temp, Seed: p.seed, LogID: id,
+		Prompt: c.prompt, MaxTokens: c.maxTokens, Sampling: c.smp, Stop: c.stop, LogID: id,
 	})
 	if err != nil {
 		status, e := engineError(err)
@@ -320,35 +200,154 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 		writeError(w, status, e)
 		return
 	}
+	out := &writer{w: w, rc: http.NewResponseController(w), idle: s.cfg.WriteTimeout}
+	defer out.done()
 	created := s.cfg.Now().Unix()
-	if p.stream {
-		s.streamOut(w, r, log, id, created, len(p.prompt), stream)
+	if c.stream {
+		s.streamCompletion(r, out, log, id, created, c, stream)
 		return
 	}
-	var toks []int32
-	for ev := range stream.Events() {
+	var text strings.Builder
+	var lp *logprobs
+	if c.echo {
+		text.WriteString(c.promptText)
+	}
+	if c.logprobs >= 0 {
+		lp = &logprobs{TextOffset: []int{}, Tokens: []string{}, TokenLogprobs: []float32{}}
+	}
+	for {
+		ev, err := stream.Next(r.Context())
+		if err != nil {
+			return // the client left; nothing to answer
+		}
 		if !ev.Done {
-			toks = append(toks, ev.Token)
+			lp.add(ev, text.Len(), c.logprobs)
+			text.WriteString(ev.Text)
 			continue
 		}
 		if ev.Err != nil {
-			if r.Context().Err() != nil {
-				return // the client left; nothing to answer
-			}
 			status, e := engineError(ev.Err)
-			writeError(w, status, e)
+			out.json(status, map[string]*apiError{"error": e})
 			return
 		}
 		setTiming(w.Header(), ev.Timing)
-		writeJSON(w, http.StatusOK, map[string]any{
+		var lpOut any
+		if lp != nil {
+			lpOut = lp
+		}
+		out.json(http.StatusOK, map[string]any{
 			"id": id, "object": "text_completion", "created": created, "model": s.cfg.Model,
 			"choices": []any{map[string]any{
-				"text": model.Decode(toks), "index": 0, "logprobs": nil, "finish_reason": ev.Finish,
+				"text": text.String(), "index": 0, "logprobs": lpOut, "finish_reason": ev.Finish,
 			}},
-			"usage": usage(len(p.prompt), len(toks)),
+			"usage": usage(len(c.prompt), ev.Tokens),
 		})
 		return
 	}
+}
+
+// readBody reads a bounded body; it answers the client itself when it fails.
+func (s *server) readBody(w http.ResponseWriter, r *http.Request, log *slog.Logger) ([]byte, bool) {
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes))
+	if err != nil {
+		var tooBig *http.MaxBytesError
+		if errors.As(err, &tooBig) {
+			s.refuse(w, log, http.StatusRequestEntityTooLarge, &apiError{
+				Message: fmt.Sprintf("request body larger than %d bytes", s.cfg.MaxBodyBytes), Type: typeInvalid,
+				Code: "request_too_large"})
+			return nil, false
+		}
+		s.refuse(w, log, http.StatusBadRequest, &apiError{Message: "reading body: " + err.Error(), Type: typeInvalid})
+		return nil, false
+	}
+	return body, true
+}
+
+// logprobs is a completion choice's logprobs object (OpenAI's legacy
+// format): per token its label, log probability, the top alternatives and
+// its byte offset in the choice's text.
+type logprobs struct {
+	TextOffset    []int                `json:"text_offset"`
+	TokenLogprobs []float32            `json:"token_logprobs"`
+	Tokens        []string             `json:"tokens"`
+	TopLogprobs   []map[string]float32 `json:"top_logprobs"`
+}
+
+// add appends ev's token at byte offset off; nil-safe.
+func (l *logprobs) add(ev worker.Event, off, top int) {
+	if l == nil || ev.Logprobs == nil {
+		return
+	}
+	l.TextOffset = append(l.TextOffset, off)
+	l.Tokens = append(l.Tokens, model.TokenLabel(ev.Token))
+	l.TokenLogprobs = append(l.TokenLogprobs, finite(ev.Logprobs.Chosen.Logprob))
+	if top > 0 {
+		m := make(map[string]float32, len(ev.Logprobs.Top))
+		for _, t := range ev.Logprobs.Top {
+			m[model.TokenLabel(t.Token)] = finite(t.Logprob)
+		}
+		l.TopLogprobs = append(l.TopLogprobs, m)
+	}
+}
+
+// finite maps -Inf (a token of probability 0) to the most negative float32:
+// JSON has no infinities.
+func finite(v float32) float32 {
+	if math.IsInf(float64(v), -1) {
+		return -math.MaxFloat32
+	}
+	return v
+}
+
+// writer writes a response under an idle write deadline: each write must
+// complete within idle, so a client that stops reading is cut off (the
+// request is then cancelled with its connection) instead of holding the
+// handler, its stream and its goroutine forever.
+type writer struct {
+	w    http.ResponseWriter
+	rc   *http.ResponseController
+	idle time.Duration
+	err  error
+}
+
+func (o *writer) arm() {
+	if o.idle > 0 {
+		_ = o.rc.SetWriteDeadline(time.Now().Add(o.idle))
+	}
+}
+
+// done clears the deadline for the connection's next request.
+func (o *writer) done() {
+	if o.idle > 0 && o.err == nil {
+		_ = o.rc.SetWriteDeadline(time.Time{})
+	}
+}
+
+func (o *writer) json(status int, v any) {
+	o.arm()
+	writeJSON(o.w, status, v)
+	o.err = o.rc.Flush()
+}
+
+// event writes one server-sent event and flushes it; false once a write failed.
+func (o *writer) event(data []byte) bool {
+	if o.err != nil {
+		return false
+	}
+	o.arm()
+	if _, o.err = fmt.Fprintf(o.w, "data: %s\n\n", data); o.err == nil {
+		o.err = o.rc.Flush()
+	}
+	return o.err == nil
+}
+
+func (o *writer) send(v any) bool {
+	b, err := json.Marshal(v)
+	if err != nil {
+		o.err = err
+		return false
+	}
+	return o.event(b)
 }
 
 func usage(prompt, completion int) map[string]int {
@@ -401,63 +400,94 @@ func engineError(err error) (int, *apiError) {
 	}
 }
 
-// streamOut writes the stream as server-sent events.
-func (s *server) streamOut(w http.ResponseWriter, r *http.Request, log *slog.Logger, id string, created int64,
-	promptTokens int, stream *worker.Stream) {
-	h := w.Header()
+// streamCompletion writes the stream as server-sent events.
+func (s *server) streamCompletion(r *http.Request, out *writer, log *slog.Logger, id string, created int64,
+	c completionReq, stream *worker.Stream) {
+	h := out.w.Header()
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("Cache-Control", "no-cache")
 	h.Set("X-Accel-Buffering", "no")
-	w.WriteHeader(http.StatusOK)
-	rc := http.NewResponseController(w)
-	_ = rc.Flush() // the client sees a live stream while the request waits for its first token
-	chunk := func(text string, finish any) map[string]any {
-		return map[string]any{
+	out.w.WriteHeader(http.StatusOK)
+	out.arm()
+	out.err = out.rc.Flush() // the client sees a live stream while the request waits for its first token
+	chunk := func(text string, lp *logprobs, finish any) map[string]any {
+		var lpOut any
+		if lp != nil {
+			lpOut = lp
+		}
+		m := map[string]any{
 			"id": id, "object": "text_completion", "created": created, "model": s.cfg.Model,
-			"choices": []any{map[string]any{"text": text, "index": 0, "logprobs": nil, "finish_reason": finish}},
+			"choices": []any{map[string]any{"text": text, "index": 0, "logprobs": lpOut, "finish_reason": finish}},
 		}
+		if c.includeUsage {
+			m["usage"] = nil
+		}
+		return m
 	}
-	send := func(v any) bool {
-		b, _ := json.Marshal(v)
-		if _, err := fmt.Fprintf(w, "data: %s\n\n", b); err != nil {
-			return false
+	newLP := func() *logprobs {
+		if c.logprobs < 0 {
+			return nil
 		}
-		return rc.Flush() == nil
+		return &logprobs{TextOffset: []int{}, Tokens: []string{}, TokenLogprobs: []float32{}}
+	}
+	offset := 0
+	if c.echo {
+		if !out.send(chunk(c.promptText, nil, nil)) {
+			log.Debug("stream write failed; the request is cancelled with the connection", "err", out.err)
+			return
+		}
+		offset = len(c.promptText)
 	}
 	var utf utf8Holder
-	n := 0
-	for ev := range stream.Events() {
+	lp := newLP()
+	for {
+		ev, err := stream.Next(r.Context())
+		if err != nil {
+			return // the client left; the request is cancelled with it
+		}
 		if !ev.Done {
-			n++
-			if text := utf.push(ev.Token); text != "" && !send(chunk(text, nil)) {
-				log.Debug("stream write failed; the request is cancelled with the connection")
+			lp.add(ev, offset, c.logprobs)
+			offset += len(ev.Text)
+			text := utf.push(ev.Text)
+			if text == "" {
+				continue // held: part of a character, sent with the rest of it
 			}
+			if !out.send(chunk(text, lp, nil)) {
+				log.Debug("stream write failed; the request is cancelled with the connection", "err", out.err)
+				return
+			}
+			lp = newLP()
 			continue
 		}
 		if ev.Err != nil {
 			if r.Context().Err() == nil {
 				_, e := engineError(ev.Err)
-				send(map[string]any{"error": e})
-				_, _ = io.WriteString(w, "data: [DONE]\n\n")
-				_ = rc.Flush()
+				out.send(map[string]any{"error": e})
+				out.event([]byte("[DONE]"))
 			}
 			return
 		}
-		final := chunk(utf.flush(), ev.Finish)
-		final["usage"] = usage(promptTokens, n)
-		send(final)
-		_, _ = io.WriteString(w, "data: [DONE]\n\n")
-		_ = rc.Flush()
+		final := chunk(utf.flush(), lp, ev.Finish)
+		u := usage(len(c.prompt), ev.Tokens)
+		final["usage"] = u
+		if !out.send(final) {
+			return
+		}
+		if c.includeUsage {
+			m := chunk("", nil, nil)
+			m["choices"], m["usage"] = []any{}, u
+			out.send(m)
+		}
+		out.event([]byte("[DONE]"))
 		return
 	}
 }
 
-// utf8Holder turns byte tokens into text chunks, holding back the bytes of a
-// character split across tokens.
+// utf8Holder turns token texts into text chunks, holding back the bytes of
+// a character split across tokens.
 type utf8Holder struct{ pending []byte }
 
-func (u *utf8Holder) push(tok int32) string {
-	b := model.Decode([]int32{tok})
+func (u *utf8Holder) push(b string) string {
 	if b == "" {
 		return ""
 	}

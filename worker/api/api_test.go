@@ -89,21 +89,46 @@ func TestBadInput(t *testing.T) {
 		{"missing prompt", `{"model":"tiny-hybrid"}`, 400, "prompt", "missing_required_parameter"},
 		{"empty prompt", `{"model":"tiny-hybrid","prompt":""}`, 400, "prompt", "missing_required_parameter"},
 		{"empty prompt list", `{"model":"tiny-hybrid","prompt":[""]}`, 400, "prompt", "missing_required_parameter"},
-		{"prompt of two strings", `{"model":"tiny-hybrid","prompt":["a","b"]}`, 400, "prompt", "invalid_type"},
+		{"prompt of two strings", `{"model":"tiny-hybrid","prompt":["a","b"]}`, 400, "prompt", "unsupported_value"},
+		{"prompt of two token lists", `{"model":"tiny-hybrid","prompt":[[1],[2]]}`, 400, "prompt", "unsupported_value"},
+		{"prompt token out of range", `{"model":"tiny-hybrid","prompt":[104,300]}`, 400, "prompt", "invalid_value"},
 		{"prompt a number", `{"model":"tiny-hybrid","prompt":7}`, 400, "prompt", "invalid_type"},
 		{"prompt too long for the pool", `{"model":"tiny-hybrid","prompt":"` + long + `"}`, 400, "prompt", "context_length_exceeded"},
 		{"max_tokens zero", `{"model":"tiny-hybrid","prompt":"hi","max_tokens":0}`, 400, "max_tokens", "invalid_value"},
 		{"max_tokens negative", `{"model":"tiny-hybrid","prompt":"hi","max_tokens":-5}`, 400, "max_tokens", "invalid_value"},
 		{"max_tokens huge", `{"model":"tiny-hybrid","prompt":"hi","max_tokens":1000000000000}`, 400, "max_tokens", "context_length_exceeded"},
-		{"max_tokens overflow", `{"model":"tiny-hybrid","prompt":"hi","max_tokens":1e30}`, 400, "", "invalid_json"},
+		{"max_tokens overflow", `{"model":"tiny-hybrid","prompt":"hi","max_tokens":1e30}`, 400, "max_tokens", "invalid_type"},
 		{"max_tokens over context with prompt", `{"model":"tiny-hybrid","prompt":"hello","max_tokens":125}`, 400, "max_tokens", "context_length_exceeded"},
-		{"max_tokens a string", `{"model":"tiny-hybrid","prompt":"hi","max_tokens":"5"}`, 400, "", "invalid_json"},
+		{"max_tokens a string", `{"model":"tiny-hybrid","prompt":"hi","max_tokens":"5"}`, 400, "max_tokens", "invalid_type"},
 		{"temperature negative", `{"model":"tiny-hybrid","prompt":"hi","temperature":-0.1}`, 400, "temperature", "invalid_value"},
 		{"temperature too high", `{"model":"tiny-hybrid","prompt":"hi","temperature":7}`, 400, "temperature", "invalid_value"},
 		{"seed a fraction", `{"model":"tiny-hybrid","prompt":"hi","seed":1.5}`, 400, "seed", "invalid_value"},
 		{"seed too big", `{"model":"tiny-hybrid","prompt":"hi","seed":18446744073709551616}`, 400, "seed", "invalid_value"},
-		{"seed not a number", `{"model":"tiny-hybrid","prompt":"hi","seed":"seven"}`, 400, "", "invalid_json"},
+		{"seed not a number", `{"model":"tiny-hybrid","prompt":"hi","seed":"seven"}`, 400, "seed", "invalid_type"},
 		{"n of two", `{"model":"tiny-hybrid","prompt":"hi","n":2}`, 400, "n", "unsupported_value"},
+		// Strict JSON (issue 19): exact key case, one object, nothing after it.
+		{"key in another case", `{"model":"tiny-hybrid","prompt":"hi","Max_Tokens":5}`, 400, "Max_Tokens", "unknown_parameter"},
+		{"model key in another case", `{"Model":"tiny-hybrid","prompt":"hi"}`, 400, "Model", "unknown_parameter"},
+		{"unknown key", `{"model":"tiny-hybrid","prompt":"hi","frobnicate":1}`, 400, "frobnicate", "unknown_parameter"},
+		{"duplicate key", `{"model":"tiny-hybrid","prompt":"hi","prompt":"ho"}`, 400, "", "invalid_json"},
+		{"trailing bytes", `{"model":"tiny-hybrid","prompt":"hi"} x`, 400, "", "invalid_json"},
+		{"trailing bracket", `{"model":"tiny-hybrid","prompt":"hi"}]`, 400, "", "invalid_json"},
+		{"trailing object", `{"model":"tiny-hybrid","prompt":"hi"}{"n":1}`, 400, "", "invalid_json"},
+		// OpenAI parameters not served are refused by name (issue 19).
+		{"best_of", `{"model":"tiny-hybrid","prompt":"hi","best_of":3}`, 400, "best_of", "unsupported_value"},
+		{"suffix", `{"model":"tiny-hybrid","prompt":"hi","suffix":"end"}`, 400, "suffix", "unsupported_value"},
+		{"presence_penalty", `{"model":"tiny-hybrid","prompt":"hi","presence_penalty":0.5}`, 400, "presence_penalty", "unsupported_value"},
+		{"frequency_penalty", `{"model":"tiny-hybrid","prompt":"hi","frequency_penalty":-1}`, 400, "frequency_penalty", "unsupported_value"},
+		{"logit_bias", `{"model":"tiny-hybrid","prompt":"hi","logit_bias":{"50256":-100}}`, 400, "logit_bias", "unsupported_value"},
+		{"logprobs with echo", `{"model":"tiny-hybrid","prompt":"hi","logprobs":1,"echo":true}`, 400, "logprobs", "unsupported_value"},
+		{"logprobs too many", `{"model":"tiny-hybrid","prompt":"hi","logprobs":6}`, 400, "logprobs", "invalid_value"},
+		{"top_p above 1", `{"model":"tiny-hybrid","prompt":"hi","top_p":1.5}`, 400, "top_p", "invalid_value"},
+		{"five stops", `{"model":"tiny-hybrid","prompt":"hi","stop":["a","b","c","d","e"]}`, 400, "stop", "invalid_value"},
+		{"empty stop", `{"model":"tiny-hybrid","prompt":"hi","stop":""}`, 400, "stop", "invalid_value"},
+		{"stop a number", `{"model":"tiny-hybrid","prompt":"hi","stop":7}`, 400, "stop", "invalid_type"},
+		{"stream_options without stream", `{"model":"tiny-hybrid","prompt":"hi","stream_options":{"include_usage":true}}`, 400, "stream_options", "invalid_value"},
+		{"stream_options key case", `{"model":"tiny-hybrid","prompt":"hi","stream":true,"stream_options":{"Include_Usage":true}}`, 400, "stream_options.Include_Usage", "unknown_parameter"},
+		{"echo a string", `{"model":"tiny-hybrid","prompt":"hi","echo":"yes"}`, 400, "echo", "invalid_type"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -242,6 +267,14 @@ func TestModels(t *testing.T) {
 	require.Equal(t, http.StatusNotFound, resp2.StatusCode)
 }
 
+// The neutral values of refused parameters are accepted (clients send them).
+func TestNeutralParametersAccepted(t *testing.T) {
+	srv := newServer(t, newEngine(t, 0, 8))
+	resp, b := post(t, srv.URL, `{"model":"tiny-hybrid","prompt":"hi","max_tokens":2,"best_of":1,"n":1,"suffix":null,`+
+		`"presence_penalty":0,"frequency_penalty":0,"logit_bias":{},"user":"u-1","logprobs":null,"stop":null,"top_p":1}`)
+	require.Equal(t, http.StatusOK, resp.StatusCode, string(b))
+}
+
 // fakeGen refuses with a fixed error.
 type fakeGen struct{ err error }
 
@@ -297,17 +330,17 @@ func TestUTF8Holder(t *testing.T) {
 	var u utf8Holder
 	var out strings.Builder
 	for _, tok := range model.Encode("héllo, 世界!") {
-		out.WriteString(u.push(tok))
+		out.WriteString(u.push(model.TokenText(tok)))
 	}
 	out.WriteString(u.flush())
 	require.Equal(t, "héllo, 世界!", out.String())
 	// A split character is held back until complete.
 	u = utf8Holder{}
 	b := model.Encode("世")
-	require.Equal(t, "", u.push(b[0]))
-	require.Equal(t, "", u.push(b[1]))
-	require.Equal(t, "世", u.push(b[2]))
-	require.Equal(t, "", u.push(model.EOS))
+	require.Equal(t, "", u.push(model.TokenText(b[0])))
+	require.Equal(t, "", u.push(model.TokenText(b[1])))
+	require.Equal(t, "世", u.push(model.TokenText(b[2])))
+	require.Equal(t, "", u.push(model.TokenText(model.EOS)))
 }
 
 // A streamed completion answers its headers at once, before the first token:

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"encoding/json"
 	"testing"
 
 	"github.com/handoff-io/handoff/model"
@@ -18,6 +19,10 @@ func FuzzParse(f *testing.F) {
 		`{"model":"tiny-hybrid","prompt":"a","max_tokens":99999999999999999999}`,
 		`{"model":"tiny-hybrid","prompt":"a","temperature":"NaN"}`,
 		`{"model":"tiny-hybrid","prompt":"a","n":3}`,
+		`{"model":"tiny-hybrid","prompt":"a","stop":["x","yz"],"top_p":0.5,"logprobs":2,"echo":false,"stream":true,"stream_options":{"include_usage":true}}`,
+		`{"model":"tiny-hybrid","prompt":[104,105],"best_of":1,"suffix":"","logit_bias":{},"user":"x"}`,
+		`{"model":"tiny-hybrid","prompt":"a"} `, `{"model":"tiny-hybrid","prompt":"a"}}`, `{"MODEL":"tiny-hybrid","prompt":"a"}`,
+		`{"model":"tiny-hybrid","prompt":"a","prompt":"b"}`,
 		`{`, `null`, `[]`, `""`, `{"model":"tiny-hybrid","prompt":"\ud800"}`,
 	} {
 		f.Add([]byte(seed))
@@ -25,7 +30,7 @@ func FuzzParse(f *testing.F) {
 	s := &server{cfg: Config{Model: model.TinyHybrid, DefaultMaxTokens: 16}, gen: fakeGen{}, base: model.TinyHybrid}
 	maxCtx := fakeGen{}.MaxContext()
 	f.Fuzz(func(t *testing.T, body []byte) {
-		p, status, e := s.parse(body)
+		p, status, e := s.parseCompletion(body)
 		if e != nil {
 			if status < 400 || status >= 500 || e.Message == "" || e.Type == "" {
 				t.Fatalf("refusal %d %+v", status, e)
@@ -33,8 +38,26 @@ func FuzzParse(f *testing.F) {
 			return
 		}
 		if status != 0 || len(p.prompt) == 0 || p.maxTokens < 1 || len(p.prompt)+p.maxTokens > maxCtx ||
-			!(p.temp >= 0 && p.temp <= 2) {
+			!(p.smp.Temperature >= 0 && p.smp.Temperature <= 2) || !(p.smp.TopP >= 0 && p.smp.TopP < 1) ||
+			len(p.stop) > maxStops || p.logprobs > maxLogprobs || (p.echo && p.logprobs >= 0) ||
+			(p.includeUsage && !p.stream) {
 			t.Fatalf("accepted a bad request: %+v", p)
+		}
+		for _, st := range p.stop {
+			if st == "" || len(st) > maxStopBytes {
+				t.Fatalf("accepted a bad stop sequence %q", st)
+			}
+		}
+		// Strictness: an accepted body is one object whose keys are all
+		// served exactly as written.
+		var obj map[string]json.RawMessage
+		if err := json.Unmarshal(body, &obj); err != nil {
+			t.Fatalf("accepted a body that is not one object: %q", body)
+		}
+		for k := range obj {
+			if _, ok := completionFields[k]; !ok {
+				t.Fatalf("accepted unknown key %q", k)
+			}
 		}
 	})
 }

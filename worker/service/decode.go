@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/handoff-io/handoff/hybrid"
+	"github.com/handoff-io/handoff/model"
 	"github.com/handoff-io/handoff/transfer"
 	"github.com/handoff-io/handoff/worker"
 	"github.com/handoff-io/handoff/worker/api"
@@ -29,7 +30,7 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 	}
 	log := o.Logger
 	remote := cfg.Prefill == "remote"
-	adm, admSrv, err := startAdmin(cfg, &o)
+	adm, gate, admSrv, err := startAdmin(cfg, &o)
 	if err != nil {
 		return err
 	}
@@ -109,6 +110,9 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 	if admSrv != nil {
 		ep.Admin = admSrv.addr()
 	}
+	// The listener accepts connections from here on (the kernel queues them
+	// until Serve takes them): only now may readiness pass.
+	gate.Open()
 	log.Info("decode serving", "http", ep.HTTP, "admin", ep.Admin, "data", ep.Data, "prefill", cfg.Prefill,
 		"max_context", eng.MaxContext())
 	if o.Ready != nil {
@@ -154,7 +158,7 @@ func (s *transferSource) Fetch(ctx context.Context, f worker.FetchRequest) (work
 	}
 	res, err := s.dec.Handoff(ctx, transfer.Request{
 		ID: f.ID, Tokens: f.Prompt,
-		Sampling: transfer.Sampling{Temperature: f.Temperature, Seed: f.Seed},
+		Sampling: wireSampling(f.Sampling),
 		Deadline: time.Now().Add(s.timeout),
 		Alloc:    transfer.Prepared(dest),
 	})
@@ -162,10 +166,39 @@ func (s *transferSource) Fetch(ctx context.Context, f worker.FetchRequest) (work
 		return worker.FetchResult{}, classify(ctx, err)
 	}
 	s.n.transportInfo(s.m, res.Instance)
-	return worker.FetchResult{
+	out := worker.FetchResult{
 		First: res.FirstToken, Compute: res.Prefill, Transfer: res.Transfer,
 		KVBytes: int64(res.KVBytes), MambaBytes: int64(res.MambaBytes),
-	}, nil
+	}
+	if f.Logprobs {
+		var lp model.Logprobs
+		if err := lp.UnmarshalBinary(res.Logprobs); err != nil {
+			return worker.FetchResult{}, fmt.Errorf("first token logprobs from %s: %w", res.Instance, err)
+		}
+		out.FirstLogprobs = &lp
+	}
+	return out, nil
+}
+
+// wireSampling is the transfer form of a request's sampling.
+func wireSampling(s worker.Sampling) transfer.Sampling {
+	w := transfer.Sampling{Temperature: s.Temperature, Seed: s.Seed}
+	if s.TopP > 0 && s.TopP < 1 {
+		w.TopP = s.TopP
+	}
+	if s.Logprobs {
+		w.Logprobs = uint8(1 + s.TopLogprobs)
+	}
+	return w
+}
+
+// samplingOf is the worker form of a request's wire sampling.
+func samplingOf(w transfer.Sampling) worker.Sampling {
+	s := worker.Sampling{Temperature: w.Temperature, TopP: w.TopP, Seed: w.Seed}
+	if w.Logprobs > 0 {
+		s.Logprobs, s.TopLogprobs = true, int(w.Logprobs)-1
+	}
+	return s
 }
 
 // classify wraps a handoff error with the worker's transfer classes.

@@ -45,6 +45,10 @@ type Options struct {
 	// CheckPrefix prefixes the names of the worker's readiness checks (to
 	// tell two workers sharing one admin endpoint apart).
 	CheckPrefix string
+	// Gate, when set, is the readiness gate the worker opens once it serves
+	// (standalone adds both workers' gates before starting either); nil: the
+	// worker adds its own first thing.
+	Gate *admin.Gate
 	// Ready is called once the worker serves.
 	Ready func(Endpoints)
 	// Stdout receives the standalone banner; nil means os.Stdout.
@@ -243,20 +247,26 @@ func (s *httpServer) shutdown(ctx context.Context) error {
 }
 
 // startAdmin serves the admin endpoints unless o.Admin is shared or the
-// address is empty.
-func startAdmin(cfg config.Config, o *Options) (*admin.Server, *httpServer, error) {
-	if o.Admin != nil {
-		return o.Admin, nil, nil
+// address is empty, and returns the worker's closed readiness gate (o.Gate,
+// else one named "serving" with o.CheckPrefix, added before the endpoint
+// listens): /readyz is 503 until the worker opens it.
+func startAdmin(cfg config.Config, o *Options) (*admin.Server, *admin.Gate, *httpServer, error) {
+	a := o.Admin
+	if a == nil {
+		a = admin.New(o.Registry)
 	}
-	a := admin.New(o.Registry)
-	if cfg.AdminAddr == "" {
-		return a, nil, nil
+	gate := o.Gate
+	if gate == nil {
+		gate = a.AddGate(o.CheckPrefix + "serving")
+	}
+	if o.Admin != nil || cfg.AdminAddr == "" {
+		return a, gate, nil, nil
 	}
 	s, err := listenHTTP(cfg.AdminAddr, a.Handler(), o.Logger)
 	if err != nil {
-		return nil, nil, fmt.Errorf("admin listener: %w", err)
+		return nil, nil, nil, fmt.Errorf("admin listener: %w", err)
 	}
-	return a, s, nil
+	return a, gate, s, nil
 }
 
 // runEngine runs e's loop on a goroutine; the returned stop cancels it and

@@ -22,7 +22,7 @@ import (
 func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 	o.fill(&cfg)
 	log := o.Logger
-	adm, admSrv, err := startAdmin(cfg, &o)
+	adm, gate, admSrv, err := startAdmin(cfg, &o)
 	if err != nil {
 		return err
 	}
@@ -79,6 +79,7 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 		return err
 	}
 	registered.Store(true)
+	gate.Open()
 	adm.BeforeScrape(pe.syncStats)
 	ep := Endpoints{Data: n.dataAddr()}
 	if admSrv != nil {
@@ -130,7 +131,7 @@ func (p *prefillExec) Admit(job transfer.Job) (transfer.Lease, error) {
 		ctx, cancel = context.WithDeadline(context.Background(), job.Deadline)
 	}
 	pend, err := p.e.SubmitPrefill(ctx, worker.PrefillJob{
-		Prompt: job.Tokens, Temperature: job.Sampling.Temperature, Seed: job.Sampling.Seed,
+		Prompt: job.Tokens, Sampling: samplingOf(job.Sampling),
 		LogID: fmt.Sprintf("%s-%d", job.From, job.RequestID),
 	})
 	if err != nil {
@@ -193,7 +194,13 @@ func (l *prefillLease) Prefill(ctx context.Context) (transfer.Prefilled, error) 
 	if err != nil {
 		return transfer.Prefilled{}, err
 	}
-	return transfer.Prefilled{FirstToken: lease.First, Source: src}, nil
+	out := transfer.Prefilled{FirstToken: lease.First, Source: src}
+	if lease.FirstLogprobs != nil {
+		if out.Logprobs, err = lease.FirstLogprobs.MarshalBinary(); err != nil {
+			return transfer.Prefilled{}, err
+		}
+	}
+	return out, nil
 }
 
 func (l *prefillLease) Release() {

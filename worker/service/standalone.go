@@ -94,7 +94,9 @@ func runStandalone(ctx context.Context, cfg config.Config, o Options) error {
 	pcfg.DataAddr = "127.0.0.1:0"
 	pcfg.DataAdvertise = ""
 
-	adm, admSrv, err := startAdmin(cfg, &o)
+	// Both workers' gates exist before either starts: the shared /readyz
+	// stays 503 until decode's API listens, not just until prefill serves.
+	adm, decodeGate, admSrv, err := startAdmin(cfg, &o)
 	if err != nil {
 		return err
 	}
@@ -105,6 +107,7 @@ func runStandalone(ctx context.Context, cfg config.Config, o Options) error {
 	po := shared
 	po.Logger = pcfg.Logger(o.Stderr)
 	po.CheckPrefix = "prefill_"
+	po.Gate = adm.AddGate(po.CheckPrefix + "serving")
 	prefillReady := make(chan struct{})
 	po.Ready = func(Endpoints) { close(prefillReady) }
 	pctx, stopPrefill := context.WithCancel(context.WithoutCancel(ctx))
@@ -121,6 +124,7 @@ func runStandalone(ctx context.Context, cfg config.Config, o Options) error {
 	}
 
 	do := shared
+	do.Gate = decodeGate
 	adminAddr := ""
 	if admSrv != nil {
 		adminAddr = admSrv.addr()
