@@ -3,7 +3,7 @@ package worker
 import (
 	"testing"
 
-	"github.com/handoff-io/handoff/worker/internal/leakcheck"
+	"github.com/handoff-io/handoff/internal/leakcheck"
 )
 
 func TestMain(m *testing.M) { leakcheck.Main(m) }

@@ -12,7 +12,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -24,6 +23,8 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/internal/leakcheck"
 )
 
 // TestMain lets the test binary act as handoff-nats, so the signal path is
@@ -35,50 +36,7 @@ func TestMain(m *testing.M) {
 		main()
 		return
 	}
-	code := m.Run()
-	if code == 0 {
-		if leaked := leftover(5 * time.Second); leaked != "" {
-			fmt.Fprintf(os.Stderr, "goroutines left after the tests:\n%s\n", leaked)
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
-
-// leftover waits up to d for goroutines other than the runtime's and the
-// test framework's to end, and returns the stacks of those that did not.
-func leftover(d time.Duration) string {
-	ignore := []string{
-		"leftover(", "testing.(*M).Run", "testing.tRunner", "os/signal.loop", "signal.signal_recv",
-		"runtime.ensureSigM", "runtime.gc", "runtime.forcegchelper", "runtime.bgsweep",
-		"runtime.bgscavenge", "runtime.runfinq", "runtime.unique_runtime_registerUniqueMapCleanup",
-	}
-	deadline := time.Now().Add(d)
-	for {
-		http.DefaultClient.CloseIdleConnections()
-		buf := make([]byte, 1<<20)
-		buf = buf[:runtime.Stack(buf, true)]
-		var left []string
-		for _, g := range strings.Split(string(buf), "\n\n") {
-			keep := strings.TrimSpace(g) != ""
-			for _, ig := range ignore {
-				if strings.Contains(g, ig) {
-					keep = false
-					break
-				}
-			}
-			if keep {
-				left = append(left, g)
-			}
-		}
-		if len(left) == 0 {
-			return ""
-		}
-		if time.Now().After(deadline) {
-			return strings.Join(left, "\n\n")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	leakcheck.Main(m)
 }
 
 func testConfig(t *testing.T) config {

@@ -1,2 +1,0 @@
-// Package leakcheck fails a test binary that leaves goroutines behind.
-package leakcheck
