@@ -35,10 +35,21 @@
 //   - shm: the grant's slot in a shared table holds a state word
 //     epoch<<18 | writer<<2 | state. A writer copies only inside a bracket
 //     won by CAS open(e) -> writing(e, w) and ended by a CAS back to
-//     open(e) (a writer that finds the slot closed copies no more); a
-//     bracket copies at most 4 MiB, on one goroutine. Revoke CASes open -> closed,
-//     waiting while it finds a bracket in progress, unless writer w's
-//     control connection has closed (its process is gone).
+//     open(e); a bracket copies at most 4 MiB, on one goroutine. A fence
+//     touches only words of its grant's epoch (a reused slot is another
+//     grant's): it CASes open(e) -> closed(e), or writing(e, w) ->
+//     fencing(e, w), after which the writer's closing CAS fails and it
+//     ends the bracket by closing the slot itself, copying no more. The
+//     fence waits up to Config.FenceWait (100 ms) for that, unless writer
+//     w's process has exited: the receiver knows each writer's pid
+//     (SO_PEERCRED at accept) and holds a pidfd, which polls readable on
+//     exit. A connection closing is never taken for a death: the receiver
+//     cuts live writers' connections itself (a malformed frame). A live
+//     writer that does not end its bracket in time (SIGSTOP, a frozen
+//     cgroup) does not hold Revoke: the grant fails at once and is
+//     quarantined (Grant.Quarantined, Stats.QuarantinedBytes, a warning
+//     in the log): its extents stay busy (OpenGrant refuses them) and Done
+//     stays open until the bracket ends or the process exits.
 //
 // A frame never lands outside its grant: every data frame's extent index,
 // offset and length are checked against the receiver's own copy of the
@@ -130,9 +141,12 @@
 //     send Ticket to the writer.
 //  4. Wait (or select on Done). Only a nil error means the bytes are all
 //     there and verified; then the request may be scheduled.
-//  5. On cancel, timeout or a failure reported by the writer: Revoke. When
-//     Revoke returns (or Done is closed) the destination may be freed and
-//     reused. OpenGrant refuses (ErrBusy) bytes that an open grant holds.
+//  5. On cancel, timeout or a failure reported by the writer: Revoke. It
+//     returns within about Config.FenceWait. Once Done is closed the
+//     destination may be freed and reused; after Revoke returned that is at
+//     once, unless Grant.Quarantined: then keep the destination out of
+//     every pool until Done closes. OpenGrant refuses (ErrBusy) bytes that
+//     an open or quarantined grant holds.
 //  6. Optionally watch OnWriterGone: a writer that closed its last
 //     connection (killed, closed) will not write or commit; fail over what
 //     waits for it instead of waiting for its deadline. A live writer

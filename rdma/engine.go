@@ -66,7 +66,12 @@ type Config struct {
 	ShmSocket  string        // unix socket path for shm control; default a fresh path in os.TempDir()
 	Host       string        // host identity; default boot id (else hostname) plus mount namespace
 	GrantTTL   time.Duration // deadline of grants opened without one; default 60s
-	MaxGrants  int           // open grants at once; default 16384
+	// FenceWait bounds how long a fence (Revoke, a deadline, a commit) waits
+	// for a live shm writer to end a copy in progress; past it the grant
+	// fails and its destination is quarantined (Grant.Quarantined). Default
+	// 100ms; a copy bracket takes well under a millisecond.
+	FenceWait time.Duration
+	MaxGrants int // open grants at once; default 16384
 	// SkipCRC trades integrity for speed: as a writer, commits carry byte
 	// counts without crc32c; as a receiver, such commits are accepted
 	// (fencing and byte counts still apply). Off by default; a receiver
@@ -126,6 +131,12 @@ func (c *Config) validate() error {
 	}
 	if c.GrantTTL < 0 {
 		return fmt.Errorf("rdma: Config.GrantTTL %s is negative", c.GrantTTL)
+	}
+	if c.FenceWait < 0 {
+		return fmt.Errorf("rdma: Config.FenceWait %s is negative", c.FenceWait)
+	}
+	if c.FenceWait == 0 {
+		c.FenceWait = 100 * time.Millisecond
 	}
 	if c.GrantTTL == 0 {
 		c.GrantTTL = 60 * time.Second
@@ -194,6 +205,8 @@ type Engine struct {
 	shm      *shmServer
 	served   []Transport
 	closeErr error
+
+	quarantines sync.WaitGroup // watchQuarantine goroutines
 
 	peerMu sync.Mutex
 	peers  map[AgentID]*peerState
@@ -340,6 +353,7 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 		e:      e,
 		done:   make(chan struct{}),
 		failed: make(chan struct{}),
+		ended:  make(chan struct{}),
 		slot:   -1,
 		due:    -1,
 	}
@@ -621,11 +635,36 @@ func (h *grantHeap) Pop() any {
 	return g
 }
 
-// shmFence closes g's shm slot; see shm.go.
-func (e *Engine) shmFence(g *Grant, revoke bool) {
+// shmFence closes g's shm slot, waiting up to wait for a copy in progress,
+// and reports whether nothing can land any more; see shm_linux.go.
+func (e *Engine) shmFence(g *Grant, wait time.Duration) bool {
 	if e.shm != nil && g.slot >= 0 {
-		e.shm.fence(g, revoke)
+		return e.shm.fence(g, wait)
 	}
+	return true
+}
+
+// watchQuarantine ends g's quarantine once its slot could be fenced: the
+// writer's bracket ended or its process exited. Engine.Close ends it too
+// (the regions are unmapped then).
+func (e *Engine) watchQuarantine(g *Grant) {
+	defer e.quarantines.Done()
+	start, wait := time.Now(), time.Millisecond
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	for !e.shmFence(g, 0) {
+		select {
+		case <-t.C:
+		case <-e.ctx.Done():
+			e.log.Warn("rdma: engine closed with a grant quarantined", "grant", g.id, "request", g.ticket.RequestID, "for", time.Since(start))
+			g.finish()
+			return
+		}
+		wait = min(2*wait, 50*time.Millisecond)
+		t.Reset(wait)
+	}
+	e.log.Info("rdma: grant quarantine over: its destination may be reused", "grant", g.id, "request", g.ticket.RequestID, "bytes", g.ticket.Bytes, "after", time.Since(start))
+	g.finish()
 }
 
 // shmCopied returns the bytes shm writers recorded copying into g; the slot
@@ -924,6 +963,7 @@ func (e *Engine) Close() error {
 	for _, g := range open {
 		g.terminate(fmt.Errorf("%w: grant %d: %w", ErrRevoked, g.id, ErrClosed))
 	}
+	e.quarantines.Wait()
 	if e.tcp != nil {
 		e.tcp.close()
 	}

@@ -47,6 +47,10 @@ var (
 	// ErrBusy: OpenGrant over bytes an open grant holds; a destination is
 	// reusable only once its grant is Done.
 	ErrBusy = errors.New("rdma: extent overlaps an open grant")
+	// ErrQuarantined: a grant failed while a live writer was still inside a
+	// copy into it (Grant.Quarantined); its destination is reusable only
+	// once the grant is Done.
+	ErrQuarantined = errors.New("rdma: a live writer is still copying into the grant")
 )
 
 // Status codes carried by reply frames. The numbering is part of the wire
@@ -71,6 +75,7 @@ const (
 	codeTooManyGrants
 	codeInternal
 	codeBusy
+	codeQuarantined
 	numCodes
 )
 
@@ -92,13 +97,14 @@ var codeSentinels = [numCodes]error{
 	codeBadRequestID:     ErrBadRequestID,
 	codeTooManyGrants:    ErrTooManyGrants,
 	codeBusy:             ErrBusy,
+	codeQuarantined:      ErrQuarantined,
 }
 
 // codePriority orders the codes codeOf tries: an error can wrap several
 // sentinels (a late frame is both stale and revoked), and the reply names
 // the most telling one, the reason the grant ended.
 var codePriority = [...]uint32{
-	codeRevoked, codeClosed, codeDeadline, codeCommitted, codeManifestMismatch,
+	codeRevoked, codeClosed, codeDeadline, codeCommitted, codeQuarantined, codeManifestMismatch,
 	codePeerClosed, codeMalformed, codeBadToken, codeUnknownGrant, codeForbidden,
 	codeOutOfRange, codeStaleEpoch, codeWrongPeer, codeUnsupported, codeBadRequestID,
 	codeTooManyGrants, codeBusy,

@@ -108,11 +108,13 @@ type Grant struct {
 	e      *Engine
 	id     uint64
 	ticket Ticket
-	dst    [][]byte // per extent, aliasing region memory
-	done   chan struct{}
-	failed chan struct{} // closed with done when the grant ends without a commit
-	due    int           // index in the engine's expiry heap, -1 once out of it (under Engine.mu)
-	slot   int           // shm grant slot, -1 when shm is not served
+	dst    [][]byte      // per extent, aliasing region memory
+	done   chan struct{} // closed once terminal and nothing can land any more
+	failed chan struct{} // closed when the grant ends without a commit
+	ended  chan struct{} // closed once terminal and either done or quarantined
+	endOne sync.Once
+	due    int // index in the engine's expiry heap, -1 once out of it (under Engine.mu)
+	slot   int // shm grant slot, -1 when shm is not served
 
 	mu       sync.Mutex
 	quiet    sync.Cond // signalled when inflight drops to 0; L = &mu
@@ -125,9 +127,10 @@ type Grant struct {
 	ext      []extState
 	// Room for the dst and ext of a grant of few extents (most grants are
 	// one Mamba row and a KV run or two): no allocation for them.
-	dstRoom  [2][]byte
-	extRoom  [2]extState
-	finished bool // finish ran
+	dstRoom     [2][]byte
+	extRoom     [2]extState
+	finished    bool // finish ran
+	quarantined bool // failed while a live writer was inside a copy (quarantine)
 }
 
 // ID returns the grant id.
@@ -147,17 +150,30 @@ func (g *Grant) Ticket() Ticket {
 }
 
 // Done is closed once the grant reached a terminal state (committed, revoked,
-// expired, refused) and no byte can land in it any more.
+// expired, refused) and no byte can land in it any more: from then on its
+// destination may be reused. A quarantined grant is terminal (failed) before
+// Done closes.
 func (g *Grant) Done() <-chan struct{} { return g.done }
 
-// Failed is closed, together with Done, once the grant ended without a
-// commit (revoked, expired, refused); it stays open for a committed grant.
-// A receiver that learns of the commit some other way (the writer's reply)
-// watches Failed until then, and is not woken by a commit it has no use for
-// yet.
+// Failed is closed once the grant ended without a commit (revoked, expired,
+// refused); it stays open for a committed grant. It closes with Done, or
+// before it for a quarantined grant. A receiver that learns of the commit
+// some other way (the writer's reply) watches Failed until then, and is not
+// woken by a commit it has no use for yet.
 func (g *Grant) Failed() <-chan struct{} { return g.failed }
 
-// Wait blocks until the grant is terminal or ctx ends. It returns the
+// Quarantined reports whether the grant failed while a live writer was still
+// inside a copy into its destination and could not be fenced within
+// Config.FenceWait (a stopped or frozen process). Until Done is closed the
+// destination must stay out of use: the engine keeps it busy (OpenGrant
+// refuses it) and closes Done once the copy ended or the writer exited.
+func (g *Grant) Quarantined() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.quarantined && !g.finished
+}
+
+// Wait blocks until the grant is Done or ctx ends. It returns the
 // verified manifest when the writer's commit was accepted; otherwise the
 // terminal error (ErrRevoked, ErrDeadline, ErrManifestMismatch,
 // ErrPeerClosed, ...) or ctx.Err(). Cancelling ctx does not revoke the grant.
@@ -185,8 +201,12 @@ func (g *Grant) Err() error {
 
 // Revoke fences the grant: its epoch moves on, every later frame is refused,
 // and in-flight landings are finished or aborted before Revoke returns, so on
-// return no further byte lands and the destination may be reused. A
-// committed grant stays committed. Revoke is idempotent.
+// return no further byte lands and the destination may be reused, with one
+// exception: a shm writer that is alive but does not end its copy within
+// Config.FenceWait (stopped, frozen) leaves the grant quarantined, and the
+// destination may be reused only once Done is closed. Revoke returns within
+// about FenceWait whatever the writer does. A committed grant stays
+// committed. Revoke is idempotent.
 func (g *Grant) Revoke() {
 	g.terminate(nil)
 }
@@ -372,18 +392,23 @@ func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted, hasC
 	g.mu.Unlock()
 
 	// Fence the shared-memory slot: after this no shm writer can copy in.
-	g.e.shmFence(g, false)
-	var copied uint64
-	if !counted {
-		copied = g.e.shmCopied(g)
+	var verr error
+	fenced := g.e.shmFence(g, g.e.cfg.FenceWait)
+	if fenced {
+		var copied uint64
+		if !counted {
+			copied = g.e.shmCopied(g)
+		}
+		verr = g.verify(dst, ext, m, counted, hasCRC, copied)
+	} else {
+		verr = fmt.Errorf("%w: grant %d: a writer is still inside a copy into it after %s", ErrQuarantined, g.id, g.e.cfg.FenceWait)
 	}
-	verr := g.verify(dst, ext, m, counted, hasCRC, copied)
 
 	g.mu.Lock()
 	if g.state != grantCommitting { // revoked or expired while verifying
 		err := g.err
 		g.mu.Unlock()
-		<-g.done
+		<-g.ended
 		return err
 	}
 	if verr != nil {
@@ -393,7 +418,7 @@ func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted, hasC
 		g.settleLocked(grantDone, nil)
 	}
 	g.mu.Unlock()
-	g.finish()
+	g.end(fenced)
 	return verr
 }
 
@@ -489,7 +514,7 @@ func (g *Grant) settleLocked(s grantState, err error) {
 
 // terminate fails the grant with cause (nil: revoked) unless it is already
 // terminal, aborts in-flight landings, fences shm, and returns once nothing
-// can land.
+// can land or the grant is quarantined.
 func (g *Grant) terminate(cause error) {
 	g.mu.Lock()
 	switch g.state {
@@ -498,7 +523,7 @@ func (g *Grant) terminate(cause error) {
 			g.quiet.Wait()
 		}
 		g.mu.Unlock()
-		<-g.done
+		<-g.ended
 		return
 	}
 	if cause == nil { // built only here: a committed grant is revoked after every delivery
@@ -512,11 +537,55 @@ func (g *Grant) terminate(cause error) {
 		g.quiet.Wait()
 	}
 	g.mu.Unlock()
-	g.e.shmFence(g, true)
-	g.finish()
+	g.end(g.e.shmFence(g, g.e.cfg.FenceWait))
 }
 
-// finish releases the grant's resources once; the state is terminal.
+// end completes a settled grant: finish when nothing can land any more
+// (fenced), quarantine while a live writer may still store into it.
+func (g *Grant) end(fenced bool) {
+	if fenced {
+		g.finish()
+	} else {
+		g.quarantine()
+	}
+}
+
+// quarantine ends a failed grant that a live shm writer is still copying
+// into (stopped, frozen): Revoke returns and Failed closes now, while Done,
+// the busy spans that keep OpenGrant off the destination, and the shm slot
+// wait until the writer's bracket ended or its process exited
+// (Engine.watchQuarantine).
+func (g *Grant) quarantine() {
+	g.mu.Lock()
+	if g.finished || g.quarantined {
+		g.mu.Unlock()
+		return
+	}
+	g.quarantined = true
+	err := g.err
+	g.mu.Unlock()
+	e := g.e
+	e.stats.grantsQuarantined.Add(1)
+	e.stats.quarantinedBytes.Add(int64(g.ticket.Bytes))
+	e.log.Warn("rdma: grant quarantined: a live writer is still inside a copy into it; its destination stays out of use until the copy ends or the writer exits",
+		"grant", g.id, "request", g.ticket.RequestID, "bytes", g.ticket.Bytes, "err", err)
+	close(g.failed)
+	g.endOne.Do(func() { close(g.ended) })
+	e.mu.Lock()
+	watch := !e.closed
+	if watch {
+		e.quarantines.Add(1)
+	}
+	e.mu.Unlock()
+	if !watch { // the engine is closing: its regions are about to go
+		g.finish()
+		return
+	}
+	go e.watchQuarantine(g)
+}
+
+// finish releases the grant's resources once; the state is terminal and
+// nothing can land any more.
 func (g *Grant) finish() {
 	g.mu.Lock()
 	if g.finished {
@@ -524,15 +593,19 @@ func (g *Grant) finish() {
 		return
 	}
 	g.finished = true
+	quarantined := g.quarantined
 	// A settled grant stays findable for a while (late frames get the exact
 	// reason) but no longer needs its per-extent state.
 	g.dst, g.ext, g.landers = nil, nil, nil
 	g.mu.Unlock()
 	g.e.retire(g)
 	err := g.Err()
-	if err != nil {
+	if quarantined {
+		g.e.stats.quarantinedBytes.Add(-int64(g.ticket.Bytes))
+	} else if err != nil {
 		close(g.failed)
 	}
+	g.endOne.Do(func() { close(g.ended) })
 	close(g.done)
 	if err == nil {
 		g.e.stats.grantsCommitted.Add(1)

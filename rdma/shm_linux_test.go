@@ -8,10 +8,12 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
+	"os/exec"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 )
 
 // shmSlot returns the writer's link and the slot of g as the writer maps it.
@@ -65,7 +67,20 @@ func TestSHMWriterDiesMidCopy(t *testing.T) {
 	require.True(t, sl.state().CompareAndSwap(slotWord(slotOpen, 0, tk.Epoch), writing))
 	copy(p.dst.Bytes()[100:200], p.src.Bytes()[:100]) // a partial copy inside the grant
 	sl.writer().Store(l.wid)
-	// The writer process dies: the kernel closes its control socket.
+	// The writer process dies: its pidfd polls readable, and the kernel
+	// closes its control socket. The writer here shares the test's process,
+	// so the receiver is told of a child process's pid as the writer's.
+	stand := exec.Command("sleep", "60")
+	require.NoError(t, stand.Start())
+	pidfd, err := unix.PidfdOpen(stand.Process.Pid, 0)
+	require.NoError(t, err)
+	p.rx.shm.mu.Lock()
+	w := p.rx.shm.writers[l.wid]
+	w.release()
+	w.pid, w.pidfd = stand.Process.Pid, pidfd
+	p.rx.shm.mu.Unlock()
+	require.NoError(t, stand.Process.Kill())
+	_ = stand.Wait()
 	l.mu.Lock()
 	l.conn.Close()
 	l.mu.Unlock()
@@ -362,5 +377,10 @@ func TestSHMReconnectKeepsCopiedGrants(t *testing.T) {
 	require.Empty(t, l.retired)
 	require.Empty(t, l.users)
 	l.genMu.Unlock()
-	require.Eventually(t, func() bool { return !p.rx.shm.writerLive(oldWid) }, 5*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool {
+		p.rx.shm.mu.Lock()
+		defer p.rx.shm.mu.Unlock()
+		w := p.rx.shm.writers[oldWid]
+		return w == nil || !w.open
+	}, 5*time.Second, time.Millisecond)
 }

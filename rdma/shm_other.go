@@ -2,7 +2,10 @@
 
 package rdma
 
-import "context"
+import (
+	"context"
+	"time"
+)
 
 // shm needs memfd and SCM_RIGHTS; elsewhere the transport is not offered.
 const shmSupported = false
@@ -21,10 +24,10 @@ func (s *shmServer) slotFree(id uint64) bool                        { return tru
 func (s *shmServer) slotOf(id uint64) int                           { return -1 }
 func (s *shmServer) publish(g *Grant)                               {}
 func (s *shmServer) release(g *Grant)                               {}
-func (s *shmServer) fence(g *Grant, revoke bool)                    {}
+func (s *shmServer) fence(g *Grant, wait time.Duration) bool        { return true }
 func (s *shmServer) close()                                         {}
 func (s *shmServer) copied(g *Grant) uint64                         { return 0 }
 func (s *shmServer) unmap()                                         {}
-func (r *shmRxState) closed(err error)                              {}
+func (r *shmRxState) closed(err error, hungUp bool)                 {}
 func (r *shmRxState) hello(c *rxConn) error                         { return nil }
 func (r *shmRxState) commit(g *Grant, h *header, m *Manifest) error { return nil }

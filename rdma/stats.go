@@ -15,6 +15,11 @@ type Stats struct {
 	Writes          uint64 // Write calls the receiver accepted
 	WritesFailed    uint64 // Write calls that returned an error
 	BytesWritten    uint64 // bytes of accepted Writes
+	// GrantsQuarantined counts grants that failed while a live shm writer
+	// was still copying into them (Grant.Quarantined); QuarantinedBytes is
+	// the destination bytes such grants keep out of use right now.
+	GrantsQuarantined uint64
+	QuarantinedBytes  uint64
 }
 
 // counters is the atomic backing of Stats.
@@ -22,6 +27,8 @@ type counters struct {
 	grantsOpened, grantsCommitted, grantsFailed atomic.Uint64
 	bytesLanded, framesRefused                  atomic.Uint64
 	writes, writesFailed, bytesWritten          atomic.Uint64
+	grantsQuarantined                           atomic.Uint64
+	quarantinedBytes                            atomic.Int64
 }
 
 // Stats returns a snapshot of the engine's counters.
@@ -36,6 +43,9 @@ func (e *Engine) Stats() Stats {
 		Writes:          c.writes.Load(),
 		WritesFailed:    c.writesFailed.Load(),
 		BytesWritten:    c.bytesWritten.Load(),
+
+		GrantsQuarantined: c.grantsQuarantined.Load(),
+		QuarantinedBytes:  uint64(max(c.quarantinedBytes.Load(), 0)),
 	}
 	if done := s.GrantsCommitted + s.GrantsFailed; s.GrantsOpened > done {
 		s.GrantsOpen = s.GrantsOpened - done

@@ -184,13 +184,19 @@ func (c *rxConn) abortLanding() {
 // committing fail with ErrPeerClosed (or ErrMalformedFrame).
 func (c *rxConn) serve() {
 	var cause error
+	// The writer closed this connection (or its process died) when a read
+	// found the end, or when a fence cut a landing and what the writer still
+	// sent ended in a hang-up (a killed writer's connections all end at once,
+	// and the first to fail its grant fences the others' reads). A malformed
+	// frame or our own close say nothing about the writer.
+	hungUp := false
 	defer func() {
 		c.c.Close()
 		for _, g := range c.touched {
 			g.terminate(fmt.Errorf("connection from %s closed before commit: %w", c.peer, cause))
 		}
 		if c.shm != nil {
-			c.shm.closed(cause)
+			c.shm.closed(cause, hungUp)
 		}
 	}()
 	cause = c.hello()
@@ -201,15 +207,9 @@ func (c *rxConn) serve() {
 		c.e.log.Warn("rdma: handshake refused", "transport", string(c.kind), "remote", c.c.RemoteAddr().String(), "err", cause)
 		return
 	}
-	// The writer closed this connection (or its process died) when a read
-	// found the end, or when a fence cut a landing and what the writer still
-	// sent ended in a hang-up (a killed writer's connections all end at once,
-	// and the first to fail its grant fences the others' reads). A malformed
-	// frame or our own close say nothing about the writer.
-	hungUp := false
 	defer func() {
-		byWriter := errors.Is(cause, ErrPeerClosed) && !errors.Is(cause, errFenced) || hungUp
-		c.e.writerDown(AgentID(c.peer), byWriter)
+		hungUp = hungUp || errors.Is(cause, ErrPeerClosed) && !errors.Is(cause, errFenced)
+		c.e.writerDown(AgentID(c.peer), hungUp)
 	}()
 	for {
 		_, err := io.ReadFull(c.br, c.hbuf[:])
@@ -793,7 +793,7 @@ func (l *tcpLink) write(ctx context.Context, op *writeOp) error {
 		return err
 	}
 	tc.bind(ctx)
-	return l.finish(ctx, tc, tc.send(op, op.pieces, frameCommit))
+	return l.finish(ctx, tc, op.t, tc.send(op, op.pieces, frameCommit))
 }
 
 // bind makes tc's reads and writes end with ctx, until finish.
@@ -880,7 +880,7 @@ func (l *tcpLink) writeStriped(ctx context.Context, op *writeOp, pieces []piece,
 	for i := 1; i < k; i++ {
 		lanesDone.Go(func() {
 			tc := lanes[i]
-			errs[i] = l.finish(ctx, tc, tc.send(op, pieces[cuts[i]:cuts[i+1]], frameFlush))
+			errs[i] = l.finish(ctx, tc, op.t, tc.send(op, pieces[cuts[i]:cuts[i+1]], frameFlush))
 		})
 	}
 	tc := lanes[0]
@@ -905,13 +905,14 @@ func (l *tcpLink) writeStriped(ctx context.Context, op *writeOp, pieces []piece,
 	if werr == nil {
 		werr = tc.send(op, nil, frameCommit)
 	}
-	return l.finish(ctx, tc, werr)
+	return l.finish(ctx, tc, op.t, werr)
 }
 
-// finish reads the reply to what send wrote on tc (after werr, a write
-// error, it looks briefly for the receiver's reason), returns tc to the pool
-// or drops it, and classifies the outcome.
-func (l *tcpLink) finish(ctx context.Context, tc *txConn, werr error) error {
+// finish reads the reply to what send wrote on tc for ticket t (after werr,
+// a write error, it looks briefly for the receiver's reason), returns tc to
+// the pool or drops it, and classifies the outcome. A reply that names
+// another grant or epoch means the stream is out of step: tc is dropped.
+func (l *tcpLink) finish(ctx context.Context, tc *txConn, t *Ticket, werr error) error {
 	var h header
 	var msg []byte
 	var rerr error
@@ -920,6 +921,9 @@ func (l *tcpLink) finish(ctx context.Context, tc *txConn, werr error) error {
 		_ = tc.c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
 	}
 	h, msg, rerr = readReply(tc.c, tc.rbuf[:])
+	if rerr == nil && h.typ == frameReply && h.index != codeMalformed && (h.grant != t.Grant || h.epoch != t.Epoch) {
+		rerr = malformed("reply for grant %d epoch %d answers a frame for grant %d epoch %d", h.grant, h.epoch, t.Grant, t.Epoch)
+	}
 	fired := false
 	if tc.unbind != nil {
 		// A deadline set by ctx after this point would outlive the write.
