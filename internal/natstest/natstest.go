@@ -38,10 +38,13 @@ func Options(dir string) *server.Options {
 	}
 }
 
-// Start starts a server with opts and waits until it accepts connections.
+// Start starts a server with a copy of opts and waits until it accepts
+// connections; the copy leaves opts as given, so the same opts start a
+// server again after Stop (a restart on the same port needs a fixed Port).
 // The caller stops it (Stop). Errors: the options' own, or ErrNotReady.
 func Start(opts *server.Options) (*server.Server, error) {
-	s, err := server.NewServer(opts)
+	o := *opts
+	s, err := server.NewServer(&o)
 	if err != nil {
 		return nil, err
 	}

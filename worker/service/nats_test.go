@@ -14,24 +14,13 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/stretchr/testify/require"
 
+	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/worker"
 	"github.com/handoff-io/handoff/worker/config"
 )
 
-func startAuthServer(t *testing.T, port int) *server.Server {
-	t.Helper()
-	dir := t.TempDir()
-	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, Username: "handoff", Password: "s3cret",
-		JetStream: true, StoreDir: dir, NoSigs: true, NoLog: true})
-	require.NoError(t, err)
-	go srv.Start()
-	require.True(t, srv.ReadyForConnections(10*time.Second))
-	return srv
-}
-
 func TestNATSAuth(t *testing.T) {
-	srv := startAuthServer(t, -1)
-	t.Cleanup(func() { srv.Shutdown(); srv.WaitForShutdown() })
+	srv := natstest.Run(t, func(o *server.Options) { o.Username, o.Password = "handoff", "s3cret" })
 	log := slog.New(slog.DiscardHandler)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -99,12 +88,11 @@ func TestWaitsForNATS(t *testing.T) {
 	resp.Body.Close()
 	require.Equal(t, http.StatusOK, resp.StatusCode)
 
-	dir := t.TempDir()
-	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, JetStream: true, StoreDir: dir, NoSigs: true, NoLog: true})
+	opts := natstest.Options(t.TempDir())
+	opts.Port = port
+	srv, err := natstest.Start(opts)
 	require.NoError(t, err)
-	go srv.Start()
-	require.True(t, srv.ReadyForConnections(10*time.Second))
-	defer func() { srv.Shutdown(); srv.WaitForShutdown() }()
+	defer natstest.Stop(srv)
 	select {
 	case <-ready:
 	case err := <-done:
@@ -115,8 +103,7 @@ func TestWaitsForNATS(t *testing.T) {
 	require.Equal(t, http.StatusOK, readyz(t, cfg.AdminAddr))
 
 	// Readiness follows the connection when the server goes away.
-	srv.Shutdown()
-	srv.WaitForShutdown()
+	natstest.Stop(srv)
 	require.Eventually(t, func() bool { return readyz(t, cfg.AdminAddr) == http.StatusServiceUnavailable },
 		10*time.Second, 10*time.Millisecond)
 	cancel()
@@ -127,12 +114,11 @@ func TestWaitsForNATS(t *testing.T) {
 // reconnect, readiness follows, and new requests succeed.
 func TestNATSRestart(t *testing.T) {
 	port := freePort(t)
-	dir := t.TempDir()
+	opts := natstest.Options(t.TempDir())
+	opts.Port = port
 	start := func() *server.Server {
-		srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, JetStream: true, StoreDir: dir, NoSigs: true, NoLog: true})
+		srv, err := natstest.Start(opts)
 		require.NoError(t, err)
-		go srv.Start()
-		require.True(t, srv.ReadyForConnections(10*time.Second))
 		return srv
 	}
 	srv := start()
@@ -141,14 +127,13 @@ func TestNATSRestart(t *testing.T) {
 	dep, _ := startWorker(t, testConfig(t, worker.RoleDecode, "--nats-url", url, "--namespace", "restart"))
 	require.Equal(t, http.StatusOK, complete(t, dep.HTTP, "before", 3, 0, 1).status)
 
-	srv.Shutdown()
-	srv.WaitForShutdown()
+	natstest.Stop(srv)
 	for _, ep := range []Endpoints{pep, dep} {
 		require.Eventually(t, func() bool { return readyz(t, ep.Admin) == http.StatusServiceUnavailable },
 			10*time.Second, 10*time.Millisecond)
 	}
 	srv = start()
-	defer func() { srv.Shutdown(); srv.WaitForShutdown() }()
+	defer natstest.Stop(srv)
 	for _, ep := range []Endpoints{pep, dep} {
 		require.Eventually(t, func() bool { return readyz(t, ep.Admin) == http.StatusOK },
 			15*time.Second, 20*time.Millisecond)
