@@ -28,6 +28,8 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/internal/natstest"
 )
 
 // binDir holds the binaries built once by TestMain.
@@ -71,18 +73,12 @@ type natsServer struct {
 
 func startNATS(t *testing.T, mutate func(*server.Options)) *natsServer {
 	t.Helper()
-	opts := server.Options{
-		Host:      "127.0.0.1",
-		Port:      freePort(t),
-		JetStream: true,
-		StoreDir:  t.TempDir(),
-		NoLog:     true,
-		NoSigs:    true,
-	}
+	opts := natstest.Options(t.TempDir())
+	opts.Port = freePort(t) // fixed, so that a restart keeps the address
 	if mutate != nil {
-		mutate(&opts)
+		mutate(opts)
 	}
-	n := &natsServer{t: t, opts: opts}
+	n := &natsServer{t: t, opts: *opts}
 	n.start()
 	t.Cleanup(n.stop)
 	return n
@@ -90,18 +86,14 @@ func startNATS(t *testing.T, mutate func(*server.Options)) *natsServer {
 
 func (n *natsServer) start() {
 	n.t.Helper()
-	opts := n.opts
-	srv, err := server.NewServer(&opts)
-	require.NoError(n.t, err)
-	go srv.Start()
-	require.True(n.t, srv.ReadyForConnections(10*time.Second), "nats-server not ready")
+	srv, err := natstest.Start(&n.opts)
+	require.NoError(n.t, err, "nats-server")
 	n.srv = srv
 }
 
 func (n *natsServer) stop() {
 	if n.srv != nil {
-		n.srv.Shutdown()
-		n.srv.WaitForShutdown()
+		natstest.Stop(n.srv)
 		n.srv = nil
 	}
 }
