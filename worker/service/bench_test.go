@@ -11,6 +11,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/worker"
 )
 
@@ -20,9 +21,7 @@ import (
 //
 //	go test -run '^$' -bench Completion -benchtime 50x ./worker/service
 func BenchmarkCompletion(b *testing.B) {
-	ns, err := StartEmbeddedNATS(-1)
-	require.NoError(b, err)
-	b.Cleanup(ns.Shutdown)
+	ns := natstest.Run(b)
 	models := []struct{ name, flags string }{
 		{"tiny-hybrid", "--model tiny-hybrid"},
 		// Real Nemotron-H-8B cache shapes (49 MiB Mamba state per request),
@@ -38,10 +37,10 @@ func BenchmarkCompletion(b *testing.B) {
 				if transport == "" {
 					transport = "tcp"
 				}
-				flags := append(strings.Fields(m.flags), "--max-batch-size", "1", "--nats-url", ns.URL(), "--namespace", space,
+				flags := append(strings.Fields(m.flags), "--max-batch-size", "1", "--nats-url", ns.ClientURL(), "--namespace", space,
 					"--transport", transport, "--prefill", where)
 				if where == "remote" {
-					pflags := append(strings.Fields(m.flags), "--max-batch-size", "1", "--nats-url", ns.URL(),
+					pflags := append(strings.Fields(m.flags), "--max-batch-size", "1", "--nats-url", ns.ClientURL(),
 						"--namespace", space, "--transport", transport)
 					startWorker(b, testConfig(b, worker.RolePrefill, pflags...))
 				}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/worker"
 	"github.com/handoff-io/handoff/worker/config"
 )
@@ -154,7 +155,7 @@ var prompts = []string{
 // TCP data path, both with --dp-size 2 --max-batch-size 1 (the seed
 // scenario). Every output must equal the local-prefill decode worker's.
 func TestRemoteMatchesLocal(t *testing.T) {
-	ns, err := StartEmbeddedNATS(-1)
+	ns, err := StartEmbeddedNATS(-1) // the standalone server, not natstest's: its wiring is under test
 	require.NoError(t, err)
 	t.Cleanup(ns.Shutdown)
 	common := []string{"--nats-url", ns.URL(), "--transport", "tcp", "--dp-size", "2", "--max-batch-size", "1",
@@ -222,10 +223,8 @@ func TestRemoteMatchesLocal(t *testing.T) {
 // TestNoPrefillWorker: a remote decode worker with no prefill worker answers
 // 503 with an error body and frees the request's resources.
 func TestNoPrefillWorker(t *testing.T) {
-	ns, err := StartEmbeddedNATS(-1)
-	require.NoError(t, err)
-	t.Cleanup(ns.Shutdown)
-	ep, _ := startWorker(t, testConfig(t, worker.RoleDecode, "--nats-url", ns.URL(), "--namespace", "lonely"))
+	ns := natstest.Run(t)
+	ep, _ := startWorker(t, testConfig(t, worker.RoleDecode, "--nats-url", ns.ClientURL(), "--namespace", "lonely"))
 	out := complete(t, ep.HTTP, "anyone there?", 4, 0, 1)
 	require.Equal(t, http.StatusServiceUnavailable, out.status, out.text)
 	require.Contains(t, out.text, `"error"`)
