@@ -7,7 +7,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/signal"
 	"syscall"
 
 	"github.com/handoff-io/handoff/worker"
@@ -15,8 +14,9 @@ import (
 )
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx)
+	// The first signal drains; a second ends the drain at once (exit 1).
+	ctx, abort, stop := service.NotifyStop(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, abort)
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "prefill:", err)
@@ -24,6 +24,6 @@ func main() {
 	}
 }
 
-func run(ctx context.Context) error {
-	return service.Main(ctx, worker.RolePrefill, os.Args[1:], os.Stdout, os.Stderr)
+func run(ctx, abort context.Context) error {
+	return service.Main(ctx, abort, worker.RolePrefill, os.Args[1:], os.Stdout, os.Stderr)
 }

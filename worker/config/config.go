@@ -67,6 +67,12 @@ type Config struct {
 	HTTPAddr   string
 	Prefill    string // remote, local
 	Standalone bool
+	// WriteTimeout bounds one write of an API response: a client that
+	// reads nothing for that long is cut off and its request cancelled.
+	WriteTimeout time.Duration
+	// PrefillGrace is how long a remote decode stays ready with no usable
+	// prefill instance in its namespace (after it saw one).
+	PrefillGrace time.Duration
 }
 
 type binding struct {
@@ -129,6 +135,12 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	if role == worker.RoleDecode {
 		str(&c.HTTPAddr, "http-addr", "HANDOFF_HTTP_ADDR", DefaultHTTPAddr, "OpenAI-compatible API address", true)
 		str(&c.Prefill, "prefill", "HANDOFF_PREFILL", "remote", "where prefill runs: remote (prefill workers over NATS) or local (in process, no transfer)", true)
+		fs.DurationVar(&c.WriteTimeout, "write-timeout", 30*time.Second,
+			"how long one API response write may wait for a client that stopped reading before the response is cut and the request cancelled"+envNote("HANDOFF_WRITE_TIMEOUT"))
+		bindings = append(bindings, binding{"write-timeout", "HANDOFF_WRITE_TIMEOUT", true})
+		fs.DurationVar(&c.PrefillGrace, "prefill-grace", 30*time.Second,
+			"remote prefill: how long readiness stays 200 with no usable prefill instance known (it is 503 until the first one is seen)"+envNote("HANDOFF_PREFILL_GRACE"))
+		bindings = append(bindings, binding{"prefill-grace", "HANDOFF_PREFILL_GRACE", true})
 		fs.BoolVar(&c.Standalone, "standalone", false, "run an embedded NATS server and an in-process prefill worker: one command, the whole pipeline"+envNote("HANDOFF_STANDALONE"))
 		bindings = append(bindings, binding{"standalone", "HANDOFF_STANDALONE", true})
 	}
@@ -241,6 +253,12 @@ func (c *Config) Validate() error {
 		case "remote", "local":
 		default:
 			bad("--prefill %q: want remote or local", c.Prefill)
+		}
+		if c.WriteTimeout <= 0 {
+			bad("--write-timeout %v: want > 0", c.WriteTimeout)
+		}
+		if c.PrefillGrace < 0 {
+			bad("--prefill-grace %v: want ≥ 0", c.PrefillGrace)
 		}
 		if c.Standalone && c.Prefill == "local" {
 			bad("--standalone runs a remote prefill worker; it cannot be combined with --prefill local")

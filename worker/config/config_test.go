@@ -37,6 +37,8 @@ func TestDefaults(t *testing.T) {
 	require.Equal(t, "json", c.LogFormat)
 	require.False(t, c.Standalone)
 	require.Equal(t, 4, c.TCPLanes)
+	require.Equal(t, 30*time.Second, c.WriteTimeout)
+	require.Equal(t, 30*time.Second, c.PrefillGrace)
 
 	p, err := Parse(worker.RolePrefill, nil, envOf(nil), &bytes.Buffer{})
 	require.NoError(t, err)
@@ -90,6 +92,9 @@ func TestInvalid(t *testing.T) {
 		{"stray argument", worker.RoleDecode, []string{"extra"}, nil},
 		{"bad attention dp", worker.RoleDecode, []string{"--attention-dp", "maybe"}, nil},
 		{"bad standalone", worker.RoleDecode, []string{"--standalone=maybe"}, nil},
+		{"zero write timeout", worker.RoleDecode, []string{"--write-timeout", "0s"}, nil},
+		{"negative prefill grace", worker.RoleDecode, nil, map[string]string{"HANDOFF_PREFILL_GRACE": "-1s"}},
+		{"prefill grace on prefill", worker.RolePrefill, []string{"--prefill-grace", "1s"}, nil},
 		{"bad env standalone", worker.RoleDecode, nil, map[string]string{"HANDOFF_STANDALONE": "maybe"}},
 		{"no tcp lanes", worker.RolePrefill, []string{"--tcp-lanes", "0"}, nil},
 	}

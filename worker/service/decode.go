@@ -21,8 +21,9 @@ import (
 
 // RunDecode runs a decode worker until ctx ends, then drains: readiness
 // turns 503, new requests are refused with 503, in-flight requests finish
-// for up to cfg.DrainTimeout, and everything is closed. It returns nil after
-// a clean drain, or the error that kept the worker from starting.
+// for up to cfg.DrainTimeout (or until o.Abort ends), and everything is
+// closed. It returns nil after a drain, ErrAborted after an aborted one, or
+// the error that kept the worker from starting.
 func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 	o.fill(&cfg)
 	if cfg.Standalone {
@@ -84,7 +85,20 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 			}
 		}()
 		registered.Store(true)
+		presence := &prefillPresence{grace: cfg.PrefillGrace}
+		adm.AddCheck("prefill_instances", func() error {
+			now := time.Now()
+			insts := dec.Registry().Instances(transfer.RolePrefill, now)
+			usable := 0
+			for _, in := range insts {
+				if in.Fingerprint == n.fingerprint && !in.Draining {
+					usable++
+				}
+			}
+			return presence.check(now, len(insts), usable)
+		})
 		registerDecoderStats(o.Registry, dec, log)
+		registerDataPathStats(o.Registry, n.data, log)
 		source = &transferSource{dec: dec, n: n, m: o.Metrics, timeout: cfg.RequestTimeout}
 	}
 	eng, err := worker.NewEngine(worker.Config{
@@ -102,7 +116,8 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 		}
 		return nil
 	})
-	apiSrv, err := listenHTTP(cfg.HTTPAddr, api.New(api.Config{Model: cfg.Model, Logger: log, Metrics: o.Metrics}, eng), log)
+	apiSrv, err := listenHTTP(cfg.HTTPAddr, api.New(api.Config{Model: cfg.Model, Logger: log, Metrics: o.Metrics,
+		WriteTimeout: cfg.WriteTimeout}, eng), log)
 	if err != nil {
 		return fmt.Errorf("api listener: %w", err)
 	}
@@ -122,21 +137,21 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 	<-ctx.Done()
 	log.Info("draining", "live", eng.Live(), "timeout", cfg.DrainTimeout.String())
 	adm.SetDraining()
-	dctx, cancel := context.WithTimeout(context.Background(), cfg.DrainTimeout)
+	dctx, cancel := context.WithTimeout(o.Abort, cfg.DrainTimeout)
 	if err := eng.Drain(dctx); err != nil {
-		log.Warn("drain timed out; failing the requests left", "live", eng.Live())
+		log.Warn("drain ended; failing the requests left", "live", eng.Live(), "aborted", o.Abort.Err() != nil)
 	}
 	cancel()
 	// Stopping the loop fails what is left (ErrClosed), so every handler
 	// answers and returns; then the API server stops.
 	stopLoop()
-	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	sctx, cancel := context.WithTimeout(o.Abort, 5*time.Second)
 	if err := apiSrv.shutdown(sctx); err != nil {
 		log.Warn("api shutdown", "err", err)
 	}
 	cancel()
 	log.Info("decode stopped")
-	return nil
+	return o.aborted()
 }
 
 // transferSource fetches prefilled caches through the transfer protocol.

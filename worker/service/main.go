@@ -22,8 +22,10 @@ var Version = "dev"
 
 // Main runs a worker binary of role with args (without the program name):
 // "version", "healthcheck [--url URL]", or the worker itself. It returns when
-// the worker stopped; ctx is cancelled by SIGINT/SIGTERM.
-func Main(ctx context.Context, role worker.Role, args []string, stdout, stderr io.Writer) error {
+// the worker stopped: ctx is cancelled by the first SIGINT/SIGTERM (the
+// worker drains), abort by the second (the drain ends at once and Main
+// returns ErrAborted); see NotifyStop. A nil abort never fires.
+func Main(ctx, abort context.Context, role worker.Role, args []string, stdout, stderr io.Writer) error {
 	if len(args) > 0 {
 		switch args[0] {
 		case "version":
@@ -46,7 +48,7 @@ func Main(ctx context.Context, role worker.Role, args []string, stdout, stderr i
 	if err != nil {
 		return err
 	}
-	o := Options{Stdout: stdout, Stderr: stderr}
+	o := Options{Stdout: stdout, Stderr: stderr, Abort: abort}
 	if role == worker.RoleDecode {
 		return RunDecode(ctx, cfg, o)
 	}

@@ -18,15 +18,15 @@ import (
 
 func TestMainSubcommands(t *testing.T) {
 	var out, errb bytes.Buffer
-	require.NoError(t, Main(context.Background(), worker.RoleDecode, []string{"version"}, &out, &errb))
+	require.NoError(t, Main(context.Background(), nil, worker.RoleDecode, []string{"version"}, &out, &errb))
 	require.Contains(t, out.String(), "handoff decode ")
 
 	out.Reset()
-	require.NoError(t, Main(context.Background(), worker.RolePrefill, []string{"--help"}, &out, &errb))
+	require.NoError(t, Main(context.Background(), nil, worker.RolePrefill, []string{"--help"}, &out, &errb))
 	require.Contains(t, out.String(), "(env NATS_URL)")
 	require.NotContains(t, out.String(), "--http-addr", "decode-only flags are not prefill's")
 
-	require.Error(t, Main(context.Background(), worker.RoleDecode, []string{"--dp-size", "0"}, &out, &errb))
+	require.Error(t, Main(context.Background(), nil, worker.RoleDecode, []string{"--dp-size", "0"}, &out, &errb))
 
 	ready := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, `{"ready":true}`) }))
 	defer ready.Close()
@@ -36,11 +36,11 @@ func TestMainSubcommands(t *testing.T) {
 	}))
 	defer notReady.Close()
 	out.Reset()
-	require.NoError(t, Main(context.Background(), worker.RoleDecode, []string{"healthcheck", "--url", ready.URL}, &out, &errb))
+	require.NoError(t, Main(context.Background(), nil, worker.RoleDecode, []string{"healthcheck", "--url", ready.URL}, &out, &errb))
 	require.Contains(t, out.String(), "ok")
-	err := Main(context.Background(), worker.RoleDecode, []string{"healthcheck", "--url", notReady.URL}, &out, &errb)
+	err := Main(context.Background(), nil, worker.RoleDecode, []string{"healthcheck", "--url", notReady.URL}, &out, &errb)
 	require.ErrorContains(t, err, "503")
-	err = Main(context.Background(), worker.RolePrefill, []string{"healthcheck", "--url", "http://127.0.0.1:1/readyz", "--timeout", "1s"}, &out, &errb)
+	err = Main(context.Background(), nil, worker.RolePrefill, []string{"healthcheck", "--url", "http://127.0.0.1:1/readyz", "--timeout", "1s"}, &out, &errb)
 	require.Error(t, err)
 }
 

@@ -51,6 +51,10 @@ type Options struct {
 	Gate *admin.Gate
 	// Ready is called once the worker serves.
 	Ready func(Endpoints)
+	// Abort, when it ends, cuts the drain short (the second stop signal):
+	// what is left fails at once and the worker returns ErrAborted. Nil
+	// never ends.
+	Abort context.Context
 	// Stdout receives the standalone banner; nil means os.Stdout.
 	Stdout io.Writer
 	// Stderr receives the logs when Logger is nil; nil means os.Stderr.
@@ -74,6 +78,18 @@ func (o *Options) fill(cfg *config.Config) {
 	if o.Metrics == nil {
 		o.Metrics = worker.NewMetrics(o.Registry)
 	}
+	if o.Abort == nil {
+		o.Abort = context.Background()
+	}
+}
+
+// aborted is the worker's result after its drain: ErrAborted when the
+// abort context ended it.
+func (o *Options) aborted() error {
+	if o.Abort.Err() != nil {
+		return ErrAborted
+	}
+	return nil
 }
 
 // node is what both roles build: the model, the ranks over their arenas and,

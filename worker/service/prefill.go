@@ -18,7 +18,9 @@ import (
 
 // RunPrefill runs a prefill worker until ctx ends, then drains: readiness
 // turns 503, the NATS service stops taking requests, in-flight ones finish
-// (prefill and push) for up to cfg.DrainTimeout, and everything is closed.
+// (prefill and push) for up to cfg.DrainTimeout (or until o.Abort ends),
+// and everything is closed. It returns nil, ErrAborted after an aborted
+// drain, or the error that kept it from starting.
 func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 	o.fill(&cfg)
 	log := o.Logger
@@ -94,18 +96,18 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 	log.Info("draining", "live", eng.Live(), "timeout", cfg.DrainTimeout.String())
 	adm.SetDraining()
 	registered.Store(false)
-	dctx, cancel := context.WithTimeout(context.Background(), cfg.DrainTimeout)
+	dctx, cancel := context.WithTimeout(o.Abort, cfg.DrainTimeout)
 	if err := pf.Shutdown(dctx); err != nil {
 		log.Warn("prefiller shutdown", "err", err)
 	}
 	if err := eng.Drain(dctx); err != nil {
-		log.Warn("drain timed out; failing the requests left", "live", eng.Live())
+		log.Warn("drain ended; failing the requests left", "live", eng.Live(), "aborted", o.Abort.Err() != nil)
 	}
 	cancel()
 	stopLoop()
 	pe.syncStats()
 	log.Info("prefill stopped")
-	return nil
+	return o.aborted()
 }
 
 // prefillExec implements transfer.PrefillExecutor over the prefill engine.

@@ -195,6 +195,7 @@ func TestRemoteMatchesLocal(t *testing.T) {
 	}
 	require.Equal(t, 1.0, metricValue(t, rep.Admin, `handoff_transport_info{transport="tcp"}`))
 	require.Equal(t, 0.0, metricValue(t, rep.Admin, `handoff_retries_total{role="decode"}`), "no worker refused or died")
+	require.Equal(t, 0.0, metricValue(t, rep.Admin, `handoff_quarantined_bytes{role="decode"}`), "no writer stopped inside a copy")
 	require.Equal(t, 1.0, metricValue(t, pep.Admin, `handoff_transport_info{transport="tcp"}`))
 	// Both roles padded dummies: with one real row per rank, a rank whose
 	// row is held by a transfer pads while the other works.
