@@ -351,6 +351,10 @@ type handoff struct {
 	// handoff; a grant that fails still does.
 	failCh  <-chan struct{}
 	replied bool // an OK reply arrived: the commit is what is awaited now
+	// held is the Done of a revoked grant left quarantined (a live writer
+	// still inside a copy into the destination), nil otherwise: the
+	// destination stays out of use until it closes.
+	held <-chan struct{}
 
 	cause error // the most specific error behind a failure
 	ok    PrefillReply
@@ -504,10 +508,14 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 // deadline checks, which compare monotonic readings.
 func (h *handoff) now() time.Time { return h.start.Add(time.Since(h.start)) }
 
-// grantEvent is the event of the grant's end (h.doneCh closed).
+// grantEvent is the event of the grant's end (h.doneCh or h.failCh closed).
 func (h *handoff) grantEvent() Event {
 	h.doneCh, h.failCh = nil, nil
-	m, err := h.grant.Wait(context.Background()) // terminal: returns at once
+	if err := h.grant.Err(); err != nil { // failed: Done may wait on a quarantine
+		h.setCause(err)
+		return Event{Kind: EvGrantFailed, Code: rdmaCode(err)}
+	}
+	m, err := h.grant.Wait(context.Background()) // committed: returns at once
 	if err != nil {
 		h.setCause(err)
 		return Event{Kind: EvGrantFailed, Code: rdmaCode(err)}
@@ -602,11 +610,32 @@ func (h *handoff) exec(a Action) (Event, bool) {
 	case ActRevoke:
 		if h.grant != nil {
 			h.grant.Revoke()
+			if h.grant.Quarantined() {
+				h.held = h.grant.Done()
+			}
 		}
 	case ActFree:
-		if err := h.req.Alloc.Free(h.req.ID); err != nil {
-			h.d.cfg.Logger.Error("free after failed handoff", "seq", h.req.ID, "err", err)
+		free := func() {
+			if err := h.req.Alloc.Free(h.req.ID); err != nil {
+				h.d.cfg.Logger.Error("free after failed handoff", "seq", h.req.ID, "err", err)
+			}
 		}
+		if h.held == nil {
+			free()
+			break
+		}
+		// A live writer may still store into the destination: free it once
+		// the quarantine ends (not at all if the decoder closes first).
+		d, held := h.d, h.held
+		d.wg.Add(1)
+		go func() {
+			defer d.wg.Done()
+			select {
+			case <-held:
+				free()
+			case <-d.done:
+			}
+		}()
 	}
 	return Event{}, false
 }
@@ -760,6 +789,18 @@ func (h *handoff) setCause(err error) { h.cause = err }
 // attempt's refusal behind a final no-responders): then it is only quoted,
 // so that the error matches exactly one of the package's sentinels.
 func (h *handoff) failure(code Code) error {
+	err := h.failureErr(code)
+	if h.held != nil {
+		select {
+		case <-h.held:
+		default:
+			return &QuarantinedError{Err: err, released: h.held}
+		}
+	}
+	return err
+}
+
+func (h *handoff) failureErr(code Code) error {
 	if h.cause == nil {
 		return fmt.Errorf("transfer: request %d: %w", h.req.ID, code.Err())
 	}

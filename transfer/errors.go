@@ -49,6 +49,26 @@ var (
 	ErrInvalidConfig = errors.New("transfer: invalid config")
 )
 
+// QuarantinedError is the error of a handoff that failed while a live
+// writer was still inside a copy into its destination and could not be
+// fenced in time (a stopped or frozen prefill process; rdma.Grant.Quarantined).
+// The caller must keep the destination (its KV blocks and Mamba row) out of
+// every pool until Released is closed: the copy ended or the writer exited.
+// It wraps the handoff's failure.
+type QuarantinedError struct {
+	Err      error
+	released <-chan struct{}
+}
+
+func (e *QuarantinedError) Error() string {
+	return e.Err.Error() + " (destination quarantined until the writer's copy ends)"
+}
+
+func (e *QuarantinedError) Unwrap() error { return e.Err }
+
+// Released is closed once no byte can land in the destination any more.
+func (e *QuarantinedError) Released() <-chan struct{} { return e.released }
+
 // Code is the wire form of a failure class. CodeOK means success. Codes are
 // stable: they are part of the wire format.
 type Code uint16

@@ -20,7 +20,10 @@ import (
 //
 // Fetch must not return before no further byte can land in the destination
 // (the data-plane grant is closed or revoked): the engine frees and reuses
-// the resources as soon as Fetch returns. Errors that are a peer's refusal
+// the resources as soon as Fetch returns, except when the error has a
+// method Released() <-chan struct{} (transfer.QuarantinedError: a live
+// writer may still store into them), when they stay allocated until that
+// channel closes. Errors that are a peer's refusal
 // should wrap ErrTransferRefused, deadlines ErrTransferTimeout or
 // context.DeadlineExceeded, so the transfer metric is labelled right.
 type CacheSource interface {
@@ -167,6 +170,7 @@ const (
 	evFetched               // a Fetch returned
 	evRelease               // a lease was released
 	evAbandon               // Prefill gave up before taking its lease
+	evUnquarantine          // a failed fetch's destination can be freed now
 )
 
 type inboxEvent struct {
@@ -296,6 +300,7 @@ type Engine struct {
 	idle      chan struct{} // closed once draining and live == 0
 	idleShut  bool
 	fetches   sync.WaitGroup
+	quit      chan struct{} // closed when shutdown starts
 	scratchPh []Phase
 }
 
@@ -310,7 +315,7 @@ func NewEngine(cfg Config, ranks []*Rank) (*Engine, error) {
 	}
 	e := &Engine{
 		cfg: cfg, ranks: ranks, log: cfg.Logger, m: cfg.Metrics, maxContext: maxCtx,
-		wake: make(chan struct{}, 1), idle: make(chan struct{}), nextID: 1,
+		wake: make(chan struct{}, 1), idle: make(chan struct{}), nextID: 1, quit: make(chan struct{}),
 	}
 	e.m.init(cfg.Role)
 	e.publish()
@@ -614,6 +619,11 @@ func (e *Engine) applyInbox() {
 			if q.phase == PhasePush {
 				e.finish(q, nil)
 			}
+		case evUnquarantine:
+			if err := q.rank.mgr.Free(q.id); err != nil {
+				q.log.Error("free resources after quarantine", "err", err)
+			}
+			q.log.Info("quarantine over: blocks and row freed")
 		}
 	}
 }
@@ -726,6 +736,17 @@ func (e *Engine) fetched(q *request, res FetchResult, err error) {
 		return
 	}
 	e.setPhase(q, PhaseGenerate)
+}
+
+// quarantined returns the channel that closes once the destination of a
+// failed fetch is safe to reuse, when err says a writer may still store into
+// it (transfer.QuarantinedError), else nil.
+func quarantined(err error) <-chan struct{} {
+	var q interface{ Released() <-chan struct{} }
+	if errors.As(err, &q) {
+		return q.Released()
+	}
+	return nil
 }
 
 // TransferResult maps a transfer's error to its metric label.
@@ -889,7 +910,18 @@ func (e *Engine) finish(q *request, err error) {
 	}
 	if q.phase.HoldsResources() && q.rank != nil {
 		r := q.rank
-		if ferr := r.mgr.Free(q.id); ferr != nil {
+		if held := quarantined(err); held != nil {
+			// A live writer may still store into the blocks and row: they
+			// stay allocated, out of every pool, until its copy ended.
+			q.log.Warn("blocks and row quarantined: a live prefill writer may still store into them", "err", err)
+			e.fetches.Go(func() {
+				select {
+				case <-held:
+					e.post(inboxEvent{kind: evUnquarantine, q: q})
+				case <-e.quit: // the process is going; nothing to reuse them for
+				}
+			})
+		} else if ferr := r.mgr.Free(q.id); ferr != nil {
 			q.log.Error("free resources", "err", ferr)
 		}
 		r.promised -= q.promise
@@ -978,6 +1010,7 @@ func (e *Engine) setPhase(q *request, p Phase) {
 // shutdown fails what is left and waits for fetches and leases, up to
 // ReleaseGrace, before freeing their resources anyway.
 func (e *Engine) shutdown() {
+	close(e.quit)
 	e.mu.Lock()
 	e.stopped = true
 	queued := e.queue

@@ -3,6 +3,7 @@ package worker
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -540,4 +541,41 @@ func TestEngineSessionsGaugeLive(t *testing.T) {
 	require.Eventually(t, func() bool {
 		return e.Live() == 0 && gaugeValue(t, e.m.Sessions.WithLabelValues("prefill")) == 0
 	}, 5*time.Second, time.Millisecond)
+}
+
+// quarantineSource fails every fetch with an error saying that a writer may
+// still store into the destination until released closes
+// (transfer.QuarantinedError's contract).
+type quarantineSource struct{ released chan struct{} }
+
+type quarantineErr struct{ released chan struct{} }
+
+func (q quarantineErr) Error() string             { return "a writer is still copying" }
+func (q quarantineErr) Released() <-chan struct{} { return q.released }
+
+func (s *quarantineSource) Fetch(ctx context.Context, f FetchRequest) (FetchResult, error) {
+	return FetchResult{}, fmt.Errorf("test fetch: %w", quarantineErr{s.released})
+}
+
+// A fetch that fails with its destination quarantined leaves the row and
+// blocks allocated, out of the pools, until the quarantine ends.
+func TestEngineKeepsQuarantinedDestination(t *testing.T) {
+	ranks := newRanks(t, rankOpts{ranks: 1, batch: 2})
+	src := &quarantineSource{released: make(chan struct{})}
+	e := newEngine(t, Config{Source: src}, ranks)
+	before := ranks[0].mgr.Stats()
+	s, err := e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("quarantined"), MaxTokens: 2})
+	require.NoError(t, err)
+	_, ev := drainStream(t, s)
+	require.Error(t, ev.Err)
+	require.Eventually(t, func() bool { return e.Live() == 0 }, 5*time.Second, time.Millisecond)
+	time.Sleep(20 * time.Millisecond)
+	held := ranks[0].mgr.Stats()
+	require.Equal(t, before.RowsFree-1, held.RowsFree, "the quarantined row went back to the pool")
+	require.Less(t, held.BlocksFree, before.BlocksFree, "the quarantined blocks went back to the pool")
+	close(src.released)
+	require.Eventually(t, func() bool {
+		now := ranks[0].mgr.Stats()
+		return now.RowsFree == before.RowsFree && now.BlocksFree == before.BlocksFree
+	}, 5*time.Second, time.Millisecond, "the destination was not freed once the quarantine ended")
 }

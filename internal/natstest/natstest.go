@@ -1,7 +1,8 @@
 // Package natstest runs the NATS server of a test inside the test binary: the
 // real nats-server code, on loopback, JetStream on with its store in a
-// temporary directory, no logging and no signal handlers. It is the one way
-// the tests of this module start one.
+// temporary directory, no logging and no signal handlers. The tests of this
+// module start their NATS servers through it, except where the server is
+// itself under test (--standalone's, handoff-nats's).
 //
 // Run suits most tests: a server on a random port, shut down when the test
 // ends. Options and Start are for the rest: a server on a port chosen before
