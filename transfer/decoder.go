@@ -615,9 +615,11 @@ func (h *handoff) exec(a Action) (Event, bool) {
 			}
 		}
 	case ActFree:
+		// Not h's fields: h goes back to the pool when Handoff returns.
+		alloc, id, log := h.req.Alloc, h.req.ID, h.d.cfg.Logger
 		free := func() {
-			if err := h.req.Alloc.Free(h.req.ID); err != nil {
-				h.d.cfg.Logger.Error("free after failed handoff", "seq", h.req.ID, "err", err)
+			if err := alloc.Free(id); err != nil {
+				log.Error("free after failed handoff", "seq", id, "err", err)
 			}
 		}
 		if h.held == nil {
