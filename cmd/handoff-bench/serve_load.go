@@ -21,10 +21,12 @@ type loadRun struct {
 }
 
 // runLoad sends reqs[i] at arrivals[i] after its start, at most maxConc at
-// once (0: no limit), and waits for every request it sent. When ctx ends it
-// sends no more, and the requests in flight are cancelled (marked so); it
-// returns once they have all returned. prog, if not nil, hears of each
-// finished request.
+// once (0: no limit), and waits for every request it sent. Requests take the
+// concurrency slots in the order they arrive, as vLLM's do; the wait from a
+// request's arrival to its POST is its QueueTime. When ctx ends runLoad sends
+// no more (a request still waiting for its arrival or a slot is not sent),
+// and the requests in flight are cancelled (marked so); it returns once they
+// have all returned. prog, if not nil, hears of each finished request.
 func runLoad(ctx context.Context, c *serveClient, model, idPrefix string, reqs []serving.Request,
 	arrivals []time.Duration, maxConc int, prog *progress) loadRun {
 	results := make([]serving.Result, len(reqs))
@@ -41,7 +43,8 @@ func runLoad(ctx context.Context, c *serveClient, model, idPrefix string, reqs [
 	sent := 0
 dispatch:
 	for i, in := range reqs {
-		if wait := time.Until(start.Add(arrivals[i])); wait > 0 {
+		due := start.Add(arrivals[i])
+		if wait := time.Until(due); wait > 0 {
 			timer.Reset(wait)
 			select {
 			case <-ctx.Done():
@@ -49,25 +52,23 @@ dispatch:
 			case <-timer.C:
 			}
 		}
+		if sem != nil {
+			select {
+			case sem <- struct{}{}:
+			case <-ctx.Done():
+				break dispatch
+			}
+		}
 		if ctx.Err() != nil {
 			break
 		}
 		sent++
-		arrived := time.Now()
 		wg.Go(func() {
 			if sem != nil {
-				select {
-				case sem <- struct{}{}:
-					defer func() { <-sem }()
-				case <-ctx.Done():
-					results[i] = serving.Result{Cancelled: true, PromptLen: in.PromptLen, Start: time.Since(start),
-						QueueTime: time.Since(arrived), Error: "cancelled before it was sent: " + context.Cause(ctx).Error()}
-					prog.add(results[i])
-					return
-				}
+				defer func() { <-sem }()
 			}
 			r := c.complete(ctx, model, start, in, fmt.Sprintf("%s-%d", runID, i))
-			r.QueueTime = start.Add(r.Start).Sub(arrived)
+			r.QueueTime = start.Add(r.Start).Sub(due)
 			results[i] = r
 			prog.add(r)
 		})
