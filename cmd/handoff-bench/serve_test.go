@@ -466,8 +466,8 @@ func TestParseServeFlags(t *testing.T) {
 		{"--percentile-metrics", "ttft,xyz"},
 		{"--output", "yaml"},
 		{"--token-unit", "chars"},
-		{"--sweep-rates", "1,2"},                                // no SLO
-		{"--sweep-rates", "1,2", "--goodput", "ttft:1"},         // no TPOT SLO
+		{"--sweep-rates", "1,2"},                                 // no SLO
+		{"--sweep-rates", "1,2", "--goodput", "ttft:1"},          // no TPOT SLO
 		{"--sweep-rates", "1,inf", "--goodput", "ttft:1 tpot:1"}, // not a rate
 		{"--num-prompts", "0"},
 		{"stray"},

@@ -125,7 +125,7 @@ func TestComputeEmptyAndNoSLO(t *testing.T) {
 // the first POST.
 func TestComputePeaks(t *testing.T) {
 	rs := []Result{
-		ok(0, 500*ms1, 2, 1, 500*ms1),           // [0, 1000): chunks at 500, 1000
+		ok(0, 500*ms1, 2, 1, 500*ms1),            // [0, 1000): chunks at 500, 1000
 		ok(time.Second, 100*ms1, 3, 1, ms1, ms1), // [1000, 1102): chunks at 1100, 1101, 1102
 		ok(1050*ms1, 10*ms1, 1, 1),               // [1050, 1060)
 	}
