@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -536,20 +537,44 @@ func TestServeSignalPartialReport(t *testing.T) {
 	cmd := exec.Command(os.Args[0], "serve", "--base-url", srv.URL, "--num-prompts", "8", "--random-input-len", "8",
 		"--random-output-len", "2", "--token-unit", "bytes", "--output", "json", "--progress", "lines")
 	cmd.Env = append(os.Environ(), testRoleEnv+"=serve")
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	var stdout bytes.Buffer
+	cmd.Stdout = &stdout
+	errPipe, err := cmd.StderrPipe()
+	require.NoError(t, err)
 	require.NoError(t, cmd.Start())
-	for range 5 {
+	// the child's progress lines tell when it has seen the three complete
+	var stderr strings.Builder
+	threeDone := make(chan struct{})
+	stderrDone := make(chan struct{})
+	go func() {
+		defer close(stderrDone)
+		sc := bufio.NewScanner(errPipe)
+		closed := false
+		for sc.Scan() {
+			stderr.WriteString(sc.Text() + "\n")
+			if strings.Contains(sc.Text(), "3/8 done") && !closed {
+				close(threeDone)
+				closed = true
+			}
+		}
+	}()
+	waitFor := func(ch <-chan struct{}, what string) {
 		select {
-		case <-inFlight:
+		case <-ch:
 		case <-time.After(30 * time.Second):
 			_ = cmd.Process.Kill()
+			<-stderrDone
 			_ = cmd.Wait()
-			t.Fatalf("requests never hung in flight; stderr:\n%s", stderr.String())
+			t.Fatalf("%s never happened; stderr:\n%s", what, stderr.String())
 		}
 	}
+	for range 5 {
+		waitFor(inFlight, "five requests in flight")
+	}
+	waitFor(threeDone, "three requests done")
 	require.NoError(t, cmd.Process.Signal(syscall.SIGINT))
-	err := cmd.Wait()
+	<-stderrDone
+	err = cmd.Wait()
 	var exit *exec.ExitError
 	require.ErrorAs(t, err, &exit, "stderr:\n%s", stderr.String())
 	require.Equal(t, 1, exit.ExitCode())
@@ -560,4 +585,36 @@ func TestServeSignalPartialReport(t *testing.T) {
 	require.EqualValues(t, 5, r.f(t, "cancelled"))
 	require.EqualValues(t, 0, r.f(t, "failed"))
 	require.EqualValues(t, 0, r.f(t, "not_sent"))
+}
+
+// On a terminal the progress is one line redrawn in place; otherwise a
+// line per tenth of the requests; "none" shows nothing.
+func TestServeProgress(t *testing.T) {
+	var b bytes.Buffer
+	p := newProgress(&b, "auto", true, "rate 2", 4)
+	for i := range 4 {
+		p.add(serving.Result{Success: i != 1})
+	}
+	p.finish()
+	out := b.String()
+	require.Contains(t, out, "\r\x1b[Krate 2 [")
+	require.Contains(t, out, "[==============================] 4/4 100%")
+	require.Contains(t, out, "failed 1")
+	require.True(t, strings.HasSuffix(out, "\n"))
+
+	b.Reset()
+	p = newProgress(&b, "auto", false, "rate 2", 20)
+	for range 20 {
+		p.add(serving.Result{Success: true})
+	}
+	p.finish()
+	lines := strings.Split(strings.TrimSpace(b.String()), "\n")
+	require.Len(t, lines, 10)
+	require.True(t, strings.HasPrefix(lines[0], "rate 2: 2/20 done, 0 failed, "), lines[0])
+	require.NotContains(t, b.String(), "\r")
+
+	require.Nil(t, newProgress(&b, "none", true, "x", 1))
+	var none *progress
+	none.add(serving.Result{}) // a nil progress shows nothing
+	none.finish()
 }
