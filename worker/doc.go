@@ -39,8 +39,11 @@
 //  2. Call Run once, on a goroutine the caller owns; cancel its ctx to stop.
 //     Queued and running requests then fail with ErrClosed and every row
 //     and block is freed (leases and fetches in flight get ReleaseGrace).
-//  3. Decode: Generate per request; read the Stream to its final event, or
-//     cancel the request's ctx to leave early.
+//  3. Decode: Generate per request; read the Stream (Next) to its final
+//     event, or cancel the request's ctx to leave early. A stream grows
+//     with the tokens generated: nothing is sized by MaxTokens before the
+//     request runs. Stop sequences end a generation without emitting the
+//     match (stopper); Sampling asks for top_p and logprobs.
 //  4. Prefill: Prefill (or SubmitPrefill then Wait); Release the lease once
 //     its cache was pushed. A CacheSource must not return from Fetch while
 //     a byte can still land in the destination.

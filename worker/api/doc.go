@@ -1,12 +1,36 @@
 // Package api serves the decode worker's OpenAI-compatible HTTP API:
 //
-//	POST /v1/completions  model, prompt, max_tokens, temperature, seed, stream (SSE)
+//	POST /v1/completions  see below
 //	GET  /v1/models       the served model
+//
+// Every parameter of OpenAI's completions API is served or refused by name:
+//
+//	model, prompt           a string, an array of one string, or an array of token ids
+//	max_tokens, seed        as OpenAI; temperature 0..2
+//	top_p                   nucleus sampling (0: the most likely token alone)
+//	stop                    up to 4 strings; generation ends at the first match,
+//	                        whose text is never sent (a stream holds back text
+//	                        that may begin a match); finish_reason "stop"
+//	echo                    the prompt before the completion
+//	logprobs                0..5: each token's log probability (log-softmax at
+//	                        temperature 1) and that many alternatives; not with echo
+//	stream, stream_options  SSE; include_usage adds a last chunk with the usage
+//	n, best_of              1 only; presence_penalty, frequency_penalty: 0 only;
+//	logit_bias              empty only; suffix: empty only; user: logged
+//
+// A refused value is 400 unsupported_value naming the parameter; a key
+// that is not a parameter (in any other case, too) is 400
+// unknown_parameter. The body is decoded strictly: one JSON object, each
+// key once and exactly as spelled, nothing after it (params.go: one table-
+// driven decoder for every endpoint).
 //
 // Bad input never reaches the engine: it is answered with an OpenAI-style
 // error body {"error":{"message","type","param","code"}} and a 4xx status.
-// A full admission queue is 429, a draining or stopped worker 503. A client
-// that disconnects cancels its request, which frees its resources.
+// A full admission queue is 429, a draining or stopped worker 503 (whatever
+// phase a request is in when the worker stops). A client that disconnects
+// cancels its request, which frees its resources; so does a client that
+// stops reading: each response write must complete within
+// Config.WriteTimeout (--write-timeout), else the response is cut.
 //
 // Every response carries X-Request-Id (taken from the request when it sends
 // a sane one); the same id appears in every log line about the request.
