@@ -203,6 +203,7 @@ func (c *serveClient) complete(ctx context.Context, model string, runStart time.
 		last   time.Time
 		chunks int
 		usage  *serving.Usage
+		ended  time.Time // when an end-marker chunk came
 	)
 	events := serving.NewSSEReader(resp.Body)
 	for {
@@ -227,6 +228,9 @@ func (c *serveClient) complete(ctx context.Context, model string, runStart time.
 		if ch.Usage != nil {
 			usage = ch.Usage
 		}
+		if ch.HasChoices && !ch.Token() && ended.IsZero() {
+			ended = now
+		}
 		if !ch.Token() {
 			continue
 		}
@@ -239,7 +243,12 @@ func (c *serveClient) complete(ctx context.Context, model string, runStart time.
 		chunks++
 		text.WriteString(ch.Text)
 	}
-	if chunks == 0 {
+	if chunks == 0 && !ended.IsZero() {
+		// No token chunk, only the end marker: the server generated no
+		// text (an immediate EOS). vLLM counts that chunk as the first
+		// token; so does this, with the server's token count.
+		res.TTFT, last = ended.Sub(start), ended
+	} else if chunks == 0 {
 		return fail(errors.New("never received a chunk with choices to time TTFT"))
 	}
 	res.Success = true

@@ -70,7 +70,8 @@ func writeSweepPlot(path string, points []serving.SweepPoint, slo serving.SLO, t
 		p.Add(line, dots, goal)
 		p.Legend.Add(pn.legend, line, dots)
 		p.Legend.Add(pn.goalLabel, goal)
-		p.Legend.Top = i < 2 // latencies grow to the right; attainment falls
+		p.Legend.Left = true // latencies grow to the right and attainment falls there
+		p.Legend.Top = i < 2
 		if i == 2 {
 			p.Y.Max = 100
 		}

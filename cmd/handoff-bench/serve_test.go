@@ -72,6 +72,7 @@ type reply struct {
 	gaps        []time.Duration // before each further chunk
 	tokens      int             // usage.completion_tokens (default: one per chunk)
 	streamError bool            // an error event instead of the last chunk
+	noTokens    bool            // only the end marker, after ttft, with 0 completion tokens
 }
 
 // fakeServer is a scripted OpenAI completions server.
@@ -145,6 +146,13 @@ func (f *fakeServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	if !sleep(rep.ttft) {
+		return
+	}
+	if rep.noTokens {
+		final := chunk("", "stop")
+		final["usage"] = map[string]any{"prompt_tokens": len(prompt), "completion_tokens": 0}
+		send(final)
+		_, _ = io.WriteString(w, "data: [DONE]\n\n")
 		return
 	}
 	send(chunk("t", nil))
@@ -309,11 +317,14 @@ func TestServeMaxConcurrency(t *testing.T) {
 }
 
 // Refused requests and errors inside the stream count as failed, with
-// their messages, and stay out of the latency metrics.
+// their messages, and stay out of the latency metrics; a stream with no
+// token, only the end marker, completed.
 func TestServeFailures(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := &fakeServer{script: func(i int, _ map[string]any) reply {
 			switch i {
+			case 0:
+				return reply{ttft: 7 * time.Millisecond, noTokens: true}
 			case 1:
 				return reply{status: http.StatusTooManyRequests}
 			case 2:
@@ -327,7 +338,13 @@ func TestServeFailures(t *testing.T) {
 		r := decodeReport(t, out)
 		require.EqualValues(t, 2, r.f(t, "completed"))
 		require.EqualValues(t, 2, r.f(t, "failed"))
-		require.InDelta(t, 10, r.f(t, "mean_ttft_ms"), 1e-9)
+		// request 0 generated nothing (an immediate EOS): it completed, its
+		// TTFT and E2EL are its end marker's arrival, it has no TPOT.
+		require.Equal(t, []float64{0, 0, 0, 2}, r.floats(t, "output_lens"))
+		require.Equal(t, []float64{0.007, 0, 0.005, 0.01}, r.floats(t, "ttfts"), "a failed request keeps what was measured, as in vLLM")
+		require.Equal(t, []float64{0.007, 0, 0, 0.011}, r.floats(t, "latencies"))
+		require.InDelta(t, 8.5, r.f(t, "mean_ttft_ms"), 1e-9)
+		require.InDelta(t, 1, r.f(t, "mean_tpot_ms"), 1e-9)
 		errs := r["errors"].([]any)
 		require.Equal(t, "HTTP 429 Too Many Requests: The server is at capacity; retry later. (queue_full)", errs[1])
 		require.Equal(t, "server error in stream: prefill worker lost (internal_error)", errs[2])
