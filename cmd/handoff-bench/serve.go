@@ -133,7 +133,7 @@ func parseServeFlags(args []string, stderr io.Writer) (serveOptions, error) {
 	fs.Float64Var(&o.target, "attainment-target", serving.DefaultAttainmentTarget, "SLO attainment a swept rate must reach (DistServe: 0.9)")
 	fs.StringVar(&o.plot, "plot", "serve-sweep.png", "with --sweep-rates: PNG of p90 TTFT, p90 TPOT and attainment against rate; empty: none")
 	fs.StringVar(&o.unit, "token-unit", "auto", "what a prompt token is: words, bytes, or auto (asks the server: bytes when its prompt_tokens count bytes)")
-	fs.BoolVar(&o.ignoreEOS, "ignore-eos", true, "send ignore_eos so every request generates its max_tokens (servers that do not know it ignore it)")
+	fs.BoolVar(&o.ignoreEOS, "ignore-eos", false, "send ignore_eos: true, so that vLLM and SGLang generate max_tokens whatever they sample (as vLLM, off by default: OpenAI's API and handoff refuse the unknown parameter)")
 	fs.StringVar(&temp, "temperature", "", "sampling temperature to send; empty: the server's default")
 	fs.DurationVar(&o.timeout, "request-timeout", 6*time.Hour, "a request running longer fails (vLLM: 6h)")
 	fs.StringVar(&o.progress, "progress", "auto", "auto (a bar on a terminal, lines otherwise), bar, lines or none; on stderr")

@@ -290,7 +290,7 @@ func TestServeMetricsScripted(t *testing.T) {
 		require.Equal(t, "fake-model", b["model"])
 		require.Equal(t, true, b["stream"])
 		require.Equal(t, map[string]any{"include_usage": true}, b["stream_options"])
-		require.Equal(t, true, b["ignore_eos"])
+		require.NotContains(t, b, "ignore_eos", "an unknown parameter to OpenAI's API: only with --ignore-eos")
 		require.EqualValues(t, 4, b["max_tokens"])
 		require.NotContains(t, b, "temperature")
 		require.Len(t, b["prompt"], 32)
@@ -431,12 +431,14 @@ func TestServeProbesTokenUnit(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := &fakeServer{script: func(int, map[string]any) reply { return reply{ttft: time.Millisecond} }}
 		out, stderr, err := serveFake(t, t.Context(), f, "--num-prompts", "2", "--random-input-len", "40",
-			"--random-output-len", "1", "--output", "json")
+			"--random-output-len", "1", "--output", "json", "--ignore-eos", "--temperature", "0.5")
 		require.NoError(t, err)
 		require.Contains(t, stderr, "token unit: bytes")
 		require.Equal(t, "handoff-bench:bytes", decodeReport(t, out)["tokenizer_id"])
 		require.Equal(t, false, f.bodies[0]["stream"], "the probe is not streamed")
 		require.Len(t, f.bodies[1]["prompt"], 40)
+		require.Equal(t, true, f.bodies[1]["ignore_eos"])
+		require.Equal(t, 0.5, f.bodies[1]["temperature"])
 	})
 }
 
@@ -464,7 +466,7 @@ func TestParseServeFlags(t *testing.T) {
 	require.Equal(t, 1000, o.numPrompts)
 	require.Equal(t, 1024, o.inputLen)
 	require.Equal(t, 128, o.outputLen)
-	require.True(t, o.ignoreEOS)
+	require.False(t, o.ignoreEOS)
 	require.True(t, math.IsNaN(o.temperature))
 
 	o, err = parseServeFlags([]string{"--goodput=ttft:1 e2el:2", "--temperature", "0"}, io.Discard)
