@@ -136,8 +136,10 @@ type Decoder struct {
 
 	inbox      string
 	sub        *nats.Subscription
-	prefillSub string // the shared prefill subject
-	unwatch    func() // stops the writer-gone reports (watchWriters)
+	resub      *nats.Subscription // prefill instances' reconnect notices
+	status     chan nats.Status   // this connection's reconnects (watchReconnects)
+	prefillSub string             // the shared prefill subject
+	unwatch    func()             // stops the writer-gone reports (watchWriters)
 	seq        atomic.Uint64
 	picks      atomic.Uint64 // round-robin offset of pick
 
@@ -167,25 +169,36 @@ type Decoder struct {
 // call is one Handoff's mailbox, written by NATS and registry callbacks.
 type call struct {
 	replies chan *nats.Msg // size 2: a reply and one duplicate; more are dropped
-	// died signals that dead holds instances (size 1: one pending signal
-	// covers any number of deaths). Every death is kept, not only the first:
-	// an unrelated instance may die just before the one this call waits on.
-	died   chan struct{}
-	dead   []string // prefill instances that left since the last take (under Decoder.mu)
-	target string   // the instance addressed directly, if any (under Decoder.mu)
+	// died signals that dead or lost holds instances (size 1: one pending
+	// signal covers any number of notes). Every note is kept, not only the
+	// first: an unrelated instance may die just before the one this call
+	// waits on.
+	died chan struct{}
+	dead []string // prefill instances that left since the last take (under Decoder.mu)
+	// lost holds the instances whose NATS connection dropped and came back
+	// since the last take, "" for this decoder's own (under Decoder.mu).
+	lost   []string
+	target string // the instance addressed directly, if any (under Decoder.mu)
 }
 
 func (c *call) init() {
 	c.replies, c.died = make(chan *nats.Msg, 2), make(chan struct{}, 1)
 }
 
-// takeDead returns and clears the deaths c was told of.
-func (d *Decoder) takeDead(c *call) []string {
+// takeNotes returns and clears what c was told of, as session events:
+// deaths, then control connections lost.
+func (d *Decoder) takeNotes(c *call) []Event {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	dead := c.dead
-	c.dead = nil
-	return dead
+	var evs []Event
+	for _, inst := range c.dead {
+		evs = append(evs, Event{Kind: EvPeerDied, Instance: inst})
+	}
+	for _, inst := range c.lost {
+		evs = append(evs, Event{Kind: EvLost, Instance: inst})
+	}
+	c.dead, c.lost = nil, nil
+	return evs
 }
 
 // NewDecoder subscribes the decoder's reply inbox and, unless NoRegistry,
@@ -204,6 +217,10 @@ func NewDecoder(ctx context.Context, cfg DecoderConfig, nc *nats.Conn, eng *rdma
 		return nil, fmt.Errorf("transfer: decoder inbox: %w", err)
 	}
 	d.sub = sub
+	if d.resub, err = nc.Subscribe(Subject(cfg.Prefix, cfg.Namespace, SubjectInstanceReconnected, "*"), d.onReconnected); err != nil {
+		_ = sub.Unsubscribe()
+		return nil, fmt.Errorf("transfer: decoder reconnect notices: %w", err)
+	}
 	if !cfg.NoRegistry {
 		if err := d.startRegistry(ctx); err != nil {
 			_ = sub.Unsubscribe()
@@ -215,7 +232,56 @@ func NewDecoder(ctx context.Context, cfg DecoderConfig, nc *nats.Conn, eng *rdma
 		return nil, fmt.Errorf("transfer: decoder flush: %w", err)
 	}
 	d.watchWriters(eng)
+	d.status = nc.StatusChanged(nats.RECONNECTING, nats.CONNECTED)
+	d.wg.Go(d.watchReconnects)
 	return d, nil
+}
+
+// watchReconnects notes, each time this decoder's NATS connection came back
+// after a loss, that every handoff's request or reply in flight may have been
+// lost with it: their sessions resend, fenced, what is still unanswered
+// rather than wait for the deadline. Runs until Close removes the listener.
+func (d *Decoder) watchReconnects() {
+	down := false
+	for st := range d.status {
+		switch st {
+		case nats.RECONNECTING:
+			down = true
+		case nats.CONNECTED:
+			if down {
+				down = false
+				d.cfg.Logger.Info("NATS connection back: resending the prefill requests still unanswered")
+				d.controlLost("")
+			}
+		}
+	}
+}
+
+// onReconnected takes a prefill instance's notice that its NATS connection
+// came back (Prefiller.announceReconnects).
+func (d *Decoder) onReconnected(m *nats.Msg) {
+	// <prefix>.<ns>.inst.<id>.reconnected
+	parts := strings.Split(m.Subject, ".")
+	if len(parts) < 2 || !ValidToken(parts[len(parts)-2]) {
+		return
+	}
+	d.controlLost(parts[len(parts)-2])
+}
+
+// controlLost tells every handoff in flight that instance's control
+// connection ("" this decoder's own) was lost and is back.
+func (d *Decoder) controlLost(instance string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, c := range d.calls {
+		if !slices.Contains(c.lost, instance) {
+			c.lost = append(c.lost, instance)
+		}
+		select {
+		case c.died <- struct{}{}:
+		default:
+		}
+	}
 }
 
 func (d *Decoder) startRegistry(ctx context.Context) error {
@@ -313,8 +379,9 @@ func (d *Decoder) Close() error {
 	if d.unwatch != nil {
 		d.unwatch()
 	}
+	d.nc.RemoveStatusListener(d.status) // ends watchReconnects
 	d.wg.Wait()
-	err := d.sub.Unsubscribe()
+	err := errors.Join(d.sub.Unsubscribe(), d.resub.Unsubscribe())
 	if errors.Is(err, nats.ErrConnectionClosed) || errors.Is(err, nats.ErrBadSubscription) {
 		err = nil
 	}
@@ -472,18 +539,20 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 		case <-grantCh:
 			ev = h.grantEvent()
 		case <-h.c.died:
-			dead := h.d.takeDead(h.c)
-			if len(dead) == 0 {
+			notes := h.d.takeNotes(h.c)
+			if len(notes) == 0 {
 				continue // taken with an earlier signal
 			}
-			// A reply or commit already delivered came before the death was
-			// seen (a draining worker replies, then leaves the registry):
-			// apply it first, or a handoff that succeeded would fail.
+			// A reply or commit already delivered came before the death or
+			// loss was seen (a draining worker replies, then leaves the
+			// registry): apply it first, or a handoff that succeeded would
+			// fail.
 			early = h.delivered()
-			for _, inst := range dead[:len(dead)-1] {
-				early = append(early, h.sess.Step(Event{Kind: EvPeerDied, Instance: inst, Now: time.Now()})...)
+			for _, n := range notes[:len(notes)-1] {
+				n.Now = h.now()
+				early = append(early, h.sess.Step(n)...)
 			}
-			ev = Event{Kind: EvPeerDied, Instance: dead[len(dead)-1]}
+			ev = notes[len(notes)-1]
 		case <-timer.C:
 			ev = Event{Kind: EvTick}
 		case <-ctx.Done():

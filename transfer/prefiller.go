@@ -252,12 +252,17 @@ func (p *Prefiller) Start(ctx context.Context) error {
 // intake is what Start subscribed. It is stopped outside p.mu: stopping
 // is NATS IO.
 type intake struct {
-	svc  micro.Service
-	subs []*nats.Subscription
+	svc    micro.Service
+	subs   []*nats.Subscription
+	nc     *nats.Conn
+	status chan nats.Status // reconnects, see announceReconnects
 }
 
 func (in intake) stop() error {
 	var err error
+	if in.status != nil {
+		in.nc.RemoveStatusListener(in.status) // ends announceReconnects
+	}
 	if in.svc != nil {
 		err = in.svc.Stop()
 	}
@@ -312,6 +317,7 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 		}
 		in.subs = append(in.subs, sub)
 	}
+	in.nc, in.status = p.nc, p.nc.StatusChanged(nats.RECONNECTING, nats.CONNECTED)
 	if !c.NoRegistry {
 		if reg, err = OpenRegistry(ctx, p.nc, c.Registry); err != nil {
 			return nil, err
@@ -337,8 +343,36 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 		return nil, fmt.Errorf("%w: prefiller shut down while starting", ErrClosed)
 	}
 	p.in, p.reg = in, reg
+	// Under p.mu in state 3: Shutdown has not begun waiting for p.wg.
+	p.wg.Go(func() { p.announceReconnects(in.status) })
 	p.mu.Unlock()
 	return reg, nil
+}
+
+// announceReconnects tells the decoders each time this instance's NATS
+// connection came back after a loss: a request routed to it, or a reply it
+// sent, while the connection was down is gone, and nothing else would tell
+// the decoder waiting for it before its deadline. Decoders resend, fenced,
+// what they still await from this instance. Runs until status is closed.
+func (p *Prefiller) announceReconnects(status <-chan nats.Status) {
+	down := false
+	subj := Subject(p.cfg.Prefix, p.cfg.Namespace, SubjectInstanceReconnected, p.cfg.Instance)
+	for st := range status {
+		switch st {
+		case nats.RECONNECTING:
+			down = true
+		case nats.CONNECTED:
+			if !down {
+				continue
+			}
+			down = false
+			if err := p.nc.Publish(subj, nil); err != nil {
+				p.cfg.Logger.Warn("announce reconnect", "err", err)
+				continue
+			}
+			p.cfg.Logger.Info("NATS connection back: decoders resend what they still await from this instance")
+		}
+	}
 }
 
 // preconnect connects the data plane to a decode instance when it appears (or

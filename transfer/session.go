@@ -137,6 +137,9 @@ const (
 	EvTick     // time passed (Now)
 	EvCancel   // the caller or the peer cancelled (Code, default cancelled)
 	EvPeerDied // Instance is gone (registry expiry, transport loss)
+	// EvLost: a control connection dropped and came back (this side's, or
+	// Instance's): a request or reply in flight may have been lost with it.
+	EvLost
 )
 
 var eventNames = map[EventKind]string{
@@ -144,7 +147,7 @@ var eventNames = map[EventKind]string{
 	EvNoResponders: "no-responders", EvReply: "reply", EvCommitted: "committed",
 	EvGrantFailed: "grant-failed", EvRequest: "request", EvAdmitted: "admitted",
 	EvPrefilled: "prefilled", EvWritten: "written", EvTick: "tick", EvCancel: "cancel",
-	EvPeerDied: "peer-died",
+	EvPeerDied: "peer-died", EvLost: "lost",
 }
 
 func (k EventKind) String() string {
@@ -387,6 +390,13 @@ func (s *RecvSession) Step(ev Event) []Action {
 			code = CodeCancelled
 		}
 		return s.fail(code)
+	case EvLost:
+		// Only a request still unanswered can have been lost; one sent to
+		// another instance than the one that lost its connection was not.
+		if s.state != StateWaiting || !s.outstanding || ev.Instance != "" && s.target != "" && s.target != ev.Instance {
+			return nil
+		}
+		return s.resend(ev.Now)
 	case EvPeerDied:
 		if s.state != StateWaiting || ev.Instance == "" {
 			return nil
@@ -441,6 +451,26 @@ func (s *RecvSession) regrantOr(now time.Time, dead string) []Action {
 		s.refused = append(s.refused, dead)
 	}
 	s.replied, s.replyInstance, s.replyManifest = false, "", rdma.Manifest{}
+	s.granted, s.expected = false, nil
+	s.state, s.busy = StateGranting, true
+	return append(acts, Action{Kind: ActRevoke}, Action{Kind: ActOpenGrant})
+}
+
+// resend sends the outstanding request again after a control connection
+// dropped, where the deadline and attempt budget allow (otherwise it keeps
+// waiting: the request may not have been lost). The serving instance is
+// alive, so it is neither excluded nor ignored, but the retry is fenced as
+// after a death: the old attempt is cancelled, its grant revoked (no byte of
+// its ticket lands after that, and its late reply answers a stale attempt),
+// and a fresh grant opened over the same destination.
+func (s *RecvSession) resend(now time.Time) []Action {
+	if s.attempts >= s.p.MaxAttempts || !now.Before(s.p.Deadline) {
+		return nil
+	}
+	acts := append(s.out[:0], Action{Kind: ActPublishCancel, Instance: s.target, Code: CodeCancelled})
+	s.outstanding = false
+	s.replied, s.replyInstance, s.replyManifest = false, "", rdma.Manifest{}
+	s.committed, s.commitManifest = false, rdma.Manifest{}
 	s.granted, s.expected = false, nil
 	s.state, s.busy = StateGranting, true
 	return append(acts, Action{Kind: ActRevoke}, Action{Kind: ActOpenGrant})

@@ -244,6 +244,39 @@ func TestRecvSessionGolden(t *testing.T) {
 			at{ms(8), Event{Kind: EvCommitted, Manifest: okManifest}},
 			at{ms(9), Event{Kind: EvReply, Instance: "p2", Manifest: okManifest}},
 		)},
+		{"control_lost_resent_served", 7, append(recvPrefix()[:3],
+			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
+			at{ms(3), Event{Kind: EvLost}},
+			at{ms(3), Event{Kind: EvGranted, Expected: expected}},
+			at{ms(3), Event{Kind: EvSent, Instance: "p1"}},
+			at{ms(4), Event{Kind: EvReply, Code: CodeCancelled, Instance: "p1", Attempt: 1}},
+			at{ms(8), Event{Kind: EvCommitted, Manifest: okManifest}},
+			at{ms(9), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest, Attempt: 2}},
+		)},
+		{"control_lost_by_serving_instance", 7, append(recvPrefix()[:3],
+			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
+			at{ms(2), Event{Kind: EvLost, Instance: "p2"}},
+			at{ms(3), Event{Kind: EvLost, Instance: "p1"}},
+			at{ms(3), Event{Kind: EvGranted, Expected: expected}},
+			at{ms(3), Event{Kind: EvSent, Instance: "p2"}},
+			at{ms(8), Event{Kind: EvCommitted, Manifest: okManifest}},
+			at{ms(9), Event{Kind: EvReply, Instance: "p2", Manifest: okManifest}},
+		)},
+		{"control_lost_after_reply", 7, append(recvPrefix(),
+			at{ms(5), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
+			at{ms(6), Event{Kind: EvLost}},
+			at{ms(7), Event{Kind: EvCommitted, Manifest: okManifest}},
+		)},
+		{"control_lost_no_attempt_left", 7, append(recvPrefix()[:3],
+			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
+			at{ms(2), Event{Kind: EvReply, Code: CodeCapacityRefused, Instance: "p1"}},
+			at{ms(2), Event{Kind: EvSent, Instance: "p2"}},
+			at{ms(3), Event{Kind: EvReply, Code: CodeCapacityRefused, Instance: "p2"}},
+			at{ms(3), Event{Kind: EvSent, Instance: "p3"}},
+			at{ms(5), Event{Kind: EvLost}},
+			at{ms(8), Event{Kind: EvCommitted, Manifest: okManifest}},
+			at{ms(9), Event{Kind: EvReply, Instance: "p3", Manifest: okManifest}},
+		)},
 		{"peer_death_retry_served", 7, append(recvPrefix()[:3],
 			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
 			at{ms(3), Event{Kind: EvPeerDied, Instance: "p1"}},
@@ -429,26 +462,40 @@ func TestIsDummyID(t *testing.T) {
 	}
 }
 
-// TestSessionsRandom drives both machines with random event sequences and
-// checks the invariants that hold for every order: at most one terminal
-// action, nothing after it, every allocation freed or delivered, every lease
-// released exactly once and never while a step is in flight.
+// TestSessionsRandom drives both machines with random event sequences (in
+// time order, as a driver feeds them) and checks the invariants that hold
+// for every order: at most one terminal action, nothing after it, every
+// allocation freed or delivered, no grant opened or destination freed while
+// the previous grant is not revoked (each grant of a fenced retry counts
+// on its own), every lease released exactly once and never while a step is
+// in flight.
 func TestSessionsRandom(t *testing.T) {
-	for seed := range uint64(2000) {
+	for seed := range uint64(4000) {
 		r := newRand(seed)
 		recv := NewRecvSession(RecvParams{RequestID: 9, Deadline: epoch.Add(100 * time.Millisecond), MaxAttempts: 3})
-		allocated, granted, freed, revoked, terminal := false, false, false, false, 0
+		allocated, freed, terminal := false, false, 0
 		delivered := false
-		for i := 0; i < 12; i++ {
-			ev := randomEvent(r, true)
-			for _, a := range recv.Step(ev) {
+		// unrevoked: a grant the session took is open (not revoked since).
+		unrevoked, grants := false, 0
+		now := epoch
+		for i := 0; i < 16; i++ {
+			ev := randomEvent(r, true, &now)
+			wasGranted := recv.granted
+			acts := recv.Step(ev)
+			if ev.Kind == EvGranted && ev.Code == CodeOK && !wasGranted && recv.granted {
+				unrevoked = true
+				grants++
+			}
+			for _, a := range acts {
 				switch a.Kind {
 				case ActFree:
 					require.False(t, freed, "seed %d: double free", seed)
-					require.True(t, !granted || revoked, "seed %d: free before revoke", seed)
+					require.False(t, unrevoked, "seed %d: free before grant %d was revoked", seed, grants)
 					freed = true
+				case ActOpenGrant:
+					require.False(t, unrevoked, "seed %d: grant %d opened before grant %d was revoked", seed, grants+1, grants)
 				case ActRevoke:
-					revoked = true
+					unrevoked = false
 				case ActDeliver:
 					delivered = true
 					terminal++
@@ -459,9 +506,6 @@ func TestSessionsRandom(t *testing.T) {
 			if ev.Kind == EvAllocated && ev.Code == CodeOK && recv.allocated {
 				allocated = true
 			}
-			if ev.Kind == EvGranted && ev.Code == CodeOK && recv.granted {
-				granted = true
-			}
 		}
 		require.LessOrEqual(t, terminal, 1, "seed %d", seed)
 		if recv.State().Terminal() && allocated {
@@ -470,8 +514,9 @@ func TestSessionsRandom(t *testing.T) {
 
 		send := NewSendSession(SendParams{RequestID: 9, Deadline: epoch.Add(100 * time.Millisecond), Fingerprint: "fp", Local: "fp", KVBytes: 1, MambaBytes: 1})
 		leased, released, replies, busy := false, 0, 0, false
+		now = epoch
 		for i := 0; i < 12; i++ {
-			ev := randomEvent(r, false)
+			ev := randomEvent(r, false, &now)
 			wasBusy := send.busy
 			acts := send.Step(ev)
 			for _, a := range acts {
@@ -507,17 +552,20 @@ func (r *rng) intn(n int) int {
 	return int(r.s % uint64(n))
 }
 
-func randomEvent(r *rng, recv bool) Event {
+// randomEvent returns a random event at *now or up to 15 ms after it, and
+// advances *now to it: a driver's clock does not go back.
+func randomEvent(r *rng, recv bool, now *time.Time) Event {
 	codes := []Code{CodeOK, CodeOK, CodeOK, CodeCapacityRefused, CodePeerFailed, CodeCancelled, CodeTimeout}
 	var kinds []EventKind
 	if recv {
-		kinds = []EventKind{EvStart, EvAllocated, EvGranted, EvSent, EvNoResponders, EvReply, EvCommitted, EvGrantFailed, EvTick, EvCancel, EvPeerDied}
+		kinds = []EventKind{EvStart, EvAllocated, EvGranted, EvSent, EvNoResponders, EvReply, EvCommitted, EvGrantFailed, EvTick, EvCancel, EvPeerDied, EvLost}
 	} else {
 		kinds = []EventKind{EvRequest, EvAdmitted, EvPrefilled, EvWritten, EvTick, EvCancel, EvPeerDied}
 	}
+	*now = now.Add(time.Duration(r.intn(16)) * time.Millisecond)
 	ev := Event{
 		Kind: kinds[r.intn(len(kinds))], Code: codes[r.intn(len(codes))],
-		Now:      epoch.Add(time.Duration(r.intn(150)) * time.Millisecond),
+		Now:      *now,
 		Instance: []string{"", "p1", "p2"}[r.intn(3)], Manifest: okManifest, Expected: expected,
 		KVBytes: 1, MambaBytes: 1,
 	}

@@ -28,6 +28,10 @@ const (
 	// SubjectCancel reaches every prefill instance of the namespace, for a
 	// request whose serving instance is not known yet: <prefix>.<ns>.cancel
 	SubjectCancel
+	// SubjectInstanceReconnected is where a prefill instance says that its
+	// NATS connection dropped and came back, so requests or replies in
+	// flight may have been lost: <prefix>.<ns>.inst.<id>.reconnected
+	SubjectInstanceReconnected
 )
 
 // Subject builds every subject of the protocol; nothing else formats subjects.
@@ -43,6 +47,8 @@ func Subject(prefix, ns string, kind SubjectKind, instance string) string {
 		return prefix + "." + ns + ".inst." + instance + ".cancel"
 	case SubjectCancel:
 		return prefix + "." + ns + ".cancel"
+	case SubjectInstanceReconnected:
+		return prefix + "." + ns + ".inst." + instance + ".reconnected"
 	default:
 		panic(fmt.Sprintf("transfer: unknown subject kind %d", kind))
 	}

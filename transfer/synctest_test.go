@@ -165,10 +165,76 @@ func TestPeerDeathsAllDelivered(t *testing.T) {
 	d.peerDied("p1")
 	d.peerDied("p2")
 	d.peerDied("p1")
+	d.controlLost("p3")
+	d.controlLost("")
+	d.controlLost("p3")
 	require.Len(t, c.died, 1)
-	require.Equal(t, []string{"p1", "p2"}, d.takeDead(c))
-	require.Empty(t, d.takeDead(c))
+	require.Equal(t, []Event{{Kind: EvPeerDied, Instance: "p1"}, {Kind: EvPeerDied, Instance: "p2"},
+		{Kind: EvLost, Instance: "p3"}, {Kind: EvLost}}, d.takeNotes(c))
+	require.Empty(t, d.takeNotes(c))
 }
+
+// TestControlLostResendSynctest: the decoder's NATS connection drops and
+// comes back while its request is unanswered (the request, or the reply,
+// may be gone with it). The handoff resends at once, fenced: the first
+// attempt's grant is revoked (its late write lands nothing), a fresh grant
+// goes out with attempt 2, and the worker's answer to it delivers, long
+// before the deadline.
+func TestControlLostResendSynctest(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		recv, send, dst, src := bubbleEngines(t)
+		defer recv.Close()
+		defer send.Close()
+		d, rec := bubbleDecoder(t, recv, 3)
+		alloc := &countAlloc{d: Destination{Mamba: dst}}
+		type out struct {
+			res Result
+			err error
+		}
+		done := make(chan out, 1)
+		start := time.Now()
+		go func() {
+			res, err := d.Handoff(context.Background(), Request{ID: 5, Tokens: tokens(4), Alloc: alloc, Deadline: start.Add(30 * time.Second)})
+			done <- out{res, err}
+		}()
+		first := <-rec.sent
+		time.Sleep(time.Second)
+		d.controlLost("") // what watchReconnects does on a reconnect
+		second := <-rec.sent
+		require.Equal(t, time.Second, time.Since(start), "resent as soon as the connection was back")
+		r1, err := DecodePrefillRequest(first.Data)
+		require.NoError(t, err)
+		r2, err := DecodePrefillRequest(second.Data)
+		require.NoError(t, err)
+		require.Equal(t, uint8(2), r2.Attempt)
+		require.NotEqual(t, r1.Ticket.Grant, r2.Ticket.Grant, "the resend writes into a fresh grant")
+		require.NotEqual(t, first.Reply, second.Reply, "each attempt has a reply subject of its own")
+
+		// The first attempt's worker was alive after all: its write lands
+		// nothing, and its answer is dropped.
+		tk1, err := r1.Ticket.RDMA()
+		require.NoError(t, err)
+		_, err = send.Write(context.Background(), r1.Peer.Descriptor(), tk1, []rdma.Extent{src})
+		require.Error(t, err)
+		tk2, err := r2.Ticket.RDMA()
+		require.NoError(t, err)
+		m, err := send.Write(context.Background(), r2.Peer.Descriptor(), tk2, []rdma.Extent{src})
+		require.NoError(t, err)
+		b, err := EncodePrefillReply(PrefillReply{RequestID: 5, Instance: "p1", FirstToken: 42, Manifest: ManifestOf(m)}, 0)
+		require.NoError(t, err)
+		d.onReply(&nats.Msg{Subject: second.Reply, Data: b})
+		o := <-done
+		require.NoError(t, o.err)
+		require.Equal(t, int32(42), o.res.FirstToken)
+		require.Equal(t, 2, o.res.Attempts)
+		require.Zero(t, alloc.frees, "a delivered destination is not freed")
+		rec.mu.Lock()
+		require.Len(t, rec.cancels, 1, "the first attempt is cancelled")
+		require.Equal(t, CodeCancelled, rec.cancels[0].Code)
+		rec.mu.Unlock()
+	})
+}
+
 
 // TestPeerDeathAfterUnrelatedDeathSynctest: the worker that replied dies right
 // after another one; the handoff fails at once with ErrPeerFailed instead of
