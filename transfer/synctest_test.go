@@ -235,7 +235,6 @@ func TestControlLostResendSynctest(t *testing.T) {
 	})
 }
 
-
 // TestPeerDeathAfterUnrelatedDeathSynctest: the worker that replied dies right
 // after another one; the handoff fails at once with ErrPeerFailed instead of
 // waiting for its deadline.
