@@ -63,5 +63,7 @@ require (
 )
 
 // The tests check the manifests against the workers' own flags, env twins and
-// admin routes, so they build against the handoff tree they sit in.
+// admin routes, so they build against the handoff tree they sit in. After a
+// change to ../../go.mod, run go mod tidy here too: versions the root raises
+// are this module's as well.
 replace github.com/handoff-io/handoff => ../..
