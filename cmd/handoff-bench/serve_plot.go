@@ -6,6 +6,7 @@ import (
 	"image/color"
 	"os"
 	"slices"
+	"strconv"
 
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
@@ -48,13 +49,23 @@ func writeSweepPlot(path string, points []serving.SweepPoint, slo serving.SLO, t
 		{"", "SLO attainment (%)", "attainment", xy(func(p serving.SweepPoint) float64 { return 100 * p.Metrics.SLOAttainment }),
 			100 * target, fmt.Sprintf("target %g %%", 100*target), color.RGBA{R: 0x2c, G: 0xa0, B: 0x2c, A: 0xff}},
 	}
+	ticks := make(plot.ConstantTicks, len(pts)) // a tick at each swept rate
+	for i, p := range pts {
+		ticks[i] = plot.Tick{Value: p.Rate, Label: strconv.FormatFloat(p.Rate, 'g', -1, 64)}
+	}
 	plots := make([][]*plot.Plot, len(panels))
 	for i, pn := range panels {
 		p := plot.New()
 		p.Title.Text = pn.title
 		p.Y.Label.Text = pn.ylabel
 		p.X.Label.Text = "request rate (req/s)"
+		p.X.Tick.Marker = ticks
 		p.Y.Min = 0
+		top := pn.goal
+		for _, d := range pn.data {
+			top = max(top, d.Y)
+		}
+		p.Y.Max = 1.3 * top // room for the legend above the curves and the objective
 		p.Add(plotter.NewGrid())
 		line, dots, err := plotter.NewLinePoints(pn.data)
 		if err != nil {
@@ -73,7 +84,7 @@ func writeSweepPlot(path string, points []serving.SweepPoint, slo serving.SLO, t
 		p.Legend.Left = true // latencies grow to the right and attainment falls there
 		p.Legend.Top = i < 2
 		if i == 2 {
-			p.Y.Max = 100
+			p.Y.Max = 105 // the legend goes bottom left, under the high attainment of low rates
 		}
 		plots[i] = []*plot.Plot{p}
 	}
