@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/url"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -119,6 +120,13 @@ type Options struct {
 	// (2 for bf16, 4 for fp32); 0 keeps the preset's. It changes the layout
 	// and so the Fingerprint. The tiny-hybrid model refuses it.
 	SSMElemSize int
+	// GPU, when set (e.g. "h200"), makes the executor a StepTimer: the
+	// worker sleeps each step's simulated compute time on that GPU (see
+	// timing.go). MFU and MBU override the assumed utilizations (0: the
+	// defaults). Only the synthetic presets have compute figures, and a GPU
+	// excludes the flat delays. The Fingerprint does not change.
+	GPU      string
+	MFU, MBU float64
 }
 
 const maxDelay = time.Minute
@@ -151,6 +159,8 @@ func Names() []string {
 //	nemotron-h-8b?delay=2ms          PrefillDelay and DecodeDelay = 2ms per token
 //	nemotron-h-8b?prefill_delay=1ms&decode_delay=5ms
 //	qwen3-next-80b?ssm_dtype=fp32    SSM state in fp32 (bf16 or fp32)
+//	nemotron-h-8b?gpu=h200           the worker sleeps each step's simulated H200
+//	                                 compute time (timing.go); &mfu=0.5&mbu=0.7
 //
 // Delays take time.ParseDuration syntax, from 0 to 1m. An unknown name wraps
 // ErrUnknownModel; a bad option wraps ErrInvalidOption.
@@ -172,9 +182,19 @@ func New(name string, o Options) (Executor, error) {
 	if o.PrefillDelay < 0 || o.PrefillDelay > maxDelay || o.DecodeDelay < 0 || o.DecodeDelay > maxDelay {
 		return nil, fmt.Errorf("%w: delay outside [0, %v]", ErrInvalidOption, maxDelay)
 	}
+	if o.GPU != "" && (o.PrefillDelay > 0 || o.DecodeDelay > 0) {
+		return nil, fmt.Errorf("%w: gpu and delay exclude each other", ErrInvalidOption)
+	}
 	e, err := ctor(o)
 	if err != nil {
 		return nil, err
+	}
+	if o.GPU != "" {
+		t, err := NewTiming(e.Spec(), o.GPU, o.MFU, o.MBU)
+		if err != nil {
+			return nil, err
+		}
+		return timed{Executor: e, Timing: t}, nil
 	}
 	if o.PrefillDelay > 0 || o.DecodeDelay > 0 {
 		return &delayed{inner: e, prefill: o.PrefillDelay, decode: o.DecodeDelay}, nil
@@ -216,6 +236,18 @@ func parseOptions(query string) (Options, error) {
 				o.SSMElemSize = 4
 			default:
 				return o, fmt.Errorf("%w: ssm_dtype %q (want bf16, fp16 or fp32)", ErrInvalidOption, v)
+			}
+		case "gpu":
+			o.GPU = v
+		case "mfu", "mbu":
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil || !(f > 0 && f <= 1) {
+				return o, fmt.Errorf("%w: %s %q (want a fraction in (0, 1])", ErrInvalidOption, key, v)
+			}
+			if key == "mfu" {
+				o.MFU = f
+			} else {
+				o.MBU = f
 			}
 		default:
 			return o, fmt.Errorf("%w: unknown option %q", ErrInvalidOption, key)

@@ -788,6 +788,9 @@ func hasWork(r *Rank) bool {
 }
 
 func (e *Engine) stepRank(ctx context.Context, r *Rank, dummy bool) {
+	if st, ok := r.exec.(model.StepTimer); ok {
+		simulateStep(ctx, st, r.held, dummy)
+	}
 	if dummy {
 		e.padDummy(ctx, r)
 		return

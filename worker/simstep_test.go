@@ -1,0 +1,99 @@
+package worker
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/hybrid"
+	"github.com/handoff-io/handoff/model"
+)
+
+// stepRecorder is a StepTimer that records what each step held.
+type stepRecorder struct {
+	model.Executor
+	prefill, decode time.Duration // per prefill, per decode step
+
+	mu    sync.Mutex
+	steps [][2][]int
+}
+
+func (s *stepRecorder) StepTime(prefills, decodes []int) time.Duration {
+	s.mu.Lock()
+	s.steps = append(s.steps, [2][]int{append([]int(nil), prefills...), append([]int(nil), decodes...)})
+	s.mu.Unlock()
+	d := time.Duration(len(prefills)) * s.prefill
+	if len(decodes) > 0 {
+		d += s.decode
+	}
+	return d
+}
+
+// A step sleeps what the StepTimer says for the requests it runs: their
+// prompts for those in prefill, their positions for those decoding, a
+// context-0 decode for the ADP dummy; a cancelled context cuts it short.
+func TestSimulateStep(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		st := &stepRecorder{prefill: 30 * time.Millisecond, decode: 5 * time.Millisecond}
+		held := []*request{
+			{phase: PhaseContext, prompt: make([]int32, 100)},
+			{phase: PhaseGenerate, pos: 42},
+			{phase: PhaseAwaitCache, prompt: make([]int32, 7)}, // not in the step
+			{phase: PhaseGenerate, pos: 9},
+		}
+		start := time.Now()
+		simulateStep(t.Context(), st, held, false)
+		require.Equal(t, 35*time.Millisecond, time.Since(start))
+		require.Equal(t, [2][]int{{100}, {42, 9}}, st.steps[0])
+
+		start = time.Now()
+		simulateStep(t.Context(), st, nil, true)
+		require.Equal(t, 5*time.Millisecond, time.Since(start))
+		require.Equal(t, [2][]int{nil, {0}}, st.steps[1])
+
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Millisecond)
+		defer cancel()
+		start = time.Now()
+		simulateStep(ctx, st, held, false)
+		require.Equal(t, 10*time.Millisecond, time.Since(start), "the step's wait ends with its context")
+	})
+}
+
+// The engine asks a simulating executor for every step's time: one prefill
+// of the prompt, then one decode step per further token, at growing
+// positions; the request takes at least their sum.
+func TestEngineSleepsSimulatedSteps(t *testing.T) {
+	exec, err := model.Lookup(model.TinyHybrid)
+	require.NoError(t, err)
+	st := &stepRecorder{Executor: exec, prefill: 40 * time.Millisecond, decode: 10 * time.Millisecond}
+	cfg, err := PoolConfig(exec.Spec(), PoolParams{MaxBatchSize: 1})
+	require.NoError(t, err)
+	m, err := hybrid.New(cfg)
+	require.NoError(t, err)
+	r, err := NewRank(0, m, st, make([]byte, cfg.KV.ArenaBytes()), make([]byte, cfg.Mamba.ArenaBytes()))
+	require.NoError(t, err)
+	e := newEngine(t, Config{}, []*Rank{r})
+
+	start := time.Now()
+	s, err := e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("hello, timing"), MaxTokens: 4,
+		Sampling: Sampling{Temperature: 0}})
+	require.NoError(t, err)
+	toks, ev := drainStream(t, s)
+	require.NoError(t, ev.Err)
+	elapsed := time.Since(start)
+
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	require.NotEmpty(t, st.steps)
+	require.Equal(t, [2][]int{{13}, nil}, st.steps[0], "the first step prefills the 13-byte prompt")
+	for i, step := range st.steps[1:] {
+		require.Empty(t, step[0])
+		require.Equal(t, []int{13 + i}, step[1], "decode step %d", i)
+	}
+	require.Len(t, st.steps, len(toks), "one prefill, then a decode step per further token")
+	require.GreaterOrEqual(t, elapsed, 40*time.Millisecond+time.Duration(len(toks)-1)*10*time.Millisecond)
+}
