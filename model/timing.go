@@ -8,11 +8,17 @@ import (
 
 // This file is a simulation of compute, and only that: a roofline model of
 // how long a real model would take on a real GPU, computed from published
-// figures (sources below), which the worker sleeps (never spins) in each
-// step when the model is looked up with "?gpu=h200". Everything else a
+// figures (sources below): when the model is looked up with "?gpu=h200",
+// the worker makes each engine step last that long, sleeping (never
+// spinning) for what the step's real work left of it. Everything else a
 // request meets (scheduling, queues, the cache pools, the transfers) is the
 // real code; only the arithmetic is replaced by sleeping for as long as the
-// GPU would compute, so a 2-core machine can stand in for GPU-bound workers.
+// GPU would compute, so a 2-core machine can stand in for GPU-bound workers,
+// as long as the executor's own CPU work per step stays below the
+// simulated time (the synthetic presets write and checksum every state byte,
+// a 49 MiB Mamba row per decode for nemotron-h-8b: on a small CPU that
+// exceeds an H200's step at a few requests per step, and the CPU is then
+// the bottleneck).
 //
 // The model (all times in seconds):
 //
@@ -51,7 +57,8 @@ import (
 // StepTimer is implemented by executors that simulate a GPU's compute time.
 // The worker calls StepTime once per engine step on a rank, before running
 // the step, with the prompt length of each request it prefills and the
-// context length of each request it decodes, and sleeps the result.
+// context length of each request it decodes, and makes the step last that
+// long (its own work overlaps the wait).
 type StepTimer interface {
 	StepTime(prefills, decodes []int) time.Duration
 }

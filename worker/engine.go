@@ -789,7 +789,7 @@ func hasWork(r *Rank) bool {
 
 func (e *Engine) stepRank(ctx context.Context, r *Rank, dummy bool) {
 	if st, ok := r.exec.(model.StepTimer); ok {
-		simulateStep(ctx, st, r.held, dummy)
+		defer simulateStep(ctx, st, r.held, dummy)() // the step lasts its simulated time
 	}
 	if dummy {
 		e.padDummy(ctx, r)

@@ -33,9 +33,10 @@ func (s *stepRecorder) StepTime(prefills, decodes []int) time.Duration {
 	return d
 }
 
-// A step sleeps what the StepTimer says for the requests it runs: their
+// A step lasts what the StepTimer says for the requests it runs (their
 // prompts for those in prefill, their positions for those decoding, a
-// context-0 decode for the ADP dummy; a cancelled context cuts it short.
+// context-0 decode for the ADP dummy), its own work included, or its work
+// where that is longer; a cancelled context cuts the wait short.
 func TestSimulateStep(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		st := &stepRecorder{prefill: 30 * time.Millisecond, decode: 5 * time.Millisecond}
@@ -46,19 +47,27 @@ func TestSimulateStep(t *testing.T) {
 			{phase: PhaseGenerate, pos: 9},
 		}
 		start := time.Now()
-		simulateStep(t.Context(), st, held, false)
+		wait := simulateStep(t.Context(), st, held, false)
+		time.Sleep(10 * time.Millisecond) // the step's own work
+		wait()
 		require.Equal(t, 35*time.Millisecond, time.Since(start))
 		require.Equal(t, [2][]int{{100}, {42, 9}}, st.steps[0])
 
 		start = time.Now()
-		simulateStep(t.Context(), st, nil, true)
+		wait = simulateStep(t.Context(), st, held, false)
+		time.Sleep(50 * time.Millisecond) // work longer than the simulated step
+		wait()
+		require.Equal(t, 50*time.Millisecond, time.Since(start))
+
+		start = time.Now()
+		simulateStep(t.Context(), st, nil, true)()
 		require.Equal(t, 5*time.Millisecond, time.Since(start))
-		require.Equal(t, [2][]int{nil, {0}}, st.steps[1])
+		require.Equal(t, [2][]int{nil, {0}}, st.steps[2])
 
 		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Millisecond)
 		defer cancel()
 		start = time.Now()
-		simulateStep(ctx, st, held, false)
+		simulateStep(ctx, st, held, false)()
 		require.Equal(t, 10*time.Millisecond, time.Since(start), "the step's wait ends with its context")
 	})
 }
