@@ -9,16 +9,17 @@ import (
 // This file is a simulation of compute, and only that: a roofline model of
 // how long a real model would take on a real GPU, computed from published
 // figures (sources below): when the model is looked up with "?gpu=h200",
-// the worker makes each engine step last that long, sleeping (never
-// spinning) for what the step's real work left of it. Everything else a
+// the worker sleeps (never spins) each engine step's simulated time: the
+// prefills' before the step, the decodes' overlapping the step's own work
+// (worker/simstep.go). Everything else a
 // request meets (scheduling, queues, the cache pools, the transfers) is the
 // real code; only the arithmetic is replaced by sleeping for as long as the
-// GPU would compute, so a 2-core machine can stand in for GPU-bound workers,
-// as long as the executor's own CPU work per step stays below the
-// simulated time (the synthetic presets write and checksum every state byte,
-// a 49 MiB Mamba row per decode for nemotron-h-8b: on a small CPU that
-// exceeds an H200's step at a few requests per step, and the CPU is then
-// the bottleneck).
+// GPU would compute, so a 2-core machine can stand in for GPU-bound workers.
+// Two limits: a prefill's own CPU work (the synthetic presets write every
+// state byte) comes on top of its simulated time; and decode steps cannot go
+// faster than the executor's CPU work (nemotron-h-8b checksums and rewrites
+// its 49 MiB Mamba row per decode: on a small CPU that exceeds an H200's
+// whole step, and the CPU is then the bottleneck).
 //
 // The model (all times in seconds):
 //
@@ -55,10 +56,10 @@ import (
 // scheduling overhead is added: the engine's own is real.
 
 // StepTimer is implemented by executors that simulate a GPU's compute time.
-// The worker calls StepTime once per engine step on a rank, before running
-// the step, with the prompt length of each request it prefills and the
-// context length of each request it decodes, and makes the step last that
-// long (its own work overlaps the wait).
+// Before each engine step on a rank the worker asks it for the time of the
+// step's prefills (their prompt lengths, decodes nil) and of its decodes
+// (their context lengths, prefills nil), so StepTime must add up: the time
+// of both together is the sum of the two.
 type StepTimer interface {
 	StepTime(prefills, decodes []int) time.Duration
 }

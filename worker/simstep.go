@@ -7,17 +7,25 @@ import (
 	"github.com/handoff-io/handoff/model"
 )
 
-// simulateStep starts the simulated compute time of the step a rank is
-// about to run, when its executor simulates a GPU (model.StepTimer, a model
-// looked up with "?gpu=h200"), and returns the wait that ends it: the
-// prompt of each request the step prefills and the context of each it
-// decodes go to StepTime, and the returned func sleeps (never spins) until
-// that long after the call, or until ctx ends. Called before the step and
-// waited after it, the step lasts the simulated time, or the executor's
-// own work where that is longer (then the CPU, not the simulated GPU, is
-// the bottleneck). A dummy-only step (ADP padding) costs one decode at
-// context 0. Prefill sharing a step with decodes makes the step, and so
-// every decode in it, longer, as on a GPU that runs them together.
+// simulateStep runs the simulated compute of the step a rank is about to
+// run, when its executor simulates a GPU (model.StepTimer, a model looked up
+// with "?gpu=h200"). The prompt of each request the step prefills and the
+// context of each it decodes go to StepTime, in two parts:
+//
+//   - the prefills' time is slept (never spun) here, before the step: a
+//     prefill's result (its first token, or the lease a remote decode
+//     waits for) leaves during the step, so it must not leave before its
+//     compute is done; the executor's own CPU work comes on top;
+//   - the decodes' time ends at a deadline that the returned func waits
+//     for after the step: the step's own work overlaps it, so decode steps
+//     follow each other at the simulated pace, or at the executor's where
+//     that is slower (then the CPU, not the simulated GPU, is the
+//     bottleneck).
+//
+// A step that holds both takes their sum, so prefill stalls the decodes
+// that share its step, as on a GPU that runs them together. A dummy-only
+// step (ADP padding) costs one decode at context 0. Both waits end early
+// when ctx ends.
 func simulateStep(ctx context.Context, st model.StepTimer, held []*request, dummy bool) (wait func()) {
 	var prefills, decodes []int
 	if dummy {
@@ -31,17 +39,26 @@ func simulateStep(ctx context.Context, st model.StepTimer, held []*request, dumm
 			decodes = append(decodes, q.pos)
 		}
 	}
-	deadline := time.Now().Add(st.StepTime(prefills, decodes))
-	return func() {
-		d := time.Until(deadline)
-		if d <= 0 {
-			return
-		}
-		t := time.NewTimer(d)
-		defer t.Stop()
-		select {
-		case <-ctx.Done():
-		case <-t.C:
-		}
+	if len(prefills) > 0 {
+		sleepUntil(ctx, time.Now().Add(st.StepTime(prefills, nil)))
+	}
+	deadline := time.Now()
+	if len(decodes) > 0 {
+		deadline = deadline.Add(st.StepTime(nil, decodes))
+	}
+	return func() { sleepUntil(ctx, deadline) }
+}
+
+// sleepUntil returns at t or when ctx ends.
+func sleepUntil(ctx context.Context, t time.Time) {
+	d := time.Until(t)
+	if d <= 0 {
+		return
+	}
+	tm := time.NewTimer(d)
+	defer tm.Stop()
+	select {
+	case <-ctx.Done():
+	case <-tm.C:
 	}
 }

@@ -33,10 +33,11 @@ func (s *stepRecorder) StepTime(prefills, decodes []int) time.Duration {
 	return d
 }
 
-// A step lasts what the StepTimer says for the requests it runs (their
+// A step costs what the StepTimer says for the requests it runs (their
 // prompts for those in prefill, their positions for those decoding, a
-// context-0 decode for the ADP dummy), its own work included, or its work
-// where that is longer; a cancelled context cuts the wait short.
+// context-0 decode for the ADP dummy): the prefills are slept before the
+// step's work, the decodes overlap it (the longer of the two counts); a
+// cancelled context cuts the waits short.
 func TestSimulateStep(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		st := &stepRecorder{prefill: 30 * time.Millisecond, decode: 5 * time.Millisecond}
@@ -48,27 +49,29 @@ func TestSimulateStep(t *testing.T) {
 		}
 		start := time.Now()
 		wait := simulateStep(t.Context(), st, held, false)
-		time.Sleep(10 * time.Millisecond) // the step's own work
+		require.Equal(t, 30*time.Millisecond, time.Since(start), "the prefill is done before the step runs")
+		time.Sleep(3 * time.Millisecond) // the step's own work, shorter than its decode
 		wait()
 		require.Equal(t, 35*time.Millisecond, time.Since(start))
-		require.Equal(t, [2][]int{{100}, {42, 9}}, st.steps[0])
+		require.Equal(t, [][2][]int{{{100}, nil}, {nil, {42, 9}}}, st.steps)
 
 		start = time.Now()
 		wait = simulateStep(t.Context(), st, held, false)
-		time.Sleep(50 * time.Millisecond) // work longer than the simulated step
+		time.Sleep(50 * time.Millisecond) // work longer than the simulated decode
 		wait()
-		require.Equal(t, 50*time.Millisecond, time.Since(start))
+		require.Equal(t, 80*time.Millisecond, time.Since(start))
 
+		st.steps = nil
 		start = time.Now()
 		simulateStep(t.Context(), st, nil, true)()
 		require.Equal(t, 5*time.Millisecond, time.Since(start))
-		require.Equal(t, [2][]int{nil, {0}}, st.steps[2])
+		require.Equal(t, [][2][]int{{nil, {0}}}, st.steps, "the ADP dummy: one decode at context 0")
 
 		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Millisecond)
 		defer cancel()
 		start = time.Now()
 		simulateStep(ctx, st, held, false)()
-		require.Equal(t, 10*time.Millisecond, time.Since(start), "the step's wait ends with its context")
+		require.Equal(t, 10*time.Millisecond, time.Since(start), "the waits end with the context")
 	})
 }
 
