@@ -262,12 +262,14 @@ func serve(ctx context.Context, o serveOptions, c *serveClient, stdout, stderr i
 		}
 		fmt.Fprintf(stderr, "model: %s (the first the server lists)\n", o.model)
 	}
-	unit := serving.Unit(o.unit)
+	var unit serving.Unit
 	if o.unit == "auto" {
 		if unit, err = c.probeUnit(ctx, o.model); err != nil {
 			return err
 		}
 		fmt.Fprintf(stderr, "token unit: %s (from the server's prompt_tokens of a probe)\n", unit)
+	} else if unit, err = serving.ParseUnit(o.unit); err != nil {
+		return fmt.Errorf("serve: --token-unit: %w", err)
 	}
 	reqs := serving.RandomRequests(o.numPrompts, o.inputLen, o.outputLen, o.rangeRatio, unit,
 		rand.New(rand.NewPCG(o.seed, 1)))
