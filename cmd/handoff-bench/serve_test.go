@@ -637,3 +637,46 @@ func TestServeProgress(t *testing.T) {
 	none.add(serving.Result{}) // a nil progress shows nothing
 	none.finish()
 }
+
+// Ctrl-C during a sweep reports the rates already run and the interrupted
+// one, marked partial, and still draws the plot.
+func TestServeSweepInterrupted(t *testing.T) {
+	dir := t.TempDir()
+	synctest.Test(t, func(t *testing.T) {
+		ctx, cancel := context.WithCancelCause(t.Context())
+		defer cancel(nil)
+		var mu sync.Mutex
+		seen := 0
+		f := &fakeServer{script: func(i int, _ map[string]any) reply {
+			if i >= 0 {
+				mu.Lock()
+				seen++
+				if seen == 4+3 { // the third request of the second rate
+					cancel(errors.New("interrupt"))
+				}
+				mu.Unlock()
+			}
+			return reply{ttft: 10 * time.Millisecond, gaps: []time.Duration{time.Millisecond}}
+		}}
+		plot := filepath.Join(dir, "p.png")
+		out, _, err := serveFake(t, ctx, f, "--num-prompts", "4", "--sweep-rates", "10,20,40", "--burstiness", "inf",
+			"--random-input-len", "8", "--random-output-len", "2", "--token-unit", "bytes",
+			"--goodput", "ttft:100", "tpot:100", "--output", "json", "--plot", plot)
+		require.NoError(t, err)
+		var rep struct {
+			Partial bool             `json:"partial"`
+			Best    *float64         `json:"max_rate_at_attainment"`
+			Runs    []map[string]any `json:"runs"`
+		}
+		require.NoError(t, json.Unmarshal([]byte(out), &rep), out)
+		require.True(t, rep.Partial)
+		require.Len(t, rep.Runs, 2, "the third rate never ran")
+		require.Equal(t, false, rep.Runs[0]["partial"])
+		require.Equal(t, true, rep.Runs[1]["partial"])
+		require.EqualValues(t, 2, rep.Runs[1]["completed"])
+		require.EqualValues(t, 1, rep.Runs[1]["cancelled"])
+		require.EqualValues(t, 1, rep.Runs[1]["not_sent"])
+		_, err = os.Stat(plot)
+		require.NoError(t, err)
+	})
+}
