@@ -228,6 +228,14 @@ func parseServeFlags(args []string, stderr io.Writer) (serveOptions, error) {
 	return o, nil
 }
 
+// fmtRate writes a rate or burstiness as vLLM prints it: "inf" for +Inf.
+func fmtRate(v float64) string {
+	if math.IsInf(v, 1) {
+		return "inf"
+	}
+	return strconv.FormatFloat(v, 'g', -1, 64)
+}
+
 // parsePositive parses a positive number or inf.
 func parsePositive(name, s string) (float64, error) {
 	v, err := strconv.ParseFloat(strings.TrimSpace(s), 64)
@@ -317,10 +325,10 @@ func serve(ctx context.Context, o serveOptions, c *serveClient, stdout, stderr i
 		if o.maxConcurrency > 0 {
 			conc = strconv.Itoa(o.maxConcurrency)
 		}
-		fmt.Fprintf(stderr, "Traffic request rate: %g\nBurstiness factor: %g (%s)\nMaximum request concurrency: %s\n",
-			rate, o.burstiness, dist, conc)
+		fmt.Fprintf(stderr, "Traffic request rate: %s\nBurstiness factor: %s (%s)\nMaximum request concurrency: %s\n",
+			fmtRate(rate), fmtRate(o.burstiness), dist, conc)
 		arrivals := serving.Arrivals(len(reqs), rate, o.burstiness, rand.New(rand.NewPCG(o.seed, 2)))
-		prog := newProgress(stderr, o.progress, tty, fmt.Sprintf("rate %g", rate), len(reqs))
+		prog := newProgress(stderr, o.progress, tty, "rate "+fmtRate(rate), len(reqs))
 		run := runLoad(ctx, c, o.model, "bench", reqs, arrivals, o.maxConcurrency, prog)
 		prog.finish()
 		m := serving.Compute(run.results, run.duration, o.percentiles, o.slo)

@@ -598,6 +598,8 @@ func TestServeSignalPartialReport(t *testing.T) {
 	require.ErrorAs(t, err, &exit, "stderr:\n%s", stderr.String())
 	require.Equal(t, 1, exit.ExitCode())
 	require.Contains(t, stderr.String(), "handoff-bench: interrupted")
+	require.Contains(t, stderr.String(), "Traffic request rate: inf\n")
+	require.Contains(t, stderr.String(), "rate inf: 3/8 done")
 	r := decodeReport(t, stdout.String())
 	require.Equal(t, true, r["partial"])
 	require.EqualValues(t, 3, r.f(t, "completed"))
