@@ -313,6 +313,11 @@ func TestServeMaxConcurrency(t *testing.T) {
 		require.EqualValues(t, 2, r.f(t, "max_concurrent_requests"))
 		require.EqualValues(t, 2, r.f(t, "max_concurrency"))
 		require.InDelta(t, 0.3, r.f(t, "duration"), 1e-9)
+		// vLLM's report of the wait: client_queue_time with a limit; not
+		// e2el_including_client_queue at an infinite rate
+		require.InDelta(t, 100, r.f(t, "mean_client_queue_time_ms"), 1e-9)
+		require.InDelta(t, 200, r.f(t, "p99_client_queue_time_ms"), 1e-9)
+		require.NotContains(t, r, "mean_e2el_including_client_queue_ms")
 	})
 }
 

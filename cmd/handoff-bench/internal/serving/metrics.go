@@ -127,6 +127,11 @@ type Metrics struct {
 
 	TTFT, TPOT, ITL, E2EL Stats
 
+	// ClientQueue is the wait of completed requests for a --max-concurrency
+	// slot, and E2ELWithQueue their E2EL with it, as vLLM reports them
+	// (client_queue_time, e2el_including_client_queue).
+	ClientQueue, E2ELWithQueue Stats
+
 	samples map[string][]float64 // sorted, milliseconds
 }
 
@@ -135,7 +140,7 @@ type Metrics struct {
 // SLO for goodput and attainment (nil for none).
 func Compute(results []Result, dur time.Duration, percentiles []float64, slo SLO) Metrics {
 	m := Metrics{Duration: dur, SLOAttainment: math.NaN(), samples: map[string][]float64{}}
-	var ttft, tpot, itl, e2el []float64
+	var ttft, tpot, itl, e2el, queue, e2elQueue []float64
 	good := 0
 	for _, r := range results {
 		switch {
@@ -151,6 +156,8 @@ func Compute(results []Result, dur time.Duration, percentiles []float64, slo SLO
 		m.TotalOutput += r.OutputTokens
 		ttft = append(ttft, ms(r.TTFT))
 		e2el = append(e2el, ms(r.Latency))
+		queue = append(queue, ms(r.QueueTime))
+		e2elQueue = append(e2elQueue, ms(r.Latency+r.QueueTime))
 		if t, ok := r.TPOT(); ok {
 			tpot = append(tpot, ms(t))
 		}
@@ -170,7 +177,8 @@ func Compute(results []Result, dur time.Duration, percentiles []float64, slo SLO
 	if finished := m.Completed + m.Failed; len(slo) > 0 && finished > 0 {
 		m.SLOAttainment = float64(good) / float64(finished)
 	}
-	for name, xs := range map[string][]float64{"ttft": ttft, "tpot": tpot, "itl": itl, "e2el": e2el} {
+	for name, xs := range map[string][]float64{"ttft": ttft, "tpot": tpot, "itl": itl, "e2el": e2el,
+		"client_queue_time": queue, "e2el_including_client_queue": e2elQueue} {
 		slices.Sort(xs)
 		m.samples[name] = xs
 	}
@@ -178,11 +186,14 @@ func Compute(results []Result, dur time.Duration, percentiles []float64, slo SLO
 	m.TPOT = summarize(m.samples["tpot"], percentiles)
 	m.ITL = summarize(m.samples["itl"], percentiles)
 	m.E2EL = summarize(m.samples["e2el"], percentiles)
+	m.ClientQueue = summarize(m.samples["client_queue_time"], percentiles)
+	m.E2ELWithQueue = summarize(m.samples["e2el_including_client_queue"], percentiles)
 	m.MaxOutputTokensPerS, m.MaxConcurrentRequests = peaks(results)
 	return m
 }
 
-// Stat returns the stats of metric name (ttft, tpot, itl, e2el).
+// Stat returns the stats of metric name (ttft, tpot, itl, e2el,
+// client_queue_time, e2el_including_client_queue).
 func (m Metrics) Stat(name string) Stats {
 	switch name {
 	case "ttft":
@@ -191,6 +202,10 @@ func (m Metrics) Stat(name string) Stats {
 		return m.TPOT
 	case "itl":
 		return m.ITL
+	case "client_queue_time":
+		return m.ClientQueue
+	case "e2el_including_client_queue":
+		return m.E2ELWithQueue
 	default:
 		return m.E2EL
 	}

@@ -137,7 +137,7 @@ func Report(h Header, m Metrics, selected []string, detailed []Result) Fields {
 			f = append(f, Field{"slo_attainment", m.SLOAttainment})
 		}
 	}
-	for _, name := range selected {
+	for _, name := range withQueue(h, selected) {
 		s := m.Stat(name)
 		f = append(f,
 			Field{"mean_" + name + "_ms", s.Mean},
@@ -179,12 +179,28 @@ func detail(rs []Result) Fields {
 	}
 }
 
+// withQueue adds to the selected metrics the two vLLM reports of the wait
+// for a --max-concurrency slot: client_queue_time when there is a limit,
+// and e2el_including_client_queue when the rate is finite too.
+func withQueue(h Header, selected []string) []string {
+	if h.MaxConcurrency <= 0 {
+		return selected
+	}
+	out := append(selected[:len(selected):len(selected)], "client_queue_time")
+	if !math.IsInf(h.RequestRate, 1) {
+		out = append(out, "e2el_including_client_queue")
+	}
+	return out
+}
+
 // metricTitles are vLLM's table headings.
 var metricTitles = map[string][2]string{
-	"ttft": {"TTFT", "Time to First Token"},
-	"tpot": {"TPOT", "Time per Output Token (excl. 1st token)"},
-	"itl":  {"ITL", "Inter-token Latency"},
-	"e2el": {"E2EL", "End-to-end Latency"},
+	"ttft":                        {"TTFT", "Time to First Token"},
+	"tpot":                        {"TPOT", "Time per Output Token (excl. 1st token)"},
+	"itl":                         {"ITL", "Inter-token Latency"},
+	"e2el":                        {"E2EL", "End-to-end Latency"},
+	"client_queue_time":           {"Client Queue Time", "Client-side Queueing"},
+	"e2el_including_client_queue": {"E2EL incl. Client Queue", "Queue-inclusive End-to-end Latency"},
 }
 
 // WriteTable prints the report as vLLM prints its result table.
@@ -229,7 +245,7 @@ func WriteTable(w io.Writer, h Header, m Metrics, selected []string) error {
 	line("Peak output token throughput (tok/s):", m.MaxOutputTokensPerS)
 	line("Peak concurrent requests:", float64(m.MaxConcurrentRequests))
 	line("Total token throughput (tok/s):", m.TotalTokenThroughput)
-	for _, name := range selected {
+	for _, name := range withQueue(h, selected) {
 		t := metricTitles[name]
 		s := m.Stat(name)
 		center(t[1], '-')

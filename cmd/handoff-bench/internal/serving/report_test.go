@@ -82,6 +82,29 @@ func TestReportValues(t *testing.T) {
 	require.Equal(t, []any{[]any{0.005, 0.005}, []any{}}, v["itls"])
 }
 
+// With --max-concurrency, vLLM adds the client-side wait; at a finite
+// rate also the E2EL including it.
+func TestReportClientQueue(t *testing.T) {
+	r := ok(0, 100*ms1, 1, 1)
+	r.QueueTime = 40 * ms1
+	m := Compute([]Result{r}, time.Second, []float64{99}, nil)
+	h := Header{RequestRate: 2, Burstiness: 1, MaxConcurrency: 1}
+	got := keys(t, Report(h, m, []string{"ttft"}, nil))
+	require.Equal(t, []string{"mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms",
+		"mean_client_queue_time_ms", "median_client_queue_time_ms", "std_client_queue_time_ms", "p99_client_queue_time_ms",
+		"mean_e2el_including_client_queue_ms", "median_e2el_including_client_queue_ms",
+		"std_e2el_including_client_queue_ms", "p99_e2el_including_client_queue_ms"}, got[len(got)-12:])
+	require.InDelta(t, 40, m.ClientQueue.Mean, 1e-9)
+	require.InDelta(t, 140, m.E2ELWithQueue.Mean, 1e-9)
+	var b strings.Builder
+	require.NoError(t, WriteTable(&b, h, m, []string{"ttft"}))
+	require.Contains(t, b.String(), "---------------Client-side Queueing---------------\n")
+	require.Contains(t, b.String(), "Mean E2EL incl. Client Queue (ms):       140.00")
+
+	h.MaxConcurrency = 0
+	require.NotContains(t, keys(t, Report(h, m, []string{"ttft"}, nil)), "mean_client_queue_time_ms")
+}
+
 func TestWriteTable(t *testing.T) {
 	rs := []Result{ok(0, 100*ms1, 3, 10, 5*ms1, 5*ms1)}
 	h := Header{RequestRate: 4, MaxConcurrency: 8, SLO: SLO{"ttft": 200}, Partial: true, NotSent: 2}
