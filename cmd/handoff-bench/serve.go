@@ -263,50 +263,9 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 // the partial report is written and nil returned; the caller reports the
 // interruption.
 func serve(ctx context.Context, o serveOptions, c *serveClient, stdout, stderr io.Writer, tty bool) error {
-	var err error
-	if o.model == "" {
-		if o.model, err = c.firstModel(ctx); err != nil {
-			return err
-		}
-		fmt.Fprintf(stderr, "model: %s (the first the server lists)\n", o.model)
-	}
-	var unit serving.Unit
-	if o.unit == "auto" {
-		if unit, err = c.probeUnit(ctx, o.model); err != nil {
-			return err
-		}
-		fmt.Fprintf(stderr, "token unit: %s (from the server's prompt_tokens of a probe)\n", unit)
-	} else if unit, err = serving.ParseUnit(o.unit); err != nil {
-		return fmt.Errorf("serve: --token-unit: %w", err)
-	}
-	reqs := serving.RandomRequests(o.numPrompts, o.inputLen, o.outputLen, o.rangeRatio, unit,
-		rand.New(rand.NewPCG(o.seed, 1)))
-
-	fmt.Fprintln(stderr, "Starting initial single prompt test run...")
-	if r := c.complete(ctx, o.model, time.Now(), reqs[0], "test"); !r.Success {
-		if ctx.Err() != nil {
-			return fmt.Errorf("serve: test run: %w", context.Cause(ctx))
-		}
-		return fmt.Errorf("serve: the initial test run failed; check --base-url, --endpoint and --model: %s", r.Error)
-	}
-	fmt.Fprintln(stderr, "Initial test run completed.")
-	if o.numWarmups > 0 {
-		fmt.Fprintf(stderr, "Warming up with %d requests...\n", o.numWarmups)
-		warm := make([]serving.Request, o.numWarmups)
-		for i := range warm {
-			warm[i] = reqs[0]
-		}
-		w := runLoad(ctx, c, o.model, "warmup", warm, make([]time.Duration, len(warm)), o.maxConcurrency, nil)
-		if ctx.Err() != nil {
-			return fmt.Errorf("serve: warm-up: %w", context.Cause(ctx))
-		}
-		fmt.Fprintf(stderr, "Warmup run completed (%d of %d succeeded).\n", countSuccess(w.results), o.numWarmups)
-	}
-
-	header := func(rate float64, partial bool, notSent int) serving.Header {
-		return serving.Header{Date: time.Now(), Label: o.label, ModelID: o.model, Unit: unit,
-			NumPrompts: o.numPrompts, RequestRate: rate, Burstiness: o.burstiness,
-			MaxConcurrency: o.maxConcurrency, SLO: o.slo, Partial: partial, NotSent: notSent}
+	reqs, unit, err := prepareServe(ctx, &o, c, stderr)
+	if err != nil {
+		return err
 	}
 	rates := o.sweepRates
 	if len(rates) == 0 {
@@ -317,38 +276,100 @@ func serve(ctx context.Context, o serveOptions, c *serveClient, stdout, stderr i
 		if ctx.Err() != nil {
 			break
 		}
-		dist := "Poisson process"
-		if o.burstiness != 1 {
-			dist = "Gamma distribution"
-		}
-		conc := "None"
-		if o.maxConcurrency > 0 {
-			conc = strconv.Itoa(o.maxConcurrency)
-		}
-		fmt.Fprintf(stderr, "Traffic request rate: %s\nBurstiness factor: %s (%s)\nMaximum request concurrency: %s\n",
-			fmtRate(rate), fmtRate(o.burstiness), dist, conc)
-		arrivals := serving.Arrivals(len(reqs), rate, o.burstiness, rand.New(rand.NewPCG(o.seed, 2)))
-		prog := newProgress(stderr, o.progress, tty, "rate "+fmtRate(rate), len(reqs))
-		run := runLoad(ctx, c, o.model, "bench", reqs, arrivals, o.maxConcurrency, prog)
-		prog.finish()
-		m := serving.Compute(run.results, run.duration, o.percentiles, o.slo)
-		p := serving.SweepPoint{Rate: rate, Header: header(rate, run.partial, run.notSent), Metrics: m}
-		if o.saveDetailed {
-			p.Results = run.results
-		}
-		points = append(points, p)
-		if failed := firstErrors(run.results, 10); len(failed) > 0 {
-			fmt.Fprintln(stderr, "Failed requests during benchmark run detected (capping to 10):")
-			for i, e := range failed {
-				fmt.Fprintf(stderr, "Error %d: %s\n", i, e)
-			}
-		}
+		points = append(points, measureRate(ctx, o, c, reqs, unit, rate, stderr, tty))
 	}
 	if len(points) == 0 {
 		return fmt.Errorf("serve: %w", context.Cause(ctx))
 	}
-	partial := points[len(points)-1].Header.Partial
+	return writeServeReport(o, points, stdout, stderr)
+}
 
+// prepareServe completes o from the server (the model, when not given),
+// picks the token unit, makes the dataset, and sends the test request and
+// the warm-ups.
+func prepareServe(ctx context.Context, o *serveOptions, c *serveClient, stderr io.Writer) ([]serving.Request, serving.Unit, error) {
+	var err error
+	if o.model == "" {
+		if o.model, err = c.firstModel(ctx); err != nil {
+			return nil, "", err
+		}
+		fmt.Fprintf(stderr, "model: %s (the first the server lists)\n", o.model)
+	}
+	var unit serving.Unit
+	if o.unit == "auto" {
+		if unit, err = c.probeUnit(ctx, o.model); err != nil {
+			return nil, "", err
+		}
+		fmt.Fprintf(stderr, "token unit: %s (from the server's prompt_tokens of a probe)\n", unit)
+	} else if unit, err = serving.ParseUnit(o.unit); err != nil {
+		return nil, "", fmt.Errorf("serve: --token-unit: %w", err)
+	}
+	reqs := serving.RandomRequests(o.numPrompts, o.inputLen, o.outputLen, o.rangeRatio, unit,
+		rand.New(rand.NewPCG(o.seed, 1)))
+
+	fmt.Fprintln(stderr, "Starting initial single prompt test run...")
+	if r := c.complete(ctx, o.model, time.Now(), reqs[0], "test"); !r.Success {
+		if ctx.Err() != nil {
+			return nil, "", fmt.Errorf("serve: test run: %w", context.Cause(ctx))
+		}
+		return nil, "", fmt.Errorf("serve: the initial test run failed; check --base-url, --endpoint and --model: %s", r.Error)
+	}
+	fmt.Fprintln(stderr, "Initial test run completed.")
+	if o.numWarmups > 0 {
+		fmt.Fprintf(stderr, "Warming up with %d requests...\n", o.numWarmups)
+		warm := make([]serving.Request, o.numWarmups)
+		for i := range warm {
+			warm[i] = reqs[0]
+		}
+		w := runLoad(ctx, c, o.model, "warmup", warm, make([]time.Duration, len(warm)), o.maxConcurrency, nil)
+		if ctx.Err() != nil {
+			return nil, "", fmt.Errorf("serve: warm-up: %w", context.Cause(ctx))
+		}
+		fmt.Fprintf(stderr, "Warmup run completed (%d of %d succeeded).\n", countSuccess(w.results), o.numWarmups)
+	}
+	return reqs, unit, nil
+}
+
+// measureRate runs the dataset at one rate and summarizes it.
+func measureRate(ctx context.Context, o serveOptions, c *serveClient, reqs []serving.Request, unit serving.Unit,
+	rate float64, stderr io.Writer, tty bool) serving.SweepPoint {
+	dist := "Poisson process"
+	if o.burstiness != 1 {
+		dist = "Gamma distribution"
+	}
+	conc := "None"
+	if o.maxConcurrency > 0 {
+		conc = strconv.Itoa(o.maxConcurrency)
+	}
+	fmt.Fprintf(stderr, "Traffic request rate: %s\nBurstiness factor: %s (%s)\nMaximum request concurrency: %s\n",
+		fmtRate(rate), fmtRate(o.burstiness), dist, conc)
+	arrivals := serving.Arrivals(len(reqs), rate, o.burstiness, rand.New(rand.NewPCG(o.seed, 2)))
+	prog := newProgress(stderr, o.progress, tty, "rate "+fmtRate(rate), len(reqs))
+	run := runLoad(ctx, c, o.model, "bench", reqs, arrivals, o.maxConcurrency, prog)
+	prog.finish()
+	if failed := firstErrors(run.results, 10); len(failed) > 0 {
+		fmt.Fprintln(stderr, "Failed requests during benchmark run detected (capping to 10):")
+		for i, e := range failed {
+			fmt.Fprintf(stderr, "Error %d: %s\n", i, e)
+		}
+	}
+	p := serving.SweepPoint{
+		Rate: rate,
+		Header: serving.Header{Date: time.Now(), Label: o.label, ModelID: o.model, Unit: unit,
+			NumPrompts: o.numPrompts, RequestRate: rate, Burstiness: o.burstiness,
+			MaxConcurrency: o.maxConcurrency, SLO: o.slo, Partial: run.partial, NotSent: run.notSent},
+		Metrics: serving.Compute(run.results, run.duration, o.percentiles, o.slo),
+	}
+	if o.saveDetailed {
+		p.Results = run.results
+	}
+	return p
+}
+
+// writeServeReport writes the report of one run or of a sweep (and its
+// plot): JSON to --result-file, and the table or the JSON to stdout.
+func writeServeReport(o serveOptions, points []serving.SweepPoint, stdout, stderr io.Writer) error {
+	partial := points[len(points)-1].Header.Partial
 	var rep any
 	if len(o.sweepRates) == 0 {
 		p := points[0]
