@@ -233,6 +233,42 @@ func TestOpenAIClient(t *testing.T) {
 			require.InDelta(t, best, l.TokenLogprobs[i], 1e-6, "greedy picks the most likely token (%d)", i)
 		}
 	})
+	t.Run("chat", func(t *testing.T) {
+		cp := openai.ChatCompletionNewParams{
+			Model: "tiny-hybrid",
+			Messages: []openai.ChatCompletionMessageParamUnion{
+				openai.SystemMessage("Be brief."), openai.UserMessage("Hello, handoff"),
+			},
+			MaxCompletionTokens: openai.Int(24),
+			Temperature:         openai.Float(0),
+			Logprobs:            openai.Bool(true),
+			TopLogprobs:         openai.Int(2),
+		}
+		c, err := client.Chat.Completions.New(ctx, cp)
+		require.NoError(t, err)
+		require.Len(t, c.Choices, 1)
+		require.Equal(t, "assistant", string(c.Choices[0].Message.Role))
+		require.Equal(t, "length", c.Choices[0].FinishReason)
+		require.Equal(t, int64(24), c.Usage.CompletionTokens)
+		require.Len(t, c.Choices[0].Logprobs.Content, 24)
+		require.Len(t, c.Choices[0].Logprobs.Content[0].TopLogprobs, 2)
+
+		cp.StreamOptions = openai.ChatCompletionStreamOptionsParam{IncludeUsage: openai.Bool(true)}
+		s := client.Chat.Completions.NewStreaming(ctx, cp)
+		var acc openai.ChatCompletionAccumulator
+		var got strings.Builder
+		for s.Next() {
+			ch := s.Current()
+			acc.AddChunk(ch)
+			if len(ch.Choices) > 0 {
+				got.WriteString(ch.Choices[0].Delta.Content)
+			}
+		}
+		require.NoError(t, s.Err())
+		require.Equal(t, c.Choices[0].Message.Content, got.String(), "streamed deltas add up to the message")
+		require.Equal(t, c.Choices[0].Message.Content, acc.Choices[0].Message.Content)
+		require.Equal(t, int64(24), acc.Usage.CompletionTokens, "include_usage")
+	})
 	t.Run("refused by name", func(t *testing.T) {
 		bp := params
 		bp.BestOf = openai.Int(3)

@@ -32,9 +32,9 @@ type CacheSource interface {
 
 // FetchRequest describes the destination of one prefilled cache.
 type FetchRequest struct {
-	ID          uint64 // engine-local request id, never 0
-	LogID       string // the request id used in logs
-	Rank        int
+	ID     uint64 // engine-local request id, never 0
+	LogID  string // the request id used in logs
+	Rank   int
 	Prompt []int32
 	// Sampling picks the first token (and asks for its logprobs).
 	Sampling
@@ -44,13 +44,13 @@ type FetchRequest struct {
 
 // FetchResult is what a successful Fetch reports.
 type FetchResult struct {
-	First      int32         // the first generated token, sampled at step 0
+	First int32 // the first generated token, sampled at step 0
 	// FirstLogprobs are the first token's logprobs, when asked for.
 	FirstLogprobs *model.Logprobs
-	Compute    time.Duration // prefill compute on the remote worker
-	Transfer   time.Duration // data-plane write and commit, as measured by the writer
-	KVBytes    int64
-	MambaBytes int64
+	Compute       time.Duration // prefill compute on the remote worker
+	Transfer      time.Duration // data-plane write and commit, as measured by the writer
+	KVBytes       int64
+	MambaBytes    int64
 }
 
 // Timing splits a request's latency.
@@ -98,12 +98,12 @@ type PrefillJob struct {
 // the rank's arenas through Row and Runs (to push them to a decode worker)
 // and must call Release exactly when it no longer reads them.
 type Lease struct {
-	Rank    int
-	ID      uint64
-	Row     mambacache.Row
-	Runs    []kvcache.Run
-	Tokens  int   // prompt tokens the runs hold
-	First   int32 // first token, sampled at step 0
+	Rank   int
+	ID     uint64
+	Row    mambacache.Row
+	Runs   []kvcache.Run
+	Tokens int   // prompt tokens the runs hold
+	First  int32 // first token, sampled at step 0
 	// FirstLogprobs are the first token's logprobs, when the job asked.
 	FirstLogprobs *model.Logprobs
 	Compute       time.Duration
@@ -166,11 +166,11 @@ func (c *Config) validate(ranks []*Rank) error {
 type evKind uint8
 
 const (
-	evCancel  evKind = iota // the request's context ended
-	evFetched               // a Fetch returned
-	evRelease               // a lease was released
-	evAbandon               // Prefill gave up before taking its lease
-	evUnquarantine          // a failed fetch's destination can be freed now
+	evCancel       evKind = iota // the request's context ended
+	evFetched                    // a Fetch returned
+	evRelease                    // a lease was released
+	evAbandon                    // Prefill gave up before taking its lease
+	evUnquarantine               // a failed fetch's destination can be freed now
 )
 
 type inboxEvent struct {

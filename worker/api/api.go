@@ -75,6 +75,7 @@ func New(cfg Config, gen Generator) http.Handler {
 	s := &server{cfg: cfg, gen: gen, log: cfg.Logger, base: base}
 	mux := http.NewServeMux()
 	mux.HandleFunc("/v1/completions", s.completions)
+	mux.HandleFunc("/v1/chat/completions", s.chatCompletions)
 	mux.HandleFunc("/v1/models", s.models)
 	mux.HandleFunc("/v1/models/{id...}", s.model)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
@@ -161,18 +162,18 @@ func contextExceeded(maxCtx, prompt int, maxTokens int64, which string) *apiErro
 
 // requestID returns the client's X-Request-Id when it is short and plain,
 // else a fresh one.
-func requestID(r *http.Request) string {
+func requestID(r *http.Request, prefix string) string {
 	if id := r.Header.Get("X-Request-Id"); id != "" && len(id) <= 64 && strings.Trim(id,
 		"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:") == "" {
 		return id
 	}
 	var b [12]byte
 	_, _ = rand.Read(b[:])
-	return "cmpl-" + hex.EncodeToString(b[:])
+	return prefix + hex.EncodeToString(b[:])
 }
 
 func (s *server) completions(w http.ResponseWriter, r *http.Request) {
-	id := requestID(r)
+	id := requestID(r, "cmpl-")
 	w.Header().Set("X-Request-Id", id)
 	log := s.log.With("request_id", id)
 	if r.Method != http.MethodPost {

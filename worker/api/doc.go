@@ -1,7 +1,8 @@
 // Package api serves the decode worker's OpenAI-compatible HTTP API:
 //
-//	POST /v1/completions  see below
-//	GET  /v1/models       the served model
+//	POST /v1/completions       see below
+//	POST /v1/chat/completions  see below
+//	GET  /v1/models            the served model
 //
 // Every parameter of OpenAI's completions API is served or refused by name:
 //
@@ -17,6 +18,28 @@
 //	stream, stream_options  SSE; include_usage adds a last chunk with the usage
 //	n, best_of              1 only; presence_penalty, frequency_penalty: 0 only;
 //	logit_bias              empty only; suffix: empty only; user: logged
+//
+// Chat completions share every parameter above but prompt, echo, best_of,
+// suffix and logprobs, and add:
+//
+//	messages               system, developer (as system), user, assistant;
+//	                       content a string or text parts; name
+//	max_completion_tokens  as max_tokens (both must agree)
+//	logprobs, top_logprobs true and 0..20
+//	stream                 SSE deltas: the role first, then content (never a
+//	                       split character), then finish_reason
+//
+// and refuse tools, functions, tool/function messages, non-text parts,
+// response_format other than text, audio, prediction, reasoning_effort,
+// verbosity, web_search_options, store=true and metadata by name; the
+// tool_choice/function_call "none"/"auto", parallel_tool_calls,
+// service_tier auto/default and prompt_cache_key change nothing and are
+// taken. The chat template (chatPrompt) renders each message as
+//
+//	<|role|>\n{content}\n          (<|role:name|> with a name)
+//
+// and ends with "<|assistant|>\n": a chat completion is the completion of
+// that prompt, token for token.
 //
 // A refused value is 400 unsupported_value naming the parameter; a key
 // that is not a parameter (in any other case, too) is 400

@@ -61,3 +61,47 @@ func FuzzParse(f *testing.F) {
 		}
 	})
 }
+
+// FuzzParseChat feeds arbitrary bodies to the chat decoder: it must never
+// panic, must answer every refusal with a 4xx and a message, and must only
+// accept strict bodies that fit the context.
+func FuzzParseChat(f *testing.F) {
+	for _, seed := range []string{
+		`{"model":"tiny-hybrid","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":5,"stream":true,"stream_options":{"include_usage":true}}`,
+		`{"model":"tiny-hybrid","messages":[{"role":"system","content":"s"},{"role":"user","name":"a","content":[{"type":"text","text":"x"}]}],"logprobs":true,"top_logprobs":3}`,
+		`{"model":"tiny-hybrid","messages":[{"role":"tool","content":"x"}]}`,
+		`{"model":"tiny-hybrid","messages":[{"role":"user","content":[{"type":"image_url"}]}]}`,
+		`{"model":"tiny-hybrid","messages":[],"tools":[1]}`,
+		`{"model":"tiny-hybrid","messages":[{"role":"user","content":"x"}]} {}`,
+		`{"model":"tiny-hybrid","messages":[{"ROLE":"user","content":"x"}]}`,
+		`{"model":"tiny-hybrid","messages":[{"role":"user","content":"x"}],"max_tokens":2,"max_completion_tokens":3}`,
+		`{`, `null`, `[]`,
+	} {
+		f.Add([]byte(seed))
+	}
+	s := &server{cfg: Config{Model: model.TinyHybrid, DefaultMaxTokens: 16}, gen: fakeGen{}, base: model.TinyHybrid}
+	maxCtx := fakeGen{}.MaxContext()
+	f.Fuzz(func(t *testing.T, body []byte) {
+		c, status, e := s.parseChat(body)
+		if e != nil {
+			if status < 400 || status >= 500 || e.Message == "" || e.Type == "" {
+				t.Fatalf("refusal %d %+v", status, e)
+			}
+			return
+		}
+		if status != 0 || len(c.prompt) == 0 || c.maxTokens < 1 || len(c.prompt)+c.maxTokens > maxCtx ||
+			!(c.smp.Temperature >= 0 && c.smp.Temperature <= 2) || c.logprobs > maxTopLogprobs ||
+			(c.smp.Logprobs != (c.logprobs >= 0)) || (c.includeUsage && !c.stream) {
+			t.Fatalf("accepted a bad request: %+v", c)
+		}
+		var obj map[string]json.RawMessage
+		if err := json.Unmarshal(body, &obj); err != nil {
+			t.Fatalf("accepted a body that is not one object: %q", body)
+		}
+		for k := range obj {
+			if _, ok := chatFields[k]; !ok {
+				t.Fatalf("accepted unknown key %q", k)
+			}
+		}
+	})
+}

@@ -43,14 +43,15 @@ type params struct {
 	user          string
 }
 
-// field decodes the value of key name into p.
-type field func(name string, raw json.RawMessage, p *params) *apiError
+// fieldOf decodes the value of key name into v.
+type fieldOf[T any] func(name string, raw json.RawMessage, v *T) *apiError
 
-// completionFields are the keys of POST /v1/completions: every parameter of
-// OpenAI's completions API, implemented or refused by name.
-var completionFields = map[string]field{
+// field decodes a request parameter.
+type field = fieldOf[params]
+
+// commonFields are the parameters completions and chat completions share.
+var commonFields = map[string]field{
 	"model":             strField(func(p *params) *string { return &p.model }),
-	"prompt":            func(_ string, raw json.RawMessage, p *params) *apiError { p.prompt = raw; return nil },
 	"max_tokens":        maxTokensField,
 	"temperature":       floatField(func(p *params) **float64 { return &p.temperature }),
 	"top_p":             floatField(func(p *params) **float64 { return &p.topP }),
@@ -60,14 +61,32 @@ var completionFields = map[string]field{
 	"stop":              stopField,
 	"n":                 mustEqual(1, "Only n=1 is supported."),
 	"user":              strField(func(p *params) *string { return &p.user }),
-	"echo":              boolField(func(p *params) *bool { return &p.echo }),
-	"logprobs":          intField(func(p *params) **int64 { return &p.logprobs }),
-	"best_of":           mustEqual(1, "Only best_of=1 is supported: one completion is generated."),
 	"presence_penalty":  mustEqual(0, "presence_penalty is not supported; only 0 is accepted."),
 	"frequency_penalty": mustEqual(0, "frequency_penalty is not supported; only 0 is accepted."),
 	"logit_bias":        logitBiasField,
-	"suffix":            suffixField,
 }
+
+// withFields returns the common fields plus extra.
+func withFields(extra map[string]field) map[string]field {
+	out := make(map[string]field, len(commonFields)+len(extra))
+	for k, f := range commonFields {
+		out[k] = f
+	}
+	for k, f := range extra {
+		out[k] = f
+	}
+	return out
+}
+
+// completionFields are the keys of POST /v1/completions: every parameter of
+// OpenAI's completions API, implemented or refused by name.
+var completionFields = withFields(map[string]field{
+	"prompt":   func(_ string, raw json.RawMessage, p *params) *apiError { p.prompt = raw; return nil },
+	"echo":     boolField(func(p *params) *bool { return &p.echo }),
+	"logprobs": intField(func(p *params) **int64 { return &p.logprobs }),
+	"best_of":  mustEqual(1, "Only best_of=1 is supported: one completion is generated."),
+	"suffix":   suffixField,
+})
 
 func invalidJSON(msg string) *apiError {
 	return &apiError{Message: "We could not parse the JSON body of your request: " + msg,
@@ -113,7 +132,7 @@ func isNull(raw json.RawMessage) bool { return string(bytes.TrimSpace(raw)) == "
 // exactly (no case folding), each at most once, and nothing but white space
 // follows the object. Each key is decoded by its entry in fields; a key not
 // there is refused by name.
-func decodeObject(body []byte, fields map[string]field, p *params) *apiError {
+func decodeObject[T any](body []byte, fields map[string]fieldOf[T], v *T) *apiError {
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.UseNumber()
 	tok, err := dec.Token()
@@ -143,7 +162,7 @@ func decodeObject(body []byte, fields map[string]field, p *params) *apiError {
 			return &apiError{Message: fmt.Sprintf("Unrecognized request argument supplied: %s", key),
 				Type: typeInvalid, Param: param(key), Code: "unknown_parameter"}
 		}
-		if e := f(key, raw, p); e != nil {
+		if e := f(key, raw, v); e != nil {
 			return e
 		}
 	}
@@ -273,6 +292,9 @@ func streamOptionsField(name string, raw json.RawMessage, p *params) *apiError {
 	var opts params
 	e := decodeObject(raw, map[string]field{
 		"include_usage": boolField(func(o *params) *bool { return &o.stream }),
+		// Obfuscation pads OpenAI's chunks against network side channels;
+		// nothing here is padded, whatever it says.
+		"include_obfuscation": typeOnly("a boolean", func() any { return new(bool) }),
 	}, &opts)
 	if e != nil {
 		if e.Param != nil {
