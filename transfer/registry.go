@@ -20,7 +20,11 @@ type RegistryConfig struct {
 	Namespace string        // required, a valid token
 	TTL       time.Duration // how long an entry lives without a heartbeat; default 6s
 	Heartbeat time.Duration // how often Announce refreshes the entry; default TTL/3
-	Logger    *slog.Logger
+	// Replicas is the bucket's replication: 0 picks 3 on a clustered server
+	// (falling back to 1 where the cluster cannot place 3), else 1. A
+	// replicated bucket keeps discovery alive when a node holding it dies.
+	Replicas int
+	Logger   *slog.Logger
 }
 
 func (c *RegistryConfig) validate() error {
@@ -39,6 +43,9 @@ func (c *RegistryConfig) validate() error {
 	if c.TTL < time.Second || c.Heartbeat <= 0 || c.Heartbeat >= c.TTL {
 		return fmt.Errorf("%w: registry ttl %v must be >= 1s and exceed the heartbeat %v", ErrInvalidConfig, c.TTL, c.Heartbeat)
 	}
+	if c.Replicas < 0 || c.Replicas > 5 {
+		return fmt.Errorf("%w: registry replicas %d not in 0..5 (0: auto)", ErrInvalidConfig, c.Replicas)
+	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -55,10 +62,14 @@ type Registry struct {
 	js   jetstream.JetStream
 	kcfg jetstream.KeyValueConfig
 
-	mu       sync.Mutex
-	kv       jetstream.KeyValue // replaced when the bucket is recreated
-	closed   bool
-	entries  map[string]Instance // by instance id
+	mu      sync.Mutex
+	kv      jetstream.KeyValue // replaced when the bucket is recreated
+	closed  bool
+	entries map[string]Instance // by instance id
+	// seen is when each entry was last received, on this host's monotonic
+	// clock: liveness never compares the announcer's wall clock with ours.
+	seen     map[string]time.Time
+	revs     map[string]uint64 // bucket revision of each entry as received
 	onChange []func(inst Instance, gone bool)
 
 	stop chan struct{}
@@ -88,8 +99,15 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, cfg RegistryConfig) (*Regi
 		History:        1,
 		Storage:        jetstream.MemoryStorage,
 		LimitMarkerTTL: cfg.TTL, // watchers hear about expiries
+		Replicas:       cfg.Replicas,
 	}
-	r := &Registry{cfg: cfg, js: js, kcfg: kcfg, entries: map[string]Instance{}, stop: make(chan struct{})}
+	if kcfg.Replicas == 0 {
+		kcfg.Replicas = 1
+		if nc.ConnectedClusterName() != "" {
+			kcfg.Replicas = 3 // open falls back to 1 where the cluster cannot
+		}
+	}
+	r := &Registry{cfg: cfg, js: js, kcfg: kcfg, entries: map[string]Instance{}, seen: map[string]time.Time{}, revs: map[string]uint64{}, stop: make(chan struct{})}
 	if err := r.open(ctx); err != nil {
 		return nil, err
 	}
@@ -106,7 +124,13 @@ func (r *Registry) open(ctx context.Context) error {
 	r.mu.Unlock()
 	kv, err := r.js.CreateOrUpdateKeyValue(ctx, kcfg)
 	if errors.Is(err, jetstream.ErrLimitMarkerTTLNotSupported) {
-		kcfg.LimitMarkerTTL = 0 // older server: expiry is then detected from Updated alone
+		kcfg.LimitMarkerTTL = 0 // older server: expiry is then detected from receipt time alone
+		kv, err = r.js.CreateOrUpdateKeyValue(ctx, kcfg)
+	}
+	if err != nil && r.cfg.Replicas == 0 && kcfg.Replicas > 1 && cannotReplicate(err) {
+		r.cfg.Logger.Warn("registry bucket: the cluster cannot hold 3 replicas; using 1 (set --registry-replicas to insist)",
+			"bucket", kcfg.Bucket, "err", err)
+		kcfg.Replicas = 1
 		kv, err = r.js.CreateOrUpdateKeyValue(ctx, kcfg)
 	}
 	if err != nil {
@@ -116,6 +140,22 @@ func (r *Registry) open(ctx context.Context) error {
 	r.kv, r.kcfg = kv, kcfg
 	r.mu.Unlock()
 	return nil
+}
+
+// cannotReplicate reports whether err says the server cannot place a
+// replicated stream: not clustered, or too few JetStream peers.
+func cannotReplicate(err error) bool {
+	var apiErr *jetstream.APIError
+	if !errors.As(err, &apiErr) {
+		return false
+	}
+	switch apiErr.ErrorCode {
+	case 10074, // replicas > 1 not supported in non-clustered mode
+		10023, // insufficient resources
+		10005: // no suitable peers for placement
+		return true
+	}
+	return false
 }
 
 // bucket returns the bucket in use.
@@ -257,7 +297,7 @@ func (r *Registry) watch(role Role, loaded chan<- error) {
 			_ = w.Stop()
 		}
 	}()
-	check := time.NewTicker(r.cfg.TTL / 2)
+	check := time.NewTicker(r.cfg.Heartbeat)
 	defer check.Stop()
 	initial := true
 	for {
@@ -268,7 +308,7 @@ func (r *Registry) watch(role Role, loaded chan<- error) {
 			}
 			return
 		case <-check.C:
-			if initial || (w != nil && !r.bucketReplaced(born)) {
+			if initial || (w != nil && !r.watchStalled(role) && !r.bucketReplaced(born)) {
 				continue
 			}
 			if w != nil {
@@ -316,6 +356,38 @@ func (r *Registry) watch(role Role, loaded chan<- error) {
 			r.apply(e)
 		}
 	}
+}
+
+// watchStalled reports whether the watch of role has stopped delivering: an
+// entry it holds is overdue (not received for 1.5 heartbeats) while the
+// bucket has a newer revision of it. A stream's leader dying can leave a
+// watch's consumer silent for good while the bucket, replicated, carries on.
+func (r *Registry) watchStalled(role Role) bool {
+	now := time.Now()
+	r.mu.Lock()
+	var overdue []string
+	var revs []uint64
+	for id, inst := range r.entries {
+		if inst.Role == role && now.Sub(r.seen[id]) > r.cfg.Heartbeat*3/2 {
+			overdue = append(overdue, id)
+			revs = append(revs, r.revs[id])
+		}
+	}
+	r.mu.Unlock()
+	if len(overdue) == 0 {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(r.life, r.cfg.Heartbeat)
+	defer cancel()
+	kv := r.bucket()
+	for i, id := range overdue {
+		e, err := kv.Get(ctx, registryKey(role, id))
+		if err == nil && e.Revision() > revs[i] {
+			r.cfg.Logger.Warn("registry watch stalled (the bucket moved on without it); restarting it", "watching", string(role), "entry", id)
+			return true
+		}
+	}
+	return false
 }
 
 // startWatch watches role's keys in the current bucket, and returns when that
@@ -373,8 +445,12 @@ func (r *Registry) apply(e jetstream.KeyValueEntry) {
 		}
 		inst = old
 		delete(r.entries, id)
+		delete(r.seen, id)
+		delete(r.revs, id)
 	} else {
 		r.entries[inst.ID] = inst
+		r.seen[inst.ID] = time.Now()
+		r.revs[inst.ID] = e.Revision()
 	}
 	fns := slices.Clone(r.onChange)
 	r.mu.Unlock()
@@ -383,15 +459,17 @@ func (r *Registry) apply(e jetstream.KeyValueEntry) {
 	}
 }
 
-// Instances returns the watched entries of role that are live at now: present
-// in the bucket and refreshed within TTL (so an expiry is honoured even before
-// the server's marker arrives). Sorted by id.
+// Instances returns the watched entries of role that are live at now (a
+// reading of this host's clock): present in the bucket and received within
+// TTL, so an expiry is honoured even before the server's marker arrives.
+// The announcer's own timestamp (Updated) is not compared with now: hosts'
+// wall clocks may disagree by more than the TTL. Sorted by id.
 func (r *Registry) Instances(role Role, now time.Time) []Instance {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	out := make([]Instance, 0, len(r.entries))
-	for _, inst := range r.entries {
-		if inst.Role == role && now.Sub(time.Unix(0, inst.Updated)) < r.cfg.TTL {
+	for id, inst := range r.entries {
+		if inst.Role == role && now.Sub(r.seen[id]) < r.cfg.TTL {
 			out = append(out, inst)
 		}
 	}

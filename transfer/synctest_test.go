@@ -280,9 +280,10 @@ func TestLateNoRespondersOfAbandonedAttempt(t *testing.T) {
 				defer send.Close()
 				d, rec := bubbleDecoder(t, recv, 3)
 				d.cfg.DirectFirst = true
-				reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]Instance{}}
+				reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]Instance{}, seen: map[string]time.Time{}}
 				for _, id := range []string{"p1", "p2", "p3"}[:n] {
 					reg.entries[id] = Instance{ID: id, Role: RolePrefill, Fingerprint: "fp", Updated: time.Now().UnixNano()}
+					reg.seen[id] = time.Now()
 				}
 				d.reg = reg
 				type out struct {
@@ -327,10 +328,11 @@ func TestLateNoRespondersOfAbandonedAttempt(t *testing.T) {
 // sent to it would spend an attempt on a no-responders.
 func TestPickPassesOverWriterGone(t *testing.T) {
 	d := &Decoder{cfg: DecoderConfig{Fingerprint: "fp"}, calls: map[string]*call{}}
-	reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]Instance{}}
+	reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]Instance{}, seen: map[string]time.Time{}}
 	now := time.Now().UnixNano()
 	for _, id := range []string{"p1", "p2"} {
 		reg.entries[id] = Instance{ID: id, Role: RolePrefill, Fingerprint: "fp", Updated: now}
+		reg.seen[id] = time.Now()
 	}
 	d.reg = reg
 	seen := func() map[string]int {

@@ -62,6 +62,9 @@ type Config struct {
 	LogFormat      string // json, text
 	DrainTimeout   time.Duration
 	RequestTimeout time.Duration
+	// RegistryReplicas is the instance registry bucket's replication; 0:
+	// 3 on a NATS cluster that can hold them, else 1.
+	RegistryReplicas int
 
 	// Decode only.
 	HTTPAddr   string
@@ -123,6 +126,7 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	num(&c.TokensPerBlock, "tokens-per-block", "HANDOFF_TOKENS_PER_BLOCK", 16, "KV block size in tokens (must match the peers)")
 	num(&c.KVBlocks, "kv-blocks", "HANDOFF_KV_BLOCKS", 0, "KV blocks per rank (0: enough for max-batch-size full contexts, capped at 512 MiB)")
 	num(&c.QueueSize, "queue-size", "HANDOFF_QUEUE_SIZE", 64, "requests waiting for admission before new ones are refused")
+	num(&c.RegistryReplicas, "registry-replicas", "HANDOFF_REGISTRY_REPLICAS", 0, "replicas of the instance registry bucket (0: 3 on a NATS cluster that can hold them, else 1)")
 	str(&c.DataAddr, "data-addr", "HANDOFF_DATA_ADDR", DefaultDataAddr, "data-plane TCP listen address", false)
 	str(&c.DataAdvertise, "data-advertise", "HANDOFF_DATA_ADVERTISE", "", "data-plane address peers dial (default $POD_IP:<port> when POD_IP is set, else the listener's)", false)
 	str(&c.Transport, "transport", "HANDOFF_TRANSPORT", "auto", "data-plane transport: auto, tcp, shm or inproc", false)
@@ -213,6 +217,9 @@ func (c *Config) Validate() error {
 	}
 	if c.QueueSize < 1 {
 		bad("--queue-size %d: want ≥ 1", c.QueueSize)
+	}
+	if c.RegistryReplicas < 0 || c.RegistryReplicas > 5 {
+		bad("--registry-replicas %d: want 0 (auto) to 5", c.RegistryReplicas)
 	}
 	switch c.Transport {
 	case "auto", "tcp", "shm", "inproc":

@@ -72,6 +72,7 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 		if dec, err = transfer.NewDecoder(context.WithoutCancel(ctx), transfer.DecoderConfig{
 			Instance: cfg.InstanceID, Namespace: cfg.Namespace, Fingerprint: n.fingerprint,
 			DefaultTimeout: cfg.RequestTimeout, Logger: log,
+			Registry: transfer.RegistryConfig{Replicas: cfg.RegistryReplicas},
 			// Address a chosen prefill instance from the first attempt, so a
 			// worker that dies mid-request fails it at once (and it is retried
 			// elsewhere) instead of at the deadline.

@@ -71,6 +71,7 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 	pf, err := transfer.NewPrefiller(transfer.PrefillerConfig{
 		Instance: cfg.InstanceID, Namespace: cfg.Namespace, Fingerprint: n.fingerprint,
 		Capacity: n.capacity, Logger: log,
+		Registry: transfer.RegistryConfig{Replicas: cfg.RegistryReplicas},
 	}, nc, n.data, pe)
 	if err != nil {
 		return err

@@ -1,0 +1,164 @@
+package transfer
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/internal/natstest"
+)
+
+// An announcer whose wall clock is a minute off ours (either way) is live
+// for as long as its entry is refreshed, and only as long: liveness is the
+// time this host received the entry, not the announcer's timestamp.
+func TestRegistryClockSkew(t *testing.T) {
+	s := natstest.Run(t)
+	nc := natstest.Connect(t, s)
+	ctx := context.Background()
+	reg, err := OpenRegistry(ctx, nc, RegistryConfig{Namespace: "skew", TTL: 2 * time.Second, Heartbeat: time.Second})
+	require.NoError(t, err)
+	defer reg.Close(ctx)
+	require.NoError(t, reg.Watch(ctx, RolePrefill))
+	for _, skew := range []time.Duration{-time.Minute, time.Minute} {
+		id := fmt.Sprintf("skew%d", int(skew.Minutes())+1)
+		b, err := EncodeInstance(Instance{ID: id, Role: RolePrefill, Fingerprint: "fp", Updated: time.Now().Add(skew).UnixNano()})
+		require.NoError(t, err)
+		_, err = reg.bucket().Put(ctx, registryKey(RolePrefill, id), b)
+		require.NoError(t, err)
+	}
+	require.Eventually(t, func() bool { return len(reg.Instances(RolePrefill, time.Now())) == 2 }, 5*time.Second, 10*time.Millisecond,
+		"an announcer a minute off this host's clock is hidden")
+	// Not refreshed: gone after the TTL, whatever its timestamps say.
+	require.Eventually(t, func() bool { return len(reg.Instances(RolePrefill, time.Now())) == 0 }, 10*time.Second, 50*time.Millisecond)
+}
+
+// On a single server the bucket has one replica (auto), and asking for
+// more is refused by name.
+func TestRegistryReplicasStandalone(t *testing.T) {
+	s := natstest.Run(t)
+	nc := natstest.Connect(t, s)
+	ctx := context.Background()
+	reg, err := OpenRegistry(ctx, nc, RegistryConfig{Namespace: "r1"})
+	require.NoError(t, err)
+	defer reg.Close(ctx)
+	require.Equal(t, 1, bucketReplicas(t, reg))
+	_, err = OpenRegistry(ctx, nc, RegistryConfig{Namespace: "r3", Replicas: 3})
+	require.ErrorContains(t, err, "replicas")
+	_, err = OpenRegistry(ctx, nc, RegistryConfig{Namespace: "r9", Replicas: 9})
+	require.ErrorIs(t, err, ErrInvalidConfig)
+}
+
+func bucketReplicas(t *testing.T, reg *Registry) int {
+	t.Helper()
+	st, err := reg.bucket().Status(context.Background())
+	require.NoError(t, err)
+	return st.(*jetstream.KeyValueBucketStatus).StreamInfo().Config.Replicas
+}
+
+// startCluster starts n JetStream servers routed to each other on loopback
+// and returns them with their client URLs.
+func startCluster(t *testing.T, n int) ([]*server.Server, []string) {
+	t.Helper()
+	ports := make([]int, 2*n)
+	for i := range ports {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(t, err)
+		ports[i] = l.Addr().(*net.TCPAddr).Port
+		l.Close()
+	}
+	var routes []string
+	for i := range n {
+		routes = append(routes, fmt.Sprintf("nats-route://127.0.0.1:%d", ports[n+i]))
+	}
+	servers := make([]*server.Server, n)
+	urls := make([]string, n)
+	for i := range n {
+		opts := natstest.Options(t.TempDir())
+		opts.ServerName = fmt.Sprintf("n%d", i+1)
+		opts.Port = ports[i]
+		opts.Cluster = server.ClusterOpts{Name: "handoff-test", Host: "127.0.0.1", Port: ports[n+i]}
+		opts.Routes = server.RoutesFromStr(fmt.Sprintf("%s,%s,%s", routes[0], routes[1%n], routes[2%n]))
+		s, err := natstest.Start(opts)
+		require.NoError(t, err)
+		t.Cleanup(func() { natstest.Stop(s) })
+		servers[i], urls[i] = s, s.ClientURL()
+	}
+	return servers, urls
+}
+
+// On a 3-node cluster the bucket is replicated (auto), and discovery keeps
+// working on the surviving nodes when the node a client was connected to
+// dies.
+func TestRegistryReplicatedOnCluster(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a 3-node cluster")
+	}
+	servers, urls := startCluster(t, 3)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	connect := func(first int) *nats.Conn {
+		nc, err := nats.Connect(urls[first]+","+urls[(first+1)%3]+","+urls[(first+2)%3],
+			nats.DontRandomize(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
+		require.NoError(t, err)
+		t.Cleanup(nc.Close)
+		return nc
+	}
+	announcer, watcher := connect(0), connect(1)
+	var reg *Registry
+	require.Eventually(t, func() bool { // the cluster elects its meta leader first
+		actx, acancel := context.WithTimeout(ctx, 2*time.Second)
+		defer acancel()
+		var err error
+		reg, err = OpenRegistry(actx, announcer, RegistryConfig{Namespace: "ha", TTL: 3 * time.Second, Heartbeat: 500 * time.Millisecond})
+		return err == nil
+	}, 20*time.Second, 200*time.Millisecond)
+	defer reg.Close(context.Background())
+	require.Equal(t, 3, bucketReplicas(t, reg))
+	require.NoError(t, reg.Announce(ctx, func() Instance { return Instance{ID: "p1", Role: RolePrefill, Fingerprint: "fp"} }))
+	w, err := OpenRegistry(ctx, watcher, RegistryConfig{Namespace: "ha", TTL: 3 * time.Second, Heartbeat: 500 * time.Millisecond})
+	require.NoError(t, err)
+	defer w.Close(context.Background())
+	require.NoError(t, w.Watch(ctx, RolePrefill))
+	require.Eventually(t, func() bool { return len(w.Instances(RolePrefill, time.Now())) == 1 }, 10*time.Second, 20*time.Millisecond)
+
+	// Stop the node that leads the bucket's stream (with one replica, the
+	// only one holding it).
+	st, err := reg.bucket().Status(ctx)
+	require.NoError(t, err)
+	leader := st.(*jetstream.KeyValueBucketStatus).StreamInfo().Cluster.Leader
+	stopped := false
+	for _, s := range servers {
+		if s.Name() == leader {
+			natstest.Stop(s)
+			stopped = true
+		}
+	}
+	require.True(t, stopped, "no server named %q", leader)
+	// Both clients reconnect to a survivor where they need to; the entry
+	// stays fresh and the watcher keeps seeing it well past the TTL.
+	var lost time.Duration
+	var lostAt time.Time
+	for end := time.Now().Add(8 * time.Second); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
+		n := len(w.Instances(RolePrefill, time.Now()))
+		switch {
+		case n == 0 && lostAt.IsZero():
+			lostAt = time.Now()
+		case n == 1 && !lostAt.IsZero():
+			lost += time.Since(lostAt)
+			t.Logf("discovery lost for %v", time.Since(lostAt))
+			lostAt = time.Time{}
+		}
+	}
+	require.True(t, lostAt.IsZero(), "discovery lost since %v with one node of three gone", time.Since(lostAt))
+	// A blip while the cluster elects the stream's new leader (puts wait
+	// for it), not an outage.
+	require.Less(t, lost, 2*time.Second, "discovery lost for %v in all", lost)
+	require.Equal(t, 3, bucketReplicas(t, w))
+}
