@@ -735,7 +735,7 @@ func (h *handoff) send(a Action) (string, error) {
 	tk := h.grant.Ticket()
 	msg := PrefillRequest{
 		RequestID: h.req.ID, From: d.cfg.Instance, Attempt: uint8(min(a.Attempt, 255)), Fingerprint: d.cfg.Fingerprint,
-		Tokens: h.req.Tokens, Sampling: h.req.Sampling, Deadline: h.deadline.UnixNano(), Peer: d.peer,
+		Tokens: h.req.Tokens, Sampling: h.req.Sampling, Deadline: h.deadline.UnixNano(), Budget: int64(time.Until(h.deadline)), Peer: d.peer,
 		Ticket: ticketOf(&tk), KVBytes: h.kvB, MambaBytes: h.mB,
 	}
 	buf := getMsgBuf()

@@ -620,8 +620,17 @@ func (p *Prefiller) handle(r micro.Request) {
 	t := p.newTask()
 	t.start = time.Now()
 	// The deadline as a monotonic reading from here on, as
-	// context.WithDeadline would arm it: later checks read one clock.
+	// context.WithDeadline would arm it: later checks read one clock. It is
+	// the time the sender had left (Budget) from this receipt, so a clock
+	// skew between the hosts neither shortens nor stretches it; the
+	// request's transit time is not counted, so it errs late by that.
 	deadline := t.start.Add(time.Unix(0, m.Deadline).Sub(t.start))
+	if m.Budget > 0 {
+		deadline = t.start.Add(time.Duration(m.Budget))
+	}
+	// The ticket's deadline is the receiver's wall clock; the writer checks
+	// it against its own, so it gets the local equivalent.
+	tk.Deadline = deadline
 	t.p, t.reply, t.msg, t.peer, t.ticket = p, r.Reply(), m, peer, tk
 	t.sess.p = SendParams{
 		RequestID: m.RequestID, MaxDraftTokens: p.cfg.MaxDraftTokens, Deadline: deadline,

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/handoff-io/handoff/internal/natstest"
+	"github.com/handoff-io/handoff/rdma"
 )
 
 // An announcer whose wall clock is a minute off ours (either way) is live
@@ -161,4 +162,38 @@ func TestRegistryReplicatedOnCluster(t *testing.T) {
 	// for it), not an outage.
 	require.Less(t, lost, 2*time.Second, "discovery lost for %v in all", lost)
 	require.Equal(t, 3, bucketReplicas(t, w))
+}
+
+// A decoder whose wall clock is a minute off the prefill worker's: the
+// request's absolute deadline is a minute in the past (or future) on the
+// worker's clock, but the time it had left travels with it (Budget), and
+// the worker serves it within that, by its own clock.
+func TestPrefillDeadlineIgnoresClockSkew(t *testing.T) {
+	for _, skew := range []time.Duration{-time.Minute, time.Minute} {
+		t.Run(skew.String(), func(t *testing.T) {
+			f := newFixture(t)
+			ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+			x := newExec(ps)
+			f.prefiller("p1", f.fp, x, nil)
+			dest, err := ds.rank.Prepare(7, 9)
+			require.NoError(t, err)
+			defer ds.rank.Free(7)
+			g, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 7, Extents: dest.Extents(), Deadline: time.Now().Add(10 * time.Second)})
+			require.NoError(t, err)
+			kv, mb := dest.Bytes()
+			req := PrefillRequest{RequestID: 7, From: "d1", Attempt: 1, Fingerprint: f.fp, Tokens: tokens(9),
+				Deadline: time.Now().Add(skew + 10*time.Second).UnixNano(), Budget: int64(10 * time.Second),
+				Peer: PeerOf(ds.eng.Descriptor()), Ticket: TicketOf(g.Ticket()), KVBytes: kv, MambaBytes: mb}
+			b, err := EncodePrefillRequest(req, 0)
+			require.NoError(t, err)
+			nc := natstest.Connect(t, f.srv)
+			m, err := nc.Request(Subject(DefaultPrefix, f.ns, SubjectPrefill, ""), b, 10*time.Second)
+			require.NoError(t, err)
+			rep, err := DecodePrefillReply(m.Data)
+			require.NoError(t, err)
+			require.Equal(t, CodeOK, rep.Code, rep.Msg)
+			_, err = g.Wait(context.Background())
+			require.NoError(t, err)
+		})
+	}
 }

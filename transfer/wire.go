@@ -337,11 +337,16 @@ type PrefillRequest struct {
 	Fingerprint string   `msgpack:"fp"` // layout fingerprint of the receiver's model
 	Tokens      Tokens   `msgpack:"tok"`
 	Sampling    Sampling `msgpack:"smp"`
-	Deadline    int64    `msgpack:"dl"`   // unix nanoseconds
+	Deadline    int64    `msgpack:"dl"`   // unix nanoseconds, on the sender's clock
 	Peer        Peer     `msgpack:"peer"` // the receiver's data-plane descriptor
 	Ticket      Ticket   `msgpack:"tk"`
 	KVBytes     uint64   `msgpack:"kvb"` // bytes of the ticket's leading KV extents
 	MambaBytes  uint64   `msgpack:"mb"`  // bytes of the ticket's trailing Mamba extent
+	// Budget is the time left until Deadline when the request was sent, in
+	// nanoseconds. The receiver's deadline is its own clock at receipt plus
+	// Budget: two hosts' wall clocks are never compared. 0 (a sender that
+	// predates it): Deadline is used as it is.
+	Budget int64 `msgpack:"rem"`
 }
 
 // PrefillReply answers a PrefillRequest: success with the first token, or a
@@ -958,7 +963,7 @@ func (m Manifest) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(
 func (m *Manifest) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, m.decode) }
 
 func (m *PrefillRequest) appendTo(b []byte) []byte {
-	b = appendMapLen(b, 12)
+	b = appendMapLen(b, 13)
 	b = appendUint(appendStr(b, "v"), uint64(m.V))
 	b = appendUint(appendStr(b, "id"), m.RequestID)
 	b = appendStr(appendStr(b, "from"), m.From)
@@ -970,7 +975,8 @@ func (m *PrefillRequest) appendTo(b []byte) []byte {
 	b = m.Peer.appendTo(appendStr(b, "peer"))
 	b = m.Ticket.appendTo(appendStr(b, "tk"))
 	b = appendUint(appendStr(b, "kvb"), m.KVBytes)
-	return appendUint(appendStr(b, "mb"), m.MambaBytes)
+	b = appendUint(appendStr(b, "mb"), m.MambaBytes)
+	return appendInt(appendStr(b, "rem"), m.Budget)
 }
 
 func (m *PrefillRequest) decode(r *reader) error {
@@ -1021,6 +1027,8 @@ func (m *PrefillRequest) decode(r *reader) error {
 			m.KVBytes, err = r.uint()
 		case "mb":
 			m.MambaBytes, err = r.uint()
+		case "rem":
+			m.Budget, err = r.int()
 		default:
 			err = r.skip()
 		}

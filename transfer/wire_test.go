@@ -146,6 +146,7 @@ type plainRequest struct {
 	Ticket      plainTicket   `msgpack:"tk"`
 	KVBytes     uint64        `msgpack:"kvb"`
 	MambaBytes  uint64        `msgpack:"mb"`
+	Budget      int64         `msgpack:"rem"`
 }
 
 type plainManifest struct {
@@ -171,7 +172,7 @@ type plainReply struct {
 func plainOfRequest(m PrefillRequest) plainRequest {
 	return plainRequest{V: m.V, RequestID: m.RequestID, From: m.From, Attempt: m.Attempt, Fingerprint: m.Fingerprint,
 		Tokens: m.Tokens, Sampling: plainSampling(m.Sampling), Deadline: m.Deadline, Peer: plainPeer(m.Peer),
-		Ticket: plainTicket(m.Ticket), KVBytes: m.KVBytes, MambaBytes: m.MambaBytes}
+		Ticket: plainTicket(m.Ticket), KVBytes: m.KVBytes, MambaBytes: m.MambaBytes, Budget: m.Budget}
 }
 
 func plainOfReply(m PrefillReply) plainReply {
@@ -232,7 +233,7 @@ func TestWireHandCodecsSameBytesAsReflection(t *testing.T) {
 		req := sampleRequest(i, 1+i%3)
 		req.V = WireVersion
 		req.RequestID, req.Ticket.RequestID = uint64(n), uint64(n)
-		req.Deadline, req.Ticket.Deadline = n, -n
+		req.Deadline, req.Ticket.Deadline, req.Budget = n, -n, n/3
 		req.Sampling.MaxTokens = int32(n)
 		if i%2 == 1 { // the optional fields, present and absent
 			req.Sampling.TopP, req.Sampling.Logprobs = 0.9, uint8(i)
