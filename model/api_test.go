@@ -88,7 +88,7 @@ func TestFingerprint(t *testing.T) {
 
 	mutations := map[string]func(*model.Spec){
 		"name":             func(s *model.Spec) { s.Name = "tiny-hybrid2" },
-		"revision":         func(s *model.Spec) { s.Revision = "2" },
+		"revision":         func(s *model.Spec) { s.Revision += "+1" },
 		"pattern":          func(s *model.Spec) { s.LayerPattern = "M*M-M-*" },
 		"vocab":            func(s *model.Spec) { s.Vocab++ },
 		"kv layers":        func(s *model.Spec) { s.KV.Layers++ },

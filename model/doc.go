@@ -31,7 +31,10 @@
 // are the conv state, h = exp(dt*A)*h + dt*B*x, y = C.h + D*x gated by
 // silu(z)), GQA attention (4 query / 2 KV heads of 16, rotary positions) that
 // writes each position's K/V into its block and reads every earlier position
-// back from the pool, SwiGLU MLPs, RMSNorm, an LM head. States are float32
+// back from the pool, SwiGLU MLPs, RMSNorm, an LM head plus a fixed output
+// bias (textPrior: English character frequencies; -Inf for every token but
+// printable ASCII, newline and EOS), so its completions are printable UTF-8
+// that reads like text. States are float32
 // little-endian: conv [128][3] and SSM [4][16][16] per Mamba layer, so a
 // flipped sign/exponent byte anywhere changes the next logits.
 //

@@ -79,6 +79,7 @@ type tiny struct {
 	conv   int // conv_dim
 	embed  []float32
 	head   []float32 // LM head [vocab][dModel]
+	prior  []float32 // output bias [vocab] (textPrior)
 	final  []float32
 	layers []tinyLayer
 	cos    []float32 // [maxContext][headDim/2]
@@ -116,7 +117,7 @@ func newTiny(name string, d tinyDims) *tiny {
 	m.conv = m.dInner + 2*d.nGroups*d.dState
 	m.spec = Spec{
 		Name:         name,
-		Revision:     "1",
+		Revision:     "2", // 2: the text prior on the logits
 		LayerPattern: d.pattern,
 		Vocab:        ByteVocab,
 		MaxContext:   d.maxContext,
@@ -193,6 +194,7 @@ func newTiny(name string, d tinyDims) *tiny {
 	}
 	m.final = norm()
 	m.head = scaled(ByteVocab, d.dModel, 2)
+	m.prior = textPrior()
 	half := d.headDim / 2
 	m.cos = make([]float32, d.maxContext*half)
 	m.sin = make([]float32, d.maxContext*half)
@@ -296,7 +298,7 @@ func (m *tiny) step(c *Cache, s *tinyScratch, token int32, pos int, logits []flo
 	}
 	rmsNorm(s.xn, s.h, m.final)
 	for v := range logits {
-		logits[v] = dot(m.head[v*dm:(v+1)*dm], s.xn)
+		logits[v] = dot(m.head[v*dm:(v+1)*dm], s.xn) + m.prior[v]
 	}
 }
 

@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/stretchr/testify/require"
 
@@ -358,4 +359,29 @@ func TestRefusedRequestHeap(t *testing.T) {
 	per := (after.TotalAlloc - before.TotalAlloc) / n
 	t.Logf("max_tokens %d, refused with 429: %d bytes allocated per request", e.MaxContext()-1, per)
 	require.Less(t, per, uint64(32<<10))
+}
+
+// Issue 15: what a user reads of tiny-hybrid is printable UTF-8 text, plain
+// and streamed, chunk by chunk (no control character but newline, no
+// replacement character), whatever the prompt.
+func TestTinyHybridTextReadable(t *testing.T) {
+	srv := newServer(t, newEngine(t, 0, 8))
+	for i, prompt := range []string{"Hello, handoff", "\x00\x01\xff binary prompt \xc3", "世界"} {
+		pb, _ := json.Marshal(prompt)
+		for _, temp := range []string{"0", "1", "2"} {
+			body := `{"model":"tiny-hybrid","prompt":` + string(pb) + `,"max_tokens":60,"temperature":` + temp + `,"seed":` + fmtInt(i) + `}`
+			plain, _, _, _, chunks := completeBoth(t, srv.URL, body)
+			texts := []string{plain.Text}
+			for _, ch := range chunks {
+				if len(ch.Choices) > 0 {
+					texts = append(texts, ch.Choices[0].Text)
+				}
+			}
+			for _, text := range texts {
+				for _, r := range text {
+					require.True(t, r == '\n' || r >= 0x20 && r != 0x7f && r != utf8.RuneError, "prompt %d T=%s: %q", i, temp, text)
+				}
+			}
+		}
+	}
 }
