@@ -1,0 +1,85 @@
+// Package reshard computes how a request's cache moves between tensor-
+// parallel groups of different sizes: from a TP-P prefill group to a TP-D
+// decode group, which bytes of which prefill shard's KV block or Mamba row
+// go where in which decode shard's.
+//
+// It is pure: no IO, no goroutines, no clock. A Plan is computed once per
+// (layout, P, D), at the handshake, and reused for every request.
+//
+// # Units, rows and sections
+//
+// A unit is what a pool stores back to back in its arena: a KV block
+// (kvcache) or a Mamba state row (mambacache). Both are Rows rows of the
+// same shape, and each row is a concatenation of sections, each a sequence
+// of items split across shards (Layout):
+//
+//	KV block:   2·L·T rows (layer 0 K token 0..T-1, layer 0 V, layer 1 K, ...)
+//	            row = kv [KVHeads items of HeadDim·ElemSize]
+//	Mamba row:  L rows (one per Mamba layer)
+//	  Mamba2    row = x [Heads items of HeadDim·(DConv-1)·ConvElemSize]
+//	                | B [NGroups items of DState·(DConv-1)·ConvElemSize]
+//	                | C [NGroups items, as B]
+//	                | ssm [Heads items of HeadDim·DState·SSMElemSize]
+//	  GDN       row = Q [groups] | K [groups] | V [heads] | ssm [heads]
+//
+// This is exactly kvcache's block layout ([T][H][D] per layer and K|V) and
+// mambacache's row layout (conv [conv_dim][DConv-1] in section order, then
+// ssm [H][HeadDim][DState], per layer), read as rows: a conv channel is
+// DConv-1 contiguous elements, so a head's or a group's channels are one
+// contiguous stretch of its section.
+//
+// # What a shard holds
+//
+// A shard of a TP-T group holds what it would hold on its own GPU: of
+// every section, the items it owns, packed from the section's start, in
+// the same row order. So its unit is the pool layout of the shard's own
+// Config (KVShard: KVHeads/T heads; MambaShard: Heads/T heads and NGroups/T
+// groups), and its section offsets in a Mamba row are those of
+// mambacache.Config.ConvExtent for that config: x at 0, B at Heads/T·HeadDim
+// channels, C after B's local groups.
+//
+// Shard r owns items [r·n/T, (r+1)·n/T) of an n-item section when T divides
+// n. KV heads and groups may be replicated instead: when T is a multiple of
+// n, shard r holds the one item ⌊r·n/T⌋ (so its B section is one group,
+// DState channels, not NGroups/T·DState: the offset vLLM #55208 gets
+// wrong). Mamba heads are never replicated. Any other shape is refused by
+// name (ErrIndivisible): P and D need only each split every dimension, so
+// P=4 → D=6 works where the dimensions divide both; nothing requires powers
+// of two or an integer ratio.
+//
+// # Who writes which byte
+//
+// Exactly one source shard writes each destination byte. Item i of a
+// section is written by source shard ⌊i·P/n⌋: its owner when P divides n,
+// and when items are replicated at P, the first of its P/n replicas (as
+// TensorRT-LLM sends from tpRank % dupHeadFactor == 0). Every destination
+// shard holding item i receives it from that writer, so replicated items at
+// D are written once per destination replica, never twice into one.
+//
+// For a pair (source rs, destination rd) and a section, the items moved are
+// those rs writes intersected with those rd holds: one contiguous range, so
+// one Copy, repeated over the rows at the two shards' row strides. Copies
+// that continue each other on both sides merge (x|B|C|ssm of a 1→1 plan is
+// one copy of the whole unit). A plan therefore has at most
+// len(Sections)·(P+D-1) copies, whatever the model's size: the descriptors
+// of a transfer are O(sections × shards), and a run of n consecutive blocks
+// is the same copies with n times the count (Copy.Repeat), so O(runs ×
+// sections × shards) for a request.
+//
+// # Use
+//
+//  1. At the handshake, after both sides agree on the model's (TP 1) shapes:
+//     New(KV(kv), P, D) and New(Mamba(m), P, D). An error names the
+//     dimension that does not split; refuse the peer with it before any
+//     byte moves.
+//  2. Build each shard's pools from KVShard / MambaShard: their arenas then
+//     have the unit layout the plan addresses.
+//  3. Per request, prefill shard rs writes, for each decode shard rd, the
+//     Copies(rs, rd) of its row and, per run of n blocks that are
+//     consecutive on both sides, the copies Repeat(n), offset by the two
+//     runs' starts. Apply does this in host memory.
+//
+// docs/resharding.md describes the transfer built on it: who writes what,
+// the grants, and how the manifest check proves that every destination
+// byte was written exactly once.
+package reshard

@@ -1,0 +1,190 @@
+package reshard
+
+import (
+	"fmt"
+	"iter"
+	"strings"
+)
+
+// Copy moves Count pieces of Len bytes: piece i from offset Src+i·SrcStride
+// of a source shard's unit to offset Dst+i·DstStride of a destination
+// shard's unit. The strides are the two shards' row sizes, or, for a copy
+// that covers whole units on both sides, the unit sizes with Count 1; in
+// both cases Count·SrcStride and Count·DstStride are the two unit sizes,
+// which is what lets Repeat extend a copy over a run of units.
+type Copy struct {
+	Src, Dst             int64
+	Len                  int64
+	Count                int
+	SrcStride, DstStride int64
+}
+
+// Piece is one contiguous byte copy.
+type Piece struct{ Src, Dst, Len int64 }
+
+// Bytes is the number of bytes c moves: Count·Len.
+func (c Copy) Bytes() int64 { return int64(c.Count) * c.Len }
+
+// Pieces yields c's contiguous copies in order.
+func (c Copy) Pieces() iter.Seq[Piece] {
+	return func(yield func(Piece) bool) {
+		s, d := c.Src, c.Dst
+		for range c.Count {
+			if !yield(Piece{s, d, c.Len}) {
+				return
+			}
+			s, d = s+c.SrcStride, d+c.DstStride
+		}
+	}
+}
+
+// Repeat returns c extended over n consecutive units (a run of n KV blocks
+// or Mamba rows), offsets relative to the run's first unit. n must be ≥ 1.
+func (c Copy) Repeat(n int) Copy {
+	if n < 1 {
+		panic(fmt.Sprintf("reshard: Repeat(%d), want n >= 1", n))
+	}
+	if c.Count == 1 && c.Len == c.SrcStride && c.Len == c.DstStride {
+		c.Len *= int64(n) // whole units on both sides: one contiguous copy
+		c.SrcStride, c.DstStride = c.Len, c.Len
+		return c
+	}
+	c.Count *= n
+	return c
+}
+
+// String renders c as "src→dst len×count (strides)".
+func (c Copy) String() string {
+	if c.Count == 1 {
+		return fmt.Sprintf("%d→%d %d", c.Src, c.Dst, c.Len)
+	}
+	return fmt.Sprintf("%d→%d %d×%d (%d/%d)", c.Src, c.Dst, c.Len, c.Count, c.SrcStride, c.DstStride)
+}
+
+// Apply performs cs on one unit (or, for repeated copies, one run): it
+// copies from src, a source shard's unit, into dst, a destination shard's.
+// It panics if a copy falls outside either slice.
+func Apply(dst, src []byte, cs []Copy) {
+	for _, c := range cs {
+		s, d := c.Src, c.Dst
+		for range c.Count {
+			copy(dst[d:d+c.Len], src[s:s+c.Len])
+			s, d = s+c.SrcStride, d+c.DstStride
+		}
+	}
+}
+
+// Plan is the resharding of one cache unit (a KV block or a Mamba row) from
+// a TP-From group to a TP-To group: for every (source shard, destination
+// shard) pair, the copies from the source's unit into the destination's.
+// Every byte of every destination unit is written by exactly one copy of
+// one pair. A Plan is immutable and safe for concurrent use.
+type Plan struct {
+	Layout   Layout
+	From, To int
+	SrcBytes int64 // one unit on a TP-From shard
+	DstBytes int64 // one unit on a TP-To shard
+	copies   [][]Copy
+}
+
+// New computes the plan that moves units of layout l from a TP-from group
+// to a TP-to group. It refuses, by name, a layout that does not split over
+// either size: the error wraps ErrInvalidShape, ErrInvalidTP or
+// ErrIndivisible.
+//
+// For each pair and each section it is the overlap rule: the items the
+// source writes (those it holds, and for replicated items only on the
+// first replica) intersected with the items the destination holds, one
+// contiguous run of items, one Copy repeated over the rows. Copies adjacent
+// on both sides are merged, so a pair has at most one copy per section, a
+// plan at most len(Sections)·(from+to-1) copies, and a pair whose shards
+// hold the same items one copy of the whole unit.
+func New(l Layout, from, to int) (*Plan, error) {
+	if err := l.Check(from); err != nil {
+		return nil, fmt.Errorf("prefill side: %w", err)
+	}
+	if err := l.Check(to); err != nil {
+		return nil, fmt.Errorf("decode side: %w", err)
+	}
+	p := &Plan{
+		Layout: l, From: from, To: to,
+		SrcBytes: l.UnitBytes(from), DstBytes: l.UnitBytes(to),
+		copies: make([][]Copy, from*to),
+	}
+	srcRow, dstRow := l.RowBytes(from), l.RowBytes(to)
+	for rs := range from {
+		for rd := range to {
+			var cs []Copy
+			var srcOff, dstOff int64 // the section's start in a source / destination row
+			for _, s := range l.Sections {
+				wlo, whi := writes(s.Items, from, rs)
+				dlo, dhi := holds(s.Items, to, rd)
+				if lo, hi := max(wlo, dlo), min(whi, dhi); lo < hi {
+					slo, _ := holds(s.Items, from, rs)
+					cs = appendMerged(cs, Copy{
+						Src:   srcOff + int64(lo-slo)*s.ItemBytes,
+						Dst:   dstOff + int64(lo-dlo)*s.ItemBytes,
+						Len:   int64(hi-lo) * s.ItemBytes,
+						Count: l.Rows, SrcStride: srcRow, DstStride: dstRow,
+					})
+				}
+				srcOff += int64(local(s.Items, from)) * s.ItemBytes
+				dstOff += int64(local(s.Items, to)) * s.ItemBytes
+			}
+			for i, c := range cs {
+				if c.Len == c.SrcStride && c.Len == c.DstStride {
+					cs[i] = Copy{Src: c.Src, Dst: c.Dst, Len: c.Bytes(), Count: 1, SrcStride: c.Bytes(), DstStride: c.Bytes()}
+				}
+			}
+			p.copies[rs*to+rd] = cs
+		}
+	}
+	return p, nil
+}
+
+// appendMerged appends c to cs, merged into the last copy when it continues
+// it on both sides.
+func appendMerged(cs []Copy, c Copy) []Copy {
+	if n := len(cs); n > 0 {
+		last := &cs[n-1]
+		if last.Src+last.Len == c.Src && last.Dst+last.Len == c.Dst {
+			last.Len += c.Len // same Count and strides: every copy of a plan has them
+			return cs
+		}
+	}
+	return append(cs, c)
+}
+
+// Copies returns the copies from source shard src (0..From-1) into
+// destination shard dst (0..To-1), nil when src writes nothing there. The
+// slice is the plan's: do not modify it. It panics on an out-of-range shard.
+func (p *Plan) Copies(src, dst int) []Copy {
+	if src < 0 || src >= p.From || dst < 0 || dst >= p.To {
+		panic(fmt.Sprintf("reshard: pair (%d, %d) outside a %d→%d plan", src, dst, p.From, p.To))
+	}
+	return p.copies[src*p.To+dst]
+}
+
+// Len is the number of copies of the plan, all pairs together: the size of
+// its descriptors, O(sections·(From+To)), whatever the unit's size.
+func (p *Plan) Len() int {
+	n := 0
+	for _, cs := range p.copies {
+		n += len(cs)
+	}
+	return n
+}
+
+// String renders the plan, one line per pair that copies anything.
+func (p *Plan) String() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "%s %d→%d (unit %d→%d bytes)", p.Layout.Name, p.From, p.To, p.SrcBytes, p.DstBytes)
+	for rs := range p.From {
+		for rd := range p.To {
+			if cs := p.Copies(rs, rd); len(cs) > 0 {
+				fmt.Fprintf(&b, "\n  %d→%d: %v", rs, rd, cs)
+			}
+		}
+	}
+	return b.String()
+}
