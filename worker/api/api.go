@@ -108,7 +108,20 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 }
 
 func writeError(w http.ResponseWriter, status int, e *apiError) {
+	retryAfter(w.Header(), status)
 	writeJSON(w, status, map[string]*apiError{"error": e})
+}
+
+// retryAfterSeconds is what a refused client is told to wait: a full queue
+// or a missing prefill worker is usually over within a second; a draining
+// worker is gone by then and the retry goes to another.
+const retryAfterSeconds = "1"
+
+// retryAfter sets Retry-After on the statuses a client should retry.
+func retryAfter(h http.Header, status int) {
+	if status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable {
+		h.Set("Retry-After", retryAfterSeconds)
+	}
 }
 
 func (s *server) models(w http.ResponseWriter, r *http.Request) {
@@ -325,6 +338,7 @@ func (o *writer) done() {
 }
 
 func (o *writer) json(status int, v any) {
+	retryAfter(o.w.Header(), status)
 	o.arm()
 	writeJSON(o.w, status, v)
 	o.err = o.rc.Flush()

@@ -298,6 +298,7 @@ func TestEngineRefusals(t *testing.T) {
 			srv := newServer(t, fakeGen{tt.err})
 			resp, b := post(t, srv.URL, `{"model":"tiny-hybrid","prompt":"hi"}`)
 			require.Equal(t, tt.status, resp.StatusCode)
+			require.Equal(t, "1", resp.Header.Get("Retry-After"), "a refusal worth retrying says when")
 			var eb errorBody
 			require.NoError(t, json.Unmarshal(b, &eb))
 			require.Equal(t, tt.typ, eb.Error.Type)
