@@ -50,11 +50,15 @@
 // # Who writes which byte
 //
 // Exactly one source shard writes each destination byte. Item i of a
-// section is written by source shard ⌊i·P/n⌋: its owner when P divides n,
-// and when items are replicated at P, the first of its P/n replicas (as
-// TensorRT-LLM sends from tpRank % dupHeadFactor == 0). Every destination
-// shard holding item i receives it from that writer, so replicated items at
-// D are written once per destination replica, never twice into one.
+// section is written by the source shard that owns it when P divides n.
+// When items are replicated at P, item i has P/n replicas, shards
+// i·P/n + k, and destination shard rd takes it from replica k = rd mod P/n
+// alone: the other replicas write nothing of it there (the redundant writes
+// SGLang makes and vLLM #55208 corrupts with). The choice spreads the
+// destinations over the replicas and makes a plan with P = D the identity,
+// each shard writing its whole unit into its mirror. Every destination
+// shard holding an item receives it, so an item replicated at D is written
+// once into each replica, never twice into one.
 //
 // For a pair (source rs, destination rd) and a section, the items moved are
 // those rs writes intersected with those rd holds: one contiguous range, so

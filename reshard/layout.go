@@ -189,11 +189,19 @@ func local(n, tp int) int {
 }
 
 // writes returns the items [lo, hi) of an n-item section that source shard
-// r of a TP-tp group writes: every item it holds when tp divides n, and
-// when items are replicated (tp a multiple of n) only on the first of each
-// item's tp/n replicas. So every item has exactly one writer, item i shard
-// i·tp/n: the range is [⌈r·n/tp⌉, ⌈(r+1)·n/tp⌉).
-func writes(n, tp, r int) (lo, hi int) {
-	ceil := func(a int) int { return (a + tp - 1) / tp }
-	return ceil(r * n), ceil((r + 1) * n)
+// rs of a TP-tp group writes into destination shard rd (if rd holds them):
+// every item it holds when tp divides n. When items are replicated (tp a
+// multiple of n), item i has the tp/n replicas i·tp/n + k, and destination
+// shard rd takes it from replica k = rd mod tp/n: one writer per item and
+// destination shard, spread over the replicas, and for equal sizes each
+// shard's own mirror.
+func writes(n, tp, rs, rd int) (lo, hi int) {
+	if tp <= n {
+		return holds(n, tp, rs)
+	}
+	rep := tp / n
+	if rs%rep != rd%rep {
+		return 0, 0
+	}
+	return rs / rep, rs/rep + 1
 }

@@ -149,6 +149,9 @@ func randMamba(rng *rand.Rand) mambacache.Config {
 	}
 }
 
+// newRand returns a fixed-seed generator.
+func newRand() *rand.Rand { return rand.New(rand.NewPCG(4, 6)) }
+
 // fill returns n random bytes.
 func fill(rng *rand.Rand, n int64) []byte {
 	b := make([]byte, n)

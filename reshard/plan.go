@@ -94,7 +94,8 @@ type Plan struct {
 //
 // For each pair and each section it is the overlap rule: the items the
 // source writes (those it holds, and for replicated items only on the
-// first replica) intersected with the items the destination holds, one
+// replica chosen for that destination) intersected with the items the
+// destination holds, one
 // contiguous run of items, one Copy repeated over the rows. Copies adjacent
 // on both sides are merged, so a pair has at most one copy per section, a
 // plan at most len(Sections)·(from+to-1) copies, and a pair whose shards
@@ -117,7 +118,7 @@ func New(l Layout, from, to int) (*Plan, error) {
 			var cs []Copy
 			var srcOff, dstOff int64 // the section's start in a source / destination row
 			for _, s := range l.Sections {
-				wlo, whi := writes(s.Items, from, rs)
+				wlo, whi := writes(s.Items, from, rs, rd)
 				dlo, dhi := holds(s.Items, to, rd)
 				if lo, hi := max(wlo, dlo), min(whi, dhi); lo < hi {
 					slo, _ := holds(s.Items, from, rs)
