@@ -280,4 +280,3 @@ func TestOpenAIClient(t *testing.T) {
 		require.Equal(t, "best_of", apiErr.Param)
 	})
 }
-
