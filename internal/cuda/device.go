@@ -1,0 +1,457 @@
+package cuda
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Device runs driver calls for one device on one goroutine locked to its
+// OS thread, with the device's primary context current on that thread. It
+// owns a non-blocking stream for its asynchronous copies and the IPC
+// mappings it opened. All methods are safe for concurrent use; they queue
+// work to the executor goroutine and wait for it.
+type Device struct {
+	drv     Driver
+	ordinal int
+	uuid    UUID
+
+	jobs chan func()   // unbuffered: a job is handed over only when the executor takes it
+	quit chan struct{} // closed by Close
+	done chan struct{} // closed when the executor has released everything
+	once sync.Once
+	err  error // the executor's release error, read after done
+
+	// Executor-owned state: touched only by jobs.
+	dev     Dev
+	stream  Stream
+	imports map[importKey]*mapping
+	opens   int // IPC handles opened (cache misses)
+	hits    int // Import answered from the cache
+}
+
+type importKey struct {
+	pid    int
+	device UUID
+	base   DevicePtr
+}
+
+type mapping struct {
+	bufferID uint64
+	ptr      DevicePtr
+}
+
+// OpenDevice starts the executor for the device sel names: a CUDA ordinal
+// ("0", "" meaning 0) or a UUID as nvidia-smi prints it ("GPU-…"; stable
+// under CUDA_VISIBLE_DEVICES renumbering). It calls cuInit, retains the
+// primary context and makes it current on the executor's thread.
+func OpenDevice(drv Driver, sel string) (*Device, error) {
+	d := &Device{
+		drv:     drv,
+		jobs:    make(chan func()),
+		quit:    make(chan struct{}),
+		done:    make(chan struct{}),
+		imports: map[importKey]*mapping{},
+	}
+	ready := make(chan error, 1) // the executor reports once and never waits on it
+	go d.run(sel, ready)
+	if err := <-ready; err != nil {
+		<-d.done
+		return nil, err
+	}
+	return d, nil
+}
+
+// run is the executor goroutine. It never unlocks its thread: a thread
+// that had a context current ends with the goroutine.
+func (d *Device) run(sel string, ready chan<- error) {
+	defer close(d.done)
+	runtime.LockOSThread()
+	if err := d.setup(sel); err != nil {
+		ready <- err
+		return
+	}
+	ready <- nil
+	for {
+		select {
+		case job := <-d.jobs:
+			job()
+		case <-d.quit:
+			d.err = d.teardown()
+			return
+		}
+	}
+}
+
+func (d *Device) setup(sel string) error {
+	drv := d.drv
+	if err := drv.Init(0); err != nil {
+		return err
+	}
+	n, err := drv.DeviceGetCount()
+	if err != nil {
+		return err
+	}
+	d.ordinal = -1
+	if sel == "" {
+		sel = "0"
+	}
+	if i, err := strconv.Atoi(sel); err == nil {
+		if i < 0 || i >= n {
+			return fmt.Errorf("%w: device %d of %d", ErrInvalidDevice, i, n)
+		}
+		d.ordinal = i
+	} else {
+		want, err := ParseUUID(sel)
+		if err != nil {
+			return err
+		}
+		for i := range n {
+			dv, err := drv.DeviceGet(i)
+			if err != nil {
+				return err
+			}
+			u, err := drv.DeviceGetUUID(dv)
+			if err != nil {
+				return err
+			}
+			if u == want {
+				d.ordinal = i
+				break
+			}
+		}
+		if d.ordinal < 0 {
+			return fmt.Errorf("%w: no device %s among %d", ErrInvalidDevice, strings.ToUpper(sel), n)
+		}
+	}
+	if d.dev, err = drv.DeviceGet(d.ordinal); err != nil {
+		return err
+	}
+	if d.uuid, err = drv.DeviceGetUUID(d.dev); err != nil {
+		return err
+	}
+	ctx, err := drv.DevicePrimaryCtxRetain(d.dev)
+	if err != nil {
+		return err
+	}
+	if err := drv.CtxSetCurrent(ctx); err != nil {
+		return errors.Join(err, drv.DevicePrimaryCtxRelease(d.dev))
+	}
+	if d.stream, err = drv.StreamCreate(StreamNonBlocking); err != nil {
+		return errors.Join(err, drv.CtxSetCurrent(0), drv.DevicePrimaryCtxRelease(d.dev))
+	}
+	return nil
+}
+
+func (d *Device) teardown() error {
+	var errs []error
+	errs = append(errs, d.drv.StreamSynchronize(d.stream))
+	for k, m := range d.imports {
+		errs = append(errs, d.drv.IpcCloseMemHandle(m.ptr))
+		delete(d.imports, k)
+	}
+	errs = append(errs,
+		d.drv.StreamDestroy(d.stream),
+		d.drv.CtxSetCurrent(0),
+		d.drv.DevicePrimaryCtxRelease(d.dev))
+	return errors.Join(errs...)
+}
+
+// Close closes the IPC mappings this device opened, releases the primary
+// context and stops the executor. Memory allocated through the device must
+// be freed first (releasing the last reference to the primary context
+// frees whatever is left). Close is idempotent; calls after it return
+// ErrClosed.
+func (d *Device) Close() error {
+	d.once.Do(func() { close(d.quit) })
+	<-d.done
+	return d.err
+}
+
+// Do runs fn on the executor thread, with the context current, and returns
+// its error. fn must not call methods of d (they would wait on the
+// executor that runs fn).
+func (d *Device) Do(fn func(Driver) error) error {
+	res := make(chan error, 1) // the executor never blocks on its answer
+	select {
+	case d.jobs <- func() { res <- fn(d.drv) }:
+		return <-res
+	case <-d.quit:
+		return ErrClosed
+	}
+}
+
+// Ordinal returns the device's CUDA ordinal in this process.
+func (d *Device) Ordinal() int { return d.ordinal }
+
+// UUID returns the device's UUID.
+func (d *Device) UUID() UUID { return d.uuid }
+
+// Alloc allocates size bytes of device memory (cuMemAlloc: an allocation of
+// its own, so it can be exported by CUDA IPC).
+func (d *Device) Alloc(size uint64) (DevicePtr, error) {
+	var p DevicePtr
+	err := d.Do(func(drv Driver) (err error) {
+		p, err = drv.MemAlloc(size)
+		return err
+	})
+	return p, err
+}
+
+// Free frees an allocation from Alloc.
+func (d *Device) Free(p DevicePtr) error {
+	return d.Do(func(drv Driver) error { return drv.MemFree(p) })
+}
+
+// CopyToDevice copies src to dst and returns when the bytes are there.
+func (d *Device) CopyToDevice(dst DevicePtr, src []byte) error {
+	return d.Do(func(drv Driver) error { return drv.MemcpyHtoD(dst, src) })
+}
+
+// CopyFromDevice copies len(dst) bytes from src and returns when they are
+// in dst.
+func (d *Device) CopyFromDevice(dst []byte, src DevicePtr) error {
+	return d.Do(func(drv Driver) error { return drv.MemcpyDtoH(dst, src) })
+}
+
+// Pinned is page-locked host memory from cuMemHostAlloc (portable: usable
+// from every context). It is outside the Go heap, so an asynchronous copy
+// may use it after the call that queued it returned.
+type Pinned struct {
+	d   *Device
+	ptr HostPtr
+	b   []byte
+}
+
+// AllocPinned allocates size bytes of pinned host memory.
+func (d *Device) AllocPinned(size uint64) (*Pinned, error) {
+	var p HostPtr
+	err := d.Do(func(drv Driver) (err error) {
+		p, err = drv.MemHostAlloc(size, MemHostAllocPortable)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &Pinned{d: d, ptr: p, b: hostBytes(p, size)}, nil
+}
+
+// Bytes returns the memory; valid until Free.
+func (p *Pinned) Bytes() []byte { return p.b }
+
+// Ptr returns the address for asynchronous copies.
+func (p *Pinned) Ptr() HostPtr { return p.ptr }
+
+// Free frees the memory; it waits for copies in flight that use it.
+func (p *Pinned) Free() error {
+	err := p.d.Do(func(drv Driver) error { return drv.MemFreeHost(p.ptr) })
+	p.b = nil
+	return err
+}
+
+// Copy is one asynchronous copy queued on the device's stream, with the
+// event recorded after it. Copies complete in the order they were queued.
+type Copy struct {
+	d  *Device
+	ev Event
+}
+
+// SubmitDtoD queues a copy of n bytes from src to dst (an opened IPC
+// mapping included) on the device's non-blocking stream and records an
+// event after it. The caller must Wait on the returned Copy exactly once.
+func (d *Device) SubmitDtoD(dst, src DevicePtr, n uint64) (*Copy, error) {
+	return d.submit(func(drv Driver) error { return drv.MemcpyDtoDAsync(dst, src, n, d.stream) })
+}
+
+// SubmitDtoH is SubmitDtoD from the device into pinned host memory.
+func (d *Device) SubmitDtoH(dst HostPtr, src DevicePtr, n uint64) (*Copy, error) {
+	return d.submit(func(drv Driver) error { return drv.MemcpyDtoHAsync(dst, src, n, d.stream) })
+}
+
+// SubmitHtoD is SubmitDtoD from pinned host memory into the device.
+func (d *Device) SubmitHtoD(dst DevicePtr, src HostPtr, n uint64) (*Copy, error) {
+	return d.submit(func(drv Driver) error { return drv.MemcpyHtoDAsync(dst, src, n, d.stream) })
+}
+
+func (d *Device) submit(queue func(Driver) error) (*Copy, error) {
+	c := &Copy{d: d}
+	err := d.Do(func(drv Driver) error {
+		if err := queue(drv); err != nil {
+			return err
+		}
+		var err error
+		if c.ev, err = drv.EventCreate(EventDisableTiming); err != nil {
+			return errors.Join(err, drv.StreamSynchronize(d.stream))
+		}
+		if err := drv.EventRecord(c.ev, d.stream); err != nil {
+			return errors.Join(err, drv.StreamSynchronize(d.stream), drv.EventDestroy(c.ev))
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// spin is how long one executor job polls an event before it hands the
+// thread back to other jobs: a 4 MiB chunk takes a few microseconds
+// device-local and tens over PCIe, so most waits end within one job.
+const spin = 20 * time.Microsecond
+
+// Wait polls the copy's event until the copy is done (a copy cannot be
+// recalled, so Wait takes no context: a chunk is bounded work) and
+// releases the event. It returns the copy's error, if any.
+func (c *Copy) Wait() error {
+	for backoff := time.Microsecond; ; {
+		var done bool
+		err := c.d.Do(func(drv Driver) error {
+			for start := time.Now(); ; {
+				err := drv.EventQuery(c.ev)
+				if !errors.Is(err, ErrNotReady) {
+					done = true
+					return errors.Join(err, drv.EventDestroy(c.ev))
+				}
+				if time.Since(start) > spin {
+					return nil
+				}
+			}
+		})
+		if done || err != nil {
+			return err
+		}
+		time.Sleep(backoff)
+		backoff = min(2*backoff, 200*time.Microsecond)
+	}
+}
+
+// CopyChunked copies n bytes from src to dst in chunks of at most chunk
+// bytes, each queued on the device's stream and waited on before the next.
+// Before each chunk it checks ctx and calls check (nil: no check): a
+// receiver's fence. Once check fails, nothing more is queued and every
+// queued chunk has completed, so no byte lands after CopyChunked returns.
+// It returns the bytes copied.
+func (d *Device) CopyChunked(ctx context.Context, dst, src DevicePtr, n, chunk uint64, check func() error) (uint64, error) {
+	if chunk == 0 {
+		chunk = 4 << 20
+	}
+	var off uint64
+	for off < n {
+		if err := ctx.Err(); err != nil {
+			return off, err
+		}
+		if check != nil {
+			if err := check(); err != nil {
+				return off, err
+			}
+		}
+		m := min(chunk, n-off)
+		c, err := d.SubmitDtoD(dst+DevicePtr(off), src+DevicePtr(off), m)
+		if err != nil {
+			return off, err
+		}
+		if err := c.Wait(); err != nil {
+			return off, err
+		}
+		off += m
+	}
+	return off, nil
+}
+
+// IPCBuffer describes a device allocation exported to processes on the same
+// host: what a peer needs to open it once and to know when its cached
+// mapping went stale.
+type IPCBuffer struct {
+	Handle   IpcMemHandle
+	Base     DevicePtr // in the exporter's address space; the cache key
+	Size     uint64
+	BufferID uint64 // changes when the exporter reallocates at Base
+	Device   UUID
+	PID      int
+}
+
+// Export describes the allocation whose base is p for CUDA IPC. p must be
+// an allocation's base (handles name whole allocations).
+func (d *Device) Export(p DevicePtr) (IPCBuffer, error) {
+	b := IPCBuffer{Device: d.uuid, PID: os.Getpid()}
+	err := d.Do(func(drv Driver) error {
+		base, size, err := drv.MemGetAddressRange(p)
+		if err != nil {
+			return err
+		}
+		if base != p {
+			return fmt.Errorf("%w: export of %#x inside the allocation at %#x; export the base", ErrInvalidValue, p, base)
+		}
+		if b.BufferID, err = drv.PointerGetAttribute(PointerAttributeBufferID, p); err != nil {
+			return err
+		}
+		b.Handle, err = drv.IpcGetMemHandle(p)
+		b.Base, b.Size = p, size
+		return err
+	})
+	return b, err
+}
+
+// Import returns this process's address of an exported allocation. The
+// first Import of an allocation opens its handle (about a millisecond on
+// a real driver); later ones are answered from a cache keyed by exporter
+// pid, device and base, which reopens when the buffer id changed (the
+// exporter freed and reallocated). An allocation exported by this process
+// is its own address: the driver refuses to open a handle in its exporter.
+func (d *Device) Import(b IPCBuffer) (DevicePtr, error) {
+	if b.PID == os.Getpid() {
+		return b.Base, nil
+	}
+	var p DevicePtr
+	err := d.Do(func(drv Driver) error {
+		k := importKey{pid: b.PID, device: b.Device, base: b.Base}
+		if m := d.imports[k]; m != nil {
+			if m.bufferID == b.BufferID {
+				d.hits++
+				p = m.ptr
+				return nil
+			}
+			delete(d.imports, k)
+			if err := drv.IpcCloseMemHandle(m.ptr); err != nil {
+				return err
+			}
+		}
+		ptr, err := drv.IpcOpenMemHandle(b.Handle, IpcLazyEnablePeerAccess)
+		if err != nil {
+			return err
+		}
+		d.opens++
+		d.imports[k] = &mapping{bufferID: b.BufferID, ptr: ptr}
+		p = ptr
+		return nil
+	})
+	return p, err
+}
+
+// ForgetPeer closes every mapping opened from process pid (a peer that
+// left); its allocations are freed once the exporter frees them too.
+func (d *Device) ForgetPeer(pid int) error {
+	return d.Do(func(drv Driver) error {
+		var errs []error
+		for k, m := range d.imports {
+			if k.pid == pid {
+				errs = append(errs, drv.IpcCloseMemHandle(m.ptr))
+				delete(d.imports, k)
+			}
+		}
+		return errors.Join(errs...)
+	})
+}
+
+// ImportStats returns how many handles Import opened and how many it
+// answered from its cache.
+func (d *Device) ImportStats() (opens, hits int) {
+	_ = d.Do(func(Driver) error { opens, hits = d.opens, d.hits; return nil })
+	return opens, hits
+}
