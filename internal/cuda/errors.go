@@ -11,26 +11,26 @@ type Result int32
 // The CUresult codes this package names (cuda.h, CUDA 12.6). Codes not
 // listed print as their number.
 const (
-	Success              Result = 0
-	ErrorInvalidValue    Result = 1
-	ErrorOutOfMemory     Result = 2
-	ErrorNotInitialized  Result = 3
-	ErrorDeinitialized   Result = 4
-	ErrorStubLibrary     Result = 34
-	ErrorInsufficient    Result = 35 // CUDA_ERROR_INSUFFICIENT_DRIVER
-	ErrorNoDevice        Result = 100
-	ErrorInvalidDevice   Result = 101
-	ErrorInvalidContext  Result = 201
-	ErrorMapFailed       Result = 205
-	ErrorAlreadyMapped   Result = 208
-	ErrorInvalidHandle   Result = 400
-	ErrorNotFound        Result = 500
-	ErrorNotReady        Result = 600
-	ErrorIllegalAddress  Result = 700
-	ErrorCtxIsDestroyed  Result = 709
-	ErrorNotPermitted    Result = 800
-	ErrorNotSupported    Result = 801
-	ErrorUnknown         Result = 999
+	Success             Result = 0
+	ErrorInvalidValue   Result = 1
+	ErrorOutOfMemory    Result = 2
+	ErrorNotInitialized Result = 3
+	ErrorDeinitialized  Result = 4
+	ErrorStubLibrary    Result = 34
+	ErrorInsufficient   Result = 35 // CUDA_ERROR_INSUFFICIENT_DRIVER
+	ErrorNoDevice       Result = 100
+	ErrorInvalidDevice  Result = 101
+	ErrorInvalidContext Result = 201
+	ErrorMapFailed      Result = 205
+	ErrorAlreadyMapped  Result = 208
+	ErrorInvalidHandle  Result = 400
+	ErrorNotFound       Result = 500
+	ErrorNotReady       Result = 600
+	ErrorIllegalAddress Result = 700
+	ErrorCtxIsDestroyed Result = 709
+	ErrorNotPermitted   Result = 800
+	ErrorNotSupported   Result = 801
+	ErrorUnknown        Result = 999
 )
 
 var resultNames = map[Result]string{

@@ -297,4 +297,3 @@ func (l *lib) EventQuery(e Event) error { return Check("cuEventQuery", l.cuEvent
 func (l *lib) EventDestroy(e Event) error {
 	return Check("cuEventDestroy_v2", l.cuEventDestroy_v2(e))
 }
-
