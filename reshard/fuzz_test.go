@@ -25,7 +25,7 @@ func FuzzExactlyOnce(f *testing.F) {
 		h, g := 1+int(heads%32), 1+int(groups%32)
 		d, e := 1+int(dim%3), []int{1, 2, 4}[elem%3]
 		p, q := 1+int(from%16), 1+int(to%16)
-		var m model
+		var m oracle
 		switch kind % 3 {
 		case 0:
 			m = kvModel(kvcache.Config{Layers: 1 + int(elem/3%2), KVHeads: h, HeadDim: d, ElemSize: e, TokensPerBlock: 2})

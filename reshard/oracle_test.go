@@ -33,8 +33,8 @@ func splits(n, t int, replicable bool) bool {
 	return n%t == 0 || (replicable && t%n == 0)
 }
 
-// model is a cache shape with its oracle.
-type model struct {
+// oracle is a cache shape with its oracle: its layout and how a shard holds it.
+type oracle struct {
 	name   string
 	layout Layout
 	ok     func(t int) bool                   // the shape splits over t shards
@@ -42,14 +42,14 @@ type model struct {
 	shard  func(full []byte, t, r int) []byte // the oracle's shard r of t
 }
 
-func kvModel(c kvcache.Config) model {
+func kvModel(c kvcache.Config) oracle {
 	c.Blocks, c.ByteBudget = 1, 0
 	at := func(t int) kvcache.Config {
 		s := c
 		s.KVHeads = max(c.KVHeads/t, 1)
 		return s
 	}
-	return model{
+	return oracle{
 		name:   "kv",
 		layout: KV(c),
 		ok:     func(t int) bool { return splits(c.KVHeads, t, true) },
@@ -75,7 +75,7 @@ func kvModel(c kvcache.Config) model {
 	}
 }
 
-func mambaModel(c mambacache.Config) model {
+func mambaModel(c mambacache.Config) oracle {
 	c.MaxBatchSize = 1
 	at := func(t int) mambacache.Config {
 		s := c
@@ -89,7 +89,7 @@ func mambaModel(c mambacache.Config) model {
 		byHeads = [3]bool{false, false, true}
 	}
 	col := int64((c.DConv - 1) * c.ConvElemSize)
-	return model{
+	return oracle{
 		name:   "mamba-" + c.ConvLayout.String(),
 		layout: Mamba(c),
 		ok:     func(t int) bool { return splits(c.Heads, t, false) && splits(c.NGroups, t, true) },
@@ -162,7 +162,7 @@ func fill(rng *rand.Rand, n int64) []byte {
 }
 
 // shards returns the oracle's t shards of full.
-func (m model) shards(full []byte, t int) [][]byte {
+func (m oracle) shards(full []byte, t int) [][]byte {
 	out := make([][]byte, t)
 	for r := range out {
 		out[r] = m.shard(full, t, r)

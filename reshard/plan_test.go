@@ -171,7 +171,7 @@ func TestReplicatedKVHeads(t *testing.T) {
 // TestNonIntegerRatio reshards P=4 → D=6 and back, where every dimension
 // divides both (12 KV heads; 24 heads, 12 groups), with the oracle.
 func TestNonIntegerRatio(t *testing.T) {
-	for _, m := range []model{
+	for _, m := range []oracle{
 		kvModel(kvcache.Config{Layers: 1, KVHeads: 12, HeadDim: 2, ElemSize: 2, TokensPerBlock: 2}),
 		mambaModel(mambacache.Config{Layers: 2, DState: 2, DConv: 3, Heads: 24, HeadDim: 1, NGroups: 12,
 			ConvElemSize: 2, SSMElemSize: 2, ConvLayout: mambacache.ConvXBC}),

@@ -25,7 +25,7 @@ func TestPropertyOracle(t *testing.T) {
 	const shapes = 100
 	var plans, refused, replicated, nonInteger int
 	for i := range 3 * shapes {
-		var m model
+		var m oracle
 		switch i % 3 {
 		case 0:
 			m = kvModel(randKV(rng))
