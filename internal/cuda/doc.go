@@ -44,5 +44,10 @@
 //
 // Driver is the table of entry points. Package cudafake implements it in
 // Go over host memory with the driver's rules and error codes, and package
-// cudatest is the conformance suite every implementation runs.
+// cudatest is the conformance suite every implementation runs: the Go
+// fake; this package's purego loader over a fake libcuda.so.1 built from C
+// at test time (testdata/fakecuda.c: versioned symbols only, legacy names
+// that fail, the 64-byte handle by value; skipped with the reason where no
+// C compiler exists); and the real driver with HANDOFF_CUDA_REAL=1
+// (scripts/gpu-check). The Device tests run over the same three.
 package cuda
