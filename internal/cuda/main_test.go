@@ -17,9 +17,9 @@ import (
 // The fake libcuda.so.1 variants, built once per test binary from
 // testdata/fakecuda.c (env, so child processes find them).
 const (
-	libEnv     = "CUDATEST_FAKELIB_DIR"
-	realEnv    = "HANDOFF_CUDA_REAL" // 1: also run the suites over the real driver
-	childLib   = "CUDATEST_LIB"      // which driver a child process opens
+	libEnv   = "CUDATEST_FAKELIB_DIR"
+	realEnv  = "HANDOFF_CUDA_REAL" // 1: also run the suites over the real driver
+	childLib = "CUDATEST_LIB"      // which driver a child process opens
 )
 
 var libDir, libErr = os.Getenv(libEnv), error(nil)
