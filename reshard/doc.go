@@ -78,10 +78,12 @@
 //     byte moves.
 //  2. Build each shard's pools from KVShard / MambaShard: their arenas then
 //     have the unit layout the plan addresses.
-//  3. Per request, prefill shard rs writes, for each decode shard rd, the
-//     Copies(rs, rd) of its row and, per run of n blocks that are
-//     consecutive on both sides, the copies Repeat(n), offset by the two
-//     runs' starts. Apply does this in host memory.
+//  3. Per request, prefill shard rs writes into each decode shard rd the
+//     Copies(rs, rd) of its Mamba row (offsets relative to the two rows'
+//     extents) and, for its KV blocks, for every Stretch of Align(its
+//     runs, rd's runs), the copies Repeat(Len), offsets relative to
+//     Src·SrcBytes and Dst·DstBytes. Apply performs copies in host memory;
+//     Copy.Pieces lists them as contiguous byte ranges for a data path.
 //
 // docs/resharding.md describes the transfer built on it: who writes what,
 // the grants, and how the manifest check proves that every destination
