@@ -27,6 +27,11 @@ type DecoderConfig struct {
 	MaxDraftTokens int           // width of the padding-sentinel id range (mambacache.Config.MaxDraftTokens)
 	DefaultTimeout time.Duration // deadline when neither the Request nor ctx has one; default 30s
 	MaxAttempts    int           // prefill attempts per request (retries only where safe); default 3
+	// NoResponderWait is how long a request nobody serves (no prefill
+	// worker subscribed: restarting, or resubscribing after a NATS
+	// reconnect) is sent again with a backoff before it fails with
+	// ErrNoPrefillWorker; default 5s, negative: fail at once.
+	NoResponderWait time.Duration
 	// DirectFirst sends the first attempt to the live prefill instance with
 	// the fewest requests in flight (from the registry) instead of the queue
 	// group, so the decoder knows its peer from the start and a peer that dies
@@ -55,6 +60,9 @@ func (c *DecoderConfig) validate() error {
 	}
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = 3
+	}
+	if c.NoResponderWait == 0 {
+		c.NoResponderWait = 5 * time.Second
 	}
 	if c.DefaultTimeout < 0 || c.MaxAttempts < 1 || c.MaxDraftTokens < 0 {
 		return fmt.Errorf("%w: timeout %v, attempts %d, draft tokens %d", ErrInvalidConfig, c.DefaultTimeout, c.MaxAttempts, c.MaxDraftTokens)
@@ -451,6 +459,7 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 	h.d, h.req, h.start, h.deadline = d, req, start, deadline
 	h.sess.init(RecvParams{
 		RequestID: req.ID, MaxDraftTokens: d.cfg.MaxDraftTokens, Deadline: deadline, MaxAttempts: d.cfg.MaxAttempts,
+		QuietWait: max(d.cfg.NoResponderWait, 0),
 	})
 	var sb [64]byte
 	h.reply = string(strconv.AppendUint(append(append(sb[:0], d.inbox...), '.'), d.seq.Add(1), 36))
@@ -491,6 +500,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 	// (the session reuses its slice).
 	var queue [8]Action
 	acts := append(queue[:0], h.sess.Step(Event{Kind: EvStart, Now: start})...)
+	armed := h.deadline // what timer fires at
 	for {
 		for len(acts) > 0 {
 			a := acts[0]
@@ -566,8 +576,15 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 		}
 		ev.Now = h.now()
 		acts = append(append(queue[:0], early...), h.sess.Step(ev)...) // acts was drained
-		if ev.Kind == EvTick && !h.sess.State().Terminal() {
-			timer.Reset(time.Until(h.deadline)) // a tick that came early
+		// Tick at the deadline, or earlier where the session waits to send
+		// again (no responder); re-arm after a tick that came early.
+		want := h.deadline
+		if at := h.sess.RetryAt(); !at.IsZero() && at.Before(want) {
+			want = at
+		}
+		if (!want.Equal(armed) || ev.Kind == EvTick) && !h.sess.State().Terminal() {
+			timer.Reset(time.Until(want))
+			armed = want
 		}
 	}
 }

@@ -389,11 +389,41 @@ func TestHandoffConcurrent(t *testing.T) {
 func TestHandoffNoPrefillWorker(t *testing.T) {
 	f := newFixture(t)
 	ds := newSide(t, "dec", testHybrid(64, 8))
-	d := f.decoder("d1", ds, nil)
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoResponderWait = 300 * time.Millisecond })
+	start := time.Now()
 	_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank})
 	require.ErrorIs(t, err, ErrNoPrefillWorker)
+	require.Less(t, time.Since(start), 5*time.Second, "waited past NoResponderWait")
 	ds.requireInitial(t)
-	require.Equal(t, uint64(2), d.Stats().Retries) // retried while the deadline allowed
+	// Sent at 0, 50 and 150 ms; the next (350 ms) is past the wait.
+	require.Equal(t, uint64(2), d.Stats().Retries)
+}
+
+// A prefill worker that is not there yet (restarting, or resubscribing
+// after a NATS reconnect) when a request is sent serves it once it is: the
+// request is sent again with a backoff instead of failing at once.
+func TestHandoffWaitsForPrefillWorker(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoResponderWait = 10 * time.Second })
+	type out struct {
+		res Result
+		err error
+	}
+	done := make(chan out, 1)
+	go func() {
+		res, err := d.Handoff(context.Background(), Request{ID: 4, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(20 * time.Second)})
+		done <- out{res, err}
+	}()
+	time.Sleep(400 * time.Millisecond)
+	f.prefiller("p1", f.fp, newExec(ps), nil)
+	o := <-done
+	require.NoError(t, o.err)
+	require.Equal(t, int32(4), o.res.FirstToken)
+	require.Greater(t, o.res.Attempts, 1)
+	require.NoError(t, ds.rank.Free(4))
+	ds.requireInitial(t)
+	ps.requireInitial(t)
 }
 
 func TestHandoffCapacityRefused(t *testing.T) {

@@ -207,6 +207,12 @@ type RecvParams struct {
 	MaxDraftTokens int
 	Deadline       time.Time
 	MaxAttempts    int // prefill attempts, >= 1
+	// QuietWait is how long a request the prefill queue group has no
+	// responder for keeps being sent again, with a backoff, before it fails
+	// with no_prefill_worker: workers restarting, or resubscribing after a
+	// NATS reconnect, come back within it. 0: retried at once, like a
+	// refusal, within MaxAttempts.
+	QuietWait time.Duration
 }
 
 // RecvSession is the receiver's per-request state machine. Not safe for
@@ -226,6 +232,11 @@ type RecvSession struct {
 	target      string   // instance the outstanding request was sent to ("" queue group)
 	refused     []string // instances that refused this request or were found gone: not retried
 	dead        []string // instances reported dead while serving this request: their replies are ignored
+	// retryAt is when a request that found no responder is sent again
+	// (zero: none pending); quiet counts those in a row since quietSince.
+	retryAt    time.Time
+	quiet      int
+	quietSince time.Time
 
 	replied        bool
 	replyInstance  string
@@ -264,6 +275,19 @@ func (s *RecvSession) Attempts() int { return s.attempts }
 
 // Instance returns the instance that replied successfully, if any.
 func (s *RecvSession) Instance() string { return s.replyInstance }
+
+// RetryAt returns when the session wants an EvTick to send its request
+// again (after no responder took it), or the zero time. The driver ticks at
+// the earlier of this and the deadline.
+func (s *RecvSession) RetryAt() time.Time { return s.retryAt }
+
+// Backoff between sends that found no responder: prefill workers may be
+// restarting, or not yet resubscribed after a NATS reconnect; the request
+// waits for them within its deadline rather than fail at once.
+const (
+	quietFirst = 50 * time.Millisecond
+	quietMax   = time.Second
+)
 
 // Step applies ev and returns the actions to execute, in order. The slice is
 // the session's own: it is valid until the next Step.
@@ -331,10 +355,26 @@ func (s *RecvSession) Step(ev Event) []Action {
 			return nil
 		}
 		s.outstanding = false
-		if s.target != "" && !slices.Contains(s.refused, s.target) {
-			s.refused = append(s.refused, s.target) // its subject has no subscriber: it is gone
+		if s.target != "" || s.p.QuietWait <= 0 {
+			if s.target != "" && !slices.Contains(s.refused, s.target) {
+				s.refused = append(s.refused, s.target) // its subject has no subscriber: it is gone
+			}
+			// Another instance may serve it now; nothing was written.
+			return s.retryOr(ev.Now, CodeNoPrefillWorker)
 		}
-		return s.retryOr(ev.Now, CodeNoPrefillWorker)
+		// Nobody serves the queue group right now. Nothing was written, so
+		// sending again is safe: after a backoff, for up to QuietWait and
+		// while the deadline allows.
+		if s.quiet == 0 {
+			s.quietSince = ev.Now
+		}
+		at := ev.Now.Add(min(quietFirst<<min(s.quiet, 5), quietMax))
+		if s.committed || !at.Before(s.p.Deadline) || at.Sub(s.quietSince) > s.p.QuietWait {
+			return s.fail(CodeNoPrefillWorker)
+		}
+		s.quiet++
+		s.retryAt = at
+		return nil
 	case EvReply:
 		if s.state != StateWaiting || !s.outstanding || s.stale(ev) {
 			return nil // duplicate or unsolicited reply, or one to an earlier attempt
@@ -377,10 +417,16 @@ func (s *RecvSession) Step(ev Event) []Action {
 		}
 		return s.fail(code)
 	case EvTick:
-		if s.state == StateNew || ev.Now.Before(s.p.Deadline) {
+		if s.state == StateNew {
 			return nil
 		}
-		return s.fail(CodeTimeout)
+		if !ev.Now.Before(s.p.Deadline) {
+			return s.fail(CodeTimeout)
+		}
+		if !s.retryAt.IsZero() && !ev.Now.Before(s.retryAt) && s.state == StateWaiting && !s.outstanding {
+			return s.send("")
+		}
+		return nil
 	case EvCancel:
 		if s.state == StateNew {
 			return s.fail(CodeCancelled)
@@ -419,6 +465,7 @@ func (s *RecvSession) ignores(instance string) bool {
 }
 
 func (s *RecvSession) send(target string) []Action {
+	s.retryAt = time.Time{}
 	s.attempts++
 	s.outstanding, s.target = true, target
 	return s.acts(Action{Kind: ActSendRequest, Instance: target, Attempt: s.attempts, Exclude: slices.Clone(s.refused),

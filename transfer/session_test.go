@@ -137,6 +137,44 @@ func recvPrefix() []at {
 	}
 }
 
+// The queue group has no responder for a while (workers restarting): the
+// request is sent again with a backoff for up to QuietWait.
+func TestRecvSessionQuietGolden(t *testing.T) {
+	deadline := epoch.Add(5 * time.Second)
+	cases := []struct {
+		name   string
+		script []at
+	}{
+		{"quiet_then_served", append(recvPrefix(),
+			at{ms(2), Event{Kind: EvNoResponders}},
+			at{ms(40), Event{Kind: EvTick}},
+			at{ms(52), Event{Kind: EvTick}},
+			at{ms(52), Event{Kind: EvSent}},
+			at{ms(53), Event{Kind: EvNoResponders, Attempt: 2}},
+			at{ms(153), Event{Kind: EvTick}},
+			at{ms(153), Event{Kind: EvSent}},
+			at{ms(160), Event{Kind: EvCommitted, Manifest: okManifest}},
+			at{ms(161), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest, Attempt: 3}},
+		)},
+		{"quiet_past_wait", append(recvPrefix(),
+			at{ms(2), Event{Kind: EvNoResponders}},
+			at{ms(52), Event{Kind: EvTick}},
+			at{ms(52), Event{Kind: EvSent}},
+			at{ms(53), Event{Kind: EvNoResponders}},
+			at{ms(153), Event{Kind: EvTick}},
+			at{ms(153), Event{Kind: EvSent}},
+			at{ms(154), Event{Kind: EvNoResponders}},
+		)},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			s := NewRecvSession(RecvParams{RequestID: 7, Deadline: deadline, MaxAttempts: 3, QuietWait: 300 * time.Millisecond})
+			header := fmt.Sprintf("recv %s: request 7, deadline +5s, 3 attempts, quiet wait 300ms", tc.name)
+			golden(t, "recv_"+tc.name, transcript(t, header, s, tc.script))
+		})
+	}
+}
+
 func TestRecvSessionGolden(t *testing.T) {
 	deadline := epoch.Add(100 * time.Millisecond)
 	cases := []struct {
