@@ -29,8 +29,12 @@ type Device struct {
 	err  error // the executor's release error, read after done
 
 	// Executor-owned state: touched only by jobs.
-	dev     Dev
-	stream  Stream
+	dev    Dev
+	stream Stream
+
+	// The IPC import cache: written only by jobs, read by Import's fast
+	// path (a hit needs no driver call, so it skips the executor).
+	mu      sync.Mutex
 	imports map[importKey]*mapping
 	opens   int // IPC handles opened (cache misses)
 	hits    int // Import answered from the cache
@@ -152,9 +156,8 @@ func (d *Device) setup(sel string) error {
 func (d *Device) teardown() error {
 	var errs []error
 	errs = append(errs, d.drv.StreamSynchronize(d.stream))
-	for k, m := range d.imports {
+	for _, m := range d.takeImports(func(importKey) bool { return true }) {
 		errs = append(errs, d.drv.IpcCloseMemHandle(m.ptr))
-		delete(d.imports, k)
 	}
 	errs = append(errs,
 		d.drv.StreamDestroy(d.stream),
@@ -408,17 +411,24 @@ func (d *Device) Import(b IPCBuffer) (DevicePtr, error) {
 	if b.PID == os.Getpid() {
 		return b.Base, nil
 	}
+	k := importKey{pid: b.PID, device: b.Device, base: b.Base}
+	if p, ok := d.cached(k, b.BufferID); ok {
+		return p, nil
+	}
 	var p DevicePtr
 	err := d.Do(func(drv Driver) error {
-		k := importKey{pid: b.PID, device: b.Device, base: b.Base}
-		if m := d.imports[k]; m != nil {
-			if m.bufferID == b.BufferID {
-				d.hits++
-				p = m.ptr
-				return nil
-			}
-			delete(d.imports, k)
-			if err := drv.IpcCloseMemHandle(m.ptr); err != nil {
+		// Jobs run one at a time: a concurrent Import of the same buffer
+		// opened it while this one waited.
+		if ptr, ok := d.cached(k, b.BufferID); ok {
+			p = ptr
+			return nil
+		}
+		d.mu.Lock()
+		stale := d.imports[k]
+		delete(d.imports, k)
+		d.mu.Unlock()
+		if stale != nil {
+			if err := drv.IpcCloseMemHandle(stale.ptr); err != nil {
 				return err
 			}
 		}
@@ -426,12 +436,25 @@ func (d *Device) Import(b IPCBuffer) (DevicePtr, error) {
 		if err != nil {
 			return err
 		}
+		d.mu.Lock()
 		d.opens++
 		d.imports[k] = &mapping{bufferID: b.BufferID, ptr: ptr}
+		d.mu.Unlock()
 		p = ptr
 		return nil
 	})
 	return p, err
+}
+
+// cached returns the mapping of k if its buffer id is still bufferID.
+func (d *Device) cached(k importKey, bufferID uint64) (DevicePtr, bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if m := d.imports[k]; m != nil && m.bufferID == bufferID {
+		d.hits++
+		return m.ptr, true
+	}
+	return 0, false
 }
 
 // ForgetPeer closes every mapping opened from process pid (a peer that
@@ -439,11 +462,8 @@ func (d *Device) Import(b IPCBuffer) (DevicePtr, error) {
 func (d *Device) ForgetPeer(pid int) error {
 	return d.Do(func(drv Driver) error {
 		var errs []error
-		for k, m := range d.imports {
-			if k.pid == pid {
-				errs = append(errs, drv.IpcCloseMemHandle(m.ptr))
-				delete(d.imports, k)
-			}
+		for _, m := range d.takeImports(func(k importKey) bool { return k.pid == pid }) {
+			errs = append(errs, drv.IpcCloseMemHandle(m.ptr))
 		}
 		return errors.Join(errs...)
 	})
@@ -452,6 +472,21 @@ func (d *Device) ForgetPeer(pid int) error {
 // ImportStats returns how many handles Import opened and how many it
 // answered from its cache.
 func (d *Device) ImportStats() (opens, hits int) {
-	_ = d.Do(func(Driver) error { opens, hits = d.opens, d.hits; return nil })
-	return opens, hits
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.opens, d.hits
+}
+
+// takeImports removes the mappings whose keys match and returns them.
+func (d *Device) takeImports(match func(importKey) bool) []*mapping {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var out []*mapping
+	for k, m := range d.imports {
+		if match(k) {
+			out = append(out, m)
+			delete(d.imports, k)
+		}
+	}
+	return out
 }
