@@ -10,6 +10,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/handoff-io/handoff/kvcache"
 	"github.com/handoff-io/handoff/mambacache"
 	"github.com/handoff-io/handoff/model"
@@ -212,10 +214,11 @@ type request struct {
 	finished  bool
 	reason    string
 
-	out      *Stream          // decode role
-	stop     stopper          // decode role
-	emit     []Event          // scratch for stop
-	lease    chan leaseResult // prefill role, capacity 1
+	out      *Stream             // decode role
+	ttft     prometheus.Observer // decode role: time to first token
+	stop     stopper             // decode role
+	emit     []Event             // scratch for stop
+	lease    chan leaseResult    // prefill role, capacity 1
 	leaseOut bool
 
 	accepted, admitted, firstAt time.Time
@@ -230,6 +233,9 @@ func (q *request) accept(tok int32, lp *model.Logprobs) bool {
 	if q.generated == 0 {
 		q.firstAt = time.Now()
 		q.timing.FirstToken = q.firstAt.Sub(q.accepted)
+		if q.ttft != nil {
+			q.ttft.Observe(q.timing.FirstToken.Seconds())
+		}
 	}
 	q.generated++
 	q.last = tok
@@ -357,6 +363,7 @@ func (e *Engine) Generate(ctx context.Context, g GenerateRequest) (*Stream, erro
 	// Nothing here is sized by MaxTokens: the stream grows with the tokens
 	// generated, once the request was admitted.
 	q.out = newStream()
+	q.ttft = e.m.FirstToken.WithLabelValues(string(e.cfg.Role))
 	q.stop.stops = g.Stop
 	if err := e.enqueue(q); err != nil {
 		return nil, err
@@ -689,6 +696,7 @@ func (e *Engine) place(q *request, r *Rank) {
 	q.rank = r
 	q.admitted = time.Now()
 	q.timing.Queued = q.admitted.Sub(q.accepted)
+	e.m.QueueDuration.WithLabelValues(string(e.cfg.Role)).Observe(q.timing.Queued.Seconds())
 	q.log = q.log.With("rank", r.index)
 	r.held = append(r.held, q)
 	r.promised += q.promise
@@ -728,6 +736,7 @@ func (e *Engine) fetched(q *request, res FetchResult, err error) {
 	e.m.TransferBytes.WithLabelValues(role, "kv").Add(float64(res.KVBytes))
 	e.m.TransferBytes.WithLabelValues(role, "mamba").Add(float64(res.MambaBytes))
 	q.timing.Prefill = res.Compute
+	e.m.PrefillDuration.WithLabelValues(role).Observe(res.Compute.Seconds())
 	q.timing.Transfer = res.Transfer
 	q.timing.Handoff = time.Since(q.admitted)
 	q.pos = len(q.prompt)
@@ -841,6 +850,7 @@ func (e *Engine) prefillStep(r *Rank, q *request) {
 	}
 	tok, lp := q.sample(logits)
 	q.timing.Prefill = time.Since(start)
+	e.m.PrefillDuration.WithLabelValues(string(e.cfg.Role)).Observe(q.timing.Prefill.Seconds())
 	q.pos = len(q.prompt)
 	if q.prefillOnly {
 		q.generated, q.last = 1, tok

@@ -40,6 +40,9 @@ type Metrics struct {
 	Transfers        *prometheus.CounterVec   // handoff_transfers_total{role,result}
 	TransferBytes    *prometheus.CounterVec   // handoff_transfer_bytes_total{role,kind}
 	TransferDuration *prometheus.HistogramVec // handoff_transfer_duration_seconds{role}
+	QueueDuration    *prometheus.HistogramVec // handoff_queue_duration_seconds{role}
+	PrefillDuration  *prometheus.HistogramVec // handoff_prefill_duration_seconds{role}
+	FirstToken       *prometheus.HistogramVec // handoff_time_to_first_token_seconds{role}
 	Dummies          *prometheus.CounterVec   // handoff_dummy_requests_total{role}
 	MambaRows        *prometheus.GaugeVec     // handoff_mamba_rows{role,rank,state}
 	KVBlocks         *prometheus.GaugeVec     // handoff_kv_blocks{role,rank,state}
@@ -68,6 +71,22 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help:    "Duration of cache transfers, from the request on the control plane to the accepted commit.",
 			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 18),
 		}, []string{"role"}),
+		QueueDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "handoff_queue_duration_seconds",
+			Help:    "Time requests waited for admission to a rank (a row and blocks for their whole life).",
+			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 18),
+		}, []string{"role"}),
+		PrefillDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "handoff_prefill_duration_seconds",
+			Help: "Prefill compute per request: on a prefill worker its own step; on decode the local step, " +
+				"or the compute the prefill worker reported for a remote prefill.",
+			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 18),
+		}, []string{"role"}),
+		FirstToken: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "handoff_time_to_first_token_seconds",
+			Help:    "Time from a request's acceptance to its first generated token (decode).",
+			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 18),
+		}, []string{"role"}),
 		Dummies: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "handoff_dummy_requests_total",
 			Help: "Attention-DP dummy requests padded on idle ranks.",
@@ -90,6 +109,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, []string{"transport"}),
 	}
 	reg.MustRegister(m.Requests, m.Transfers, m.TransferBytes, m.TransferDuration,
+		m.QueueDuration, m.PrefillDuration, m.FirstToken,
 		m.Dummies, m.MambaRows, m.KVBlocks, m.Sessions, m.TransportInfo)
 	return m
 }
@@ -106,6 +126,11 @@ func (m *Metrics) init(role Role) {
 	m.TransferBytes.WithLabelValues(r, "kv")
 	m.TransferBytes.WithLabelValues(r, "mamba")
 	m.TransferDuration.WithLabelValues(r)
+	m.QueueDuration.WithLabelValues(r)
+	m.PrefillDuration.WithLabelValues(r)
+	if role == RoleDecode {
+		m.FirstToken.WithLabelValues(r)
+	}
 	m.Dummies.WithLabelValues(r)
 	m.Sessions.WithLabelValues(r)
 }
