@@ -24,7 +24,9 @@
 //
 //	messages               system, developer (as system), user, assistant;
 //	                       content a string or text parts; name
-//	max_completion_tokens  as max_tokens (both must agree)
+//	max_completion_tokens  as max_tokens (both must agree; 16 when neither is
+//	                       given, as for completions: every token a request
+//	                       may generate is reserved at admission)
 //	logprobs, top_logprobs true and 0..20
 //	stream                 SSE deltas: the role first, then content (never a
 //	                       split character), then finish_reason
