@@ -53,8 +53,8 @@
 // section is written by the source shard that owns it when P divides n.
 // When items are replicated at P, item i has P/n replicas, shards
 // i·P/n + k, and destination shard rd takes it from replica k = rd mod P/n
-// alone: the other replicas write nothing of it there (the redundant writes
-// SGLang makes and vLLM #55208 corrupts with). The choice spreads the
+// alone: the other replicas write nothing of it there (SGLang has every
+// replica write; vLLM PR #55306 picks one writer). The choice spreads the
 // destinations over the replicas and makes a plan with P = D the identity,
 // each shard writing its whole unit into its mirror. Every destination
 // shard holding an item receives it, so an item replicated at D is written
@@ -75,7 +75,8 @@
 //  1. At the handshake, after both sides agree on the model's (TP 1) shapes:
 //     New(KV(kv), P, D) and New(Mamba(m), P, D). An error names the
 //     dimension that does not split; refuse the peer with it before any
-//     byte moves.
+//     byte moves. Both sides must use the same TokensPerBlock: KV(kv)
+//     describes both, and Align pairs blocks one to one (no reblocking).
 //  2. Build each shard's pools from KVShard / MambaShard: their arenas then
 //     have the unit layout the plan addresses.
 //  3. Per request, prefill shard rs writes into each decode shard rd the
