@@ -10,7 +10,7 @@ import (
 // standard-library packages and the two pure pool packages whose layouts it
 // reshards.
 var allowedImports = map[string]bool{
-	"errors": true, "fmt": true, "iter": true, "math": true, "strings": true,
+	"errors": true, "fmt": true, "iter": true, "math": true, "slices": true, "strings": true,
 	"github.com/handoff-io/handoff/kvcache":    true,
 	"github.com/handoff-io/handoff/mambacache": true,
 }

@@ -38,5 +38,5 @@ func ExampleNew_refused() {
 	fmt.Println(err)
 	// Output:
 	// true
-	// decode side: reshard: dimension does not divide the tensor-parallel size: kv section kv: 8 kv heads over TP 6 (TP must divide them or be a multiple of them)
+	// destination: reshard: dimension does not divide the tensor-parallel size: kv section kv: 8 kv heads over TP 6 (TP must divide them or be a multiple of them)
 }

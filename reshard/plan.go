@@ -3,6 +3,7 @@ package reshard
 import (
 	"fmt"
 	"iter"
+	"slices"
 	"strings"
 )
 
@@ -92,6 +93,8 @@ type Plan struct {
 // either size: the error wraps ErrInvalidShape, ErrInvalidTP or
 // ErrIndivisible.
 //
+// The errors of the two sides are prefixed "source: " and "destination: ".
+//
 // For each pair and each section it is the overlap rule: the items the
 // source writes (those it holds, and for replicated items only on the
 // replica chosen for that destination) intersected with the items the
@@ -102,11 +105,12 @@ type Plan struct {
 // hold the same items one copy of the whole unit.
 func New(l Layout, from, to int) (*Plan, error) {
 	if err := l.Check(from); err != nil {
-		return nil, fmt.Errorf("prefill side: %w", err)
+		return nil, fmt.Errorf("source: %w", err)
 	}
 	if err := l.Check(to); err != nil {
-		return nil, fmt.Errorf("decode side: %w", err)
+		return nil, fmt.Errorf("destination: %w", err)
 	}
+	l.Sections = slices.Clone(l.Sections) // the plan's own: immutable
 	p := &Plan{
 		Layout: l, From: from, To: to,
 		SrcBytes: l.UnitBytes(from), DstBytes: l.UnitBytes(to),

@@ -207,8 +207,8 @@ func TestRefused(t *testing.T) {
 		err      error
 		msg      string
 	}{
-		{"kv heads over 3", KV(kv), 1, 3, ErrIndivisible, "decode side: reshard: dimension does not divide the tensor-parallel size: kv section kv: 4 kv heads over TP 3"},
-		{"kv heads over 6 (not a multiple)", KV(kv), 6, 1, ErrIndivisible, "prefill side: reshard: dimension does not divide the tensor-parallel size: kv section kv: 4 kv heads over TP 6"},
+		{"kv heads over 3", KV(kv), 1, 3, ErrIndivisible, "destination: reshard: dimension does not divide the tensor-parallel size: kv section kv: 4 kv heads over TP 3"},
+		{"kv heads over 6 (not a multiple)", KV(kv), 6, 1, ErrIndivisible, "source: reshard: dimension does not divide the tensor-parallel size: kv section kv: 4 kv heads over TP 6"},
 		{"mamba heads never replicate", Mamba(mamba2(2, 2)), 1, 4, ErrIndivisible, "mamba section x: 2 mamba heads over TP 4 (TP must divide them)"},
 		{"groups over 3", Mamba(mamba2(6, 2)), 3, 1, ErrIndivisible, "mamba section B: 2 groups over TP 3"},
 		{"gdn groups", Mamba(func() mambacache.Config { c := mamba2(8, 3); c.ConvLayout = mambacache.ConvQKV; return c }()), 2, 1, ErrIndivisible, "mamba section Q: 3 groups over TP 2"},
