@@ -334,13 +334,25 @@ func (c *Copy) Wait() error {
 	}
 }
 
-// CopyChunked copies n bytes from src to dst in chunks of at most chunk
-// bytes, each queued on the device's stream and waited on before the next.
-// Before each chunk it checks ctx and calls check (nil: no check): a
-// receiver's fence. Once check fails, nothing more is queued and every
-// queued chunk has completed, so no byte lands after CopyChunked returns.
-// It returns the bytes copied.
-func (d *Device) CopyChunked(ctx context.Context, dst, src DevicePtr, n, chunk uint64, check func() error) (uint64, error) {
+// Bracket fences a chunked copy as rdma's shm transport fences a writer's
+// copies: Begin is called before each chunk is queued and must win the
+// right to copy (once the receiver fenced, it fails); End is called once
+// that chunk has completed on the device and fails when the receiver began
+// a fence meanwhile (the receiver waits for that End before its revoke
+// returns). So at most one chunk is in flight inside a bracket, and no
+// byte lands after the fence's wait is over.
+type Bracket interface {
+	Begin() error
+	End() error
+}
+
+// CopyChunked copies n bytes from src to dst (device memory, or an opened
+// IPC mapping) in chunks of at most chunk bytes (0: 4 MiB), each queued on
+// the device's stream and waited on before the next. Before each chunk it
+// checks ctx, and when b is not nil each chunk runs inside b's bracket. It
+// returns the bytes copied; a chunk whose End failed counts (its bytes
+// landed inside the bracket).
+func (d *Device) CopyChunked(ctx context.Context, dst, src DevicePtr, n, chunk uint64, b Bracket) (uint64, error) {
 	if chunk == 0 {
 		chunk = 4 << 20
 	}
@@ -349,17 +361,21 @@ func (d *Device) CopyChunked(ctx context.Context, dst, src DevicePtr, n, chunk u
 		if err := ctx.Err(); err != nil {
 			return off, err
 		}
-		if check != nil {
-			if err := check(); err != nil {
+		if b != nil {
+			if err := b.Begin(); err != nil {
 				return off, err
 			}
 		}
 		m := min(chunk, n-off)
 		c, err := d.SubmitDtoD(dst+DevicePtr(off), src+DevicePtr(off), m)
-		if err != nil {
-			return off, err
+		if err == nil {
+			err = c.Wait()
 		}
-		if err := c.Wait(); err != nil {
+		if b != nil {
+			// End even after a failed copy: the bracket must close.
+			err = errors.Join(err, b.End())
+		}
+		if err != nil {
 			return off, err
 		}
 		off += m

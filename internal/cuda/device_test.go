@@ -13,6 +13,8 @@ import (
 	"os/exec"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"time"
 	"testing"
 
 	"github.com/handoff-io/handoff/internal/cuda"
@@ -158,7 +160,7 @@ func TestDeviceCopiesAndClose(t *testing.T) {
 	})
 }
 
-// TestCopyChunkedFence: once the fence check fails, no later chunk lands.
+// TestCopyChunkedFence: once Begin fails, nothing more is queued.
 func TestCopyChunkedFence(t *testing.T) {
 	eachDriver(t, func(t *testing.T, _ string, drv cuda.Driver) {
 		d := openDev(t, drv, "0")
@@ -169,26 +171,121 @@ func TestCopyChunkedFence(t *testing.T) {
 		defer d.Free(q) //nolint:errcheck
 		_ = d.CopyToDevice(p, bytes.Repeat([]byte{0xaa}, n))
 		_ = d.CopyToDevice(q, make([]byte, n))
-		errFenced := errors.New("fenced")
-		checks := 0
-		got, err := d.CopyChunked(context.Background(), q, p, n, chunk, func() error {
-			if checks++; checks > 3 {
-				return errFenced
-			}
-			return nil
-		})
-		if !errors.Is(err, errFenced) || got != 3*chunk {
-			t.Fatalf("fenced copy: %d bytes, %v; want %d, fenced", got, err, 3*chunk)
+		b := &countBracket{allow: 3}
+		got, err := d.CopyChunked(context.Background(), q, p, n, chunk, b)
+		if !errors.Is(err, errFenced) || got != 3*chunk || b.ends != 3 {
+			t.Fatalf("fenced copy: %d bytes, %d ends, %v; want %d, 3, fenced", got, b.ends, err, 3*chunk)
 		}
-		b := make([]byte, n)
-		_ = d.CopyFromDevice(b, q)
-		if !bytes.Equal(b[:3*chunk], bytes.Repeat([]byte{0xaa}, 3*chunk)) || !bytes.Equal(b[3*chunk:], make([]byte, n-3*chunk)) {
+		buf := make([]byte, n)
+		_ = d.CopyFromDevice(buf, q)
+		if !bytes.Equal(buf[:3*chunk], bytes.Repeat([]byte{0xaa}, 3*chunk)) || !bytes.Equal(buf[3*chunk:], make([]byte, n-3*chunk)) {
 			t.Errorf("bytes past the fence landed")
 		}
 		ctx, cancel := context.WithCancel(context.Background())
 		cancel()
 		if _, err := d.CopyChunked(ctx, q, p, n, chunk, nil); !errors.Is(err, context.Canceled) {
 			t.Errorf("cancelled copy: %v", err)
+		}
+	})
+}
+
+var errFenced = errors.New("fenced")
+
+type countBracket struct{ allow, begins, ends int }
+
+func (b *countBracket) Begin() error {
+	if b.begins++; b.begins > b.allow {
+		return errFenced
+	}
+	return nil
+}
+func (b *countBracket) End() error { b.ends++; return nil }
+
+// slotBracket is the shm transport's slot word in small: open -> writing
+// (Begin's CAS), writing -> open (End's CAS); a receiver's fence CASes open
+// -> closed, or writing -> fencing and waits for the writer's End to find
+// it and close the slot.
+type slotBracket struct{ word atomic.Uint32 }
+
+const (
+	slotOpen uint32 = iota
+	slotWriting
+	slotFencing
+	slotClosed
+)
+
+func (s *slotBracket) Begin() error {
+	if !s.word.CompareAndSwap(slotOpen, slotWriting) {
+		return errFenced
+	}
+	return nil
+}
+
+func (s *slotBracket) End() error {
+	if s.word.CompareAndSwap(slotWriting, slotOpen) {
+		return nil
+	}
+	s.word.Store(slotClosed) // fencing: the receiver waits for this
+	return errFenced
+}
+
+// revoke fences the slot and returns once no copy can be in flight.
+func (s *slotBracket) revoke() {
+	for {
+		if s.word.CompareAndSwap(slotOpen, slotClosed) || s.word.Load() == slotClosed {
+			return
+		}
+		if s.word.CompareAndSwap(slotWriting, slotFencing) {
+			for s.word.Load() != slotClosed {
+				time.Sleep(10 * time.Microsecond)
+			}
+			return
+		}
+	}
+}
+
+// TestCopyChunkedRevoke: a receiver revokes while a writer copies chunk
+// after chunk; what the destination holds when revoke returns is what it
+// holds once the writer gave up. The Go fake runs a queued copy only when
+// it is waited on, so a bracket closed before its chunk completed would
+// let bytes land after the revoke.
+func TestCopyChunkedRevoke(t *testing.T) {
+	eachDriver(t, func(t *testing.T, name string, drv cuda.Driver) {
+		if name == "go" {
+			// Slow chunks: a revoke most likely finds one in flight.
+			drv = cudafake.New(cudafake.Config{Polls: 100})
+		}
+		w := openDev(t, drv, "0")
+		r := openDev(t, drv, "0")
+		const n, chunk = 256 << 10, 4 << 10
+		src, _ := w.Alloc(n)
+		dst, _ := w.Alloc(n)
+		defer w.Free(src) //nolint:errcheck
+		defer w.Free(dst) //nolint:errcheck
+		_ = w.CopyToDevice(src, bytes.Repeat([]byte{0x5a}, n))
+		for round := range 5 {
+			_ = w.CopyToDevice(dst, make([]byte, n))
+			var slot slotBracket
+			done := make(chan uint64, 1) // the writer reports once
+			go func() {
+				got, _ := w.CopyChunked(context.Background(), dst, src, n, chunk, &slot)
+				done <- got
+			}()
+			time.Sleep(time.Duration(round*200) * time.Microsecond)
+			slot.revoke()
+			atRevoke := make([]byte, n)
+			if err := r.CopyFromDevice(atRevoke, dst); err != nil {
+				t.Fatal(err)
+			}
+			copied := <-done
+			after := make([]byte, n)
+			_ = r.CopyFromDevice(after, dst)
+			if !bytes.Equal(atRevoke, after) {
+				t.Fatalf("round %d: bytes landed after revoke returned (writer copied %d)", round, copied)
+			}
+			if landed := uint64(bytes.IndexByte(append(after, 0), 0)); landed < copied {
+				t.Errorf("round %d: %d bytes landed, writer counted %d", round, landed, copied)
+			}
 		}
 	})
 }

@@ -16,9 +16,10 @@
 //     CUDA_ERROR_INVALID_VALUE;
 //   - asynchronous copies run only when the program waits for them (an
 //     event's query after Config.Polls NOT_READY answers, a stream
-//     synchronisation, a free): code that reads before it waited sees old
-//     bytes; their host side must be pinned memory from MemHostAlloc (this
-//     module's rule: never the Go heap);
+//     synchronisation, a free; a synchronous copy waits only for blocking
+//     streams, not for CU_STREAM_NON_BLOCKING ones): code that reads before
+//     it waited sees old bytes; their host side must be pinned memory from
+//     MemHostAlloc (this module's rule: never the Go heap);
 //   - IPC: a handle names an allocation's base; "device memory" is a memfd,
 //     so another process opens the handle (through /proc/PID/fd) and sees
 //     the same bytes. Opening it in the exporting process is
@@ -112,8 +113,9 @@ type op struct {
 }
 
 type stream struct {
-	ctx     cuda.Context
-	pending []op
+	ctx         cuda.Context
+	nonBlocking bool // CU_STREAM_NON_BLOCKING: the legacy stream does not wait for it
+	pending     []op
 }
 
 type event struct {
@@ -598,7 +600,7 @@ func (d *Driver) MemcpyHtoD(dst cuda.DevicePtr, src []byte) error {
 	if b == nil {
 		return fail(call, cuda.ErrorInvalidValue)
 	}
-	d.drainAll() // the synchronous copies synchronise with the legacy stream's work
+	d.drainBlocking() // a synchronous copy waits for blocking streams only
 	copy(b, src)
 	return nil
 }
@@ -616,7 +618,7 @@ func (d *Driver) MemcpyDtoH(dst []byte, src cuda.DevicePtr) error {
 	if b == nil {
 		return fail(call, cuda.ErrorInvalidValue)
 	}
-	d.drainAll()
+	d.drainBlocking()
 	copy(dst, b)
 	return nil
 }
@@ -678,13 +680,23 @@ func (s *stream) run(n int) {
 	s.pending = s.pending[n:]
 }
 
-// drainAll completes every pending copy and event.
-func (d *Driver) drainAll() {
+// drainAll completes every pending copy and event (cuMemFree and the like
+// synchronise the device).
+func (d *Driver) drainAll() { d.drain(func(*stream) bool { return true }) }
+
+// drainBlocking completes the work the legacy stream synchronises with: that
+// of blocking streams. Work on non-blocking streams stays pending, as on a
+// GPU, where a synchronous copy does not wait for it.
+func (d *Driver) drainBlocking() { d.drain(func(s *stream) bool { return !s.nonBlocking }) }
+
+func (d *Driver) drain(which func(*stream) bool) {
 	for _, s := range d.streams {
-		s.run(len(s.pending))
+		if which(s) {
+			s.run(len(s.pending))
+		}
 	}
 	for _, e := range d.events {
-		if e.pending {
+		if e.pending && e.s != nil && which(e.s) {
 			e.done, e.pending = true, false
 		}
 	}
@@ -788,7 +800,7 @@ func (d *Driver) StreamCreate(flags uint32) (cuda.Stream, error) {
 	}
 	d.nextH += 0x10
 	h := cuda.Stream(d.nextH)
-	d.streams[h] = &stream{ctx: d.devs[dev].ctx}
+	d.streams[h] = &stream{ctx: d.devs[dev].ctx, nonBlocking: flags&cuda.StreamNonBlocking != 0}
 	return h, nil
 }
 
@@ -799,7 +811,7 @@ func (d *Driver) StreamSynchronize(s cuda.Stream) error {
 	}
 	defer d.mu.Unlock()
 	if s == 0 {
-		d.drainAll()
+		d.drainBlocking()
 		return nil
 	}
 	st := d.streams[s]

@@ -103,8 +103,8 @@ func TestAsyncLandsOnlyAfterWait(t *testing.T) {
 		if got[0] != 7 {
 			t.Errorf("copy not landed after its event completed")
 		}
-		// A synchronous read in between drains the stream (it synchronises
-		// with earlier work), so check the pending state through an event.
+		// A synchronous copy does not wait for a non-blocking stream: the
+		// second copy is pending until its stream is synchronised.
 		_ = d.MemcpyHtoD(p, bytes.Repeat([]byte{9}, 64))
 		_ = d.MemcpyDtoDAsync(q, p, 64, s)
 		_ = d.EventRecord(e, s)
