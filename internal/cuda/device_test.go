@@ -14,8 +14,8 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"time"
 	"testing"
+	"time"
 
 	"github.com/handoff-io/handoff/internal/cuda"
 	"github.com/handoff-io/handoff/internal/cuda/cudafake"
