@@ -200,7 +200,11 @@ func TestPrefillKilledMidTransfer(t *testing.T) {
 			took[i] = time.Since(start)
 		})
 		if i == n/3 {
-			time.Sleep(30 * time.Millisecond)
+			// Kill it while it serves: with a session of its own in
+			// flight, not before or after its share of the load.
+			require.Eventually(t, func() bool {
+				return sum(p1.metrics(), "handoff_sessions_inflight", map[string]string{"role": "prefill"}) > 0
+			}, 10*time.Second, time.Millisecond, "p1 never had a session in flight")
 			p1.kill()
 		}
 	}
@@ -216,9 +220,10 @@ func TestPrefillKilledMidTransfer(t *testing.T) {
 		require.GreaterOrEqual(t, results[i].Status, 500, "request %d: unexpected status", i)
 		require.NotEmpty(t, results[i].Err, "request %d failed without a message", i)
 	}
-	require.Positive(t, ok, "no request succeeded on the surviving worker")
-	t.Logf("%d of %d requests succeeded across the SIGKILL; slowest took %v; %v handoffs retried", ok, n, slices.Max(took),
-		sum(dec.metrics(), "handoff_retries_total", map[string]string{"role": "decode"}))
+	retried := sum(dec.metrics(), "handoff_retries_total", map[string]string{"role": "decode"})
+	t.Logf("%d of %d requests succeeded across the SIGKILL; slowest took %v; %v handoffs retried", ok, n, slices.Max(took), retried)
+	require.Positive(t, retried, "no handoff failed over: the kill did not land mid-transfer")
+	require.Equal(t, n, ok, "a request the dead worker held was not served by the survivor")
 	requireIdle(t, dec, "decode")
 	// The survivor still serves.
 	c, err := complete(ctx, dec.api, completionRequest{Model: name, Prompt: "after the fault", MaxTokens: 4})
@@ -302,4 +307,54 @@ func TestNATSAuth(t *testing.T) {
 	}
 	require.True(t, strings.Contains(strings.ToLower(bad.log.String()), "authorization"),
 		"the refusal should be logged by name:\n%s", tail(bad.log.String(), 2000))
+}
+
+// TestNATSRestartMidLoad restarts the single NATS server while requests are
+// in flight, several times. A request whose prefill request or reply was in
+// flight when the connections dropped is resent, fenced, once they are back,
+// and one sent before the prefill worker resubscribed is sent again: every
+// request succeeds (none ends at its timeout), and the pools return to idle.
+func TestNATSRestartMidLoad(t *testing.T) {
+	ns := startNATS(t, nil)
+	common := []string{"--nats-url", ns.url(), "--namespace", "restartload", "--model", "tiny-hybrid?prefill_delay=20ms"}
+	pre := startProc(t, "prefill", common...)
+	dec := startProc(t, "decode", append(common, "--prefill", "remote", "--request-timeout", "30s")...)
+	pre.waitReady(readyWithin)
+	dec.waitReady(readyWithin)
+	name := modelName(t, dec.api)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	warmUp(ctx, t, dec.api, name)
+
+	for round := range 3 {
+		const n = 40
+		var wg sync.WaitGroup
+		results := make([]completion, n)
+		errs := make([]error, n)
+		took := make([]time.Duration, n)
+		for i := 0; i < n; i++ {
+			wg.Go(func() {
+				start := time.Now()
+				prompt := fmt.Sprintf("round %d request %d", round, i)
+				results[i], errs[i] = complete(ctx, dec.api, completionRequest{Model: name, Prompt: prompt, MaxTokens: 2})
+				took[i] = time.Since(start)
+			})
+			time.Sleep(10 * time.Millisecond)
+			if i == n/2 {
+				ns.stop()
+				time.Sleep(500 * time.Millisecond)
+				ns.start()
+			}
+		}
+		wg.Wait()
+		// A request whose message was lost and never resent would end at
+		// its timeout with 504: every one must be 200.
+		for i := range results {
+			require.NoError(t, errs[i], "round %d: request %d got no HTTP answer", round, i)
+			require.Equal(t, http.StatusOK, results[i].Status, "round %d: request %d (after %v): %s", round, i, took[i], results[i].Err)
+		}
+		t.Logf("round %d: %d requests across a NATS restart, all 200, slowest %v", round, n, slices.Max(took))
+	}
+	requireIdle(t, dec, "decode")
+	requireIdle(t, pre, "prefill")
 }
