@@ -67,7 +67,25 @@
 // writes and commit are refused from then on), opens a fresh grant over the
 // same blocks and row, ignores the instance's replies and addresses the next
 // attempt to a live instance only (never the queue group, which could route
-// back to it); with none known it fails with ErrPeerFailed. The prefiller stops on a cancel, on the deadline, on a failed write
+// back to it); with none known it fails with ErrPeerFailed.
+//
+// A NATS connection that drops loses what it carried: a request routed to a
+// worker, or a reply published while the decoder was away. The decoder notes
+// its own reconnects (nats.Conn.StatusChanged) and a prefiller publishes
+// <prefix>.<ns>.inst.<id>.reconnected after its own; every handoff still
+// waiting for an answer from that side is resent at once, fenced the same way
+// but without excluding the instance (it is alive). A request the queue group
+// has no responder for (workers restarting, or not yet resubscribed after a
+// reconnect) is sent again after 50 ms, doubling to 1 s, for up to
+// DecoderConfig.NoResponderWait (5 s) within its deadline. Deadlines travel
+// as the time left (PrefillRequest.Budget), and the prefiller turns them into
+// its own monotonic deadline on receipt: no two hosts' wall clocks are
+// compared. A grant the decoder revokes while a live shm writer is stopped
+// inside a copy is quarantined (rdma.Grant.Quarantined): the handoff fails
+// at once with a *QuarantinedError, and the destination is freed only when it
+// is Released.
+//
+// The prefiller stops on a cancel, on the deadline, on a failed write
 // (receiver revoked or died) or when the decode instance leaves the
 // registry; it releases its lease only after the step in flight returned.
 //
@@ -75,10 +93,14 @@
 //
 // Every Decoder and Prefiller announces itself in the JetStream KV bucket
 // <prefix>_<ns> (key "<role>.<id>": rdma descriptor, layout fingerprint,
-// capacity), refreshed every Heartbeat and expiring after TTL. The bucket is
-// kept in memory, so a restarted NATS server has lost it: announcers recreate
-// it on a failed heartbeat and watchers, which check it every TTL/2, watch
-// the new one (entries reappear within TTL/2 plus a heartbeat). Decoders watch
+// capacity), refreshed every Heartbeat and expiring after TTL; a watcher
+// counts an entry live for TTL after it received it (its own monotonic
+// clock). The bucket is kept in memory, replicated 3 ways on a cluster
+// (RegistryConfig.Replicas), so a lone or restarted NATS server has lost it:
+// announcers recreate it on a failed heartbeat and watchers, which check it
+// every heartbeat, watch the new one (entries reappear within a heartbeat or
+// two). A watch whose consumer fell silent (a stream leader died) while the
+// bucket moved on is restarted. Decoders watch
 // prefill instances (targeted retries; a watched instance that disappears
 // moves the handoffs addressed to it to another instance, fenced as above, or
 // fails them with ErrPeerFailed; a request taken
