@@ -31,6 +31,7 @@ type Device struct {
 	// Executor-owned state: touched only by jobs.
 	dev    Dev
 	stream Stream
+	events []Event // idle events, reused: creating one per copy costs a driver call
 
 	// The IPC import cache: written only by jobs, read by Import's fast
 	// path (a hit needs no driver call, so it skips the executor).
@@ -156,6 +157,10 @@ func (d *Device) setup(sel string) error {
 func (d *Device) teardown() error {
 	var errs []error
 	errs = append(errs, d.drv.StreamSynchronize(d.stream))
+	for _, ev := range d.events {
+		errs = append(errs, d.drv.EventDestroy(ev))
+	}
+	d.events = nil
 	for _, m := range d.takeImports(func(importKey) bool { return true }) {
 		errs = append(errs, d.drv.IpcCloseMemHandle(m.ptr))
 	}
@@ -284,23 +289,54 @@ func (d *Device) SubmitHtoD(dst DevicePtr, src HostPtr, n uint64) (*Copy, error)
 
 func (d *Device) submit(queue func(Driver) error) (*Copy, error) {
 	c := &Copy{d: d}
-	err := d.Do(func(drv Driver) error {
-		if err := queue(drv); err != nil {
-			return err
-		}
-		var err error
-		if c.ev, err = drv.EventCreate(EventDisableTiming); err != nil {
-			return errors.Join(err, drv.StreamSynchronize(d.stream))
-		}
-		if err := drv.EventRecord(c.ev, d.stream); err != nil {
-			return errors.Join(err, drv.StreamSynchronize(d.stream), drv.EventDestroy(c.ev))
-		}
-		return nil
+	err := d.Do(func(drv Driver) (err error) {
+		c.ev, err = d.enqueue(drv, queue)
+		return err
 	})
 	if err != nil {
 		return nil, err
 	}
 	return c, nil
+}
+
+// enqueue queues a copy and records an idle event after it; on the
+// executor.
+func (d *Device) enqueue(drv Driver, queue func(Driver) error) (Event, error) {
+	if err := queue(drv); err != nil {
+		return 0, err
+	}
+	var ev Event
+	if n := len(d.events); n > 0 {
+		ev, d.events = d.events[n-1], d.events[:n-1]
+	} else {
+		var err error
+		if ev, err = drv.EventCreate(EventDisableTiming); err != nil {
+			return 0, errors.Join(err, drv.StreamSynchronize(d.stream))
+		}
+	}
+	if err := drv.EventRecord(ev, d.stream); err != nil {
+		return 0, errors.Join(err, drv.StreamSynchronize(d.stream), drv.EventDestroy(ev))
+	}
+	return ev, nil
+}
+
+// poll queries ev for up to limit; done reports whether the work before
+// it completed (then ev is idle again and back in the pool). On the
+// executor.
+func (d *Device) poll(drv Driver, ev Event, limit time.Duration) (done bool, err error) {
+	for start := time.Now(); ; {
+		err := drv.EventQuery(ev)
+		if !errors.Is(err, ErrNotReady) {
+			if err != nil {
+				return true, errors.Join(err, drv.EventDestroy(ev))
+			}
+			d.events = append(d.events, ev)
+			return true, nil
+		}
+		if time.Since(start) > limit {
+			return false, nil
+		}
+	}
 }
 
 // spin is how long one executor job polls an event before it hands the
@@ -314,17 +350,9 @@ const spin = 20 * time.Microsecond
 func (c *Copy) Wait() error {
 	for backoff := time.Microsecond; ; {
 		var done bool
-		err := c.d.Do(func(drv Driver) error {
-			for start := time.Now(); ; {
-				err := drv.EventQuery(c.ev)
-				if !errors.Is(err, ErrNotReady) {
-					done = true
-					return errors.Join(err, drv.EventDestroy(c.ev))
-				}
-				if time.Since(start) > spin {
-					return nil
-				}
-			}
+		err := c.d.Do(func(drv Driver) (err error) {
+			done, err = c.d.poll(drv, c.ev, spin)
+			return err
 		})
 		if done || err != nil {
 			return err
@@ -346,41 +374,71 @@ type Bracket interface {
 	End() error
 }
 
+// slice is how long one CopyChunked job keeps the executor before it lets
+// other callers' jobs run.
+const slice = time.Millisecond
+
 // CopyChunked copies n bytes from src to dst (device memory, or an opened
 // IPC mapping) in chunks of at most chunk bytes (0: 4 MiB), each queued on
 // the device's stream and waited on before the next. Before each chunk it
-// checks ctx, and when b is not nil each chunk runs inside b's bracket. It
+// checks ctx, and when b is not nil each chunk runs inside b's bracket.
+// Begin and End run on the executor's thread and must not call d. It
 // returns the bytes copied; a chunk whose End failed counts (its bytes
 // landed inside the bracket).
+//
+// The chunks run on the executor back to back, up to a millisecond per
+// job, polling each chunk's event there: a device-local chunk takes
+// microseconds, less than a hand-off to the executor costs.
 func (d *Device) CopyChunked(ctx context.Context, dst, src DevicePtr, n, chunk uint64, b Bracket) (uint64, error) {
 	if chunk == 0 {
 		chunk = 4 << 20
 	}
 	var off uint64
 	for off < n {
-		if err := ctx.Err(); err != nil {
-			return off, err
-		}
-		if b != nil {
-			if err := b.Begin(); err != nil {
-				return off, err
+		err := d.Do(func(drv Driver) error {
+			for start := time.Now(); off < n && time.Since(start) < slice; {
+				if err := ctx.Err(); err != nil {
+					return err
+				}
+				if b != nil {
+					if err := b.Begin(); err != nil {
+						return err
+					}
+				}
+				m := min(chunk, n-off)
+				err := d.copyChunk(drv, dst+DevicePtr(off), src+DevicePtr(off), m)
+				if b != nil {
+					// End even after a failed copy: the bracket must close.
+					err = errors.Join(err, b.End())
+				}
+				if err != nil {
+					return err
+				}
+				off += m
 			}
-		}
-		m := min(chunk, n-off)
-		c, err := d.SubmitDtoD(dst+DevicePtr(off), src+DevicePtr(off), m)
-		if err == nil {
-			err = c.Wait()
-		}
-		if b != nil {
-			// End even after a failed copy: the bracket must close.
-			err = errors.Join(err, b.End())
-		}
+			return nil
+		})
 		if err != nil {
 			return off, err
 		}
-		off += m
 	}
 	return off, nil
+}
+
+// copyChunk queues one DtoD copy and polls until it is done; on the
+// executor.
+func (d *Device) copyChunk(drv Driver, dst, src DevicePtr, n uint64) error {
+	ev, err := d.enqueue(drv, func(drv Driver) error { return drv.MemcpyDtoDAsync(dst, src, n, d.stream) })
+	if err != nil {
+		return err
+	}
+	for {
+		done, err := d.poll(drv, ev, spin)
+		if done {
+			return err
+		}
+		runtime.Gosched()
+	}
 }
 
 // IPCBuffer describes a device allocation exported to processes on the same

@@ -68,6 +68,8 @@ type Config struct {
 // Stats counts what is live, for leak checks.
 type Stats struct {
 	Allocs, Pinned, Imports, Streams, Events int
+	// Pending counts queued asynchronous copies nobody waited for yet.
+	Pending int
 	// Retained counts primary-context references per device.
 	Retained []int
 }
@@ -180,6 +182,9 @@ func (d *Driver) Stats() Stats {
 	}
 	s.Pinned = len(d.pinned)
 	s.Streams = len(d.streams)
+	for _, st := range d.streams {
+		s.Pending += len(st.pending)
+	}
 	s.Events = len(d.events)
 	for _, dv := range d.devs {
 		s.Retained = append(s.Retained, dv.retained)
