@@ -4,6 +4,7 @@ package cuda
 
 import (
 	"fmt"
+	"os"
 	"sync"
 	"unsafe"
 
@@ -104,10 +105,20 @@ var (
 	loaded = map[string]*lib{} // by path: dlopen'ed once, never closed
 )
 
-// Open loads the CUDA driver (Library) and resolves its entry points. It
-// does not call cuInit. Without a driver it returns an error matching
-// ErrNoDriver, so callers fall back to host memory.
-func Open() (Driver, error) { return Load(Library) }
+// LibraryEnv names a library Open loads instead of Library: a fake
+// driver for the workers' tests (testdata/fakecuda.c), or a driver outside
+// the linker's path.
+const LibraryEnv = "HANDOFF_LIBCUDA"
+
+// Open loads the CUDA driver (Library, or $HANDOFF_LIBCUDA) and resolves
+// its entry points. It does not call cuInit. Without a driver it returns
+// an error matching ErrNoDriver, so callers fall back to host memory.
+func Open() (Driver, error) {
+	if p := os.Getenv(LibraryEnv); p != "" {
+		return Load(p)
+	}
+	return Load(Library)
+}
 
 // Load is Open for a library at path (a name the dynamic linker searches,
 // or a file); tests load a fake driver with it. A library is loaded once

@@ -40,6 +40,22 @@ func TestLoadNoLibrary(t *testing.T) {
 	}
 }
 
+func TestOpenLibraryEnv(t *testing.T) {
+	needFake(t)
+	t.Setenv(cuda.LibraryEnv, fakeLib("stub"))
+	drv, err := cuda.Open()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := drv.Init(0); !errors.Is(err, cuda.ErrStubLibrary) {
+		t.Fatalf("Open with %s naming the stub: cuInit %v", cuda.LibraryEnv, err)
+	}
+	t.Setenv(cuda.LibraryEnv, "/nonexistent/libcuda.so.1")
+	if _, err := cuda.Open(); !errors.Is(err, cuda.ErrNoDriver) {
+		t.Fatalf("Open of a missing library: %v", err)
+	}
+}
+
 func TestLoadStubLibrary(t *testing.T) {
 	needFake(t)
 	drv, err := cuda.Load(fakeLib("stub"))

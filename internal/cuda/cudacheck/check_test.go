@@ -13,11 +13,12 @@ import (
 
 	"github.com/handoff-io/handoff/internal/cuda"
 	"github.com/handoff-io/handoff/internal/cuda/cudacheck"
+	"github.com/handoff-io/handoff/internal/leakcheck"
 )
 
 func TestMain(m *testing.M) {
 	cudacheck.Child()
-	os.Exit(m.Run())
+	leakcheck.Main(m)
 }
 
 // TestRunOverFakeLib runs the whole check, IPC child included, through the

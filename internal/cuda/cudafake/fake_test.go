@@ -5,20 +5,20 @@ package cudafake_test
 import (
 	"bytes"
 	"errors"
-	"os"
 	"runtime"
 	"testing"
 
 	"github.com/handoff-io/handoff/internal/cuda"
 	"github.com/handoff-io/handoff/internal/cuda/cudafake"
 	"github.com/handoff-io/handoff/internal/cuda/cudatest"
+	"github.com/handoff-io/handoff/internal/leakcheck"
 )
 
 func open() (cuda.Driver, error) { return cudafake.New(cudafake.Config{Devices: 2}), nil }
 
 func TestMain(m *testing.M) {
 	cudatest.Child(open)
-	os.Exit(m.Run())
+	leakcheck.Main(m)
 }
 
 func TestConformance(t *testing.T) {
