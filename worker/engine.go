@@ -308,7 +308,20 @@ type Engine struct {
 	fetches   sync.WaitGroup
 	quit      chan struct{} // closed when shutdown starts
 	scratchPh []Phase
+
+	// The admission rate while requests wait, for QueueWait (under mu).
+	lastAdmit  time.Time // when the loop last admitted
+	backlogged bool      // requests were still queued after that admission
+	admitGap   float64   // EWMA of the seconds between admissions while backlogged
+	gapKnown   bool      // admitGap holds at least one sample
 }
+
+// admitAlpha is the EWMA weight of one admission interval. Lockstep ranks
+// admit in batches (a whole batch finishes in one step), so intervals come
+// as a few long gaps among zeros; 1/16 averages over about two batches of
+// the default 8 rows and still follows a change of load within a second
+// at the rates of a busy worker.
+const admitAlpha = 1.0 / 16
 
 // NewEngine returns an engine over ranks. The ranks must share one model.
 func NewEngine(cfg Config, ranks []*Rank) (*Engine, error) {
@@ -658,9 +671,11 @@ func (e *Engine) unqueue(q *request) bool {
 // admit moves queued requests onto ranks, in order, while the head fits.
 func (e *Engine) admit() {
 	rooms := make([]RankRoom, len(e.ranks))
+	admitted := 0
 	for {
 		e.mu.Lock()
 		if len(e.queue) == 0 || e.stopped {
+			e.noteAdmittedLocked(admitted, time.Now())
 			e.mu.Unlock()
 			return
 		}
@@ -670,6 +685,7 @@ func (e *Engine) admit() {
 		}
 		idx := PickRank(rooms, q.promise)
 		if idx < 0 {
+			e.noteAdmittedLocked(admitted, time.Now())
 			e.mu.Unlock()
 			return
 		}
@@ -678,8 +694,42 @@ func (e *Engine) admit() {
 		// reallocated.
 		e.queue = slices.Delete(e.queue, 0, 1)
 		e.mu.Unlock()
+		admitted++
 		e.place(q, e.ranks[idx])
 	}
+}
+
+// noteAdmittedLocked feeds QueueWait's estimate with one pass of admit that
+// took n requests at now. Only a pass that follows one which left requests
+// queued is a sample: its gap is the time the ranks took to make room, not
+// time the worker sat idle.
+func (e *Engine) noteAdmittedLocked(n int, now time.Time) {
+	if n == 0 {
+		return
+	}
+	if e.backlogged {
+		per := now.Sub(e.lastAdmit).Seconds() / float64(n)
+		if e.gapKnown {
+			// n samples of per at once: the weight of n EWMA steps.
+			e.admitGap += (1 - math.Pow(1-admitAlpha, float64(n))) * (per - e.admitGap)
+		} else {
+			e.admitGap, e.gapKnown = per, true
+		}
+	}
+	e.lastAdmit = now
+	e.backlogged = len(e.queue) > 0
+}
+
+// QueueWait estimates how long a request that joined the queue now would
+// wait for admission: the requests ahead of it, plus itself, times the
+// recent interval between admissions while requests were waiting (an EWMA,
+// so it follows the load, whatever bounds it: rows, blocks or step time).
+// It is 0 until requests have once had to wait. The API turns it into
+// Retry-After when it refuses a request for a full queue.
+func (e *Engine) QueueWait() time.Duration {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return time.Duration(float64(len(e.queue)+1) * e.admitGap * float64(time.Second))
 }
 
 func (e *Engine) place(q *request, r *Rank) {
@@ -997,8 +1047,12 @@ func (e *Engine) finish(q *request, err error) {
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
-// publish updates the pool gauges.
+// publish updates the pool and queue gauges.
 func (e *Engine) publish() {
+	e.mu.Lock()
+	queued := len(e.queue)
+	e.mu.Unlock()
+	e.m.Queued.WithLabelValues(string(e.cfg.Role)).Set(float64(queued))
 	for _, r := range e.ranks {
 		e.m.setPools(e.cfg.Role, r.index, r.mgr.Stats())
 	}

@@ -47,6 +47,7 @@ type Metrics struct {
 	MambaRows        *prometheus.GaugeVec     // handoff_mamba_rows{role,rank,state}
 	KVBlocks         *prometheus.GaugeVec     // handoff_kv_blocks{role,rank,state}
 	Sessions         *prometheus.GaugeVec     // handoff_sessions_inflight{role}
+	Queued           *prometheus.GaugeVec     // handoff_queued_requests{role}
 	TransportInfo    *prometheus.GaugeVec     // handoff_transport_info{transport}
 }
 
@@ -103,6 +104,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "handoff_sessions_inflight",
 			Help: "Requests whose cache is in flight between prefill and decode.",
 		}, []string{"role"}),
+		Queued: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "handoff_queued_requests",
+			Help: "Requests waiting for admission to a rank (bounded by --queue-size; beyond it requests are refused with 429).",
+		}, []string{"role"}),
 		TransportInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "handoff_transport_info",
 			Help: "The data-plane transport in use (value 1).",
@@ -110,7 +115,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	reg.MustRegister(m.Requests, m.Transfers, m.TransferBytes, m.TransferDuration,
 		m.QueueDuration, m.PrefillDuration, m.FirstToken,
-		m.Dummies, m.MambaRows, m.KVBlocks, m.Sessions, m.TransportInfo)
+		m.Dummies, m.MambaRows, m.KVBlocks, m.Sessions, m.Queued, m.TransportInfo)
 	return m
 }
 
@@ -133,6 +138,7 @@ func (m *Metrics) init(role Role) {
 	}
 	m.Dummies.WithLabelValues(r)
 	m.Sessions.WithLabelValues(r)
+	m.Queued.WithLabelValues(r)
 }
 
 // setPools publishes one rank's pool counts.

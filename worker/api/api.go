@@ -112,16 +112,55 @@ func writeError(w http.ResponseWriter, status int, e *apiError) {
 	writeJSON(w, status, map[string]*apiError{"error": e})
 }
 
-// retryAfterSeconds is what a refused client is told to wait: a full queue
-// or a missing prefill worker is usually over within a second; a draining
-// worker is gone by then and the retry goes to another.
-const retryAfterSeconds = "1"
+// Retry-After bounds, in seconds. A refused client waits at least a second
+// (the header's unit) and at most a minute: past that the estimate says more
+// about a stalled worker than about when room opens, and a client had better
+// try elsewhere or give up.
+const (
+	minRetryAfter = 1
+	maxRetryAfter = 60
+)
 
-// retryAfter sets Retry-After on the statuses a client should retry.
+// QueueWaiter is what a Generator may also report: how long a request that
+// joined its admission queue now would wait (worker.Engine.QueueWait). A
+// request refused for a full queue is told to retry after that long.
+type QueueWaiter interface {
+	QueueWait() time.Duration
+}
+
+var _ QueueWaiter = (*worker.Engine)(nil)
+
+// retryAfterFor is the Retry-After of a queue-full refusal: the queue's
+// expected wait in whole seconds, rounded up, within
+// [minRetryAfter, maxRetryAfter]. A client that comes back then finds the
+// queue it was refused by drained.
+func retryAfterFor(wait time.Duration) int {
+	s := int(math.Ceil(wait.Seconds()))
+	return min(max(s, minRetryAfter), maxRetryAfter)
+}
+
+// retryAfter sets Retry-After on the statuses a client should retry when no
+// better value was set: 1 s for a 503 (a draining or stopped worker, or no
+// prefill worker: a retry through the load balancer reaches another
+// worker, or finds prefill back).
 func retryAfter(h http.Header, status int) {
-	if status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable {
-		h.Set("Retry-After", retryAfterSeconds)
+	if (status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable) && h.Get("Retry-After") == "" {
+		h.Set("Retry-After", strconv.Itoa(minRetryAfter))
 	}
+}
+
+// refuseEngine answers a request the engine did not take.
+func (s *server) refuseEngine(w http.ResponseWriter, log *slog.Logger, err error) {
+	status, e := engineError(err)
+	if status == http.StatusTooManyRequests {
+		var wait time.Duration
+		if qw, ok := s.gen.(QueueWaiter); ok {
+			wait = qw.QueueWait()
+		}
+		w.Header().Set("Retry-After", strconv.Itoa(retryAfterFor(wait)))
+	}
+	log.Info("request refused", "status", status, "err", err, "retry_after", w.Header().Get("Retry-After"))
+	writeError(w, status, e)
 }
 
 func (s *server) models(w http.ResponseWriter, r *http.Request) {
@@ -209,9 +248,7 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 		Prompt: c.prompt, MaxTokens: c.maxTokens, Sampling: c.smp, Stop: c.stop, LogID: id,
 	})
 	if err != nil {
-		status, e := engineError(err)
-		log.Info("request refused", "status", status, "err", err)
-		writeError(w, status, e)
+		s.refuseEngine(w, log, err)
 		return
 	}
 	out := &writer{w: w, rc: http.NewResponseController(w), idle: s.cfg.WriteTimeout}

@@ -283,25 +283,52 @@ func (f fakeGen) Generate(context.Context, worker.GenerateRequest) (*worker.Stre
 }
 func (fakeGen) MaxContext() int { return 100 }
 
+// waitGen refuses with a fixed error and reports a fixed queue wait.
+type waitGen struct {
+	fakeGen
+	wait time.Duration
+}
+
+func (w waitGen) QueueWait() time.Duration { return w.wait }
+
 func TestEngineRefusals(t *testing.T) {
 	tests := []struct {
-		err    error
-		status int
-		typ    string
+		name       string
+		gen        Generator
+		status     int
+		typ        string
+		retryAfter string
 	}{
-		{worker.ErrQueueFull, http.StatusTooManyRequests, "rate_limit_error"},
-		{worker.ErrDraining, http.StatusServiceUnavailable, "server_error"},
-		{worker.ErrClosed, http.StatusServiceUnavailable, "server_error"},
+		// A full queue says when it will have drained: its expected wait,
+		// rounded up to whole seconds, within 1..60.
+		{"queue full", waitGen{fakeGen{worker.ErrQueueFull}, 2300 * time.Millisecond}, http.StatusTooManyRequests, "rate_limit_error", "3"},
+		{"queue full, exact", waitGen{fakeGen{worker.ErrQueueFull}, 7 * time.Second}, http.StatusTooManyRequests, "rate_limit_error", "7"},
+		{"queue full, no estimate", waitGen{fakeGen{worker.ErrQueueFull}, 0}, http.StatusTooManyRequests, "rate_limit_error", "1"},
+		{"queue full, stalled", waitGen{fakeGen{worker.ErrQueueFull}, time.Hour}, http.StatusTooManyRequests, "rate_limit_error", "60"},
+		{"queue full, no waiter", fakeGen{worker.ErrQueueFull}, http.StatusTooManyRequests, "rate_limit_error", "1"},
+		// 503s go elsewhere at once: another worker, or prefill back.
+		{"draining", waitGen{fakeGen{worker.ErrDraining}, 30 * time.Second}, http.StatusServiceUnavailable, "server_error", "1"},
+		{"closed", fakeGen{worker.ErrClosed}, http.StatusServiceUnavailable, "server_error", "1"},
+		{"no prefill", fakeGen{worker.ErrTransferRefused}, http.StatusServiceUnavailable, "server_error", "1"},
 	}
 	for _, tt := range tests {
-		t.Run(tt.err.Error(), func(t *testing.T) {
-			srv := newServer(t, fakeGen{tt.err})
-			resp, b := post(t, srv.URL, `{"model":"tiny-hybrid","prompt":"hi"}`)
-			require.Equal(t, tt.status, resp.StatusCode)
-			require.Equal(t, "1", resp.Header.Get("Retry-After"), "a refusal worth retrying says when")
-			var eb errorBody
-			require.NoError(t, json.Unmarshal(b, &eb))
-			require.Equal(t, tt.typ, eb.Error.Type)
+		t.Run(tt.name, func(t *testing.T) {
+			srv := newServer(t, tt.gen)
+			for _, ep := range []struct{ path, body string }{
+				{"/v1/completions", `{"model":"tiny-hybrid","prompt":"hi"}`},
+				{"/v1/chat/completions", `{"model":"tiny-hybrid","messages":[{"role":"user","content":"hi"}]}`},
+			} {
+				resp, err := http.Post(srv.URL+ep.path, "application/json", strings.NewReader(ep.body))
+				require.NoError(t, err)
+				b, err := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				require.NoError(t, err)
+				require.Equal(t, tt.status, resp.StatusCode, ep.path)
+				require.Equal(t, tt.retryAfter, resp.Header.Get("Retry-After"), "%s: a refusal worth retrying says when", ep.path)
+				var eb errorBody
+				require.NoError(t, json.Unmarshal(b, &eb))
+				require.Equal(t, tt.typ, eb.Error.Type)
+			}
 		})
 	}
 }

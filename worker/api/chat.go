@@ -339,9 +339,7 @@ func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 		Prompt: c.prompt, MaxTokens: c.maxTokens, Sampling: c.smp, Stop: c.stop, LogID: id,
 	})
 	if err != nil {
-		status, e := engineError(err)
-		log.Info("request refused", "status", status, "err", err)
-		writeError(w, status, e)
+		s.refuseEngine(w, log, err)
 		return
 	}
 	out := &writer{w: w, rc: http.NewResponseController(w), idle: s.cfg.WriteTimeout}

@@ -52,7 +52,11 @@
 // Bad input never reaches the engine: it is answered with an OpenAI-style
 // error body {"error":{"message","type","param","code"}} and a 4xx status.
 // A full admission queue is 429, a draining or stopped worker 503 (whatever
-// phase a request is in when the worker stops); both carry Retry-After. A client that disconnects
+// phase a request is in when the worker stops); both carry Retry-After. A
+// 429's is the queue's expected wait (QueueWaiter: the requests queued times
+// the recent interval between admissions), rounded up to whole seconds,
+// 1..60; a 503's is 1 (retried through a load balancer it reaches another
+// worker). A client that disconnects
 // cancels its request, which frees its resources; so does a client that
 // stops reading: each response write must complete within
 // Config.WriteTimeout (--write-timeout), else the response is cut.
