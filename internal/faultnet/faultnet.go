@@ -51,8 +51,8 @@ type Proxy struct {
 	closed  bool
 	conns   map[*conn]struct{}
 	latency time.Duration
-	rate    int64        // bytes per second per direction; 0 unlimited
-	next    [2]time.Time // per direction: when the shared link is free again
+	rate    int64         // bytes per second per direction, all connections; 0 unlimited
+	next    [2]time.Time  // per direction: when the shared link is free again
 	healed  chan struct{} // closed while forwarding; open while blackholed
 	trig    *trigger
 
