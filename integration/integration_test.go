@@ -358,3 +358,80 @@ func TestNATSRestartMidLoad(t *testing.T) {
 	requireIdle(t, dec, "decode")
 	requireIdle(t, pre, "prefill")
 }
+
+// startNATSCluster starts n routed nats-servers with JetStream on loopback,
+// each restartable on its ports.
+func startNATSCluster(t *testing.T, n int) []*natsServer {
+	t.Helper()
+	routePorts := make([]int, n)
+	for i := range routePorts {
+		routePorts[i] = freePort(t)
+	}
+	var routes []string
+	for _, p := range routePorts {
+		routes = append(routes, fmt.Sprintf("nats-route://127.0.0.1:%d", p))
+	}
+	nodes := make([]*natsServer, n)
+	for i := range nodes {
+		nodes[i] = startNATS(t, func(o *server.Options) {
+			o.ServerName = fmt.Sprintf("node%d", i)
+			o.Cluster = server.ClusterOpts{Name: "handoff-it", Host: "127.0.0.1", Port: routePorts[i]}
+			o.Routes = server.RoutesFromStr(strings.Join(routes, ","))
+		})
+	}
+	return nodes
+}
+
+// TestNATSClusterNodeLoss spreads the workers over a 3-node NATS cluster and
+// kills nodes in turn under load (one down at a time, the first back before
+// the second goes): every request is served and the pools end idle.
+func TestNATSClusterNodeLoss(t *testing.T) {
+	nodes := startNATSCluster(t, 3)
+	urls := func(first int) string {
+		var u []string
+		for i := range nodes {
+			u = append(u, nodes[(first+i)%len(nodes)].url())
+		}
+		return strings.Join(u, ",")
+	}
+	common := []string{"--namespace", "cluster", "--model", "tiny-hybrid?prefill_delay=5ms"}
+	p1 := startProc(t, "prefill", append(common, "--nats-url", urls(0))...)
+	p2 := startProc(t, "prefill", append(common, "--nats-url", urls(1))...)
+	dec := startProc(t, "decode", append(common, "--nats-url", urls(2), "--prefill", "remote")...)
+	for _, p := range []*proc{p1, p2, dec} {
+		p.waitReady(readyWithin)
+	}
+	name := modelName(t, dec.api)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	warmUp(ctx, t, dec.api, name)
+
+	for round, victim := range []int{0, 2, 1} {
+		const n = 30
+		var wg sync.WaitGroup
+		results := make([]completion, n)
+		errs := make([]error, n)
+		took := make([]time.Duration, n)
+		for i := 0; i < n; i++ {
+			wg.Go(func() {
+				start := time.Now()
+				results[i], errs[i] = complete(ctx, dec.api, completionRequest{Model: name, Prompt: fmt.Sprintf("node loss %d.%d", round, i), MaxTokens: 2})
+				took[i] = time.Since(start)
+			})
+			time.Sleep(10 * time.Millisecond)
+			if i == n/2 {
+				nodes[victim].stop()
+			}
+		}
+		wg.Wait()
+		for i := range results {
+			require.NoError(t, errs[i], "round %d: request %d got no HTTP answer", round, i)
+			require.Equal(t, http.StatusOK, results[i].Status, "round %d (node%d down): request %d (after %v): %s", round, victim, i, took[i], results[i].Err)
+		}
+		t.Logf("round %d: node%d killed under load: %d requests, all 200, slowest %v", round, victim, n, slices.Max(took))
+		nodes[victim].start()
+	}
+	requireIdle(t, dec, "decode")
+	requireIdle(t, p1, "prefill")
+	requireIdle(t, p2, "prefill")
+}

@@ -104,11 +104,11 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, cfg RegistryConfig) (*Regi
 	if kcfg.Replicas == 0 {
 		kcfg.Replicas = 1
 		if nc.ConnectedClusterName() != "" {
-			kcfg.Replicas = 3 // open falls back to 1 where the cluster cannot
+			kcfg.Replicas = 3 // openWhenReady falls back to 1 where the cluster cannot
 		}
 	}
 	r := &Registry{cfg: cfg, js: js, kcfg: kcfg, entries: map[string]Instance{}, seen: map[string]time.Time{}, revs: map[string]uint64{}, stop: make(chan struct{})}
-	if err := r.open(ctx); err != nil {
+	if err := r.openWhenReady(ctx); err != nil {
 		return nil, err
 	}
 	r.life, r.lifeStop = context.WithCancel(context.Background())
@@ -127,12 +127,6 @@ func (r *Registry) open(ctx context.Context) error {
 		kcfg.LimitMarkerTTL = 0 // older server: expiry is then detected from receipt time alone
 		kv, err = r.js.CreateOrUpdateKeyValue(ctx, kcfg)
 	}
-	if err != nil && r.cfg.Replicas == 0 && kcfg.Replicas > 1 && cannotReplicate(err) {
-		r.cfg.Logger.Warn("registry bucket: the cluster cannot hold 3 replicas; using 1 (set --registry-replicas to insist)",
-			"bucket", kcfg.Bucket, "err", err)
-		kcfg.Replicas = 1
-		kv, err = r.js.CreateOrUpdateKeyValue(ctx, kcfg)
-	}
 	if err != nil {
 		return fmt.Errorf("transfer: registry bucket %s: %w", kcfg.Bucket, err)
 	}
@@ -140,6 +134,66 @@ func (r *Registry) open(ctx context.Context) error {
 	r.kv, r.kcfg = kv, kcfg
 	r.mu.Unlock()
 	return nil
+}
+
+// openWhenReady opens the bucket, retrying with a backoff while JetStream
+// cannot answer yet (a cluster electing its meta leader, servers still
+// starting: workers and NATS usually start together) until ctx ends.
+//
+// With Replicas 0 (auto) on a cluster, a bucket of 3 replicas that cannot be
+// placed is retried for replicaPatience (the cluster may still be forming),
+// then the bucket gets 1 replica, with a warning.
+func (r *Registry) openWhenReady(ctx context.Context) error {
+	wait, start := 100*time.Millisecond, time.Now()
+	for {
+		octx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		err := r.open(octx)
+		cancel()
+		if err == nil || ctx.Err() != nil {
+			return err
+		}
+		r.mu.Lock()
+		auto3 := r.cfg.Replicas == 0 && r.kcfg.Replicas > 1
+		r.mu.Unlock()
+		switch {
+		case auto3 && cannotReplicate(err) && time.Since(start) >= replicaPatience:
+			r.cfg.Logger.Warn("registry bucket: the cluster cannot hold 3 replicas; using 1 (set --registry-replicas to insist)",
+				"bucket", r.kcfg.Bucket, "err", err)
+			r.mu.Lock()
+			r.kcfg.Replicas = 1
+			r.mu.Unlock()
+			continue
+		case auto3 && cannotReplicate(err):
+		case !jetStreamNotReady(err):
+			return err
+		}
+		r.cfg.Logger.Warn("registry bucket: JetStream not ready yet; retrying", "bucket", r.kcfg.Bucket, "in", wait, "err", err)
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, 2*time.Second)
+	}
+}
+
+// replicaPatience is how long an auto-replicated bucket waits for a forming
+// cluster to place 3 replicas before it settles for 1.
+const replicaPatience = 20 * time.Second
+
+// jetStreamNotReady reports whether err is JetStream not answering yet, as
+// opposed to a refusal that retrying will not change.
+func jetStreamNotReady(err error) bool {
+	var apiErr *jetstream.APIError
+	switch {
+	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, nats.ErrTimeout),
+		errors.Is(err, nats.ErrNoResponders), errors.Is(err, jetstream.ErrNoStreamResponse):
+		return true
+	case errors.As(err, &apiErr):
+		return apiErr.Code == 503 && apiErr.ErrorCode != jetstream.JSErrCodeJetStreamNotEnabled &&
+			apiErr.ErrorCode != jetstream.JSErrCodeJetStreamNotEnabledForAccount
+	}
+	return false
 }
 
 // cannotReplicate reports whether err says the server cannot place a
@@ -150,8 +204,7 @@ func cannotReplicate(err error) bool {
 		return false
 	}
 	switch apiErr.ErrorCode {
-	case 10074, // replicas > 1 not supported in non-clustered mode
-		10023, // insufficient resources
+	case 10023, // insufficient resources
 		10005: // no suitable peers for placement
 		return true
 	}

@@ -68,8 +68,11 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 		}
 		defer nc.Close()
 		connected.Store(nc)
-		// The decoder's registry outlives ctx (it is closed after the drain).
-		if dec, err = transfer.NewDecoder(context.WithoutCancel(ctx), transfer.DecoderConfig{
+		// The decoder's registry outlives ctx (it is closed after the drain);
+		// only its start (which waits for JetStream) ends with ctx.
+		sctx, stopStart := startContext(ctx)
+		defer stopStart()
+		if dec, err = transfer.NewDecoder(sctx, transfer.DecoderConfig{
 			Instance: cfg.InstanceID, Namespace: cfg.Namespace, Fingerprint: n.fingerprint,
 			DefaultTimeout: cfg.RequestTimeout, Logger: log,
 			Registry: transfer.RegistryConfig{Replicas: cfg.RegistryReplicas},

@@ -107,3 +107,13 @@ func natsCheck(nc *nats.Conn) func() error {
 		return fmt.Errorf("nats %s", nc.Status())
 	}
 }
+
+// startContext returns a context for starting what outlives ctx (a
+// registry, a decoder): it ends with ctx until stop is called, and never
+// after, so a SIGTERM while the worker waits for JetStream ends the start,
+// while what started is closed by the drain as usual.
+func startContext(ctx context.Context) (context.Context, func()) {
+	sctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	unlink := context.AfterFunc(ctx, cancel)
+	return sctx, func() { unlink() }
+}

@@ -77,8 +77,12 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 		return err
 	}
 	pe.pf = pf
-	// The registry outlives ctx: it is closed by Shutdown after the drain.
-	if err := pf.Start(context.WithoutCancel(ctx)); err != nil {
+	// The registry outlives ctx: it is closed by Shutdown after the drain;
+	// only the start (which waits for JetStream) ends with ctx.
+	sctx, stopStart := startContext(ctx)
+	err = pf.Start(sctx)
+	stopStart()
+	if err != nil {
 		return err
 	}
 	registered.Store(true)
