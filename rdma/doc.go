@@ -51,6 +51,20 @@
 //     in the log): its extents stay busy (OpenGrant refuses them) and Done
 //     stays open until the bracket ends or the process exits.
 //
+// The same questions for each transport: a connection the receiver cuts
+// lands nothing more on tcp (data lands only through the receiver's own
+// reads) and on inproc (no connection: an in-process writer's landings are
+// counted in flight, and Revoke waits for them, bounded by one chunk's copy);
+// on shm the writer maps the memory, so only the slot protocol above stops
+// it. No reply is taken for another: tcp uses a connection for one write at a
+// time and drops one whose exchange was cut, shm reconnects a link that may
+// be out of step before its next exchange, and both check that a reply names
+// the grant and epoch of the frame it answers. A frozen writer holds Revoke
+// on no transport: tcp and inproc abort or wait out their landings, shm
+// quarantines. Several writers of one grant (the progressive and resharded
+// grants to come) each win their brackets by CAS from open, so the fence
+// covers every one of them, and any live one still copying quarantines.
+//
 // A frame never lands outside its grant: every data frame's extent index,
 // offset and length are checked against the receiver's own copy of the
 // grant, and a shm writer checks its ticket against a digest of the grant's
