@@ -54,7 +54,7 @@
 // The same questions for each transport: a connection the receiver cuts
 // lands nothing more on tcp (data lands only through the receiver's own
 // reads) and on inproc (no connection: an in-process writer's landings are
-// counted in flight, and Revoke waits for them, bounded by one chunk's copy);
+// counted in flight, and Revoke waits for them: one piece's memcpy at most);
 // on shm the writer maps the memory, so only the slot protocol above stops
 // it. No reply is taken for another: tcp uses a connection for one write at a
 // time and drops one whose exchange was cut, shm reconnects a link that may
