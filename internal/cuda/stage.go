@@ -56,7 +56,21 @@ func (s *Stager) Close() error {
 // the next chunk runs while w takes the current one. ctx is checked
 // between chunks; to bound a blocked w, give it a deadline (a net.Conn's
 // SetWriteDeadline). No copy is in flight when Send returns.
-func (s *Stager) Send(ctx context.Context, w io.Writer, src DevicePtr, n uint64) (err error) {
+func (s *Stager) Send(ctx context.Context, w io.Writer, src DevicePtr, n uint64) error {
+	return s.Each(ctx, src, n, func(off uint64, b []byte) error {
+		if _, err := w.Write(b); err != nil {
+			return fmt.Errorf("cuda: staged send at byte %d of %d: %w", off, n, err)
+		}
+		return nil
+	})
+}
+
+// Each hands the n bytes at src to fn chunk by chunk, in order, each in a
+// pinned buffer that is valid until fn returns: a transport frames, sums
+// and sends it there, while the device-to-host copy of the next chunk
+// runs. off is the chunk's offset from src. ctx is checked between
+// chunks; no copy is in flight when Each returns.
+func (s *Stager) Each(ctx context.Context, src DevicePtr, n uint64, fn func(off uint64, b []byte) error) (err error) {
 	var inflight *Copy
 	defer func() {
 		if inflight != nil {
@@ -87,8 +101,8 @@ func (s *Stager) Send(ctx context.Context, w io.Writer, src DevicePtr, n uint64)
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		if _, err := w.Write(s.bufs[i%2].Bytes()[:m]); err != nil {
-			return fmt.Errorf("cuda: staged send at byte %d of %d: %w", off, n, err)
+		if err := fn(off, s.bufs[i%2].Bytes()[:m]); err != nil {
+			return err
 		}
 		off += m
 	}
@@ -99,7 +113,21 @@ func (s *Stager) Send(ctx context.Context, w io.Writer, src DevicePtr, n uint64)
 // runs while the next one is read from r. ctx is checked between chunks;
 // bound a blocked r with a read deadline. No copy is in flight when
 // Receive returns, and the bytes are on the device when it returns nil.
-func (s *Stager) Receive(ctx context.Context, r io.Reader, dst DevicePtr, n uint64) (err error) {
+func (s *Stager) Receive(ctx context.Context, r io.Reader, dst DevicePtr, n uint64) error {
+	return s.Fill(ctx, dst, n, func(off uint64, b []byte) error {
+		if _, err := io.ReadFull(r, b); err != nil {
+			return fmt.Errorf("cuda: staged receive at byte %d of %d: %w", off, n, err)
+		}
+		return nil
+	})
+}
+
+// Fill has fn fill n bytes for dst chunk by chunk, in order, each into a
+// pinned buffer (a transport reads a frame's payload there and sums it),
+// and copies each to the device while fn fills the next. No copy is in
+// flight when Fill returns, and the bytes are on the device when it
+// returns nil.
+func (s *Stager) Fill(ctx context.Context, dst DevicePtr, n uint64, fn func(off uint64, b []byte) error) (err error) {
 	var inflight [2]*Copy
 	defer func() {
 		for _, c := range inflight {
@@ -120,8 +148,8 @@ func (s *Stager) Receive(ctx context.Context, r io.Reader, dst DevicePtr, n uint
 			return err
 		}
 		b := s.bufs[i%2]
-		if _, err := io.ReadFull(r, b.Bytes()[:m]); err != nil {
-			return fmt.Errorf("cuda: staged receive at byte %d of %d: %w", off, n, err)
+		if err := fn(off, b.Bytes()[:m]); err != nil {
+			return err
 		}
 		c, err := s.d.SubmitHtoD(dst+DevicePtr(off), b.Ptr(), m)
 		if err != nil {

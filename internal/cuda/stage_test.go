@@ -117,3 +117,40 @@ func TestStagedErrors(t *testing.T) {
 type failWriter struct{ err error }
 
 func (f failWriter) Write([]byte) (int, error) { return 0, f.err }
+
+// TestStagedEachFill: the chunk callbacks see every byte once, in order,
+// at the right offsets, with chunks no larger than the buffers.
+func TestStagedEachFill(t *testing.T) {
+	d := openDev(t, cudafake.New(cudafake.Config{Polls: 3}), "0")
+	s, err := cuda.NewStager(d, 1000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	const n = 4321
+	src, _ := d.Alloc(n)
+	dst, _ := d.Alloc(n)
+	defer d.Free(src) //nolint:errcheck
+	defer d.Free(dst) //nolint:errcheck
+	data := fill(n, 6)
+	_ = d.CopyToDevice(src, data)
+	var seen []byte
+	err = s.Each(context.Background(), src, n, func(off uint64, b []byte) error {
+		if off != uint64(len(seen)) || len(b) > 1000 {
+			t.Errorf("chunk at %d of %d bytes after %d", off, len(b), len(seen))
+		}
+		seen = append(seen, b...)
+		return nil
+	})
+	if err != nil || !bytes.Equal(seen, data) {
+		t.Fatalf("Each: %v, bytes equal %v", err, bytes.Equal(seen, data))
+	}
+	err = s.Fill(context.Background(), dst, n, func(off uint64, b []byte) error {
+		copy(b, seen[off:])
+		return nil
+	})
+	got := make([]byte, n)
+	if err := errors.Join(err, d.CopyFromDevice(got, dst)); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("Fill: %v", err)
+	}
+}
