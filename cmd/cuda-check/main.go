@@ -33,7 +33,11 @@ var errFailed = errors.New("some checks failed (see errors in the report)")
 
 func run(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("cuda-check", flag.ContinueOnError)
-	lib := fs.String("lib", cuda.Library, "the CUDA driver library to load")
+	defLib := cuda.Library
+	if p := os.Getenv(cuda.LibraryEnv); p != "" {
+		defLib = p
+	}
+	lib := fs.String("lib", defLib, "the CUDA driver library to load (default $"+cuda.LibraryEnv+" or "+cuda.Library+")")
 	dev := fs.String("device", "0", "device ordinal or UUID")
 	size := fs.Uint64("size-mib", 256, "buffer size in MiB")
 	repeat := fs.Int("repeat", 20, "copies per measurement")
