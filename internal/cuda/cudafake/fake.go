@@ -373,7 +373,26 @@ func (d *Driver) DevicePrimaryCtxRelease(dv cuda.Dev) error {
 	clear(d.allocs[len(kept):])
 	d.allocs = kept
 	x.used = 0
+	// Pinned host memory belongs to a context too (portable memory to all
+	// of them; this fake's devices share one release point per device).
+	if d.liveContexts() == 0 {
+		for p, mem := range d.pinned {
+			_ = unix.Munmap(mem)
+			delete(d.pinned, p)
+		}
+	}
 	return nil
+}
+
+// liveContexts counts devices whose primary context is active.
+func (d *Driver) liveContexts() int {
+	n := 0
+	for _, dv := range d.devs {
+		if dv.ctx != 0 {
+			n++
+		}
+	}
+	return n
 }
 
 func (d *Driver) CtxSetCurrent(c cuda.Context) error {

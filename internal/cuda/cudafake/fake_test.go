@@ -158,9 +158,12 @@ func TestOutOfMemoryAndOverrun(t *testing.T) {
 func TestReleaseFreesContextMemory(t *testing.T) {
 	d := cudafake.New(cudafake.Config{})
 	var p cuda.DevicePtr
-	onCtx(t, d, func() { p, _ = d.MemAlloc(4096) })
-	if s := d.Stats(); s.Allocs != 0 {
-		t.Errorf("%d allocations survive the context", s.Allocs)
+	onCtx(t, d, func() {
+		p, _ = d.MemAlloc(4096)
+		_, _ = d.MemHostAlloc(4096, cuda.MemHostAllocPortable)
+	})
+	if s := d.Stats(); s.Allocs != 0 || s.Pinned != 0 {
+		t.Errorf("%d allocations and %d pinned buffers survive the context", s.Allocs, s.Pinned)
 	}
 	onCtx(t, d, func() {
 		if err := d.MemFree(p); !errors.Is(err, cuda.ErrInvalidValue) {
