@@ -4,6 +4,7 @@ import (
 	"container/heap"
 	"context"
 	"crypto/rand"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -90,7 +91,17 @@ type Config struct {
 	// keep both sides busy. Default 4; 1 sends every write on one
 	// connection.
 	TCPLanes int
-	Logger   *slog.Logger // default slog.Default()
+	// TLS, when set, runs the tcp transport over mutual TLS (1.3): the
+	// receiver asks every writer for a certificate that verifies against
+	// ClientCAs, and a writer verifies the receiver's against RootCAs and
+	// presents its own from Certificates, so one config built from a CA, a
+	// certificate and a key serves both roles. Host names are not checked
+	// (workers are reached at addresses that change with every pod): any
+	// certificate the CA signed is a worker, so give that CA to workers
+	// only. shm and inproc never leave the host and are unaffected. Off by
+	// default.
+	TLS    *tls.Config
+	Logger *slog.Logger // default slog.Default()
 }
 
 func (c *Config) validate() error {

@@ -3,6 +3,7 @@ package rdma
 import (
 	"bufio"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -94,6 +95,9 @@ func startTCP(e *Engine, addr, advertise string) (*tcpServer, error) {
 	}
 	if advertise == "" {
 		advertise = defaultAdvertise(ln.Addr().(*net.TCPAddr))
+	}
+	if e.cfg.TLS != nil {
+		ln = tls.NewListener(ln, serverTLS(e.cfg.TLS))
 	}
 	s := &tcpServer{e: e, ln: ln, advertise: advertise, conns: make(map[*rxConn]struct{})}
 	s.wg.Add(1)
@@ -588,7 +592,7 @@ type tcpLink struct {
 
 // txConn is one writer connection with its reusable frame scratch.
 type txConn struct {
-	c    *net.TCPConn
+	c    net.Conn // *net.TCPConn, or *tls.Conn over one
 	hdrs []byte   // frame headers of the current request
 	iov  [][]byte // vectors of the current batch
 	pend []pendSum
@@ -617,7 +621,18 @@ func (l *tcpLink) dial(ctx context.Context) (*txConn, error) {
 	if err != nil {
 		return nil, fmt.Errorf("rdma: dial %s at %s: %w", l.peer.Agent, l.peer.TCPAddr, err)
 	}
-	tc := &txConn{c: nc.(*net.TCPConn)}
+	if l.e.cfg.TLS != nil {
+		tc := tls.Client(nc, clientTLS(l.e.cfg.TLS))
+		hctx, cancel := context.WithTimeout(ctx, helloTimeout)
+		err := tc.HandshakeContext(hctx)
+		cancel()
+		if err != nil {
+			nc.Close()
+			return nil, fmt.Errorf("%w: tls handshake with %s at %s: %w", ErrPeerClosed, l.peer.Agent, l.peer.TCPAddr, err)
+		}
+		nc = tc
+	}
+	tc := &txConn{c: nc}
 	features, err := handshake(ctx, nc, tc.rbuf[:], l.e.cfg.Agent, l.peer.Agent)
 	if err != nil {
 		nc.Close()
