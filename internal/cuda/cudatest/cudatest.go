@@ -20,6 +20,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"io"
 	"os"
 	"os/exec"
 	"runtime"
@@ -259,6 +260,49 @@ func Run(t *testing.T, o Options) {
 		})
 	})
 	t.Run("IPCCrossProcess", func(t *testing.T) { runIPC(t, open(t), o.Strict) })
+	t.Run("IPCImporterKilled", func(t *testing.T) { runKilled(t, open(t)) })
+}
+
+// runKilled has a child open an export and copy into it in a loop, kills
+// it mid-copy, and checks the exporter is unharmed: its bytes readable,
+// its allocation freeable, a fresh export openable by the next process.
+func runKilled(t *testing.T, drv cuda.Driver) {
+	const n = 1 << 20
+	onThread(t, drv, func(cuda.Dev) {
+		p, err := drv.MemAlloc(n)
+		must(t, "alloc", err)
+		h, err := drv.IpcGetMemHandle(p)
+		must(t, "handle", err)
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%s:%s:%d:%d", childEnv, "loop", hex.EncodeToString(h.Reserved[:]), n, 0))
+		stdout, err := cmd.StdoutPipe()
+		must(t, "pipe", err)
+		must(t, "start", cmd.Start())
+		line := make([]byte, 8)
+		if _, err := io.ReadFull(stdout, line); err != nil || string(line) != "copying\n" {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+			t.Fatalf("child did not start copying: %q %v", line, err)
+		}
+		must(t, "kill", cmd.Process.Kill())
+		_ = cmd.Wait()
+		got := make([]byte, n)
+		must(t, "read after the importer died", drv.MemcpyDtoH(got, p))
+		if !bytes.Equal(got[:4], []byte{0xee, 0xee, 0xee, 0xee}) {
+			t.Errorf("the killed child's copies never landed: %x", got[:4])
+		}
+		must(t, "free after the importer died", drv.MemFree(p))
+		q, err := drv.MemAlloc(n)
+		must(t, "alloc", err)
+		src := pattern(n/2, 3)
+		must(t, "HtoD", drv.MemcpyHtoD(q, src))
+		h, err = drv.IpcGetMemHandle(q)
+		must(t, "handle", err)
+		if out, err := child(h, "check", n, crc32.ChecksumIEEE(src)); err != nil {
+			t.Errorf("a fresh export after the kill: %v\n%s", err, out)
+		}
+		must(t, "free", drv.MemFree(q))
+	})
 }
 
 // runIPC exports an allocation, has a child process open it, check the
@@ -342,6 +386,12 @@ func childMain(open func() (cuda.Driver, error), spec string) error {
 
 func childWork(drv cuda.Driver, h cuda.IpcMemHandle, mode string, n int, sum uint32) error {
 	p, err := drv.IpcOpenMemHandle(h, cuda.IpcLazyEnablePeerAccess)
+	if mode == "loop" {
+		if err != nil {
+			return err
+		}
+		return copyForever(drv, p, n)
+	}
 	if mode == "stale" {
 		if err == nil {
 			_ = drv.IpcCloseMemHandle(p)
@@ -386,6 +436,39 @@ func childWork(drv cuda.Driver, h cuda.IpcMemHandle, mode string, n int, sum uin
 		return err
 	}
 	return drv.IpcCloseMemHandle(p)
+}
+
+// copyForever fills p with 0xee by DtoD copies on a non-blocking stream,
+// over and over, until the process is killed; it says "copying" once the
+// first copy completed.
+func copyForever(drv cuda.Driver, p cuda.DevicePtr, n int) error {
+	own, err := drv.MemAlloc(uint64(n))
+	if err != nil {
+		return err
+	}
+	if err := drv.MemcpyHtoD(own, bytes.Repeat([]byte{0xee}, n)); err != nil {
+		return err
+	}
+	s, err := drv.StreamCreate(cuda.StreamNonBlocking)
+	if err != nil {
+		return err
+	}
+	for i := 0; ; i++ {
+		if err := drv.MemcpyDtoDAsync(p, own, uint64(n), s); err != nil {
+			return err
+		}
+		if i == 0 {
+			if err := drv.StreamSynchronize(s); err != nil {
+				return err
+			}
+			fmt.Print("copying\n")
+		}
+		if i%64 == 63 {
+			if err := drv.StreamSynchronize(s); err != nil {
+				return err
+			}
+		}
+	}
 }
 
 // fatalTB collects onThread's errors in a child process (no testing.T).
