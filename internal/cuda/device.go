@@ -33,8 +33,9 @@ type Device struct {
 	stream Stream
 	events []Event // idle events, reused: creating one per copy costs a driver call
 
-	// The IPC import cache: written only by jobs, read by Import's fast
-	// path (a hit needs no driver call, so it skips the executor).
+	// The IPC import cache, guarded by mu: mappings are opened and closed
+	// only by jobs; Import's fast path reads it without the executor (a
+	// hit needs no driver call).
 	mu      sync.Mutex
 	imports map[importKey]*mapping
 	opens   int // IPC handles opened (cache misses)
@@ -481,6 +482,10 @@ func (d *Device) Export(p DevicePtr) (IPCBuffer, error) {
 // pid, device and base, which reopens when the buffer id changed (the
 // exporter freed and reallocated). An allocation exported by this process
 // is its own address: the driver refuses to open a handle in its exporter.
+// A reopen closes the stale mapping: the caller must not copy through an
+// address of an allocation its exporter has freed (it would read or write
+// whatever the exporter allocated there next), and the same holds once
+// ForgetPeer or Close ran.
 func (d *Device) Import(b IPCBuffer) (DevicePtr, error) {
 	if b.PID == os.Getpid() {
 		return b.Base, nil
