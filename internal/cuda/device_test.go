@@ -420,3 +420,18 @@ func importChild(spec string) error {
 	fmt.Printf("opens=%d hits=%d\n", opens, hits)
 	return d.ForgetPeer(bufs[0].PID)
 }
+
+func TestVisibleDevices(t *testing.T) {
+	fake := cudafake.New(cudafake.Config{Devices: 3})
+	us, err := cuda.VisibleDevices(fake)
+	if err != nil || len(us) != 3 {
+		t.Fatalf("%v, %v", us, err)
+	}
+	d := openDev(t, fake, "2")
+	if us[2] != d.UUID() {
+		t.Errorf("device 2 is %s, VisibleDevices says %s", d.UUID(), us[2])
+	}
+	if _, err := cuda.VisibleDevices(cudafake.New(cudafake.Config{NoDevice: true})); !errors.Is(err, cuda.ErrNoDriver) {
+		t.Errorf("no device: %v", err)
+	}
+}
