@@ -67,6 +67,8 @@ type datapathOptions struct {
 	repeat        int
 	tcpLanes      int
 	skipCRC       bool
+	tls           bool
+	tlsDir        string        // hidden: the certificates of --tls, in a child process
 	role          string        // hidden: "receiver" or "rawsink" in a child process
 	rawAddr       string        // hidden: where a rawsink child connects
 	grantTTL      time.Duration // hidden: the deadline of each grant
@@ -75,7 +77,7 @@ type datapathOptions struct {
 // layout is the run's layout for one extent size, with the engine settings.
 func (o datapathOptions) layout(extent uint64) (layout, error) {
 	l, err := newLayout(extent, o.grantBytes, o.streams, o.depth)
-	l.TCPLanes, l.SkipCRC, l.GrantTTL = o.tcpLanes, o.skipCRC, o.grantTTL
+	l.TCPLanes, l.SkipCRC, l.GrantTTL, l.TLSDir = o.tcpLanes, o.skipCRC, o.grantTTL, o.tlsDir
 	return l, err
 }
 
@@ -93,6 +95,8 @@ func parseDatapathFlags(args []string, stderr io.Writer) (datapathOptions, error
 	fs.IntVar(&o.repeat, "repeat", 1, "measure everything this many times, round-robin, and report medians")
 	fs.IntVar(&o.tcpLanes, "tcp-lanes", defaultTCPLanes, "tcp connections one grant's write is striped over (rdma.Config.TCPLanes; 1: one connection)")
 	fs.BoolVar(&o.skipCRC, "skip-crc", false, "leave crc32c out of the manifests on both sides (rdma.Config.SkipCRC), to see what integrity costs")
+	fs.BoolVar(&o.tls, "tls", false, "run the tcp transport over mutual TLS (rdma.Config.TLS) with an ephemeral CA, to see what encryption costs")
+	fs.StringVar(&o.tlsDir, "tls-dir", "", "")
 	fs.BoolVar(&o.baselines, "baselines", false, "also measure iperf3, a raw Go TCP socket, memcpy and ucx_perftest, and print ratios")
 	fs.BoolVar(&o.singleProcess, "single-process", false, "run the receiver in this process even for tcp and shm")
 	fs.BoolVar(&o.verbose, "verbose", false, "log the engines' info lines (transport choice, regions) to stderr")
@@ -192,6 +196,17 @@ func runDatapath(ctx context.Context, args []string) error {
 		}
 		return childErr(ctx, serveRawSink(ctx, o.rawAddr, l, os.Stdout))
 	}
+	if o.tls && o.tlsDir == "" {
+		dir, err := os.MkdirTemp("", "handoff-bench-tls-")
+		if err != nil {
+			return err
+		}
+		defer os.RemoveAll(dir)
+		if err := writeBenchTLS(dir); err != nil {
+			return fmt.Errorf("datapath: --tls: %w", err)
+		}
+		o.tlsDir = dir
+	}
 	if o.cpuProfile != "" {
 		f, err := os.Create(o.cpuProfile)
 		if err != nil {
@@ -277,6 +292,7 @@ type datapathResult struct {
 	GrantP99Ms      float64        `json:"grant_p99_ms"`
 	Processes       int            `json:"processes"`
 	TCPLanes        int            `json:"tcp_lanes,omitempty"`     // tcp only
+	TLS             bool           `json:"tls,omitempty"`           // tcp over mutual TLS (--tls)
 	CRC             bool           `json:"crc32c"`                  // manifests carried crc32c
 	CRCKernel       string         `json:"crc32c_kernel,omitempty"` // the writer's crc32c implementation
 	// Repeats holds each repetition's gb_per_s with --repeat > 1; the
@@ -433,6 +449,7 @@ func (c childSpawner) spawn(ctx context.Context, t rdma.Transport, l layout, _ *
 		"--depth="+strconv.Itoa(l.Depth),
 		"--tcp-lanes="+strconv.Itoa(max(l.TCPLanes, 1)),
 		"--skip-crc="+strconv.FormatBool(l.SkipCRC),
+		"--tls-dir="+l.TLSDir,
 		"--grant-ttl="+l.ttl().String())
 	cmd.Env = append(os.Environ(), c.env...)
 	cmd.Stderr = os.Stderr
@@ -509,7 +526,11 @@ func runOnce(ctx context.Context, t rdma.Transport, l layout, dur time.Duration,
 		return res, fmt.Errorf("receiver: descriptor has regions %+v, want one of %d bytes", peer.Regions, l.regionBytes())
 	}
 
-	eng, err := rdma.New(rdma.Config{Agent: agentID("writer"), Transports: []rdma.Transport{t}, Logger: logger, TCPLanes: l.TCPLanes, SkipCRC: l.SkipCRC})
+	tlsCfg, err := loadBenchTLS(l.TLSDir)
+	if err != nil {
+		return datapathResult{}, err
+	}
+	eng, err := rdma.New(rdma.Config{Agent: agentID("writer"), Transports: []rdma.Transport{t}, Logger: logger, TCPLanes: l.TCPLanes, SkipCRC: l.SkipCRC, TLS: tlsCfg})
 	if err != nil {
 		return res, err
 	}
@@ -636,6 +657,7 @@ func runOnce(ctx context.Context, t rdma.Transport, l layout, dur time.Duration,
 	}
 	if t == rdma.TransportTCP {
 		res.TCPLanes = max(l.TCPLanes, 1)
+		res.TLS = l.TLSDir != ""
 	}
 	return res, nil
 }
@@ -766,7 +788,11 @@ func (r report) write(w io.Writer, format string) error {
 		if x.CRC {
 			crc = "yes"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%d\t%d\t%s\t%.2f\t%.2f\t%.3f\t%.3f\t%s\n", x.Transport, formatSize(x.ExtentBytes), x.Streams,
+		transport := string(x.Transport)
+		if x.TLS {
+			transport += "+tls"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%d\t%d\t%s\t%.2f\t%.2f\t%.3f\t%.3f\t%s\n", transport, formatSize(x.ExtentBytes), x.Streams,
 			lanes, crc, x.Processes, x.Grants, formatSize(x.Bytes), x.Seconds, x.GBPerS, x.GrantP50Ms, x.GrantP99Ms, reps)
 	}
 	for _, x := range r.Runs {

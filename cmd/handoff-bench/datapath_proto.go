@@ -44,6 +44,7 @@ type layout struct {
 	TCPLanes int           // rdma.Config.TCPLanes (0: the engine's default)
 	SkipCRC  bool          // rdma.Config.SkipCRC
 	GrantTTL time.Duration // each grant's deadline after its opening (0: grantTTL)
+	TLSDir   string        // with tcp: mutual TLS from the certificates here (--tls)
 }
 
 func newLayout(extent, grantBytes uint64, streams, depth int) (layout, error) {
@@ -216,12 +217,17 @@ func serveReceiver(ctx context.Context, cfg receiverConfig, in io.Reader, out io
 			_ = w.send(ctrlMsg{Type: "error", Error: err.Error()})
 		}
 	}()
+	tlsCfg, err := loadBenchTLS(cfg.Layout.TLSDir)
+	if err != nil {
+		return err
+	}
 	eng, err := rdma.New(rdma.Config{
 		Agent:      agentID("receiver"),
 		Transports: []rdma.Transport{cfg.Transport},
 		Logger:     cfg.Logger,
 		MaxGrants:  cfg.Layout.slots() + 1,
 		SkipCRC:    cfg.Layout.SkipCRC,
+		TLS:        tlsCfg,
 	})
 	if err != nil {
 		return err
