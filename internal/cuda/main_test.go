@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/handoff-io/handoff/internal/cuda"
@@ -56,10 +57,11 @@ func TestMain(m *testing.M) {
 }
 
 func buildFakes(dir string) error {
-	cc, err := exec.LookPath(os.Getenv("CC"))
-	if os.Getenv("CC") == "" {
-		cc, err = exec.LookPath("cc")
+	name := "cc"
+	if f := strings.Fields(os.Getenv("CC")); len(f) > 0 {
+		name = f[0]
 	}
+	cc, err := exec.LookPath(name)
 	if err != nil {
 		return fmt.Errorf("no C compiler (cc) to build testdata/fakecuda.c: %v", err)
 	}
