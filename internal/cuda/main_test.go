@@ -63,7 +63,7 @@ func buildFakes(dir string) error {
 	}
 	cc, err := exec.LookPath(name)
 	if err != nil {
-		return fmt.Errorf("no C compiler (cc) to build testdata/fakecuda.c: %v", err)
+		return fmt.Errorf("no C compiler (%s) to build testdata/fakecuda.c: %v", name, err)
 	}
 	for variant, def := range map[string]string{"default": "", "stub": "-DFORCE_STUB", "old": "-DOMIT_MEMALLOC_V2"} {
 		out := filepath.Join(dir, variant, "libcuda.so.1")
