@@ -123,7 +123,8 @@ type Config struct {
 	Role Role
 	// AttentionDP steps ranks in lockstep with dummy padding.
 	AttentionDP bool
-	// QueueSize bounds the requests waiting for admission; 0 means 64.
+	// QueueSize bounds the requests waiting for admission; 0 means
+	// DefaultQueueSize.
 	QueueSize int
 	// Source brings remote prefilled caches (decode role). Nil runs
 	// prefill in-process: the aggregated baseline.
@@ -151,7 +152,7 @@ func (c *Config) validate(ranks []*Rank) error {
 		return fmt.Errorf("%w: queue size %d", ErrInvalidConfig, c.QueueSize)
 	}
 	if c.QueueSize == 0 {
-		c.QueueSize = 64
+		c.QueueSize = DefaultQueueSize
 	}
 	if c.ReleaseGrace <= 0 {
 		c.ReleaseGrace = 10 * time.Second
@@ -164,6 +165,18 @@ func (c *Config) validate(ranks []*Rank) error {
 	}
 	return nil
 }
+
+// DefaultQueueSize is the default bound of the admission queue: large
+// enough that a burst of a thousand clients on one decode worker waits
+// rather than being refused, small enough that the memory it holds stays
+// bounded. A queued decode request costs the server about 28 KiB with a
+// short prompt and 37 KiB with a 4096-token one (its connection, handler
+// goroutine, parsed request and engine record; api's
+// TestQueuedRequestMemory measures it), so a full default queue holds
+// about 30-40 MiB: less than one Mamba row of a large model. What a long
+// queue costs instead is waiting: a refused client is told the queue's
+// expected wait (QueueWait) in Retry-After.
+const DefaultQueueSize = 1024
 
 type evKind uint8
 

@@ -125,7 +125,7 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	num(&c.MaxBatchSize, "max-batch-size", "HANDOFF_MAX_BATCH_SIZE", 8, "requests per rank (real Mamba rows)")
 	num(&c.TokensPerBlock, "tokens-per-block", "HANDOFF_TOKENS_PER_BLOCK", 16, "KV block size in tokens (must match the peers)")
 	num(&c.KVBlocks, "kv-blocks", "HANDOFF_KV_BLOCKS", 0, "KV blocks per rank (0: enough for max-batch-size full contexts, capped at 512 MiB)")
-	num(&c.QueueSize, "queue-size", "HANDOFF_QUEUE_SIZE", 64, "requests waiting for admission before new ones are refused")
+	num(&c.QueueSize, "queue-size", "HANDOFF_QUEUE_SIZE", worker.DefaultQueueSize, "requests waiting for admission before new ones are refused with 429 and a Retry-After of the queue's expected wait (a queued API request holds about 30-40 KiB: 1024 about 40 MiB)")
 	num(&c.RegistryReplicas, "registry-replicas", "HANDOFF_REGISTRY_REPLICAS", 0, "replicas of the instance registry bucket (0: 3 on a NATS cluster that can hold them, else 1)")
 	str(&c.DataAddr, "data-addr", "HANDOFF_DATA_ADDR", DefaultDataAddr, "data-plane TCP listen address", false)
 	str(&c.DataAdvertise, "data-advertise", "HANDOFF_DATA_ADVERTISE", "", "data-plane address peers dial (default $POD_IP:<port> when POD_IP is set, else the listener's)", false)
