@@ -149,7 +149,13 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 	// Stopping the loop fails what is left (ErrClosed), so every handler
 	// answers and returns; then the API server stops.
 	stopLoop()
-	sctx, cancel := context.WithTimeout(o.Abort, 5*time.Second)
+	// The handlers answer at once now (503); an abort shortens how long
+	// they get to, but does not cut them off mid-answer.
+	grace := 5 * time.Second
+	if o.Abort.Err() != nil {
+		grace = time.Second
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), grace)
 	if err := apiSrv.shutdown(sctx); err != nil {
 		log.Warn("api shutdown", "err", err)
 	}
