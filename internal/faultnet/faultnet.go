@@ -9,7 +9,9 @@
 //     connections, as one link.
 //   - Reset and ResetAfter: connections are cut with an RST (SO_LINGER 0)
 //     on both sides, at once or once exactly n more bytes went upstream,
-//     so the cut can land inside a frame.
+//     so the cut can land inside a frame. ResetClientAfter cuts only the
+//     client's side and keeps the server's open and silent, as when the
+//     RST towards the server is lost: the client learns of the cut first.
 //   - Blackhole and BlackholeAfter: the proxy stops reading and writing in
 //     both directions and keeps every socket open: no FIN, no RST, as a
 //     peer whose host vanished. New connections are accepted and held.
@@ -64,6 +66,7 @@ type faultKind int
 
 const (
 	faultReset faultKind = iota
+	faultResetClient
 	faultBlackhole
 )
 
@@ -118,7 +121,8 @@ func (p *Proxy) SetBandwidth(bytesPerSec int64) {
 	p.mu.Unlock()
 }
 
-// Reset cuts every live connection with an RST on both sides.
+// Reset cuts every live connection with an RST on both sides (the server
+// side only, for a connection whose client side was cut already).
 func (p *Proxy) Reset() {
 	p.mu.Lock()
 	cs := make([]*conn, 0, len(p.conns))
@@ -135,6 +139,13 @@ func (p *Proxy) Reset() {
 // that carried the n-th byte is cut with an RST on both sides right after
 // forwarding it. The returned channel is closed when the reset happened.
 func (p *Proxy) ResetAfter(n int64) <-chan struct{} { return p.arm(faultReset, n) }
+
+// ResetClientAfter arms a one-sided reset: once n more bytes went
+// upstream, the connection that carried the n-th byte is cut with an RST
+// towards the client only, right after forwarding it; its server side stays
+// open and nothing more is forwarded on it (until Close or Reset). The
+// returned channel is closed when the cut happened.
+func (p *Proxy) ResetClientAfter(n int64) <-chan struct{} { return p.arm(faultResetClient, n) }
 
 // BlackholeAfter arms a blackhole: once n more bytes went upstream, the
 // proxy forwards the n-th byte and then stops, as Blackhole. The returned
@@ -250,10 +261,12 @@ func (p *Proxy) accept() {
 // conn is one proxied connection: client is the accepted socket, server
 // the one dialled to the target.
 type conn struct {
-	p      *Proxy
-	client *net.TCPConn
-	done   chan struct{} // closed by close
-	once   sync.Once
+	p       *Proxy
+	client  *net.TCPConn
+	done    chan struct{} // closed by close or sever: the goroutines end
+	stop    sync.Once     // closes done
+	once    sync.Once
+	severed atomic.Bool // the client side was cut, the server side is kept
 
 	mu     sync.Mutex
 	server *net.TCPConn
@@ -261,7 +274,11 @@ type conn struct {
 }
 
 func (c *conn) run() {
-	defer c.close()
+	defer func() {
+		if !c.severed.Load() {
+			c.close()
+		}
+	}()
 	// A blackholed proxy holds new connections without dialling.
 	select {
 	case <-c.p.gate():
@@ -327,7 +344,9 @@ func (c *conn) read(src *net.TCPConn, q chan<- chunk, upstream bool) {
 				c.push(q, chunk{eof: true, at: time.Now()})
 				return
 			}
-			c.close()
+			if !c.severed.Load() {
+				c.close()
+			}
 			return
 		}
 	}
@@ -389,6 +408,10 @@ func (c *conn) forward(q chan<- chunk, b []byte, upstream bool) bool {
 		switch tr.kind {
 		case faultReset:
 			c.reset()
+			close(tr.fired)
+			return false
+		case faultResetClient:
+			c.sever()
 			close(tr.fired)
 			return false
 		case faultBlackhole:
@@ -480,7 +503,9 @@ func (c *conn) write(dst *net.TCPConn, q <-chan chunk, dir int) {
 			return
 		}
 		if _, err := dst.Write(ch.b); err != nil {
-			c.close()
+			if !c.severed.Load() {
+				c.close()
+			}
 			return
 		}
 		if dir == 0 {
@@ -520,11 +545,22 @@ func (c *conn) reset() {
 	c.close()
 }
 
+// sever cuts the client side with an RST and ends the connection's
+// goroutines, keeping the server side open: it closes with the proxy (or
+// Reset).
+func (c *conn) sever() {
+	c.severed.Store(true)
+	c.stop.Do(func() { close(c.done) })
+	_ = c.client.SetLinger(0)
+	_ = c.client.Close()
+	c.p.resets.Add(1)
+}
+
 // close closes both sockets and ends the connection's goroutines.
 func (c *conn) close() {
 	c.once.Do(func() {
 		c.mu.Lock()
-		close(c.done)
+		c.stop.Do(func() { close(c.done) })
 		srv := c.server
 		c.mu.Unlock()
 		c.client.Close()

@@ -285,3 +285,32 @@ func TestCloseEndsBlackholedConnections(t *testing.T) {
 	_, err = c.Read(make([]byte, 1))
 	require.True(t, errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET), "closed, got %v", err)
 }
+
+func TestResetClientAfterKeepsTheServerSideOpen(t *testing.T) {
+	leakcheck.Check(t)
+	s := startServer(t, nil)
+	p, err := New("127.0.0.1:0", s.ln.Addr().String())
+	require.NoError(t, err)
+	c := dial(t, p)
+	fired := p.ResetClientAfter(1000)
+	_, _ = c.Write(pattern(64 << 10))
+	<-fired
+	require.NoError(t, c.SetReadDeadline(time.Now().Add(5*time.Second)))
+	_, err = c.Read(make([]byte, 1))
+	require.ErrorIs(t, err, syscall.ECONNRESET, "the client sees an RST")
+
+	srv := <-s.conns
+	require.NoError(t, srv.SetReadDeadline(time.Now().Add(5*time.Second)))
+	got, err := io.ReadAll(io.LimitReader(srv, 1000))
+	require.NoError(t, err)
+	require.Len(t, got, 1000, "the server got exactly the bytes before the cut")
+	require.NoError(t, srv.SetReadDeadline(time.Now().Add(100*time.Millisecond)))
+	_, err = srv.Read(make([]byte, 1))
+	require.ErrorIs(t, err, os.ErrDeadlineExceeded, "the server side stays open and silent")
+	require.Equal(t, 1, p.Stats().Live)
+
+	require.NoError(t, p.Close())
+	require.NoError(t, srv.SetReadDeadline(time.Now().Add(5*time.Second)))
+	_, err = srv.Read(make([]byte, 1))
+	require.ErrorIs(t, err, io.EOF, "Close ends the server side")
+}
