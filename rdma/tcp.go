@@ -592,11 +592,13 @@ type tcpLink struct {
 
 // txConn is one writer connection with its reusable frame scratch.
 type txConn struct {
-	c    net.Conn // *net.TCPConn, or *tls.Conn over one
-	hdrs []byte   // frame headers of the current request
-	iov  [][]byte // vectors of the current batch
-	pend []pendSum
-	bufs net.Buffers
+	c      net.Conn // *net.TCPConn, or *tls.Conn over one
+	tls    bool     // c is a *tls.Conn
+	gather []byte   // a batch gathered for a tls.Conn (flush)
+	hdrs   []byte   // frame headers of the current request
+	iov    [][]byte // vectors of the current batch
+	pend   []pendSum
+	bufs   net.Buffers
 	// unbind stops the ctx binding of the write in progress (bind).
 	unbind func() bool
 	rbuf   [headerSize + maxMsgLen]byte
@@ -632,7 +634,7 @@ func (l *tcpLink) dial(ctx context.Context) (*txConn, error) {
 		}
 		nc = tc
 	}
-	tc := &txConn{c: nc}
+	tc := &txConn{c: nc, tls: l.e.cfg.TLS != nil}
 	features, err := handshake(ctx, nc, tc.rbuf[:], l.e.cfg.Agent, l.peer.Agent)
 	if err != nil {
 		nc.Close()
@@ -1081,6 +1083,17 @@ func (tc *txConn) sumPending() {
 
 func (tc *txConn) flush(iov [][]byte) error {
 	tc.iov = iov[:0] // keep the backing array; WriteTo consumes tc.bufs
+	if tc.tls {
+		// A tls.Conn writes each buffer as records of its own: gather the
+		// batch first, so that it goes out in full-size records (a 64-byte
+		// header would otherwise cost a record, and its seal, per frame).
+		tc.gather = tc.gather[:0]
+		for _, b := range iov {
+			tc.gather = append(tc.gather, b...)
+		}
+		_, err := tc.c.Write(tc.gather)
+		return err
+	}
 	tc.bufs = iov
 	_, err := tc.bufs.WriteTo(tc.c)
 	tc.bufs = nil

@@ -57,6 +57,9 @@ type Config struct {
 	DataAdvertise  string
 	Transport      string // auto, tcp, shm, inproc
 	TCPLanes       int    // connections one large tcp write is striped over
+	// DataTLS is the tcp data path's mutual TLS (rdma.Config.TLS): CA,
+	// certificate and key files, all or none.
+	DataTLS        struct{ CA, Cert, Key string }
 	AdminAddr      string
 	LogLevel       slog.Level
 	LogFormat      string // json, text
@@ -117,6 +120,9 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	str(&c.NATS.CA, "nats-ca", "NATS_CA", "", "CA certificate file for NATS TLS", false)
 	str(&c.NATS.Cert, "nats-cert", "NATS_CERT", "", "client certificate file for NATS TLS", false)
 	str(&c.NATS.Key, "nats-key", "NATS_KEY", "", "client key file for NATS TLS", false)
+	str(&c.DataTLS.CA, "data-tls-ca", "HANDOFF_DATA_TLS_CA", "", "CA file for mutual TLS on the tcp data path (with --data-tls-cert and --data-tls-key; off when unset)", false)
+	str(&c.DataTLS.Cert, "data-tls-cert", "HANDOFF_DATA_TLS_CERT", "", "this worker's certificate file for the tcp data path's mutual TLS", false)
+	str(&c.DataTLS.Key, "data-tls-key", "HANDOFF_DATA_TLS_KEY", "", "this worker's key file for the tcp data path's mutual TLS", false)
 	str(&c.Namespace, "namespace", "HANDOFF_NAMESPACE", "default", "namespace shared by the prefill and decode workers of one deployment", false)
 	str(&c.InstanceID, "instance-id", "HANDOFF_INSTANCE_ID", "", "unique instance id (default $POD_NAME, else hostname-pid)", false)
 	str(&c.Model, "model", "HANDOFF_MODEL", "tiny-hybrid", "model name, options as a query (e.g. nemotron-h-8b?delay=2ms)", false)
@@ -251,6 +257,9 @@ func (c *Config) Validate() error {
 	}
 	if (c.NATS.Cert == "") != (c.NATS.Key == "") {
 		bad("--nats-cert and --nats-key go together")
+	}
+	if t := c.DataTLS; (t.CA == "") != (t.Cert == "") || (t.CA == "") != (t.Key == "") {
+		bad("--data-tls-ca, --data-tls-cert and --data-tls-key go together")
 	}
 	if c.NATS.Password != "" && c.NATS.User == "" {
 		bad("--nats-password needs --nats-user")

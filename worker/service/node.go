@@ -2,6 +2,8 @@ package service
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
@@ -128,6 +130,9 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool) (*node, error) 
 				// TCP stays available as the fallback for remote peers.
 				rc.Transports = append(rc.Transports, rdma.TransportTCP)
 			}
+		}
+		if rc.TLS, err = dataTLS(cfg); err != nil {
+			return nil, err
 		}
 		if n.data, err = rdma.New(rc); err != nil {
 			return nil, fmt.Errorf("data plane: %w", err)
@@ -312,4 +317,25 @@ func shutdownQuietly(s *httpServer, log *slog.Logger) {
 	if err := s.shutdown(ctx); err != nil {
 		log.Warn("admin shutdown", "err", err)
 	}
+}
+
+// dataTLS loads the tcp data path's mutual TLS from cfg's files (nil: off).
+func dataTLS(cfg config.Config) (*tls.Config, error) {
+	t := cfg.DataTLS
+	if t.CA == "" {
+		return nil, nil
+	}
+	cert, err := tls.LoadX509KeyPair(t.Cert, t.Key)
+	if err != nil {
+		return nil, fmt.Errorf("data plane tls: %w", err)
+	}
+	pem, err := os.ReadFile(t.CA)
+	if err != nil {
+		return nil, fmt.Errorf("data plane tls: %w", err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(pem) {
+		return nil, fmt.Errorf("data plane tls: no certificate in %s", t.CA)
+	}
+	return &tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: pool, ClientCAs: pool}, nil
 }
