@@ -62,8 +62,10 @@
 // its data-path connections to this decoder closed: rdma.Engine.OnWriterGone,
 // which a killed worker's kernel triggers), or when the grant fails because
 // the writer's connection closed mid-write and the serving instance is known
-// (a request sent to the queue group names it only in its reply): that
-// instance may only be partitioned, so the retry is fenced. The decoder publishes it a cancel, revokes the grant (its late
+// (a request sent to the queue group names it only in its reply), or that
+// instance replies peer_failed first (its own write failed so; the receiver's
+// end may learn of the cut later, or never): that instance may only be
+// partitioned, so the retry is fenced. The decoder publishes it a cancel, revokes the grant (its late
 // writes and commit are refused from then on), opens a fresh grant over the
 // same blocks and row, ignores the instance's replies and addresses the next
 // attempt to a live instance only (never the queue group, which could route

@@ -392,6 +392,16 @@ func (s *RecvSession) Step(ev Event) []Action {
 				s.refused = append(s.refused, ev.Instance)
 			}
 			return s.retryOr(ev.Now, CodeCapacityRefused)
+		case CodePeerFailed:
+			if ev.Instance != "" {
+				// The worker's write failed on the data path (its
+				// connection went mid-write): the news a grant failed by
+				// that connection brings, which may arrive later or never
+				// (the reset reached one end only). Retry fenced on
+				// another instance, as then.
+				return s.regrantOr(ev.Now, ev.Instance)
+			}
+			return s.fail(ev.Code)
 		default:
 			return s.fail(ev.Code)
 		}
