@@ -675,6 +675,11 @@ func (e *Engine) unqueue(q *request) bool {
 	for i, x := range e.queue {
 		if x == q {
 			e.queue = slices.Delete(e.queue, i, i+1) // clears the vacated slot
+			if len(e.queue) == 0 {
+				// Nobody waits any more: the next admission may follow
+				// idle time, which is no sample of the admission rate.
+				e.backlogged = false
+			}
 			return true
 		}
 	}
@@ -684,11 +689,11 @@ func (e *Engine) unqueue(q *request) bool {
 // admit moves queued requests onto ranks, in order, while the head fits.
 func (e *Engine) admit() {
 	rooms := make([]RankRoom, len(e.ranks))
-	admitted := 0
+	popped, admitted := 0, 0
 	for {
 		e.mu.Lock()
 		if len(e.queue) == 0 || e.stopped {
-			e.noteAdmittedLocked(admitted, time.Now())
+			e.noteAdmittedLocked(popped, admitted, time.Now())
 			e.mu.Unlock()
 			return
 		}
@@ -698,7 +703,7 @@ func (e *Engine) admit() {
 		}
 		idx := PickRank(rooms, q.promise)
 		if idx < 0 {
-			e.noteAdmittedLocked(admitted, time.Now())
+			e.noteAdmittedLocked(popped, admitted, time.Now())
 			e.mu.Unlock()
 			return
 		}
@@ -707,24 +712,28 @@ func (e *Engine) admit() {
 		// reallocated.
 		e.queue = slices.Delete(e.queue, 0, 1)
 		e.mu.Unlock()
-		admitted++
+		popped++
+		if q.ctx.Err() == nil { // a request whose client left ends at once: no sample
+			admitted++
+		}
 		e.place(q, e.ranks[idx])
 	}
 }
 
 // noteAdmittedLocked feeds QueueWait's estimate with one pass of admit that
-// took n requests at now. Only a pass that follows one which left requests
-// queued is a sample: its gap is the time the ranks took to make room, not
-// time the worker sat idle.
-func (e *Engine) noteAdmittedLocked(n int, now time.Time) {
-	if n == 0 {
+// took popped requests off the queue at now, admitted of them live (the
+// others' clients had left). Only a pass that follows one which left
+// requests queued is a sample: its gap is the time the ranks took to make
+// room, not time the worker sat idle.
+func (e *Engine) noteAdmittedLocked(popped, admitted int, now time.Time) {
+	if popped == 0 {
 		return
 	}
-	if e.backlogged {
-		per := now.Sub(e.lastAdmit).Seconds() / float64(n)
+	if e.backlogged && admitted > 0 {
+		per := now.Sub(e.lastAdmit).Seconds() / float64(admitted)
 		if e.gapKnown {
-			// n samples of per at once: the weight of n EWMA steps.
-			e.admitGap += (1 - math.Pow(1-admitAlpha, float64(n))) * (per - e.admitGap)
+			// admitted samples of per at once: the weight of as many EWMA steps.
+			e.admitGap += (1 - math.Pow(1-admitAlpha, float64(admitted))) * (per - e.admitGap)
 		} else {
 			e.admitGap, e.gapKnown = per, true
 		}

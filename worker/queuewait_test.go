@@ -41,8 +41,9 @@ func TestQueueWaitFollowsAdmissionRate(t *testing.T) {
 		}()
 
 		require.Zero(t, e.QueueWait(), "no request has waited yet: no estimate")
+		reqCtx, cancelReqs := context.WithCancel(context.Background())
 		for range 40 {
-			_, err := e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("wait"), MaxTokens: 1})
+			_, err := e.Generate(reqCtx, GenerateRequest{Prompt: model.Encode("wait"), MaxTokens: 1})
 			require.NoError(t, err)
 		}
 		synctest.Wait() // one admitted (its fetch held), 39 queued
@@ -67,6 +68,22 @@ func TestQueueWaitFollowsAdmissionRate(t *testing.T) {
 		wait := e.QueueWait()
 		require.Less(t, wait, 7*2*time.Second/2, "the estimate did not follow the faster rate")
 		require.Greater(t, wait, 7*500*time.Millisecond)
+
+		// Every client leaves; the worker idles for ten minutes; a new
+		// request is admitted at once and one more waits 500 ms. The idle
+		// time is no sample: the estimate stays what admissions showed.
+		cancelReqs()
+		synctest.Wait()
+		require.Zero(t, e.Live())
+		time.Sleep(10 * time.Minute)
+		for range 2 {
+			_, err := e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("back"), MaxTokens: 1})
+			require.NoError(t, err)
+		}
+		synctest.Wait()
+		release(500*time.Millisecond, 1)
+		require.Less(t, e.QueueWait(), wait/7+time.Second/10, "idle time was taken for a slow admission")
+		release(0, 1)
 	})
 }
 
