@@ -237,6 +237,9 @@ type RecvSession struct {
 	retryAt    time.Time
 	quiet      int
 	quietSince time.Time
+	// replyBy is when a request whose commit landed stops waiting for the
+	// reply of an instance reported gone (zero: not waiting).
+	replyBy time.Time
 
 	replied        bool
 	replyInstance  string
@@ -279,7 +282,17 @@ func (s *RecvSession) Instance() string { return s.replyInstance }
 // RetryAt returns when the session wants an EvTick to send its request
 // again (after no responder took it), or the zero time. The driver ticks at
 // the earlier of this and the deadline.
-func (s *RecvSession) RetryAt() time.Time { return s.retryAt }
+func (s *RecvSession) RetryAt() time.Time {
+	if s.replyBy.IsZero() || !s.retryAt.IsZero() && s.retryAt.Before(s.replyBy) {
+		return s.retryAt
+	}
+	return s.replyBy
+}
+
+// lateReplyGrace is how long a request whose commit landed waits for the
+// reply of an instance reported gone: a draining worker replies, then
+// leaves the registry, and the two reach the decoder by different paths.
+const lateReplyGrace = time.Second
 
 // Backoff between sends that found no responder: prefill workers may be
 // restarting, or not yet resubscribed after a NATS reconnect; the request
@@ -433,6 +446,9 @@ func (s *RecvSession) Step(ev Event) []Action {
 		if !ev.Now.Before(s.p.Deadline) {
 			return s.fail(CodeTimeout)
 		}
+		if !s.replyBy.IsZero() && !ev.Now.Before(s.replyBy) && s.state == StateWaiting {
+			return s.fail(CodePeerFailed) // the reply never came
+		}
 		if !s.retryAt.IsZero() && !ev.Now.Before(s.retryAt) && s.state == StateWaiting && !s.outstanding {
 			return s.send("")
 		}
@@ -455,6 +471,11 @@ func (s *RecvSession) Step(ev Event) []Action {
 		return s.resend(ev.Now)
 	case EvPeerDied:
 		if s.state != StateWaiting || ev.Instance == "" {
+			return nil
+		}
+		if s.outstanding && s.target == ev.Instance && s.committed && s.replyBy.IsZero() {
+			// Its bytes are all here; its reply may be on the way still.
+			s.replyBy = ev.Now.Add(lateReplyGrace)
 			return nil
 		}
 		if (s.outstanding && s.target == ev.Instance) || (s.replied && s.replyInstance == ev.Instance) {

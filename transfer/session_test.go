@@ -156,6 +156,15 @@ func TestRecvSessionQuietGolden(t *testing.T) {
 			at{ms(160), Event{Kind: EvCommitted, Manifest: okManifest}},
 			at{ms(161), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest, Attempt: 3}},
 		)},
+		// The worker died after its commit and before its reply: it is
+		// awaited for a second, then the request fails.
+		{"peer_gone_after_commit_no_reply", append(recvPrefix()[:3],
+			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
+			at{ms(5), Event{Kind: EvCommitted, Manifest: okManifest}},
+			at{ms(6), Event{Kind: EvPeerDied, Instance: "p1"}},
+			at{ms(500), Event{Kind: EvTick}},
+			at{ms(1006), Event{Kind: EvTick}},
+		)},
 		{"quiet_past_wait", append(recvPrefix(),
 			at{ms(2), Event{Kind: EvNoResponders}},
 			at{ms(52), Event{Kind: EvTick}},
@@ -346,6 +355,16 @@ func TestRecvSessionGolden(t *testing.T) {
 			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
 			at{ms(5), Event{Kind: EvCommitted, Manifest: okManifest}},
 			at{ms(6), Event{Kind: EvPeerDied, Instance: "p1"}},
+			at{ms(50), Event{Kind: EvTick}},
+			at{ms(99), Event{Kind: EvTick}},
+		)},
+		// A draining worker replies, then leaves the registry; the two
+		// reach the decoder by different paths, the reply last.
+		{"peer_gone_after_commit_reply_follows", 7, append(recvPrefix()[:3],
+			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
+			at{ms(5), Event{Kind: EvCommitted, Manifest: okManifest}},
+			at{ms(6), Event{Kind: EvPeerDied, Instance: "p1"}},
+			at{ms(7), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
 		)},
 		{"peer_death_data_path", 7, append(recvPrefix(),
 			at{ms(5), Event{Kind: EvGrantFailed, Code: CodePeerFailed}},
