@@ -186,7 +186,7 @@ func TestFaultHandoffResetMidFrame(t *testing.T) {
 	require.NoError(t, err)
 	select {
 	case <-fired:
-	default:
+	case <-time.After(5 * time.Second):
 		t.Fatal("the reset did not happen")
 	}
 	require.Less(t, time.Since(start), deadline/2, "the retry waited for the deadline")
@@ -229,7 +229,7 @@ func TestFaultHandoffResetWriterFirst(t *testing.T) {
 	res, err := d.Handoff(context.Background(), Request{ID: 5, Tokens: tokens(faultTokens), Alloc: ds.rank, Deadline: time.Now().Add(deadline)})
 	select {
 	case <-fired:
-	default:
+	case <-time.After(5 * time.Second):
 		t.Fatal("the reset did not happen")
 	}
 	require.NoError(t, err, "a writer's reset reported by its reply is not retried")
