@@ -12,7 +12,7 @@ import (
 	"strings"
 	"text/tabwriter"
 
-	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/topology"
 )
 
 // runTopology prints the GPUs and NICs this host offers the data path.
@@ -33,14 +33,14 @@ func runTopology(ctx context.Context, args []string) error {
 		return fmt.Errorf("topology: --output %q: want table or json", *output)
 	}
 	logger := slog.New(slog.NewTextHandler(os.Stderr, nil))
-	topo, err := rdma.Discover(ctx, rdma.WithSysfsRoot(*sysfs), rdma.WithTopologyLogger(logger))
+	topo, err := topology.Discover(ctx, topology.WithSysfsRoot(*sysfs), topology.WithLogger(logger))
 	if err != nil {
 		return err
 	}
 	return writeTopology(os.Stdout, topo, *output)
 }
 
-func writeTopology(w io.Writer, topo rdma.Topology, format string) error {
+func writeTopology(w io.Writer, topo topology.Host, format string) error {
 	if format == "json" {
 		enc := json.NewEncoder(w)
 		enc.SetIndent("", "  ")
@@ -58,10 +58,10 @@ func writeTopology(w io.Writer, topo rdma.Topology, format string) error {
 			var peers []string
 			for _, p := range g.Peers {
 				p2p := "p2p"
-				if p.P2PRead != rdma.P2POK || p.P2PWrite != rdma.P2POK {
+				if p.P2PRead != topology.P2POK || p.P2PWrite != topology.P2POK {
 					p2p = "no-p2p"
 				}
-				if p.P2PNVLink == rdma.P2POK {
+				if p.P2PNVLink == topology.P2POK {
 					p2p += "+nvlink"
 				}
 				peers = append(peers, fmt.Sprintf("%d:%s/%s", p.Index, p.Level, p2p))

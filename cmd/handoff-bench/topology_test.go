@@ -6,19 +6,19 @@ import (
 	"encoding/json"
 	"testing"
 
-	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/topology"
 	"github.com/stretchr/testify/require"
 )
 
 func TestWriteTopology(t *testing.T) {
-	topo := rdma.Topology{
-		GPUs: []rdma.GPU{
+	topo := topology.Host{
+		GPUs: []topology.GPU{
 			{Index: 0, Name: "H200", PCIBusID: "0000:18:00.0", NUMANode: 0, MemoryBytes: 141 << 30, NVLinks: 18,
-				Peers: []rdma.GPUPeer{{Index: 1, Level: rdma.LevelSys, P2PRead: rdma.P2POK, P2PWrite: rdma.P2POK, P2PNVLink: rdma.P2POK}}},
+				Peers: []topology.GPUPeer{{Index: 1, Level: topology.LevelSys, P2PRead: topology.P2POK, P2PWrite: topology.P2POK, P2PNVLink: topology.P2POK}}},
 			{Index: 1, Name: "H200", PCIBusID: "0000:9a:00.0", NUMANode: 1, MemoryBytes: 141 << 30, NVLinks: 18,
-				Peers: []rdma.GPUPeer{{Index: 0, Level: rdma.LevelSys, P2PRead: rdma.P2PChipsetNotSupported}}},
+				Peers: []topology.GPUPeer{{Index: 0, Level: topology.LevelSys, P2PRead: topology.P2PChipsetNotSupported}}},
 		},
-		NICs: []rdma.NIC{{Name: "mlx5_0", PCIBusID: "0000:19:00.0", NUMANode: 0, RDMA: true, RDMADevices: []string{"mlx5_0"}, SpeedMbps: 400000}},
+		NICs: []topology.NIC{{Name: "mlx5_0", PCIBusID: "0000:19:00.0", NUMANode: 0, RDMA: true, RDMADevices: []string{"mlx5_0"}, SpeedMbps: 400000}},
 	}
 	var tab bytes.Buffer
 	require.NoError(t, writeTopology(&tab, topo, "table"))
@@ -30,7 +30,7 @@ func TestWriteTopology(t *testing.T) {
 
 	var js bytes.Buffer
 	require.NoError(t, writeTopology(&js, topo, "json"))
-	var back rdma.Topology
+	var back topology.Host
 	require.NoError(t, json.Unmarshal(js.Bytes(), &back))
 	require.Equal(t, topo, back)
 }

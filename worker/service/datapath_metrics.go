@@ -6,6 +6,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/topology"
 	"github.com/handoff-io/handoff/worker"
 )
 
@@ -28,6 +29,30 @@ func registerDataPathStats(reg prometheus.Registerer, eng *rdma.Engine, log *slo
 	} {
 		if err := reg.Register(c); err != nil {
 			log.Warn("metrics: data path quarantine not registered", "err", err)
+		}
+	}
+}
+
+// registerHostStats exports what topology discovery found at start-up:
+// handoff_host_gpus and handoff_host_nics{rdma}.
+func registerHostStats(reg prometheus.Registerer, role worker.Role, host topology.Host, log *slog.Logger) {
+	gpus := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name:        "handoff_host_gpus",
+		Help:        "GPUs this worker's host offers the data path (NVML; 0 without it).",
+		ConstLabels: prometheus.Labels{"role": string(role)},
+	})
+	gpus.Set(float64(len(host.GPUs)))
+	nics := prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name:        "handoff_host_nics",
+		Help:        "Network interfaces of this worker's host, by whether they are RDMA-capable.",
+		ConstLabels: prometheus.Labels{"role": string(role)},
+	}, []string{"rdma"})
+	rdmaNICs := len(host.RDMANICs())
+	nics.WithLabelValues("true").Set(float64(rdmaNICs))
+	nics.WithLabelValues("false").Set(float64(len(host.NICs) - rdmaNICs))
+	for _, c := range []prometheus.Collector{gpus, nics} {
+		if err := reg.Register(c); err != nil {
+			log.Warn("metrics: host topology not registered", "err", err)
 		}
 	}
 }

@@ -41,6 +41,9 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 		return err
 	}
 	defer n.close()
+	if remote {
+		registerHostStats(o.Registry, worker.RoleDecode, n.host, log)
+	}
 
 	var (
 		source     worker.CacheSource

@@ -19,6 +19,7 @@ import (
 	"github.com/handoff-io/handoff/hybrid"
 	"github.com/handoff-io/handoff/model"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/topology"
 	"github.com/handoff-io/handoff/transfer"
 	"github.com/handoff-io/handoff/worker"
 	"github.com/handoff-io/handoff/worker/admin"
@@ -105,6 +106,7 @@ type node struct {
 	ranks       []*worker.Rank
 	tranks      []*transfer.Rank // remote only
 	data        *rdma.Engine     // remote only
+	host        topology.Host    // remote only: GPUs and NICs, logged at start-up
 }
 
 func buildNode(cfg config.Config, log *slog.Logger, remote bool) (*node, error) {
@@ -133,6 +135,14 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool) (*node, error) 
 		}
 		if rc.TLS, err = dataTLS(cfg); err != nil {
 			return nil, err
+		}
+		// What this host offers the data path, in one log line; a host
+		// without NVML (or a CGO_ENABLED=0 build) has no GPUs, not an error.
+		dctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		n.host, err = topology.DiscoverAndLog(dctx, log)
+		cancel()
+		if err != nil {
+			log.Warn("host topology discovery failed; continuing without it", "err", err)
 		}
 		if n.data, err = rdma.New(rc); err != nil {
 			return nil, fmt.Errorf("data plane: %w", err)

@@ -34,6 +34,7 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 		return err
 	}
 	defer n.close()
+	registerHostStats(o.Registry, worker.RolePrefill, n.host, log)
 	var (
 		connected  atomic.Pointer[nats.Conn]
 		registered atomic.Bool

@@ -1,6 +1,6 @@
 //go:build !cgo
 
-package rdma
+package topology
 
 import (
 	"context"
@@ -12,7 +12,7 @@ type nvmlHandle interface{}
 
 // discoverGPUs cannot reach NVML without cgo: the topology has no GPUs, and
 // the log says why.
-func discoverGPUs(ctx context.Context, cfg topologyConfig) ([]GPU, error) {
-	cfg.logger.LogAttrs(ctx, slog.LevelInfo, "rdma: built without cgo, NVML unavailable; topology has no GPUs")
+func discoverGPUs(ctx context.Context, cfg config) ([]GPU, error) {
+	cfg.logger.LogAttrs(ctx, slog.LevelInfo, "topology: built without cgo, NVML unavailable; topology has no GPUs")
 	return nil, nil
 }

@@ -1,6 +1,6 @@
 //go:build !cgo
 
-package rdma
+package topology
 
 import (
 	"bytes"
@@ -12,14 +12,14 @@ import (
 )
 
 // nvmlAbsent: without cgo there is no NVML to hide.
-func nvmlAbsent() TopologyOption { return func(*topologyConfig) {} }
+func nvmlAbsent() Option { return func(*config) {} }
 
 func TestDiscoverWithoutCgo(t *testing.T) {
 	var logs bytes.Buffer
 	f := newFakeSysfs(t)
 	f.netdev("eth0", f.pci(0, "pci0000:00/0000:00:03.0"), "10000")
 	topo, err := Discover(context.Background(), WithSysfsRoot(f.root),
-		WithTopologyLogger(slog.New(slog.NewTextHandler(&logs, nil))))
+		WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
 	require.NoError(t, err)
 	require.Empty(t, topo.GPUs)
 	require.Len(t, topo.NICs, 1)

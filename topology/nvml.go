@@ -1,6 +1,6 @@
 //go:build cgo
 
-package rdma
+package topology
 
 import (
 	"context"
@@ -16,8 +16,8 @@ type nvmlHandle = nvml.Interface
 
 // WithNVML makes Discover query lib instead of the system NVML library
 // (nvml.New()). Tests pass go-nvml's mocks.
-func WithNVML(lib nvml.Interface) TopologyOption {
-	return func(c *topologyConfig) { c.nvml = lib }
+func WithNVML(lib nvml.Interface) Option {
+	return func(c *config) { c.nvml = lib }
 }
 
 // nvmlCall names a failed NVML query and keeps the nvml.Return reachable
@@ -39,14 +39,14 @@ func nvmlOptional(op string, ret nvml.Return) (known bool, err error) {
 	}
 }
 
-func discoverGPUs(ctx context.Context, cfg topologyConfig) (gpus []GPU, err error) {
+func discoverGPUs(ctx context.Context, cfg config) (gpus []GPU, err error) {
 	lib := cfg.nvml
 	if lib == nil {
 		lib = nvml.New()
 	}
 	ret := lib.Init()
 	if ret == nvml.ERROR_LIBRARY_NOT_FOUND {
-		cfg.logger.LogAttrs(ctx, slog.LevelInfo, "rdma: NVML library not found; topology has no GPUs")
+		cfg.logger.LogAttrs(ctx, slog.LevelInfo, "topology: NVML library not found; topology has no GPUs")
 		return nil, nil
 	}
 	if ret != nvml.SUCCESS {

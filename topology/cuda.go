@@ -1,4 +1,4 @@
-package rdma
+package topology
 
 import "strings"
 
@@ -10,7 +10,7 @@ import "strings"
 // GPUByUUID returns the GPU whose UUID is uuid, as the CUDA driver or
 // nvidia-smi prints it ("GPU-" and 32 hex digits in groups; case does not
 // matter, nor does the "GPU-" prefix).
-func (t Topology) GPUByUUID(uuid string) (GPU, bool) {
+func (t Host) GPUByUUID(uuid string) (GPU, bool) {
 	want := normalizeGPUUUID(uuid)
 	if want == "" {
 		return GPU{}, false
@@ -25,7 +25,7 @@ func (t Topology) GPUByUUID(uuid string) (GPU, bool) {
 
 // BestNICForUUID is BestNIC for the GPU with the given UUID: the NIC a tcp
 // transport staging that GPU's memory should use.
-func (t Topology) BestNICForUUID(uuid string, rdmaOnly bool) (NICAffinity, bool) {
+func (t Host) BestNICForUUID(uuid string, rdmaOnly bool) (NICAffinity, bool) {
 	g, ok := t.GPUByUUID(uuid)
 	if !ok {
 		return NICAffinity{}, false

@@ -1,4 +1,4 @@
-package rdma
+package topology
 
 import (
 	"context"
@@ -7,40 +7,40 @@ import (
 	"slices"
 )
 
-// TopologyOption configures Discover. Options are seams, mostly for tests.
-type TopologyOption func(*topologyConfig)
+// Option configures Discover. Options are seams, mostly for tests.
+type Option func(*config)
 
-type topologyConfig struct {
+type config struct {
 	sysfsRoot string
 	logger    *slog.Logger
 	nvml      nvmlHandle // nil: the system library (cgo builds only)
 }
 
 // WithSysfsRoot reads NIC and PCI facts below root instead of /sys.
-func WithSysfsRoot(root string) TopologyOption {
-	return func(c *topologyConfig) { c.sysfsRoot = root }
+func WithSysfsRoot(root string) Option {
+	return func(c *config) { c.sysfsRoot = root }
 }
 
-// WithTopologyLogger sets where Discover reports what it could not learn
+// WithLogger sets where Discover reports what it could not learn
 // (for example a missing NVML library). Default slog.Default().
-func WithTopologyLogger(l *slog.Logger) TopologyOption {
-	return func(c *topologyConfig) { c.logger = l }
+func WithLogger(l *slog.Logger) Option {
+	return func(c *config) { c.logger = l }
 }
 
 // Discover reads the GPUs (through NVML) and NICs (through sysfs) of this
 // host. A host without the NVML library yields no GPUs, logs one line saying
-// so and is not an error; any other NVML failure is. Errors wrap ErrTopology.
-func Discover(ctx context.Context, opts ...TopologyOption) (Topology, error) {
-	cfg := topologyConfig{sysfsRoot: "/sys", logger: slog.Default()}
+// so and is not an error; any other NVML failure is. Errors wrap ErrDiscovery.
+func Discover(ctx context.Context, opts ...Option) (Host, error) {
+	cfg := config{sysfsRoot: "/sys", logger: slog.Default()}
 	for _, o := range opts {
 		o(&cfg)
 	}
 	if err := ctx.Err(); err != nil {
-		return Topology{}, fmt.Errorf("%w: %w", ErrTopology, err)
+		return Host{}, fmt.Errorf("%w: %w", ErrDiscovery, err)
 	}
 	gpus, err := discoverGPUs(ctx, cfg)
 	if err != nil {
-		return Topology{}, fmt.Errorf("%w: gpus: %w", ErrTopology, err)
+		return Host{}, fmt.Errorf("%w: gpus: %w", ErrDiscovery, err)
 	}
 	for i := range gpus {
 		if loc, ok := pciDeviceLocation(cfg.sysfsRoot, gpus[i].PCIBusID); ok {
@@ -53,7 +53,7 @@ func Discover(ctx context.Context, opts ...TopologyOption) (Topology, error) {
 	slices.SortFunc(gpus, func(a, b GPU) int { return a.Index - b.Index })
 	nics, err := discoverNICs(cfg.sysfsRoot)
 	if err != nil {
-		return Topology{}, fmt.Errorf("%w: nics: %w", ErrTopology, err)
+		return Host{}, fmt.Errorf("%w: nics: %w", ErrDiscovery, err)
 	}
 	// Empty, not nil: the JSON form says "gpus": [] rather than null.
 	if gpus == nil {
@@ -62,20 +62,20 @@ func Discover(ctx context.Context, opts ...TopologyOption) (Topology, error) {
 	if nics == nil {
 		nics = []NIC{}
 	}
-	return Topology{GPUs: gpus, NICs: nics}, nil
+	return Host{GPUs: gpus, NICs: nics}, nil
 }
 
 // DiscoverAndLog is what a worker calls at start-up: it discovers the
 // topology and logs it as one line on logger. A discovery error is returned,
 // not logged.
-func DiscoverAndLog(ctx context.Context, logger *slog.Logger, opts ...TopologyOption) (Topology, error) {
+func DiscoverAndLog(ctx context.Context, logger *slog.Logger, opts ...Option) (Host, error) {
 	if logger == nil {
 		logger = slog.Default()
 	}
-	t, err := Discover(ctx, append([]TopologyOption{WithTopologyLogger(logger)}, opts...)...)
+	t, err := Discover(ctx, append([]Option{WithLogger(logger)}, opts...)...)
 	if err != nil {
-		return Topology{}, err
+		return Host{}, err
 	}
-	logger.LogAttrs(ctx, slog.LevelInfo, "rdma: topology", slog.Any("topology", t))
+	logger.LogAttrs(ctx, slog.LevelInfo, "topology: host", slog.Any("topology", t))
 	return t, nil
 }

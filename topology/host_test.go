@@ -1,4 +1,4 @@
-package rdma
+package topology
 
 import (
 	"encoding/json"
@@ -104,10 +104,10 @@ func TestLinkLevelText(t *testing.T) {
 
 // hgx is a two-socket board: GPU 0 shares a switch with mlx5_0, GPU 1 sits
 // on socket 1 with mlx5_1, and eth0 is a slow management NIC.
-func hgx() Topology {
+func hgx() Host {
 	sw0 := []string{"pci0000:15", "0000:15:01.0", "0000:16:00.0"}
 	sw1 := []string{"pci0000:97", "0000:97:01.0", "0000:98:00.0"}
-	return Topology{
+	return Host{
 		GPUs: []GPU{
 			{Index: 0, Name: "H200", NUMANode: 0, MemoryBytes: 141 << 30, NVLinks: 18, PCIPath: append(sw0[:3:3], "0000:17:00.0")},
 			{Index: 1, Name: "H200", NUMANode: 1, MemoryBytes: 141 << 30, NVLinks: 18, PCIPath: append(sw1[:3:3], "0000:99:00.0")},
@@ -145,8 +145,8 @@ func TestNICsFor(t *testing.T) {
 	} {
 		require.Equal(t, tc.want, nicOrder(topo.NICsFor(tc.gpu)), "gpu %d", tc.gpu)
 	}
-	require.Nil(t, Topology{}.NICsFor(0))
-	require.Empty(t, Topology{GPUs: []GPU{{Index: 0}}}.NICsFor(0))
+	require.Nil(t, Host{}.NICsFor(0))
+	require.Empty(t, Host{GPUs: []GPU{{Index: 0}}}.NICsFor(0))
 }
 
 func TestBestNIC(t *testing.T) {
@@ -155,7 +155,7 @@ func TestBestNIC(t *testing.T) {
 	require.True(t, ok)
 	require.Equal(t, "mlx5_0", a.NIC.Name)
 
-	noRDMA := Topology{GPUs: topo.GPUs, NICs: topo.NICs[:1]}
+	noRDMA := Host{GPUs: topo.GPUs, NICs: topo.NICs[:1]}
 	_, ok = noRDMA.BestNIC(0, true)
 	require.False(t, ok)
 	a, ok = noRDMA.BestNIC(0, false)
@@ -168,8 +168,8 @@ func TestBestNIC(t *testing.T) {
 }
 
 func TestSummary(t *testing.T) {
-	require.Equal(t, "0 GPUs, 0 NICs", Topology{}.Summary())
-	require.Equal(t, "0 GPUs, 1 NIC (eth0 numa0)", Topology{NICs: []NIC{{Name: "eth0", NUMANode: 0}}}.Summary())
+	require.Equal(t, "0 GPUs, 0 NICs", Host{}.Summary())
+	require.Equal(t, "0 GPUs, 1 NIC (eth0 numa0)", Host{NICs: []NIC{{Name: "eth0", NUMANode: 0}}}.Summary())
 	got := hgx().Summary()
 	require.Equal(t, "3 GPUs (2x H200 141GiB nvlink18, 1x L4 24GiB), "+
 		"4 NICs (eth0 1000Mb/s numa0, mlx5_0 400000Mb/s numa0 rdma, mlx5_1 400000Mb/s numa1 rdma, roce0 100000Mb/s numa0 rdma), "+
@@ -177,13 +177,13 @@ func TestSummary(t *testing.T) {
 	require.NotContains(t, got, "\n")
 }
 
-func TestTopologyJSON(t *testing.T) {
+func TestHostJSON(t *testing.T) {
 	topo := hgx()
 	topo.GPUs[0].Peers = []GPUPeer{{Index: 1, Level: LevelSys, P2PRead: P2POK, P2PWrite: P2POK, P2PNVLink: P2POK}}
 	b, err := json.Marshal(topo)
 	require.NoError(t, err)
 	require.True(t, strings.Contains(string(b), `"level":"sys"`), string(b))
-	var back Topology
+	var back Host
 	require.NoError(t, json.Unmarshal(b, &back))
 	require.Equal(t, topo, back)
 }

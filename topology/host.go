@@ -1,4 +1,4 @@
-package rdma
+package topology
 
 import (
 	"errors"
@@ -9,19 +9,19 @@ import (
 	"strings"
 )
 
-// ErrTopology wraps every error returned by Discover. The underlying cause
+// ErrDiscovery wraps every error returned by Discover. The underlying cause
 // (an nvml.Return where NVML refused a query, or an fs error) stays reachable
 // through errors.Is/As.
-var ErrTopology = errors.New("rdma: topology discovery")
+var ErrDiscovery = errors.New("topology: discovery")
 
 // ErrBadPCIBusID is returned by NormalizePCIBusID for text that is not a PCI
 // bus id.
-var ErrBadPCIBusID = errors.New("rdma: malformed PCI bus id")
+var ErrBadPCIBusID = errors.New("topology: malformed PCI bus id")
 
-// Topology is what this host offers the data path: GPUs and network
+// Host is what this host offers the data path: GPUs and network
 // interfaces, with the facts placement decisions need. It is plain data,
 // produced once by Discover; every decision over it is a pure function.
-type Topology struct {
+type Host struct {
 	GPUs []GPU `json:"gpus"`
 	NICs []NIC `json:"nics"`
 }
@@ -106,7 +106,7 @@ func (l *LinkLevel) UnmarshalText(b []byte) error {
 			return nil
 		}
 	}
-	return fmt.Errorf("rdma: unknown link level %q", b)
+	return fmt.Errorf("topology: unknown link level %q", b)
 }
 
 // rank orders levels closest first with unknown last.
@@ -227,7 +227,7 @@ type NICAffinity struct {
 // NICsFor ranks the NICs for the GPU with the given index, best first: the
 // closest PCI level, then RDMA-capable before not, then the faster link, then
 // by name. It returns nil when no GPU has that index.
-func (t Topology) NICsFor(gpuIndex int) []NICAffinity {
+func (t Host) NICsFor(gpuIndex int) []NICAffinity {
 	i := slices.IndexFunc(t.GPUs, func(g GPU) bool { return g.Index == gpuIndex })
 	if i < 0 {
 		return nil
@@ -257,7 +257,7 @@ func (t Topology) NICsFor(gpuIndex int) []NICAffinity {
 
 // BestNIC returns the first NIC of NICsFor, restricted to RDMA-capable NICs
 // when rdmaOnly is set. ok is false when there is none.
-func (t Topology) BestNIC(gpuIndex int, rdmaOnly bool) (NICAffinity, bool) {
+func (t Host) BestNIC(gpuIndex int, rdmaOnly bool) (NICAffinity, bool) {
 	for _, a := range t.NICsFor(gpuIndex) {
 		if !rdmaOnly || a.NIC.RDMA {
 			return a, true
@@ -267,7 +267,7 @@ func (t Topology) BestNIC(gpuIndex int, rdmaOnly bool) (NICAffinity, bool) {
 }
 
 // RDMANICs returns the RDMA-capable NICs.
-func (t Topology) RDMANICs() []NIC {
+func (t Host) RDMANICs() []NIC {
 	var out []NIC
 	for _, n := range t.NICs {
 		if n.RDMA {
@@ -278,7 +278,7 @@ func (t Topology) RDMANICs() []NIC {
 }
 
 // Summary renders the topology on one line for a start-up log.
-func (t Topology) Summary() string {
+func (t Host) Summary() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "%d GPU", len(t.GPUs))
 	if len(t.GPUs) != 1 {
@@ -355,8 +355,8 @@ func groupGPUs(gpus []GPU) []string {
 	return out
 }
 
-// LogValue lets a Topology be logged as structured attributes.
-func (t Topology) LogValue() slog.Value {
+// LogValue lets a Host be logged as structured attributes.
+func (t Host) LogValue() slog.Value {
 	return slog.GroupValue(
 		slog.Int("gpus", len(t.GPUs)),
 		slog.Int("nics", len(t.NICs)),

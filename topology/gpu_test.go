@@ -1,6 +1,6 @@
 //go:build gpu && cgo
 
-package rdma
+package topology
 
 // Run on a machine with NVIDIA GPUs and their driver:
 //
@@ -27,7 +27,7 @@ func TestDiscoverRealGPUs(t *testing.T) {
 	lib := nvml.New()
 	var inits int
 	topo, err := Discover(context.Background(), WithNVML(countingNVML{Interface: lib, inits: &inits}),
-		WithTopologyLogger(slog.New(slog.NewTextHandler(os.Stderr, nil))))
+		WithLogger(slog.New(slog.NewTextHandler(os.Stderr, nil))))
 	require.NoError(t, err)
 	require.Equal(t, 1, inits)
 	b, err := json.MarshalIndent(topo, "", "  ")

@@ -1,4 +1,4 @@
-package rdma
+package topology
 
 import (
 	"context"
@@ -119,8 +119,8 @@ func TestDiscoverNICsUnreadableClassDir(t *testing.T) {
 	_, err := discoverNICs(f.root)
 	require.Error(t, err)
 
-	_, err = Discover(context.Background(), WithSysfsRoot(f.root), nvmlAbsent(), WithTopologyLogger(slog.New(slog.DiscardHandler)))
-	require.ErrorIs(t, err, ErrTopology)
+	_, err = Discover(context.Background(), WithSysfsRoot(f.root), nvmlAbsent(), WithLogger(slog.New(slog.DiscardHandler)))
+	require.ErrorIs(t, err, ErrDiscovery)
 }
 
 func TestParseIBRate(t *testing.T) {

@@ -1,6 +1,6 @@
 //go:build cgo
 
-package rdma
+package topology
 
 import (
 	"bytes"
@@ -18,7 +18,7 @@ import (
 )
 
 // nvmlAbsent makes Discover behave as on a host without the NVML library.
-func nvmlAbsent() TopologyOption {
+func nvmlAbsent() Option {
 	return WithNVML(&mock.Interface{InitFunc: func() nvml.Return { return nvml.ERROR_LIBRARY_NOT_FOUND }})
 }
 
@@ -183,7 +183,7 @@ func TestDiscoverNVMLMissing(t *testing.T) {
 	}
 	f := newFakeSysfs(t)
 	f.netdev("eth0", f.pci(-1, "pci0000:00/0000:00:03.0"), "10000")
-	topo, err := Discover(context.Background(), WithNVML(lib), WithSysfsRoot(f.root), WithTopologyLogger(logger))
+	topo, err := Discover(context.Background(), WithNVML(lib), WithSysfsRoot(f.root), WithLogger(logger))
 	require.NoError(t, err)
 	require.Empty(t, topo.GPUs)
 	require.Len(t, topo.NICs, 1)
@@ -237,7 +237,7 @@ func TestDiscoverNVMLErrors(t *testing.T) {
 			s := newH200(t)
 			tc.break_(s)
 			topo, err := Discover(context.Background(), WithNVML(s), WithSysfsRoot(t.TempDir()))
-			require.ErrorIs(t, err, ErrTopology)
+			require.ErrorIs(t, err, ErrDiscovery)
 			require.ErrorIs(t, err, tc.want)
 			require.Empty(t, topo.GPUs)
 			require.Equal(t, tc.inits, s.inits)
@@ -256,7 +256,7 @@ func TestDiscoverCanceled(t *testing.T) {
 	cancel()
 	_, err := Discover(ctx, WithNVML(s), WithSysfsRoot(t.TempDir()))
 	require.ErrorIs(t, err, context.Canceled)
-	require.ErrorIs(t, err, ErrTopology)
+	require.ErrorIs(t, err, ErrDiscovery)
 }
 
 func TestDiscoverAndLog(t *testing.T) {
@@ -269,7 +269,7 @@ func TestDiscoverAndLog(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, topo.GPUs, 8)
 	out := logs.String()
-	require.Contains(t, out, `"msg":"rdma: topology"`)
+	require.Contains(t, out, `"msg":"topology: host"`)
 	require.Contains(t, out, `"gpus":8`)
 	require.Contains(t, out, `"nics":1`)
 	require.Contains(t, out, "eth0 25000Mb/s")
