@@ -152,6 +152,16 @@ func (p *Proxy) ResetClientAfter(n int64) <-chan struct{} { return p.arm(faultRe
 // channel is closed when the blackhole began.
 func (p *Proxy) BlackholeAfter(n int64) <-chan struct{} { return p.arm(faultBlackhole, n) }
 
+// Disarm drops a trigger armed by ResetAfter, ResetClientAfter or
+// BlackholeAfter that has not begun to fire; its channel stays open.
+func (p *Proxy) Disarm() {
+	p.mu.Lock()
+	if p.trig != nil && p.trig.left > 0 {
+		p.trig = nil
+	}
+	p.mu.Unlock()
+}
+
 func (p *Proxy) arm(k faultKind, n int64) <-chan struct{} {
 	if n < 1 {
 		panic("faultnet: a trigger needs at least one byte")
