@@ -90,9 +90,9 @@ func (p *faultPair) startWriter(t *testing.T, seed uint64) {
 
 // write opens a grant over dst with deadline d and writes the same number
 // of bytes from the start of the source region into it, with the grant's
-// deadline as the write's. It returns the grant, the write's error and how
-// long the write took.
-func (p *faultPair) write(t *testing.T, dst []Extent, d time.Duration) (*Grant, error, time.Duration) {
+// deadline as the write's. It returns the grant, how long the write took and
+// the write's error.
+func (p *faultPair) write(t *testing.T, dst []Extent, d time.Duration) (*Grant, time.Duration, error) {
 	t.Helper()
 	deadline := time.Now().Add(d)
 	g, err := p.rx.OpenGrant(GrantSpec{RequestID: 7, Extents: dst, Deadline: deadline})
@@ -101,7 +101,7 @@ func (p *faultPair) write(t *testing.T, dst []Extent, d time.Duration) (*Grant, 
 	defer cancel()
 	start := time.Now()
 	_, werr := p.tx.Write(ctx, p.via, g.Ticket(), []Extent{{Region: 1, Offset: 0, Length: total(dst)}})
-	return g, werr, time.Since(start)
+	return g, time.Since(start), werr
 }
 
 // warm writes dst once without faults, so that the writer holds every
@@ -109,7 +109,7 @@ func (p *faultPair) write(t *testing.T, dst []Extent, d time.Duration) (*Grant, 
 // would spend the deadline on its handshake), then puts the canary back.
 func (p *faultPair) warm(t *testing.T, dst []Extent) {
 	t.Helper()
-	g, err, _ := p.write(t, dst, 5*time.Second)
+	g, _, err := p.write(t, dst, 5*time.Second)
 	require.NoError(t, err)
 	p.requireLanded(t, g, dst)
 	fill(p.dst.Bytes(), canary)
@@ -153,7 +153,7 @@ func (p *faultPair) requireCanary(t *testing.T, granted []Extent) {
 // failed waits for g to end with an error, at most slack after its
 // deadline, and returns a snapshot of the destination region taken as Done
 // closed.
-func (p *faultPair) failed(t *testing.T, g *Grant, slack time.Duration) (error, []byte) {
+func (p *faultPair) failed(t *testing.T, g *Grant, slack time.Duration) ([]byte, error) {
 	t.Helper()
 	select {
 	case <-g.Done():
@@ -163,7 +163,7 @@ func (p *faultPair) failed(t *testing.T, g *Grant, slack time.Duration) (error, 
 	snap := bytes.Clone(p.dst.Bytes())
 	err := g.Err()
 	require.Error(t, err, "the grant must not commit")
-	return err, snap
+	return snap, err
 }
 
 // drain ends the faulty writer and waits until the proxy carried every
@@ -200,7 +200,7 @@ func TestFaultTCPSlowLink(t *testing.T) {
 			dst := []Extent{{Region: 1, Offset: 4096, Length: 3 << 20}, {Region: 1, Offset: 5 << 20, Length: 1 << 20}}
 			for range 2 {
 				fill(p.dst.Bytes(), canary)
-				g, err, took := p.write(t, dst, 10*time.Second)
+				g, took, err := p.write(t, dst, 10*time.Second)
 				require.NoError(t, err)
 				p.requireLanded(t, g, dst)
 				require.GreaterOrEqual(t, took, time.Duration(total(dst))*time.Second/rate*3/4, "the cap did not apply")
@@ -228,10 +228,10 @@ func TestFaultTCPDeadlineOnCappedLink(t *testing.T) {
 			p.proxy.SetBandwidth(4 << 20) // 4 MiB/s: the 4 MiB write needs a second
 			dst := []Extent{{Region: 1, Offset: 1 << 20, Length: 4 << 20}}
 			const d = 300 * time.Millisecond
-			g, werr, took := p.write(t, dst, d)
+			g, took, werr := p.write(t, dst, d)
 			require.Error(t, werr)
 			require.Less(t, took, d+time.Second, "the write outlived its deadline")
-			err, snap := p.failed(t, g, time.Second)
+			snap, err := p.failed(t, g, time.Second)
 			require.ErrorIs(t, err, ErrDeadline)
 			require.Greater(t, p.proxy.Stats().UpBytes, int64(0), "some bytes went through before the deadline")
 
@@ -241,7 +241,7 @@ func TestFaultTCPDeadlineOnCappedLink(t *testing.T) {
 			p.requireIdle(t)
 
 			p.startWriter(t, 2)
-			g, werr, _ = p.write(t, dst, 5*time.Second)
+			g, _, werr = p.write(t, dst, 5*time.Second)
 			require.NoError(t, werr)
 			p.requireLanded(t, g, dst)
 			p.requireIdle(t)
@@ -263,7 +263,7 @@ func TestFaultTCPResetMidFrame(t *testing.T) {
 			// 5000 bytes into its payload.
 			fired := p.proxy.ResetAfter(headerSize + 5000)
 			const d = 30 * time.Second
-			g, werr, took := p.write(t, dst, d)
+			g, took, werr := p.write(t, dst, d)
 			require.Error(t, werr)
 			require.ErrorIs(t, werr, ErrPeerClosed)
 			require.Less(t, took, 5*time.Second, "a reset must fail the write at once")
@@ -278,7 +278,7 @@ func TestFaultTCPResetMidFrame(t *testing.T) {
 
 			// The retry: a fresh grant (new epoch) over the same bytes,
 			// from the same writer engine.
-			g2, werr, _ := p.write(t, dst, 5*time.Second)
+			g2, _, werr := p.write(t, dst, 5*time.Second)
 			require.NoError(t, werr)
 			p.requireLanded(t, g2, dst)
 			landed := bytes.Clone(p.dst.Bytes())
@@ -302,13 +302,13 @@ func TestFaultTCPHalfOpenPeer(t *testing.T) {
 			dst := []Extent{{Region: 1, Offset: 0, Length: 3 << 20}, {Region: 1, Offset: 4 << 20, Length: 1 << 20}}
 			fired := p.proxy.BlackholeAfter(headerSize + 5000)
 			const d = 400 * time.Millisecond
-			g, werr, took := p.write(t, dst, d)
+			g, took, werr := p.write(t, dst, d)
 			<-fired
 			require.Error(t, werr)
 			require.True(t, errors.Is(werr, context.DeadlineExceeded) || errors.Is(werr, ErrDeadline),
 				"a silent peer ends the write at its deadline: %v", werr)
 			require.Less(t, took, d+time.Second, "the write outlived its deadline")
-			err, snap := p.failed(t, g, time.Second)
+			snap, err := p.failed(t, g, time.Second)
 			require.ErrorIs(t, err, ErrDeadline)
 			require.Zero(t, p.proxy.Stats().Resets)
 
@@ -318,7 +318,7 @@ func TestFaultTCPHalfOpenPeer(t *testing.T) {
 			p.requireIdle(t)
 
 			p.startWriter(t, 3)
-			g, werr, _ = p.write(t, dst, 5*time.Second)
+			g, _, werr = p.write(t, dst, 5*time.Second)
 			require.NoError(t, werr)
 			p.requireLanded(t, g, dst)
 			p.requireIdle(t)
@@ -368,7 +368,7 @@ func TestFaultTCPLateFrames(t *testing.T) {
 
 			// The fenced retry, over the same link.
 			p.proxy.SetLatency(0)
-			g, err2, _ := p.write(t, dst, 5*time.Second)
+			g, _, err2 := p.write(t, dst, 5*time.Second)
 			require.NoError(t, err2)
 			p.requireLanded(t, g, dst)
 			p.requireIdle(t)
@@ -377,10 +377,10 @@ func TestFaultTCPLateFrames(t *testing.T) {
 			p := newFaultPair(t, lanes)
 			p.warm(t, dst)
 			p.proxy.SetLatency(latency)
-			g, werr, took := p.write(t, dst, latency/3)
+			g, took, werr := p.write(t, dst, latency/3)
 			require.Error(t, werr)
 			require.Less(t, took, latency/3+time.Second, "the write outlived its deadline")
-			err, snap := p.failed(t, g, time.Second)
+			snap, err := p.failed(t, g, time.Second)
 			require.ErrorIs(t, err, ErrDeadline)
 			p.requireCanary(t, nil)
 			p.drain(t)
@@ -388,7 +388,7 @@ func TestFaultTCPLateFrames(t *testing.T) {
 			require.Greater(t, p.rx.Stats().FramesRefused, uint64(0), "the late frames reached the receiver")
 
 			p.startWriter(t, 4)
-			g, werr, _ = p.write(t, dst, 5*time.Second)
+			g, _, werr = p.write(t, dst, 5*time.Second)
 			require.NoError(t, werr)
 			p.requireLanded(t, g, dst)
 			p.requireIdle(t)
@@ -417,7 +417,7 @@ func TestFaultTCPIdleConnectionReset(t *testing.T) {
 			p.proxy.Reset()
 			// Both ends got the RST: the receiver closed its side.
 			require.Eventually(t, func() bool { return p.proxy.Stats().Live == 0 }, 5*time.Second, time.Millisecond)
-			g, err, _ := p.write(t, dst, 5*time.Second)
+			g, _, err := p.write(t, dst, 5*time.Second)
 			require.NoError(t, err, "the first write after %d pooled connections were reset while idle", live)
 			p.requireLanded(t, g, dst)
 			p.requireIdle(t)
