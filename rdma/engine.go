@@ -215,7 +215,6 @@ type Engine struct {
 	tcp      *tcpServer
 	shm      *shmServer
 	served   []Transport
-	closeErr error
 
 	quarantines sync.WaitGroup // watchQuarantine goroutines
 

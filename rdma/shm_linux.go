@@ -731,9 +731,10 @@ func (l *shmLink) close() {
 	l.closed.Store(true)
 	// Let copies in flight end (each checks closed at its next bracket):
 	// only then may the receiver see the control socket close and treat
-	// this writer as gone.
+	// this writer as gone. The write lock is taken only to wait for the
+	// copies' read locks; it cannot be held on (l.mu comes first).
 	l.copying.Lock()
-	l.copying.Unlock()
+	l.copying.Unlock() //lint:ignore SA2001 a barrier: waits for the copies in flight
 	if c := l.connRef.Load(); c != nil {
 		c.Close() // unblocks a commit exchange holding l.mu
 	}

@@ -636,7 +636,8 @@ func (p *Prefiller) handle(r micro.Request) {
 		RequestID: m.RequestID, MaxDraftTokens: p.cfg.MaxDraftTokens, Deadline: deadline,
 		Fingerprint: m.Fingerprint, Local: p.cfg.Fingerprint, KVBytes: m.KVBytes, MambaBytes: m.MambaBytes,
 	}
-	acts := t.sess.Step(Event{Kind: EvRequest, Now: t.start})
+	// The session asks to admit (ActAdmit); that is done inline below.
+	t.sess.Step(Event{Kind: EvRequest, Now: t.start})
 	if t.sess.State().Terminal() {
 		p.refused.Add(1)
 		p.replyNow(r, t.replyFor(t.sess.Code()))
@@ -661,7 +662,7 @@ func (p *Prefiller) handle(r micro.Request) {
 		code, t.cause = CodePrefillFailed, errors.New("executor admitted without a lease")
 	}
 	t.lease = lease
-	acts = t.sess.Step(Event{Kind: EvAdmitted, Code: code, Now: t.now()})
+	acts := t.sess.Step(Event{Kind: EvAdmitted, Code: code, Now: t.now()})
 	if t.sess.State().Terminal() {
 		p.refused.Add(1)
 		p.replyNow(r, t.replyFor(t.sess.Code()))
