@@ -42,6 +42,7 @@ type burstResult struct {
 	err      string        // the transport error or unexpected answer, if any
 	attempts int           // requests sent
 	refusals int           // 429 and 503 answers
+	refused5 int           // of which 503
 	badRA    []string      // Retry-After values of refusals that were not 1..60 whole seconds
 	maxRA    time.Duration // the longest valid Retry-After seen
 	latency  time.Duration // from the first attempt to the 200
@@ -94,6 +95,9 @@ func (c *burstClient) run(ctx context.Context) burstResult {
 			return r
 		case http.StatusTooManyRequests, http.StatusServiceUnavailable:
 			r.refusals++
+			if resp.StatusCode == http.StatusServiceUnavailable {
+				r.refused5++
+			}
 			ra := resp.Header.Get("Retry-After")
 			wait, ok := retryAfter(ra)
 			if !ok {
@@ -203,7 +207,7 @@ func TestBurst(t *testing.T) {
 			peak := vmHWM(pid)
 
 			var lat []time.Duration
-			refusals, refused, attempts, mostAttempts := 0, 0, 0, 0
+			refusals, refused5, refused, attempts, mostAttempts := 0, 0, 0, 0, 0
 			var maxRA time.Duration
 			var failures, bad []string
 			for i, r := range results {
@@ -211,6 +215,7 @@ func TestBurst(t *testing.T) {
 				mostAttempts = max(mostAttempts, r.attempts)
 				maxRA = max(maxRA, r.maxRA)
 				refusals += r.refusals
+				refused5 += r.refused5
 				if r.refusals > 0 {
 					refused++
 				}
@@ -228,6 +233,7 @@ func TestBurst(t *testing.T) {
 				percentile(lat, 0.5).Round(time.Millisecond), percentile(lat, 0.99).Round(time.Millisecond),
 				percentile(lat, 1).Round(time.Millisecond), float64(rssBefore)/(1<<20), float64(peak)/(1<<20))
 			require.Empty(t, bad, "refusals without a Retry-After of 1..60 whole seconds")
+			require.Zero(t, refused5, "503s from a worker that is not draining: every refusal must be a 429")
 			require.Empty(t, failures[:min(len(failures), 10)], "%d clients not served", len(failures))
 			if tc.wantRefused {
 				require.Positive(t, refusals, "the burst was meant to overflow the queue")
