@@ -169,7 +169,7 @@ func (c *Config) validate(ranks []*Rank) error {
 // DefaultQueueSize is the default bound of the admission queue: large
 // enough that a burst of a thousand clients on one decode worker waits
 // rather than being refused, small enough that the memory it holds stays
-// bounded. A queued decode request costs the server about 28 KiB with a
+// bounded. A queued decode request costs the server about 25 KiB with a
 // short prompt and 37 KiB with a 4096-token one (its connection, handler
 // goroutine, parsed request and engine record; api's
 // TestQueuedRequestMemory measures it), so a full default queue holds

@@ -100,6 +100,9 @@ func TestQueuedRequestMemory(t *testing.T) {
 		t.Skip("measures memory; not in -short")
 	}
 	const n = 256
+	// A first run pays one-time costs (span classes, pools, the runtime's
+	// and net/http's first allocations) that are no request's.
+	queuedRequestBytes(t, 32, 64)
 	for _, tc := range []struct {
 		prompt int
 		limit  float64
