@@ -7,7 +7,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"math/rand/v2"
-	"os"
 	"runtime"
 	"slices"
 	"testing"
@@ -399,15 +398,9 @@ func TestFaultTCPLateFrames(t *testing.T) {
 // TestFaultTCPIdleConnectionReset resets the writer's pooled connections
 // while they are idle (a network blip, a middlebox dropping idle flows):
 // nothing of the next write was sent yet, so it must not fail for it.
-//
-// Known bug, skipped until fixed: tcpLink.get hands out an idle connection
-// without checking it, and the write fails with ErrPeerClosed ("writev:
-// connection reset by peer"); transfer then retries the handoff on another
-// instance, whose pooled connections may be just as dead.
+// tcpLink.get used to hand out such a connection unchecked, and the write
+// failed with ErrPeerClosed ("writev: connection reset by peer").
 func TestFaultTCPIdleConnectionReset(t *testing.T) {
-	if os.Getenv("HANDOFF_KNOWN_BUGS") == "" {
-		t.Skip("known bug: a write takes a pooled connection reset while idle and fails; HANDOFF_KNOWN_BUGS=1 runs it")
-	}
 	for _, lanes := range []int{1, 4} {
 		t.Run(map[int]string{1: "one-lane", 4: "striped"}[lanes], func(t *testing.T) {
 			p := newFaultPair(t, lanes)

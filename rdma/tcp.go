@@ -719,10 +719,18 @@ func (l *tcpLink) get(ctx context.Context) (*txConn, error) {
 		l.mu.Unlock()
 		return nil, ErrClosed
 	}
-	if n := len(l.idle); n > 0 {
+	dropped := 0
+	for n := len(l.idle); n > 0; n = len(l.idle) {
 		tc := l.idle[n-1]
 		l.idle[n-1] = nil
 		l.idle = l.idle[:n-1]
+		if connBroken(tc.c) {
+			// Reset or closed while idle (the receiver sends nothing
+			// unsolicited): a write on it would fail with nothing sent.
+			tc.c.Close()
+			dropped++
+			continue
+		}
 		l.busy[tc] = struct{}{}
 		l.mu.Unlock()
 		return tc, nil
@@ -730,6 +738,9 @@ func (l *tcpLink) get(ctx context.Context) (*txConn, error) {
 	l.mu.Unlock()
 	tc, err := l.dial(ctx)
 	if err != nil {
+		if dropped > 0 { // it closed our connections and takes no new one
+			return nil, fmt.Errorf("%w: %w", ErrPeerClosed, err)
+		}
 		return nil, err
 	}
 	l.mu.Lock()
