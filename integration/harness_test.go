@@ -11,6 +11,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
@@ -54,13 +55,25 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// freePort returns a loopback port that was free a moment ago.
+// freePort returns a loopback port that was free a moment ago, for a
+// process to listen on. It is picked below Linux's ephemeral range
+// (32768-60999): a port from that range, free when asked, is handed to the
+// next outgoing connection (workers' and NATS routes' dials) as often as to
+// the process meant to bind it, which then fails with "address already in
+// use".
 func freePort(t *testing.T) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	for range 100 {
+		port := 20000 + rand.IntN(12000)
+		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+		if err != nil {
+			continue
+		}
+		l.Close()
+		return port
+	}
+	t.Fatal("no free loopback port in 20000-31999")
+	return 0
 }
 
 // natsServer is a real nats-server (the same code as the nats-server binary)
