@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/common/model"
 	"github.com/stretchr/testify/require"
 
+	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/worker"
 )
 
@@ -29,11 +30,9 @@ func TestDashboardNamesExistingMetrics(t *testing.T) {
 	raw, err := os.ReadFile(dashboardPath)
 	require.NoError(t, err)
 
-	ns, err := StartEmbeddedNATS(-1)
-	require.NoError(t, err)
-	t.Cleanup(ns.Shutdown)
-	pep, _ := startWorker(t, testConfig(t, worker.RolePrefill, "--nats-url", ns.URL(), "--namespace", "dashboard"))
-	dep, _ := startWorker(t, testConfig(t, worker.RoleDecode, "--nats-url", ns.URL(), "--namespace", "dashboard"))
+	ns := natstest.Run(t)
+	pep, _ := startWorker(t, testConfig(t, worker.RolePrefill, "--nats-url", ns.ClientURL(), "--namespace", "dashboard"))
+	dep, _ := startWorker(t, testConfig(t, worker.RoleDecode, "--nats-url", ns.ClientURL(), "--namespace", "dashboard"))
 	// One completion, so that the series set on the first transfer (the
 	// transport in use) exist too.
 	require.Eventually(t, func() bool {

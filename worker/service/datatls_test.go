@@ -16,6 +16,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/worker"
 )
 
@@ -51,14 +52,12 @@ func writeTestPKI(t *testing.T, dir string) {
 // TLS on tcp; a prefill worker without them cannot write to that decode
 // worker, and its requests fail instead of hanging.
 func TestRemoteOverDataTLS(t *testing.T) {
-	ns, err := StartEmbeddedNATS(-1)
-	require.NoError(t, err)
-	t.Cleanup(ns.Shutdown)
+	ns := natstest.Run(t)
 	dir := t.TempDir()
 	writeTestPKI(t, dir)
 	tlsArgs := []string{"--data-tls-ca", filepath.Join(dir, "ca.pem"), "--data-tls-cert", filepath.Join(dir, "cert.pem"),
 		"--data-tls-key", filepath.Join(dir, "key.pem")}
-	common := []string{"--nats-url", ns.URL(), "--transport", "tcp", "--namespace", "data-tls"}
+	common := []string{"--nats-url", ns.ClientURL(), "--transport", "tcp", "--namespace", "data-tls"}
 	startWorker(t, testConfig(t, worker.RolePrefill, append(common, tlsArgs...)...))
 	rep, _ := startWorker(t, testConfig(t, worker.RoleDecode, append(append(common, tlsArgs...), "--prefill", "remote")...))
 	lep, _ := startWorker(t, testConfig(t, worker.RoleDecode, "--prefill", "local"))
@@ -69,7 +68,7 @@ func TestRemoteOverDataTLS(t *testing.T) {
 	}
 	require.Equal(t, 1.0, metricValue(t, rep.Admin, `handoff_transport_info{transport="tcp"}`))
 
-	plainCommon := []string{"--nats-url", ns.URL(), "--transport", "tcp", "--namespace", "data-tls-mixed"}
+	plainCommon := []string{"--nats-url", ns.ClientURL(), "--transport", "tcp", "--namespace", "data-tls-mixed"}
 	startWorker(t, testConfig(t, worker.RolePrefill, plainCommon...))
 	mixed, _ := startWorker(t, testConfig(t, worker.RoleDecode, append(append(plainCommon, tlsArgs...), "--prefill", "remote",
 		"--request-timeout", "5s")...))

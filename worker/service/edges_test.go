@@ -14,6 +14,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/worker"
 )
 
@@ -119,10 +120,8 @@ func TestNotReadyWithoutNATS(t *testing.T) {
 // is there, still 200 (with a warning) for --prefill-grace after the last
 // one left, 503 after that.
 func TestPrefillInstancesReadiness(t *testing.T) {
-	ns, err := StartEmbeddedNATS(-1)
-	require.NoError(t, err)
-	t.Cleanup(ns.Shutdown)
-	common := []string{"--nats-url", ns.URL(), "--namespace", "presence"}
+	ns := natstest.Run(t)
+	common := []string{"--nats-url", ns.ClientURL(), "--namespace", "presence"}
 	dep, _ := startWorker(t, testConfig(t, worker.RoleDecode, append(common, "--prefill-grace", "1500ms")...))
 	client := &http.Client{Timeout: time.Second}
 	r, err := getReadyz(client, dep.Admin)
