@@ -224,36 +224,68 @@ func requestID(r *http.Request, prefix string) string {
 	return prefix + hex.EncodeToString(b[:])
 }
 
-func (s *server) completions(w http.ResponseWriter, r *http.Request) {
-	id := requestID(r, "cmpl-")
-	w.Header().Set("X-Request-Id", id)
-	log := s.log.With("request_id", id)
+// admitted is a generation request that start parsed and the engine took.
+type admitted struct {
+	id      string
+	log     *slog.Logger
+	stream  *worker.Stream
+	out     *writer
+	created int64
+}
+
+// start does what every generation endpoint does before it answers: it
+// names the request (prefix), checks the method, reads the body, parses it
+// with parse (which fills the endpoint's own request and returns its
+// generation) and hands the generation to the engine. With ok false the
+// client has its answer already; else the caller answers and calls
+// a.out.done.
+func (s *server) start(w http.ResponseWriter, r *http.Request, prefix string,
+	parse func([]byte) (*generation, int, *apiError)) (a admitted, ok bool) {
+	a.id = requestID(r, prefix)
+	w.Header().Set("X-Request-Id", a.id)
+	a.log = s.log.With("request_id", a.id)
 	if r.Method != http.MethodPost {
 		methodNotAllowed(w, r, http.MethodPost)
-		return
+		return a, false
 	}
-	body, ok := s.readBody(w, r, log)
+	body, ok := s.readBody(w, r, a.log)
+	if !ok {
+		return a, false
+	}
+	g, status, perr := parse(body)
+	if perr != nil {
+		s.refuse(w, a.log, status, perr)
+		return a, false
+	}
+	if g.user != "" {
+		a.log = a.log.With("user", g.user)
+	}
+	stream, err := s.gen.Generate(r.Context(), worker.GenerateRequest{
+		Prompt: g.prompt, MaxTokens: g.maxTokens, Sampling: g.smp, Stop: g.stop, LogID: a.id,
+	})
+	if err != nil {
+		s.refuseEngine(w, a.log, err)
+		return a, false
+	}
+	a.stream = stream
+	a.out = &writer{w: w, rc: http.NewResponseController(w), idle: s.cfg.WriteTimeout}
+	a.created = s.cfg.Now().Unix()
+	return a, true
+}
+
+func (s *server) completions(w http.ResponseWriter, r *http.Request) {
+	var c completionReq
+	a, ok := s.start(w, r, "cmpl-", func(body []byte) (*generation, int, *apiError) {
+		var status int
+		var e *apiError
+		c, status, e = s.parseCompletion(body)
+		return &c.generation, status, e
+	})
 	if !ok {
 		return
 	}
-	c, status, perr := s.parseCompletion(body)
-	if perr != nil {
-		s.refuse(w, log, status, perr)
-		return
-	}
-	if c.user != "" {
-		log = log.With("user", c.user)
-	}
-	stream, err := s.gen.Generate(r.Context(), worker.GenerateRequest{
-		Prompt: c.prompt, MaxTokens: c.maxTokens, Sampling: c.smp, Stop: c.stop, LogID: id,
-	})
-	if err != nil {
-		s.refuseEngine(w, log, err)
-		return
-	}
-	out := &writer{w: w, rc: http.NewResponseController(w), idle: s.cfg.WriteTimeout}
-	defer out.done()
-	created := s.cfg.Now().Unix()
+	defer a.out.done()
+	id, log, stream, out, created := a.id, a.log, a.stream, a.out, a.created
 	if c.stream {
 		s.streamCompletion(r, out, log, id, created, c, stream)
 		return

@@ -316,35 +316,18 @@ func chatLogprobOf(ev worker.Event) chatLogprob {
 }
 
 func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
-	id := requestID(r, "chatcmpl-")
-	w.Header().Set("X-Request-Id", id)
-	log := s.log.With("request_id", id)
-	if r.Method != http.MethodPost {
-		methodNotAllowed(w, r, http.MethodPost)
-		return
-	}
-	body, ok := s.readBody(w, r, log)
+	var c chatReq
+	a, ok := s.start(w, r, "chatcmpl-", func(body []byte) (*generation, int, *apiError) {
+		var status int
+		var e *apiError
+		c, status, e = s.parseChat(body)
+		return &c.generation, status, e
+	})
 	if !ok {
 		return
 	}
-	c, status, perr := s.parseChat(body)
-	if perr != nil {
-		s.refuse(w, log, status, perr)
-		return
-	}
-	if c.user != "" {
-		log = log.With("user", c.user)
-	}
-	stream, err := s.gen.Generate(r.Context(), worker.GenerateRequest{
-		Prompt: c.prompt, MaxTokens: c.maxTokens, Sampling: c.smp, Stop: c.stop, LogID: id,
-	})
-	if err != nil {
-		s.refuseEngine(w, log, err)
-		return
-	}
-	out := &writer{w: w, rc: http.NewResponseController(w), idle: s.cfg.WriteTimeout}
-	defer out.done()
-	created := s.cfg.Now().Unix()
+	defer a.out.done()
+	id, log, stream, out, created := a.id, a.log, a.stream, a.out, a.created
 	if c.stream {
 		s.streamChat(r, out, log, id, created, c, stream)
 		return
