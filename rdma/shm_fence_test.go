@@ -16,16 +16,19 @@ import (
 // connection cut by the receiver, a commit's fence closing a slot already
 // reused by the next grant, and a desynchronised control stream.
 
-// A commit exchange cut by its context leaves the receiver's reply on the
-// control connection; the link is marked broken, but a write that passed
-// ready() before that uses the same connection for its own commit and reads
-// the stale reply as its verdict.
-func TestSHMStaleReplyNotTakenForRevokedGrant(t *testing.T) {
+// staleReplyRun sets up the interleaving behind a stale commit reply: a
+// big write W1 is past ready() and copying when a small write A sends its
+// commit, which the receiver holds (a landing still in flight would). Once
+// W1 copied all and waits for the link, the grant of W1 (ownRevoked) or of
+// A is revoked and A's exchange is cut by its context, so A's reply is
+// still to come on the connection W1 would use for its own commit. It
+// returns W1's Write error and W1's grant's outcome.
+func staleReplyRun(t *testing.T, agent string, ownRevoked bool) (errW1, g1Err error) {
 	bg := context.Background()
-	rx, err := New(Config{Agent: "rx-stale", Transports: []Transport{TransportSHM}, Logger: quietLogger()})
+	rx, err := New(Config{Agent: AgentID("rx-" + agent), Transports: []Transport{TransportSHM}, Logger: quietLogger()})
 	require.NoError(t, err)
 	defer rx.Close()
-	tx, err := New(Config{Agent: "tx-stale", Transports: []Transport{TransportSHM}, Logger: quietLogger()})
+	tx, err := New(Config{Agent: AgentID("tx-" + agent), Transports: []Transport{TransportSHM}, Logger: quietLogger()})
 	require.NoError(t, err)
 	defer tx.Close()
 	const big = 512 << 20
@@ -76,18 +79,36 @@ func TestSHMStaleReplyNotTakenForRevokedGrant(t *testing.T) {
 		time.Sleep(50 * time.Microsecond)
 	}
 	time.Sleep(20 * time.Millisecond)
-	g1.Revoke() // W1's grant is revoked before its commit is read
-	cancelA()   // A's exchange is cut: the link is broken, A's reply still to come
+	revoked := make(chan struct{})
+	if ownRevoked {
+		g1.Revoke() // W1's grant is revoked before its commit is read
+		close(revoked)
+	} else {
+		go func() { gA.Revoke(); close(revoked) }() // A's commit will be refused (Revoke waits for the held commit)
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancelA() // A's exchange is cut: the link is broken, A's reply still to come
 	t.Logf("A: %v", <-wa)
 	time.Sleep(50 * time.Millisecond) // W1 sent its commit on the same connection
 	gA.mu.Lock()
 	gA.inflight--
 	gA.quiet.Broadcast()
 	gA.mu.Unlock()
-	errW1 := <-w1
+	errW1 = <-w1
 	_, gAerr := gA.Wait(bg)
-	t.Logf("gA (A's grant): %v; g1 (W1's grant): %v; W1's Write returned: %v", gAerr, g1.Err(), errW1)
-	require.ErrorIs(t, g1.Err(), ErrRevoked)
+	<-revoked
+	_, g1Err = g1.Wait(bg)
+	t.Logf("gA (A's grant): %v; g1 (W1's grant): %v; W1's Write returned: %v", gAerr, g1Err, errW1)
+	return errW1, g1Err
+}
+
+// A commit exchange cut by its context leaves the receiver's reply on the
+// control connection; the link is marked broken, but a write that passed
+// ready() before that used the same connection for its own commit and read
+// the stale reply as its verdict: success for a revoked grant.
+func TestSHMStaleReplyNotTakenForRevokedGrant(t *testing.T) {
+	errW1, g1Err := staleReplyRun(t, "stale", true)
+	require.ErrorIs(t, g1Err, ErrRevoked)
 	require.Error(t, errW1, "W1's Write reported success for a revoked grant (it read A's commit reply)")
 }
 
@@ -206,78 +227,11 @@ func TestSHMCommitFenceLeavesReusedSlotOpen(t *testing.T) {
 	require.Zero(t, hits)
 }
 
+// The other way round: the stale reply is a refusal (A's grant revoked),
+// and W1's Write returned it for its own accepted commit.
 func TestSHMStaleReplyNotTakenForCommittedGrant(t *testing.T) {
-	bg := context.Background()
-	rx, err := New(Config{Agent: "rx-stale4", Transports: []Transport{TransportSHM}, Logger: quietLogger()})
-	require.NoError(t, err)
-	defer rx.Close()
-	tx, err := New(Config{Agent: "tx-stale4", Transports: []Transport{TransportSHM}, Logger: quietLogger()})
-	require.NoError(t, err)
-	defer tx.Close()
-	const big = 512 << 20
-	dst, err := rx.Register("dst", big+8192)
-	require.NoError(t, err)
-	src, err := tx.Register("src", big+8192)
-	require.NoError(t, err)
-	desc := rx.Descriptor()
-	_, err = tx.Connect(bg, desc)
-	require.NoError(t, err)
-
-	gA, err := rx.OpenGrant(GrantSpec{RequestID: 1, Extents: []Extent{{Region: dst.ID(), Offset: big, Length: 4096}}})
-	require.NoError(t, err)
-	g1, err := rx.OpenGrant(GrantSpec{RequestID: 2, Extents: []Extent{{Region: dst.ID(), Offset: 0, Length: big}}})
-	require.NoError(t, err)
-	// Hold A's commit on the receiver, as a landing still in flight would.
-	gA.mu.Lock()
-	gA.inflight++
-	gA.mu.Unlock()
-
-	sl1 := slotAt(rx.shm.table, g1.slot)
-	w1 := make(chan error, 1)
-	go func() {
-		_, err := tx.Write(bg, desc, g1.Ticket(), []Extent{{Region: src.ID(), Offset: 0, Length: big}})
-		w1 <- err
-	}()
-	for sl1.copied().Load() == 0 { // W1 is past ready() and copying
-		time.Sleep(50 * time.Microsecond)
-	}
-	ctxA, cancelA := context.WithTimeout(bg, time.Minute) // a deadline, cancelled early (a decoder's cancel)
-	defer cancelA()
-	wa := make(chan error, 1)
-	go func() {
-		_, err := tx.Write(ctxA, desc, gA.Ticket(), []Extent{{Region: src.ID(), Offset: big, Length: 4096}})
-		wa <- err
-	}()
-	for { // A's commit reached the receiver, which holds it
-		gA.mu.Lock()
-		st := gA.state
-		gA.mu.Unlock()
-		if st == grantCommitting {
-			break
-		}
-		time.Sleep(50 * time.Microsecond)
-	}
-	require.Less(t, sl1.copied().Load(), uint64(big), "W1 must still be copying when A's exchange starts")
-	for sl1.copied().Load() != big || wordState(sl1.state().Load()) != slotOpen { // W1 copied all, now waits for l.mu
-		time.Sleep(50 * time.Microsecond)
-	}
-	time.Sleep(20 * time.Millisecond)
-	goRevoke := make(chan struct{})
-	go func() { gA.Revoke(); close(goRevoke) }() // A's grant is revoked: its commit will be refused
-	time.Sleep(20 * time.Millisecond)
-	cancelA() // A's exchange is cut: the link is broken, A's reply still to come
-	t.Logf("A: %v", <-wa)
-	time.Sleep(50 * time.Millisecond) // W1 sent its commit on the same connection
-	gA.mu.Lock()
-	gA.inflight--
-	gA.quiet.Broadcast()
-	gA.mu.Unlock()
-	errW1 := <-w1
-	_, gAerr := gA.Wait(bg)
-	t.Logf("gA (A's grant): %v; g1 (W1's grant): %v; W1's Write returned: %v", gAerr, g1.Err(), errW1)
-	<-goRevoke
-	_, g1err := g1.Wait(bg)
-	require.NoError(t, g1err, "W1's grant is committed")
+	errW1, g1Err := staleReplyRun(t, "stale4", false)
+	require.NoError(t, g1Err, "W1's grant is committed")
 	require.NoError(t, errW1, "W1's Write reported A's refusal for its own accepted commit")
 }
 
