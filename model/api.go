@@ -127,9 +127,22 @@ type Options struct {
 	// excludes the flat delays. The Fingerprint does not change.
 	GPU      string
 	MFU, MBU float64
+	// DecodeTouch, when > 0, makes a synthetic preset's decode read
+	// (checksum) and rewrite only the first DecodeTouch bytes of each state
+	// section (each conv section and SSM extent of each layer) instead of
+	// the whole Mamba row: with a simulated GPU the CPU then keeps up with
+	// its decode steps (a whole nemotron-h-8b row is 49 MiB per request per
+	// step). Prefill still writes every byte, and transfers move every byte.
+	// The tiny-hybrid model refuses it.
+	DecodeTouch int
 }
 
 const maxDelay = time.Minute
+
+// HeadTouch is the bytes of each state section a decode reads and rewrites
+// with "?touch=head": the size fillPattern generates before it doubles, so
+// each section still gets its own pattern.
+const HeadTouch = 1024
 
 type constructor func(Options) (Executor, error)
 
@@ -161,6 +174,9 @@ func Names() []string {
 //	qwen3-next-80b?ssm_dtype=fp32    SSM state in fp32 (bf16 or fp32)
 //	nemotron-h-8b?gpu=h200           the worker sleeps each step's simulated H200
 //	                                 compute time (timing.go); &mfu=0.5&mbu=0.7
+//	nemotron-h-8b?gpu=h200&touch=head
+//	                                 decode reads and rewrites 1 KiB of each state
+//	                                 section, not the whole row (DecodeTouch)
 //
 // Delays take time.ParseDuration syntax, from 0 to 1m. An unknown name wraps
 // ErrUnknownModel; a bad option wraps ErrInvalidOption.
@@ -239,6 +255,15 @@ func parseOptions(query string) (Options, error) {
 			}
 		case "gpu":
 			o.GPU = v
+		case "touch":
+			switch v {
+			case "full":
+				o.DecodeTouch = 0
+			case "head":
+				o.DecodeTouch = HeadTouch
+			default:
+				return o, fmt.Errorf("%w: touch %q (want full or head)", ErrInvalidOption, v)
+			}
 		case "mfu", "mbu":
 			f, err := strconv.ParseFloat(v, 64)
 			if err != nil || !(f > 0 && f <= 1) {

@@ -5,3 +5,8 @@ package model
 func NewSynthetic(name string, spec Spec) (Executor, error) {
 	return buildSynthetic(name, spec, Options{})
 }
+
+// NewSyntheticTouch is NewSynthetic with Options.DecodeTouch.
+func NewSyntheticTouch(name string, spec Spec, touch int) (Executor, error) {
+	return buildSynthetic(name, spec, Options{DecodeTouch: touch})
+}

@@ -55,11 +55,14 @@ var presets = map[string]Spec{
 //     the last block changes the next token's logits.
 //
 // Every state byte is written once per call (patterns are doubled with copy),
-// and a decode reads the row once, as a real decode step does.
+// and a decode reads the row once, as a real decode step does; with
+// Options.DecodeTouch a decode reads and rewrites only the head of each
+// state section, so that the CPU keeps up with a simulated GPU.
 type synthetic struct {
-	spec Spec
-	base uint64 // hash of the fingerprint: the empty-prefix state
-	pool sync.Pool
+	spec  Spec
+	base  uint64 // hash of the fingerprint: the empty-prefix state
+	touch int    // Options.DecodeTouch: bytes of each state section a decode touches; 0 all
+	pool  sync.Pool
 }
 
 func newSynthetic(name string, o Options) (Executor, error) {
@@ -80,13 +83,16 @@ func buildSynthetic(name string, spec Spec, o Options) (*synthetic, error) {
 	default:
 		return nil, fmt.Errorf("%w: ssm element size %d", ErrInvalidOption, o.SSMElemSize)
 	}
+	if o.DecodeTouch < 0 {
+		return nil, fmt.Errorf("%w: decode touch %d", ErrInvalidOption, o.DecodeTouch)
+	}
 	spec.Name = name
 	spec.Revision = "1"
 	spec.Vocab = ByteVocab
 	spec.KV.Layers = strings.Count(spec.LayerPattern, "*")
 	spec.Mamba.Layers = strings.Count(spec.LayerPattern, "M")
 	sum := sha256.Sum256([]byte(spec.canonical()))
-	s := &synthetic{spec: spec, base: binary.LittleEndian.Uint64(sum[:])}
+	s := &synthetic{spec: spec, base: binary.LittleEndian.Uint64(sum[:]), touch: o.DecodeTouch}
 	s.pool.New = func() any { return new(rowView) }
 	return s, nil
 }
@@ -131,7 +137,7 @@ func (s *synthetic) Decode(c Cache, token int32, pos int) ([]float32, error) {
 	}
 	h = mix64(h, uint64(uint32(token))<<32|uint64(pos))
 	s.writeKV(&c, pos, h)
-	s.writeRow(rv, h)
+	s.writeRowHead(rv, h, s.touch)
 	return s.logits(h), nil
 }
 
@@ -153,24 +159,37 @@ func (s *synthetic) writeKV(c *Cache, pos int, h uint64) {
 	}
 }
 
-func (s *synthetic) writeRow(rv *rowView, h uint64) {
+func (s *synthetic) writeRow(rv *rowView, h uint64) { s.writeRowHead(rv, h, 0) }
+
+// writeRowHead is writeRow over the first n bytes of each section (n ≤ 0:
+// all of them).
+func (s *synthetic) writeRowHead(rv *rowView, h uint64, n int) {
 	for l := range rv.conv {
 		for sec, p := range rv.conv[l] {
-			fillPattern(p, mix64(h, 1<<32|uint64(l)<<2|uint64(sec)))
+			fillPattern(head(p, n), mix64(h, 1<<32|uint64(l)<<2|uint64(sec)))
 		}
-		fillPattern(rv.ssm[l], mix64(h, 1<<32|uint64(l)<<2|3))
+		fillPattern(head(rv.ssm[l], n), mix64(h, 1<<32|uint64(l)<<2|3))
 	}
 }
 
-// checksum is the CRC-32C of the row's state and of the K/V of the tokens of
-// the block holding position pos-1 (pos > 0).
+// head is the first n bytes of p, or p when n ≤ 0 or p is shorter.
+func head(p []byte, n int) []byte {
+	if n <= 0 || n >= len(p) {
+		return p
+	}
+	return p[:n]
+}
+
+// checksum is the CRC-32C of the row's state (the first s.touch bytes of
+// each section when set) and of the K/V of the tokens of the block holding
+// position pos-1 (pos > 0).
 func (s *synthetic) checksum(c *Cache, rv *rowView, pos int) uint32 {
 	var crc uint32
 	for l := range rv.conv {
 		for _, p := range rv.conv[l] {
-			crc = crc32.Update(crc, castagnoli, p)
+			crc = crc32.Update(crc, castagnoli, head(p, s.touch))
 		}
-		crc = crc32.Update(crc, castagnoli, rv.ssm[l])
+		crc = crc32.Update(crc, castagnoli, head(rv.ssm[l], s.touch))
 	}
 	tpb := c.KV.TokensPerBlock
 	last := pos - 1

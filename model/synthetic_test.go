@@ -5,6 +5,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/handoff-io/handoff/kvcache"
 	"github.com/handoff-io/handoff/mambacache"
 	"github.com/handoff-io/handoff/model"
 )
@@ -96,4 +97,55 @@ func checkFillsState(t *testing.T, e model.Executor) {
 	require.NoError(t, err)
 	require.NotEqual(t, bits(logits[0]), bits(l))
 	require.NotEqual(t, states[0][:n], state(c, n)[:n])
+}
+
+// With a decode touch, a decode step depends on the head of each state
+// section and on nothing beyond it, rewrites only that head, and prefill
+// still writes the whole row.
+func TestSyntheticDecodeTouchHead(t *testing.T) {
+	spec := model.Spec{
+		LayerPattern: "M*M-M*",
+		MaxContext:   512,
+		KV:           kvcache.Config{KVHeads: 2, HeadDim: 8, ElemSize: 2, TokensPerBlock: 8},
+		// SSM extents of 4·16·8·4 = 2 KiB: beyond a touch of 64 bytes.
+		Mamba: mambacache.Config{DState: 8, DConv: 4, Heads: 4, HeadDim: 16, NGroups: 2,
+			ConvElemSize: 2, SSMElemSize: 4, ConvLayout: mambacache.ConvXBC},
+	}
+	const touch = 64
+	e, err := model.NewSyntheticTouch("synthetic-touch", spec, touch)
+	require.NoError(t, err)
+	n := 11
+	run := func(mutate func(a *arenas)) (decoded []uint32, row []byte) {
+		a := newArenas(t, e.Spec(), 4, 1)
+		c := a.cache(0, 0, 1)
+		_, err := e.Prefill(c, prompt(n, 5))
+		require.NoError(t, err)
+		ext := a.mamba.RowExtent(0)
+		require.False(t, all(a.mMem[ext.Offset:ext.End()], 0), "prefill writes the row")
+		if mutate != nil {
+			mutate(a)
+		}
+		l, err := e.Decode(c, 'q', n)
+		require.NoError(t, err)
+		return bits(l), append([]byte(nil), a.mMem[ext.Offset:ext.End()]...)
+	}
+	base, row := run(nil)
+	ssm := func(a *arenas) mambacache.Extent { return a.mamba.SSMExtent(0, 0) }
+	tail, tailRow := run(func(a *arenas) { a.mMem[ssm(a).End()-1] ^= 0xff })
+	require.Equal(t, base, tail, "a byte beyond the head is not read")
+	require.NotEqual(t, row, tailRow, "nor rewritten: it keeps the flipped value")
+	headLogits, _ := run(func(a *arenas) { a.mMem[ssm(a).Offset+touch-1] ^= 0xff })
+	require.NotEqual(t, base, headLogits, "a byte of the head is read")
+
+	full, err := model.NewSynthetic("synthetic-touch", spec)
+	require.NoError(t, err)
+	a := newArenas(t, full.Spec(), 4, 1)
+	c := a.cache(0, 0, 1)
+	_, err = full.Prefill(c, prompt(n, 5))
+	require.NoError(t, err)
+	ext := a.mamba.RowExtent(0)
+	_, rowAfterPrefill := run(func(b *arenas) {
+		require.Equal(t, a.mMem[ext.Offset:ext.End()], b.mMem[ext.Offset:ext.End()], "prefill is the same with and without a touch")
+	})
+	require.NotNil(t, rowAfterPrefill)
 }

@@ -106,6 +106,9 @@ func newTinyHybrid(o Options) (Executor, error) {
 	if o.SSMElemSize != 0 && o.SSMElemSize != 4 {
 		return nil, fmt.Errorf("%w: %s keeps its SSM state in fp32", ErrInvalidOption, TinyHybrid)
 	}
+	if o.DecodeTouch != 0 {
+		return nil, fmt.Errorf("%w: %s computes on its whole state; touch is for the synthetic presets", ErrInvalidOption, TinyHybrid)
+	}
 	return tinyHybrid(), nil
 }
 
