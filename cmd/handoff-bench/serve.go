@@ -9,6 +9,7 @@ import (
 	"io"
 	"math"
 	"math/rand/v2"
+	"net/url"
 	"os"
 	"slices"
 	"strconv"
@@ -110,7 +111,7 @@ func parseServeFlags(args []string, stderr io.Writer) (serveOptions, error) {
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var rate, burst, sweep, slo, metrics, pcts, temp string
-	fs.StringVar(&o.baseURL, "base-url", "http://127.0.0.1:8000", "server base URL")
+	fs.StringVar(&o.baseURL, "base-url", "http://127.0.0.1:8000", "server base URL; several, comma-separated, are sent requests in turn (round robin, as a load balancer in front of replicas would)")
 	fs.StringVar(&o.endpoint, "endpoint", "/v1/completions", "API endpoint, appended to --base-url")
 	fs.StringVar(&o.model, "model", "", "model name; empty: the first model the server's /v1/models lists")
 	fs.StringVar(&o.label, "label", "", "a label for the report")
@@ -148,6 +149,12 @@ func parseServeFlags(args []string, stderr io.Writer) (serveOptions, error) {
 	}
 	if fs.NArg() > 0 {
 		return o, fmt.Errorf("serve: unexpected arguments %q", fs.Args())
+	}
+	for _, b := range strings.Split(o.baseURL, ",") {
+		u, err := url.Parse(strings.TrimSpace(b))
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			return o, fmt.Errorf("serve: --base-url: %q is not an http(s) URL", b)
+		}
 	}
 	var err error
 	if o.requestRate, err = parsePositive("request-rate", rate); err != nil {

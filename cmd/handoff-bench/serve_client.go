@@ -12,16 +12,21 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/handoff-io/handoff/cmd/handoff-bench/internal/serving"
 )
 
-// serveClient sends completion requests to one OpenAI-compatible server.
+// serveClient sends completion requests to OpenAI-compatible servers: one,
+// or several taken in turn (a round-robin load balancer in front of
+// replicas).
 type serveClient struct {
 	http        *http.Client
-	base        string // the base URL, without a trailing slash
-	url         string // the completions endpoint
+	base        string   // the first base URL, without a trailing slash
+	url         string   // the first server's completions endpoint
+	urls        []string // every server's completions endpoint, in turn
+	next        atomic.Uint64
 	apiKey      string // OPENAI_API_KEY, sent as a bearer token when set
 	ignoreEOS   bool
 	temperature float64 // NaN: not sent
@@ -40,11 +45,16 @@ func newServeClient(o serveOptions, rt http.RoundTripper) *serveClient {
 			DisableCompression:  true, // a compressed event stream would be buffered by the decompressor
 		}
 	}
-	base := strings.TrimRight(o.baseURL, "/")
+	var urls []string
+	for _, b := range strings.Split(o.baseURL, ",") {
+		urls = append(urls, strings.TrimRight(strings.TrimSpace(b), "/")+"/"+strings.TrimLeft(o.endpoint, "/"))
+	}
+	base := strings.TrimRight(strings.TrimSpace(strings.Split(o.baseURL, ",")[0]), "/")
 	return &serveClient{
 		http:        &http.Client{Transport: rt},
 		base:        base,
-		url:         base + "/" + strings.TrimLeft(o.endpoint, "/"),
+		url:         urls[0],
+		urls:        urls,
 		apiKey:      os.Getenv("OPENAI_API_KEY"),
 		ignoreEOS:   o.ignoreEOS,
 		temperature: o.temperature,
@@ -72,6 +82,11 @@ func (c *serveClient) newRequest(ctx context.Context, method, url string, body a
 		req.Header.Set("Authorization", "Bearer "+c.apiKey)
 	}
 	return req, nil
+}
+
+// nextURL is the completions endpoint of the server whose turn it is.
+func (c *serveClient) nextURL() string {
+	return c.urls[(c.next.Add(1)-1)%uint64(len(c.urls))]
 }
 
 // firstModel returns the id of the first model GET /v1/models lists.
@@ -182,7 +197,7 @@ func (c *serveClient) complete(ctx context.Context, model string, runStart time.
 	}
 	rctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
-	req, err := c.newRequest(rctx, http.MethodPost, c.url, body)
+	req, err := c.newRequest(rctx, http.MethodPost, c.nextURL(), body)
 	if err != nil {
 		return fail(err)
 	}

@@ -687,3 +687,23 @@ func TestServeSweepInterrupted(t *testing.T) {
 		require.NoError(t, err)
 	})
 }
+
+// Several --base-url servers are sent requests in turn, each with the
+// endpoint; the first answers the set-up calls.
+func TestServeBaseURLsRoundRobin(t *testing.T) {
+	o, err := parseServeFlags([]string{"--base-url", "http://a:1, http://b:2/", "--endpoint", "v1/completions"}, io.Discard)
+	require.NoError(t, err)
+	c := newServeClient(o, nil)
+	require.Equal(t, "http://a:1", c.base)
+	var got []string
+	for range 5 {
+		got = append(got, c.nextURL())
+	}
+	require.Equal(t, []string{"http://a:1/v1/completions", "http://b:2/v1/completions", "http://a:1/v1/completions",
+		"http://b:2/v1/completions", "http://a:1/v1/completions"}, got)
+
+	for _, bad := range []string{"http://a:1,", "a:1", "http://a:1,ftp://b"} {
+		_, err := parseServeFlags([]string{"--base-url", bad}, io.Discard)
+		require.ErrorContains(t, err, "--base-url", bad)
+	}
+}
