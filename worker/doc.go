@@ -3,7 +3,7 @@
 // A worker holds --dp-size ranks (Rank). Each rank owns a hybrid cache
 // manager (KV blocks plus Mamba rows) over two arenas, usually the bytes of
 // registered data-plane regions, and the model executor that reads and
-// writes them. The Engine steps all ranks in lockstep from one loop
+// writes them. The Scheduler steps all ranks in lockstep from one loop
 // goroutine the caller owns (Run):
 //
 //  1. Apply inbox events: cancelled requests, finished cache fetches,
@@ -35,7 +35,7 @@
 // # Caller duties
 //
 //  1. Size each rank's pools with PoolConfig, build one Rank per ADP rank
-//     over its manager and arenas, and one Engine over all of them.
+//     over its manager and arenas, and one Scheduler over all of them.
 //  2. Call Run once, on a goroutine the caller owns; cancel its ctx to stop.
 //     Queued and running requests then fail with ErrClosed and every row
 //     and block is freed (leases and fetches in flight get ReleaseGrace).
@@ -50,8 +50,8 @@
 //  5. To stop gracefully, Drain first (intake stops, accepted requests
 //     finish), then cancel Run's ctx.
 //
-// Lock order: Engine.mu, then a manager's lock; never the reverse. No IO,
-// executor call or CacheSource call runs under Engine.mu.
+// Lock order: Scheduler.mu, then a manager's lock; never the reverse. No IO,
+// executor call or CacheSource call runs under Scheduler.mu.
 //
 // Sub-packages: api (the OpenAI-compatible HTTP API), admin (liveness,
 // readiness, metrics), config (flags and environment), service (wiring of

@@ -20,7 +20,7 @@ func TestStopFailsAwaitCacheWithErrClosed(t *testing.T) {
 	pre := newEngine(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
 	dranks := newRanks(t, rankOpts{ranks: 1, batch: 2})
 	src := &gateSource{pre: pre, dst: dranks, gate: make(chan struct{}), started: make(chan uint64, 1)}
-	e, err := NewEngine(Config{Role: RoleDecode, Source: src}, dranks)
+	e, err := NewScheduler(Config{Role: RoleDecode, Source: src}, dranks)
 	require.NoError(t, err)
 	ctx, stop := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -42,7 +42,7 @@ func TestStopFailsAwaitCacheWithErrClosed(t *testing.T) {
 // max_tokens (it used to allocate a channel of max_tokens+1 events, about
 // 100 bytes a token, before the queue bound was checked).
 func TestRefusedRequestAllocatesLittle(t *testing.T) {
-	e, err := NewEngine(Config{Role: RoleDecode, QueueSize: 1}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
+	e, err := NewScheduler(Config{Role: RoleDecode, QueueSize: 1}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
 	require.NoError(t, err) // not running: the first request stays queued
 	maxTokens := e.MaxContext() - 1
 	req := GenerateRequest{Prompt: []int32{1}, MaxTokens: maxTokens}
@@ -144,7 +144,7 @@ func TestGenerateLogprobsRemoteEqualsLocal(t *testing.T) {
 	remote := newEngine(t, Config{Source: &gateSource{pre: pre, dst: dranks}}, dranks)
 	local := newEngine(t, Config{}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
 	smp := Sampling{Temperature: 0.9, TopP: 0.8, Seed: 5, Logprobs: true, TopLogprobs: 3}
-	collect := func(e *Engine) []Event {
+	collect := func(e *Scheduler) []Event {
 		s, err := e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("logprobs"), MaxTokens: 12, Sampling: smp})
 		require.NoError(t, err)
 		var evs []Event

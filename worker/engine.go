@@ -21,7 +21,7 @@ import (
 // prefilled cache, produced elsewhere (a remote prefill worker).
 //
 // Fetch must not return before no further byte can land in the destination
-// (the data-plane grant is closed or revoked): the engine frees and reuses
+// (the data-plane grant is closed or revoked): the scheduler frees and reuses
 // the resources as soon as Fetch returns, except when the error has a
 // method Released() <-chan struct{} (transfer.QuarantinedError: a live
 // writer may still store into them), when they stay allocated until that
@@ -110,15 +110,15 @@ type Lease struct {
 	FirstLogprobs *model.Logprobs
 	Compute       time.Duration
 
-	e    *Engine
+	e    *Scheduler
 	q    *request
 	once sync.Once
 }
 
-// Release frees the lease's resources. Idempotent; safe after the engine stopped.
+// Release frees the lease's resources. Idempotent; safe after the scheduler stopped.
 func (l *Lease) Release() { l.once.Do(func() { l.e.post(inboxEvent{kind: evRelease, q: l.q}) }) }
 
-// Config tunes an Engine.
+// Config tunes a Scheduler.
 type Config struct {
 	Role Role
 	// AttentionDP steps ranks in lockstep with dummy padding.
@@ -129,11 +129,11 @@ type Config struct {
 	// Source brings remote prefilled caches (decode role). Nil runs
 	// prefill in-process: the aggregated baseline.
 	Source CacheSource
-	// Logger receives the engine's logs; nil discards them.
+	// Logger receives the scheduler's logs; nil discards them.
 	Logger *slog.Logger
-	// Metrics receives the engine's metrics; nil keeps them unregistered.
+	// Metrics receives the scheduler's metrics; nil keeps them unregistered.
 	Metrics *Metrics
-	// ReleaseGrace is how long a stopping engine waits for leases and
+	// ReleaseGrace is how long a stopping scheduler waits for leases and
 	// fetches to end before it frees their resources anyway; 0 means 10s.
 	ReleaseGrace time.Duration
 }
@@ -171,7 +171,7 @@ func (c *Config) validate(ranks []*Rank) error {
 // rather than being refused, small enough that the memory it holds stays
 // bounded. A queued decode request costs the server about 25 KiB with a
 // short prompt and 37 KiB with a 4096-token one (its connection, handler
-// goroutine, parsed request and engine record; api's
+// goroutine, parsed request and scheduler record; api's
 // TestQueuedRequestMemory measures it), so a full default queue holds
 // about 30-40 MiB: less than one Mamba row of a large model. What a long
 // queue costs instead is waiting: a refused client is told the queue's
@@ -200,7 +200,7 @@ type leaseResult struct {
 	err   error
 }
 
-// request is the engine's record of one request. After enqueue, its mutable
+// request is the scheduler's record of one request. After enqueue, its mutable
 // fields are owned by the loop goroutine (and, during a step, by the one
 // goroutine stepping its rank).
 type request struct {
@@ -285,7 +285,7 @@ func (q *request) sample(logits []float32) (int32, *model.Logprobs) {
 	return tok, &lp
 }
 
-// Engine runs a worker's attention-DP ranks in lockstep. Generate (decode)
+// Scheduler runs a worker's attention-DP ranks in lockstep. Generate (decode)
 // and Prefill (prefill) queue requests from any goroutine; Run is the loop,
 // run by exactly one goroutine the caller owns.
 //
@@ -297,9 +297,9 @@ func (q *request) sample(logits []float32) (int32, *model.Logprobs) {
 // the attention-DP dummy (id 0, on the reserved row) on each idle rank,
 // freed at the end of the iteration. It sleeps when no rank has work.
 //
-// Lock order: Engine.mu, then the managers' locks; the loop never holds
-// Engine.mu across executor calls.
-type Engine struct {
+// Lock order: Scheduler.mu, then the managers' locks; the loop never holds
+// Scheduler.mu across executor calls.
+type Scheduler struct {
 	cfg        Config
 	ranks      []*Rank
 	log        *slog.Logger
@@ -336,8 +336,8 @@ type Engine struct {
 // at the rates of a busy worker.
 const admitAlpha = 1.0 / 16
 
-// NewEngine returns an engine over ranks. The ranks must share one model.
-func NewEngine(cfg Config, ranks []*Rank) (*Engine, error) {
+// NewScheduler returns a scheduler over ranks. The ranks must share one model.
+func NewScheduler(cfg Config, ranks []*Rank) (*Scheduler, error) {
 	if err := cfg.validate(ranks); err != nil {
 		return nil, err
 	}
@@ -345,7 +345,7 @@ func NewEngine(cfg Config, ranks []*Rank) (*Engine, error) {
 	for _, r := range ranks {
 		maxCtx = min(maxCtx, r.MaxTokens())
 	}
-	e := &Engine{
+	e := &Scheduler{
 		cfg: cfg, ranks: ranks, log: cfg.Logger, m: cfg.Metrics, maxContext: maxCtx,
 		wake: make(chan struct{}, 1), idle: make(chan struct{}), nextID: 1, quit: make(chan struct{}),
 	}
@@ -355,22 +355,22 @@ func NewEngine(cfg Config, ranks []*Rank) (*Engine, error) {
 }
 
 // MaxContext is the most tokens (prompt plus generated) one request may use.
-func (e *Engine) MaxContext() int { return e.maxContext }
+func (e *Scheduler) MaxContext() int { return e.maxContext }
 
-// Ranks returns the engine's ranks.
-func (e *Engine) Ranks() []*Rank { return e.ranks }
+// Ranks returns the scheduler's ranks.
+func (e *Scheduler) Ranks() []*Rank { return e.ranks }
 
-// Role returns the engine's role.
-func (e *Engine) Role() Role { return e.cfg.Role }
+// Role returns the scheduler's role.
+func (e *Scheduler) Role() Role { return e.cfg.Role }
 
-// Metrics returns the engine's metrics.
-func (e *Engine) Metrics() *Metrics { return e.m }
+// Metrics returns the scheduler's metrics.
+func (e *Scheduler) Metrics() *Metrics { return e.m }
 
 // Generate queues a decode request. It returns at once: ErrQueueFull,
 // ErrDraining or ErrClosed when the request is not taken, ErrInvalidRequest
 // or ErrTooLong for a request that can never run. Cancelling ctx ends the
 // request and frees its resources.
-func (e *Engine) Generate(ctx context.Context, g GenerateRequest) (*Stream, error) {
+func (e *Scheduler) Generate(ctx context.Context, g GenerateRequest) (*Stream, error) {
 	if e.cfg.Role != RoleDecode {
 		return nil, ErrWrongRole
 	}
@@ -400,7 +400,7 @@ func (e *Engine) Generate(ctx context.Context, g GenerateRequest) (*Stream, erro
 
 // Prefill queues a prefill job and waits until it ran: the returned lease
 // holds the cache until Release. Errors as Generate's, or ctx's.
-func (e *Engine) Prefill(ctx context.Context, j PrefillJob) (*Lease, error) {
+func (e *Scheduler) Prefill(ctx context.Context, j PrefillJob) (*Lease, error) {
 	p, err := e.SubmitPrefill(ctx, j)
 	if err != nil {
 		return nil, err
@@ -410,14 +410,14 @@ func (e *Engine) Prefill(ctx context.Context, j PrefillJob) (*Lease, error) {
 
 // PendingPrefill is a queued prefill job.
 type PendingPrefill struct {
-	e *Engine
+	e *Scheduler
 	q *request
 }
 
 // SubmitPrefill queues a prefill job without waiting for it: it fails at once
 // with ErrQueueFull, ErrDraining, ErrClosed, ErrInvalidRequest or ErrTooLong.
 // Ending ctx before the lease was taken frees the job's resources.
-func (e *Engine) SubmitPrefill(ctx context.Context, j PrefillJob) (*PendingPrefill, error) {
+func (e *Scheduler) SubmitPrefill(ctx context.Context, j PrefillJob) (*PendingPrefill, error) {
 	if e.cfg.Role != RolePrefill {
 		return nil, ErrWrongRole
 	}
@@ -452,7 +452,7 @@ func (p *PendingPrefill) Wait(ctx context.Context) (*Lease, error) {
 // (Release that instead).
 func (p *PendingPrefill) Abandon() { p.e.post(inboxEvent{kind: evAbandon, q: p.q}) }
 
-func (e *Engine) check(prompt []int32, maxTokens int, smp Sampling) error {
+func (e *Scheduler) check(prompt []int32, maxTokens int, smp Sampling) error {
 	temp := smp.Temperature
 	switch {
 	case len(prompt) == 0:
@@ -471,7 +471,7 @@ func (e *Engine) check(prompt []int32, maxTokens int, smp Sampling) error {
 	return nil
 }
 
-func (e *Engine) newRequest(ctx context.Context, logID string, prompt []int32, maxTokens int,
+func (e *Scheduler) newRequest(ctx context.Context, logID string, prompt []int32, maxTokens int,
 	smp Sampling, tokens int) *request {
 	rctx, cancel := context.WithCancelCause(ctx)
 	return &request{
@@ -484,7 +484,7 @@ func (e *Engine) newRequest(ctx context.Context, logID string, prompt []int32, m
 
 func ranksBlocksFor(r *Rank, tokens int) int { return r.kvCfg.BlocksFor(tokens) }
 
-func (e *Engine) enqueue(q *request) error {
+func (e *Scheduler) enqueue(q *request) error {
 	e.mu.Lock()
 	var err error
 	switch {
@@ -520,14 +520,14 @@ func (e *Engine) enqueue(q *request) error {
 	return nil
 }
 
-func (e *Engine) kick() {
+func (e *Scheduler) kick() {
 	select {
 	case e.wake <- struct{}{}:
 	default:
 	}
 }
 
-func (e *Engine) post(ev inboxEvent) {
+func (e *Scheduler) post(ev inboxEvent) {
 	e.mu.Lock()
 	e.inbox = append(e.inbox, ev)
 	e.mu.Unlock()
@@ -536,7 +536,7 @@ func (e *Engine) post(ev inboxEvent) {
 
 // Drain stops intake (Generate and Prefill return ErrDraining) and waits
 // until every accepted request ended, or ctx ends.
-func (e *Engine) Drain(ctx context.Context) error {
+func (e *Scheduler) Drain(ctx context.Context) error {
 	e.mu.Lock()
 	e.draining = true
 	e.maybeIdleLocked()
@@ -551,20 +551,20 @@ func (e *Engine) Drain(ctx context.Context) error {
 }
 
 // Draining reports whether Drain was called.
-func (e *Engine) Draining() bool {
+func (e *Scheduler) Draining() bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return e.draining
 }
 
 // Live is the number of accepted requests not yet ended.
-func (e *Engine) Live() int {
+func (e *Scheduler) Live() int {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return e.live
 }
 
-func (e *Engine) maybeIdleLocked() {
+func (e *Scheduler) maybeIdleLocked() {
 	if e.draining && e.live == 0 && !e.idleShut {
 		e.idleShut = true
 		close(e.idle)
@@ -574,7 +574,7 @@ func (e *Engine) maybeIdleLocked() {
 // Run is the scheduling loop. It returns when ctx ends, after failing queued
 // and running requests with ErrClosed and freeing everything they held.
 // It must be called once.
-func (e *Engine) Run(ctx context.Context) error {
+func (e *Scheduler) Run(ctx context.Context) error {
 	e.mu.Lock()
 	if e.running || e.stopped {
 		e.mu.Unlock()
@@ -606,7 +606,7 @@ func (e *Engine) Run(ctx context.Context) error {
 	}
 }
 
-func (e *Engine) plan() Plan {
+func (e *Scheduler) plan() Plan {
 	loads := make([]RankLoad, len(e.ranks))
 	ph := e.scratchPh[:0]
 	for i, r := range e.ranks {
@@ -619,7 +619,7 @@ func (e *Engine) plan() Plan {
 }
 
 // applyInbox handles the events posted since the last iteration.
-func (e *Engine) applyInbox() {
+func (e *Scheduler) applyInbox() {
 	e.mu.Lock()
 	events := e.inbox
 	e.inbox = nil
@@ -669,7 +669,7 @@ func cancelCause(q *request) error {
 	return context.Canceled
 }
 
-func (e *Engine) unqueue(q *request) bool {
+func (e *Scheduler) unqueue(q *request) bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	for i, x := range e.queue {
@@ -687,7 +687,7 @@ func (e *Engine) unqueue(q *request) bool {
 }
 
 // admit moves queued requests onto ranks, in order, while the head fits.
-func (e *Engine) admit() {
+func (e *Scheduler) admit() {
 	rooms := make([]RankRoom, len(e.ranks))
 	popped, admitted := 0, 0
 	for {
@@ -725,7 +725,7 @@ func (e *Engine) admit() {
 // others' clients had left). Only a pass that follows one which left
 // requests queued is a sample: its gap is the time the ranks took to make
 // room, not time the worker sat idle.
-func (e *Engine) noteAdmittedLocked(popped, admitted int, now time.Time) {
+func (e *Scheduler) noteAdmittedLocked(popped, admitted int, now time.Time) {
 	if popped == 0 {
 		return
 	}
@@ -748,13 +748,13 @@ func (e *Engine) noteAdmittedLocked(popped, admitted int, now time.Time) {
 // so it follows the load, whatever bounds it: rows, blocks or step time).
 // It is 0 until requests have once had to wait. The API turns it into
 // Retry-After when it refuses a request for a full queue.
-func (e *Engine) QueueWait() time.Duration {
+func (e *Scheduler) QueueWait() time.Duration {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return time.Duration(float64(len(e.queue)+1) * e.admitGap * float64(time.Second))
 }
 
-func (e *Engine) place(q *request, r *Rank) {
+func (e *Scheduler) place(q *request, r *Rank) {
 	if q.ctx.Err() != nil {
 		e.finish(q, context.Cause(q.ctx))
 		return
@@ -792,7 +792,7 @@ func (e *Engine) place(q *request, r *Rank) {
 }
 
 // fetched applies a finished Fetch.
-func (e *Engine) fetched(q *request, res FetchResult, err error) {
+func (e *Scheduler) fetched(q *request, res FetchResult, err error) {
 	role := string(e.cfg.Role)
 	e.m.TransferDuration.WithLabelValues(role).Observe(time.Since(q.admitted).Seconds())
 	e.m.Transfers.WithLabelValues(role, TransferResult(err)).Inc()
@@ -847,7 +847,7 @@ func TransferResult(err error) string {
 }
 
 // step runs one lockstep iteration: ranks step concurrently.
-func (e *Engine) step(ctx context.Context, plan Plan) {
+func (e *Scheduler) step(ctx context.Context, plan Plan) {
 	var wg sync.WaitGroup
 	for i, r := range e.ranks {
 		dummy := plan.Dummy[i]
@@ -868,7 +868,7 @@ func hasWork(r *Rank) bool {
 	return false
 }
 
-func (e *Engine) stepRank(ctx context.Context, r *Rank, dummy bool) {
+func (e *Scheduler) stepRank(ctx context.Context, r *Rank, dummy bool) {
 	if st, ok := r.exec.(model.StepTimer); ok {
 		defer simulateStep(ctx, st, r.held, dummy)() // the step lasts its simulated time
 	}
@@ -888,7 +888,7 @@ func (e *Engine) stepRank(ctx context.Context, r *Rank, dummy bool) {
 
 // padDummy places the ADP dummy on r's reserved row, runs a decode step on
 // it so the rank joins the iteration, and frees it.
-func (e *Engine) padDummy(ctx context.Context, r *Rank) {
+func (e *Scheduler) padDummy(ctx context.Context, r *Rank) {
 	id := mambacache.ADPDummyID
 	if err := r.mgr.AddDummy(id); err != nil {
 		e.log.Error("adp dummy not placed", "rank", r.index, "err", err)
@@ -907,7 +907,7 @@ func (e *Engine) padDummy(ctx context.Context, r *Rank) {
 	e.m.Dummies.WithLabelValues(string(e.cfg.Role)).Inc()
 }
 
-func (e *Engine) prefillStep(r *Rank, q *request) {
+func (e *Scheduler) prefillStep(r *Rank, q *request) {
 	start := time.Now()
 	c, err := r.cache(q.id, q.blocks)
 	if err != nil {
@@ -948,7 +948,7 @@ func (e *Engine) prefillStep(r *Rank, q *request) {
 	e.setPhase(q, PhaseGenerate)
 }
 
-func (e *Engine) decodeStep(r *Rank, q *request) {
+func (e *Scheduler) decodeStep(r *Rank, q *request) {
 	if err := r.mgr.Grow(q.id, q.pos+1); err != nil {
 		q.stepErr = err
 		return
@@ -970,7 +970,7 @@ func (e *Engine) decodeStep(r *Rank, q *request) {
 }
 
 // collect ends the requests the iteration finished or failed.
-func (e *Engine) collect() {
+func (e *Scheduler) collect() {
 	var done []*request
 	for _, r := range e.ranks {
 		for _, q := range r.held {
@@ -989,7 +989,7 @@ func (e *Engine) collect() {
 }
 
 // finish ends q: frees what it holds, reports, and counts it.
-func (e *Engine) finish(q *request, err error) {
+func (e *Scheduler) finish(q *request, err error) {
 	if q.phase == PhaseDone {
 		return
 	}
@@ -1070,7 +1070,7 @@ func (e *Engine) finish(q *request, err error) {
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
 // publish updates the pool and queue gauges.
-func (e *Engine) publish() {
+func (e *Scheduler) publish() {
 	e.mu.Lock()
 	queued := len(e.queue)
 	e.mu.Unlock()
@@ -1085,7 +1085,7 @@ func (e *Engine) publish() {
 // as they enter and leave, not at the end of an iteration, which may be long
 // (one iteration prefills every admitted prompt). Called by the goroutine
 // that owns q.
-func (e *Engine) setPhase(q *request, p Phase) {
+func (e *Scheduler) setPhase(q *request, p Phase) {
 	inFlight := func(p Phase) bool { return p == PhaseAwaitCache || p == PhasePush }
 	switch was, now := inFlight(q.phase), inFlight(p); {
 	case now && !was:
@@ -1098,7 +1098,7 @@ func (e *Engine) setPhase(q *request, p Phase) {
 
 // shutdown fails what is left and waits for fetches and leases, up to
 // ReleaseGrace, before freeing their resources anyway.
-func (e *Engine) shutdown() {
+func (e *Scheduler) shutdown() {
 	close(e.quit)
 	e.mu.Lock()
 	e.stopped = true

@@ -44,7 +44,7 @@ func newRanks(t testing.TB, o rankOpts) []*Rank {
 
 // startEngine runs e's loop until the test ends and checks that it stopped
 // and left every pool at its idle counts.
-func startEngine(t testing.TB, e *Engine) {
+func startEngine(t testing.TB, e *Scheduler) {
 	t.Helper()
 	idle := make([]hybrid.Stats, len(e.ranks))
 	for i, r := range e.ranks {
@@ -62,12 +62,12 @@ func startEngine(t testing.TB, e *Engine) {
 	})
 }
 
-func newEngine(t testing.TB, cfg Config, ranks []*Rank) *Engine {
+func newEngine(t testing.TB, cfg Config, ranks []*Rank) *Scheduler {
 	t.Helper()
 	if cfg.Role == "" {
 		cfg.Role = RoleDecode
 	}
-	e, err := NewEngine(cfg, ranks)
+	e, err := NewScheduler(cfg, ranks)
 	require.NoError(t, err)
 	startEngine(t, e)
 	return e
@@ -167,7 +167,7 @@ func TestEngineLocalMatchesReference(t *testing.T) {
 func TestEngineDeterministic(t *testing.T) {
 	run := func() [][]int32 {
 		ranks := newRanks(t, rankOpts{ranks: 1, batch: 4})
-		e, err := NewEngine(Config{Role: RoleDecode}, ranks)
+		e, err := NewScheduler(Config{Role: RoleDecode}, ranks)
 		require.NoError(t, err)
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
@@ -219,7 +219,7 @@ func TestEngineValidation(t *testing.T) {
 // gateSource is a CacheSource that holds each fetch until released, then
 // fills the destination through a prefill engine (a loopback transfer).
 type gateSource struct {
-	pre     *Engine
+	pre     *Scheduler
 	dst     []*Rank
 	gate    chan struct{}
 	started chan uint64
@@ -240,7 +240,7 @@ func (g *gateSource) Fetch(ctx context.Context, f FetchRequest) (FetchResult, er
 }
 
 // loopbackFetch prefills f on pre and copies the cache into f's destination.
-func loopbackFetch(ctx context.Context, pre *Engine, dst []*Rank, f FetchRequest) (FetchResult, error) {
+func loopbackFetch(ctx context.Context, pre *Scheduler, dst []*Rank, f FetchRequest) (FetchResult, error) {
 	l, err := pre.Prefill(ctx, PrefillJob{Prompt: f.Prompt, Sampling: f.Sampling, LogID: f.LogID})
 	if err != nil {
 		return FetchResult{}, err
@@ -499,7 +499,7 @@ func TestEngineStopFailsInflight(t *testing.T) {
 	ranks := newRanks(t, rankOpts{ranks: 1, batch: 1})
 	pre := newEngine(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
 	src := &gateSource{pre: pre, dst: ranks, gate: make(chan struct{}), started: make(chan uint64, 8)}
-	e, err := NewEngine(Config{Role: RoleDecode, Source: src}, ranks)
+	e, err := NewScheduler(Config{Role: RoleDecode, Source: src}, ranks)
 	require.NoError(t, err)
 	idle := ranks[0].mgr.Stats()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -526,7 +526,7 @@ func TestEngineStopFailsInflight(t *testing.T) {
 // and with slow prefills it lasts long after the first lease went out.
 func TestEngineSessionsGaugeLive(t *testing.T) {
 	ranks := newRanks(t, rankOpts{ranks: 1, batch: 2, model: model.TinyHybrid + "?prefill_delay=2ms"})
-	e, err := NewEngine(Config{Role: RolePrefill}, ranks)
+	e, err := NewScheduler(Config{Role: RolePrefill}, ranks)
 	require.NoError(t, err)
 	prompt := model.Encode(strings.Repeat("p", 200)) // about 0.4 s of prefill each
 	first, err := e.SubmitPrefill(context.Background(), PrefillJob{Prompt: prompt})

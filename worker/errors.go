@@ -4,7 +4,7 @@ import "errors"
 
 // Sentinel errors of the worker. Callers match them with errors.Is.
 var (
-	// ErrInvalidConfig is returned by NewEngine, NewRank and PoolConfig for
+	// ErrInvalidConfig is returned by NewScheduler, NewRank and PoolConfig for
 	// a configuration that cannot work.
 	ErrInvalidConfig = errors.New("worker: invalid config")
 	// ErrInvalidRequest is returned by Generate and Prefill for an empty
@@ -18,10 +18,10 @@ var (
 	ErrQueueFull = errors.New("worker: queue full")
 	// ErrDraining is returned by Generate and Prefill once Drain has begun.
 	ErrDraining = errors.New("worker: draining")
-	// ErrClosed ends requests still queued or running when the engine stops,
+	// ErrClosed ends requests still queued or running when the scheduler stops,
 	// and is returned by Generate and Prefill after it stopped.
 	ErrClosed = errors.New("worker: engine stopped")
-	// ErrWrongRole is returned by Generate on a prefill engine and by
+	// ErrWrongRole is returned by Generate on a prefill scheduler and by
 	// Prefill on a decode engine.
 	ErrWrongRole = errors.New("worker: not served by this role")
 	// ErrTransferRefused wraps a peer's refusal of a transfer (no prefill

@@ -10,12 +10,12 @@ import (
 )
 
 // An aggregated decode worker: one rank, prefill in process.
-func ExampleEngine() {
+func ExampleScheduler() {
 	exec, _ := model.Lookup(model.TinyHybrid)
 	pools, _ := worker.PoolConfig(exec.Spec(), worker.PoolParams{MaxBatchSize: 4})
 	m, _ := hybrid.New(pools)
 	rank, _ := worker.NewRank(0, m, exec, make([]byte, pools.KV.ArenaBytes()), make([]byte, pools.Mamba.ArenaBytes()))
-	e, _ := worker.NewEngine(worker.Config{Role: worker.RoleDecode}, []*worker.Rank{rank})
+	e, _ := worker.NewScheduler(worker.Config{Role: worker.RoleDecode}, []*worker.Rank{rank})
 
 	ctx, stop := context.WithCancel(context.Background())
 	done := make(chan error)

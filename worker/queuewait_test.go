@@ -29,7 +29,7 @@ func (h *holdSource) Fetch(ctx context.Context, _ FetchRequest) (FetchResult, er
 func TestQueueWaitFollowsAdmissionRate(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := &holdSource{release: make(chan struct{})}
-		e, err := NewEngine(Config{Role: RoleDecode, Source: src, QueueSize: 64},
+		e, err := NewScheduler(Config{Role: RoleDecode, Source: src, QueueSize: 64},
 			newRanks(t, rankOpts{ranks: 1, batch: 1}))
 		require.NoError(t, err)
 		ctx, cancel := context.WithCancel(context.Background())
@@ -87,7 +87,7 @@ func TestQueueWaitFollowsAdmissionRate(t *testing.T) {
 	})
 }
 
-func queued(e *Engine) int {
+func queued(e *Scheduler) int {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return len(e.queue)

@@ -66,7 +66,7 @@ func PoolConfig(spec model.Spec, p PoolParams) (hybrid.Config, error) {
 // Rank is one attention-DP rank: a hybrid cache manager, the two arenas its
 // offsets point into, and the executor that reads and writes them.
 //
-// The engine's loop goroutine owns a Rank's request list and promise count;
+// The scheduler's loop goroutine owns a Rank's request list and promise count;
 // the manager and arenas are also read by transfer code, through the
 // offsets of requests it was handed.
 type Rank struct {
@@ -79,7 +79,7 @@ type Rank struct {
 	mCfg       mambacache.Config
 	budget     int // blocks real requests may be promised
 
-	// Owned by the engine loop.
+	// Owned by the scheduler loop.
 	promised int
 	held     []*request
 }

@@ -24,7 +24,7 @@ type Event struct {
 }
 
 // Stream delivers a request's tokens, then exactly one final event. The
-// engine never waits for a reader: events queue in the stream, which grows
+// scheduler never waits for a reader: events queue in the stream, which grows
 // with the tokens actually generated (nothing is sized by MaxTokens before
 // the request runs). A reader that leaves must cancel the request's context;
 // the queued events are then garbage.
@@ -42,7 +42,7 @@ type Stream struct {
 
 func newStream() *Stream { return &Stream{ready: make(chan struct{}, 1)} }
 
-// push appends ev; called by the engine, never blocks.
+// push appends ev; called by the scheduler, never blocks.
 func (s *Stream) push(ev Event) {
 	s.mu.Lock()
 	s.queue = append(s.queue, ev)

@@ -122,13 +122,13 @@ const (
 )
 
 // QueueWaiter is what a Generator may also report: how long a request that
-// joined its admission queue now would wait (worker.Engine.QueueWait). A
+// joined its admission queue now would wait (worker.Scheduler.QueueWait). A
 // request refused for a full queue is told to retry after that long.
 type QueueWaiter interface {
 	QueueWait() time.Duration
 }
 
-var _ QueueWaiter = (*worker.Engine)(nil)
+var _ QueueWaiter = (*worker.Scheduler)(nil)
 
 // retryAfterFor is the Retry-After of a queue-full refusal: the queue's
 // expected wait in whole seconds, rounded up, within

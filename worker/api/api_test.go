@@ -18,11 +18,11 @@ import (
 	"github.com/handoff-io/handoff/worker"
 )
 
-func newEngine(t *testing.T, blocks, queue int) *worker.Engine {
+func newEngine(t *testing.T, blocks, queue int) *worker.Scheduler {
 	return newModelEngine(t, model.TinyHybrid, blocks, queue)
 }
 
-func newModelEngine(t *testing.T, name string, blocks, queue int) *worker.Engine {
+func newModelEngine(t *testing.T, name string, blocks, queue int) *worker.Scheduler {
 	t.Helper()
 	exec, err := model.Lookup(name)
 	require.NoError(t, err)
@@ -32,7 +32,7 @@ func newModelEngine(t *testing.T, name string, blocks, queue int) *worker.Engine
 	require.NoError(t, err)
 	r, err := worker.NewRank(0, m, exec, make([]byte, cfg.KV.ArenaBytes()), make([]byte, cfg.Mamba.ArenaBytes()))
 	require.NoError(t, err)
-	e, err := worker.NewEngine(worker.Config{Role: worker.RoleDecode, QueueSize: queue}, []*worker.Rank{r})
+	e, err := worker.NewScheduler(worker.Config{Role: worker.RoleDecode, QueueSize: queue}, []*worker.Rank{r})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -383,7 +383,7 @@ func TestStreamHeadersBeforeFirstToken(t *testing.T) {
 	require.NoError(t, err)
 	r, err := worker.NewRank(0, m, exec, make([]byte, cfg.KV.ArenaBytes()), make([]byte, cfg.Mamba.ArenaBytes()))
 	require.NoError(t, err)
-	e, err := worker.NewEngine(worker.Config{Role: worker.RoleDecode}, []*worker.Rank{r})
+	e, err := worker.NewScheduler(worker.Config{Role: worker.RoleDecode}, []*worker.Rank{r})
 	require.NoError(t, err)
 	srv := newServer(t, e) // the loop is not running yet: the request stays queued
 

@@ -339,7 +339,7 @@ func TestRefusedRequestHeap(t *testing.T) {
 	require.NoError(t, err)
 	r, err := worker.NewRank(0, m, exec, make([]byte, cfg.KV.ArenaBytes()), make([]byte, cfg.Mamba.ArenaBytes()))
 	require.NoError(t, err)
-	e, err := worker.NewEngine(worker.Config{Role: worker.RoleDecode, QueueSize: 1}, []*worker.Rank{r})
+	e, err := worker.NewScheduler(worker.Config{Role: worker.RoleDecode, QueueSize: 1}, []*worker.Rank{r})
 	require.NoError(t, err) // not running: one request fills the queue
 	h := New(Config{Model: model.TinyHybrid}, e)
 	body := `{"model":"tiny-hybrid","prompt":"x","max_tokens":` + fmtInt(e.MaxContext()-1) + `,"stream":true}`

@@ -42,7 +42,7 @@ func queuedRequestBytes(t *testing.T, n, prompt int) float64 {
 	require.NoError(t, err)
 	r, err := worker.NewRank(0, m, exec, make([]byte, cfg.KV.ArenaBytes()), make([]byte, cfg.Mamba.ArenaBytes()))
 	require.NoError(t, err)
-	e, err := worker.NewEngine(worker.Config{Role: worker.RoleDecode, QueueSize: n, Source: blockedSource{}},
+	e, err := worker.NewScheduler(worker.Config{Role: worker.RoleDecode, QueueSize: n, Source: blockedSource{}},
 		[]*worker.Rank{r})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())

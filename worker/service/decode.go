@@ -108,7 +108,7 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 		registerDataPathStats(o.Registry, n.data, log)
 		source = &transferSource{dec: dec, n: n, m: o.Metrics, timeout: cfg.RequestTimeout}
 	}
-	eng, err := worker.NewEngine(worker.Config{
+	eng, err := worker.NewScheduler(worker.Config{
 		Role: worker.RoleDecode, AttentionDP: cfg.AttentionDP, QueueSize: cfg.QueueSize,
 		Source: source, Logger: log, Metrics: o.Metrics,
 	}, n.ranks)

@@ -302,7 +302,7 @@ func startAdmin(cfg config.Config, o *Options) (*admin.Server, *admin.Gate, *htt
 
 // runEngine runs e's loop on a goroutine; the returned stop cancels it and
 // waits.
-func runEngine(e *worker.Engine, log *slog.Logger) (stop func()) {
+func runEngine(e *worker.Scheduler, log *slog.Logger) (stop func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {

@@ -59,7 +59,7 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 	defer nc.Close()
 	connected.Store(nc)
 
-	eng, err := worker.NewEngine(worker.Config{
+	eng, err := worker.NewScheduler(worker.Config{
 		Role: worker.RolePrefill, AttentionDP: cfg.AttentionDP, QueueSize: cfg.QueueSize,
 		Logger: log, Metrics: o.Metrics,
 	}, n.ranks)
@@ -118,7 +118,7 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 
 // prefillExec implements transfer.PrefillExecutor over the prefill engine.
 type prefillExec struct {
-	e  *worker.Engine
+	e  *worker.Scheduler
 	n  *node
 	m  *worker.Metrics
 	pf *transfer.Prefiller
