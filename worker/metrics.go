@@ -49,6 +49,7 @@ type Metrics struct {
 	Sessions         *prometheus.GaugeVec     // handoff_sessions_inflight{role}
 	Queued           *prometheus.GaugeVec     // handoff_queued_requests{role}
 	TransportInfo    *prometheus.GaugeVec     // handoff_transport_info{transport}
+	PrefillRoutes    *prometheus.CounterVec   // handoff_prefill_routes_total{role,route,reason}
 }
 
 // NewMetrics creates the collectors and registers them on reg (a private
@@ -112,10 +113,15 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "handoff_transport_info",
 			Help: "The data-plane transport in use (value 1).",
 		}, []string{"transport"}),
+		PrefillRoutes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_prefill_routes_total",
+			Help: "Decode with --prefill auto: admitted requests by where their prefill ran (local, remote) and why " +
+				"(short_prompt, prefill_busy, no_prefill, long_prompt).",
+		}, []string{"role", "route", "reason"}),
 	}
 	reg.MustRegister(m.Requests, m.Transfers, m.TransferBytes, m.TransferDuration,
 		m.QueueDuration, m.PrefillDuration, m.FirstToken,
-		m.Dummies, m.MambaRows, m.KVBlocks, m.Sessions, m.Queued, m.TransportInfo)
+		m.Dummies, m.MambaRows, m.KVBlocks, m.Sessions, m.Queued, m.TransportInfo, m.PrefillRoutes)
 	return m
 }
 

@@ -16,6 +16,11 @@ const (
 	ReasonPrefillBusy = "prefill_busy" // local: the least-loaded prefill instance has a queue
 	ReasonNoPrefill   = "no_prefill"   // local: no usable prefill instance is known
 	ReasonLongPrompt  = "long_prompt"  // remote: a long prompt and a prefill instance with room
+	// ReasonRemoteRefused: local after all: the remote prefill was refused
+	// (no prefill worker answered, none had room), so the request was
+	// prefilled here on the resources it already held. Such a request is
+	// counted twice, remote and then local.
+	ReasonRemoteRefused = "remote_refused"
 )
 
 // Defaults of AutoPolicy, the thresholds of decode --prefill auto.
