@@ -129,6 +129,12 @@ type Config struct {
 	// Source brings remote prefilled caches (decode role). Nil runs
 	// prefill in-process: the aggregated baseline.
 	Source CacheSource
+	// Router, with a Source, decides per admitted request whether its
+	// prefill runs at the Source or here (conditional disaggregation,
+	// decode --prefill auto); a request whose remote prefill is refused
+	// (ErrTransferRefused) is then prefilled here instead of failing. Nil
+	// sends every request to the Source.
+	Router Router
 	// Logger receives the scheduler's logs; nil discards them.
 	Logger *slog.Logger
 	// Metrics receives the scheduler's metrics; nil keeps them unregistered.
@@ -147,6 +153,9 @@ func (c *Config) validate(ranks []*Rank) error {
 	}
 	if c.Role == RolePrefill && c.Source != nil {
 		return fmt.Errorf("%w: a prefill engine takes no cache source", ErrInvalidConfig)
+	}
+	if c.Router != nil && c.Source == nil {
+		return fmt.Errorf("%w: a prefill router needs a cache source", ErrInvalidConfig)
 	}
 	if c.QueueSize < 0 {
 		return fmt.Errorf("%w: queue size %d", ErrInvalidConfig, c.QueueSize)
@@ -350,6 +359,9 @@ func NewScheduler(cfg Config, ranks []*Rank) (*Scheduler, error) {
 		wake: make(chan struct{}, 1), idle: make(chan struct{}), nextID: 1, quit: make(chan struct{}),
 	}
 	e.m.init(cfg.Role)
+	if cfg.Router != nil {
+		e.m.initRoutes(cfg.Role)
+	}
 	e.publish()
 	return e, nil
 }
@@ -772,7 +784,7 @@ func (e *Scheduler) place(q *request, r *Rank) {
 	q.log = q.log.With("rank", r.index)
 	r.held = append(r.held, q)
 	r.promised += q.promise
-	if q.prefillOnly || e.cfg.Source == nil {
+	if q.prefillOnly || e.cfg.Source == nil || !e.routeRemote(q) {
 		e.setPhase(q, PhaseContext)
 		q.log.Debug("request admitted", "row", res.Row, "runs", len(res.Runs))
 		return
@@ -791,11 +803,32 @@ func (e *Scheduler) place(q *request, r *Rank) {
 	})
 }
 
+// routeRemote reports whether q's prefill runs at the Source: always
+// without a Router, else as it decides, counted by route and reason.
+func (e *Scheduler) routeRemote(q *request) bool {
+	if e.cfg.Router == nil {
+		return true
+	}
+	d := e.cfg.Router.Route(len(q.prompt))
+	e.m.PrefillRoutes.WithLabelValues(string(e.cfg.Role), d.Route(), d.Reason).Inc()
+	q.log.Debug("prefill routed", "route", d.Route(), "reason", d.Reason)
+	return d.Remote
+}
+
 // fetched applies a finished Fetch.
 func (e *Scheduler) fetched(q *request, res FetchResult, err error) {
 	role := string(e.cfg.Role)
 	e.m.TransferDuration.WithLabelValues(role).Observe(time.Since(q.admitted).Seconds())
 	e.m.Transfers.WithLabelValues(role, TransferResult(err)).Inc()
+	if err != nil && e.cfg.Router != nil && errors.Is(err, ErrTransferRefused) &&
+		q.ctx.Err() == nil && quarantined(err) == nil {
+		// Refused before any byte could land (Fetch's contract): the
+		// resources are the request's still, and it is prefilled here.
+		e.m.PrefillRoutes.WithLabelValues(role, RouteLocal, ReasonRemoteRefused).Inc()
+		q.log.Info("remote prefill refused; prefilling here", "err", err)
+		e.setPhase(q, PhaseContext)
+		return
+	}
 	if err != nil {
 		if cause := context.Cause(q.ctx); cause != nil && !errors.Is(err, cause) {
 			// Ended by its context: say why (ErrClosed at shutdown, so

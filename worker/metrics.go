@@ -156,3 +156,12 @@ func (m *Metrics) setPools(role Role, rank int, s hybrid.Stats) {
 	m.KVBlocks.WithLabelValues(r, k, "free").Set(float64(s.BlocksFree))
 	m.KVBlocks.WithLabelValues(r, k, "used").Set(float64(s.BlocksUsed))
 }
+
+// initRoutes creates, at 0, the route series a Router can produce.
+func (m *Metrics) initRoutes(role Role) {
+	r := string(role)
+	for _, reason := range []string{ReasonShortPrompt, ReasonPrefillBusy, ReasonNoPrefill, ReasonRemoteRefused} {
+		m.PrefillRoutes.WithLabelValues(r, RouteLocal, reason)
+	}
+	m.PrefillRoutes.WithLabelValues(r, RouteRemote, ReasonLongPrompt)
+}

@@ -1,0 +1,119 @@
+package worker
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/model"
+)
+
+// countingSource is a loopback CacheSource that counts its fetches, or
+// refuses every one when refuse is set.
+type countingSource struct {
+	gateSource
+	fetches atomic.Int32
+	refuse  bool
+}
+
+func (c *countingSource) Fetch(ctx context.Context, f FetchRequest) (FetchResult, error) {
+	c.fetches.Add(1)
+	if c.refuse {
+		return FetchResult{}, fmt.Errorf("%w: no prefill worker", ErrTransferRefused)
+	}
+	return c.gateSource.Fetch(ctx, f)
+}
+
+func routes(t *testing.T, m *Metrics, route, reason string) float64 {
+	t.Helper()
+	return counterValue(t, m.PrefillRoutes.WithLabelValues(string(RoleDecode), route, reason))
+}
+
+// generate runs one greedy request to its end and checks its tokens
+// against the reference.
+func generateChecked(t *testing.T, s *Scheduler, prompt string) Output {
+	t.Helper()
+	st, err := s.Generate(context.Background(), GenerateRequest{Prompt: model.Encode(prompt), MaxTokens: 6})
+	require.NoError(t, err)
+	toks, ev := drainStream(t, st)
+	require.NoError(t, ev.Err)
+	require.Equal(t, reference(t, model.TinyHybrid, model.Encode(prompt), 6, 0, 0), toks, "prompt %q", prompt)
+	return ev
+}
+
+// With a Router, each admitted request is prefilled where it decides: a
+// short prompt here (no fetch), a long one remotely (a fetch, a handoff
+// time), a long one here too while no prefill instance is known; the output
+// is the same either way, and every decision is counted by route and reason.
+func TestSchedulerRoutesPrefill(t *testing.T) {
+	pre := newEngine(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 2}))
+	dranks := newRanks(t, rankOpts{ranks: 1, batch: 2})
+	src := &countingSource{gateSource: gateSource{pre: pre, dst: dranks}}
+	var instances atomic.Int32
+	instances.Store(1)
+	m := NewMetrics(prometheus.NewRegistry())
+	router := AutoRouter{
+		Policy: AutoPolicy{MinRemoteTokens: 20, MaxPrefillQueue: 1},
+		Load:   func() PrefillLoad { return PrefillLoad{Instances: int(instances.Load()), Rows: 2} },
+	}
+	dec := newEngine(t, Config{Source: src, Router: router, Metrics: m}, dranks)
+	const short, long = "Hello", "a prompt long enough to be prefilled remotely"
+
+	ev := generateChecked(t, dec, short)
+	require.Zero(t, src.fetches.Load(), "a short prompt is prefilled here")
+	require.Zero(t, ev.Timing.Handoff)
+	require.Equal(t, 1.0, routes(t, m, RouteLocal, ReasonShortPrompt))
+
+	ev = generateChecked(t, dec, long)
+	require.Equal(t, int32(1), src.fetches.Load(), "a long prompt is fetched")
+	require.Greater(t, ev.Timing.Handoff, time.Duration(0))
+	require.Equal(t, 1.0, routes(t, m, RouteRemote, ReasonLongPrompt))
+
+	instances.Store(0)
+	ev = generateChecked(t, dec, long)
+	require.Equal(t, int32(1), src.fetches.Load(), "no prefill instance: prefilled here")
+	require.Zero(t, ev.Timing.Handoff)
+	require.Equal(t, 1.0, routes(t, m, RouteLocal, ReasonNoPrefill))
+	require.Zero(t, routes(t, m, RouteLocal, ReasonPrefillBusy), "the series exist at 0")
+}
+
+// A remote prefill that is refused (no prefill worker answered, none had
+// room) runs here instead, on the resources the fetch was given: the
+// request succeeds with the same output, and the fallback is counted.
+func TestSchedulerRefusedRemotePrefillRunsHere(t *testing.T) {
+	dranks := newRanks(t, rankOpts{ranks: 1, batch: 2})
+	src := &countingSource{refuse: true}
+	m := NewMetrics(prometheus.NewRegistry())
+	router := AutoRouter{
+		Policy: AutoPolicy{MinRemoteTokens: 1, MaxPrefillQueue: 1},
+		Load:   func() PrefillLoad { return PrefillLoad{Instances: 1, Rows: 2} },
+	}
+	dec := newEngine(t, Config{Source: src, Router: router, Metrics: m}, dranks)
+	for _, p := range testPrompts[:3] {
+		generateChecked(t, dec, p)
+	}
+	require.Equal(t, int32(3), src.fetches.Load())
+	require.Equal(t, 3.0, routes(t, m, RouteRemote, ReasonLongPrompt))
+	require.Equal(t, 3.0, routes(t, m, RouteLocal, ReasonRemoteRefused))
+	require.Equal(t, 3.0, counterValue(t, m.Transfers.WithLabelValues(string(RoleDecode), TransferRefused)))
+	require.Equal(t, 3.0, counterValue(t, m.Requests.WithLabelValues(string(RoleDecode), ResultOK)))
+}
+
+// Without a Router a remote engine fetches every request and fails a
+// refused one, as before; a Router needs a CacheSource.
+func TestSchedulerWithoutRouterFailsRefused(t *testing.T) {
+	dranks := newRanks(t, rankOpts{ranks: 1, batch: 2})
+	dec := newEngine(t, Config{Source: &countingSource{refuse: true}}, dranks)
+	st, err := dec.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("Hello"), MaxTokens: 2})
+	require.NoError(t, err)
+	_, ev := drainStream(t, st)
+	require.ErrorIs(t, ev.Err, ErrTransferRefused)
+
+	_, err = NewScheduler(Config{Role: RoleDecode, Router: AutoRouter{}}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
+	require.ErrorIs(t, err, ErrInvalidConfig)
+}
