@@ -34,16 +34,16 @@ func routes(t *testing.T, m *Metrics, route, reason string) float64 {
 	return counterValue(t, m.PrefillRoutes.WithLabelValues(string(RoleDecode), route, reason))
 }
 
-// generate runs one greedy request to its end and checks its tokens
-// against the reference.
-func generateChecked(t *testing.T, s *Scheduler, prompt string) Output {
+// generateChecked runs one greedy request to its end, checks its tokens
+// against the reference and returns its timing.
+func generateChecked(t *testing.T, s *Scheduler, prompt string) Timing {
 	t.Helper()
 	st, err := s.Generate(context.Background(), GenerateRequest{Prompt: model.Encode(prompt), MaxTokens: 6})
 	require.NoError(t, err)
 	toks, ev := drainStream(t, st)
 	require.NoError(t, ev.Err)
 	require.Equal(t, reference(t, model.TinyHybrid, model.Encode(prompt), 6, 0, 0), toks, "prompt %q", prompt)
-	return ev
+	return ev.Timing
 }
 
 // With a Router, each admitted request is prefilled where it decides: a
@@ -64,20 +64,20 @@ func TestSchedulerRoutesPrefill(t *testing.T) {
 	dec := newEngine(t, Config{Source: src, Router: router, Metrics: m}, dranks)
 	const short, long = "Hello", "a prompt long enough to be prefilled remotely"
 
-	ev := generateChecked(t, dec, short)
+	tm := generateChecked(t, dec, short)
 	require.Zero(t, src.fetches.Load(), "a short prompt is prefilled here")
-	require.Zero(t, ev.Timing.Handoff)
+	require.Zero(t, tm.Handoff)
 	require.Equal(t, 1.0, routes(t, m, RouteLocal, ReasonShortPrompt))
 
-	ev = generateChecked(t, dec, long)
+	tm = generateChecked(t, dec, long)
 	require.Equal(t, int32(1), src.fetches.Load(), "a long prompt is fetched")
-	require.Greater(t, ev.Timing.Handoff, time.Duration(0))
+	require.Greater(t, tm.Handoff, time.Duration(0))
 	require.Equal(t, 1.0, routes(t, m, RouteRemote, ReasonLongPrompt))
 
 	instances.Store(0)
-	ev = generateChecked(t, dec, long)
+	tm = generateChecked(t, dec, long)
 	require.Equal(t, int32(1), src.fetches.Load(), "no prefill instance: prefilled here")
-	require.Zero(t, ev.Timing.Handoff)
+	require.Zero(t, tm.Handoff)
 	require.Equal(t, 1.0, routes(t, m, RouteLocal, ReasonNoPrefill))
 	require.Zero(t, routes(t, m, RouteLocal, ReasonPrefillBusy), "the series exist at 0")
 }
