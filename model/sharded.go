@@ -1,0 +1,569 @@
+package model
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/handoff-io/handoff/kvcache"
+	"github.com/handoff-io/handoff/reshard"
+)
+
+// Tensor parallelism. A TP-N worker keeps a request's cache on N shards,
+// each in its own pools, with the shapes ShardSpec gives: the KV heads, Mamba
+// heads, groups and conv sections it would hold on its own GPU, laid out as
+// package reshard describes (a replicated KV head or group when N exceeds
+// their count). PrefillShards and DecodeShards run a model over the N caches
+// of one request, in shard order.
+//
+// tiny-hybrid runs sharded for real: each shard computes the rows of the
+// column-parallel projections (z|x B C|dt, Q, K, V, the MLP's up and gate)
+// that feed its own heads and state, and the row-parallel projections (the
+// Mamba and attention out-projections, the MLP's down-projection) are
+// reduced across shards in one fixed order: the four interleaved partial
+// sums of a dot product are carried from shard 0 to shard N-1 (chain),
+// exactly as one shard sums them alone. So every reduction adds the same
+// numbers in the same order whatever N is, and TP 1, 2 and 4 give
+// bit-identical logits and, read back through reshard, bit-identical caches.
+// The synthetic presets gather the shards into one TP-1 view, run, and
+// scatter back (their fake math reads whole rows).
+
+// ShardedExecutor is an Executor that runs over a tensor-parallel group's
+// shard caches itself (see ShardSpec). cs holds one Cache per shard, in
+// shard order, each with that shard's pool configs; every shard holds the
+// same blocks and row ids.
+type ShardedExecutor interface {
+	Executor
+	PrefillShards(cs []Cache, tokens []int32) ([]float32, error)
+	DecodeShards(cs []Cache, token int32, pos int) ([]float32, error)
+}
+
+// ShardSpec returns the cache shapes of one shard of a TP-tp group running
+// spec: KV and Mamba split by reshard.KVShard and reshard.MambaShard. An
+// error wraps ErrInvalidCache and the reshard sentinel, and names the
+// dimension that does not split.
+func ShardSpec(spec Spec, tp int) (Spec, error) {
+	kv, err := reshard.KVShard(spec.KV, tp)
+	if err != nil {
+		return Spec{}, fmt.Errorf("%w: %s at TP %d: %w", ErrInvalidCache, spec.Name, tp, err)
+	}
+	m, err := reshard.MambaShard(spec.Mamba, tp)
+	if err != nil {
+		return Spec{}, fmt.Errorf("%w: %s at TP %d: %w", ErrInvalidCache, spec.Name, tp, err)
+	}
+	spec.KV, spec.Mamba = kv, m
+	return spec, nil
+}
+
+// CheckTP reports whether e can run at tensor-parallel size tp: its caches
+// split (ShardSpec) and, for tiny-hybrid, its query heads and the
+// row-parallel reductions too. The error names what does not split.
+func CheckTP(e Executor, tp int) error {
+	if _, err := ShardSpec(e.Spec(), tp); err != nil {
+		return err
+	}
+	if m, ok := unwrap(e).(*tiny); ok {
+		return m.checkTP(tp)
+	}
+	return nil
+}
+
+// PrefillShards runs e.Prefill over the shard caches of one request and
+// returns the logits of the next token, the same for every len(cs) the
+// model splits over. One cache is a plain PrefillContext.
+func PrefillShards(ctx context.Context, e Executor, cs []Cache, tokens []int32) ([]float32, error) {
+	if len(cs) == 1 {
+		return PrefillContext(ctx, e, cs[0], tokens)
+	}
+	inner, pd, _ := delays(e)
+	if err := sleep(ctx, time.Duration(len(tokens))*pd); err != nil {
+		return nil, fmt.Errorf("model: prefill: %w", err)
+	}
+	if se, ok := inner.(ShardedExecutor); ok {
+		return se.PrefillShards(cs, tokens)
+	}
+	return viaTP1(inner, cs, len(tokens), func(c Cache) ([]float32, error) { return inner.Prefill(c, tokens) })
+}
+
+// DecodeShards runs e.Decode over the shard caches of one request.
+func DecodeShards(ctx context.Context, e Executor, cs []Cache, token int32, pos int) ([]float32, error) {
+	if len(cs) == 1 {
+		return DecodeContext(ctx, e, cs[0], token, pos)
+	}
+	inner, _, dd := delays(e)
+	if err := sleep(ctx, dd); err != nil {
+		return nil, fmt.Errorf("model: decode: %w", err)
+	}
+	if se, ok := inner.(ShardedExecutor); ok {
+		return se.DecodeShards(cs, token, pos)
+	}
+	return viaTP1(inner, cs, pos+1, func(c Cache) ([]float32, error) { return inner.Decode(c, token, pos) })
+}
+
+// delays strips the wrappers that only time a call (delayed, timed).
+func delays(e Executor) (inner Executor, prefill, decode time.Duration) {
+	switch w := e.(type) {
+	case *delayed:
+		return w.inner, w.prefill, w.decode
+	case timed:
+		return w.Executor, 0, 0
+	}
+	return e, 0, 0
+}
+
+func unwrap(e Executor) Executor {
+	inner, _, _ := delays(e)
+	return inner
+}
+
+// viaTP1 runs call on a TP-1 copy of the shards' caches: it gathers the
+// request's blocks and row into a scratch TP-1 cache with the plan tp→1,
+// runs call, and scatters the result back with the plan 1→tp. The bytes
+// the model sees and leaves are those of a TP-1 run.
+func viaTP1(e Executor, cs []Cache, tokens int, call func(Cache) ([]float32, error)) ([]float32, error) {
+	spec := e.Spec()
+	tp := len(cs)
+	shard, err := ShardSpec(spec, tp)
+	if err != nil {
+		return nil, err
+	}
+	tpb := cs[0].KV.TokensPerBlock
+	for i := range cs {
+		var rv rowView
+		sh := shard
+		sh.KV.TokensPerBlock = tpb
+		if err := checkCache(&sh, &cs[i], tokens, &rv); err != nil {
+			return nil, fmt.Errorf("shard %d: %w", i, err)
+		}
+	}
+	kv := spec.KV
+	kv.TokensPerBlock, kv.ByteBudget = tpb, 0
+	nb := 0
+	if kv.Layers > 0 {
+		nb = kv.BlocksFor(tokens)
+	}
+	kv.Blocks = max(nb, 1)
+	mc := spec.Mamba
+	mc.MaxBatchSize, mc.PPSize, mc.AttentionDP = 1, 1, false
+	one := Cache{KV: kv, Mamba: mc, Row: 0}
+	if kv.Layers > 0 {
+		one.KVArena = make([]byte, kv.ArenaBytes())
+		for b := range nb {
+			one.Blocks = append(one.Blocks, kvcache.BlockID(b))
+		}
+	}
+	if mc.Layers > 0 {
+		one.MambaArena = make([]byte, mc.ArenaBytes())
+	}
+	kvIn, kvOut, mIn, mOut, err := tp1Plans(spec, kv, tp)
+	if err != nil {
+		return nil, err
+	}
+	unit := func(c *Cache, kvUnit bool, i int) []byte {
+		if kvUnit {
+			x := c.KV.BlockExtent(c.Blocks[i])
+			return c.KVArena[x.Offset : x.Offset+x.Length]
+		}
+		x := c.Mamba.RowExtent(c.Row)
+		return c.MambaArena[x.Offset : x.Offset+x.Length]
+	}
+	move := func(plan *reshard.Plan, kvUnit, gather bool) {
+		n := 1
+		if kvUnit {
+			n = nb
+		}
+		for i := range n {
+			for r := range cs {
+				if gather {
+					reshard.Apply(unit(&one, kvUnit, i), unit(&cs[r], kvUnit, i), plan.Copies(r, 0))
+				} else {
+					reshard.Apply(unit(&cs[r], kvUnit, i), unit(&one, kvUnit, i), plan.Copies(0, r))
+				}
+			}
+		}
+	}
+	if kvIn != nil {
+		move(kvIn, true, true)
+	}
+	if mIn != nil {
+		move(mIn, false, true)
+	}
+	logits, err := call(one)
+	if err != nil {
+		return nil, err
+	}
+	if kvOut != nil {
+		move(kvOut, true, false)
+	}
+	if mOut != nil {
+		move(mOut, false, false)
+	}
+	return logits, nil
+}
+
+func tp1Plans(spec Spec, kv kvcache.Config, tp int) (kvIn, kvOut, mIn, mOut *reshard.Plan, err error) {
+	if kv.Layers > 0 {
+		if kvIn, err = reshard.New(reshard.KV(kv), tp, 1); err != nil {
+			return
+		}
+		if kvOut, err = reshard.New(reshard.KV(kv), 1, tp); err != nil {
+			return
+		}
+	}
+	if spec.Mamba.Layers > 0 {
+		if mIn, err = reshard.New(reshard.Mamba(spec.Mamba), tp, 1); err != nil {
+			return
+		}
+		mOut, err = reshard.New(reshard.Mamba(spec.Mamba), 1, tp)
+	}
+	return
+}
+
+// acc4 is the running state of dot: its four interleaved partial sums.
+// Adding segments in order [0, a), [a, b), ... with every segment a
+// multiple of 4 long performs exactly dot's additions, so a row-parallel
+// product reduced across shards in shard order equals the unsharded one.
+type acc4 [4]float32
+
+func (s *acc4) add(a, b []float32) {
+	b = b[:len(a)]
+	for i := 0; i+4 <= len(a); i += 4 {
+		s[0] += float32(a[i] * b[i])
+		s[1] += float32(a[i+1] * b[i+1])
+		s[2] += float32(a[i+2] * b[i+2])
+		s[3] += float32(a[i+3] * b[i+3])
+	}
+}
+
+func (s *acc4) sum() float32 { return (s[0] + s[1]) + (s[2] + s[3]) }
+
+// tinyShard is what one shard of a TP-tp group owns of tiny-hybrid.
+type tinyShard struct {
+	mh0, mh1 int // Mamba heads
+	g0, g1   int // groups (one, replicated, when tp > nGroups)
+	qh0, qh1 int // query heads
+	kv0, kv1 int // KV heads (one, replicated, when tp > kvHeads)
+	f0, f1   int // MLP hidden units
+	row      rowView
+	// Per-shard activations, indexed locally.
+	z, x, dt, y, conv []float32
+	q, k, v, att      []float32
+	up, gate          []float32
+}
+
+func holdsN(n, tp, r int) (int, int) { return reshard.Holds(reshard.Section{Items: n}, tp, r) }
+
+func (m *tiny) checkTP(tp int) error {
+	d := &m.d
+	if tp < 1 || d.qHeads%tp != 0 || d.mlpHidden%tp != 0 {
+		return fmt.Errorf("%w: %s at TP %d: %d query heads and %d MLP units must split evenly", ErrInvalidCache, m.spec.Name, tp, d.qHeads, d.mlpHidden)
+	}
+	// Row-parallel segments must be whole steps of dot's four partial sums.
+	if (m.dInner/tp)%4 != 0 || (d.qHeads*d.headDim/tp)%4 != 0 || (d.mlpHidden/tp)%4 != 0 {
+		return fmt.Errorf("%w: %s at TP %d: a row-parallel segment is not a multiple of 4", ErrInvalidCache, m.spec.Name, tp)
+	}
+	return nil
+}
+
+// bindShards checks cs against the shard shapes for a request of tokens
+// positions and returns the shards with their rows bound.
+func (m *tiny) bindShards(cs []Cache, tokens int) ([]tinyShard, error) {
+	tp := len(cs)
+	if err := m.checkTP(tp); err != nil {
+		return nil, err
+	}
+	spec, err := ShardSpec(m.spec, tp)
+	if err != nil {
+		return nil, err
+	}
+	d := &m.d
+	sh := make([]tinyShard, tp)
+	for r := range sh {
+		s := &sh[r]
+		if err := checkCache(&spec, &cs[r], tokens, &s.row); err != nil {
+			return nil, fmt.Errorf("shard %d: %w", r, err)
+		}
+		if r > 0 && (cs[r].Row != cs[0].Row || !sameBlocks(cs[r].Blocks, cs[0].Blocks, cs[0].KV.BlocksFor(tokens))) {
+			return nil, fmt.Errorf("%w: shard %d holds other blocks or another row than shard 0", ErrInvalidCache, r)
+		}
+		s.mh0, s.mh1 = holdsN(d.mHeads, tp, r)
+		s.g0, s.g1 = holdsN(d.nGroups, tp, r)
+		s.qh0, s.qh1 = holdsN(d.qHeads, tp, r)
+		s.kv0, s.kv1 = holdsN(d.kvHeads, tp, r)
+		s.f0, s.f1 = holdsN(d.mlpHidden, tp, r)
+		hd := d.mHeadDim
+		nh := s.mh1 - s.mh0
+		s.z, s.x, s.y = make([]float32, nh*hd), make([]float32, nh*hd), make([]float32, nh*hd)
+		s.dt = make([]float32, nh)
+		s.conv = make([]float32, 2*(s.g1-s.g0)*d.dState)
+		s.q = make([]float32, (s.qh1-s.qh0)*d.headDim)
+		s.att = make([]float32, len(s.q))
+		s.k = make([]float32, (s.kv1-s.kv0)*d.headDim)
+		s.v = make([]float32, len(s.k))
+		s.up, s.gate = make([]float32, s.f1-s.f0), make([]float32, s.f1-s.f0)
+	}
+	return sh, nil
+}
+
+func sameBlocks(a, b []kvcache.BlockID, n int) bool {
+	if len(a) < n || len(b) < n {
+		return false
+	}
+	for i := range n {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// PrefillShards implements ShardedExecutor.
+func (m *tiny) PrefillShards(cs []Cache, tokens []int32) ([]float32, error) {
+	if err := checkPrompt(&m.spec, tokens); err != nil {
+		return nil, err
+	}
+	sh, err := m.bindShards(cs, len(tokens))
+	if err != nil {
+		return nil, err
+	}
+	ts := m.newTPScratch()
+	logits := make([]float32, m.spec.Vocab)
+	last := len(tokens) - 1
+	for pos, t := range tokens {
+		if pos == last {
+			m.stepShards(cs, sh, ts, t, pos, logits)
+		} else {
+			m.stepShards(cs, sh, ts, t, pos, nil)
+		}
+	}
+	return logits, nil
+}
+
+// DecodeShards implements ShardedExecutor.
+func (m *tiny) DecodeShards(cs []Cache, token int32, pos int) ([]float32, error) {
+	if err := checkToken(&m.spec, token); err != nil {
+		return nil, err
+	}
+	if err := checkPos(&m.spec, pos); err != nil {
+		return nil, err
+	}
+	sh, err := m.bindShards(cs, pos+1)
+	if err != nil {
+		return nil, err
+	}
+	logits := make([]float32, m.spec.Vocab)
+	m.stepShards(cs, sh, m.newTPScratch(), token, pos, logits)
+	return logits, nil
+}
+
+// tpScratch holds the replicated activations (the residual stream) and the
+// row-parallel accumulators.
+type tpScratch struct {
+	h, xn, out []float32
+	acc        []acc4
+	scores     []float32
+	kt         []float32
+}
+
+func (m *tiny) newTPScratch() *tpScratch {
+	d := &m.d
+	return &tpScratch{
+		h: make([]float32, d.dModel), xn: make([]float32, d.dModel), out: make([]float32, d.dModel),
+		acc: make([]acc4, d.dModel), scores: make([]float32, d.maxContext), kt: make([]float32, d.headDim),
+	}
+}
+
+// stepShards is step over the shards: the same arithmetic, each shard
+// computing its heads, the row-parallel sums chained across shards.
+func (m *tiny) stepShards(cs []Cache, sh []tinyShard, ts *tpScratch, token int32, pos int, logits []float32) {
+	if pos == 0 {
+		for i := range sh {
+			sh[i].row.zero()
+		}
+	}
+	dm := m.d.dModel
+	copy(ts.h, m.embed[int(token)*dm:(int(token)+1)*dm])
+	mi, ai := 0, 0
+	for i := range m.layers {
+		l := &m.layers[i]
+		rmsNorm(ts.xn, ts.h, l.norm)
+		clear(ts.acc)
+		switch l.kind {
+		case 'M':
+			for r := range sh {
+				m.mambaShard(l, &sh[r], mi, ts)
+			}
+			mi++
+		case '*':
+			for r := range sh {
+				m.attentionShard(l, ai, &cs[r], &sh[r], pos, ts)
+			}
+			ai++
+		case '-':
+			for r := range sh {
+				m.mlpShard(l, &sh[r], ts)
+			}
+		}
+		for j := range ts.out {
+			ts.out[j] = ts.acc[j].sum()
+		}
+		addTo(ts.h, ts.out)
+	}
+	if logits == nil {
+		return
+	}
+	rmsNorm(ts.xn, ts.h, m.final)
+	for v := range logits {
+		logits[v] = dot(m.head[v*dm:(v+1)*dm], ts.xn) + m.prior[v]
+	}
+}
+
+// rowParallel adds w[:, c0:c0+len(in)] · in to the accumulators: this
+// shard's part of a row-parallel product, in shard order.
+func rowParallel(acc []acc4, w []float32, cols, c0 int, in []float32) {
+	for r := range acc {
+		acc[r].add(w[r*cols+c0:r*cols+c0+len(in)], in)
+	}
+}
+
+// convTap is one channel's causal conv step (as in mamba): the window's
+// older d_conv-1 inputs from st at base, then the current input x.
+func convTap(w []float32, bias float32, st []byte, base, km1 int, x float32) float32 {
+	acc := bias
+	for t := range km1 {
+		acc += float32(w[t] * f32At(st, base+t))
+	}
+	acc += float32(w[km1] * x)
+	for t := 0; t < km1-1; t++ {
+		putF32(st, base+t, f32At(st, base+t+1))
+	}
+	putF32(st, base+km1-1, x)
+	return silu(acc)
+}
+
+// mambaShard is mamba for the heads and groups of one shard.
+func (m *tiny) mambaShard(l *tinyLayer, s *tinyShard, layer int, ts *tpScratch) {
+	d := &m.d
+	dm, hd, n, km1 := d.dModel, d.mHeadDim, d.dState, d.dConv-1
+	gs := d.nGroups * n
+	row := func(i int) []float32 { return l.inProj[i*dm : (i+1)*dm] }
+	conv := s.row.conv[layer]
+	tap := func(ch int, st []byte, j int, x float32) float32 {
+		return convTap(l.convW[ch*d.dConv:(ch+1)*d.dConv], l.convB[ch], st, j*km1, km1, x)
+	}
+	c0 := s.mh0 * hd
+	for j := range s.x {
+		i := c0 + j
+		s.z[j] = dot(row(i), ts.xn)
+		s.x[j] = tap(i, conv[0], j, dot(row(m.dInner+i), ts.xn))
+	}
+	ng := s.g1 - s.g0
+	bs, cs := s.conv[:ng*n], s.conv[ng*n:]
+	for j := range ng * n {
+		ch := m.dInner + s.g0*n + j
+		bs[j] = tap(ch, conv[1], j, dot(row(m.dInner+ch), ts.xn))
+	}
+	for j := range ng * n {
+		ch := m.dInner + gs + s.g0*n + j
+		cs[j] = tap(ch, conv[2], j, dot(row(m.dInner+ch), ts.xn))
+	}
+	perGroup := d.mHeads / d.nGroups
+	ssm := s.row.ssm[layer]
+	for lh := range s.mh1 - s.mh0 {
+		h := s.mh0 + lh
+		dt := softplus(dot(row(m.dInner+m.conv+h), ts.xn) + l.dtBias[h])
+		dA := exp32(float32(dt * l.a[h]))
+		g := h/perGroup - s.g0
+		bg, cg := bs[g*n:(g+1)*n], cs[g*n:(g+1)*n]
+		for p := range hd {
+			i := lh*hd + p
+			xv := s.x[i]
+			dtx := float32(dt * xv)
+			st := ssm[i*n*4 : (i+1)*n*4]
+			var acc float32
+			for k := range n {
+				v := float32(dA*f32At(st, k)) + float32(dtx*bg[k])
+				putF32(st, k, v)
+				acc += float32(cg[k] * v)
+			}
+			s.y[i] = (acc + float32(l.d[h]*xv)) * silu(s.z[i])
+		}
+	}
+	rowParallel(ts.acc, l.outProj, m.dInner, c0, s.y)
+}
+
+// attentionShard is attention for the query heads of one shard, over the
+// KV heads it holds in its own cache c.
+func (m *tiny) attentionShard(l *tinyLayer, layer int, c *Cache, s *tinyShard, pos int, ts *tpScratch) {
+	d := &m.d
+	hd, dm := d.headDim, d.dModel
+	for j := range s.q {
+		s.q[j] = dot(l.wq[(s.qh0*hd+j)*dm:(s.qh0*hd+j+1)*dm], ts.xn)
+	}
+	for j := range s.k {
+		s.k[j] = dot(l.wk[(s.kv0*hd+j)*dm:(s.kv0*hd+j+1)*dm], ts.xn)
+		s.v[j] = dot(l.wv[(s.kv0*hd+j)*dm:(s.kv0*hd+j+1)*dm], ts.xn)
+	}
+	for h := range s.qh1 - s.qh0 {
+		m.rotate(s.q[h*hd:(h+1)*hd], pos)
+	}
+	for h := range s.kv1 - s.kv0 {
+		m.rotate(s.k[h*hd:(h+1)*hd], pos)
+	}
+	tpb := c.KV.TokensPerBlock
+	blk, slot := c.Blocks[pos/tpb], pos%tpb
+	for h := range s.kv1 - s.kv0 {
+		putF32s(c.KVArena[c.KV.TokenOffset(blk, layer, kvcache.K, slot, h):], s.k[h*hd:(h+1)*hd])
+		putF32s(c.KVArena[c.KV.TokenOffset(blk, layer, kvcache.V, slot, h):], s.v[h*hd:(h+1)*hd])
+	}
+	scale := float32(1 / math.Sqrt(float64(hd)))
+	group := d.qHeads / d.kvHeads
+	n := pos + 1
+	kt := ts.kt[:hd]
+	scores := ts.scores[:n]
+	for lq := range s.qh1 - s.qh0 {
+		qh := s.qh0 + lq
+		kh := qh/group - s.kv0
+		q := s.q[lq*hd : (lq+1)*hd]
+		for t := range n {
+			loadF32s(kt, c.KVArena[c.KV.TokenOffset(c.Blocks[t/tpb], layer, kvcache.K, t%tpb, kh):])
+			scores[t] = float32(dot(q, kt) * scale)
+		}
+		mx := float32(math.Inf(-1))
+		for _, sc := range scores {
+			mx = max(mx, sc)
+		}
+		var sum float32
+		for t, sc := range scores {
+			e := exp32(sc - mx)
+			scores[t] = e
+			sum += e
+		}
+		inv := 1 / sum
+		for t := range scores {
+			scores[t] = float32(scores[t] * inv)
+		}
+		att := s.att[lq*hd : (lq+1)*hd]
+		clear(att)
+		for t := range n {
+			loadF32s(kt, c.KVArena[c.KV.TokenOffset(c.Blocks[t/tpb], layer, kvcache.V, t%tpb, kh):])
+			axpy(att, scores[t], kt)
+		}
+	}
+	rowParallel(ts.acc, l.wo, d.qHeads*hd, s.qh0*hd, s.att)
+}
+
+// mlpShard is the MLP for the hidden units of one shard.
+func (m *tiny) mlpShard(l *tinyLayer, s *tinyShard, ts *tpScratch) {
+	dm := m.d.dModel
+	for j := range s.up {
+		i := s.f0 + j
+		s.up[j] = dot(l.up[i*dm:(i+1)*dm], ts.xn)
+		s.gate[j] = dot(l.gate[i*dm:(i+1)*dm], ts.xn)
+	}
+	for j := range s.up {
+		s.up[j] = float32(silu(s.gate[j]) * s.up[j])
+	}
+	rowParallel(ts.acc, l.down, m.d.mlpHidden, s.f0, s.up)
+}
