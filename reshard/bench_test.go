@@ -1,4 +1,4 @@
-package reshard
+package reshard_test
 
 import (
 	"fmt"
@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/handoff-io/handoff/model"
+	"github.com/handoff-io/handoff/reshard"
 	"github.com/stretchr/testify/require"
 )
 
@@ -46,17 +47,17 @@ func BenchmarkReshard(b *testing.B) {
 	e, err := model.Lookup(model.NemotronH8B)
 	require.NoError(b, err)
 	spec := e.Spec()
-	kvLayout, mambaLayout := KV(spec.KV), Mamba(spec.Mamba)
+	kvLayout, mambaLayout := reshard.KV(spec.KV), reshard.Mamba(spec.Mamba)
 	for _, c := range [][2]int{{1, 1}, {2, 1}, {1, 2}, {4, 2}, {2, 4}, {16, 2}, {2, 16}} {
 		from, to := c[0], c[1]
-		kvPlan, err := New(kvLayout, from, to)
+		kvPlan, err := reshard.New(kvLayout, from, to)
 		require.NoError(b, err)
-		mambaPlan, err := New(mambaLayout, from, to)
+		mambaPlan, err := reshard.New(mambaLayout, from, to)
 		require.NoError(b, err)
 		src := newRequest(from, mambaPlan.SrcBytes, kvPlan.SrcBytes)
 		dst := newRequest(to, mambaPlan.DstBytes, kvPlan.DstBytes)
 		// The KV copies of a run: each pair's copies repeated over the run.
-		kvRun := make([][]Copy, from*to)
+		kvRun := make([][]reshard.Copy, from*to)
 		for rs := range from {
 			for rd := range to {
 				for _, cp := range kvPlan.Copies(rs, rd) {
@@ -67,8 +68,8 @@ func BenchmarkReshard(b *testing.B) {
 		apply := func() {
 			for rs := range from {
 				for rd := range to {
-					Apply(dst.row[rd], src.row[rs], mambaPlan.Copies(rs, rd))
-					Apply(dst.kv[rd], src.kv[rs], kvRun[rs*to+rd])
+					reshard.Apply(dst.row[rd], src.row[rs], mambaPlan.Copies(rs, rd))
+					reshard.Apply(dst.kv[rd], src.kv[rs], kvRun[rs*to+rd])
 				}
 			}
 		}

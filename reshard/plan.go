@@ -193,3 +193,59 @@ func (p *Plan) String() string {
 	}
 	return b.String()
 }
+
+// Sourced is one contiguous stretch of a destination shard's unit and its
+// one writer: Len bytes at offset Dst come from offset Src of source shard
+// Shard's unit.
+type Sourced struct {
+	Shard         int
+	Src, Dst, Len int64
+}
+
+// Order returns the stretches that fill destination shard dst's unit, in
+// destination byte order, each with the source shard that writes it (the
+// plan's copies of every pair, cut into pieces and sorted by destination
+// offset; pieces that continue each other on both sides from the same
+// source merge). They tile [0, DstBytes) exactly: a data path that reads
+// the sources in this order produces the destination unit as one stream.
+// It panics on an out-of-range shard, and if the pieces do not tile (which
+// the plan's construction excludes).
+func (p *Plan) Order(dst int) []Sourced {
+	if dst < 0 || dst >= p.To {
+		panic(fmt.Sprintf("reshard: Order(%d) outside a %d→%d plan", dst, p.From, p.To))
+	}
+	var out []Sourced
+	for rs := range p.From {
+		for _, c := range p.Copies(rs, dst) {
+			for pc := range c.Pieces() {
+				out = append(out, Sourced{Shard: rs, Src: pc.Src, Dst: pc.Dst, Len: pc.Len})
+			}
+		}
+	}
+	slices.SortFunc(out, func(a, b Sourced) int {
+		switch {
+		case a.Dst < b.Dst:
+			return -1
+		case a.Dst > b.Dst:
+			return 1
+		}
+		return 0
+	})
+	merged := out[:0]
+	var at int64
+	for _, s := range out {
+		if s.Dst != at {
+			panic(fmt.Sprintf("reshard: %s %d→%d: destination %d byte %d written by no piece or twice", p.Layout.Name, p.From, p.To, dst, at))
+		}
+		at += s.Len
+		if k := len(merged) - 1; k >= 0 && merged[k].Shard == s.Shard && merged[k].Src+merged[k].Len == s.Src {
+			merged[k].Len += s.Len
+			continue
+		}
+		merged = append(merged, s)
+	}
+	if at != p.DstBytes {
+		panic(fmt.Sprintf("reshard: %s %d→%d: destination %d covered up to %d of %d bytes", p.Layout.Name, p.From, p.To, dst, at, p.DstBytes))
+	}
+	return slices.Clip(merged)
+}

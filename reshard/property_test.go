@@ -71,6 +71,7 @@ func TestPropertyOracle(t *testing.T) {
 				require.NoError(t, err)
 				require.NoError(t, sameShards(reshard(t, back, got), shards[from]), "%s %d→%d→%d", m.name, from, to, from)
 				checkRepeat(t, rng, p)
+				checkOrder(t, p, shards[from], shards[to])
 			}
 		}
 	}
@@ -101,6 +102,20 @@ func checkRepeat(t *testing.T, rng *rand.Rand, p *Plan) {
 	got := make([]byte, len(want))
 	Apply(got, src, run)
 	require.Equal(t, want, got, "%d units, pair %d→%d of\n%v", n, rs, rd, p)
+}
+
+// checkOrder checks that streaming each destination shard's Order, piece
+// by piece from the named source shards, produces that shard's unit.
+func checkOrder(t *testing.T, p *Plan, src, want [][]byte) {
+	t.Helper()
+	for rd := range p.To {
+		var got []byte
+		for _, s := range p.Order(rd) {
+			require.Equal(t, int64(len(got)), s.Dst, "%d→%d shard %d", p.From, p.To, rd)
+			got = append(got, src[s.Shard][s.Src:s.Src+s.Len]...)
+		}
+		require.Equal(t, want[rd], got, "%d→%d shard %d streamed in Order", p.From, p.To, rd)
+	}
 }
 
 // TestPropertyFailsWhenBroken breaks a correct plan in the ways a
