@@ -347,6 +347,12 @@ type PrefillRequest struct {
 	// Budget: two hosts' wall clocks are never compared. 0 (a sender that
 	// predates it): Deadline is used as it is.
 	Budget int64 `msgpack:"rem"`
+	// TP is the receiver's tensor-parallel size (issue 12): the ticket's
+	// extents are its TP shards' KV runs, shard after shard, then their
+	// Mamba rows, each in that shard's own layout (reshard.KVShard,
+	// reshard.MambaShard), and the writer reshards its own shards' bytes
+	// into them. 0 (omitted) means 1.
+	TP uint16 `msgpack:"tp,omitempty"`
 }
 
 // PrefillReply answers a PrefillRequest: success with the first token, or a
@@ -963,7 +969,11 @@ func (m Manifest) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(
 func (m *Manifest) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, m.decode) }
 
 func (m *PrefillRequest) appendTo(b []byte) []byte {
-	b = appendMapLen(b, 13)
+	n := 13
+	if m.TP != 0 {
+		n++
+	}
+	b = appendMapLen(b, n)
 	b = appendUint(appendStr(b, "v"), uint64(m.V))
 	b = appendUint(appendStr(b, "id"), m.RequestID)
 	b = appendStr(appendStr(b, "from"), m.From)
@@ -976,7 +986,11 @@ func (m *PrefillRequest) appendTo(b []byte) []byte {
 	b = m.Ticket.appendTo(appendStr(b, "tk"))
 	b = appendUint(appendStr(b, "kvb"), m.KVBytes)
 	b = appendUint(appendStr(b, "mb"), m.MambaBytes)
-	return appendInt(appendStr(b, "rem"), m.Budget)
+	b = appendInt(appendStr(b, "rem"), m.Budget)
+	if m.TP != 0 {
+		b = appendUint(appendStr(b, "tp"), uint64(m.TP))
+	}
+	return b
 }
 
 func (m *PrefillRequest) decode(r *reader) error {
@@ -1029,6 +1043,9 @@ func (m *PrefillRequest) decode(r *reader) error {
 			m.MambaBytes, err = r.uint()
 		case "rem":
 			m.Budget, err = r.int()
+		case "tp":
+			v, err = r.uintMax(math.MaxUint16, "tp")
+			m.TP = uint16(v)
 		default:
 			err = r.skip()
 		}

@@ -120,6 +120,9 @@ type plainPeer struct {
 	ShmAddr    string       `msgpack:"shm"`
 	Transports []string     `msgpack:"tr"`
 	Regions    []RegionInfo `msgpack:"r"`
+
+	IPCNamespace string   `msgpack:"ipc,omitempty"`
+	CUDADevices  []string `msgpack:"cd,omitempty"`
 }
 
 type plainTicket struct {
@@ -147,6 +150,7 @@ type plainRequest struct {
 	KVBytes     uint64        `msgpack:"kvb"`
 	MambaBytes  uint64        `msgpack:"mb"`
 	Budget      int64         `msgpack:"rem"`
+	TP          uint16        `msgpack:"tp,omitempty"`
 }
 
 type plainManifest struct {
@@ -172,7 +176,7 @@ type plainReply struct {
 func plainOfRequest(m PrefillRequest) plainRequest {
 	return plainRequest{V: m.V, RequestID: m.RequestID, From: m.From, Attempt: m.Attempt, Fingerprint: m.Fingerprint,
 		Tokens: m.Tokens, Sampling: plainSampling(m.Sampling), Deadline: m.Deadline, Peer: plainPeer(m.Peer),
-		Ticket: plainTicket(m.Ticket), KVBytes: m.KVBytes, MambaBytes: m.MambaBytes, Budget: m.Budget}
+		Ticket: plainTicket(m.Ticket), KVBytes: m.KVBytes, MambaBytes: m.MambaBytes, Budget: m.Budget, TP: m.TP}
 }
 
 func plainOfReply(m PrefillReply) plainReply {
@@ -183,7 +187,7 @@ func plainOfReply(m PrefillReply) plainReply {
 
 func TestWireHandCodecsMatchReflection(t *testing.T) {
 	req := sampleRequest(7, 3)
-	req.V = WireVersion
+	req.V, req.TP = WireVersion, 4
 	b, err := EncodePrefillRequest(req, 0)
 	require.NoError(t, err)
 	var pr plainRequest
@@ -237,6 +241,7 @@ func TestWireHandCodecsSameBytesAsReflection(t *testing.T) {
 		req.Sampling.MaxTokens = int32(n)
 		if i%2 == 1 { // the optional fields, present and absent
 			req.Sampling.TopP, req.Sampling.Logprobs = 0.9, uint8(i)
+			req.TP = uint16(n)
 		}
 		req.From = strs[i%len(strs)]
 		if i%4 == 0 {
