@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/handoff-io/handoff/kvcache"
+	"github.com/handoff-io/handoff/mambacache"
 	"github.com/handoff-io/handoff/reshard"
 )
 
@@ -566,4 +567,63 @@ func (m *tiny) mlpShard(l *tinyLayer, s *tinyShard, ts *tpScratch) {
 		s.up[j] = float32(silu(s.gate[j]) * s.up[j])
 	}
 	rowParallel(ts.acc, l.down, m.d.mlpHidden, s.f0, s.up)
+}
+
+// ShardPools are the pools of one further shard of a TP group: its arenas
+// and their configs (the shard shapes, ShardSpec).
+type ShardPools struct {
+	KVArena    []byte
+	KV         kvcache.Config
+	MambaArena []byte
+	Mamba      mambacache.Config
+}
+
+// Sharded returns e over a TP-(1+len(more)) group, as one Executor: the
+// Cache of each call is shard 0's, and shards 1.. keep the same request
+// (the same blocks and row ids, allocated once for the group) in more.
+// Every call runs PrefillShards or DecodeShards. A group size e cannot run
+// at is refused (CheckTP). Simulated step times (StepTimer) are not
+// forwarded: a TP group is not modelled by the roofline.
+func Sharded(e Executor, more []ShardPools) (Executor, error) {
+	if err := CheckTP(e, 1+len(more)); err != nil {
+		return nil, err
+	}
+	if len(more) == 0 {
+		return e, nil
+	}
+	return &sharded{inner: e, more: more}, nil
+}
+
+type sharded struct {
+	inner Executor
+	more  []ShardPools
+}
+
+var _ ContextExecutor = (*sharded)(nil)
+
+func (s *sharded) Spec() Spec { return s.inner.Spec() }
+
+func (s *sharded) caches(c Cache) []Cache {
+	cs := make([]Cache, 1+len(s.more))
+	cs[0] = c
+	for i, p := range s.more {
+		cs[i+1] = Cache{KVArena: p.KVArena, KV: p.KV, Blocks: c.Blocks, MambaArena: p.MambaArena, Mamba: p.Mamba, Row: c.Row}
+	}
+	return cs
+}
+
+func (s *sharded) Prefill(c Cache, tokens []int32) ([]float32, error) {
+	return s.PrefillContext(context.Background(), c, tokens)
+}
+
+func (s *sharded) Decode(c Cache, token int32, pos int) ([]float32, error) {
+	return s.DecodeContext(context.Background(), c, token, pos)
+}
+
+func (s *sharded) PrefillContext(ctx context.Context, c Cache, tokens []int32) ([]float32, error) {
+	return PrefillShards(ctx, s.inner, s.caches(c), tokens)
+}
+
+func (s *sharded) DecodeContext(ctx context.Context, c Cache, token int32, pos int) ([]float32, error) {
+	return DecodeShards(ctx, s.inner, s.caches(c), token, pos)
 }

@@ -167,3 +167,26 @@ func TestSyntheticShardedMatchesTP1(t *testing.T) {
 		}
 	}
 }
+
+// Sharded binds shards 1.. to an executor whose calls name shard 0's
+// cache: the worker's ranks keep one Cache per request and get TP for free.
+func TestShardedExecutorBindsTheOtherShards(t *testing.T) {
+	e := lookup(t, model.TinyHybrid)
+	spec := e.Spec()
+	toks := prompt(20, 3)
+	ref := newArenas(t, spec, 2, 1)
+	want, err := e.Prefill(ref.cache(0, 0, 1), toks)
+	require.NoError(t, err)
+	as := shardArenas(t, spec, 4, 2, 1)
+	var more []model.ShardPools
+	for _, a := range as[1:] {
+		more = append(more, model.ShardPools{KVArena: a.kvMem, KV: a.kv, MambaArena: a.mMem, Mamba: a.mamba})
+	}
+	se, err := model.Sharded(e, more)
+	require.NoError(t, err)
+	got, err := model.PrefillContext(context.Background(), se, as[0].cache(0, 0, 1), toks)
+	require.NoError(t, err)
+	require.Equal(t, bits(want), bits(got))
+	_, err = model.Sharded(e, more[:2])
+	require.ErrorIs(t, err, reshard.ErrIndivisible, "TP 3")
+}
