@@ -98,7 +98,7 @@ type Result struct {
 	Total      time.Duration // handoff wall time at the decoder
 	KVBytes    uint64
 	MambaBytes uint64
-	Dest       Destination
+	Dest       CacheExtents
 }
 
 // DecoderStats are cumulative counters.
@@ -415,7 +415,7 @@ type handoff struct {
 	c        *call
 	mailbox  call // what c points to: one allocation for the handoff
 
-	dest   Destination
+	dest   CacheExtents
 	kvB    uint64
 	mB     uint64
 	grant  *rdma.Grant

@@ -20,7 +20,7 @@
 //     per session; events after it are ignored, so cleanup is idempotent.
 //   - decoder.go, prefiller.go: the drivers that execute actions on NATS and
 //     rdma. registry.go: the instance directory in a JetStream KV bucket.
-//   - rank.go: Rank adapts a hybrid.Manager and its two registered regions to
+//   - rank.go: RankRegions adapts a hybrid.Manager and its two registered regions to
 //     the extents the protocol names.
 //
 // # One handoff (happy path: one NATS request and its reply)
@@ -130,8 +130,8 @@
 //
 // # Caller duties
 //
-//  1. Build one Rank (or another Allocator) per ADP rank; register its arenas
-//     as rdma regions first. NewRank forbids the reserved rows at the data plane.
+//  1. Build one RankRegions (or another Allocator) per ADP rank; register its arenas
+//     as rdma regions first. NewRankRegions forbids the reserved rows at the data plane.
 //  2. Decode: NewDecoder once per process; Handoff per request from any
 //     goroutine; Free the request's resources when it finishes; Close on exit.
 //     A scheduler that allocates before handing off passes Prepared(dest)
@@ -139,10 +139,10 @@
 //     already revoked then, so nothing can land in it any more). Set
 //     DirectFirst to address a chosen instance from the first attempt: the
 //     decoder then knows its peer at once and fails fast if it disappears.
-//  3. Prefill: implement PrefillExecutor (Admit must not block; Lease.Prefill
+//  3. Prefill: implement PrefillExecutor (Admit must not block; AdmittedJob.Prefill
 //     must honour ctx; Release is called once, after every use of the
 //     extents); NewPrefiller, Start (or Serve), Shutdown on exit. A lease
-//     whose result is already there at admission may implement ReadyLease:
+//     whose result is already there at admission may implement ReadyJob:
 //     its small inproc handoffs then skip one goroutine hand-off.
 //
 // Lock order: Prefiller.mu, Decoder.mu and Registry.mu are leaves: no IO and

@@ -40,7 +40,7 @@ func testHybrid(blocks, mbs int) hybrid.Config {
 type side struct {
 	eng     *rdma.Engine
 	m       *hybrid.Manager
-	rank    *Rank
+	rank    *RankRegions
 	regions map[rdma.RegionID]*rdma.Region
 	initial hybrid.Stats
 }
@@ -63,7 +63,7 @@ func newSideOn(t *testing.T, agent string, cfg hybrid.Config, tr rdma.Transport)
 	require.NoError(t, err)
 	mr, err := eng.Register("mamba", cfg.Mamba.ArenaBytes())
 	require.NoError(t, err)
-	rank, err := NewRank(m, kv, mr)
+	rank, err := NewRankRegions(m, kv, mr)
 	require.NoError(t, err)
 	return &side{eng: eng, m: m, rank: rank, regions: map[rdma.RegionID]*rdma.Region{kv.ID(): kv, mr.ID(): mr}, initial: m.Stats()}
 }
@@ -103,7 +103,7 @@ func newExec(s *side) *testExec {
 	return &testExec{s: s, started: make(chan uint64, 64), ctxErr: make(chan error, 64)}
 }
 
-func (x *testExec) Admit(job Job) (Lease, error) {
+func (x *testExec) Admit(job Job) (AdmittedJob, error) {
 	x.admits.Add(1)
 	if x.refuse.Load() {
 		return nil, fmt.Errorf("%w: test executor full", ErrCapacityRefused)
@@ -127,7 +127,7 @@ func (readyLease) Ready() bool { return true }
 type testLease struct {
 	x        *testExec
 	job      Job
-	d        Destination
+	d        CacheExtents
 	released atomic.Bool
 }
 
@@ -272,7 +272,7 @@ func TestHandoffHappy(t *testing.T) {
 	require.Equal(t, int64(5), x.releases.Load())
 }
 
-// A ReadyLease's request to a decoder connected inproc runs on the dispatch
+// A ReadyJob's request to a decoder connected inproc runs on the dispatch
 // goroutine, with the same outcome, messages and cleanup; the first one,
 // before the engines are connected, runs on its own goroutine.
 func TestHandoffReadyLeaseInline(t *testing.T) {
@@ -328,7 +328,7 @@ func TestInlineOnlyWhenNothingCanBlock(t *testing.T) {
 	ready, plain := readyLease{&testLease{}}, &testLease{}
 	cases := []struct {
 		name      string
-		lease     Lease
+		lease     AdmittedJob
 		tr        rdma.Transport
 		connected bool
 		kv, mamba uint64
@@ -687,7 +687,7 @@ type countingAlloc struct {
 	prepares atomic.Int64
 }
 
-func (c *countingAlloc) Prepare(id uint64, tokens int) (Destination, error) {
+func (c *countingAlloc) Prepare(id uint64, tokens int) (CacheExtents, error) {
 	c.prepares.Add(1)
 	return c.Allocator.Prepare(id, tokens)
 }
@@ -749,7 +749,7 @@ func TestDummiesNeverTransferred(t *testing.T) {
 // badRowAlloc hands out a reserved row, as a broken allocator might.
 type badRowAlloc struct{ s *side }
 
-func (b badRowAlloc) Prepare(id uint64, tokens int) (Destination, error) {
+func (b badRowAlloc) Prepare(id uint64, tokens int) (CacheExtents, error) {
 	cfg := b.s.m.Mamba().Config()
 	row := mambacache.Row(cfg.TotalRows() - 1) // the padding row
 	x := cfg.RowExtent(row)
@@ -759,7 +759,7 @@ func (b badRowAlloc) Prepare(id uint64, tokens int) (Destination, error) {
 			region = rid
 		}
 	}
-	return Destination{Mamba: rdma.Extent{Region: region, Offset: uint64(x.Offset), Length: uint64(x.Length)}}, nil
+	return CacheExtents{Mamba: rdma.Extent{Region: region, Offset: uint64(x.Offset), Length: uint64(x.Length)}}, nil
 }
 func (badRowAlloc) Free(uint64) error { return nil }
 
@@ -876,7 +876,7 @@ func BenchmarkHandoff(b *testing.B) {
 	de, dr := newEng("bd")
 	pe, pr := newEng("bp")
 	p, err := NewPrefiller(PrefillerConfig{Instance: "p", Namespace: "b", Fingerprint: "f", NoRegistry: true},
-		natstest.Connect(b, srv), pe, fixedExec{Destination{Mamba: rdma.Extent{Region: pr.ID(), Length: 1}}})
+		natstest.Connect(b, srv), pe, fixedExec{CacheExtents{Mamba: rdma.Extent{Region: pr.ID(), Length: 1}}})
 	require.NoError(b, err)
 	require.NoError(b, p.Start(context.Background()))
 	b.Cleanup(func() { _ = p.Shutdown(context.Background()) })
@@ -884,7 +884,7 @@ func BenchmarkHandoff(b *testing.B) {
 		natstest.Connect(b, srv), de)
 	require.NoError(b, err)
 	b.Cleanup(func() { _ = d.Close() })
-	alloc := Prepared(Destination{Mamba: rdma.Extent{Region: dr.ID(), Length: 1}})
+	alloc := Prepared(CacheExtents{Mamba: rdma.Extent{Region: dr.ID(), Length: 1}})
 	b.ReportAllocs()
 	id := uint64(0)
 	for b.Loop() {
@@ -895,11 +895,11 @@ func BenchmarkHandoff(b *testing.B) {
 	}
 }
 
-type fixedExec struct{ src Destination }
+type fixedExec struct{ src CacheExtents }
 
-func (x fixedExec) Admit(Job) (Lease, error) { return fixedLease(x), nil }
+func (x fixedExec) Admit(Job) (AdmittedJob, error) { return fixedLease(x), nil }
 
-type fixedLease struct{ src Destination }
+type fixedLease struct{ src CacheExtents }
 
 func (l fixedLease) Prefill(context.Context) (Prefilled, error) {
 	return Prefilled{FirstToken: 1, Source: l.src}, nil
@@ -1184,7 +1184,7 @@ type localIDs struct {
 	next atomic.Uint64
 }
 
-func (l *localIDs) Admit(job Job) (Lease, error) {
+func (l *localIDs) Admit(job Job) (AdmittedJob, error) {
 	job.RequestID = 1000 + l.next.Add(1)
 	return l.x.Admit(job)
 }

@@ -16,11 +16,11 @@ import (
 // oneRow is a PrefillExecutor whose "prefill" fills a 16-byte state row.
 type oneRow struct{ src *rdma.Region }
 
-func (x oneRow) Admit(job transfer.Job) (transfer.Lease, error) { return x, nil }
+func (x oneRow) Admit(job transfer.Job) (transfer.AdmittedJob, error) { return x, nil }
 
 func (x oneRow) Prefill(ctx context.Context) (transfer.Prefilled, error) {
 	copy(x.src.Bytes(), "state of request")
-	return transfer.Prefilled{FirstToken: 42, Source: transfer.Destination{
+	return transfer.Prefilled{FirstToken: 42, Source: transfer.CacheExtents{
 		Mamba: rdma.Extent{Region: x.src.ID(), Length: 16}}}, nil
 }
 
@@ -74,7 +74,7 @@ func Example() {
 	}
 	defer d.Close()
 
-	dest := transfer.Destination{Mamba: rdma.Extent{Region: decRegion.ID(), Offset: 64, Length: 16}}
+	dest := transfer.CacheExtents{Mamba: rdma.Extent{Region: decRegion.ID(), Offset: 64, Length: 16}}
 	res, err := d.Handoff(ctx, transfer.Request{ID: 1, Tokens: []int32{1, 2, 3}, Alloc: transfer.Prepared(dest)})
 	if err != nil {
 		panic(err)

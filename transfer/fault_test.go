@@ -63,7 +63,7 @@ func sideOf(t *testing.T, eng *rdma.Engine, cfg hybrid.Config) *side {
 	require.NoError(t, err)
 	mr, err := eng.Register("mamba", cfg.Mamba.ArenaBytes())
 	require.NoError(t, err)
-	rank, err := NewRank(m, kv, mr)
+	rank, err := NewRankRegions(m, kv, mr)
 	require.NoError(t, err)
 	return &side{eng: eng, m: m, rank: rank, regions: map[rdma.RegionID]*rdma.Region{kv.ID(): kv, mr.ID(): mr}, initial: m.Stats()}
 }

@@ -77,7 +77,7 @@ type Job struct {
 type Prefilled struct {
 	FirstToken int32
 	Logprobs   []byte // the first token's logprobs, when asked (PrefillReply.Logprobs)
-	Source     Destination
+	Source     CacheExtents
 }
 
 // PrefillExecutor is what a Prefiller needs from the worker: admission within
@@ -86,11 +86,11 @@ type PrefillExecutor interface {
 	// Admit reserves room for job or refuses at once with an error wrapping
 	// ErrCapacityRefused (other errors count as prefill failures). It must not
 	// block on compute: it runs on the NATS dispatch path.
-	Admit(job Job) (Lease, error)
+	Admit(job Job) (AdmittedJob, error)
 }
 
-// Lease is one admitted job's resources.
-type Lease interface {
+// AdmittedJob is one admitted job's resources.
+type AdmittedJob interface {
 	// Prefill runs the prompt and returns the first token and the source
 	// extents. It must return promptly once ctx is done.
 	Prefill(ctx context.Context) (Prefilled, error)
@@ -99,7 +99,7 @@ type Lease interface {
 	Release()
 }
 
-// ReadyLease is a Lease whose result is already there when it is admitted (a
+// ReadyJob is an AdmittedJob whose result is already there when it is admitted (a
 // prompt whose cache is already computed, for instance): Prefill returns at
 // once, without compute. For such a lease, when the decoder's engine is
 // already connected in this process (inproc, so the write is a memcpy that
@@ -109,14 +109,14 @@ type Lease interface {
 // goroutine hand-off fewer. Every other request runs on a worker goroutine
 // (see dispatchLocked), one request at a time each, so a prefill that
 // computes never delays the intake of the next request.
-type ReadyLease interface {
-	Lease
+type ReadyJob interface {
+	AdmittedJob
 	// Ready reports whether Prefill will return without blocking.
 	Ready() bool
 }
 
-// InlineMaxBytes is the largest cache a ReadyLease's request writes on the
-// dispatch goroutine (see ReadyLease).
+// InlineMaxBytes is the largest cache a ReadyJob's request writes on the
+// dispatch goroutine (see ReadyJob).
 const InlineMaxBytes = 64 << 10
 
 // senderEngine is what a Prefiller needs from the data plane.
@@ -537,7 +537,7 @@ type task struct {
 	peer   rdma.Descriptor // msg.Peer's
 	ticket rdma.Ticket
 	sess   SendSession
-	lease  Lease
+	lease  AdmittedJob
 
 	ctx    deadlineCtx   // the task's context: its steps take &ctx
 	start  time.Time     // when the request was taken: a monotonic reading, see now
@@ -743,9 +743,9 @@ func (p *Prefiller) worker(s taskStart) {
 }
 
 // inline reports whether t may run on the dispatch goroutine (see
-// ReadyLease): nothing in it can block for long.
+// ReadyJob): nothing in it can block for long.
 func (p *Prefiller) inline(t *task) bool {
-	rl, ok := t.lease.(ReadyLease)
+	rl, ok := t.lease.(ReadyJob)
 	if !ok || t.msg.KVBytes+t.msg.MambaBytes > InlineMaxBytes || t.msg.KVBytes+t.msg.MambaBytes < t.msg.KVBytes {
 		return false
 	}

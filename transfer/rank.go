@@ -9,24 +9,24 @@ import (
 	"github.com/handoff-io/handoff/rdma"
 )
 
-// Destination is where one request's cache lives in registered memory: its
+// CacheExtents is where one request's cache lives in registered memory: its
 // prompt's KV runs (token order) in the KV region and its Mamba row in the
 // Mamba region. The same shape describes a sender's source extents.
-type Destination struct {
+type CacheExtents struct {
 	KV    []rdma.Extent
 	Mamba rdma.Extent
 }
 
 // Extents returns the KV extents followed by the Mamba extent: the order in
 // which a handoff's bytes are granted and written.
-func (d Destination) Extents() []rdma.Extent {
+func (d CacheExtents) Extents() []rdma.Extent {
 	out := make([]rdma.Extent, 0, len(d.KV)+1)
 	out = append(out, d.KV...)
 	return append(out, d.Mamba)
 }
 
 // Bytes returns the KV and Mamba byte counts.
-func (d Destination) Bytes() (kv, mamba uint64) {
+func (d CacheExtents) Bytes() (kv, mamba uint64) {
 	for _, e := range d.KV {
 		kv += e.Length
 	}
@@ -35,29 +35,29 @@ func (d Destination) Bytes() (kv, mamba uint64) {
 
 // Allocator is what a Decoder needs from one ADP rank's cache pools: reserve
 // a request's KV blocks and one real Mamba row, resolved to registered
-// extents, and free them again. Rank implements it over a hybrid.Manager.
+// extents, and free them again. RankRegions implements it over a hybrid.Manager.
 type Allocator interface {
 	// Prepare reserves room for tokens prompt tokens of request id, all or
 	// nothing, and returns the destination. It must never return a reserved
 	// (dummy) row.
-	Prepare(id uint64, tokens int) (Destination, error)
+	Prepare(id uint64, tokens int) (CacheExtents, error)
 	// Free releases everything id holds.
 	Free(id uint64) error
 }
 
-// Rank adapts one ADP rank's hybrid.Manager and the rdma regions that back its
+// RankRegions adapts one ADP rank's hybrid.Manager and the rdma regions that back its
 // KV arena and Mamba arena. Safe for concurrent use (so is the manager).
-type Rank struct {
+type RankRegions struct {
 	m     *hybrid.Manager
 	kv    *rdma.Region
 	mamba *rdma.Region
 }
 
-var _ Allocator = (*Rank)(nil)
+var _ Allocator = (*RankRegions)(nil)
 
-// NewRank checks that the regions hold the manager's arenas and forbids every
+// NewRankRegions checks that the regions hold the manager's arenas and forbids every
 // reserved Mamba row at the data plane, so no grant can ever name one.
-func NewRank(m *hybrid.Manager, kv, mamba *rdma.Region) (*Rank, error) {
+func NewRankRegions(m *hybrid.Manager, kv, mamba *rdma.Region) (*RankRegions, error) {
 	kcfg, mcfg := m.KV().Config(), m.Mamba().Config()
 	if kv.Len() < kcfg.ArenaBytes() || mamba.Len() < mcfg.ArenaBytes() {
 		return nil, fmt.Errorf("%w: regions of %d and %d bytes for arenas of %d and %d",
@@ -71,46 +71,46 @@ func NewRank(m *hybrid.Manager, kv, mamba *rdma.Region) (*Rank, error) {
 			mamba.Forbid(uint64(x.Offset), uint64(x.Length))
 		}
 	}
-	return &Rank{m: m, kv: kv, mamba: mamba}, nil
+	return &RankRegions{m: m, kv: kv, mamba: mamba}, nil
 }
 
 // Manager returns the rank's manager.
-func (r *Rank) Manager() *hybrid.Manager { return r.m }
+func (r *RankRegions) Manager() *hybrid.Manager { return r.m }
 
 // Prepare implements Allocator.
-func (r *Rank) Prepare(id uint64, tokens int) (Destination, error) {
+func (r *RankRegions) Prepare(id uint64, tokens int) (CacheExtents, error) {
 	res, err := r.m.Prepare(id, tokens)
 	if errors.Is(err, mambacache.ErrDummyID) {
-		return Destination{}, fmt.Errorf("%w: %w", ErrDummyRequest, err)
+		return CacheExtents{}, fmt.Errorf("%w: %w", ErrDummyRequest, err)
 	}
 	if err != nil {
-		return Destination{}, err
+		return CacheExtents{}, err
 	}
 	d, err := r.resolve(res)
 	if err != nil {
 		_ = r.m.Free(id)
-		return Destination{}, err
+		return CacheExtents{}, err
 	}
 	return d, nil
 }
 
 // Free implements Allocator.
-func (r *Rank) Free(id uint64) error {
+func (r *RankRegions) Free(id uint64) error {
 	return r.m.Free(id)
 }
 
 // Resolve maps resources id already holds to extents of the rank's regions
 // (a sender's source). A reserved row is refused with ErrDummyRequest.
-func (r *Rank) Resolve(res hybrid.Resources) (Destination, error) {
+func (r *RankRegions) Resolve(res hybrid.Resources) (CacheExtents, error) {
 	return r.resolve(res)
 }
 
-func (r *Rank) resolve(res hybrid.Resources) (Destination, error) {
+func (r *RankRegions) resolve(res hybrid.Resources) (CacheExtents, error) {
 	if r.m.Mamba().IsReserved(res.Row) {
-		return Destination{}, fmt.Errorf("%w: row %d is reserved", ErrDummyRequest, res.Row)
+		return CacheExtents{}, fmt.Errorf("%w: row %d is reserved", ErrDummyRequest, res.Row)
 	}
 	kcfg, mcfg := r.m.KV().Config(), r.m.Mamba().Config()
-	d := Destination{KV: make([]rdma.Extent, len(res.Runs))}
+	d := CacheExtents{KV: make([]rdma.Extent, len(res.Runs))}
 	for i, run := range res.Runs {
 		x := kcfg.RunExtent(run)
 		d.KV[i] = rdma.Extent{Region: r.kv.ID(), Offset: uint64(x.Offset), Length: uint64(x.Length)}
@@ -124,9 +124,9 @@ func (r *Rank) resolve(res hybrid.Resources) (Destination, error) {
 // (for a worker whose scheduler allocates before it hands off): Prepare
 // returns d for any id, Free does nothing. The caller frees d itself after
 // Handoff returned, whatever the outcome.
-func Prepared(d Destination) Allocator { return prepared{d} }
+func Prepared(d CacheExtents) Allocator { return prepared{d} }
 
-type prepared struct{ d Destination }
+type prepared struct{ d CacheExtents }
 
-func (p prepared) Prepare(uint64, int) (Destination, error) { return p.d, nil }
-func (prepared) Free(uint64) error                          { return nil }
+func (p prepared) Prepare(uint64, int) (CacheExtents, error) { return p.d, nil }
+func (prepared) Free(uint64) error                           { return nil }

@@ -71,12 +71,12 @@ func bubbleEngines(t *testing.T) (recv, send *rdma.Engine, dst, src rdma.Extent)
 
 // countAlloc is a Prepared allocator that counts frees.
 type countAlloc struct {
-	d     Destination
+	d     CacheExtents
 	frees int
 }
 
-func (c *countAlloc) Prepare(uint64, int) (Destination, error) { return c.d, nil }
-func (c *countAlloc) Free(uint64) error                        { c.frees++; return nil }
+func (c *countAlloc) Prepare(uint64, int) (CacheExtents, error) { return c.d, nil }
+func (c *countAlloc) Free(uint64) error                         { c.frees++; return nil }
 
 // TestDeadlineSynctest: with no reply the handoff ends exactly at its
 // deadline, cancels, revokes and frees; the prefill worker's late write and
@@ -87,7 +87,7 @@ func TestDeadlineSynctest(t *testing.T) {
 		defer recv.Close()
 		defer send.Close()
 		d, rec := bubbleDecoder(t, recv, 3)
-		alloc := &countAlloc{d: Destination{Mamba: dst}}
+		alloc := &countAlloc{d: CacheExtents{Mamba: dst}}
 		start := time.Now()
 		_, err := d.Handoff(context.Background(), Request{ID: 7, Tokens: tokens(4), Alloc: alloc, Deadline: start.Add(2 * time.Second)})
 		require.ErrorIs(t, err, ErrTimeout)
@@ -121,7 +121,7 @@ func TestRetryBudgetSynctest(t *testing.T) {
 		defer recv.Close()
 		defer send.Close()
 		d, rec := bubbleDecoder(t, recv, 5)
-		alloc := &countAlloc{d: Destination{Mamba: dst}}
+		alloc := &countAlloc{d: CacheExtents{Mamba: dst}}
 		refuse := func(m *nats.Msg, inst string) {
 			req, err := DecodePrefillRequest(m.Data)
 			require.NoError(t, err)
@@ -186,7 +186,7 @@ func TestControlLostResendSynctest(t *testing.T) {
 		defer recv.Close()
 		defer send.Close()
 		d, rec := bubbleDecoder(t, recv, 3)
-		alloc := &countAlloc{d: Destination{Mamba: dst}}
+		alloc := &countAlloc{d: CacheExtents{Mamba: dst}}
 		type out struct {
 			res Result
 			err error
@@ -244,7 +244,7 @@ func TestPeerDeathAfterUnrelatedDeathSynctest(t *testing.T) {
 		defer recv.Close()
 		defer send.Close()
 		d, rec := bubbleDecoder(t, recv, 1)
-		alloc := &countAlloc{d: Destination{Mamba: dst}}
+		alloc := &countAlloc{d: CacheExtents{Mamba: dst}}
 		done := make(chan error, 1)
 		start := time.Now()
 		go func() {
@@ -293,7 +293,7 @@ func TestLateNoRespondersOfAbandonedAttempt(t *testing.T) {
 				done := make(chan out, 1)
 				go func() {
 					res, err := d.Handoff(context.Background(), Request{ID: 5, Tokens: tokens(4),
-						Alloc: &countAlloc{d: Destination{Mamba: dst}}, Deadline: time.Now().Add(time.Minute)})
+						Alloc: &countAlloc{d: CacheExtents{Mamba: dst}}, Deadline: time.Now().Add(time.Minute)})
 					done <- out{res, err}
 				}()
 				m1 := <-rec.sent

@@ -84,10 +84,10 @@ func TestStopper(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			s := stopper{stops: tt.stops}
-			var out []Event
+			var out []Output
 			match := false
 			for i, tok := range tt.tokens {
-				out, match = s.push(Event{Token: int32(i), Text: tok}, out)
+				out, match = s.push(Output{Token: int32(i), Text: tok}, out)
 				if match {
 					break
 				}
@@ -110,7 +110,7 @@ func TestStopper(t *testing.T) {
 func TestGenerateStopSequence(t *testing.T) {
 	e := newEngine(t, Config{}, newRanks(t, rankOpts{ranks: 1, batch: 2}))
 	prompt := model.Encode("Hello, handoff")
-	run := func(stop []string) (string, Event) {
+	run := func(stop []string) (string, Output) {
 		s, err := e.Generate(context.Background(), GenerateRequest{Prompt: prompt, MaxTokens: 40, Stop: stop})
 		require.NoError(t, err)
 		var text strings.Builder
@@ -144,10 +144,10 @@ func TestGenerateLogprobsRemoteEqualsLocal(t *testing.T) {
 	remote := newEngine(t, Config{Source: &gateSource{pre: pre, dst: dranks}}, dranks)
 	local := newEngine(t, Config{}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
 	smp := Sampling{Temperature: 0.9, TopP: 0.8, Seed: 5, Logprobs: true, TopLogprobs: 3}
-	collect := func(e *Scheduler) []Event {
+	collect := func(e *Scheduler) []Output {
 		s, err := e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("logprobs"), MaxTokens: 12, Sampling: smp})
 		require.NoError(t, err)
-		var evs []Event
+		var evs []Output
 		for {
 			ev, err := s.Next(context.Background())
 			require.NoError(t, err)

@@ -72,7 +72,7 @@ type Sampling struct {
 	// means no restriction.
 	TopP float64
 	Seed uint64
-	// Logprobs asks for each token's logprobs (Event.Logprobs) with
+	// Logprobs asks for each token's logprobs (Output.Logprobs) with
 	// TopLogprobs alternatives (0..model.MaxTopLogprobs).
 	Logprobs    bool
 	TopLogprobs int
@@ -239,7 +239,7 @@ type request struct {
 	out      *Stream             // decode role
 	ttft     prometheus.Observer // decode role: time to first token
 	stop     stopper             // decode role
-	emit     []Event             // scratch for stop
+	emit     []Output            // scratch for stop
 	lease    chan leaseResult    // prefill role, capacity 1
 	leaseOut bool
 
@@ -267,7 +267,7 @@ func (q *request) accept(tok int32, lp *model.Logprobs) bool {
 	}
 	q.tokens++
 	var match bool
-	q.emit, match = q.stop.push(Event{Token: tok, Text: model.TokenText(tok), Logprobs: lp}, q.emit[:0])
+	q.emit, match = q.stop.push(Output{Token: tok, Text: model.TokenText(tok), Logprobs: lp}, q.emit[:0])
 	for _, ev := range q.emit {
 		q.out.push(ev)
 	}
@@ -1069,7 +1069,7 @@ func (e *Scheduler) finish(q *request, err error) {
 	}
 	e.m.Requests.WithLabelValues(string(e.cfg.Role), result).Inc()
 	if q.out != nil {
-		ev := Event{Done: true, Err: err, Timing: q.timing, Tokens: q.tokens}
+		ev := Output{Done: true, Err: err, Timing: q.timing, Tokens: q.tokens}
 		if err == nil {
 			ev.Finish = q.reason
 			for _, h := range q.stop.flush(q.emit[:0]) {

@@ -74,7 +74,7 @@ func newEngine(t testing.TB, cfg Config, ranks []*Rank) *Scheduler {
 }
 
 // drainStream reads a stream to its final event.
-func drainStream(t testing.TB, s *Stream) ([]int32, Event) {
+func drainStream(t testing.TB, s *Stream) ([]int32, Output) {
 	t.Helper()
 	var toks []int32
 	for {

@@ -10,14 +10,14 @@ import "strings"
 // no IO, no clock.
 type stopper struct {
 	stops []string
-	held  []Event
+	held  []Output
 	text  strings.Builder // the text of held, concatenated
 }
 
 // push adds a token event and appends the events to emit now to out. match
 // reports a stop sequence completed: out then ends right before it and the
 // stopper is empty.
-func (s *stopper) push(ev Event, out []Event) (_ []Event, match bool) {
+func (s *stopper) push(ev Output, out []Output) (_ []Output, match bool) {
 	if len(s.stops) == 0 {
 		return append(out, ev), false
 	}
@@ -75,7 +75,7 @@ func (s *stopper) push(ev Event, out []Event) (_ []Event, match bool) {
 
 // flush appends every held event to out: the generation ended without a
 // match.
-func (s *stopper) flush(out []Event) []Event {
+func (s *stopper) flush(out []Output) []Output {
 	out = append(out, s.held...)
 	s.held = s.held[:0]
 	s.reset("")

@@ -8,8 +8,8 @@ import (
 	"github.com/handoff-io/handoff/model"
 )
 
-// Event is one item of a Stream: a token, or the final event (Done).
-type Event struct {
+// Output is one item of a Stream: a token, or the final event (Done).
+type Output struct {
 	Token int32
 	// Text is the token's text, cut short when a stop sequence begins inside
 	// it (the rest is never sent).
@@ -34,7 +34,7 @@ type Stream struct {
 	ready chan struct{} // capacity 1: a pending signal is enough
 
 	mu     sync.Mutex
-	queue  []Event
+	queue  []Output
 	head   int
 	ended  bool // the final event was pushed
 	closed bool // the final event was read
@@ -43,7 +43,7 @@ type Stream struct {
 func newStream() *Stream { return &Stream{ready: make(chan struct{}, 1)} }
 
 // push appends ev; called by the scheduler, never blocks.
-func (s *Stream) push(ev Event) {
+func (s *Stream) push(ev Output) {
 	s.mu.Lock()
 	s.queue = append(s.queue, ev)
 	s.ended = s.ended || ev.Done
@@ -56,16 +56,16 @@ func (s *Stream) push(ev Event) {
 
 // Next returns the next event, waiting for one until ctx ends. After the
 // final event it returns ErrStreamEnded.
-func (s *Stream) Next(ctx context.Context) (Event, error) {
+func (s *Stream) Next(ctx context.Context) (Output, error) {
 	for {
 		s.mu.Lock()
 		if s.closed {
 			s.mu.Unlock()
-			return Event{}, ErrStreamEnded
+			return Output{}, ErrStreamEnded
 		}
 		if s.head < len(s.queue) {
 			ev := s.queue[s.head]
-			s.queue[s.head] = Event{}
+			s.queue[s.head] = Output{}
 			s.head++
 			if s.head == len(s.queue) {
 				s.queue, s.head = s.queue[:0], 0
@@ -78,7 +78,7 @@ func (s *Stream) Next(ctx context.Context) (Event, error) {
 		select {
 		case <-s.ready:
 		case <-ctx.Done():
-			return Event{}, fmt.Errorf("worker: stream: %w", context.Cause(ctx))
+			return Output{}, fmt.Errorf("worker: stream: %w", context.Cause(ctx))
 		}
 	}
 }

@@ -112,18 +112,18 @@ func runControl(ctx context.Context, args []string) error {
 
 // controlAlloc hands out one fixed destination and frees nothing: the bench
 // measures the protocol, not the pools.
-type controlAlloc struct{ d transfer.Destination }
+type controlAlloc struct{ d transfer.CacheExtents }
 
-func (a controlAlloc) Prepare(uint64, int) (transfer.Destination, error) { return a.d, nil }
-func (a controlAlloc) Free(uint64) error                                 { return nil }
+func (a controlAlloc) Prepare(uint64, int) (transfer.CacheExtents, error) { return a.d, nil }
+func (a controlAlloc) Free(uint64) error                                  { return nil }
 
 // controlExec admits everything and "prefills" a fixed 1-byte source.
 type controlExec struct {
-	src       transfer.Destination
+	src       transfer.CacheExtents
 	computing bool
 }
 
-func (x controlExec) Admit(transfer.Job) (transfer.Lease, error) {
+func (x controlExec) Admit(transfer.Job) (transfer.AdmittedJob, error) {
 	if x.computing {
 		return computingLease{controlLease{x.src}}, nil
 	}
@@ -139,7 +139,7 @@ func (c computingLease) Prefill(ctx context.Context) (transfer.Prefilled, error)
 }
 func (c computingLease) Release() { c.l.Release() }
 
-type controlLease struct{ src transfer.Destination }
+type controlLease struct{ src transfer.CacheExtents }
 
 func (l controlLease) Prefill(context.Context) (transfer.Prefilled, error) {
 	return transfer.Prefilled{FirstToken: 1, Source: l.src}, nil
@@ -148,7 +148,7 @@ func (controlLease) Release() {}
 
 // Ready: the fixed source is there at admission, as for a prompt whose cache
 // is already computed; a computing prefill would not be (see
-// transfer.ReadyLease).
+// transfer.ReadyJob).
 func (controlLease) Ready() bool { return true }
 
 func measureControl(ctx context.Context, o controlOptions) (controlReport, error) {
@@ -208,7 +208,7 @@ func measureControl(ctx context.Context, o controlOptions) (controlReport, error
 	regCfg := transfer.RegistryConfig{TTL: 10 * time.Minute, Heartbeat: 3 * time.Minute}
 	pre, err := transfer.NewPrefiller(transfer.PrefillerConfig{Instance: "prefill-0", Namespace: ns, Fingerprint: fp,
 		Registry: regCfg, Logger: quiet}, preNC, preEng,
-		controlExec{src: transfer.Destination{Mamba: rdma.Extent{Region: preReg.ID(), Offset: 0, Length: 1}}, computing: o.prefill == "computing"})
+		controlExec{src: transfer.CacheExtents{Mamba: rdma.Extent{Region: preReg.ID(), Offset: 0, Length: 1}}, computing: o.prefill == "computing"})
 	if err != nil {
 		return controlReport{}, err
 	}
@@ -226,7 +226,7 @@ func measureControl(ctx context.Context, o controlOptions) (controlReport, error
 		return controlReport{}, err
 	}
 	defer dec.Close()
-	alloc := controlAlloc{d: transfer.Destination{Mamba: rdma.Extent{Region: decReg.ID(), Offset: 0, Length: 1}}}
+	alloc := controlAlloc{d: transfer.CacheExtents{Mamba: rdma.Extent{Region: decReg.ID(), Offset: 0, Length: 1}}}
 
 	// The raw baseline: same connections' roles, same message sizes.
 	prompt := []int32{1, 2, 3, 4, 5, 6, 7, 8}

@@ -357,7 +357,7 @@ type logprobs struct {
 }
 
 // add appends ev's token at byte offset off; nil-safe.
-func (l *logprobs) add(ev worker.Event, off, top int) {
+func (l *logprobs) add(ev worker.Output, off, top int) {
 	if l == nil || ev.Logprobs == nil {
 		return
 	}

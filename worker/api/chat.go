@@ -305,7 +305,7 @@ func tokenBytes(tok int32) []int {
 	return out
 }
 
-func chatLogprobOf(ev worker.Event) chatLogprob {
+func chatLogprobOf(ev worker.Output) chatLogprob {
 	lp := chatLogprob{Token: model.TokenLabel(ev.Token), Logprob: finite(ev.Logprobs.Chosen.Logprob),
 		Bytes: tokenBytes(ev.Token), TopLogprobs: []chatLogprob{}}
 	for _, t := range ev.Logprobs.Top {

@@ -104,9 +104,9 @@ type node struct {
 	spec        model.Spec // with the block size applied
 	fingerprint string
 	ranks       []*worker.Rank
-	tranks      []*transfer.Rank // remote only
-	data        *rdma.Engine     // remote only
-	host        topology.Host    // remote only: GPUs and NICs, logged at start-up
+	tranks      []*transfer.RankRegions // remote only
+	data        *rdma.Engine            // remote only
+	host        topology.Host           // remote only: GPUs and NICs, logged at start-up
 }
 
 func buildNode(cfg config.Config, log *slog.Logger, remote bool) (*node, error) {
@@ -166,7 +166,7 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool) (*node, error) 
 				n.close()
 				return nil, fmt.Errorf("register mamba arena: %w", err)
 			}
-			tr, err := transfer.NewRank(m, kvr, mr)
+			tr, err := transfer.NewRankRegions(m, kvr, mr)
 			if err != nil {
 				n.close()
 				return nil, err

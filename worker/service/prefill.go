@@ -132,7 +132,7 @@ var _ transfer.PrefillExecutor = (*prefillExec)(nil)
 // Admit queues the job on the engine without waiting; a full queue, a
 // draining engine or a prompt this worker's pools cannot hold is a capacity
 // refusal, which the decoder may retry on another worker.
-func (p *prefillExec) Admit(job transfer.Job) (transfer.Lease, error) {
+func (p *prefillExec) Admit(job transfer.Job) (transfer.AdmittedJob, error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	if !job.Deadline.IsZero() {
 		cancel()
