@@ -71,8 +71,14 @@ type Config struct {
 
 	// Decode only.
 	HTTPAddr   string
-	Prefill    string // remote, local
+	Prefill    string // remote, local, auto
 	Standalone bool
+	// AutoMinTokens and AutoMaxQueue are --prefill auto's thresholds
+	// (worker.AutoPolicy): prompts shorter than AutoMinTokens are
+	// prefilled locally, and so are longer ones while the least-loaded
+	// prefill instance has AutoMaxQueue requests waiting beyond its batch.
+	AutoMinTokens int
+	AutoMaxQueue  int
 	// WriteTimeout bounds one write of an API response: a client that
 	// reads nothing for that long is cut off and its request cancelled.
 	WriteTimeout time.Duration
@@ -144,7 +150,13 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	dur(fs, &c.RequestTimeout, "request-timeout", "HANDOFF_REQUEST_TIMEOUT", 30*time.Second, "deadline of one cache handoff", &bindings)
 	if role == worker.RoleDecode {
 		str(&c.HTTPAddr, "http-addr", "HANDOFF_HTTP_ADDR", DefaultHTTPAddr, "OpenAI-compatible API address", true)
-		str(&c.Prefill, "prefill", "HANDOFF_PREFILL", "remote", "where prefill runs: remote (prefill workers over NATS) or local (in process, no transfer)", true)
+		str(&c.Prefill, "prefill", "HANDOFF_PREFILL", "remote", "where prefill runs: remote (prefill workers over NATS), local (in process, no transfer) or auto (local for short prompts and while the prefill workers are busy or gone, remote otherwise)", true)
+		fs.IntVar(&c.AutoMinTokens, "prefill-auto-min-tokens", worker.DefaultAutoMinRemoteTokens,
+			"--prefill auto: prompts with fewer tokens are prefilled locally"+envNote("HANDOFF_PREFILL_AUTO_MIN_TOKENS"))
+		bindings = append(bindings, binding{"prefill-auto-min-tokens", "HANDOFF_PREFILL_AUTO_MIN_TOKENS", true})
+		fs.IntVar(&c.AutoMaxQueue, "prefill-auto-max-queue", worker.DefaultAutoMaxPrefillQueue,
+			"--prefill auto: prefill locally while the least-loaded prefill worker has this many requests waiting beyond its batch"+envNote("HANDOFF_PREFILL_AUTO_MAX_QUEUE"))
+		bindings = append(bindings, binding{"prefill-auto-max-queue", "HANDOFF_PREFILL_AUTO_MAX_QUEUE", true})
 		fs.DurationVar(&c.WriteTimeout, "write-timeout", 30*time.Second,
 			"how long one API response write may wait for a client that stopped reading before the response is cut and the request cancelled"+envNote("HANDOFF_WRITE_TIMEOUT"))
 		bindings = append(bindings, binding{"write-timeout", "HANDOFF_WRITE_TIMEOUT", true})
@@ -266,9 +278,15 @@ func (c *Config) Validate() error {
 	}
 	if c.Role == worker.RoleDecode {
 		switch c.Prefill {
-		case "remote", "local":
+		case "remote", "local", "auto":
 		default:
-			bad("--prefill %q: want remote or local", c.Prefill)
+			bad("--prefill %q: want remote, local or auto", c.Prefill)
+		}
+		if c.AutoMinTokens < 0 {
+			bad("--prefill-auto-min-tokens %d: want ≥ 0", c.AutoMinTokens)
+		}
+		if c.AutoMaxQueue < 1 {
+			bad("--prefill-auto-max-queue %d: want ≥ 1", c.AutoMaxQueue)
 		}
 		if c.WriteTimeout <= 0 {
 			bad("--write-timeout %v: want > 0", c.WriteTimeout)
@@ -277,7 +295,7 @@ func (c *Config) Validate() error {
 			bad("--prefill-grace %v: want ≥ 0", c.PrefillGrace)
 		}
 		if c.Standalone && c.Prefill == "local" {
-			bad("--standalone runs a remote prefill worker; it cannot be combined with --prefill local")
+			bad("--standalone runs a prefill worker; it cannot be combined with --prefill local")
 		}
 	}
 	if len(errs) > 0 {

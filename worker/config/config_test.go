@@ -39,6 +39,8 @@ func TestDefaults(t *testing.T) {
 	require.Equal(t, 4, c.TCPLanes)
 	require.Equal(t, 30*time.Second, c.WriteTimeout)
 	require.Equal(t, 30*time.Second, c.PrefillGrace)
+	require.Equal(t, worker.DefaultAutoMinRemoteTokens, c.AutoMinTokens)
+	require.Equal(t, worker.DefaultAutoMaxPrefillQueue, c.AutoMaxQueue)
 
 	p, err := Parse(worker.RolePrefill, nil, envOf(nil), &bytes.Buffer{})
 	require.NoError(t, err)
@@ -69,6 +71,19 @@ func TestPrecedence(t *testing.T) {
 	require.True(t, c.Standalone)
 }
 
+func TestPrefillAuto(t *testing.T) {
+	c, err := Parse(worker.RoleDecode, []string{"--prefill", "auto", "--prefill-auto-min-tokens", "1024"},
+		envOf(map[string]string{"HANDOFF_PREFILL_AUTO_MAX_QUEUE": "2"}), &bytes.Buffer{})
+	require.NoError(t, err)
+	require.Equal(t, "auto", c.Prefill)
+	require.Equal(t, 1024, c.AutoMinTokens)
+	require.Equal(t, 2, c.AutoMaxQueue)
+
+	c, err = Parse(worker.RoleDecode, []string{"--standalone", "--prefill", "auto"}, envOf(nil), &bytes.Buffer{})
+	require.NoError(t, err, "standalone runs a prefill worker, which auto may use")
+	require.Equal(t, "auto", c.Prefill)
+}
+
 func TestInvalid(t *testing.T) {
 	tests := []struct {
 		name string
@@ -97,6 +112,9 @@ func TestInvalid(t *testing.T) {
 		{"prefill grace on prefill", worker.RolePrefill, []string{"--prefill-grace", "1s"}, nil},
 		{"bad env standalone", worker.RoleDecode, nil, map[string]string{"HANDOFF_STANDALONE": "maybe"}},
 		{"no tcp lanes", worker.RolePrefill, []string{"--tcp-lanes", "0"}, nil},
+		{"negative auto min tokens", worker.RoleDecode, []string{"--prefill-auto-min-tokens", "-1"}, nil},
+		{"zero auto max queue", worker.RoleDecode, nil, map[string]string{"HANDOFF_PREFILL_AUTO_MAX_QUEUE": "0"}},
+		{"auto threshold on prefill", worker.RolePrefill, []string{"--prefill-auto-min-tokens", "1"}, nil},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -30,7 +30,9 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 		return runStandalone(ctx, cfg, o)
 	}
 	log := o.Logger
-	remote := cfg.Prefill == "remote"
+	// Remote and auto both reach prefill workers over NATS and the data
+	// path; auto may also prefill any request here.
+	remote, auto := cfg.Prefill != "local", cfg.Prefill == "auto"
 	adm, gate, admSrv, err := startAdmin(cfg, &o)
 	if err != nil {
 		return err
@@ -92,25 +94,33 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 			}
 		}()
 		registered.Store(true)
-		presence := &prefillPresence{grace: cfg.PrefillGrace}
-		adm.AddCheck("prefill_instances", func() error {
-			now := time.Now()
-			insts := dec.Registry().Instances(transfer.RolePrefill, now)
-			usable := 0
-			for _, in := range insts {
-				if in.Fingerprint == n.fingerprint && !in.Draining {
-					usable++
+		// With auto, a decode worker with no prefill instance prefills
+		// every request itself: it is ready without one.
+		if !auto {
+			presence := &prefillPresence{grace: cfg.PrefillGrace}
+			adm.AddCheck("prefill_instances", func() error {
+				now := time.Now()
+				insts := dec.Registry().Instances(transfer.RolePrefill, now)
+				usable := 0
+				for _, in := range insts {
+					if in.Fingerprint == n.fingerprint && !in.Draining {
+						usable++
+					}
 				}
-			}
-			return presence.check(now, len(insts), usable)
-		})
+				return presence.check(now, len(insts), usable)
+			})
+		}
 		registerDecoderStats(o.Registry, dec, log)
 		registerDataPathStats(o.Registry, n.data, log)
 		source = &transferSource{dec: dec, n: n, m: o.Metrics, timeout: cfg.RequestTimeout}
 	}
+	var router worker.Router
+	if auto {
+		router = autoRouter(cfg, dec)
+	}
 	eng, err := worker.NewScheduler(worker.Config{
 		Role: worker.RoleDecode, AttentionDP: cfg.AttentionDP, QueueSize: cfg.QueueSize,
-		Source: source, Logger: log, Metrics: o.Metrics,
+		Source: source, Router: router, Logger: log, Metrics: o.Metrics,
 	}, n.ranks)
 	if err != nil {
 		return err

@@ -83,7 +83,9 @@ func runStandalone(ctx context.Context, cfg config.Config, o Options) error {
 	log.Info("embedded nats", "url", ns.URL())
 
 	cfg.Standalone = false
-	cfg.Prefill = "remote"
+	if cfg.Prefill != "auto" {
+		cfg.Prefill = "remote"
+	}
 	cfg.NATS = config.NATS{URL: ns.URL()}
 	if cfg.Transport == "auto" {
 		cfg.Transport = "tcp" // the data path separate processes use
