@@ -72,6 +72,23 @@
 // GPU IPC handle does: the peer maps whole regions, so the control socket
 // is created mode 0600 (same user only).
 //
+// # Progressive writes
+//
+// A Stream (Engine.OpenStream) writes one grant in many writes, each into
+// byte ranges of the ticket's extents, in any order, then one commit whose
+// manifest covers every extent: a prefill worker pushes each layer's cache
+// as soon as compute finished it. The receiver treats the writes as the data
+// frames of one writer (tcp ends each write with a flush, answered once its
+// frames landed; shm copies inside the slot's brackets; inproc copies), so
+// fencing is unchanged: after Revoke no byte of any later or in-flight write
+// lands, and the commit is refused. Each piece is summed on its own on both
+// sides and the sums are joined per extent at the commit (crc32c.Combine),
+// so the receiver reads nothing again however the pieces came; an extent
+// keeps up to one segment per 16 KiB for that. Stream.WriteRest writes
+// whatever is still missing from the whole-grant sources, the way
+// Engine.Write would. A stream writes every byte once: a range that
+// overlaps one written before is refused, before anything is sent.
+//
 // # Integrity
 //
 // The writer sums each destination extent with crc32c (internal/crc32c:

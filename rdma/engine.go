@@ -836,13 +836,21 @@ type writeOp struct {
 	manifest *Manifest // &mf: Bytes set; CRC filled by the backend through sum
 	mf       Manifest
 	noCRC    bool // SkipCRC: the manifest carries byte counts only
+	// n is the bytes of pieces: the ticket's for Write, a part of them for
+	// one write of a Stream.
+	n uint64
+	// partial: one write of a Stream. Its pieces land (and are known to
+	// have landed when write returns) but nothing is committed; every
+	// piece is summed apart, and the Stream joins the sums at its commit.
+	partial bool
 }
 
-// sum folds src, the next bytes of destination extent ext, into the
-// manifest's crc. Pieces of one extent are summed in order.
-func (op *writeOp) sum(ext uint32, src []byte) {
+// sum folds src, the next bytes of piece p, into its crc (crcFor). Pieces
+// of one extent are summed in order unless apart.
+func (op *writeOp) sum(p *piece, src []byte) {
 	if !op.noCRC {
-		op.manifest.CRC[ext] = crc32Update(op.manifest.CRC[ext], src)
+		sum := op.crcFor(p)
+		*sum = crc32Update(*sum, src)
 	}
 }
 
@@ -892,11 +900,11 @@ func (e *Engine) Write(ctx context.Context, peer Descriptor, t Ticket, src []Ext
 	op := opPool.Get().(*writeOp)
 	defer func() {
 		clear(op.pieces)
-		op.pieces, op.t, op.tk, op.manifest, op.mf, op.noCRC = op.pieces[:0], nil, Ticket{}, nil, Manifest{}, false
+		op.pieces, op.t, op.tk, op.manifest, op.mf, op.noCRC, op.n, op.partial = op.pieces[:0], nil, Ticket{}, nil, Manifest{}, false, 0, false
 		opPool.Put(op)
 	}()
 	op.tk, op.mf = t, m // in the pooled op, so that neither escapes; mf shares m's arrays
-	op.t, op.manifest, op.noCRC = &op.tk, &op.mf, e.cfg.SkipCRC
+	op.t, op.manifest, op.noCRC, op.n = &op.tk, &op.mf, e.cfg.SkipCRC, total
 	if err := e.split(op, src, total); err != nil {
 		return Manifest{}, err
 	}

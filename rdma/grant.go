@@ -73,9 +73,20 @@ type segment struct {
 	crc    uint32
 }
 
-// maxSegments bounds the segments an extent keeps; a landing beyond them
-// makes the commit sum the extent instead.
-const maxSegments = 64
+// maxSegments bounds the segments an extent keeps, with one more per
+// segmentBytes of the extent: a landing beyond them makes the commit sum
+// the extent instead. A streamed write (Stream) lands an extent in many
+// pieces out of order (each layer of each block of a run), and summing
+// them as they land keeps the commit from reading the extent again; the
+// bound keeps a writer from making the receiver hold more than a few bytes
+// of bookkeeping per 16 KiB granted.
+const (
+	maxSegments  = 64
+	segmentBytes = 16 << 10
+)
+
+// segmentCap is how many segments an extent of n bytes keeps.
+func segmentCap(n uint64) int { return max(maxSegments, int(n/segmentBytes)) }
 
 // crcOf returns the crc of an extent of n bytes from its in-order crc and
 // segments, and false when they do not tile [0, n) exactly.
@@ -313,7 +324,7 @@ func (g *Grant) beginLandAt(now time.Time, epoch uint64, token *[16]byte, idx ui
 	case !st.busy && off == st.next:
 		l.track, l.crc = true, st.crc
 		st.busy = true
-	case len(st.segs) < maxSegments:
+	case len(st.segs) < segmentCap(g.ticket.Extents[idx].Length):
 		l.track, l.seg = true, true
 	default:
 		st.seq = false

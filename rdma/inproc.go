@@ -94,18 +94,21 @@ func (l *inprocLink) write(ctx context.Context, op *writeOp) error {
 		for off := 0; off < len(p.src); off += landChunk {
 			end := min(off+landChunk, len(p.src))
 			d, s := ld.dst[off:end], p.src[off:end]
-			if ld.track && !op.noCRC && ld.crc == op.manifest.CRC[p.ext] {
+			if sum := op.crcFor(p); ld.track && !op.noCRC && ld.crc == *sum {
 				// One pass for both sides: in one process the bytes the
 				// receiver sums as they land are the ones the writer copies
 				// (as with shm, whose receiver takes the writer's sums).
 				ld.crc = crc32c.CopyUpdate(ld.crc, d, s)
-				op.manifest.CRC[p.ext] = ld.crc
+				*sum = ld.crc
 				continue
 			}
 			ld.copyFill(d, s)
-			op.sum(p.ext, s)
+			op.sum(p, s)
 		}
 		g.endLand(&ld, true, nil)
+	}
+	if op.partial {
+		return nil // landed; a Stream commits once every part is in
 	}
 	return remoteErr(l.rx.cfg.Agent, g.commit(op.t.Epoch, &op.t.Token, op.manifest, true, !op.noCRC))
 }

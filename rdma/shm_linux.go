@@ -847,6 +847,16 @@ func (l *shmLink) write(ctx context.Context, op *writeOp) error {
 		}
 		return copyErr
 	}
+	if op.partial {
+		if copyErr == nil {
+			return nil // copied; a Stream commits once every part is in
+		}
+		// The slot no longer admits this writer: ask the receiver why. An
+		// abort changes nothing on a grant that failed or committed, and
+		// fails one that is somehow still open, which a stream that cannot
+		// write any more wants anyway.
+		return l.abort(ctx, op, fmt.Errorf("%w: grant %d refused a streamed write", ErrRevoked, op.t.Grant))
+	}
 	// The commit gives the receiver's verdict; after a slot refusal nothing
 	// was copied and the receiver names the precise reason.
 	return l.commit(ctx, op)
@@ -959,7 +969,7 @@ func (c *shmCursor) step(budget int) uint64 {
 		n := min(uint64(len(p.src))-c.off, shmSubCopy, uint64(budget)-done)
 		base := x.Offset + p.off + c.off
 		dst := mem[base : base+n : base+n]
-		c.op.copySum(p.ext, dst, p.src[c.off:c.off+n])
+		c.op.copySum(p, dst, p.src[c.off:c.off+n])
 		done += n
 		c.off += n
 		if c.off == uint64(len(p.src)) {

@@ -816,12 +816,21 @@ func (l *tcpLink) write(ctx context.Context, op *writeOp) error {
 			return l.writeStriped(ctx, op, pieces, cuts)
 		}
 	}
+	end := uint8(frameCommit)
+	if op.partial {
+		// One part of a Stream: the flush's reply says the frames landed
+		// (or why not), and the commit comes with the Stream's last call.
+		if !l.stripes.Load() {
+			return fmt.Errorf("%w: receiver %s predates the flush frame a streamed write needs", ErrUnsupported, l.peer.Agent)
+		}
+		end = frameFlush
+	}
 	tc, err := l.get(ctx)
 	if err != nil {
 		return err
 	}
 	tc.bind(ctx)
-	return l.finish(ctx, tc, op.t, tc.send(op, op.pieces, frameCommit))
+	return l.finish(ctx, tc, op.t, tc.send(op, op.pieces, end))
 }
 
 // bind makes tc's reads and writes end with ctx, until finish.
@@ -843,7 +852,7 @@ func (tc *txConn) bind(ctx context.Context) {
 // summed on its own and the sums are joined in order after the lanes
 // (crc32c.Combine), as the receiver joins its landings' sums.
 func stripe(op *writeOp, lanes int) ([]piece, []int) {
-	k := min(uint64(lanes), op.t.Bytes/laneMinBytes)
+	k := min(uint64(lanes), op.n/laneMinBytes)
 	if k < 2 {
 		return nil, nil
 	}
@@ -853,12 +862,12 @@ func stripe(op *writeOp, lanes int) ([]piece, []int) {
 	for _, p := range op.pieces {
 		for len(p.src) > 0 {
 			lane := uint64(len(cuts)) // 1-based lane number
-			end := op.t.Bytes * lane / k
+			end := op.n * lane / k
 			if lane == k {
-				end = op.t.Bytes
+				end = op.n
 			}
 			n := min(uint64(len(p.src)), end-acc)
-			all = append(all, piece{ext: p.ext, off: p.off, src: p.src[:n]})
+			all = append(all, piece{ext: p.ext, off: p.off, src: p.src[:n], apart: op.partial})
 			p.off, p.src = p.off+n, p.src[n:]
 			acc += n
 			if acc == end && lane < k {
@@ -912,6 +921,14 @@ func (l *tcpLink) writeStriped(ctx context.Context, op *writeOp, pieces []piece,
 		})
 	}
 	tc := lanes[0]
+	if op.partial {
+		// Every lane of a Stream's part ends with a flush; the Stream joins
+		// the pieces' sums, so it gets the pieces as they were cut.
+		errs[0] = l.finish(ctx, tc, op.t, tc.send(op, pieces[:cuts[1]], frameFlush))
+		lanesDone.Wait()
+		op.pieces = append(op.pieces[:0], pieces...)
+		return errors.Join(errs...)
+	}
 	werr := tc.send(op, pieces[:cuts[1]], 0)
 	lanesDone.Wait()
 	if !op.noCRC {

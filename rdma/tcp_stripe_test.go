@@ -71,6 +71,7 @@ func TestStripe(t *testing.T) {
 		for i, n := range sizes {
 			op.pieces = append(op.pieces, piece{ext: uint32(i), src: make([]byte, n)})
 			op.t.Bytes += n
+			op.n += n
 		}
 		return op
 	}
