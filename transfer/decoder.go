@@ -25,6 +25,7 @@ type DecoderConfig struct {
 	Prefix         string        // default DefaultPrefix
 	Fingerprint    string        // the model's layout fingerprint; required
 	MaxDraftTokens int           // width of the padding-sentinel id range (mambacache.Config.MaxDraftTokens)
+	TP             int           // tensor-parallel shards per rank (PrefillRequest.TP); 0 means 1
 	DefaultTimeout time.Duration // deadline when neither the Request nor ctx has one; default 30s
 	MaxAttempts    int           // prefill attempts per request (retries only where safe); default 3
 	// NoResponderWait is how long a request nobody serves (no prefill
@@ -54,6 +55,9 @@ func (c *DecoderConfig) validate() error {
 	}
 	if c.Fingerprint == "" {
 		return fmt.Errorf("%w: empty layout fingerprint", ErrInvalidConfig)
+	}
+	if c.TP < 0 || c.TP > 1<<16-1 {
+		return fmt.Errorf("%w: TP %d", ErrInvalidConfig, c.TP)
 	}
 	if c.DefaultTimeout == 0 {
 		c.DefaultTimeout = 30 * time.Second
@@ -753,7 +757,7 @@ func (h *handoff) send(a Action) (string, error) {
 	msg := PrefillRequest{
 		RequestID: h.req.ID, From: d.cfg.Instance, Attempt: uint8(min(a.Attempt, 255)), Fingerprint: d.cfg.Fingerprint,
 		Tokens: h.req.Tokens, Sampling: h.req.Sampling, Deadline: h.deadline.UnixNano(), Budget: int64(time.Until(h.deadline)), Peer: d.peer,
-		Ticket: ticketOf(&tk), KVBytes: h.kvB, MambaBytes: h.mB,
+		Ticket: ticketOf(&tk), KVBytes: h.kvB, MambaBytes: h.mB, TP: wireTP(d.cfg.TP),
 	}
 	buf := getMsgBuf()
 	b, err := appendPrefillRequest(*buf, &msg, d.maxPayload)

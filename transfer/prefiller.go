@@ -69,6 +69,11 @@ type Job struct {
 	Sampling  Sampling
 	Deadline  time.Time
 	From      string // the requesting instance
+	// TP is the receiver's tensor-parallel size (PrefillRequest.TP, 1 when
+	// omitted): the source extents must fill its shards' extents in ticket
+	// order (RankRegions.Source), or the executor refuses with
+	// ErrLayoutMismatch.
+	TP int
 }
 
 // Prefilled is the outcome of a prefill: the first token and where the
@@ -650,7 +655,7 @@ func (p *Prefiller) handle(r micro.Request) {
 		return
 	}
 	p.mu.Unlock()
-	lease, err := p.exec.Admit(Job{RequestID: m.RequestID, Tokens: m.Tokens, Sampling: m.Sampling, Deadline: deadline, From: m.From})
+	lease, err := p.exec.Admit(Job{RequestID: m.RequestID, Tokens: m.Tokens, Sampling: m.Sampling, Deadline: deadline, From: m.From, TP: max(int(m.TP), 1)})
 	code := CodeOK
 	if err != nil {
 		code = CodeOf(err)
@@ -842,7 +847,7 @@ func (t *task) run(acts []Action) {
 			outcome = &ev
 		case ActWrite:
 			start := t.now()
-			src := append(append(t.src[:0], t.out.Source.KV...), t.out.Source.Mamba)
+			src := append(append(append(t.src[:0], t.out.Source.KV...), t.out.Source.Mamba), t.out.Source.MambaMore...)
 			m, err := p.eng.Write(&t.ctx, t.peer, t.ticket, src)
 			now = t.now()
 			t.wr = now.Sub(start)

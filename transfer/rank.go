@@ -12,17 +12,24 @@ import (
 // CacheExtents is where one request's cache lives in registered memory: its
 // prompt's KV runs (token order) in the KV region and its Mamba row in the
 // Mamba region. The same shape describes a sender's source extents.
+//
+// On a tensor-parallel rank (NewTPRankRegions) KV holds the runs of every
+// shard, shard after shard, Mamba the row of shard 0 and MambaMore the rows
+// of shards 1..; a resharded source lists, in the same order, the pieces of
+// its own shards that fill them (Resharder.Source).
 type CacheExtents struct {
-	KV    []rdma.Extent
-	Mamba rdma.Extent
+	KV        []rdma.Extent
+	Mamba     rdma.Extent
+	MambaMore []rdma.Extent
 }
 
-// Extents returns the KV extents followed by the Mamba extent: the order in
-// which a handoff's bytes are granted and written.
+// Extents returns the KV extents followed by the Mamba extents: the order
+// in which a handoff's bytes are granted and written.
 func (d CacheExtents) Extents() []rdma.Extent {
-	out := make([]rdma.Extent, 0, len(d.KV)+1)
+	out := make([]rdma.Extent, 0, len(d.KV)+1+len(d.MambaMore))
 	out = append(out, d.KV...)
-	return append(out, d.Mamba)
+	out = append(out, d.Mamba)
+	return append(out, d.MambaMore...)
 }
 
 // Bytes returns the KV and Mamba byte counts.
@@ -30,7 +37,11 @@ func (d CacheExtents) Bytes() (kv, mamba uint64) {
 	for _, e := range d.KV {
 		kv += e.Length
 	}
-	return kv, d.Mamba.Length
+	mamba = d.Mamba.Length
+	for _, e := range d.MambaMore {
+		mamba += e.Length
+	}
+	return kv, mamba
 }
 
 // Allocator is what a Decoder needs from one ADP rank's cache pools: reserve
@@ -51,6 +62,7 @@ type RankRegions struct {
 	m     *hybrid.Manager
 	kv    *rdma.Region
 	mamba *rdma.Region
+	tp    *tpRegions // every shard, shard 0 (kv, mamba) first
 }
 
 var _ Allocator = (*RankRegions)(nil)
@@ -71,7 +83,7 @@ func NewRankRegions(m *hybrid.Manager, kv, mamba *rdma.Region) (*RankRegions, er
 			mamba.Forbid(uint64(x.Offset), uint64(x.Length))
 		}
 	}
-	return &RankRegions{m: m, kv: kv, mamba: mamba}, nil
+	return &RankRegions{m: m, kv: kv, mamba: mamba, tp: newTPRegions(kcfg, mcfg, []Shard{{kv, mamba, kcfg, mcfg}})}, nil
 }
 
 // Manager returns the rank's manager.
@@ -117,6 +129,7 @@ func (r *RankRegions) resolve(res hybrid.Resources) (CacheExtents, error) {
 	}
 	x := mcfg.RowExtent(res.Row)
 	d.Mamba = rdma.Extent{Region: r.mamba.ID(), Offset: uint64(x.Offset), Length: uint64(x.Length)}
+	r.tp.resolveMore(&d, res)
 	return d, nil
 }
 

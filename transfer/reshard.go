@@ -2,7 +2,9 @@ package transfer
 
 import (
 	"fmt"
+	"sync"
 
+	"github.com/handoff-io/handoff/hybrid"
 	"github.com/handoff-io/handoff/kvcache"
 	"github.com/handoff-io/handoff/mambacache"
 	"github.com/handoff-io/handoff/rdma"
@@ -133,4 +135,153 @@ func appendExtent(xs []rdma.Extent, e rdma.Extent) []rdma.Extent {
 		return xs
 	}
 	return append(xs, e)
+}
+
+// Shard is one tensor-parallel shard of a rank: its registered KV and
+// Mamba regions and its pools' configs (the shard's own shapes).
+type Shard struct {
+	KV, Mamba   *rdma.Region
+	KVConfig    kvcache.Config
+	MambaConfig mambacache.Config
+}
+
+// tpRegions is a rank's shards and the plans to each receiver TP size met.
+type tpRegions struct {
+	kv     kvcache.Config    // the model's TP-1 shapes
+	mamba  mambacache.Config //
+	shards []Shard
+	src    []ShardSource
+
+	mu    sync.Mutex // guards plans; a leaf
+	plans map[int]*Resharder
+}
+
+func newTPRegions(kv kvcache.Config, m mambacache.Config, shards []Shard) *tpRegions {
+	t := &tpRegions{kv: kv, mamba: m, shards: shards, plans: map[int]*Resharder{}}
+	for _, s := range shards {
+		t.src = append(t.src, ShardSource{KV: s.KV.ID(), Mamba: s.Mamba.ID(), KVConfig: s.KVConfig, MambaConfig: s.MambaConfig})
+	}
+	return t
+}
+
+// NewTPRankRegions is NewRankRegions for a rank of len(shards) tensor-
+// parallel shards, whose model has the TP-1 cache shapes kv and mamba
+// (TokensPerBlock as the pools'). m allocates for the whole group: its
+// pools are shard 0's, and every other shard keeps the request at the same
+// block and row ids in its own regions, laid out by its own configs. The
+// reserved rows are forbidden on every shard. As an Allocator it grants
+// every shard's extents (CacheExtents); as a sender, Source reshards.
+func NewTPRankRegions(m *hybrid.Manager, kv kvcache.Config, mamba mambacache.Config, shards []Shard) (*RankRegions, error) {
+	if len(shards) == 0 {
+		return nil, fmt.Errorf("%w: a rank of no shards", ErrInvalidConfig)
+	}
+	r, err := NewRankRegions(m, shards[0].KV, shards[0].Mamba)
+	if err != nil {
+		return nil, err
+	}
+	kc, mc := m.KV().Config(), m.Mamba().Config()
+	if kc != shards[0].KVConfig || mc != shards[0].MambaConfig {
+		return nil, fmt.Errorf("%w: shard 0's configs are not the manager's", ErrInvalidConfig)
+	}
+	for i, s := range shards[1:] {
+		sk, sm := s.KVConfig, s.MambaConfig
+		if sk.NumBlocks() != kc.NumBlocks() || sm.TotalRows() != mc.TotalRows() || sk.TokensPerBlock != kc.TokensPerBlock {
+			return nil, fmt.Errorf("%w: shard %d has %d blocks of %d tokens and %d rows, shard 0 %d of %d and %d",
+				ErrInvalidConfig, i+1, sk.NumBlocks(), sk.TokensPerBlock, sm.TotalRows(), kc.NumBlocks(), kc.TokensPerBlock, mc.TotalRows())
+		}
+		if s.KV.Len() < sk.ArenaBytes() || s.Mamba.Len() < sm.ArenaBytes() {
+			return nil, fmt.Errorf("%w: shard %d: regions of %d and %d bytes for arenas of %d and %d",
+				ErrInvalidConfig, i+1, s.KV.Len(), s.Mamba.Len(), sk.ArenaBytes(), sm.ArenaBytes())
+		}
+		for row := range mc.TotalRows() {
+			if m.Mamba().IsReserved(mambacache.Row(row)) {
+				x := sm.RowExtent(mambacache.Row(row))
+				s.Mamba.Forbid(uint64(x.Offset), uint64(x.Length))
+			}
+		}
+	}
+	// Every shard must be the plan's shard: the plans address its layout.
+	t := newTPRegions(kv, mamba, shards)
+	if _, err := t.resharder(len(shards)); err != nil {
+		return nil, err
+	}
+	r.tp = t
+	return r, nil
+}
+
+// TP is the rank's tensor-parallel size.
+func (r *RankRegions) TP() int { return len(r.tp.shards) }
+
+// Resharder returns the plans from this rank's shards to a TP-to
+// receiver's (computed once per size). A size the model does not split
+// over is refused with ErrLayoutMismatch, naming the dimension.
+func (r *RankRegions) Resharder(to int) (*Resharder, error) { return r.tp.resharder(to) }
+
+// Source returns the source extents of resources res held on this rank for
+// a TP-to receiver, in the order of its ticket (see Resharder.Source). For
+// a TP-1 rank and receiver it is Resolve. A reserved row is refused with
+// ErrDummyRequest.
+func (r *RankRegions) Source(res hybrid.Resources, to int) (CacheExtents, error) {
+	if to <= 1 && r.TP() == 1 {
+		return r.resolve(res)
+	}
+	if r.m.Mamba().IsReserved(res.Row) {
+		return CacheExtents{}, fmt.Errorf("%w: row %d is reserved", ErrDummyRequest, res.Row)
+	}
+	rs, err := r.tp.resharder(max(to, 1))
+	if err != nil {
+		return CacheExtents{}, err
+	}
+	var blocks []kvcache.BlockID
+	for _, run := range res.Runs {
+		for i := range run.Len {
+			blocks = append(blocks, run.Start+kvcache.BlockID(i))
+		}
+	}
+	kv, mamba, err := rs.Source(r.tp.src, blocks, res.Row)
+	if err != nil {
+		return CacheExtents{}, err
+	}
+	d := CacheExtents{KV: kv}
+	if len(mamba) > 0 {
+		d.Mamba, d.MambaMore = mamba[0], mamba[1:]
+	}
+	return d, nil
+}
+
+func (t *tpRegions) resharder(to int) (*Resharder, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if p, ok := t.plans[to]; ok {
+		return p, nil
+	}
+	p, err := NewResharder(t.kv, t.mamba, len(t.shards), to)
+	if err != nil {
+		return nil, err
+	}
+	t.plans[to] = p
+	return p, nil
+}
+
+// resolveMore appends shards 1..'s extents of res to d (shard 0's).
+func (t *tpRegions) resolveMore(d *CacheExtents, res hybrid.Resources) {
+	for _, s := range t.shards[1:] {
+		for _, run := range res.Runs {
+			x := s.KVConfig.RunExtent(run)
+			d.KV = append(d.KV, rdma.Extent{Region: s.KV.ID(), Offset: uint64(x.Offset), Length: uint64(x.Length)})
+		}
+	}
+	for _, s := range t.shards[1:] {
+		x := s.MambaConfig.RowExtent(res.Row)
+		d.MambaMore = append(d.MambaMore, rdma.Extent{Region: s.Mamba.ID(), Offset: uint64(x.Offset), Length: uint64(x.Length)})
+	}
+}
+
+// wireTP is PrefillRequest.TP for a receiver of tp shards: omitted (0) for
+// one, so a TP-1 request's bytes are those of a peer that predates it.
+func wireTP(tp int) uint16 {
+	if tp <= 1 {
+		return 0
+	}
+	return uint16(tp)
 }
