@@ -54,3 +54,25 @@ func sleep(ctx context.Context, d time.Duration) error {
 		return nil
 	}
 }
+
+var _ chunker = (*delayed)(nil)
+
+// prefillChunk spreads the chunk's simulated compute over its layers:
+// layer i is reported done after its share of (to-from)*prefill, so a
+// caller that ships each layer as it is done overlaps that with the
+// layers still "computing", as it would with a real model.
+func (d *delayed) prefillChunk(ctx context.Context, c Cache, tokens []int32, from, to int, done func(layer int) error) ([]float32, error) {
+	ch, ok := d.inner.(chunker)
+	if !ok {
+		return nil, fmt.Errorf("%w: %s prefills whole prompts only", ErrInvalidOption, d.inner.Spec().Name)
+	}
+	total := time.Duration(to-from) * d.prefill
+	layers := time.Duration(len(d.inner.Spec().LayerPattern))
+	return ch.prefillChunk(ctx, c, tokens, from, to, func(layer int) error {
+		i := time.Duration(layer)
+		if err := sleep(ctx, total*(i+1)/layers-total*i/layers); err != nil {
+			return fmt.Errorf("model: prefill: %w", err)
+		}
+		return done(layer)
+	})
+}

@@ -23,6 +23,17 @@
 //     a length limit. Encode/Decode convert text to byte tokens and back.
 //  6. Calls that may block (a model looked up with a delay) are cancelled
 //     through PrefillContext/DecodeContext.
+//  7. To ship the cache while prefill still computes, prefill with
+//     PrefillChunk: consecutive chunks of the prompt, each run layer by
+//     layer, with a callback told of each Part of the cache as soon as it
+//     is final: an attention layer's positions of the chunk once the chunk
+//     passed the layer, a Mamba layer's state only once the chunk that
+//     ends the prompt passed it. The executor reports only which layer
+//     finished; PrefillChunk alone turns that into Parts, so no executor
+//     can release a Mamba state early. The result is bit-identical to
+//     Prefill's, whatever the chunks. A simulated prefill delay is spread
+//     over the layers (layer i is reported after its share), so streaming
+//     overlaps it as it would a real model's compute.
 //
 // # Models
 //

@@ -1,6 +1,7 @@
 package model
 
 import (
+	"context"
 	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
@@ -119,6 +120,55 @@ func (s *synthetic) Prefill(c Cache, tokens []int32) ([]float32, error) {
 	return s.logits(h), nil
 }
 
+var _ chunker = (*synthetic)(nil)
+
+// prefillChunk writes what Prefill writes, layer by layer: the K/V of the
+// chunk's positions for each attention layer, and each Mamba layer's part
+// of the row once the chunk ends the prompt. The running hash at from is
+// folded again from the prompt (cheap next to the writes).
+func (s *synthetic) prefillChunk(ctx context.Context, c Cache, tokens []int32, from, to int, done func(layer int) error) ([]float32, error) {
+	rv := s.pool.Get().(*rowView)
+	defer s.pool.Put(rv)
+	if err := checkCache(&s.spec, &c, to, rv); err != nil {
+		return nil, err
+	}
+	h := s.base
+	for p := range from {
+		h = mix64(h, uint64(uint32(tokens[p]))<<32|uint64(p))
+	}
+	hs := make([]uint64, to-from) // the hash of each position of the chunk
+	for p := from; p < to; p++ {
+		h = mix64(h, uint64(uint32(tokens[p]))<<32|uint64(p))
+		hs[p-from] = h
+	}
+	last := to == len(tokens)
+	kl, ml := 0, 0
+	for i, kind := range []byte(s.spec.LayerPattern) {
+		if err := ctx.Err(); err != nil {
+			return nil, fmt.Errorf("model: prefill: %w", err)
+		}
+		switch kind {
+		case '*':
+			for p := from; p < to; p++ {
+				s.writeKVLayer(&c, p, hs[p-from], kl)
+			}
+			kl++
+		case 'M':
+			if last {
+				s.writeRowLayer(rv, h, ml, 0)
+			}
+			ml++
+		}
+		if err := done(i); err != nil {
+			return nil, err
+		}
+	}
+	if !last {
+		return nil, nil
+	}
+	return s.logits(h), nil
+}
+
 func (s *synthetic) Decode(c Cache, token int32, pos int) ([]float32, error) {
 	if err := checkToken(&s.spec, token); err != nil {
 		return nil, err
@@ -159,17 +209,33 @@ func (s *synthetic) writeKV(c *Cache, pos int, h uint64) {
 	}
 }
 
+// writeKVLayer is writeKV for one layer.
+func (s *synthetic) writeKVLayer(c *Cache, pos int, h uint64, l int) {
+	tpb := c.KV.TokensPerBlock
+	blk, slot := c.Blocks[pos/tpb], pos%tpb
+	n := int64(s.tokenBytes())
+	for kv := range kvcache.KV(2) {
+		off := c.KV.TokenOffset(blk, l, kv, slot, 0)
+		fillPattern(c.KVArena[off:off+n], mix64(h, uint64(l)<<1|uint64(kv)))
+	}
+}
+
 func (s *synthetic) writeRow(rv *rowView, h uint64) { s.writeRowHead(rv, h, 0) }
 
 // writeRowHead is writeRow over the first n bytes of each section (n ≤ 0:
 // all of them).
 func (s *synthetic) writeRowHead(rv *rowView, h uint64, n int) {
 	for l := range rv.conv {
-		for sec, p := range rv.conv[l] {
-			fillPattern(head(p, n), mix64(h, 1<<32|uint64(l)<<2|uint64(sec)))
-		}
-		fillPattern(head(rv.ssm[l], n), mix64(h, 1<<32|uint64(l)<<2|3))
+		s.writeRowLayer(rv, h, l, n)
 	}
+}
+
+// writeRowLayer is writeRowHead for layer l.
+func (s *synthetic) writeRowLayer(rv *rowView, h uint64, l, n int) {
+	for sec, p := range rv.conv[l] {
+		fillPattern(head(p, n), mix64(h, 1<<32|uint64(l)<<2|uint64(sec)))
+	}
+	fillPattern(head(rv.ssm[l], n), mix64(h, 1<<32|uint64(l)<<2|3))
 }
 
 // head is the first n bytes of p, or p when n ≤ 0 or p is shorter.

@@ -1,6 +1,7 @@
 package model
 
 import (
+	"context"
 	"math"
 	"strings"
 	"sync"
@@ -250,6 +251,68 @@ func (m *tiny) Prefill(c Cache, tokens []int32) ([]float32, error) {
 		} else {
 			m.step(&c, s, t, pos, nil)
 		}
+	}
+	return logits, nil
+}
+
+var _ chunker = (*tiny)(nil)
+
+// prefillChunk is Prefill reordered: every position of the chunk passes
+// layer i before any passes layer i+1. Each (layer, position) computes
+// exactly what step computes (a layer at position p reads only the lower
+// layers' output at p and its own state from positions before p, written
+// earlier in the same layer's pass), so cache bytes and logits are
+// bit-identical to Prefill's.
+func (m *tiny) prefillChunk(ctx context.Context, c Cache, tokens []int32, from, to int, done func(layer int) error) ([]float32, error) {
+	s := m.pool.Get().(*tinyScratch)
+	defer m.pool.Put(s)
+	if err := checkCache(&m.spec, &c, to, &s.row); err != nil {
+		return nil, err
+	}
+	dm := m.d.dModel
+	hs := make([]float32, (to-from)*dm) // the chunk's hidden states
+	for p := from; p < to; p++ {
+		copy(hs[(p-from)*dm:(p-from+1)*dm], m.embed[int(tokens[p])*dm:(int(tokens[p])+1)*dm])
+	}
+	if from == 0 {
+		s.row.zero()
+	}
+	mi, ai := 0, 0
+	for i := range m.layers {
+		if err := ctx.Err(); err != nil {
+			return nil, fmt.Errorf("model: prefill: %w", err)
+		}
+		l := &m.layers[i]
+		for p := from; p < to; p++ {
+			h := hs[(p-from)*dm : (p-from+1)*dm]
+			rmsNorm(s.xn, h, l.norm)
+			switch l.kind {
+			case 'M':
+				m.mamba(l, s.row.conv[mi], s.row.ssm[mi], s)
+			case '*':
+				m.attention(l, ai, &c, p, s)
+			case '-':
+				m.mlp(l, s)
+			}
+			addTo(h, s.out)
+		}
+		switch l.kind {
+		case 'M':
+			mi++
+		case '*':
+			ai++
+		}
+		if err := done(i); err != nil {
+			return nil, err
+		}
+	}
+	if to != len(tokens) {
+		return nil, nil
+	}
+	logits := make([]float32, m.spec.Vocab)
+	rmsNorm(s.xn, hs[(to-1-from)*dm:(to-from)*dm], m.final)
+	for v := range logits {
+		logits[v] = dot(m.head[v*dm:(v+1)*dm], s.xn) + m.prior[v]
 	}
 	return logits, nil
 }
