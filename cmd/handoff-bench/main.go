@@ -19,6 +19,7 @@ subcommands:
   control    the control overhead of a handoff against plain NATS request-replies
   topology   the GPUs and NICs this host offers the data path
   serve      load an OpenAI /v1/completions endpoint as vllm bench serve does
+  compare    serve --sweep-rates reports of several setups side by side: goodput table and plot
 
 handoff-bench <subcommand> --help lists a subcommand's flags.
 `
@@ -63,10 +64,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runTopology(ctx, args[1:])
 	case "serve":
 		return runServe(ctx, args[1:], stdout, stderr)
+	case "compare":
+		return runCompare(args[1:], stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		fmt.Fprint(stdout, usage)
 		return nil
 	default:
-		return fmt.Errorf("unknown subcommand %q (want datapath, control, topology or serve; see handoff-bench --help)", args[0])
+		return fmt.Errorf("unknown subcommand %q (want datapath, control, topology, serve or compare; see handoff-bench --help)", args[0])
 	}
 }
