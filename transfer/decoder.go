@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/handoff-io/handoff/rdma"
 )
@@ -417,7 +418,8 @@ type handoff struct {
 	tok      string // the call's token, a suffix of reply
 	attempt  int    // the attempt last sent
 	c        *call
-	mailbox  call // what c points to: one allocation for the handoff
+	mailbox  call       // what c points to: one allocation for the handoff
+	span     trace.Span // the handoff's span when traced (see trace.go), else nil
 
 	dest   CacheExtents
 	kvB    uint64
@@ -488,7 +490,11 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 		d.wg.Done()
 	}()
 
+	h.span = startHandoffSpan(ctx, &req)
 	res, err := h.run(ctx, start)
+	if h.span != nil {
+		endHandoffSpan(h.span, &res, h.sess.Attempts(), err)
+	}
 	if err != nil {
 		d.failed.Add(1)
 		return Result{}, err
@@ -774,7 +780,7 @@ func (h *handoff) send(a Action) (string, error) {
 		// no-responders names nothing else.
 		reply += "-" + strconv.Itoa(a.Attempt)
 	}
-	err = d.pub.PublishRequest(subj, reply, b)
+	err = h.publishRequest(subj, reply, b)
 	putMsgBuf(buf, b) // the publisher copied it
 	if err != nil {
 		if errors.Is(err, nats.ErrMaxPayload) {

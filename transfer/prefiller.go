@@ -12,6 +12,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/micro"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/handoff-io/handoff/rdma"
 )
@@ -37,6 +38,9 @@ type PrefillerConfig struct {
 	// instances). For tools and tests.
 	NoRegistry bool
 	Logger     *slog.Logger
+	// TracerProvider traces each request (a "prefill" span continuing the
+	// decoder's trace from the request's headers); nil traces nothing.
+	TracerProvider trace.TracerProvider
 }
 
 func (c *PrefillerConfig) validate() error {
@@ -69,6 +73,9 @@ type Job struct {
 	Sampling  Sampling
 	Deadline  time.Time
 	From      string // the requesting instance
+	// Span is the request's "prefill" span when it is traced, else nil: the
+	// executor may open children under it (queue, compute).
+	Span trace.Span
 	// TP is the receiver's tensor-parallel size (PrefillRequest.TP, 1 when
 	// omitted): the source extents must fill its shards' extents in ticket
 	// order (RankRegions.Source), or the executor refuses with
@@ -154,6 +161,8 @@ type Prefiller struct {
 	nc   *nats.Conn
 	eng  senderEngine
 	exec PrefillExecutor
+	// tracer is cfg.TracerProvider's, nil when requests are not traced.
+	tracer trace.Tracer
 
 	mu    sync.Mutex
 	state int // 0 new, 3 starting, 1 serving, 2 shut down
@@ -196,6 +205,9 @@ func NewPrefiller(cfg PrefillerConfig, nc *nats.Conn, eng *rdma.Engine, exec Pre
 	p := &Prefiller{cfg: cfg, nc: nc, eng: eng, exec: exec, tasks: map[uint64]*task{},
 		work: make(chan taskStart), quit: make(chan struct{}),
 		connected: map[string]string{}, maxPayload: nc.MaxPayload()}
+	if cfg.TracerProvider != nil {
+		p.tracer = cfg.TracerProvider.Tracer(TracerName)
+	}
 	p.connCtx, p.connCancel = context.WithCancel(context.Background())
 	return p, nil
 }
@@ -553,6 +565,7 @@ type task struct {
 	manifest rdma.Manifest
 	pf, wr   time.Duration
 	cause    error
+	span     trace.Span // the request's span when traced, else nil
 }
 
 // newTask returns a zero task: one a finished request left, or a new one.
@@ -624,6 +637,9 @@ func (p *Prefiller) handle(r micro.Request) {
 	}
 	t := p.newTask()
 	t.start = time.Now()
+	if p.tracer != nil {
+		t.span = p.startSpan(r, &m, t.start)
+	}
 	// The deadline as a monotonic reading from here on, as
 	// context.WithDeadline would arm it: later checks read one clock. It is
 	// the time the sender had left (Budget) from this receipt, so a clock
@@ -646,6 +662,7 @@ func (p *Prefiller) handle(r micro.Request) {
 	if t.sess.State().Terminal() {
 		p.refused.Add(1)
 		p.replyNow(r, t.replyFor(t.sess.Code()))
+		endSpanCode(t.span, t.sess.Code(), t.cause)
 		return
 	}
 	p.mu.Lock()
@@ -655,7 +672,7 @@ func (p *Prefiller) handle(r micro.Request) {
 		return
 	}
 	p.mu.Unlock()
-	lease, err := p.exec.Admit(Job{RequestID: m.RequestID, Tokens: m.Tokens, Sampling: m.Sampling, Deadline: deadline, From: m.From, TP: max(int(m.TP), 1)})
+	lease, err := p.exec.Admit(Job{RequestID: m.RequestID, Tokens: m.Tokens, Sampling: m.Sampling, Deadline: deadline, From: m.From, TP: max(int(m.TP), 1), Span: t.span})
 	code := CodeOK
 	if err != nil {
 		code = CodeOf(err)
@@ -671,6 +688,7 @@ func (p *Prefiller) handle(r micro.Request) {
 	if t.sess.State().Terminal() {
 		p.refused.Add(1)
 		p.replyNow(r, t.replyFor(t.sess.Code()))
+		endSpanCode(t.span, t.sess.Code(), t.cause)
 		if lease != nil {
 			lease.Release()
 		}
@@ -769,6 +787,7 @@ func (p *Prefiller) refuseNotServing(r micro.Request, t *task, state int) {
 	t.cause = fmt.Errorf("%w: prefiller %s", ErrCapacityRefused, why)
 	p.refused.Add(1)
 	p.replyNow(r, t.replyFor(CodeCapacityRefused))
+	endSpanCode(t.span, CodeCapacityRefused, t.cause)
 }
 
 func (p *Prefiller) replyNow(r micro.Request, rep PrefillReply) {
@@ -816,6 +835,9 @@ func (t *task) run(acts []Action) {
 		p.removeTaskLocked(t)
 		p.mu.Unlock()
 		p.inflight.Add(-1)
+		if t.span != nil { // not replied
+			t.span.End()
+		}
 		p.freeTask(t)
 	}()
 	// The queue of actions to execute; a Step's actions are copied in at once
@@ -848,8 +870,10 @@ func (t *task) run(acts []Action) {
 		case ActWrite:
 			start := t.now()
 			src := append(append(append(t.src[:0], t.out.Source.KV...), t.out.Source.Mamba), t.out.Source.MambaMore...)
+			ws := t.startWriteSpan(start)
 			m, err := p.eng.Write(&t.ctx, t.peer, t.ticket, src)
 			now = t.now()
+			t.endWriteSpan(ws, now, err)
 			t.wr = now.Sub(start)
 			ev := Event{Kind: EvWritten, Manifest: m}
 			if err != nil {
@@ -894,6 +918,10 @@ func (t *task) sendReply(code Code) {
 	}
 	rep := t.replyFor(code)
 	rep.Instance = p.cfg.Instance
+	if t.span != nil {
+		defer func(span trace.Span) { endSpanCode(span, code, t.cause) }(t.span)
+		t.span = nil
+	}
 	buf := getMsgBuf()
 	b, err := appendPrefillReply(*buf, &rep, p.maxPayload)
 	if err != nil {
