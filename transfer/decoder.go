@@ -88,11 +88,16 @@ type Request struct {
 	Tokens   []int32
 	Sampling Sampling
 	Deadline time.Time // zero: ctx's deadline, else now + DefaultTimeout
-	Alloc    Allocator // the ADP rank's pools
+	// Dest is where the cache lands: the request's KV runs and Mamba row in
+	// this decoder's registered regions (RankRegions.Resolve). The caller
+	// allocated them and frees them once Handoff returned: at once on
+	// success when the request finishes, on failure at once too, except
+	// for a QuarantinedError, whose Released channel says when.
+	Dest CacheExtents
 }
 
-// Result describes a completed handoff. The request now holds Dest in Alloc;
-// the caller frees it when the request finishes.
+// Result describes a completed handoff: the request's cache is in its
+// Dest, ready for decoding.
 type Result struct {
 	FirstToken int32
 	Logprobs   []byte        // the first token's logprobs, when asked (PrefillReply.Logprobs)
@@ -103,7 +108,6 @@ type Result struct {
 	Total      time.Duration // handoff wall time at the decoder
 	KVBytes    uint64
 	MambaBytes uint64
-	Dest       CacheExtents
 }
 
 // DecoderStats are cumulative counters.
@@ -135,8 +139,8 @@ type receiverEngine interface {
 
 var _ receiverEngine = (*rdma.Engine)(nil)
 
-// Decoder is the receiving side of the handoff protocol: it allocates through
-// an Allocator, opens a grant, asks a prefill worker over NATS to fill it and
+// Decoder is the receiving side of the handoff protocol: for a destination its
+// caller allocated, it opens a grant, asks a prefill worker over NATS to fill it and
 // accepts the cache only when the reply and the commit agree. Safe for
 // concurrent use: one Handoff per request.
 type Decoder struct {
@@ -421,7 +425,6 @@ type handoff struct {
 	mailbox  call       // what c points to: one allocation for the handoff
 	span     trace.Span // the handoff's span when traced (see trace.go), else nil
 
-	dest   CacheExtents
 	kvB    uint64
 	mB     uint64
 	grant  *rdma.Grant
@@ -442,13 +445,15 @@ type handoff struct {
 }
 
 // Handoff runs one request's handoff and returns once it is delivered or
-// failed. On failure every resource it took is released (grant revoked before
-// the blocks and row are freed) and the error wraps one of the package
-// sentinels; a remote refusal is a *RemoteError.
+// failed. On failure the grant is revoked before it returns, so no byte lands
+// in req.Dest any more and the caller may free it, except when the error is
+// a *QuarantinedError (a live writer may still copy into it: free it once
+// Released is closed). The error wraps one of the package sentinels; a
+// remote refusal is a *RemoteError.
 func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 	start := time.Now()
-	if req.Alloc == nil || len(req.Tokens) == 0 {
-		return Result{}, fmt.Errorf("%w: request %d without allocator or tokens", ErrInvalidConfig, req.ID)
+	if req.Dest.Mamba.Length == 0 || len(req.Tokens) == 0 {
+		return Result{}, fmt.Errorf("%w: request %d without destination or tokens", ErrInvalidConfig, req.ID)
 	}
 	deadline := req.Deadline
 	if dl, ok := ctx.Deadline(); ok && (deadline.IsZero() || dl.Before(deadline)) {
@@ -463,6 +468,7 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 	}
 	h := d.newHandoff()
 	h.d, h.req, h.start, h.deadline = d, req, start, deadline
+	h.kvB, h.mB = req.Dest.Bytes()
 	h.sess.init(RecvParams{
 		RequestID: req.ID, MaxDraftTokens: d.cfg.MaxDraftTokens, Deadline: deadline, MaxAttempts: d.cfg.MaxAttempts,
 		QuietWait: max(d.cfg.NoResponderWait, 0),
@@ -523,7 +529,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 				return Result{
 					FirstToken: h.ok.FirstToken, Logprobs: h.ok.Logprobs, Instance: h.ok.Instance, Attempts: h.sess.Attempts(),
 					Prefill: time.Duration(h.ok.PrefillNanos), Transfer: time.Duration(h.ok.WriteNanos),
-					Total: time.Since(start), KVBytes: h.kvB, MambaBytes: h.mB, Dest: h.dest,
+					Total: time.Since(start), KVBytes: h.kvB, MambaBytes: h.mB,
 				}, nil
 			case ActFail:
 				err := h.failure(a.Code)
@@ -646,24 +652,11 @@ func (h *handoff) delivered() []Action {
 func (h *handoff) exec(a Action) (Event, bool) {
 	now := h.now
 	switch a.Kind {
-	case ActAllocate:
-		dest, err := h.req.Alloc.Prepare(h.req.ID, len(h.req.Tokens))
-		if err != nil {
-			code := CodeOf(err)
-			if code == CodePeerFailed { // an unclassified pool error: no room here
-				code = CodeCapacityRefused
-			}
-			h.setCause(fmt.Errorf("%w: allocate: %w", code.Err(), err))
-			return Event{Kind: EvAllocated, Now: now(), Code: code}, true
-		}
-		h.dest = dest
-		h.kvB, h.mB = dest.Bytes()
-		return Event{Kind: EvAllocated, Now: now()}, true
 	case ActOpenGrant:
 		// A re-grant after a dead peer: the old grant is revoked already, and
 		// what it carried (its end, an OK reply of its attempt) is dropped.
 		h.grant, h.doneCh, h.failCh, h.replied, h.ok = nil, nil, nil, false, PrefillReply{}
-		exts := h.dest.Extents()
+		exts := h.req.Dest.Extents()
 		g, err := h.d.eng.OpenGrant(rdma.GrantSpec{RequestID: h.req.ID, Extents: exts, Deadline: h.deadline})
 		if err != nil {
 			h.setCause(err)
@@ -710,30 +703,6 @@ func (h *handoff) exec(a Action) (Event, bool) {
 				h.held = h.grant.Done()
 			}
 		}
-	case ActFree:
-		// Not h's fields: h goes back to the pool when Handoff returns.
-		alloc, id, log := h.req.Alloc, h.req.ID, h.d.cfg.Logger
-		free := func() {
-			if err := alloc.Free(id); err != nil {
-				log.Error("free after failed handoff", "seq", id, "err", err)
-			}
-		}
-		if h.held == nil {
-			free()
-			break
-		}
-		// A live writer may still store into the destination: free it once
-		// the quarantine ends (not at all if the decoder closes first).
-		d, held := h.d, h.held
-		d.wg.Add(1)
-		go func() {
-			defer d.wg.Done()
-			select {
-			case <-held:
-				free()
-			case <-d.done:
-			}
-		}()
 	}
 	return Event{}, false
 }

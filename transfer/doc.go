@@ -20,14 +20,17 @@
 //     per session; events after it are ignored, so cleanup is idempotent.
 //   - decoder.go, prefiller.go: the drivers that execute actions on NATS and
 //     rdma. registry.go: the instance directory in a JetStream KV bucket.
-//   - rank.go: RankRegions adapts a hybrid.Manager and its two registered regions to
-//     the extents the protocol names.
+//   - rank.go: CacheExtents, where one request's cache lives in registered
+//     memory, and RankRegions, which resolves the resources a request holds
+//     in a rank's hybrid.Manager to extents of its two registered regions.
 //
 // # One handoff (happy path: one NATS request and its reply)
 //
-//  1. Decoder.Handoff refuses dummies (id 0, padding sentinels: IsDummyID),
-//     allocates through the rank's Allocator (KV blocks + one real Mamba row),
-//     opens an rdma grant over exactly those extents and publishes a
+//  1. The caller (the decode worker's scheduler) prepares the request's KV
+//     blocks and one real Mamba row and resolves them to a CacheExtents
+//     (RankRegions.Resolve). Decoder.Handoff refuses dummies (id 0, padding
+//     sentinels: IsDummyID), opens an rdma grant over exactly those extents
+//     and publishes a
 //     PrefillRequest (tokens, sampling, deadline, layout fingerprint, its
 //     rdma descriptor, the grant's ticket) to the queue group.
 //  2. A Prefiller checks the request (dummy id, layout fingerprint, deadline:
@@ -40,7 +43,8 @@
 //     releases its lease.
 //  3. The Decoder accepts only when the reply succeeded, the grant's commit
 //     arrived and both manifests agree with the granted sizes. The request
-//     then holds its blocks and row; the caller frees them when it finishes.
+//     is ready to decode from its destination; the caller frees the blocks
+//     and row when it finishes.
 //
 // The commit travels on the data plane, not on NATS, so a handoff costs one
 // NATS request-reply; cancels are published only on failure, heartbeats are
@@ -54,8 +58,8 @@
 // refusals from the peer are *RemoteError, whose Is matches the sentinel of
 // its Code. On any failure the decoder publishes a cancel if a request is
 // outstanding, revokes the grant (after Revoke returns no byte lands, so a
-// late write or commit is refused by the data plane), then frees the blocks
-// and row. It retries on another worker only when nothing can have been
+// late write or commit is refused by the data plane) and returns: the caller
+// frees the blocks and row then. It retries on another worker only when nothing can have been
 // written (no responders, capacity refused) and the deadline and MaxAttempts
 // allow, or when the instance serving the request is reported dead before a
 // commit was accepted (its registry entry expired, or, at once, every one of
@@ -84,8 +88,8 @@
 // its own monotonic deadline on receipt: no two hosts' wall clocks are
 // compared. A grant the decoder revokes while a live shm writer is stopped
 // inside a copy is quarantined (rdma.Grant.Quarantined): the handoff fails
-// at once with a *QuarantinedError, and the destination is freed only when it
-// is Released.
+// at once with a *QuarantinedError, and the caller frees the destination
+// only when it is Released.
 //
 // The prefiller stops on a cancel, on the deadline, on a failed write
 // (receiver revoked or died) or when the decode instance leaves the
@@ -123,24 +127,27 @@
 // opens a grant and accepts a commit, SendSession writes into a grant. Handing
 // a finished conversation's state back from decode to a prefill worker
 // (multi-turn continuation without recompute) is the same exchange with the
-// roles swapped: the prefill side runs a RecvSession over its own Allocator
-// and grant, the decode side a SendSession over the request's extents, with a
+// roles swapped: the prefill side runs a RecvSession over a destination it
+// prepared and a grant, the decode side a SendSession over the request's extents, with a
 // new request message on its own subject. The wire types (Peer, Ticket,
 // Manifest, Extents) and both machines are reused unchanged.
 //
 // # Caller duties
 //
-//  1. Build one RankRegions (or another Allocator) per ADP rank; register its arenas
-//     as rdma regions first. NewRankRegions forbids the reserved rows at the data plane.
+//  1. Build one RankRegions per ADP rank; register its arenas as rdma
+//     regions first. NewRankRegions forbids the reserved rows at the data
+//     plane.
 //  2. Decode: NewDecoder once per process; Handoff per request from any
-//     goroutine; Free the request's resources when it finishes; Close on exit.
-//     A scheduler that allocates before handing off passes Prepared(dest)
-//     and frees dest itself once Handoff returned (on failure the grant is
-//     already revoked then, so nothing can land in it any more). Set
+//     goroutine, with Request.Dest resolved from the resources the scheduler
+//     prepared (hybrid.Manager.Prepare, RankRegions.Resolve); free them once
+//     Handoff returned: on failure the grant is already revoked then, so
+//     nothing can land in them any more (a *QuarantinedError: once it is
+//     Released); on success when the request finishes. Close on exit. Set
 //     DirectFirst to address a chosen instance from the first attempt: the
 //     decoder then knows its peer at once and fails fast if it disappears.
 //  3. Prefill: implement PrefillExecutor (Admit must not block; AdmittedJob.Prefill
-//     must honour ctx; Release is called once, after every use of the
+//     must honour ctx and returns the source, RankRegions.Resolve of the
+//     resources it holds; Release is called once, after every use of the
 //     extents); NewPrefiller, Start (or Serve), Shutdown on exit. A lease
 //     whose result is already there at admission may implement ReadyJob:
 //     its small inproc handoffs then skip one goroutine hand-off.

@@ -43,6 +43,9 @@ type side struct {
 	rank    *RankRegions
 	regions map[rdma.RegionID]*rdma.Region
 	initial hybrid.Stats
+
+	mu    sync.Mutex
+	dests map[uint64]CacheExtents // by request id, see handoff
 }
 
 func newSide(t *testing.T, agent string, cfg hybrid.Config) *side {
@@ -66,6 +69,62 @@ func newSideOn(t *testing.T, agent string, cfg hybrid.Config, tr rdma.Transport)
 	rank, err := NewRankRegions(m, kv, mr)
 	require.NoError(t, err)
 	return &side{eng: eng, m: m, rank: rank, regions: map[rdma.RegionID]*rdma.Region{kv.ID(): kv, mr.ID(): mr}, initial: m.Stats()}
+}
+
+// prepare allocates request id's KV blocks and Mamba row for tokens prompt
+// tokens and resolves them to extents: what a worker's scheduler does before a
+// handoff (decode) or a prefill (prefill).
+func (s *side) prepare(id uint64, tokens int) (CacheExtents, error) {
+	res, err := s.m.Prepare(id, tokens)
+	if err != nil {
+		return CacheExtents{}, err
+	}
+	d, err := s.rank.Resolve(res)
+	if err != nil {
+		_ = s.m.Free(id)
+		return CacheExtents{}, err
+	}
+	return d, nil
+}
+
+// handoff runs req on d into a destination prepared on s, with the decode
+// worker's duties around it: a failed handoff's destination is freed at once,
+// or once its quarantine ends; a delivered one stays the caller's, who frees
+// it (s.m.Free) when done with it. The destination is s.dests[req.ID].
+func (s *side) handoff(ctx context.Context, d *Decoder, req Request) (Result, error) {
+	dest, err := s.prepare(req.ID, len(req.Tokens))
+	if err != nil {
+		return Result{}, fmt.Errorf("%w: %w", ErrCapacityRefused, err)
+	}
+	s.mu.Lock()
+	if s.dests == nil {
+		s.dests = map[uint64]CacheExtents{}
+	}
+	s.dests[req.ID] = dest
+	s.mu.Unlock()
+	req.Dest = dest
+	res, err := d.Handoff(ctx, req)
+	if err == nil {
+		return res, nil
+	}
+	if q, ok := errors.AsType[*QuarantinedError](err); ok {
+		go func() {
+			<-q.Released()
+			_ = s.m.Free(req.ID)
+		}()
+		return res, err
+	}
+	if ferr := s.m.Free(req.ID); ferr != nil {
+		panic(ferr)
+	}
+	return res, err
+}
+
+// dest is where request id's last handoff on s wrote.
+func (s *side) dest(id uint64) CacheExtents {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.dests[id]
 }
 
 func (s *side) bytes(x rdma.Extent) []byte {
@@ -108,7 +167,7 @@ func (x *testExec) Admit(job Job) (AdmittedJob, error) {
 	if x.refuse.Load() {
 		return nil, fmt.Errorf("%w: test executor full", ErrCapacityRefused)
 	}
-	d, err := x.s.rank.Prepare(job.RequestID, len(job.Tokens))
+	d, err := x.s.prepare(job.RequestID, len(job.Tokens))
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrCapacityRefused, err)
 	}
@@ -161,7 +220,7 @@ func (l *testLease) Release() {
 		panic("lease released twice")
 	}
 	l.x.releases.Add(1)
-	if err := l.x.s.rank.Free(l.job.RequestID); err != nil {
+	if err := l.x.s.m.Free(l.job.RequestID); err != nil {
 		panic(err)
 	}
 }
@@ -244,23 +303,23 @@ func TestHandoffHappy(t *testing.T) {
 	before := inMsgs(t, f.srv)
 	for id := uint64(1); id <= 5; id++ {
 		n := int(id*5 + 1)
-		res, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(n), Alloc: ds.rank, Deadline: time.Now().Add(5 * time.Second)})
+		res, err := ds.handoff(context.Background(), d, Request{ID: id, Tokens: tokens(n), Deadline: time.Now().Add(5 * time.Second)})
 		require.NoError(t, err)
 		require.Equal(t, int32(id), res.FirstToken)
 		require.Equal(t, "p1", res.Instance)
 		require.Equal(t, 1, res.Attempts)
-		kvb, mb := res.Dest.Bytes()
+		kvb, mb := ds.dest(id).Bytes()
 		require.Equal(t, kvb, res.KVBytes)
 		require.Equal(t, mb, res.MambaBytes)
 		require.Equal(t, uint64(kvcache.Config(testHybrid(1, 1).KV).BlocksFor(n))*uint64(testHybrid(1, 1).KV.BlockBytes()), kvb)
 		i := 0
-		for _, e := range res.Dest.Extents() {
+		for _, e := range ds.dest(id).Extents() {
 			for _, b := range ds.bytes(e) {
 				require.Equal(t, pattern(id, i), b, "request %d byte %d", id, i)
 				i++
 			}
 		}
-		require.NoError(t, ds.rank.Free(id))
+		require.NoError(t, ds.m.Free(id))
 	}
 	// One request-reply per handoff: the request and the reply are the only
 	// messages clients published.
@@ -284,17 +343,17 @@ func TestHandoffReadyLeaseInline(t *testing.T) {
 	p := f.prefiller("p1", f.fp, x, nil)
 	before := inMsgs(t, f.srv)
 	for id := uint64(1); id <= 5; id++ {
-		res, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(5 * time.Second)})
+		res, err := ds.handoff(context.Background(), d, Request{ID: id, Tokens: tokens(9), Deadline: time.Now().Add(5 * time.Second)})
 		require.NoError(t, err)
 		require.Equal(t, int32(id), res.FirstToken)
 		i := 0
-		for _, e := range res.Dest.Extents() {
+		for _, e := range ds.dest(id).Extents() {
 			for _, b := range ds.bytes(e) {
 				require.Equal(t, pattern(id, i), b, "request %d byte %d", id, i)
 				i++
 			}
 		}
-		require.NoError(t, ds.rank.Free(id))
+		require.NoError(t, ds.m.Free(id))
 		<-x.started
 	}
 	require.Equal(t, int64(4), x.inline.Load())
@@ -364,7 +423,7 @@ func TestHandoffConcurrent(t *testing.T) {
 	errs := make([]error, n+1)
 	for id := uint64(1); id <= n; id++ {
 		wg.Go(func() {
-			results[id], errs[id] = d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(13), Alloc: ds.rank})
+			results[id], errs[id] = ds.handoff(context.Background(), d, Request{ID: id, Tokens: tokens(13)})
 		})
 	}
 	wg.Wait()
@@ -374,13 +433,13 @@ func TestHandoffConcurrent(t *testing.T) {
 		require.Equal(t, int32(id), res.FirstToken, "request %d got another's reply", id)
 		// Every byte of its destination is its own prefill's.
 		i := 0
-		for _, x := range res.Dest.Extents() {
+		for _, x := range ds.dest(id).Extents() {
 			for j, b := range ds.bytes(x) {
 				require.Equal(t, pattern(id, i), b, "request %d: byte %d of extent %v", id, j, x)
 				i++
 			}
 		}
-		require.NoError(t, ds.rank.Free(id))
+		require.NoError(t, ds.m.Free(id))
 	}
 	ds.requireInitial(t)
 	ps.requireInitial(t)
@@ -391,7 +450,7 @@ func TestHandoffNoPrefillWorker(t *testing.T) {
 	ds := newSide(t, "dec", testHybrid(64, 8))
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoResponderWait = 300 * time.Millisecond })
 	start := time.Now()
-	_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank})
+	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9)})
 	require.ErrorIs(t, err, ErrNoPrefillWorker)
 	require.Less(t, time.Since(start), 5*time.Second, "waited past NoResponderWait")
 	ds.requireInitial(t)
@@ -412,7 +471,7 @@ func TestHandoffWaitsForPrefillWorker(t *testing.T) {
 	}
 	done := make(chan out, 1)
 	go func() {
-		res, err := d.Handoff(context.Background(), Request{ID: 4, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(20 * time.Second)})
+		res, err := ds.handoff(context.Background(), d, Request{ID: 4, Tokens: tokens(9), Deadline: time.Now().Add(20 * time.Second)})
 		done <- out{res, err}
 	}()
 	time.Sleep(400 * time.Millisecond)
@@ -421,7 +480,7 @@ func TestHandoffWaitsForPrefillWorker(t *testing.T) {
 	require.NoError(t, o.err)
 	require.Equal(t, int32(4), o.res.FirstToken)
 	require.Greater(t, o.res.Attempts, 1)
-	require.NoError(t, ds.rank.Free(4))
+	require.NoError(t, ds.m.Free(4))
 	ds.requireInitial(t)
 	ps.requireInitial(t)
 }
@@ -433,7 +492,7 @@ func TestHandoffCapacityRefused(t *testing.T) {
 	x.refuse.Store(true)
 	d := f.decoder("d1", ds, nil)
 	f.prefiller("p1", f.fp, x, nil)
-	_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank})
+	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9)})
 	require.ErrorIs(t, err, ErrCapacityRefused)
 	var re *RemoteError
 	require.ErrorAs(t, err, &re)
@@ -460,11 +519,11 @@ func TestHandoffRetriesOnAnotherWorker(t *testing.T) {
 		return nil
 	})
 	for id := uint64(1); id <= 16; id++ {
-		res, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(5), Alloc: ds.rank})
+		res, err := ds.handoff(context.Background(), d, Request{ID: id, Tokens: tokens(5)})
 		require.NoError(t, err)
 		require.Equal(t, "p2", res.Instance)
 		require.LessOrEqual(t, res.Attempts, 2)
-		require.NoError(t, ds.rank.Free(id))
+		require.NoError(t, ds.m.Free(id))
 	}
 	require.Positive(t, full.admits.Load(), "the queue group never chose the full worker")
 	ds.requireInitial(t)
@@ -477,7 +536,7 @@ func TestHandoffLayoutMismatch(t *testing.T) {
 	x := newExec(ps)
 	d := f.decoder("d1", ds, nil)
 	f.prefiller("p1", "fp-other-model", x, nil)
-	_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank})
+	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9)})
 	require.ErrorIs(t, err, ErrLayoutMismatch)
 	require.ErrorContains(t, err, "layout")
 	require.Zero(t, x.admits.Load(), "admitted despite the mismatch")
@@ -498,7 +557,7 @@ func TestHandoffLayoutMismatchBytes(t *testing.T) {
 	x := newExec(ps)
 	d := f.decoder("d1", ds, nil)
 	f.prefiller("p1", f.fp, x, nil)
-	_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank})
+	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9)})
 	require.ErrorIs(t, err, ErrLayoutMismatch)
 	ds.requireInitial(t)
 	ps.requireInitial(t)
@@ -514,7 +573,7 @@ func TestHandoffTimeoutFreesBothSides(t *testing.T) {
 	x.block = make(chan struct{})
 	d := f.decoder("d1", ds, nil)
 	p := f.prefiller("p1", f.fp, x, nil)
-	_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(300 * time.Millisecond)})
+	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(300 * time.Millisecond)})
 	require.ErrorIs(t, err, ErrTimeout)
 	ds.requireInitial(t)
 	require.Error(t, <-x.ctxErr)
@@ -538,7 +597,7 @@ func TestHandoffCancelStopsPrefill(t *testing.T) {
 	p := f.prefiller("p1", f.fp, x, nil)
 	ctx, cancel := context.WithCancel(context.Background())
 	go func() { <-x.started; cancel() }()
-	_, err := d.Handoff(ctx, Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+	_, err := ds.handoff(ctx, d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
 	require.ErrorIs(t, err, ErrCancelled)
 	require.ErrorIs(t, <-x.ctxErr, context.Canceled)
 	ds.requireInitial(t)
@@ -572,7 +631,7 @@ func TestHandoffPrefillDeath(t *testing.T) {
 		require.NoError(t, p.Registry().kv.Delete(context.Background(), registryKey(RolePrefill, "p1")))
 	}()
 	start := time.Now()
-	_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
 	require.ErrorIs(t, err, ErrPeerFailed)
 	require.Less(t, time.Since(start), 30*time.Second)
 	ds.requireInitial(t)
@@ -606,7 +665,7 @@ func TestPrefillerStopsOnDecodeDeath(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		_, err := d.Handoff(ctx, Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+		_, err := ds.handoff(ctx, d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
 		done <- err
 	}()
 	<-x.started
@@ -629,7 +688,7 @@ func TestPrefillerShutdownAbortsInFlight(t *testing.T) {
 	p := f.prefiller("p1", f.fp, x, nil)
 	done := make(chan error, 1)
 	go func() {
-		_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+		_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
 		done <- err
 	}()
 	<-x.started
@@ -640,7 +699,7 @@ func TestPrefillerShutdownAbortsInFlight(t *testing.T) {
 	require.ErrorIs(t, <-done, ErrClosed)
 	ds.requireInitial(t)
 	// After shutdown nobody serves the subject.
-	_, err := d.Handoff(context.Background(), Request{ID: 4, Tokens: tokens(9), Alloc: ds.rank})
+	_, err := ds.handoff(context.Background(), d, Request{ID: 4, Tokens: tokens(9)})
 	require.ErrorIs(t, err, ErrNoPrefillWorker)
 	ds.requireInitial(t)
 }
@@ -654,7 +713,7 @@ func TestDecoderCloseFailsInFlight(t *testing.T) {
 	f.prefiller("p1", f.fp, x, nil)
 	done := make(chan error, 1)
 	go func() {
-		_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+		_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
 		done <- err
 	}()
 	<-x.started
@@ -663,7 +722,7 @@ func TestDecoderCloseFailsInFlight(t *testing.T) {
 	ds.requireInitial(t)
 	require.ErrorIs(t, <-x.ctxErr, context.Canceled)
 	ps.requireInitial(t)
-	_, err := d.Handoff(context.Background(), Request{ID: 4, Tokens: tokens(9), Alloc: ds.rank})
+	_, err := ds.handoff(context.Background(), d, Request{ID: 4, Tokens: tokens(9)})
 	require.ErrorIs(t, err, ErrClosed)
 }
 
@@ -674,26 +733,15 @@ func TestHandoffPayloadTooLarge(t *testing.T) {
 	d := f.decoder("d1", ds, nil)
 	f.prefiller("p1", f.fp, x, nil)
 	before := inMsgs(t, f.srv)
-	_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(DefaultMaxPayload / 4), Alloc: ds.rank})
+	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(DefaultMaxPayload / 4)})
 	require.ErrorIs(t, err, ErrPayloadTooLarge)
 	require.Equal(t, before, inMsgs(t, f.srv), "something was published")
 	require.Zero(t, x.admits.Load())
 	ds.requireInitial(t)
 }
 
-// countingAlloc records Prepare calls.
-type countingAlloc struct {
-	Allocator
-	prepares atomic.Int64
-}
-
-func (c *countingAlloc) Prepare(id uint64, tokens int) (CacheExtents, error) {
-	c.prepares.Add(1)
-	return c.Allocator.Prepare(id, tokens)
-}
-
 // TestDummiesNeverTransferred: request id 0 and padding sentinels are refused
-// by the decoder before allocating and by the worker before admitting; a
+// by the decoder before granting and by the worker before admitting; a
 // reserved row cannot be resolved nor granted.
 func TestDummiesNeverTransferred(t *testing.T) {
 	f := newFixture(t)
@@ -702,12 +750,15 @@ func TestDummiesNeverTransferred(t *testing.T) {
 	d := f.decoder("d1", ds, nil)
 	f.prefiller("p1", f.fp, x, nil)
 
-	alloc := &countingAlloc{Allocator: ds.rank}
+	// A destination a broken caller might pass along with a dummy id.
+	dest, err := ds.prepare(1, 4)
+	require.NoError(t, err)
 	for _, id := range []uint64{0, math.MaxUint64, math.MaxUint64 - 2} {
-		_, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(4), Alloc: alloc})
+		_, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(4), Dest: dest})
 		require.ErrorIs(t, err, ErrDummyRequest, "id %d", id)
 	}
-	require.Zero(t, alloc.prepares.Load())
+	require.Zero(t, ds.eng.Stats().GrantsOpened)
+	require.NoError(t, ds.m.Free(1))
 
 	// The worker refuses a request naming a dummy id, whoever sent it.
 	nc := natstest.Connect(t, f.srv)
@@ -730,7 +781,7 @@ func TestDummiesNeverTransferred(t *testing.T) {
 	row, ok := ds.m.Mamba().Row(mambacache.ADPDummyID)
 	require.True(t, ok)
 	require.True(t, ds.m.Mamba().IsReserved(row))
-	_, err := ds.rank.Resolve(hybrid.Resources{Row: row})
+	_, err = ds.rank.Resolve(hybrid.Resources{Row: row})
 	require.ErrorIs(t, err, ErrDummyRequest)
 	x0 := ds.m.Mamba().Config().RowExtent(row)
 	var mambaRegion rdma.RegionID
@@ -746,29 +797,27 @@ func TestDummiesNeverTransferred(t *testing.T) {
 	ds.requireInitial(t)
 }
 
-// badRowAlloc hands out a reserved row, as a broken allocator might.
-type badRowAlloc struct{ s *side }
-
-func (b badRowAlloc) Prepare(id uint64, tokens int) (CacheExtents, error) {
-	cfg := b.s.m.Mamba().Config()
+// badRowDest is a reserved row's extent, as a broken allocator might hand
+// it out.
+func badRowDest(s *side) CacheExtents {
+	cfg := s.m.Mamba().Config()
 	row := mambacache.Row(cfg.TotalRows() - 1) // the padding row
 	x := cfg.RowExtent(row)
 	var region rdma.RegionID
-	for rid, r := range b.s.regions {
+	for rid, r := range s.regions {
 		if r.Name() == "mamba" {
 			region = rid
 		}
 	}
-	return CacheExtents{Mamba: rdma.Extent{Region: region, Offset: uint64(x.Offset), Length: uint64(x.Length)}}, nil
+	return CacheExtents{Mamba: rdma.Extent{Region: region, Offset: uint64(x.Offset), Length: uint64(x.Length)}}
 }
-func (badRowAlloc) Free(uint64) error { return nil }
 
 func TestHandoffRefusesReservedRowGrant(t *testing.T) {
 	f := newFixture(t)
 	ds := newSide(t, "dec", testHybrid(64, 8))
 	require.True(t, ds.m.Mamba().IsReserved(mambacache.Row(ds.m.Mamba().Config().TotalRows()-1)))
 	d := f.decoder("d1", ds, nil)
-	_, err := d.Handoff(context.Background(), Request{ID: 9, Tokens: tokens(4), Alloc: badRowAlloc{ds}})
+	_, err := d.Handoff(context.Background(), Request{ID: 9, Tokens: tokens(4), Dest: badRowDest(ds)})
 	require.ErrorIs(t, err, ErrDummyRequest)
 	require.ErrorIs(t, err, rdma.ErrForbidden)
 }
@@ -884,12 +933,12 @@ func BenchmarkHandoff(b *testing.B) {
 		natstest.Connect(b, srv), de)
 	require.NoError(b, err)
 	b.Cleanup(func() { _ = d.Close() })
-	alloc := Prepared(CacheExtents{Mamba: rdma.Extent{Region: dr.ID(), Length: 1}})
+	dest := CacheExtents{Mamba: rdma.Extent{Region: dr.ID(), Length: 1}}
 	b.ReportAllocs()
 	id := uint64(0)
 	for b.Loop() {
 		id++
-		if _, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(8), Alloc: alloc}); err != nil {
+		if _, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(8), Dest: dest}); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -949,10 +998,10 @@ func TestPrefillerStartsAfterDecoderAnnounced(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("Prefiller.Start did not return with a decode instance already registered")
 	}
-	res, err := d.Handoff(context.Background(), Request{ID: 1, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(5 * time.Second)})
+	res, err := ds.handoff(context.Background(), d, Request{ID: 1, Tokens: tokens(9), Deadline: time.Now().Add(5 * time.Second)})
 	require.NoError(t, err)
 	require.Equal(t, "p1", res.Instance)
-	require.NoError(t, ds.rank.Free(1))
+	require.NoError(t, ds.m.Free(1))
 }
 
 // syncBuffer is a bytes.Buffer safe for a logger shared by goroutines.
@@ -1012,9 +1061,9 @@ func TestLogLinesHaveNoDuplicateKeys(t *testing.T) {
 		}
 		return nil
 	})
-	_, err := d.Handoff(context.Background(), Request{ID: 1, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(5 * time.Second)})
+	_, err := ds.handoff(context.Background(), d, Request{ID: 1, Tokens: tokens(9), Deadline: time.Now().Add(5 * time.Second)})
 	require.NoError(t, err)
-	require.NoError(t, ds.rank.Free(1))
+	require.NoError(t, ds.m.Free(1))
 	require.Contains(t, out.String(), "handoff delivered")
 	require.Contains(t, out.String(), `"seq":1`, "the decode engine logs the request's seq under that key")
 	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
@@ -1125,9 +1174,9 @@ func TestPrefillerNotServingRefusesAsCapacity(t *testing.T) {
 	x := newExec(ps)
 	p := f.prefiller("p1", f.fp, x, nil)
 	require.NoError(t, p.Shutdown(context.Background()))
-	dest, err := ds.rank.Prepare(1, 9)
+	dest, err := ds.prepare(1, 9)
 	require.NoError(t, err)
-	defer ds.rank.Free(1)
+	defer ds.m.Free(1)
 	kvb, mb := dest.Bytes()
 	deadline := time.Now().Add(5 * time.Second)
 	g, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 1, Extents: dest.Extents(), Deadline: deadline})
@@ -1208,13 +1257,13 @@ func TestCancelStopsOnlyTheSendersRequest(t *testing.T) {
 	defer cancel1()
 	failed1 := make(chan error, 1)
 	go func() {
-		_, err := d1.Handoff(ctx1, Request{ID: 1, Tokens: tokens(9), Alloc: ds1.rank, Deadline: time.Now().Add(time.Minute)})
+		_, err := ds1.handoff(ctx1, d1, Request{ID: 1, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
 		failed1 <- err
 	}()
 	<-x.started
 	done2 := make(chan error, 1)
 	go func() {
-		_, err := d2.Handoff(context.Background(), Request{ID: 1, Tokens: tokens(9), Alloc: ds2.rank, Deadline: time.Now().Add(time.Minute)})
+		_, err := ds2.handoff(context.Background(), d2, Request{ID: 1, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
 		done2 <- err
 	}()
 	<-x.started // both prefills run: request 1, grant 1 of each decoder
@@ -1223,7 +1272,7 @@ func TestCancelStopsOnlyTheSendersRequest(t *testing.T) {
 	require.ErrorIs(t, <-x.ctxErr, context.Canceled)
 	close(x.block)
 	require.NoError(t, <-done2, "d2's request was stopped by d1's cancel")
-	require.NoError(t, ds2.rank.Free(1))
+	require.NoError(t, ds2.m.Free(1))
 	ds1.requireInitial(t)
 	ds2.requireInitial(t)
 	ps.requireInitial(t)
@@ -1237,14 +1286,14 @@ func TestPrefillerCountsServedBytes(t *testing.T) {
 	x := newExec(ps)
 	d := f.decoder("d1", ds, nil)
 	p := f.prefiller("p1", f.fp, x, nil)
-	res, err := d.Handoff(context.Background(), Request{ID: 1, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(5 * time.Second)})
+	res, err := ds.handoff(context.Background(), d, Request{ID: 1, Tokens: tokens(9), Deadline: time.Now().Add(5 * time.Second)})
 	require.NoError(t, err)
-	require.NoError(t, ds.rank.Free(1))
+	require.NoError(t, ds.m.Free(1))
 
 	x.block = make(chan struct{})
 	ctx, cancel := context.WithCancel(context.Background())
 	go func() { <-x.started; <-x.started; cancel() }()
-	_, err = d.Handoff(ctx, Request{ID: 2, Tokens: tokens(30), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+	_, err = ds.handoff(ctx, d, Request{ID: 2, Tokens: tokens(30), Deadline: time.Now().Add(time.Minute)})
 	require.ErrorIs(t, err, ErrCancelled)
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if st := p.Stats(); st.Cancelled != 1 {
@@ -1281,7 +1330,7 @@ func TestDrainingPrefillerNotAddressed(t *testing.T) {
 	}
 	results := make(chan outcome, 4)
 	handoff := func(id uint64) {
-		res, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(5), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+		res, err := ds.handoff(context.Background(), d, Request{ID: id, Tokens: tokens(5), Deadline: time.Now().Add(time.Minute)})
 		results <- outcome{res, err}
 	}
 	// Load: one request blocked on p1, two on p2, so p1 is the least loaded.
@@ -1320,7 +1369,7 @@ func TestDrainingPrefillerNotAddressed(t *testing.T) {
 		}
 	}
 	for id := uint64(1); id <= 4; id++ {
-		require.NoError(t, ds.rank.Free(id))
+		require.NoError(t, ds.m.Free(id))
 	}
 	ds.requireInitial(t)
 }
@@ -1366,7 +1415,7 @@ func TestHandoffPrefillDeathRetried(t *testing.T) {
 	}
 	done := make(chan out, 1)
 	go func() {
-		res, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+		res, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
 		done <- out{res, err}
 	}()
 	var dead, live string
@@ -1392,7 +1441,7 @@ func TestHandoffPrefillDeathRetried(t *testing.T) {
 	require.Equal(t, int32(3), o.res.FirstToken)
 	checkPattern := func() {
 		i := 0
-		for _, e := range o.res.Dest.Extents() {
+		for _, e := range ds.dest(3).Extents() {
 			for _, b := range ds.bytes(e) {
 				require.Equal(t, pattern(3, i), b, "byte %d", i)
 				i++
@@ -1406,7 +1455,7 @@ func TestHandoffPrefillDeathRetried(t *testing.T) {
 	// A late write with the dead worker's ticket is refused by the data plane.
 	old, err := first.Ticket.RDMA()
 	require.NoError(t, err)
-	src, err := ps[dead].rank.Prepare(99, 9)
+	src, err := ps[dead].prepare(99, 9)
 	require.NoError(t, err)
 	for _, e := range src.Extents() {
 		for j, b := 0, ps[dead].bytes(e); j < len(b); j++ {
@@ -1416,10 +1465,10 @@ func TestHandoffPrefillDeathRetried(t *testing.T) {
 	_, err = ps[dead].eng.Write(context.Background(), first.Peer.Descriptor(), old, src.Extents())
 	require.Error(t, err)
 	require.Equal(t, CodeCancelled, rdmaCode(err), "late write: %v", err) // revoked, unknown or stale grant
-	require.NoError(t, ps[dead].rank.Free(99))
+	require.NoError(t, ps[dead].m.Free(99))
 	checkPattern()
 
-	require.NoError(t, ds.rank.Free(3))
+	require.NoError(t, ds.m.Free(3))
 	ds.requireInitial(t)
 	ps["p1"].requireInitial(t)
 	ps["p2"].requireInitial(t)
@@ -1461,7 +1510,7 @@ func TestHandoffWriterGoneRetried(t *testing.T) {
 	}
 	done := make(chan out, 1)
 	go func() {
-		res, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+		res, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
 		done <- out{res, err}
 	}()
 	var dead, live string
@@ -1481,7 +1530,7 @@ func TestHandoffWriterGoneRetried(t *testing.T) {
 	require.Equal(t, live, o.res.Instance)
 	require.Equal(t, 2, o.res.Attempts)
 	i := 0
-	for _, e := range o.res.Dest.Extents() {
+	for _, e := range ds.dest(3).Extents() {
 		for _, b := range ds.bytes(e) {
 			require.Equal(t, pattern(3, i), b, "byte %d", i)
 			i++
@@ -1489,7 +1538,7 @@ func TestHandoffWriterGoneRetried(t *testing.T) {
 	}
 	// The worker that lost its engine got the cancel and stopped.
 	require.ErrorIs(t, <-xs[dead].ctxErr, context.Canceled)
-	require.NoError(t, ds.rank.Free(3))
+	require.NoError(t, ds.m.Free(3))
 	ds.requireInitial(t)
 	ps[live].requireInitial(t)
 	ps[dead].requireInitial(t)
@@ -1527,18 +1576,18 @@ func TestHandoffSurvivesLiveWriterDroppingItsConnection(t *testing.T) {
 	}
 	done := make(chan out, 1)
 	go func() {
-		res, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+		res, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
 		done <- out{res, err}
 	}()
 	require.Equal(t, uint64(3), <-x.started)
 
 	// Another request's write from p1 whose context ended: the writer drops
 	// the connection it used, its only one to the decoder.
-	dst, err := ds.rank.Prepare(5, 9)
+	dst, err := ds.prepare(5, 9)
 	require.NoError(t, err)
 	g, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 5, Extents: dst.Extents(), Deadline: time.Now().Add(time.Minute)})
 	require.NoError(t, err)
-	src, err := ps.rank.Prepare(5, 9)
+	src, err := ps.prepare(5, 9)
 	require.NoError(t, err)
 	cctx, cancel := context.WithCancel(context.Background())
 	cancel()
@@ -1546,8 +1595,8 @@ func TestHandoffSurvivesLiveWriterDroppingItsConnection(t *testing.T) {
 	// connection whose deadline the cancel may have moved is not reused.
 	_, _ = ps.eng.Write(cctx, ds.eng.Descriptor(), g.Ticket(), src.Extents())
 	g.Revoke()
-	require.NoError(t, ds.rank.Free(5))
-	require.NoError(t, ps.rank.Free(5))
+	require.NoError(t, ds.m.Free(5))
+	require.NoError(t, ps.m.Free(5))
 	select {
 	case a := <-gone:
 		t.Fatalf("%s reported gone while it lives", a)
@@ -1560,7 +1609,7 @@ func TestHandoffSurvivesLiveWriterDroppingItsConnection(t *testing.T) {
 	require.NoError(t, o.err)
 	require.Equal(t, "p1", o.res.Instance)
 	require.Equal(t, 1, o.res.Attempts)
-	require.NoError(t, ds.rank.Free(3))
+	require.NoError(t, ds.m.Free(3))
 	ds.requireInitial(t)
 	ps.requireInitial(t)
 }

@@ -75,13 +75,13 @@ func Example() {
 	defer d.Close()
 
 	dest := transfer.CacheExtents{Mamba: rdma.Extent{Region: decRegion.ID(), Offset: 64, Length: 16}}
-	res, err := d.Handoff(ctx, transfer.Request{ID: 1, Tokens: []int32{1, 2, 3}, Alloc: transfer.Prepared(dest)})
+	res, err := d.Handoff(ctx, transfer.Request{ID: 1, Tokens: []int32{1, 2, 3}, Dest: dest})
 	if err != nil {
 		panic(err)
 	}
 	fmt.Println(res.FirstToken, res.Instance, res.MambaBytes, string(decRegion.Bytes()[64:80]))
 
-	_, err = d.Handoff(ctx, transfer.Request{ID: 0, Tokens: []int32{1}, Alloc: transfer.Prepared(dest)})
+	_, err = d.Handoff(ctx, transfer.Request{ID: 0, Tokens: []int32{1}, Dest: dest})
 	fmt.Println(err)
 	// Output:
 	// 42 prefill-0 16 state of request

@@ -108,13 +108,13 @@ func TestFaultSoak(t *testing.T) {
 			}()
 		}
 		start := time.Now()
-		res, err := d.Handoff(ctx, Request{ID: id, Tokens: tokens(faultTokens), Alloc: ds.rank, Deadline: start.Add(deadline)})
+		res, err := ds.handoff(ctx, d, Request{ID: id, Tokens: tokens(faultTokens), Deadline: start.Add(deadline)})
 		took := time.Since(start)
 		cancel()
 		require.Less(t, took, deadline+time.Second, "handoff %d (fault %d) outlived its deadline: %v", id, kind, err)
 		if err == nil {
 			requirePattern(t, ds, res, id)
-			require.NoError(t, ds.rank.Free(id))
+			require.NoError(t, ds.m.Free(id))
 			outcomes[fmt.Sprintf("fault %d: ok, %d attempts", kind, res.Attempts)]++
 		} else {
 			var code Code

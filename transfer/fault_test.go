@@ -119,7 +119,7 @@ func drain(t *testing.T, proxy *faultnet.Proxy, writers ...*side) {
 func requirePattern(t *testing.T, ds *side, res Result, id uint64) {
 	t.Helper()
 	i := 0
-	for _, e := range res.Dest.Extents() {
+	for _, e := range ds.dest(id).Extents() {
 		for _, b := range ds.bytes(e) {
 			if b != pattern(id, i) {
 				t.Fatalf("request %d byte %d: %#x, want %#x", id, i, b, pattern(id, i))
@@ -146,11 +146,11 @@ func TestFaultHandoffSlowLink(t *testing.T) {
 	proxy.SetBandwidth(256 << 10)
 	for id := uint64(1); id <= 3; id++ {
 		start := time.Now()
-		res, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(faultTokens), Alloc: ds.rank, Deadline: time.Now().Add(10 * time.Second)})
+		res, err := ds.handoff(context.Background(), d, Request{ID: id, Tokens: tokens(faultTokens), Deadline: time.Now().Add(10 * time.Second)})
 		require.NoError(t, err)
 		require.GreaterOrEqual(t, time.Since(start), 40*time.Millisecond, "a round trip on the data path")
 		requirePattern(t, ds, res, id)
-		require.NoError(t, ds.rank.Free(id))
+		require.NoError(t, ds.m.Free(id))
 	}
 	require.Greater(t, proxy.Stats().UpBytes, int64(3*150*256))
 	ds.requireIdle(t)
@@ -182,7 +182,7 @@ func TestFaultHandoffResetMidFrame(t *testing.T) {
 	fired := proxy.ResetAfter(4096)
 	start := time.Now()
 	const deadline = 20 * time.Second
-	res, err := d.Handoff(context.Background(), Request{ID: 5, Tokens: tokens(faultTokens), Alloc: ds.rank, Deadline: time.Now().Add(deadline)})
+	res, err := ds.handoff(context.Background(), d, Request{ID: 5, Tokens: tokens(faultTokens), Deadline: time.Now().Add(deadline)})
 	require.NoError(t, err)
 	select {
 	case <-fired:
@@ -195,7 +195,7 @@ func TestFaultHandoffResetMidFrame(t *testing.T) {
 	landed := ds.snapshot()
 	drain(t, proxy, ps1, ps2)
 	ds.requireSnapshot(t, landed, "bytes landed after the handoff")
-	require.NoError(t, ds.rank.Free(5))
+	require.NoError(t, ds.m.Free(5))
 	ds.requireIdle(t)
 	ps1.requireInitial(t)
 	ps2.requireInitial(t)
@@ -226,7 +226,7 @@ func TestFaultHandoffResetWriterFirst(t *testing.T) {
 	fired := proxy.ResetClientAfter(4096)
 	start := time.Now()
 	const deadline = 20 * time.Second
-	res, err := d.Handoff(context.Background(), Request{ID: 5, Tokens: tokens(faultTokens), Alloc: ds.rank, Deadline: time.Now().Add(deadline)})
+	res, err := ds.handoff(context.Background(), d, Request{ID: 5, Tokens: tokens(faultTokens), Deadline: time.Now().Add(deadline)})
 	select {
 	case <-fired:
 	case <-time.After(5 * time.Second):
@@ -242,7 +242,7 @@ func TestFaultHandoffResetWriterFirst(t *testing.T) {
 	proxy.Reset()
 	drain(t, proxy, ps1, ps2)
 	ds.requireSnapshot(t, landed, "bytes landed after the handoff")
-	require.NoError(t, ds.rank.Free(5))
+	require.NoError(t, ds.m.Free(5))
 	ds.requireIdle(t)
 	ps1.requireInitial(t)
 	ps2.requireInitial(t)
@@ -263,7 +263,7 @@ func TestFaultHandoffHalfOpen(t *testing.T) {
 	fired := proxy.BlackholeAfter(4096)
 	const deadline = 500 * time.Millisecond
 	start := time.Now()
-	_, err := d.Handoff(context.Background(), Request{ID: 6, Tokens: tokens(faultTokens), Alloc: ds.rank, Deadline: time.Now().Add(deadline)})
+	_, err := ds.handoff(context.Background(), d, Request{ID: 6, Tokens: tokens(faultTokens), Deadline: time.Now().Add(deadline)})
 	took := time.Since(start)
 	snap := ds.snapshot()
 	require.ErrorIs(t, err, ErrTimeout)
@@ -305,7 +305,7 @@ func TestFaultHandoffHalfOpenCancel(t *testing.T) {
 		cancel()
 	}()
 	start := time.Now()
-	_, err := d.Handoff(ctx, Request{ID: 7, Tokens: tokens(faultTokens), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+	_, err := ds.handoff(ctx, d, Request{ID: 7, Tokens: tokens(faultTokens), Deadline: time.Now().Add(time.Minute)})
 	snap := ds.snapshot()
 	require.ErrorIs(t, err, ErrCancelled)
 	require.Less(t, time.Since(start), 5*time.Second)

@@ -106,7 +106,7 @@ func TestHandoffQuarantinedWhileWriterStopped(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)
 		go func() {
-			_, err := d.Handoff(ctx, Request{ID: attempt, Tokens: tokens(8192), Alloc: ds.rank, Deadline: time.Now().Add(time.Minute)})
+			_, err := ds.handoff(ctx, d, Request{ID: attempt, Tokens: tokens(8192), Deadline: time.Now().Add(time.Minute)})
 			done <- err
 		}()
 		r := <-reqs

@@ -1,7 +1,6 @@
 package transfer
 
 import (
-	"errors"
 	"fmt"
 
 	"github.com/handoff-io/handoff/hybrid"
@@ -11,7 +10,7 @@ import (
 
 // CacheExtents is where one request's cache lives in registered memory: its
 // prompt's KV runs (token order) in the KV region and its Mamba row in the
-// Mamba region. The same shape describes a sender's source extents.
+// Mamba region: a receiver's destination or a sender's source.
 //
 // On a tensor-parallel rank (NewTPRankRegions) KV holds the runs of every
 // shard, shard after shard, Mamba the row of shard 0 and MambaMore the rows
@@ -44,28 +43,17 @@ func (d CacheExtents) Bytes() (kv, mamba uint64) {
 	return kv, mamba
 }
 
-// Allocator is what a Decoder needs from one ADP rank's cache pools: reserve
-// a request's KV blocks and one real Mamba row, resolved to registered
-// extents, and free them again. RankRegions implements it over a hybrid.Manager.
-type Allocator interface {
-	// Prepare reserves room for tokens prompt tokens of request id, all or
-	// nothing, and returns the destination. It must never return a reserved
-	// (dummy) row.
-	Prepare(id uint64, tokens int) (CacheExtents, error)
-	// Free releases everything id holds.
-	Free(id uint64) error
-}
-
-// RankRegions adapts one ADP rank's hybrid.Manager and the rdma regions that back its
-// KV arena and Mamba arena. Safe for concurrent use (so is the manager).
+// RankRegions are the rdma regions that back one ADP rank's KV arena and
+// Mamba arena, with the rank's hybrid.Manager: Resolve maps the resources a
+// request holds in the manager to extents of the regions, the form a grant
+// (decode) or a write (prefill) takes. Safe for concurrent use (so is the
+// manager).
 type RankRegions struct {
 	m     *hybrid.Manager
 	kv    *rdma.Region
 	mamba *rdma.Region
 	tp    *tpRegions // every shard, shard 0 (kv, mamba) first
 }
-
-var _ Allocator = (*RankRegions)(nil)
 
 // NewRankRegions checks that the regions hold the manager's arenas and forbids every
 // reserved Mamba row at the data plane, so no grant can ever name one.
@@ -89,30 +77,9 @@ func NewRankRegions(m *hybrid.Manager, kv, mamba *rdma.Region) (*RankRegions, er
 // Manager returns the rank's manager.
 func (r *RankRegions) Manager() *hybrid.Manager { return r.m }
 
-// Prepare implements Allocator.
-func (r *RankRegions) Prepare(id uint64, tokens int) (CacheExtents, error) {
-	res, err := r.m.Prepare(id, tokens)
-	if errors.Is(err, mambacache.ErrDummyID) {
-		return CacheExtents{}, fmt.Errorf("%w: %w", ErrDummyRequest, err)
-	}
-	if err != nil {
-		return CacheExtents{}, err
-	}
-	d, err := r.resolve(res)
-	if err != nil {
-		_ = r.m.Free(id)
-		return CacheExtents{}, err
-	}
-	return d, nil
-}
-
-// Free implements Allocator.
-func (r *RankRegions) Free(id uint64) error {
-	return r.m.Free(id)
-}
-
-// Resolve maps resources id already holds to extents of the rank's regions
-// (a sender's source). A reserved row is refused with ErrDummyRequest.
+// Resolve maps resources a request holds to extents of the rank's regions: a
+// receiver's destination or a sender's source. A reserved row is refused
+// with ErrDummyRequest.
 func (r *RankRegions) Resolve(res hybrid.Resources) (CacheExtents, error) {
 	return r.resolve(res)
 }
@@ -132,14 +99,3 @@ func (r *RankRegions) resolve(res hybrid.Resources) (CacheExtents, error) {
 	r.tp.resolveMore(&d, res)
 	return d, nil
 }
-
-// Prepared returns an Allocator for a destination the caller already holds
-// (for a worker whose scheduler allocates before it hands off): Prepare
-// returns d for any id, Free does nothing. The caller frees d itself after
-// Handoff returned, whatever the outcome.
-func Prepared(d CacheExtents) Allocator { return prepared{d} }
-
-type prepared struct{ d CacheExtents }
-
-func (p prepared) Prepare(uint64, int) (CacheExtents, error) { return p.d, nil }
-func (prepared) Free(uint64) error                           { return nil }

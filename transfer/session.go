@@ -14,8 +14,10 @@ package transfer
 //     makes cleanup idempotent: late commits, duplicate replies and repeated
 //     cancels change nothing;
 //   - resources are released only when nothing can touch them any more: the
-//     receiver frees after revoking its grant (no byte lands after Revoke), the
-//     sender releases only after its in-flight step (prefill, write) returned.
+//     receiver fails only after revoking its grant (no byte lands after
+//     Revoke), so its caller may free the destination it allocated once the
+//     handoff ended; the sender releases only after its in-flight step
+//     (prefill, write) returned.
 
 import (
 	"fmt"
@@ -44,12 +46,10 @@ type ActionKind uint8
 
 const (
 	// Receiver actions.
-	ActAllocate      ActionKind = iota + 1 // reserve KV blocks and a Mamba row; feed EvAllocated
-	ActOpenGrant                           // open the receive grant; feed EvGranted
+	ActOpenGrant     ActionKind = iota + 1 // open the receive grant; feed EvGranted
 	ActSendRequest                         // publish the prefill request (Instance: "" queue group, else that instance); feed EvSent on failure
 	ActPublishCancel                       // tell the serving instance (Instance, "" all) to stop
 	ActRevoke                              // revoke/close the grant; on return no byte lands
-	ActFree                                // free the reserved blocks and row
 	ActDeliver                             // terminal success: hand the request to the scheduler
 	ActFail                                // terminal failure with Code
 	// Sender actions.
@@ -62,8 +62,8 @@ const (
 )
 
 var actionNames = map[ActionKind]string{
-	ActAllocate: "allocate", ActOpenGrant: "open-grant", ActSendRequest: "send-request",
-	ActPublishCancel: "publish-cancel", ActRevoke: "revoke", ActFree: "free", ActDeliver: "deliver",
+	ActOpenGrant: "open-grant", ActSendRequest: "send-request",
+	ActPublishCancel: "publish-cancel", ActRevoke: "revoke", ActDeliver: "deliver",
 	ActFail: "fail", ActAdmit: "admit", ActPrefill: "prefill", ActWrite: "write", ActAbort: "abort",
 	ActRelease: "release", ActReply: "reply",
 }
@@ -121,7 +121,6 @@ type EventKind uint8
 const (
 	// Receiver events.
 	EvStart        EventKind = iota + 1 // begin the session
-	EvAllocated                         // outcome of ActAllocate (Code)
 	EvGranted                           // outcome of ActOpenGrant (Code)
 	EvSent                              // outcome of ActSendRequest: sent to Instance, or failed locally (Code) and nothing was sent
 	EvNoResponders                      // nobody serves the subject
@@ -143,7 +142,7 @@ const (
 )
 
 var eventNames = map[EventKind]string{
-	EvStart: "start", EvAllocated: "allocated", EvGranted: "granted", EvSent: "sent",
+	EvStart: "start", EvGranted: "granted", EvSent: "sent",
 	EvNoResponders: "no-responders", EvReply: "reply", EvCommitted: "committed",
 	EvGrantFailed: "grant-failed", EvRequest: "request", EvAdmitted: "admitted",
 	EvPrefilled: "prefilled", EvWritten: "written", EvTick: "tick", EvCancel: "cancel",
@@ -179,7 +178,6 @@ type State uint8
 
 const (
 	StateNew State = iota
-	StateAllocating
 	StateGranting
 	StateWaiting
 	StateAdmitting
@@ -189,7 +187,7 @@ const (
 	StateFailed // terminal failure
 )
 
-var stateNames = [...]string{"new", "allocating", "granting", "waiting", "admitting", "prefilling", "writing", "done", "failed"}
+var stateNames = [...]string{"new", "granting", "waiting", "admitting", "prefilling", "writing", "done", "failed"}
 
 func (s State) String() string {
 	if int(s) < len(stateNames) {
@@ -222,10 +220,9 @@ type RecvSession struct {
 	state State
 	code  Code
 
-	busy      bool // ActAllocate or ActOpenGrant outstanding
-	pending   Code // failure decided while busy
-	allocated bool
-	granted   bool
+	busy    bool // ActOpenGrant outstanding
+	pending Code // failure decided while busy
+	granted bool
 
 	attempts    int
 	outstanding bool     // a request is in flight without an answer
@@ -318,22 +315,6 @@ func (s *RecvSession) Step(ev Event) []Action {
 		}
 		if !ev.Now.Before(s.p.Deadline) {
 			return s.fail(CodeTimeout)
-		}
-		s.state, s.busy = StateAllocating, true
-		return s.acts(Action{Kind: ActAllocate})
-	case EvAllocated:
-		if s.state != StateAllocating || !s.busy {
-			return nil
-		}
-		s.busy = false
-		if ev.Code == CodeOK {
-			s.allocated = true
-		}
-		if s.pending != CodeOK {
-			return s.fail(s.pending)
-		}
-		if ev.Code != CodeOK {
-			return s.fail(ev.Code)
 		}
 		s.state, s.busy = StateGranting, true
 		return s.acts(Action{Kind: ActOpenGrant})
@@ -580,8 +561,8 @@ func manifestsAgree(reply, commit rdma.Manifest, expected []uint64) bool {
 }
 
 // fail moves to StateFailed with code, or, while a local step is in flight,
-// remembers code until the step's outcome arrives (its resources must be
-// known before they can be freed).
+// remembers code until the step's outcome arrives (a grant being opened
+// must be known before it can be revoked).
 func (s *RecvSession) fail(code Code) []Action {
 	if s.busy {
 		if s.pending == CodeOK {
@@ -596,9 +577,6 @@ func (s *RecvSession) fail(code Code) []Action {
 	}
 	if s.granted {
 		acts = append(acts, Action{Kind: ActRevoke})
-	}
-	if s.allocated {
-		acts = append(acts, Action{Kind: ActFree})
 	}
 	s.state, s.code = StateFailed, code
 	return append(acts, Action{Kind: ActFail, Code: code})

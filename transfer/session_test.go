@@ -67,28 +67,31 @@ func renderEvent(ev Event) string {
 
 // transcript runs script against s and renders every event with the actions
 // it produced, then the final state. It also checks the machine's invariants:
-// exactly one terminal action, nothing after it, frees only after revokes and
-// releases only when no step is in flight.
+// exactly one terminal action, nothing after it, no terminal action while a
+// grant is open (the caller frees the destination once the handoff ended)
+// and releases only when no step is in flight.
 func transcript(t *testing.T, header string, s stepper, script []at) string {
 	t.Helper()
 	var b strings.Builder
 	fmt.Fprintf(&b, "# %s\n", header)
 	terminals := 0
-	revoked, inFlight := false, false
+	grantOpen, inFlight := false, false
 	for _, st := range script {
 		st.ev.Now = epoch.Add(st.dt)
 		before := s.State()
+		if st.ev.Kind == EvGranted && st.ev.Code == CodeOK && before == StateGranting {
+			grantOpen = true
+		}
 		acts := s.Step(st.ev)
 		parts := make([]string, len(acts))
 		for i, a := range acts {
 			parts[i] = a.String()
 			switch a.Kind {
 			case ActDeliver, ActFail, ActReply:
+				require.False(t, grantOpen, "terminal action before the grant was revoked")
 				terminals++
 			case ActRevoke:
-				revoked = true
-			case ActFree:
-				require.True(t, revoked || !strings.Contains(strings.Join(parts[:i], " "), "open-grant"), "free before revoke")
+				grantOpen = false
 			case ActPrefill, ActWrite, ActAdmit:
 				inFlight = true
 			case ActRelease:
@@ -131,7 +134,6 @@ var (
 func recvPrefix() []at {
 	return []at{
 		{0, Event{Kind: EvStart}},
-		{ms(1), Event{Kind: EvAllocated}},
 		{ms(1), Event{Kind: EvGranted, Expected: expected}},
 		{ms(1), Event{Kind: EvSent}},
 	}
@@ -254,15 +256,14 @@ func TestRecvSessionGolden(t *testing.T) {
 		{"layout_mismatch_refused", 7, append(recvPrefix(),
 			at{ms(2), Event{Kind: EvReply, Code: CodeLayoutMismatch, Instance: "p1"}},
 		)},
-		{"peer_death_while_allocating", 7, []at{
+		{"peer_death_and_cancel_while_granting", 7, []at{
 			{0, Event{Kind: EvStart}},
 			{ms(1), Event{Kind: EvPeerDied, Instance: "p1"}},
 			{ms(1), Event{Kind: EvCancel, Code: CodeClosed}},
-			{ms(2), Event{Kind: EvAllocated}},
+			{ms(2), Event{Kind: EvGranted, Expected: expected}},
 		}},
 		{"peer_death_while_granting", 7, []at{
 			{0, Event{Kind: EvStart}},
-			{ms(1), Event{Kind: EvAllocated}},
 			{ms(1), Event{Kind: EvTick}},
 			{ms(100), Event{Kind: EvTick}},
 			{ms(101), Event{Kind: EvGranted, Expected: expected}},
@@ -392,18 +393,12 @@ func TestRecvSessionGolden(t *testing.T) {
 			at{ms(6), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
 			at{ms(7), Event{Kind: EvPeerDied, Instance: "p1"}},
 		)},
-		{"allocation_refused", 7, []at{
-			{0, Event{Kind: EvStart}},
-			{ms(1), Event{Kind: EvAllocated, Code: CodeCapacityRefused}},
-		}},
 		{"grant_refused_reserved_row", 7, []at{
 			{0, Event{Kind: EvStart}},
-			{ms(1), Event{Kind: EvAllocated}},
 			{ms(1), Event{Kind: EvGranted, Code: CodeDummyRequest}},
 		}},
 		{"payload_too_large", 7, []at{
 			{0, Event{Kind: EvStart}},
-			{ms(1), Event{Kind: EvAllocated}},
 			{ms(1), Event{Kind: EvGranted, Expected: expected}},
 			{ms(1), Event{Kind: EvSent, Code: CodePayloadTooLarge}},
 		}},
@@ -521,17 +516,16 @@ func TestIsDummyID(t *testing.T) {
 
 // TestSessionsRandom drives both machines with random event sequences (in
 // time order, as a driver feeds them) and checks the invariants that hold
-// for every order: at most one terminal action, nothing after it, every
-// allocation freed or delivered, no grant opened or destination freed while
-// the previous grant is not revoked (each grant of a fenced retry counts
-// on its own), every lease released exactly once and never while a step is
-// in flight.
+// for every order: at most one terminal action, nothing after it, no
+// terminal action (after which the caller frees the destination) and no
+// grant opened while the previous grant is not revoked (each grant of a
+// fenced retry counts on its own), every lease released exactly once and
+// never while a step is in flight.
 func TestSessionsRandom(t *testing.T) {
 	for seed := range uint64(4000) {
 		r := newRand(seed)
 		recv := NewRecvSession(RecvParams{RequestID: 9, Deadline: epoch.Add(100 * time.Millisecond), MaxAttempts: 3})
-		allocated, freed, terminal := false, false, 0
-		delivered := false
+		terminal := 0
 		// unrevoked: a grant the session took is open (not revoked since).
 		unrevoked, grants := false, 0
 		now := epoch
@@ -545,29 +539,17 @@ func TestSessionsRandom(t *testing.T) {
 			}
 			for _, a := range acts {
 				switch a.Kind {
-				case ActFree:
-					require.False(t, freed, "seed %d: double free", seed)
-					require.False(t, unrevoked, "seed %d: free before grant %d was revoked", seed, grants)
-					freed = true
 				case ActOpenGrant:
 					require.False(t, unrevoked, "seed %d: grant %d opened before grant %d was revoked", seed, grants+1, grants)
 				case ActRevoke:
 					unrevoked = false
-				case ActDeliver:
-					delivered = true
-					terminal++
-				case ActFail:
+				case ActDeliver, ActFail:
+					require.False(t, unrevoked, "seed %d: %s before grant %d was revoked", seed, a.Kind, grants)
 					terminal++
 				}
 			}
-			if ev.Kind == EvAllocated && ev.Code == CodeOK && recv.allocated {
-				allocated = true
-			}
 		}
 		require.LessOrEqual(t, terminal, 1, "seed %d", seed)
-		if recv.State().Terminal() && allocated {
-			require.True(t, freed != delivered, "seed %d: allocation neither freed nor delivered exactly once", seed)
-		}
 
 		send := NewSendSession(SendParams{RequestID: 9, Deadline: epoch.Add(100 * time.Millisecond), Fingerprint: "fp", Local: "fp", KVBytes: 1, MambaBytes: 1})
 		leased, released, replies, busy := false, 0, 0, false
@@ -615,7 +597,7 @@ func randomEvent(r *rng, recv bool, now *time.Time) Event {
 	codes := []Code{CodeOK, CodeOK, CodeOK, CodeCapacityRefused, CodePeerFailed, CodeCancelled, CodeTimeout}
 	var kinds []EventKind
 	if recv {
-		kinds = []EventKind{EvStart, EvAllocated, EvGranted, EvSent, EvNoResponders, EvReply, EvCommitted, EvGrantFailed, EvTick, EvCancel, EvPeerDied, EvLost}
+		kinds = []EventKind{EvStart, EvGranted, EvSent, EvNoResponders, EvReply, EvCommitted, EvGrantFailed, EvTick, EvCancel, EvPeerDied, EvLost}
 	} else {
 		kinds = []EventKind{EvRequest, EvAdmitted, EvPrefilled, EvWritten, EvTick, EvCancel, EvPeerDied}
 	}

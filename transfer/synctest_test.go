@@ -69,17 +69,8 @@ func bubbleEngines(t *testing.T) (recv, send *rdma.Engine, dst, src rdma.Extent)
 	return recv, send, rdma.Extent{Region: rr.ID(), Offset: 0, Length: 64}, rdma.Extent{Region: sr.ID(), Offset: 0, Length: 64}
 }
 
-// countAlloc is a Prepared allocator that counts frees.
-type countAlloc struct {
-	d     CacheExtents
-	frees int
-}
-
-func (c *countAlloc) Prepare(uint64, int) (CacheExtents, error) { return c.d, nil }
-func (c *countAlloc) Free(uint64) error                         { c.frees++; return nil }
-
 // TestDeadlineSynctest: with no reply the handoff ends exactly at its
-// deadline, cancels, revokes and frees; the prefill worker's late write and
+// deadline, cancels and revokes its grant; the prefill worker's late write and
 // commit are then refused by the data plane.
 func TestDeadlineSynctest(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
@@ -87,12 +78,12 @@ func TestDeadlineSynctest(t *testing.T) {
 		defer recv.Close()
 		defer send.Close()
 		d, rec := bubbleDecoder(t, recv, 3)
-		alloc := &countAlloc{d: CacheExtents{Mamba: dst}}
+		dest := CacheExtents{Mamba: dst}
 		start := time.Now()
-		_, err := d.Handoff(context.Background(), Request{ID: 7, Tokens: tokens(4), Alloc: alloc, Deadline: start.Add(2 * time.Second)})
+		_, err := d.Handoff(context.Background(), Request{ID: 7, Tokens: tokens(4), Dest: dest, Deadline: start.Add(2 * time.Second)})
 		require.ErrorIs(t, err, ErrTimeout)
 		require.Equal(t, 2*time.Second, time.Since(start), "ended exactly at the deadline")
-		require.Equal(t, 1, alloc.frees)
+		require.Zero(t, recv.Stats().GrantsOpen, "the grant is revoked: the caller may free the destination")
 		require.Len(t, rec.requests, 1)
 		require.Equal(t, []Cancel{{V: WireVersion, RequestID: 7, Grant: rec.cancelGrant(t), Code: CodeTimeout, From: "d1"}}, rec.cancels)
 
@@ -121,7 +112,7 @@ func TestRetryBudgetSynctest(t *testing.T) {
 		defer recv.Close()
 		defer send.Close()
 		d, rec := bubbleDecoder(t, recv, 5)
-		alloc := &countAlloc{d: CacheExtents{Mamba: dst}}
+		dest := CacheExtents{Mamba: dst}
 		refuse := func(m *nats.Msg, inst string) {
 			req, err := DecodePrefillRequest(m.Data)
 			require.NoError(t, err)
@@ -132,7 +123,7 @@ func TestRetryBudgetSynctest(t *testing.T) {
 		done := make(chan error, 1)
 		start := time.Now()
 		go func() {
-			_, err := d.Handoff(context.Background(), Request{ID: 9, Tokens: tokens(4), Alloc: alloc, Deadline: start.Add(time.Second)})
+			_, err := d.Handoff(context.Background(), Request{ID: 9, Tokens: tokens(4), Dest: dest, Deadline: start.Add(time.Second)})
 			done <- err
 		}()
 		refuse(<-rec.sent, "p1")
@@ -147,7 +138,7 @@ func TestRetryBudgetSynctest(t *testing.T) {
 		}
 		refuse(m, "p2") // late: nobody listens any more
 		synctest.Wait()
-		require.Equal(t, 1, alloc.frees)
+		require.Zero(t, recv.Stats().GrantsOpen, "the grant is revoked: the caller may free the destination")
 		require.Len(t, rec.requests, 2)
 		req, err := DecodePrefillRequest(rec.requests[1].Data)
 		require.NoError(t, err)
@@ -186,7 +177,7 @@ func TestControlLostResendSynctest(t *testing.T) {
 		defer recv.Close()
 		defer send.Close()
 		d, rec := bubbleDecoder(t, recv, 3)
-		alloc := &countAlloc{d: CacheExtents{Mamba: dst}}
+		dest := CacheExtents{Mamba: dst}
 		type out struct {
 			res Result
 			err error
@@ -194,7 +185,7 @@ func TestControlLostResendSynctest(t *testing.T) {
 		done := make(chan out, 1)
 		start := time.Now()
 		go func() {
-			res, err := d.Handoff(context.Background(), Request{ID: 5, Tokens: tokens(4), Alloc: alloc, Deadline: start.Add(30 * time.Second)})
+			res, err := d.Handoff(context.Background(), Request{ID: 5, Tokens: tokens(4), Dest: dest, Deadline: start.Add(30 * time.Second)})
 			done <- out{res, err}
 		}()
 		first := <-rec.sent
@@ -227,7 +218,6 @@ func TestControlLostResendSynctest(t *testing.T) {
 		require.NoError(t, o.err)
 		require.Equal(t, int32(42), o.res.FirstToken)
 		require.Equal(t, 2, o.res.Attempts)
-		require.Zero(t, alloc.frees, "a delivered destination is not freed")
 		rec.mu.Lock()
 		require.Len(t, rec.cancels, 1, "the first attempt is cancelled")
 		require.Equal(t, CodeCancelled, rec.cancels[0].Code)
@@ -244,11 +234,11 @@ func TestPeerDeathAfterUnrelatedDeathSynctest(t *testing.T) {
 		defer recv.Close()
 		defer send.Close()
 		d, rec := bubbleDecoder(t, recv, 1)
-		alloc := &countAlloc{d: CacheExtents{Mamba: dst}}
+		dest := CacheExtents{Mamba: dst}
 		done := make(chan error, 1)
 		start := time.Now()
 		go func() {
-			_, err := d.Handoff(context.Background(), Request{ID: 5, Tokens: tokens(4), Alloc: alloc, Deadline: start.Add(time.Minute)})
+			_, err := d.Handoff(context.Background(), Request{ID: 5, Tokens: tokens(4), Dest: dest, Deadline: start.Add(time.Minute)})
 			done <- err
 		}()
 		m := <-rec.sent
@@ -262,7 +252,7 @@ func TestPeerDeathAfterUnrelatedDeathSynctest(t *testing.T) {
 		d.peerDied("p2")
 		require.ErrorIs(t, <-done, ErrPeerFailed)
 		require.Equal(t, time.Duration(0), time.Since(start))
-		require.Equal(t, 1, alloc.frees)
+		require.Zero(t, recv.Stats().GrantsOpen, "the grant is revoked: the caller may free the destination")
 	})
 }
 
@@ -293,7 +283,7 @@ func TestLateNoRespondersOfAbandonedAttempt(t *testing.T) {
 				done := make(chan out, 1)
 				go func() {
 					res, err := d.Handoff(context.Background(), Request{ID: 5, Tokens: tokens(4),
-						Alloc: &countAlloc{d: CacheExtents{Mamba: dst}}, Deadline: time.Now().Add(time.Minute)})
+						Dest: CacheExtents{Mamba: dst}, Deadline: time.Now().Add(time.Minute)})
 					done <- out{res, err}
 				}()
 				m1 := <-rec.sent

@@ -69,10 +69,10 @@ func TestHandoffTraced(t *testing.T) {
 	headers := spyPrefill(t, f)
 
 	ctx, root := decTP.Tracer("test").Start(context.Background(), "request")
-	res, err := d.Handoff(ctx, Request{ID: 7, Tokens: tokens(20), Alloc: ds.rank, Deadline: time.Now().Add(5 * time.Second)})
+	res, err := ds.handoff(ctx, d, Request{ID: 7, Tokens: tokens(20), Deadline: time.Now().Add(5 * time.Second)})
 	require.NoError(t, err)
 	root.End()
-	require.NoError(t, ds.rank.Free(7))
+	require.NoError(t, ds.m.Free(7))
 
 	h := <-headers
 	require.Len(t, h.Get("traceparent"), 55, "W3C traceparent in the NATS headers: %v", h)
@@ -114,9 +114,9 @@ func TestHandoffUntracedSendsNoHeaders(t *testing.T) {
 	f.prefiller("p1", f.fp, newExec(ps), func(c *PrefillerConfig) { c.TracerProvider = tp })
 	headers := spyPrefill(t, f)
 
-	_, err := d.Handoff(context.Background(), Request{ID: 3, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(5 * time.Second)})
+	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(5 * time.Second)})
 	require.NoError(t, err)
-	require.NoError(t, ds.rank.Free(3))
+	require.NoError(t, ds.m.Free(3))
 	require.Empty(t, <-headers)
 	spans := spansNamed(t, exp, 2)
 	require.False(t, spans["prefill"].Parent.IsValid(), "a root span")
@@ -133,7 +133,7 @@ func TestHandoffTracedRefusal(t *testing.T) {
 	f.prefiller("p1", "fp-other", newExec(ps), func(c *PrefillerConfig) { c.TracerProvider = tp })
 
 	ctx, root := tp.Tracer("test").Start(context.Background(), "request")
-	_, err := d.Handoff(ctx, Request{ID: 4, Tokens: tokens(9), Alloc: ds.rank, Deadline: time.Now().Add(5 * time.Second)})
+	_, err := ds.handoff(ctx, d, Request{ID: 4, Tokens: tokens(9), Deadline: time.Now().Add(5 * time.Second)})
 	root.End()
 	require.ErrorIs(t, err, ErrLayoutMismatch)
 	spans := spansNamed(t, exp, 3)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/handoff-io/handoff/hybrid"
 	"github.com/handoff-io/handoff/kvcache"
 	"github.com/handoff-io/handoff/mambacache"
 	"github.com/handoff-io/handoff/model"
@@ -40,8 +41,10 @@ type FetchRequest struct {
 	Prompt []int32
 	// Sampling picks the first token (and asks for its logprobs).
 	Sampling
-	Row  mambacache.Row
-	Runs []kvcache.Run // KV runs covering exactly len(Prompt) tokens
+	// Resources are the Mamba row and the KV runs (covering exactly
+	// len(Prompt) tokens) the scheduler prepared on the rank: the cache's
+	// destination, which the scheduler frees once Fetch returned.
+	hybrid.Resources
 }
 
 // FetchResult is what a successful Fetch reports.
@@ -97,13 +100,13 @@ type PrefillJob struct {
 }
 
 // Lease is a prefilled cache held on a rank until Release. The holder reads
-// the rank's arenas through Row and Runs (to push them to a decode worker)
+// the rank's arenas through Resources (to push them to a decode worker)
 // and must call Release exactly when it no longer reads them.
 type Lease struct {
-	Rank   int
-	ID     uint64
-	Row    mambacache.Row
-	Runs   []kvcache.Run
+	Rank int
+	ID   uint64
+	// Resources are the request's Mamba row and KV runs on the rank.
+	hybrid.Resources
 	Tokens int   // prompt tokens the runs hold
 	First  int32 // first token, sampled at step 0
 	// FirstLogprobs are the first token's logprobs, when the job asked.
@@ -793,8 +796,8 @@ func (e *Scheduler) place(q *request, r *Rank) {
 	q.log.Debug("request admitted, awaiting cache", "row", res.Row, "runs", len(res.Runs))
 	f := FetchRequest{
 		ID: q.id, LogID: q.logID, Rank: r.index, Prompt: q.prompt,
-		Sampling: q.smp, Row: res.Row,
-		Runs: append([]kvcache.Run(nil), res.Runs...),
+		Sampling:  q.smp,
+		Resources: hybrid.Resources{Row: res.Row, Runs: append([]kvcache.Run(nil), res.Runs...)},
 	}
 	src := e.cfg.Source
 	e.fetches.Go(func() {
@@ -969,7 +972,7 @@ func (e *Scheduler) prefillStep(r *Rank, q *request) {
 		e.setPhase(q, PhasePush)
 		q.leaseOut = true
 		q.lease <- leaseResult{lease: &Lease{
-			Rank: r.index, ID: q.id, Row: c.Row, Runs: runs, Tokens: len(q.prompt),
+			Rank: r.index, ID: q.id, Resources: hybrid.Resources{Row: c.Row, Runs: runs}, Tokens: len(q.prompt),
 			First: tok, FirstLogprobs: lp, Compute: q.timing.Prefill, e: e, q: q,
 		}}
 		return

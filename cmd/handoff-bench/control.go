@@ -110,13 +110,6 @@ func runControl(ctx context.Context, args []string) error {
 	return printControl(os.Stdout, o.output, rep)
 }
 
-// controlAlloc hands out one fixed destination and frees nothing: the bench
-// measures the protocol, not the pools.
-type controlAlloc struct{ d transfer.CacheExtents }
-
-func (a controlAlloc) Prepare(uint64, int) (transfer.CacheExtents, error) { return a.d, nil }
-func (a controlAlloc) Free(uint64) error                                  { return nil }
-
 // controlExec admits everything and "prefills" a fixed 1-byte source.
 type controlExec struct {
 	src       transfer.CacheExtents
@@ -226,7 +219,9 @@ func measureControl(ctx context.Context, o controlOptions) (controlReport, error
 		return controlReport{}, err
 	}
 	defer dec.Close()
-	alloc := controlAlloc{d: transfer.CacheExtents{Mamba: rdma.Extent{Region: decReg.ID(), Offset: 0, Length: 1}}}
+	// One fixed destination for every request: the bench measures the
+	// protocol, not the pools.
+	dest := transfer.CacheExtents{Mamba: rdma.Extent{Region: decReg.ID(), Offset: 0, Length: 1}}
 
 	// The raw baseline: same connections' roles, same message sizes.
 	prompt := []int32{1, 2, 3, 4, 5, 6, 7, 8}
@@ -249,7 +244,7 @@ func measureControl(ctx context.Context, o controlOptions) (controlReport, error
 	handoff := func() (time.Duration, error) {
 		id++
 		start := time.Now()
-		_, err := dec.Handoff(ctx, transfer.Request{ID: id, Tokens: prompt, Alloc: alloc, Deadline: start.Add(10 * time.Second)})
+		_, err := dec.Handoff(ctx, transfer.Request{ID: id, Tokens: prompt, Dest: dest, Deadline: start.Add(10 * time.Second)})
 		return time.Since(start), err
 	}
 	raw := func() (time.Duration, error) {
