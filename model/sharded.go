@@ -45,15 +45,23 @@ type ShardedExecutor interface {
 // error wraps ErrInvalidCache and the reshard sentinel, and names the
 // dimension that does not split.
 func ShardSpec(spec Spec, tp int) (Spec, error) {
-	kv, err := reshard.KVShard(spec.KV, tp)
-	if err != nil {
-		return Spec{}, fmt.Errorf("%w: %s at TP %d: %w", ErrInvalidCache, spec.Name, tp, err)
+	if tp == 1 {
+		return spec, nil
 	}
-	m, err := reshard.MambaShard(spec.Mamba, tp)
-	if err != nil {
-		return Spec{}, fmt.Errorf("%w: %s at TP %d: %w", ErrInvalidCache, spec.Name, tp, err)
+	if spec.KV.Layers > 0 {
+		kv, err := reshard.KVShard(spec.KV, tp)
+		if err != nil {
+			return Spec{}, fmt.Errorf("%w: %s at TP %d: %w", ErrInvalidCache, spec.Name, tp, err)
+		}
+		spec.KV = kv
 	}
-	spec.KV, spec.Mamba = kv, m
+	if spec.Mamba.Layers > 0 {
+		m, err := reshard.MambaShard(spec.Mamba, tp)
+		if err != nil {
+			return Spec{}, fmt.Errorf("%w: %s at TP %d: %w", ErrInvalidCache, spec.Name, tp, err)
+		}
+		spec.Mamba = m
+	}
 	return spec, nil
 }
 

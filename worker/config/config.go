@@ -48,6 +48,7 @@ type Config struct {
 	InstanceID     string
 	Model          string
 	DPSize         int
+	TPSize         int // tensor-parallel shards per rank, each with its own pools and regions
 	AttentionDP    bool
 	MaxBatchSize   int
 	TokensPerBlock int
@@ -133,6 +134,7 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	str(&c.InstanceID, "instance-id", "HANDOFF_INSTANCE_ID", "", "unique instance id (default $POD_NAME, else hostname-pid)", false)
 	str(&c.Model, "model", "HANDOFF_MODEL", "tiny-hybrid", "model name, options as a query (e.g. nemotron-h-8b?delay=2ms)", false)
 	num(&c.DPSize, "dp-size", "HANDOFF_DP_SIZE", 1, "attention-DP ranks in this process")
+	num(&c.TPSize, "tp-size", "HANDOFF_TP_SIZE", 1, "tensor-parallel shards per rank, each with its own pools and data-path regions holding its KV heads, Mamba heads and conv sections; prefill and decode may differ (the handoff reshards). With attention DP (--dp-size > 1 or --attention-dp) every rank keeps the full state (TP 1): --tp-size > 1 is refused there")
 	str(&attentionDP, "attention-dp", "HANDOFF_ATTENTION_DP", "", "step ranks in lockstep with dummy padding (default true when --dp-size > 1)", false)
 	num(&c.MaxBatchSize, "max-batch-size", "HANDOFF_MAX_BATCH_SIZE", 8, "requests per rank (real Mamba rows)")
 	num(&c.TokensPerBlock, "tokens-per-block", "HANDOFF_TOKENS_PER_BLOCK", 16, "KV block size in tokens (must match the peers)")
@@ -220,6 +222,11 @@ func (c *Config) Validate() error {
 	bad := func(format string, a ...any) { errs = append(errs, fmt.Errorf(format, a...)) }
 	if c.DPSize < 1 {
 		bad("--dp-size %d: want ≥ 1", c.DPSize)
+	}
+	if c.TPSize < 1 || c.TPSize > 64 {
+		bad("--tp-size %d: want 1..64", c.TPSize)
+	} else if c.TPSize > 1 && (c.DPSize > 1 || c.AttentionDP) {
+		bad("--tp-size %d with attention DP (--dp-size %d): not supported; with attention DP every rank keeps the full state (TP 1)", c.TPSize, c.DPSize)
 	}
 	if c.MaxBatchSize < 1 {
 		bad("--max-batch-size %d: want ≥ 1", c.MaxBatchSize)

@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/handoff-io/handoff/hybrid"
 	"github.com/handoff-io/handoff/model"
 	"github.com/handoff-io/handoff/transfer"
 	"github.com/handoff-io/handoff/worker"
@@ -77,7 +78,7 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 		sctx, stopStart := startContext(ctx)
 		defer stopStart()
 		if dec, err = transfer.NewDecoder(sctx, transfer.DecoderConfig{
-			Instance: cfg.InstanceID, Namespace: cfg.Namespace, Fingerprint: n.fingerprint,
+			Instance: cfg.InstanceID, Namespace: cfg.Namespace, Fingerprint: n.fingerprint, TP: cfg.TPSize,
 			DefaultTimeout: cfg.RequestTimeout, Logger: log,
 			Registry: transfer.RegistryConfig{Replicas: cfg.RegistryReplicas},
 			// Address a chosen prefill instance from the first attempt, so a
@@ -187,9 +188,9 @@ type transferSource struct {
 var _ worker.CacheSource = (*transferSource)(nil)
 
 func (s *transferSource) Fetch(ctx context.Context, f worker.FetchRequest) (worker.FetchResult, error) {
-	// The scheduler prepared the resources at admission and frees them once
-	// Fetch returned: they are the handoff's destination.
-	dest, err := s.n.tranks[f.Rank].Resolve(f.Resources)
+	// The engine prepared the resources at admission and frees them once
+	// Fetch returned: the protocol gets them as a prepared destination.
+	dest, err := s.n.tranks[f.Rank].Resolve(hybrid.Resources{Row: f.Row, Runs: f.Runs})
 	if err != nil {
 		return worker.FetchResult{}, err
 	}
@@ -197,7 +198,7 @@ func (s *transferSource) Fetch(ctx context.Context, f worker.FetchRequest) (work
 		ID: f.ID, Tokens: f.Prompt,
 		Sampling: wireSampling(f.Sampling),
 		Deadline: time.Now().Add(s.timeout),
-		Dest:     dest,
+		Alloc:    transfer.Prepared(dest),
 	})
 	if err != nil {
 		return worker.FetchResult{}, classify(ctx, err)

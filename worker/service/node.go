@@ -107,6 +107,7 @@ type node struct {
 	tranks      []*transfer.RankRegions // remote only
 	data        *rdma.Engine            // remote only
 	host        topology.Host           // remote only: GPUs and NICs, logged at start-up
+	tpMore      tpShards                // remote only, --tp-size > 1
 }
 
 func buildNode(cfg config.Config, log *slog.Logger, remote bool) (*node, error) {
@@ -116,7 +117,11 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool) (*node, error) 
 	}
 	spec := exec.Spec()
 	spec.KV.TokensPerBlock = cfg.TokensPerBlock
-	pools, err := worker.PoolConfig(exec.Spec(), worker.PoolParams{
+	poolSpec, err := tpPoolSpec(cfg, exec) // one shard's shapes (--tp-size)
+	if err != nil {
+		return nil, err
+	}
+	pools, err := worker.PoolConfig(poolSpec, worker.PoolParams{
 		MaxBatchSize: cfg.MaxBatchSize, AttentionDP: cfg.AttentionDP,
 		TokensPerBlock: cfg.TokensPerBlock, KVBlocks: cfg.KVBlocks,
 	})
@@ -166,7 +171,7 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool) (*node, error) 
 				n.close()
 				return nil, fmt.Errorf("register mamba arena: %w", err)
 			}
-			tr, err := transfer.NewRankRegions(m, kvr, mr)
+			tr, err := n.rankRegions(i, m, kvr, mr)
 			if err != nil {
 				n.close()
 				return nil, err
@@ -176,14 +181,19 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool) (*node, error) 
 		} else {
 			kvArena, mArena = make([]byte, pools.KV.ArenaBytes()), make([]byte, pools.Mamba.ArenaBytes())
 		}
-		r, err := worker.NewRank(i, m, exec, kvArena, mArena)
+		rexec, err := n.tpExec(i, exec, m)
+		if err != nil {
+			n.close()
+			return nil, err
+		}
+		r, err := worker.NewRank(i, m, rexec, kvArena, mArena)
 		if err != nil {
 			n.close()
 			return nil, err
 		}
 		n.ranks = append(n.ranks, r)
 	}
-	log.Info("ranks ready", "model", spec.Name, "fingerprint", n.fingerprint, "dp_size", cfg.DPSize,
+	log.Info("ranks ready", "model", spec.Name, "fingerprint", n.fingerprint, "dp_size", cfg.DPSize, "tp_size", cfg.TPSize,
 		"attention_dp", cfg.AttentionDP, "max_batch_size", cfg.MaxBatchSize, "kv_blocks", pools.KV.Blocks,
 		"tokens_per_block", pools.KV.TokensPerBlock, "kv_arena_bytes", pools.KV.ArenaBytes(),
 		"mamba_rows", pools.Mamba.TotalRows(), "mamba_arena_bytes", pools.Mamba.ArenaBytes())

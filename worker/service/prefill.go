@@ -10,6 +10,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/handoff-io/handoff/hybrid"
 	"github.com/handoff-io/handoff/transfer"
 	"github.com/handoff-io/handoff/worker"
 	"github.com/handoff-io/handoff/worker/config"
@@ -132,6 +133,11 @@ var _ transfer.PrefillExecutor = (*prefillExec)(nil)
 // draining engine or a prompt this worker's pools cannot hold is a capacity
 // refusal, which the decoder may retry on another worker.
 func (p *prefillExec) Admit(job transfer.Job) (transfer.AdmittedJob, error) {
+	// The receiver's shards must be reachable from ours: a TP size the
+	// model does not split over is refused by name before any byte moves.
+	if _, err := p.n.tranks[0].Resharder(job.TP); err != nil {
+		return nil, err
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	if !job.Deadline.IsZero() {
 		cancel()
@@ -149,7 +155,7 @@ func (p *prefillExec) Admit(job transfer.Job) (transfer.AdmittedJob, error) {
 		}
 		return nil, err
 	}
-	return &prefillLease{p: p, pend: pend, cancel: cancel, from: job.From}, nil
+	return &prefillLease{p: p, pend: pend, cancel: cancel, from: job.From, to: job.TP}, nil
 }
 
 // syncStats folds the prefiller's cumulative counters into the transfer
@@ -185,6 +191,7 @@ type prefillLease struct {
 	pend   *worker.PendingPrefill
 	cancel context.CancelFunc
 	from   string
+	to     int // the receiver's TP size
 
 	lease     *worker.Lease
 	pushStart time.Time
@@ -197,7 +204,7 @@ func (l *prefillLease) Prefill(ctx context.Context) (transfer.Prefilled, error) 
 	}
 	l.lease = lease
 	l.pushStart = time.Now()
-	src, err := l.p.n.tranks[lease.Rank].Resolve(lease.Resources)
+	src, err := l.p.n.tranks[lease.Rank].Source(hybrid.Resources{Row: lease.Row, Runs: lease.Runs}, l.to)
 	if err != nil {
 		return transfer.Prefilled{}, err
 	}
