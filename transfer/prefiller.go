@@ -31,6 +31,12 @@ type PrefillerConfig struct {
 	Prefix         string // default DefaultPrefix
 	Fingerprint    string // the model's layout fingerprint; required
 	MaxDraftTokens int    // width of the padding-sentinel id range
+	// Layerwise says when a request's cache is streamed while prefill
+	// computes it: LayerwiseAuto (the zero value) streams prompts of at
+	// least LayerwiseMinTokens tokens (0: DefaultLayerwiseMinTokens).
+	// Only jobs that are LayerwiseJobs stream.
+	Layerwise          Layerwise
+	LayerwiseMinTokens int
 	// Capacity reports the instance's room for the registry; optional.
 	Capacity func() Capacity
 	Registry RegistryConfig
@@ -55,6 +61,12 @@ func (c *PrefillerConfig) validate() error {
 	}
 	if c.MaxDraftTokens < 0 {
 		return fmt.Errorf("%w: draft tokens %d", ErrInvalidConfig, c.MaxDraftTokens)
+	}
+	if c.Layerwise > LayerwiseOff || c.LayerwiseMinTokens < 0 {
+		return fmt.Errorf("%w: layerwise %s from %d tokens", ErrInvalidConfig, c.Layerwise, c.LayerwiseMinTokens)
+	}
+	if c.LayerwiseMinTokens == 0 {
+		c.LayerwiseMinTokens = DefaultLayerwiseMinTokens
 	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
@@ -137,6 +149,7 @@ type senderEngine interface {
 	Connect(ctx context.Context, peer rdma.Descriptor) (rdma.Transport, error)
 	TransportFor(agent rdma.AgentID) (rdma.Transport, bool)
 	Descriptor() rdma.Descriptor
+	OpenStream(ctx context.Context, peer rdma.Descriptor, t rdma.Ticket) (*rdma.Stream, error)
 }
 
 var _ senderEngine = (*rdma.Engine)(nil)
@@ -555,6 +568,7 @@ type task struct {
 	ticket rdma.Ticket
 	sess   SendSession
 	lease  AdmittedJob
+	lw     *streamer // the cache's stream while prefill computes (layerwise), else nil
 
 	ctx    deadlineCtx   // the task's context: its steps take &ctx
 	start  time.Time     // when the request was taken: a monotonic reading, see now
@@ -830,6 +844,7 @@ func (t *task) replyFor(code Code) PrefillReply {
 func (t *task) run(acts []Action) {
 	p := t.p
 	defer func() {
+		t.stopStream()
 		t.ctx.release()
 		p.mu.Lock()
 		p.removeTaskLocked(t)
@@ -852,6 +867,7 @@ func (t *task) run(acts []Action) {
 		switch a.Kind {
 		case ActPrefill:
 			start := t.now()
+			t.startStream()
 			out, err := t.lease.Prefill(&t.ctx)
 			now = t.now()
 			t.pf = now.Sub(start)
@@ -871,7 +887,14 @@ func (t *task) run(acts []Action) {
 			start := t.now()
 			src := append(append(append(t.src[:0], t.out.Source.KV...), t.out.Source.Mamba), t.out.Source.MambaMore...)
 			ws := t.startWriteSpan(start)
-			m, err := p.eng.Write(&t.ctx, t.peer, t.ticket, src)
+			var m rdma.Manifest
+			var err error
+			if t.lw != nil {
+				// What prefill finished has left already; the rest now.
+				m, err = t.lw.finish(&t.ctx, src)
+			} else {
+				m, err = p.eng.Write(&t.ctx, t.peer, t.ticket, src)
+			}
 			now = t.now()
 			t.endWriteSpan(ws, now, err)
 			t.wr = now.Sub(start)
@@ -886,6 +909,7 @@ func (t *task) run(acts []Action) {
 		case ActAbort:
 			t.ctx.cancel()
 		case ActRelease:
+			t.stopStream() // no byte of the lease is read after its release
 			t.lease.Release()
 		case ActReply:
 			t.sendReply(a.Code)

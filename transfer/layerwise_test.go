@@ -1,0 +1,263 @@
+package transfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"runtime"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/internal/natstest"
+	"github.com/handoff-io/handoff/rdma"
+)
+
+// streamExec is a testExec whose jobs stream: Prefill fills the cache in
+// pieces of `piece` bytes, in a shuffled order, and reports each piece to
+// the sink once it is written. Halfway it tells paused and waits on resume
+// (when set); with fail set it fails there.
+type streamExec struct {
+	*testExec
+	piece   int
+	paused  chan uint64
+	resume  chan struct{}
+	fail    atomic.Bool
+	streams atomic.Int64 // jobs whose Stream was called
+}
+
+func newStreamExec(s *side, piece int) *streamExec {
+	return &streamExec{testExec: newExec(s), piece: piece}
+}
+
+func (x *streamExec) Admit(job Job) (AdmittedJob, error) {
+	a, err := x.testExec.Admit(job)
+	if err != nil {
+		return nil, err
+	}
+	return &streamJob{testLease: a.(*testLease), x: x}, nil
+}
+
+type streamJob struct {
+	*testLease
+	x    *streamExec
+	sink atomic.Pointer[func([]Piece)]
+}
+
+var _ LayerwiseJob = (*streamJob)(nil)
+
+func (l *streamJob) Stream(sink func([]Piece)) {
+	l.x.streams.Add(1)
+	l.sink.Store(&sink)
+}
+
+func (l *streamJob) Prefill(ctx context.Context) (Prefilled, error) {
+	id := l.job.RequestID
+	var ps []Piece
+	var at uint64
+	for _, e := range l.d.Extents() {
+		for off := uint64(0); off < e.Length; off += uint64(l.x.piece) {
+			n := min(uint64(l.x.piece), e.Length-off)
+			ps = append(ps, Piece{At: at + off, Src: rdma.Extent{Region: e.Region, Offset: e.Offset + off, Length: n}})
+		}
+		at += e.Length
+	}
+	rand.New(rand.NewPCG(id, 1)).Shuffle(len(ps), func(i, j int) { ps[i], ps[j] = ps[j], ps[i] })
+	for k, p := range ps {
+		if k == len(ps)/2 {
+			if l.x.paused != nil {
+				l.x.paused <- id
+				select {
+				case <-l.x.resume:
+				case <-ctx.Done():
+					return Prefilled{}, ctx.Err()
+				}
+			}
+			if l.x.fail.Load() {
+				return Prefilled{}, errors.New("test prefill failed halfway")
+			}
+		}
+		b := l.x.s.bytes(p.Src)
+		for j := range b {
+			b[j] = pattern(id, int(p.At)+j)
+		}
+		if sink := l.sink.Load(); sink != nil {
+			(*sink)([]Piece{p})
+		}
+	}
+	return Prefilled{FirstToken: int32(id % 1000), Source: l.d}, nil
+}
+
+// streamPrefiller is fixture.prefiller over a streamExec.
+func (f *fixture) streamPrefiller(name string, x *streamExec, mod func(*PrefillerConfig)) *Prefiller {
+	f.t.Helper()
+	cfg := PrefillerConfig{Instance: name, Namespace: f.ns, Fingerprint: f.fp, MaxDraftTokens: 2, NoRegistry: true,
+		Registry: RegistryConfig{TTL: 30 * time.Second}}
+	mod(&cfg)
+	p, err := NewPrefiller(cfg, natstest.Connect(f.t, f.srv), x.s.eng, x)
+	require.NoError(f.t, err)
+	require.NoError(f.t, p.Start(context.Background()))
+	f.t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		require.NoError(f.t, p.Shutdown(ctx))
+	})
+	return p
+}
+
+func streamTransports() []rdma.Transport {
+	ts := []rdma.Transport{rdma.TransportInproc, rdma.TransportTCP}
+	if runtime.GOOS == "linux" {
+		ts = append(ts, rdma.TransportSHM)
+	}
+	return ts
+}
+
+// TestLayerwiseHandoff: with layer-wise on, what the job reports while it
+// computes is written before Prefill returns, the rest after, and decode
+// gets every byte, on every transport. Off (or a prompt under auto's
+// threshold) streams nothing, with the same outcome.
+func TestLayerwiseHandoff(t *testing.T) {
+	for _, tr := range streamTransports() {
+		for _, mode := range []Layerwise{LayerwiseOn, LayerwiseAuto, LayerwiseOff} {
+			t.Run(fmt.Sprintf("%s/%s", tr, mode), func(t *testing.T) {
+				f := newFixture(t)
+				ds, ps := newSideOn(t, "dec", testHybrid(64, 8), tr), newSideOn(t, "pre", testHybrid(64, 8), tr)
+				x := newStreamExec(ps, 37)
+				x.paused, x.resume = make(chan uint64, 1), make(chan struct{})
+				d := f.decoder("d1", ds, nil)
+				p := f.streamPrefiller("p1", x, func(c *PrefillerConfig) { c.Layerwise, c.LayerwiseMinTokens = mode, 12 })
+				for id := uint64(1); id <= 4; id++ {
+					n := int(id*5 + 1) // 6, 11, 16, 21 tokens: auto streams the last two
+					streams := mode == LayerwiseOn || mode == LayerwiseAuto && n >= 12
+					before := ps.eng.Stats().BytesWritten
+					type out struct {
+						res Result
+						err error
+					}
+					done := make(chan out, 1)
+					go func() {
+						res, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(n), Alloc: ds.rank, Deadline: time.Now().Add(10 * time.Second)})
+						done <- out{res, err}
+					}()
+					require.Equal(t, id, <-x.paused)
+					if streams {
+						// Half the pieces were reported: they leave while
+						// the job still "computes".
+						natstest.CheckFor(t, 5*time.Second, time.Millisecond, func() error {
+							if ps.eng.Stats().BytesWritten == before {
+								return errors.New("nothing written while prefill computes")
+							}
+							return nil
+						})
+					} else {
+						require.Equal(t, before, ps.eng.Stats().BytesWritten)
+					}
+					x.resume <- struct{}{}
+					o := <-done
+					require.NoError(t, o.err)
+					i := 0
+					for _, e := range o.res.Dest.Extents() {
+						for _, b := range ds.bytes(e) {
+							require.Equal(t, pattern(id, i), b, "request %d byte %d", id, i)
+							i++
+						}
+					}
+					kv, m := o.res.Dest.Bytes()
+					require.Equal(t, before+kv+m, ps.eng.Stats().BytesWritten, "every byte written once")
+					require.NoError(t, ds.rank.Free(id))
+				}
+				want := map[Layerwise]int64{LayerwiseOn: 4, LayerwiseAuto: 2, LayerwiseOff: 0}[mode]
+				require.Equal(t, want, x.streams.Load())
+				ds.requireInitial(t)
+				ps.requireInitial(t)
+				require.Equal(t, uint64(4), p.Stats().Served)
+			})
+		}
+	}
+}
+
+// TestLayerwiseFaults: a prefill that fails halfway through its stream, a
+// decoder that cancels mid-stream: the handoff fails, the grant is
+// revoked, and both sides' pools come back, on every transport.
+func TestLayerwiseFaults(t *testing.T) {
+	for _, tr := range streamTransports() {
+		t.Run(string(tr), func(t *testing.T) {
+			f := newFixture(t)
+			ds, ps := newSideOn(t, "dec", testHybrid(64, 8), tr), newSideOn(t, "pre", testHybrid(64, 8), tr)
+			x := newStreamExec(ps, 29)
+			d := f.decoder("d1", ds, nil)
+			p := f.streamPrefiller("p1", x, func(c *PrefillerConfig) { c.Layerwise = LayerwiseOn })
+
+			x.paused, x.resume = make(chan uint64, 1), make(chan struct{})
+			x.fail.Store(true)
+			errc := make(chan error, 1)
+			go func() {
+				_, err := d.Handoff(context.Background(), Request{ID: 1, Tokens: tokens(30), Alloc: ds.rank, Deadline: time.Now().Add(10 * time.Second)})
+				errc <- err
+			}()
+			require.Equal(t, uint64(1), <-x.paused)
+			natstest.CheckFor(t, 5*time.Second, time.Millisecond, func() error {
+				if ps.eng.Stats().BytesWritten == 0 {
+					return errors.New("nothing streamed yet")
+				}
+				return nil
+			})
+			x.resume <- struct{}{}
+			require.ErrorIs(t, <-errc, ErrPrefillFailed)
+			ds.requireInitial(t)
+			ps.requireInitial(t)
+
+			x.fail.Store(false)
+			ctx, cancel := context.WithCancel(context.Background())
+			go func() {
+				_, err := d.Handoff(ctx, Request{ID: 2, Tokens: tokens(30), Alloc: ds.rank, Deadline: time.Now().Add(10 * time.Second)})
+				errc <- err
+			}()
+			require.Equal(t, uint64(2), <-x.paused)
+			cancel()
+			require.ErrorIs(t, <-errc, context.Canceled)
+			ds.requireInitial(t)
+			ps.requireInitial(t)
+			require.Equal(t, int64(2), x.releases.Load())
+			require.Equal(t, uint64(0), p.Stats().Served)
+			require.Zero(t, ds.eng.Stats().GrantsOpen)
+		})
+	}
+}
+
+// TestLayerwiseParse reads the flag's values.
+func TestLayerwiseParse(t *testing.T) {
+	for in, want := range map[string]Layerwise{"on": LayerwiseOn, "OFF": LayerwiseOff, "auto": LayerwiseAuto, "": LayerwiseAuto, " true ": LayerwiseOn} {
+		got, err := ParseLayerwise(in)
+		require.NoError(t, err, in)
+		require.Equal(t, want, got, in)
+		if in == "on" || in == "auto" {
+			require.Equal(t, in, got.String())
+		}
+	}
+	_, err := ParseLayerwise("sometimes")
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	_, err = NewPrefiller(PrefillerConfig{Instance: "p", Namespace: "n", Fingerprint: "f", LayerwiseMinTokens: -1}, nil, nil, nil)
+	require.ErrorIs(t, err, ErrInvalidConfig)
+}
+
+// TestStreamerRanges maps pieces of the whole write onto the ticket's
+// extents, cutting one that spans two, and refuses one outside the cache.
+func TestStreamerRanges(t *testing.T) {
+	st := &streamer{ends: []uint64{10, 15, 40}, total: 40}
+	dst, src, err := st.ranges([]Piece{
+		{At: 8, Src: rdma.Extent{Region: 1, Offset: 100, Length: 10}},
+		{At: 0, Src: rdma.Extent{Region: 2, Offset: 0, Length: 3}},
+	}, nil, nil)
+	require.NoError(t, err)
+	require.Equal(t, []rdma.Range{{Ext: 0, Offset: 8, Length: 2}, {Ext: 1, Offset: 0, Length: 5}, {Ext: 2, Offset: 0, Length: 3}, {Ext: 0, Offset: 0, Length: 3}}, dst)
+	require.Equal(t, []rdma.Extent{{Region: 1, Offset: 100, Length: 2}, {Region: 1, Offset: 102, Length: 5}, {Region: 1, Offset: 107, Length: 3}, {Region: 2, Offset: 0, Length: 3}}, src)
+	for _, bad := range []Piece{{At: 38, Src: rdma.Extent{Length: 3}}, {At: 40, Src: rdma.Extent{Length: 1}}, {At: 0}} {
+		_, _, err := st.ranges([]Piece{bad}, nil, nil)
+		require.ErrorIs(t, err, rdma.ErrOutOfRange)
+	}
+}
