@@ -11,7 +11,6 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/handoff-io/handoff/hybrid"
 	"github.com/handoff-io/handoff/model"
 	"github.com/handoff-io/handoff/transfer"
 	"github.com/handoff-io/handoff/worker"
@@ -188,9 +187,9 @@ type transferSource struct {
 var _ worker.CacheSource = (*transferSource)(nil)
 
 func (s *transferSource) Fetch(ctx context.Context, f worker.FetchRequest) (worker.FetchResult, error) {
-	// The engine prepared the resources at admission and frees them once
-	// Fetch returned: the protocol gets them as a prepared destination.
-	dest, err := s.n.tranks[f.Rank].Resolve(hybrid.Resources{Row: f.Row, Runs: f.Runs})
+	// The scheduler prepared the resources at admission and frees them once
+	// Fetch returned: they are the handoff's destination.
+	dest, err := s.n.tranks[f.Rank].Resolve(f.Resources)
 	if err != nil {
 		return worker.FetchResult{}, err
 	}
@@ -198,7 +197,7 @@ func (s *transferSource) Fetch(ctx context.Context, f worker.FetchRequest) (work
 		ID: f.ID, Tokens: f.Prompt,
 		Sampling: wireSampling(f.Sampling),
 		Deadline: time.Now().Add(s.timeout),
-		Alloc:    transfer.Prepared(dest),
+		Dest:     dest,
 	})
 	if err != nil {
 		return worker.FetchResult{}, classify(ctx, err)

@@ -10,7 +10,6 @@ import (
 
 	"github.com/nats-io/nats.go"
 
-	"github.com/handoff-io/handoff/hybrid"
 	"github.com/handoff-io/handoff/transfer"
 	"github.com/handoff-io/handoff/worker"
 	"github.com/handoff-io/handoff/worker/config"
@@ -204,7 +203,7 @@ func (l *prefillLease) Prefill(ctx context.Context) (transfer.Prefilled, error) 
 	}
 	l.lease = lease
 	l.pushStart = time.Now()
-	src, err := l.p.n.tranks[lease.Rank].Source(hybrid.Resources{Row: lease.Row, Runs: lease.Runs}, l.to)
+	src, err := l.p.n.tranks[lease.Rank].Source(lease.Resources, l.to)
 	if err != nil {
 		return transfer.Prefilled{}, err
 	}
