@@ -3,8 +3,8 @@ package rdma
 import "context"
 
 // link is the writer side of one transport to one peer. Implementations:
-// inprocLink, tcpLink, shmLink. GPU transports (CUDA IPC, GPUDirect RDMA)
-// would be further links in build-tagged files.
+// inprocLink, tcpLink (tcp, and cuda-ipc with pull frames), shmLink. A
+// GPUDirect RDMA (verbs) link would be another, in a build-tagged file.
 type link interface {
 	transport() Transport
 	// write lands op's pieces in the peer's grant, then commits with

@@ -48,22 +48,60 @@ func newPair(t *testing.T, tr Transport) *pair { return newPairCRC(t, tr, false,
 
 // newPairCRC sets SkipCRC on the receiver and the writer.
 func newPairCRC(t *testing.T, tr Transport, rxSkip, txSkip bool) *pair {
+	return newPairCase(t, hostCase(tr), rxSkip, txSkip)
+}
+
+// pairCase is one way to build a pair: a transport, and where the
+// receiver's and the writer's regions live (device regions over the fake
+// driver, device_linux_test.go).
+type pairCase struct {
+	name   string
+	t      Transport
+	rx, tx Memory
+}
+
+func hostCase(tr Transport) pairCase { return pairCase{string(tr), tr, MemoryHost, MemoryHost} }
+
+// pairCases lists every case the conformance suite runs: each transport
+// over host memory, then device memory on either or both ends.
+func pairCases() []pairCase {
+	var cs []pairCase
+	for _, tr := range testTransports() {
+		cs = append(cs, hostCase(tr))
+	}
+	return append(cs, devicePairCases()...)
+}
+
+// newPairCase builds the pair of case c; SkipCRC as in newPairCRC.
+func newPairCase(t *testing.T, c pairCase, rxSkip, txSkip bool) *pair {
 	t.Helper()
+	tr := c.t
 	p := &pair{t: tr, goroutines: runtime.NumGoroutine(), fds: openFDs()}
 	var err error
+	var release []func()
 	p.rx, err = New(Config{Agent: AgentID("rx-" + t.Name()), Transports: []Transport{tr}, Logger: quietLogger(), SkipCRC: rxSkip})
 	require.NoError(t, err)
 	p.tx, err = New(Config{Agent: AgentID("tx-" + t.Name()), Transports: []Transport{tr}, Logger: quietLogger(), SkipCRC: txSkip})
 	require.NoError(t, err)
-	p.dst, err = p.rx.Register("dst", pairRegion)
-	require.NoError(t, err)
-	p.src, err = p.tx.Register("src", pairRegion)
-	require.NoError(t, err)
-	fill(p.dst.Bytes(), canary)
-	rng := rand.New(rand.NewPCG(1, 2))
-	for i := range p.src.Bytes() {
-		p.src.Bytes()[i] = byte(rng.Uint32())
+	region := func(e *Engine, name string, m Memory, ordinal int) *Region {
+		if m == MemoryCUDA {
+			r, free := deviceRegion(t, e, name, pairRegion, ordinal)
+			release = append(release, free)
+			return r
+		}
+		r, err := e.Register(name, pairRegion)
+		require.NoError(t, err)
+		return r
 	}
+	p.dst = region(p.rx, "dst", c.rx, 0)
+	p.src = region(p.tx, "src", c.tx, 1)
+	fillRegion(p.dst, canary)
+	rng := rand.New(rand.NewPCG(1, 2))
+	src := make([]byte, pairRegion)
+	for i := range src {
+		src[i] = byte(rng.Uint32())
+	}
+	setRegion(p.src, src)
 	p.desc = p.rx.Descriptor()
 	got, err := p.tx.Connect(context.Background(), p.desc)
 	require.NoError(t, err)
@@ -75,6 +113,9 @@ func newPairCRC(t *testing.T, tr Transport, rxSkip, txSkip bool) *pair {
 		require.NoError(t, p.tx.Close())
 		require.NoError(t, p.rx.Close())
 		require.NoError(t, p.rx.Close(), "Close is idempotent")
+		for _, f := range release {
+			f()
+		}
 		requireGoroutines(t, p.goroutines)
 		requireFDs(t, p.fds)
 	})
@@ -144,7 +185,7 @@ func (p *pair) requireCanary(t *testing.T, granted []Extent) {
 			inside[i] = true
 		}
 	}
-	for i, b := range p.dst.Bytes() {
+	for i, b := range regionBytes(p.dst) {
 		if !inside[i] && b != canary {
 			t.Fatalf("byte %d outside the grant changed to %#x", i, b)
 		}
@@ -176,7 +217,7 @@ func srcExtents(total uint64) []Extent {
 func concat(r *Region, xs []Extent) []byte {
 	var b []byte
 	for _, x := range xs {
-		b = append(b, r.Bytes()[x.Offset:x.Offset+x.Length]...)
+		b = append(b, regionBytes(r)[x.Offset:x.Offset+x.Length]...)
 	}
 	return b
 }
@@ -189,8 +230,21 @@ func total(xs []Extent) (n uint64) {
 }
 
 func forEachTransport(t *testing.T, f func(t *testing.T, p *pair)) {
-	for _, tr := range testTransports() {
-		t.Run(string(tr), func(t *testing.T) { f(t, newPair(t, tr)) })
+	for _, c := range pairCases() {
+		t.Run(c.name, func(t *testing.T) { f(t, newPairCase(t, c, false, false)) })
+	}
+}
+
+// forEachTransportHeavy is forEachTransport for the long randomized tests:
+// of the device cases only those with device memory on both ends, which
+// take every device path (staging on both tcp ends, device-to-device copies
+// inproc and over cuda-ipc); the mixed ones run in the other tests.
+func forEachTransportHeavy(t *testing.T, f func(t *testing.T, p *pair)) {
+	for _, c := range pairCases() {
+		if c.rx != c.tx {
+			continue
+		}
+		t.Run(c.name, func(t *testing.T) { f(t, newPairCase(t, c, false, false)) })
 	}
 }
 
@@ -242,7 +296,7 @@ func TestConformanceWriteReadBack(t *testing.T) {
 			// A second write into the committed grant is refused.
 			_, err = p.tx.Write(ctx, p.desc, tk, src)
 			require.ErrorIs(t, err, ErrCommitted)
-			fill(p.dst.Bytes(), canary)
+			fillRegion(p.dst, canary)
 		}
 	})
 }
@@ -273,7 +327,7 @@ func TestConformanceConcurrentGrants(t *testing.T) {
 			require.NoError(t, err)
 			x := grants[i].Ticket().Extents[0]
 			granted = append(granted, x)
-			require.Equal(t, p.src.Bytes()[i*4096:i*4096+size], p.dst.Bytes()[x.Offset:x.Offset+x.Length])
+			require.Equal(t, regionBytes(p.src)[i*4096:i*4096+size], regionBytes(p.dst)[x.Offset:x.Offset+x.Length])
 		}
 		p.requireCanary(t, granted)
 	})
@@ -314,7 +368,7 @@ func TestConformanceRefusals(t *testing.T) {
 			require.NoError(t, err)
 			_, err = g.Wait(ctx)
 			require.NoError(t, err)
-			fill(p.dst.Bytes(), canary)
+			fillRegion(p.dst, canary)
 		})
 		t.Run("unknown grant", func(t *testing.T) {
 			_, tk := open(t)
@@ -378,7 +432,7 @@ func TestConformanceRefusals(t *testing.T) {
 			p.requireCanary(t, tk.Extents)
 			_, err = g.Wait(ctx)
 			require.Error(t, err, "a writer with the right token and wrong extents fails the grant")
-			fill(p.dst.Bytes(), canary)
+			fillRegion(p.dst, canary)
 		})
 		t.Run("length mismatch", func(t *testing.T) {
 			_, tk := open(t)
@@ -420,7 +474,7 @@ func TestConformanceCloseRevokes(t *testing.T) {
 }
 
 func TestConformanceManyExtents(t *testing.T) {
-	forEachTransport(t, func(t *testing.T, p *pair) {
+	forEachTransportHeavy(t, func(t *testing.T, p *pair) {
 		// 200 one-KiB runs with gaps, written from one source run.
 		var dst []Extent
 		for i := range 200 {
@@ -504,14 +558,14 @@ func TestOpenGrantValidation(t *testing.T) {
 // write in progress: whatever the interleaving, once Revoke returned the
 // destination never changes again, and the outcome on both sides agrees.
 func TestConformanceRevokeRacesWrite(t *testing.T) {
-	forEachTransport(t, func(t *testing.T, p *pair) {
+	forEachTransportHeavy(t, func(t *testing.T, p *pair) {
 		ctx := context.Background()
 		rng := rand.New(rand.NewPCG(3, 4))
 		const size = 256 << 10
 		dst := []Extent{{Region: 1, Offset: 4096, Length: size}}
 		committed, revoked := 0, 0
 		for i := range 30 {
-			fill(p.dst.Bytes(), canary)
+			fillRegion(p.dst, canary)
 			g, err := p.rx.OpenGrant(GrantSpec{RequestID: uint64(i + 1), Extents: dst})
 			require.NoError(t, err)
 			tk := g.Ticket()
@@ -522,10 +576,10 @@ func TestConformanceRevokeRacesWrite(t *testing.T) {
 			}()
 			time.Sleep(time.Duration(rng.IntN(400)) * time.Microsecond)
 			g.Revoke()
-			snap := append([]byte(nil), p.dst.Bytes()...)
+			snap := regionBytes(p.dst)
 			err = <-werr
 			time.Sleep(time.Millisecond)
-			require.Equal(t, snap, p.dst.Bytes(), "bytes landed after Revoke returned (round %d)", i)
+			require.Equal(t, snap, regionBytes(p.dst), "bytes landed after Revoke returned (round %d)", i)
 			p.requireCanary(t, dst)
 			_, gerr := g.Wait(ctx)
 			if gerr == nil {
@@ -541,8 +595,8 @@ func TestConformanceRevokeRacesWrite(t *testing.T) {
 }
 
 func TestConformanceSkipCRC(t *testing.T) {
-	for _, tr := range testTransports() {
-		t.Run(string(tr), func(t *testing.T) {
+	for _, pc := range pairCases() {
+		t.Run(pc.name, func(t *testing.T) {
 			ctx := context.Background()
 			for _, tc := range []struct {
 				name           string
@@ -554,7 +608,7 @@ func TestConformanceSkipCRC(t *testing.T) {
 				{"writer sends crc anyway", true, false, nil},
 			} {
 				t.Run(tc.name, func(t *testing.T) {
-					p := newPairCRC(t, tr, tc.rxSkip, tc.txSkip)
+					p := newPairCase(t, pc, tc.rxSkip, tc.txSkip)
 					g, err := p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: dstExtents()})
 					require.NoError(t, err)
 					tk := g.Ticket()
@@ -649,11 +703,11 @@ func TestNoCommonTransport(t *testing.T) {
 // outside the grant changes, and the manifest crcs are those of the landed
 // extents.
 func TestConformanceRandomLayouts(t *testing.T) {
-	forEachTransport(t, func(t *testing.T, p *pair) {
+	forEachTransportHeavy(t, func(t *testing.T, p *pair) {
 		ctx := context.Background()
 		rng := rand.New(rand.NewPCG(5, 6))
 		for round := range 12 {
-			fill(p.dst.Bytes(), canary)
+			fillRegion(p.dst, canary)
 			// Destination: 1..40 disjoint runs in random order.
 			var dst []Extent
 			for off := uint64(rng.IntN(64)); len(dst) < 1+rng.IntN(40); {

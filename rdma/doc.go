@@ -132,8 +132,21 @@
 // piece on each side and the sums joined in order, crc32c.Combine), restricted
 // to what both engines serve. The choice is logged with slog and reported by
 // Engine.TransportFor; a transport that fails to connect is logged as a
-// warning with the reason before the next is tried. GPU transports (CUDA
-// IPC, GPUDirect RDMA) fit as further links in build-tagged files.
+// warning with the reason before the next is tried.
+//
+// # Device memory
+//
+// RegisterDevice registers a CUDA allocation (internal/cuda's Arena) as a
+// region; grants, Forbid and every check above are offsets and apply
+// unchanged, so reserved rows are refused in device memory as in host
+// memory. tcp stages device bytes through pinned double buffers on either
+// end; inproc copies through the driver; shm is not used with device
+// regions; cuda-ipc (same host, same IPC namespace, the writer's device
+// visible to the receiver, preferred by Connect after inproc) carries tcp's
+// frames plus a pull frame: the receiver opens the writer's exported
+// allocation once (cached) and copies device to device itself, as a
+// landing counted in flight, so the fence is tcp's. device.go has the
+// details; docs/gpu-memory.md the plan for GPUDirect RDMA.
 //
 // # Wire format
 //
@@ -200,9 +213,11 @@
 // # Concurrency and locks
 //
 // Engine, Grant and Region methods are safe for concurrent use. Lock order:
-// inprocMu -> Engine.mu -> Region.mu; Grant.mu is never held while taking Engine.mu
-// (finish releases it first); shmLink.mu -> shmLink.copying. No lock is held
-// across network IO except shmLink.mu around one commit exchange. Every
+// inprocMu -> Engine.mu -> Region.mu, Engine.mu -> devState.mu; Grant.mu
+// is never held while taking Engine.mu (finish releases it first);
+// shmLink.mu -> shmLink.copying. No lock is held across network IO except
+// shmLink.mu around one commit exchange; devState.mu is held across the
+// device calls that close a gone writer's cuda-ipc mappings. Every
 // goroutine (accept loops, one per connection) is owned by a server and
 // stopped by Engine.Close.
 package rdma

@@ -22,9 +22,10 @@ type Transport string
 
 // The transports, in order of preference.
 const (
-	TransportInproc Transport = "inproc" // both engines in one process: memcpy
-	TransportSHM    Transport = "shm"    // same host: the writer copies into the receiver's mapped memfd
-	TransportTCP    Transport = "tcp"    // anywhere: framed writes over pooled TCP connections
+	TransportInproc  Transport = "inproc"   // both engines in one process: memcpy
+	TransportCUDAIPC Transport = "cuda-ipc" // same host, device regions: the receiver copies device to device through CUDA IPC
+	TransportSHM     Transport = "shm"      // same host: the writer copies into the receiver's mapped memfd
+	TransportTCP     Transport = "tcp"      // anywhere: framed writes over pooled TCP connections
 )
 
 // AgentID names an engine; unique per process.
@@ -45,6 +46,10 @@ type RegionDesc struct {
 	ID     RegionID `json:"id"`
 	Name   string   `json:"name"`
 	Length uint64   `json:"length"`
+	// Memory is where the region lives: "" or host, or cuda (a device
+	// allocation, on the device Device names by UUID).
+	Memory Memory `json:"memory,omitempty"`
+	Device string `json:"device,omitempty"`
 }
 
 // Descriptor is everything a peer needs to reach this agent's regions. It is
@@ -56,6 +61,12 @@ type Descriptor struct {
 	ShmAddr    string       `json:"shm_addr"` // unix control socket for shm, empty when shm is not served
 	Transports []Transport  `json:"transports"`
 	Regions    []RegionDesc `json:"regions"`
+	// IPCNamespace and CUDADevices say whose CUDA IPC handles this agent
+	// can open (cuda-ipc): processes in the same IPC namespace
+	// ("ipc:[4026531839]") whose device is among the UUIDs it sees. Empty
+	// for an agent without device regions.
+	IPCNamespace string   `json:"ipc_ns,omitempty"`
+	CUDADevices  []string `json:"cuda_devices,omitempty"`
 }
 
 // Config configures an Engine. Only Agent is required.
@@ -112,14 +123,14 @@ func (c *Config) validate() error {
 		return fmt.Errorf("rdma: agent id %q: at most 200 bytes, no newline or NUL", c.Agent)
 	}
 	if len(c.Transports) == 0 {
-		c.Transports = []Transport{TransportInproc, TransportSHM, TransportTCP}
+		c.Transports = []Transport{TransportInproc, TransportCUDAIPC, TransportSHM, TransportTCP}
 		if !shmSupported {
-			c.Transports = []Transport{TransportInproc, TransportTCP}
+			c.Transports = []Transport{TransportInproc, TransportCUDAIPC, TransportTCP}
 		}
 	}
 	for _, t := range c.Transports {
 		switch t {
-		case TransportInproc, TransportTCP:
+		case TransportInproc, TransportTCP, TransportCUDAIPC:
 		case TransportSHM:
 			if !shmSupported {
 				return fmt.Errorf("%w: transport shm needs linux", ErrUnsupported)
@@ -218,6 +229,8 @@ type Engine struct {
 
 	quarantines sync.WaitGroup // watchQuarantine goroutines
 
+	devs devState // device regions: visible devices, staging buffers (device.go)
+
 	peerMu sync.Mutex
 	peers  map[AgentID]*peerState
 
@@ -259,8 +272,11 @@ func New(cfg Config) (*Engine, error) {
 	for _, t := range cfg.Transports {
 		var err error
 		switch t {
-		case TransportTCP:
-			e.tcp, err = startTCP(e, cfg.TCPAddr, cfg.Advertise)
+		case TransportTCP, TransportCUDAIPC:
+			// cuda-ipc's frames travel on the tcp listener's connections.
+			if e.tcp == nil {
+				e.tcp, err = startTCP(e, cfg.TCPAddr, cfg.Advertise)
+			}
 		case TransportSHM:
 			e.shm, err = startSHM(e, cfg.ShmSocket)
 		}
@@ -308,7 +324,7 @@ func (e *Engine) Register(name string, size int64) (*Region, error) {
 		freeShared(mem, fd)
 		return nil, ErrClosed
 	}
-	r := &Region{id: RegionID(len(e.regions) + 1), name: name, mem: mem, fd: fd}
+	r := &Region{id: RegionID(len(e.regions) + 1), name: name, mem: mem, size: uint64(size), fd: fd}
 	e.regions[r.id] = r
 	e.log.Info("rdma: region registered", "region", r.id, "name", name, "bytes", size, "shareable", fd >= 0)
 	return r, nil
@@ -334,8 +350,13 @@ func (e *Engine) Descriptor() Descriptor {
 		d.ShmAddr = e.shm.path
 	}
 	for _, r := range e.regions {
-		d.Regions = append(d.Regions, RegionDesc{ID: r.id, Name: r.name, Length: uint64(len(r.mem))})
+		rd := RegionDesc{ID: r.id, Name: r.name, Length: r.size}
+		if r.dev != nil {
+			rd.Memory, rd.Device = MemoryCUDA, r.dev.Device().UUID().String()
+		}
+		d.Regions = append(d.Regions, rd)
 	}
+	e.devs.describe(&d)
 	sort.Slice(d.Regions, func(i, j int) bool { return d.Regions[i].ID < d.Regions[j].ID })
 	return d
 }
@@ -390,6 +411,12 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 			return nil, fmt.Errorf("extent %d: %w", i, err)
 		}
 		g.dst[i] = r.slice(x)
+		if r.dev != nil {
+			if g.dev == nil {
+				g.dev = make([]devSpan, len(spec.Extents))
+			}
+			g.dev[i] = devSpan{a: r.dev, off: x.Offset}
+		}
 		g.ext[i].seq = true
 		total += x.Length
 	}
@@ -790,13 +817,22 @@ func (e *Engine) dial(ctx context.Context, peer Descriptor) (link, error) {
 			cands = append(cands, candidate{TransportInproc, "peer engine is in this process", func() (link, error) { return &inprocLink{tx: e, rx: rx}, nil }})
 		}
 	}
-	if both(TransportSHM) && peer.Host == e.cfg.Host && peer.ShmAddr != "" {
+	if both(TransportCUDAIPC) && peer.TCPAddr != "" {
+		if ok, reason := e.ipcReach(peer); ok {
+			cands = append(cands, candidate{TransportCUDAIPC, reason, func() (link, error) { return dialIPC(ctx, e, peer) }})
+		}
+	}
+	// shm maps memfds: device memory on either side goes by cuda-ipc or tcp.
+	if both(TransportSHM) && peer.Host == e.cfg.Host && peer.ShmAddr != "" && !e.devs.any() && !hasDeviceRegions(peer) {
 		cands = append(cands, candidate{TransportSHM, "peer is on this host", func() (link, error) { return dialSHM(ctx, e, peer) }})
 	}
 	if both(TransportTCP) && peer.TCPAddr != "" {
 		reason := "peer is on another host"
 		if peer.Host == e.cfg.Host {
 			reason = "same host, shm not served by both"
+			if e.devs.any() || hasDeviceRegions(peer) {
+				reason = "same host, device memory, cuda-ipc not usable"
+			}
 		}
 		cands = append(cands, candidate{TransportTCP, reason, func() (link, error) { return dialTCP(ctx, e, peer) }})
 	}
@@ -826,6 +862,9 @@ type piece struct {
 	// manifest afterwards (an extent that lanes of a striped tcp write share).
 	apart bool
 	crc   uint32
+	// dev is the source in device memory, dn bytes of it; src is nil then.
+	dev devSpan
+	dn  uint64
 }
 
 // writeOp is one Write as the backends see it.
@@ -836,6 +875,7 @@ type writeOp struct {
 	manifest *Manifest // &mf: Bytes set; CRC filled by the backend through sum
 	mf       Manifest
 	noCRC    bool // SkipCRC: the manifest carries byte counts only
+	dev      bool // some piece's source is in device memory (device.go)
 	// n is the bytes of pieces: the ticket's for Write, a part of them for
 	// one write of a Stream.
 	n uint64
@@ -901,6 +941,7 @@ func (e *Engine) Write(ctx context.Context, peer Descriptor, t Ticket, src []Ext
 	defer func() {
 		clear(op.pieces)
 		op.pieces, op.t, op.tk, op.manifest, op.mf, op.noCRC, op.n, op.partial = op.pieces[:0], nil, Ticket{}, nil, Manifest{}, false, 0, false
+		op.dev = false
 		opPool.Put(op)
 	}()
 	op.tk, op.mf = t, m // in the pooled op, so that neither escapes; mf shares m's arrays
@@ -911,6 +952,9 @@ func (e *Engine) Write(ctx context.Context, peer Descriptor, t Ticket, src []Ext
 	p, err := e.peerFor(ctx, peer)
 	if err != nil {
 		return Manifest{}, err
+	}
+	if op.dev && p.link.transport() == TransportSHM {
+		return Manifest{}, fmt.Errorf("%w: a device source over shm (register device regions before connecting)", ErrUnsupported)
 	}
 	if err := p.link.write(ctx, op); err != nil {
 		e.stats.writesFailed.Add(1)
@@ -939,6 +983,10 @@ func (e *Engine) split(op *writeOp, src []Extent, total uint64) error {
 		have += s.Length
 		if have > total {
 			return fmt.Errorf("%w: source extents hold more than the ticket's %d bytes", ErrOutOfRange, total)
+		}
+		if r.dev != nil {
+			splitDevice(op, r.dev, s, &di, &doff)
+			continue
 		}
 		b := r.slice(s)
 		for len(b) > 0 {
@@ -995,11 +1043,14 @@ func (e *Engine) Close() error {
 	}
 	e.peerMu.Unlock()
 	e.ops.Wait()
+	e.devs.close()
 
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	for _, r := range e.regions {
-		freeShared(r.mem, r.fd)
+		if r.dev == nil {
+			freeShared(r.mem, r.fd)
+		}
 		r.mem = nil
 	}
 	if e.shm != nil {

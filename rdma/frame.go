@@ -44,6 +44,7 @@ const (
 	frameReply  = 4
 	frameAbort  = 5
 	frameFlush  = 6
+	framePull   = 7 // cuda-ipc: the receiver copies from the writer's exported allocation (pull.go)
 
 	// flagNoCRC marks a commit whose manifest carries byte counts only
 	// (a writer configured with SkipCRC).
@@ -142,6 +143,16 @@ func decodeHeader(b []byte) (header, error) {
 		}
 		if h.length > maxMsgLen || h.offset != 0 {
 			return h, malformed("reply message of %d bytes", h.length)
+		}
+	case framePull:
+		if h.length != pullSize {
+			return h, malformed("pull payload %d bytes, want %d", h.length, pullSize)
+		}
+		if h.index >= maxExtents {
+			return h, malformed("extent index %d >= %d", h.index, maxExtents)
+		}
+		if h.offset > maxDataLen {
+			return h, malformed("pull offset %d > %d", h.offset, uint64(maxDataLen))
 		}
 	case frameFlush:
 		if h.index != 0 || h.offset != 0 || h.length != 0 {

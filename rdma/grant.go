@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"crypto/subtle"
+	"errors"
 	"fmt"
 	"log/slog"
 	"runtime"
@@ -119,7 +120,8 @@ type Grant struct {
 	e      *Engine
 	id     uint64
 	ticket Ticket
-	dst    [][]byte      // per extent, aliasing region memory
+	dst    [][]byte      // per extent, aliasing region memory (nil for a device extent)
+	dev    []devSpan     // per extent, where it is in device memory; nil when no extent is
 	done   chan struct{} // closed once terminal and nothing can land any more
 	failed chan struct{} // closed when the grant ends without a commit
 	ended  chan struct{} // closed once terminal and either done or quarantined
@@ -259,10 +261,15 @@ func (g *Grant) deadlineErr() error {
 type landing struct {
 	idx   uint32
 	off   uint64
-	dst   []byte
+	n     uint64
+	dst   []byte // host destination; nil when dev is set
+	dev   devSpan
 	crc   uint32
 	track bool
 	seg   bool // tracked as a segment of its own, not the in-order crc
+	// nosum: the bytes landed without passing through host memory (a
+	// device-to-device copy); the commit sums the extent instead.
+	nosum bool
 }
 
 // fill records that dst[:n] was filled, extending the crc when tracked.
@@ -306,18 +313,23 @@ func (g *Grant) beginLandAt(now time.Time, epoch uint64, token *[16]byte, idx ui
 		g.terminate(err)
 		return landing{}, err
 	}
-	if int(idx) >= len(g.dst) || off > uint64(len(g.dst[idx])) || n > uint64(len(g.dst[idx]))-off || n == 0 {
+	if int(idx) >= len(g.dst) || off > g.ticket.Extents[idx].Length || n > g.ticket.Extents[idx].Length-off || n == 0 {
 		g.mu.Unlock()
 		var err error
 		if int(idx) >= len(g.dst) {
 			err = fmt.Errorf("%w: extent index %d, grant %d has %d", ErrOutOfRange, idx, g.id, len(g.dst))
 		} else {
-			err = fmt.Errorf("%w: [%d, +%d) outside extent %d of %d bytes (grant %d)", ErrOutOfRange, off, n, idx, len(g.dst[idx]), g.id)
+			err = fmt.Errorf("%w: [%d, +%d) outside extent %d of %d bytes (grant %d)", ErrOutOfRange, off, n, idx, g.ticket.Extents[idx].Length, g.id)
 		}
 		g.terminate(err)
 		return landing{}, err
 	}
-	l := landing{idx: idx, off: off, dst: g.dst[idx][off : off+n : off+n]}
+	l := landing{idx: idx, off: off, n: n}
+	if g.dev != nil && g.dev[idx].a != nil {
+		l.dev = devSpan{a: g.dev[idx].a, off: g.dev[idx].off + off}
+	} else {
+		l.dst = g.dst[idx][off : off+n : off+n]
+	}
 	st := &g.ext[idx]
 	switch {
 	case g.e.cfg.SkipCRC || !st.seq:
@@ -343,20 +355,25 @@ func (g *Grant) endLand(l *landing, ok bool, ab lander) {
 	g.mu.Lock()
 	st := &g.ext[l.idx]
 	if ok {
-		st.landed += uint64(len(l.dst))
+		st.landed += l.n
 	}
 	switch {
+	case l.nosum:
+		if l.track && !l.seg {
+			st.busy = false
+		}
+		st.seq = false // the extent is summed at commit
 	case l.track && !ok:
 		if !l.seg {
 			st.busy = false
 		}
 		st.seq = false // the extent is summed at commit
 	case l.seg:
-		st.segs = append(st.segs, segment{l.off, uint64(len(l.dst)), l.crc})
+		st.segs = append(st.segs, segment{l.off, l.n, l.crc})
 	case l.track:
 		st.busy = false
 		st.crc = l.crc
-		st.next += uint64(len(l.dst))
+		st.next += l.n
 	}
 	if ab != nil {
 		for i, x := range g.landers {
@@ -399,7 +416,7 @@ func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted, hasC
 	for g.inflight > 0 {
 		g.quiet.Wait()
 	}
-	dst, ext := g.dst, g.ext // finish may drop them once a revoke settles the grant
+	dst, ext, dev := g.dst, g.ext, g.dev // finish may drop them once a revoke settles the grant
 	g.mu.Unlock()
 
 	// Fence the shared-memory slot: after this no shm writer can copy in.
@@ -410,7 +427,7 @@ func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted, hasC
 		if !counted {
 			copied = g.e.shmCopied(g)
 		}
-		verr = g.verify(dst, ext, m, counted, hasCRC, copied)
+		verr = g.verify(dst, dev, ext, m, counted, hasCRC, copied)
 	} else {
 		verr = fmt.Errorf("%w: grant %d: a writer is still inside a copy into it after %s", ErrQuarantined, g.id, g.e.cfg.FenceWait)
 	}
@@ -436,7 +453,7 @@ func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted, hasC
 // verify compares m with the grant's extents. No landing is in flight and
 // none can start (state committing, shm slot fenced). copied is the byte
 // count shm writers recorded in the slot (counted false).
-func (g *Grant) verify(dst [][]byte, ext []extState, m *Manifest, counted, hasCRC bool, copied uint64) error {
+func (g *Grant) verify(dst [][]byte, dev []devSpan, ext []extState, m *Manifest, counted, hasCRC bool, copied uint64) error {
 	if !hasCRC && !g.e.cfg.SkipCRC {
 		return fmt.Errorf("%w: commit without crc32c, and this receiver requires it (grant %d)", ErrManifestMismatch, g.id)
 	}
@@ -453,8 +470,8 @@ func (g *Grant) verify(dst [][]byte, ext []extState, m *Manifest, counted, hasCR
 	// its sums are trusted unless Config.VerifySHM asks otherwise.
 	recompute := counted || g.e.cfg.VerifySHM
 	var sumBytes uint64 // bytes whose crc must be computed now
-	for i, d := range dst {
-		want := uint64(len(d))
+	for i := range dst {
+		want := g.ticket.Extents[i].Length
 		if m.Bytes[i] != want {
 			return fmt.Errorf("%w: extent %d: manifest says %d bytes, extent has %d (grant %d)", ErrManifestMismatch, i, m.Bytes[i], want, g.id)
 		}
@@ -472,7 +489,11 @@ func (g *Grant) verify(dst [][]byte, ext []extState, m *Manifest, counted, hasCR
 	workers := min(runtime.GOMAXPROCS(0), maxVerifyWorkers, n)
 	if sumBytes < parallelVerifyMin || workers < 2 {
 		for i := range n {
-			if crc := extentCRC(dst[i], &ext[i], counted); crc != m.CRC[i] {
+			crc, err := g.extentCRC(i, dst, dev, ext, counted)
+			if err != nil {
+				return err
+			}
+			if crc != m.CRC[i] {
 				return fmt.Errorf("%w: extent %d: crc32c %08x landed, manifest says %08x (grant %d)", ErrManifestMismatch, i, crc, m.CRC[i], g.id)
 			}
 		}
@@ -480,16 +501,20 @@ func (g *Grant) verify(dst [][]byte, ext []extState, m *Manifest, counted, hasCR
 	}
 	// The writer is idle waiting for the verdict: use the other cores.
 	crcs := make([]uint32, n)
+	errs := make([]error, n)
 	var next atomic.Int64
 	var wg sync.WaitGroup
 	for range workers {
 		wg.Go(func() {
 			for i := int(next.Add(1) - 1); i < n; i = int(next.Add(1) - 1) {
-				crcs[i] = extentCRC(dst[i], &ext[i], counted)
+				crcs[i], errs[i] = g.extentCRC(i, dst, dev, ext, counted)
 			}
 		})
 	}
 	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
 	for i, crc := range crcs {
 		if crc != m.CRC[i] {
 			return fmt.Errorf("%w: extent %d: crc32c %08x landed, manifest says %08x (grant %d)", ErrManifestMismatch, i, crc, m.CRC[i], g.id)
@@ -498,13 +523,22 @@ func (g *Grant) verify(dst [][]byte, ext []extState, m *Manifest, counted, hasCR
 	return nil
 }
 
-// extentCRC returns the crc32c of a landed extent: the one kept while it
-// landed (in order and in segments), else computed over d.
-func extentCRC(d []byte, st *extState, counted bool) uint32 {
-	if crc, ok := st.crcOf(uint64(len(d))); counted && ok {
-		return crc
+// extentCRC returns the crc32c of landed extent i: the one kept while it
+// landed (in order and in segments), else computed over its bytes (read
+// back from the device for a device extent).
+func (g *Grant) extentCRC(i int, dst [][]byte, dev []devSpan, ext []extState, counted bool) (uint32, error) {
+	n := g.ticket.Extents[i].Length
+	if crc, ok := ext[i].crcOf(n); counted && ok {
+		return crc, nil
 	}
-	return crc32c.Checksum(d)
+	if dev != nil && dev[i].a != nil {
+		crc, err := g.e.deviceCRC(dev[i], n)
+		if err != nil {
+			return 0, fmt.Errorf("rdma: reading extent %d of grant %d back from the device: %w", i, g.id, err)
+		}
+		return crc, nil
+	}
+	return crc32c.Checksum(dst[i]), nil
 }
 
 const (
@@ -607,7 +641,7 @@ func (g *Grant) finish() {
 	quarantined := g.quarantined
 	// A settled grant stays findable for a while (late frames get the exact
 	// reason) but no longer needs its per-extent state.
-	g.dst, g.ext, g.landers = nil, nil, nil
+	g.dst, g.dev, g.ext, g.landers = nil, nil, nil, nil
 	g.mu.Unlock()
 	g.e.retire(g)
 	err := g.Err()

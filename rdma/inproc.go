@@ -86,10 +86,20 @@ func (l *inprocLink) write(ctx context.Context, op *writeOp) error {
 			now = time.Now()
 		}
 		p := &op.pieces[i]
-		ld, err := g.beginLandAt(now, op.t.Epoch, &op.t.Token, p.ext, p.off, uint64(len(p.src)), nil)
+		ld, err := g.beginLandAt(now, op.t.Epoch, &op.t.Token, p.ext, p.off, p.size(), nil)
 		if err != nil {
 			l.rx.stats.framesRefused.Add(1)
 			return remoteErr(l.rx.cfg.Agent, err)
+		}
+		if p.dev.a != nil || ld.dev.a != nil {
+			err := l.landDevice(ctx, op, p, &ld)
+			g.endLand(&ld, err == nil, nil)
+			if err != nil {
+				err = fmt.Errorf("rdma: device copy into grant %d: %w", g.id, err)
+				g.terminate(err)
+				return remoteErr(l.rx.cfg.Agent, err)
+			}
+			continue
 		}
 		for off := 0; off < len(p.src); off += landChunk {
 			end := min(off+landChunk, len(p.src))

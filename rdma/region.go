@@ -4,14 +4,20 @@ import (
 	"fmt"
 	"sort"
 	"sync"
+
+	"github.com/handoff-io/handoff/internal/cuda"
 )
 
-// Region is registered memory owned by an Engine. Bytes is valid until
-// Engine.Close unmaps it; a Region is safe for concurrent use.
+// Region is registered memory owned by an Engine: host memory (Register) or
+// a device allocation (RegisterDevice). Bytes is valid until Engine.Close
+// unmaps it; a Region is safe for concurrent use.
 type Region struct {
 	id   RegionID
 	name string
-	mem  []byte
+	mem  []byte          // host memory; nil for a device region
+	dev  *cuda.Arena     // device memory; nil for a host region
+	ipc  *cuda.IPCBuffer // the device allocation exported for cuda-ipc; nil when not exported
+	size uint64
 	fd   int // memfd backing mem, or -1 when the memory is not shareable
 
 	mu        sync.Mutex
@@ -28,11 +34,25 @@ func (r *Region) ID() RegionID { return r.id }
 func (r *Region) Name() string { return r.name }
 
 // Bytes returns the region's memory. The slice is valid until Engine.Close;
-// using it afterwards faults, because the memory is unmapped.
+// using it afterwards faults, because the memory is unmapped. A device
+// region has no host bytes: Bytes returns nil, and its memory is reached
+// through Arena.
 func (r *Region) Bytes() []byte { return r.mem }
 
+// Arena returns the device allocation of a device region, nil for a host
+// region.
+func (r *Region) Arena() *cuda.Arena { return r.dev }
+
+// Memory reports where the region lives.
+func (r *Region) Memory() Memory {
+	if r.dev != nil {
+		return MemoryCUDA
+	}
+	return MemoryHost
+}
+
 // Len returns the region length in bytes.
-func (r *Region) Len() int64 { return int64(len(r.mem)) }
+func (r *Region) Len() int64 { return int64(r.size) }
 
 // Shareable reports whether a same-host peer can map the region (shm).
 func (r *Region) Shareable() bool { return r.fd >= 0 }
@@ -45,8 +65,8 @@ func (r *Region) Forbid(offset, length uint64) {
 	if length == 0 {
 		return
 	}
-	if offset > uint64(len(r.mem)) || length > uint64(len(r.mem))-offset {
-		panic(fmt.Sprintf("rdma: Forbid(%d, %d) outside region %d of %d bytes", offset, length, r.id, len(r.mem)))
+	if offset > r.size || length > r.size-offset {
+		panic(fmt.Sprintf("rdma: Forbid(%d, %d) outside region %d of %d bytes", offset, length, r.id, r.size))
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -81,7 +101,7 @@ func (r *Region) checkExtent(e Extent, grant bool) error {
 	if e.Length == 0 {
 		return fmt.Errorf("%w: empty extent in region %d", ErrOutOfRange, e.Region)
 	}
-	size := uint64(len(r.mem))
+	size := r.size
 	if e.Offset > size || e.Length > size-e.Offset {
 		return fmt.Errorf("%w: [%d, +%d) outside region %d of %d bytes", ErrOutOfRange, e.Offset, e.Length, e.Region, size)
 	}
@@ -99,7 +119,11 @@ func (r *Region) checkExtent(e Extent, grant bool) error {
 	return nil
 }
 
-// slice returns the bytes of e; e must have passed checkExtent.
+// slice returns the bytes of e; e must have passed checkExtent. A device
+// region has none: nil.
 func (r *Region) slice(e Extent) []byte {
+	if r.mem == nil {
+		return nil
+	}
 	return r.mem[e.Offset : e.Offset+e.Length : e.Offset+e.Length]
 }

@@ -20,6 +20,12 @@ type Stats struct {
 	// the destination bytes such grants keep out of use right now.
 	GrantsQuarantined uint64
 	QuarantinedBytes  uint64
+	// BytesStaged counts device bytes that passed through pinned staging
+	// buffers (tcp to or from device memory), on either side; BytesPulled
+	// the device bytes this receiver copied out of writers' allocations
+	// (cuda-ipc).
+	BytesStaged uint64
+	BytesPulled uint64
 }
 
 // counters is the atomic backing of Stats.
@@ -28,6 +34,7 @@ type counters struct {
 	bytesLanded, framesRefused                  atomic.Uint64
 	writes, writesFailed, bytesWritten          atomic.Uint64
 	grantsQuarantined                           atomic.Uint64
+	bytesStaged, bytesPulled                    atomic.Uint64
 	quarantinedBytes                            atomic.Int64
 }
 
@@ -46,6 +53,8 @@ func (e *Engine) Stats() Stats {
 
 		GrantsQuarantined: c.grantsQuarantined.Load(),
 		QuarantinedBytes:  uint64(max(c.quarantinedBytes.Load(), 0)),
+		BytesStaged:       c.bytesStaged.Load(),
+		BytesPulled:       c.bytesPulled.Load(),
 	}
 	if done := s.GrantsCommitted + s.GrantsFailed; s.GrantsOpened > done {
 		s.GrantsOpen = s.GrantsOpened - done

@@ -199,7 +199,7 @@ func (s *Stream) writeLocked(ctx context.Context, dst []Range, src []Extent) err
 	}
 	for i := range op.pieces {
 		pc := &op.pieces[i]
-		s.insert(pc.ext, segment{pc.off, uint64(len(pc.src)), pc.crc})
+		s.insert(pc.ext, segment{pc.off, pc.size(), pc.crc})
 	}
 	s.written += op.n
 	s.e.stats.bytesWritten.Add(op.n)
@@ -256,6 +256,20 @@ func (s *Stream) split(op *writeOp, dst []Range, src []Extent, want uint64) erro
 		have += x.Length
 		if have > want {
 			return fmt.Errorf("%w: source extents hold more than the ranges' %d bytes", ErrOutOfRange, want)
+		}
+		if r.dev != nil { // device memory (device.go): the link stages or pulls these
+			op.dev = true
+			for off := uint64(0); off < x.Length; {
+				d := dst[di]
+				n := min(x.Length-off, d.Length-doff)
+				op.pieces = append(op.pieces, piece{ext: uint32(d.Ext), off: d.Offset + doff, dev: devSpan{r.dev, x.Offset + off}, dn: n, apart: true})
+				off += n
+				doff += n
+				if doff == d.Length {
+					di, doff = di+1, 0
+				}
+			}
+			continue
 		}
 		b := r.slice(x)
 		for len(b) > 0 {
@@ -354,5 +368,6 @@ func (s *Stream) Commit(ctx context.Context) (Manifest, error) {
 func putOp(op *writeOp) {
 	clear(op.pieces)
 	op.pieces, op.t, op.tk, op.manifest, op.mf, op.noCRC, op.n, op.partial = op.pieces[:0], nil, Ticket{}, nil, Manifest{}, false, 0, false
+	op.dev = false
 	opPool.Put(op)
 }

@@ -169,6 +169,7 @@ type rxConn struct {
 	touched []*Grant    // grants this connection landed bytes in since its last commit
 	refused []rejection // refusals since the last commit
 	aborted atomic.Bool // a grant fence set our read deadline
+	pids    []int       // writer processes whose cuda-ipc exports this connection opened
 	shm     *shmRxState // shm only
 	counted bool        // writerUp was called for this connection (hello)
 }
@@ -202,6 +203,7 @@ func (c *rxConn) serve() {
 		if c.shm != nil {
 			c.shm.closed(cause, hungUp)
 		}
+		c.forgetGone()
 	}()
 	cause = c.hello()
 	if cause != nil {
@@ -241,6 +243,8 @@ func (c *rxConn) serve() {
 				err = c.abort(&h)
 			case h.typ == frameFlush && c.kind == TransportTCP:
 				err = c.flush(&h)
+			case h.typ == framePull && c.kind == TransportTCP:
+				err = c.pull(&h)
 			default:
 				err = malformed("unexpected frame type %d on %s", h.typ, c.kind)
 			}
@@ -334,7 +338,7 @@ func (c *rxConn) hello() error {
 	}
 	// The answer lists what this receiver understands beyond version 1
 	// frames; a writer that predates a feature reads only the first field.
-	_, err = c.c.Write(appendHello(c.out[:0], c.e.cfg.Agent, AgentID(from), tcpFeatures...))
+	_, err = c.c.Write(appendHello(c.out[:0], c.e.cfg.Agent, AgentID(from), c.e.rxFeatures()...))
 	return err
 }
 
@@ -385,6 +389,9 @@ func (c *rxConn) data(h *header) error {
 		return nil
 	}
 	var rerr error
+	if ld.dev.a != nil {
+		rerr = c.landStaged(&ld)
+	}
 	for off := 0; off < len(ld.dst) && rerr == nil; {
 		end := min(off+rxReadChunk, len(ld.dst))
 		var n int
@@ -582,6 +589,7 @@ type tcpLink struct {
 	e       *Engine
 	peer    Descriptor
 	stripes atomic.Bool    // the receiver accepts flush frames (striped writes)
+	ipc     bool           // cuda-ipc: device pieces travel as pull frames (device.go)
 	wg      sync.WaitGroup // replacements being dialled (drop)
 
 	mu     sync.Mutex
@@ -615,7 +623,12 @@ func dialTCP(ctx context.Context, e *Engine, peer Descriptor) (link, error) {
 	return l, nil
 }
 
-func (l *tcpLink) transport() Transport { return TransportTCP }
+func (l *tcpLink) transport() Transport {
+	if l.ipc {
+		return TransportCUDAIPC
+	}
+	return TransportTCP
+}
 
 func (l *tcpLink) dial(ctx context.Context) (*txConn, error) {
 	d := net.Dialer{Timeout: 5 * time.Second, KeepAlive: 15 * time.Second}
@@ -642,6 +655,10 @@ func (l *tcpLink) dial(ctx context.Context) (*txConn, error) {
 	}
 	// A receiver that predates striped writes does not know the flush frame.
 	l.stripes.Store(slices.Contains(features, featureFlush))
+	if l.ipc && !slices.Contains(features, featureCUDAIPC) {
+		nc.Close()
+		return nil, fmt.Errorf("%w: %s does not take cuda-ipc pull frames", ErrUnsupported, l.peer.Agent)
+	}
 	return tc, nil
 }
 
@@ -811,6 +828,9 @@ func (l *tcpLink) close() {
 }
 
 func (l *tcpLink) write(ctx context.Context, op *writeOp) error {
+	if op.dev {
+		return l.writeDevice(ctx, op)
+	}
 	if l.stripes.Load() {
 		if pieces, cuts := stripe(op, l.e.cfg.TCPLanes); len(cuts) > 2 {
 			return l.writeStriped(ctx, op, pieces, cuts)
