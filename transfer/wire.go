@@ -11,6 +11,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math"
+	"slices"
 	"sync"
 	"time"
 
@@ -225,6 +226,10 @@ type RegionInfo struct {
 	ID     uint32 `msgpack:"id"`
 	Name   string `msgpack:"n"`
 	Length uint64 `msgpack:"l"`
+	// Memory and Device: a device region ("cuda") and its device's UUID;
+	// empty for host memory (and then not encoded).
+	Memory string `msgpack:"m,omitempty"`
+	Device string `msgpack:"d,omitempty"`
 }
 
 // Peer is the wire form of an rdma.Descriptor: how to reach an agent's regions.
@@ -235,11 +240,18 @@ type Peer struct {
 	ShmAddr    string       `msgpack:"shm"`
 	Transports []string     `msgpack:"tr"`
 	Regions    []RegionInfo `msgpack:"r"`
+	// IPCNamespace and CUDADevices: whose CUDA IPC exports the agent can
+	// open (cuda-ipc); empty without device regions (and then not encoded).
+	IPCNamespace string   `msgpack:"ipc,omitempty"`
+	CUDADevices  []string `msgpack:"cd,omitempty"`
 }
 
 // PeerOf converts a descriptor to its wire form.
 func PeerOf(d rdma.Descriptor) Peer {
-	p := Peer{Agent: string(d.Agent), Host: d.Host, TCPAddr: d.TCPAddr, ShmAddr: d.ShmAddr}
+	p := Peer{Agent: string(d.Agent), Host: d.Host, TCPAddr: d.TCPAddr, ShmAddr: d.ShmAddr, IPCNamespace: d.IPCNamespace}
+	if len(d.CUDADevices) > 0 {
+		p.CUDADevices = slices.Clone(d.CUDADevices)
+	}
 	if len(d.Transports) > 0 {
 		p.Transports = make([]string, len(d.Transports))
 		for i, t := range d.Transports {
@@ -249,7 +261,7 @@ func PeerOf(d rdma.Descriptor) Peer {
 	if len(d.Regions) > 0 {
 		p.Regions = make([]RegionInfo, len(d.Regions))
 		for i, r := range d.Regions {
-			p.Regions[i] = RegionInfo{ID: uint32(r.ID), Name: r.Name, Length: r.Length}
+			p.Regions[i] = RegionInfo{ID: uint32(r.ID), Name: r.Name, Length: r.Length, Memory: string(r.Memory), Device: r.Device}
 		}
 	}
 	return p
@@ -257,7 +269,10 @@ func PeerOf(d rdma.Descriptor) Peer {
 
 // Descriptor converts p back to an rdma.Descriptor.
 func (p Peer) Descriptor() rdma.Descriptor {
-	d := rdma.Descriptor{Agent: rdma.AgentID(p.Agent), Host: p.Host, TCPAddr: p.TCPAddr, ShmAddr: p.ShmAddr}
+	d := rdma.Descriptor{Agent: rdma.AgentID(p.Agent), Host: p.Host, TCPAddr: p.TCPAddr, ShmAddr: p.ShmAddr, IPCNamespace: p.IPCNamespace}
+	if len(p.CUDADevices) > 0 {
+		d.CUDADevices = slices.Clone(p.CUDADevices)
+	}
 	if len(p.Transports) > 0 {
 		d.Transports = make([]rdma.Transport, len(p.Transports))
 		for i, t := range p.Transports {
@@ -267,7 +282,7 @@ func (p Peer) Descriptor() rdma.Descriptor {
 	if len(p.Regions) > 0 {
 		d.Regions = make([]rdma.RegionDesc, len(p.Regions))
 		for i, r := range p.Regions {
-			d.Regions[i] = rdma.RegionDesc{ID: rdma.RegionID(r.ID), Name: r.Name, Length: r.Length}
+			d.Regions[i] = rdma.RegionDesc{ID: rdma.RegionID(r.ID), Name: r.Name, Length: r.Length, Memory: rdma.Memory(r.Memory), Device: r.Device}
 		}
 	}
 	return d
@@ -741,7 +756,23 @@ func (s Sampling) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(
 func (s *Sampling) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, s.decode) }
 
 func (p *Peer) appendTo(b []byte) []byte {
-	b = appendMapLen(b, 6)
+	n := 6
+	if p.IPCNamespace != "" {
+		n++
+	}
+	if len(p.CUDADevices) > 0 {
+		n++
+	}
+	b = appendMapLen(b, n)
+	if p.IPCNamespace != "" {
+		b = appendStr(appendStr(b, "ipc"), p.IPCNamespace)
+	}
+	if len(p.CUDADevices) > 0 {
+		b = appendArrayLen(appendStr(b, "cd"), len(p.CUDADevices))
+		for _, u := range p.CUDADevices {
+			b = appendStr(b, u)
+		}
+	}
 	b = appendStr(appendStr(b, "a"), p.Agent)
 	b = appendStr(appendStr(b, "h"), p.Host)
 	b = appendStr(appendStr(b, "tcp"), p.TCPAddr)
@@ -761,10 +792,23 @@ func (p *Peer) appendTo(b []byte) []byte {
 	}
 	b = appendArrayLen(b, len(p.Regions))
 	for _, r := range p.Regions {
-		b = appendMapLen(b, 3)
+		n := 3
+		if r.Memory != "" {
+			n++
+		}
+		if r.Device != "" {
+			n++
+		}
+		b = appendMapLen(b, n)
 		b = appendUint(appendStr(b, "id"), uint64(r.ID))
 		b = appendStr(appendStr(b, "n"), r.Name)
 		b = appendUint(appendStr(b, "l"), r.Length)
+		if r.Memory != "" {
+			b = appendStr(appendStr(b, "m"), r.Memory)
+		}
+		if r.Device != "" {
+			b = appendStr(appendStr(b, "d"), r.Device)
+		}
 	}
 	return b
 }
@@ -804,6 +848,10 @@ func (p *Peer) decode(r *reader) error {
 			p.ShmAddr, err = r.str()
 		case "tr":
 			p.Transports, err = decodeStrings(r)
+		case "ipc":
+			p.IPCNamespace, err = r.str()
+		case "cd":
+			p.CUDADevices, err = decodeStrings(r)
 		case "r":
 			if err = once(&seen, 1, "r"); err == nil {
 				p.Regions, err = decodeRegions(r)
@@ -869,6 +917,10 @@ func decodeRegions(r *reader) ([]RegionInfo, error) {
 				ri.Name, err = r.str()
 			case "l":
 				ri.Length, err = r.uint()
+			case "m":
+				ri.Memory, err = r.str()
+			case "d":
+				ri.Device, err = r.str()
 			default:
 				err = r.skip()
 			}

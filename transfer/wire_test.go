@@ -120,6 +120,9 @@ type plainPeer struct {
 	ShmAddr    string       `msgpack:"shm"`
 	Transports []string     `msgpack:"tr"`
 	Regions    []RegionInfo `msgpack:"r"`
+
+	IPCNamespace string   `msgpack:"ipc,omitempty"`
+	CUDADevices  []string `msgpack:"cd,omitempty"`
 }
 
 type plainTicket struct {
