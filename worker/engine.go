@@ -97,6 +97,11 @@ type PrefillJob struct {
 	Prompt []int32
 	Sampling
 	LogID string
+	// Parts, when set, is called with each part of the cache as soon as
+	// compute finished it (layer by layer: model.PrefillChunk), on the
+	// scheduler's goroutine: it must not block. The bytes it names stay
+	// unchanged until the lease is released.
+	Parts func(Part)
 }
 
 // Lease is a prefilled cache held on a rank until Release. The holder reads
@@ -145,6 +150,11 @@ type Config struct {
 	// ReleaseGrace is how long a stopping scheduler waits for leases and
 	// fetches to end before it frees their resources anyway; 0 means 10s.
 	ReleaseGrace time.Duration
+	// PrefillChunkTokens splits a prompt's prefill into chunks of at most
+	// this many tokens, one per step, so other requests' steps run between
+	// them (executors that prefill whole prompts only take them whole); 0
+	// prefills each prompt in one step.
+	PrefillChunkTokens int
 }
 
 func (c *Config) validate(ranks []*Rank) error {
@@ -162,6 +172,9 @@ func (c *Config) validate(ranks []*Rank) error {
 	}
 	if c.QueueSize < 0 {
 		return fmt.Errorf("%w: queue size %d", ErrInvalidConfig, c.QueueSize)
+	}
+	if c.PrefillChunkTokens < 0 {
+		return fmt.Errorf("%w: prefill chunk of %d tokens", ErrInvalidConfig, c.PrefillChunkTokens)
 	}
 	if c.QueueSize == 0 {
 		c.QueueSize = DefaultQueueSize
@@ -231,7 +244,9 @@ type request struct {
 	rank      *Rank
 	phase     Phase
 	blocks    []kvcache.BlockID
-	pos       int
+	pos       int           // positions the cache holds (during prefill: the chunks done)
+	computed  time.Duration // prefill compute of the chunks before this step
+	parts     func(Part)    // prefill role: PrefillJob.Parts
 	last      int32
 	generated int
 	tokens    int // generated tokens other than EOS
@@ -442,6 +457,7 @@ func (e *Scheduler) SubmitPrefill(ctx context.Context, j PrefillJob) (*PendingPr
 	}
 	q := e.newRequest(ctx, j.LogID, j.Prompt, 1, j.Sampling, len(j.Prompt))
 	q.prefillOnly = true
+	q.parts = j.Parts
 	q.lease = make(chan leaseResult, 1)
 	if err := e.enqueue(q); err != nil {
 		return nil, err
@@ -951,13 +967,17 @@ func (e *Scheduler) prefillStep(r *Rank, q *request) {
 		return
 	}
 	q.blocks = c.Blocks
-	logits, err := model.PrefillContext(q.ctx, r.exec, c, q.prompt)
+	logits, err := e.prefillChunk(r, q, c)
 	if err != nil {
 		q.stepErr = err
 		return
 	}
+	if logits == nil { // chunks to go: the request stays in its context phase
+		q.computed += time.Since(start)
+		return
+	}
 	tok, lp := q.sample(logits)
-	q.timing.Prefill = time.Since(start)
+	q.timing.Prefill = q.computed + time.Since(start)
 	e.m.PrefillDuration.WithLabelValues(string(e.cfg.Role)).Observe(q.timing.Prefill.Seconds())
 	q.pos = len(q.prompt)
 	if q.prefillOnly {

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/handoff-io/handoff/transfer"
 	"github.com/handoff-io/handoff/worker"
 )
 
@@ -69,6 +70,15 @@ type Config struct {
 	// RegistryReplicas is the instance registry bucket's replication; 0:
 	// 3 on a NATS cluster that can hold them, else 1.
 	RegistryReplicas int
+	// Layerwise is when a prefill worker streams a request's cache while
+	// prefill computes it: on, off or auto (prompts of LayerwiseMinTokens
+	// tokens or more; 0: transfer.DefaultLayerwiseMinTokens). Decode
+	// receives either way and hands them to its --standalone prefill.
+	Layerwise          string
+	LayerwiseMinTokens int
+	// PrefillChunkTokens splits each prompt's prefill into chunks of at
+	// most this many tokens, one per scheduler step (0: whole prompts).
+	PrefillChunkTokens int
 
 	// Decode only.
 	HTTPAddr   string
@@ -140,6 +150,9 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	num(&c.TokensPerBlock, "tokens-per-block", "HANDOFF_TOKENS_PER_BLOCK", 16, "KV block size in tokens (must match the peers)")
 	num(&c.KVBlocks, "kv-blocks", "HANDOFF_KV_BLOCKS", 0, "KV blocks per rank (0: enough for max-batch-size full contexts, capped at 512 MiB)")
 	num(&c.QueueSize, "queue-size", "HANDOFF_QUEUE_SIZE", worker.DefaultQueueSize, "requests waiting for admission before new ones are refused with 429 and a Retry-After of the queue's expected wait (a queued API request holds about 30-40 KiB: 1024 about 40 MiB)")
+	str(&c.Layerwise, "layerwise", "HANDOFF_LAYERWISE", "auto", "stream each request's cache layer by layer while prefill computes it: on, off, or auto (prompts of --layerwise-min-tokens or more); decode receives either way (with --standalone: for its prefill worker)", false)
+	num(&c.LayerwiseMinTokens, "layerwise-min-tokens", "HANDOFF_LAYERWISE_MIN_TOKENS", transfer.DefaultLayerwiseMinTokens, "--layerwise auto: shorter prompts go in one write after prefill")
+	num(&c.PrefillChunkTokens, "prefill-chunk-tokens", "HANDOFF_PREFILL_CHUNK_TOKENS", 0, "prefill each prompt in chunks of at most this many tokens, one per step, so other requests' steps run between them (0: whole prompts)")
 	num(&c.RegistryReplicas, "registry-replicas", "HANDOFF_REGISTRY_REPLICAS", 0, "replicas of the instance registry bucket (0: 3 on a NATS cluster that can hold them, else 1)")
 	str(&c.DataAddr, "data-addr", "HANDOFF_DATA_ADDR", DefaultDataAddr, "data-plane TCP listen address", false)
 	str(&c.DataAdvertise, "data-advertise", "HANDOFF_DATA_ADVERTISE", "", "data-plane address peers dial (default $POD_IP:<port> when POD_IP is set, else the listener's)", false)
@@ -245,6 +258,15 @@ func (c *Config) Validate() error {
 	}
 	if c.RegistryReplicas < 0 || c.RegistryReplicas > 5 {
 		bad("--registry-replicas %d: want 0 (auto) to 5", c.RegistryReplicas)
+	}
+	if _, err := transfer.ParseLayerwise(c.Layerwise); err != nil {
+		bad("--layerwise %q: want on, off or auto", c.Layerwise)
+	}
+	if c.LayerwiseMinTokens < 0 {
+		bad("--layerwise-min-tokens %d: want ≥ 0", c.LayerwiseMinTokens)
+	}
+	if c.PrefillChunkTokens < 0 {
+		bad("--prefill-chunk-tokens %d: want ≥ 0", c.PrefillChunkTokens)
 	}
 	switch c.Transport {
 	case "auto", "tcp", "shm", "inproc":

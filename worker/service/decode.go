@@ -118,7 +118,7 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 		router = autoRouter(cfg, dec)
 	}
 	eng, err := worker.NewScheduler(worker.Config{
-		Role: worker.RoleDecode, AttentionDP: cfg.AttentionDP, QueueSize: cfg.QueueSize,
+		Role: worker.RoleDecode, AttentionDP: cfg.AttentionDP, QueueSize: cfg.QueueSize, PrefillChunkTokens: cfg.PrefillChunkTokens,
 		Source: source, Router: router, Logger: log, Metrics: o.Metrics,
 	}, n.ranks)
 	if err != nil {

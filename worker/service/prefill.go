@@ -59,7 +59,7 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 	connected.Store(nc)
 
 	eng, err := worker.NewScheduler(worker.Config{
-		Role: worker.RolePrefill, AttentionDP: cfg.AttentionDP, QueueSize: cfg.QueueSize,
+		Role: worker.RolePrefill, AttentionDP: cfg.AttentionDP, QueueSize: cfg.QueueSize, PrefillChunkTokens: cfg.PrefillChunkTokens,
 		Logger: log, Metrics: o.Metrics,
 	}, n.ranks)
 	if err != nil {
@@ -71,7 +71,7 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 	pf, err := transfer.NewPrefiller(transfer.PrefillerConfig{
 		Instance: cfg.InstanceID, Namespace: cfg.Namespace, Fingerprint: n.fingerprint,
 		Capacity: n.capacity, Logger: log,
-		Registry: transfer.RegistryConfig{Replicas: cfg.RegistryReplicas},
+		Registry: transfer.RegistryConfig{Replicas: cfg.RegistryReplicas}, Layerwise: layerwiseOf(cfg), LayerwiseMinTokens: cfg.LayerwiseMinTokens,
 	}, nc, n.data, pe)
 	if err != nil {
 		return err
@@ -142,9 +142,11 @@ func (p *prefillExec) Admit(job transfer.Job) (transfer.AdmittedJob, error) {
 		cancel()
 		ctx, cancel = context.WithDeadline(context.Background(), job.Deadline)
 	}
+	parts := &partSink{n: p.n}
 	pend, err := p.e.SubmitPrefill(ctx, worker.PrefillJob{
 		Prompt: job.Tokens, Sampling: samplingOf(job.Sampling),
 		LogID: fmt.Sprintf("%s-%d", job.From, job.RequestID),
+		Parts: parts.part,
 	})
 	if err != nil {
 		cancel()
@@ -154,7 +156,7 @@ func (p *prefillExec) Admit(job transfer.Job) (transfer.AdmittedJob, error) {
 		}
 		return nil, err
 	}
-	return &prefillLease{p: p, pend: pend, cancel: cancel, from: job.From, to: job.TP}, nil
+	return &prefillLease{p: p, pend: pend, cancel: cancel, parts: parts, from: job.From, to: job.TP}, nil
 }
 
 // syncStats folds the prefiller's cumulative counters into the transfer
@@ -189,6 +191,7 @@ type prefillLease struct {
 	p      *prefillExec
 	pend   *worker.PendingPrefill
 	cancel context.CancelFunc
+	parts  *partSink // where prefill's finished parts go (layer-wise)
 	from   string
 	to     int // the receiver's TP size
 

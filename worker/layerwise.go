@@ -1,0 +1,42 @@
+package worker
+
+import (
+	"github.com/handoff-io/handoff/kvcache"
+	"github.com/handoff-io/handoff/mambacache"
+	"github.com/handoff-io/handoff/model"
+)
+
+// Part is a part of a prefilling request's cache that compute finished
+// (model.Part), with where the request's cache lives: its rank, its blocks
+// in token order and its Mamba row. Blocks is the scheduler's: read it
+// during the call only.
+type Part struct {
+	Rank   int
+	Blocks []kvcache.BlockID
+	Row    mambacache.Row
+	model.Part
+}
+
+// prefillChunk runs q's next chunk of prompt: what is left of it, or at
+// most Config.PrefillChunkTokens tokens when the executor prefills in
+// chunks. It returns the logits once the prompt is done, nil before, and
+// reports each finished part of the cache to q.parts.
+func (e *Scheduler) prefillChunk(r *Rank, q *request, c model.Cache) ([]float32, error) {
+	from, to := q.pos, len(q.prompt)
+	if k := e.cfg.PrefillChunkTokens; k > 0 && model.Chunked(r.exec) {
+		to = min(to, from+k)
+	}
+	var ready func(model.Part)
+	if q.parts != nil {
+		ready = func(p model.Part) { q.parts(Part{Rank: r.index, Blocks: c.Blocks, Row: c.Row, Part: p}) }
+	}
+	logits, err := model.PrefillChunk(q.ctx, r.exec, c, q.prompt, from, to, ready)
+	if err != nil {
+		return nil, err
+	}
+	if to < len(q.prompt) {
+		q.pos = to
+		return nil, nil
+	}
+	return logits, nil
+}

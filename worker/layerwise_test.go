@@ -1,0 +1,85 @@
+package worker
+
+import (
+	"context"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/model"
+)
+
+// Chunked prefill (one chunk per step) generates exactly what one-step
+// prefill generates, alone and next to another request.
+func TestChunkedPrefillMatchesReference(t *testing.T) {
+	prompt := model.Encode("Chunked prefill of a hybrid model, step after step.")
+	want := reference(t, model.TinyHybrid, prompt, 12, 0, 0)
+	for _, chunk := range []int{1, 7, 16, 1000} {
+		e := newEngine(t, Config{PrefillChunkTokens: chunk}, newRanks(t, rankOpts{ranks: 2, batch: 2, adp: true}))
+		other, err := e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("other"), MaxTokens: 30})
+		require.NoError(t, err)
+		s, err := e.Generate(context.Background(), GenerateRequest{Prompt: prompt, MaxTokens: 12})
+		require.NoError(t, err)
+		got, ev := drainStream(t, s)
+		require.NoError(t, ev.Err)
+		require.Equal(t, want, got, "chunk %d", chunk)
+		_, ev = drainStream(t, other)
+		require.NoError(t, ev.Err)
+	}
+	_, err := NewScheduler(Config{Role: RoleDecode, PrefillChunkTokens: -1}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
+	require.ErrorIs(t, err, ErrInvalidConfig)
+}
+
+// A prefill job's Parts hears of every attention layer's positions once,
+// chunk by chunk, and of each Mamba layer once, after the last chunk; the
+// lease's cache holds what the parts named when they were reported.
+func TestPrefillParts(t *testing.T) {
+	prompt := model.Encode("Parts of a cache, reported as compute finishes them.")
+	n := len(prompt)
+	for _, chunk := range []int{0, 9} {
+		ranks := newRanks(t, rankOpts{ranks: 1, batch: 1})
+		e := newEngine(t, Config{Role: RolePrefill, PrefillChunkTokens: chunk}, ranks)
+		spec := ranks[0].exec.Spec()
+		var parts []Part
+		kv := make([][]int, spec.KV.Layers)
+		for l := range kv {
+			kv[l] = make([]int, n)
+		}
+		mamba := make([]int, spec.Mamba.Layers)
+		var early []Part // attention parts of an earlier chunk after a Mamba part
+		// Parts runs on the scheduler's goroutine: it only records.
+		p, err := e.SubmitPrefill(context.Background(), PrefillJob{Prompt: prompt, Parts: func(p Part) {
+			parts = append(parts, p)
+			switch p.Kind {
+			case '*':
+				for pos := p.From; pos < p.To; pos++ {
+					kv[p.KVLayer][pos]++
+				}
+				if mamba[0] > 0 && p.To < n {
+					early = append(early, p)
+				}
+			case 'M':
+				mamba[p.MambaLayer]++
+			}
+		}})
+		require.NoError(t, err)
+		l, err := p.Wait(context.Background())
+		require.NoError(t, err)
+		require.Empty(t, early, "a Mamba state was reported before the last chunk ran")
+		for layer := range kv {
+			for pos, k := range kv[layer] {
+				require.Equal(t, 1, k, "chunk %d: kv layer %d position %d", chunk, layer, pos)
+			}
+		}
+		for layer, k := range mamba {
+			require.Equal(t, 1, k, "chunk %d: mamba layer %d", chunk, layer)
+		}
+		for _, p := range parts {
+			require.Equal(t, l.Rank, p.Rank)
+			require.Equal(t, l.Row, p.Row)
+		}
+		want := reference(t, model.TinyHybrid, prompt, 1, 0, 0)
+		require.Equal(t, want[0], l.First, "chunk %d", chunk)
+		l.Release()
+	}
+}
