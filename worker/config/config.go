@@ -13,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/handoff-io/handoff/internal/cuda"
 	"github.com/handoff-io/handoff/transfer"
 	"github.com/handoff-io/handoff/worker"
 )
@@ -57,8 +58,12 @@ type Config struct {
 	QueueSize      int
 	DataAddr       string
 	DataAdvertise  string
-	Transport      string // auto, tcp, shm, inproc
-	TCPLanes       int    // connections one large tcp write is striped over
+	Transport      string // auto, tcp, shm, inproc, cuda-ipc
+	// Memory is where the caches live: host, or cuda (device memory on
+	// CUDADevice, an ordinal or a UUID).
+	Memory     string
+	CUDADevice string
+	TCPLanes   int // connections one large tcp write is striped over
 	// DataTLS is the tcp data path's mutual TLS (rdma.Config.TLS): CA,
 	// certificate and key files, all or none.
 	DataTLS        struct{ CA, Cert, Key string }
@@ -156,7 +161,9 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	num(&c.RegistryReplicas, "registry-replicas", "HANDOFF_REGISTRY_REPLICAS", 0, "replicas of the instance registry bucket (0: 3 on a NATS cluster that can hold them, else 1)")
 	str(&c.DataAddr, "data-addr", "HANDOFF_DATA_ADDR", DefaultDataAddr, "data-plane TCP listen address", false)
 	str(&c.DataAdvertise, "data-advertise", "HANDOFF_DATA_ADVERTISE", "", "data-plane address peers dial (default $POD_IP:<port> when POD_IP is set, else the listener's)", false)
-	str(&c.Transport, "transport", "HANDOFF_TRANSPORT", "auto", "data-plane transport: auto, tcp, shm or inproc", false)
+	str(&c.Transport, "transport", "HANDOFF_TRANSPORT", "auto", "data-plane transport: auto, tcp, shm, inproc or cuda-ipc", false)
+	str(&c.Memory, "memory", "HANDOFF_MEMORY", "host", "where the caches live: host, or cuda (GPU memory through libcuda.so.1, loaded at run time)", false)
+	str(&c.CUDADevice, "cuda-device", "HANDOFF_CUDA_DEVICE", "0", "with --memory cuda: the GPU, by CUDA ordinal or UUID (GPU-...)", false)
 	num(&c.TCPLanes, "tcp-lanes", "HANDOFF_TCP_LANES", 4, "tcp connections one large cache write is striped over (1: one)")
 	str(&c.AdminAddr, "admin-addr", "HANDOFF_ADMIN_ADDR", adminDefault, "admin HTTP address (/livez, /readyz, /metrics); empty disables", false)
 	str(&logLevel, "log-level", "HANDOFF_LOG_LEVEL", "info", "log level: debug, info, warn, error", false)
@@ -269,9 +276,20 @@ func (c *Config) Validate() error {
 		bad("--prefill-chunk-tokens %d: want ≥ 0", c.PrefillChunkTokens)
 	}
 	switch c.Transport {
-	case "auto", "tcp", "shm", "inproc":
+	case "auto", "tcp", "shm", "inproc", "cuda-ipc":
 	default:
-		bad("--transport %q: want auto, tcp, shm or inproc", c.Transport)
+		bad("--transport %q: want auto, tcp, shm, inproc or cuda-ipc", c.Transport)
+	}
+	if m, err := cuda.ParseMemory(c.Memory); err != nil {
+		bad("--memory %q: want host or cuda", c.Memory)
+	} else {
+		c.Memory = string(m)
+	}
+	if c.Transport == "cuda-ipc" && c.Memory != string(cuda.MemoryCUDA) {
+		bad("--transport cuda-ipc needs --memory cuda")
+	}
+	if c.Memory == string(cuda.MemoryCUDA) && c.TPSize > 1 {
+		bad("--memory cuda with --tp-size %d: not supported yet (the other shards' regions would be host memory)", c.TPSize)
 	}
 	switch c.LogFormat {
 	case "json", "text":

@@ -37,7 +37,7 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 		return err
 	}
 	defer shutdownQuietly(admSrv, log)
-	n, err := buildNode(cfg, log, remote)
+	n, err := buildNode(cfg, log, remote, o.CUDA)
 	if err != nil {
 		return err
 	}

@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/handoff-io/handoff/hybrid"
+	"github.com/handoff-io/handoff/internal/cuda"
 	"github.com/handoff-io/handoff/model"
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/handoff-io/handoff/topology"
@@ -62,6 +63,9 @@ type Options struct {
 	Stdout io.Writer
 	// Stderr receives the logs when Logger is nil; nil means os.Stderr.
 	Stderr io.Writer
+	// CUDA opens the CUDA driver for --memory cuda; nil means cuda.Open
+	// (libcuda.so.1, or $HANDOFF_LIBCUDA). Tests pass a fake.
+	CUDA func() (cuda.Driver, error)
 }
 
 func (o *Options) fill(cfg *config.Config) {
@@ -108,9 +112,10 @@ type node struct {
 	data        *rdma.Engine            // remote only
 	host        topology.Host           // remote only: GPUs and NICs, logged at start-up
 	tpMore      tpShards                // remote only, --tp-size > 1
+	mem         *cacheMemory            // where the pools' arenas live (--memory)
 }
 
-func buildNode(cfg config.Config, log *slog.Logger, remote bool) (*node, error) {
+func buildNode(cfg config.Config, log *slog.Logger, remote bool, openCUDA func() (cuda.Driver, error)) (*node, error) {
 	exec, err := model.Lookup(cfg.Model)
 	if err != nil {
 		return nil, err
@@ -129,6 +134,9 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool) (*node, error) 
 		return nil, err
 	}
 	n := &node{cfg: cfg, log: log, exec: exec, spec: spec, fingerprint: spec.Fingerprint()}
+	if n.mem, err = openMemory(cfg, log, openCUDA); err != nil {
+		return nil, err
+	}
 	if remote {
 		rc := rdma.Config{Agent: rdma.AgentID(cfg.InstanceID), TCPAddr: cfg.DataAddr, Advertise: cfg.DataAdvertise, TCPLanes: cfg.TCPLanes, Logger: log}
 		if cfg.Transport != "auto" {
@@ -150,6 +158,7 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool) (*node, error) 
 			log.Warn("host topology discovery failed; continuing without it", "err", err)
 		}
 		if n.data, err = rdma.New(rc); err != nil {
+			n.close()
 			return nil, fmt.Errorf("data plane: %w", err)
 		}
 	}
@@ -160,13 +169,24 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool) (*node, error) 
 			return nil, err
 		}
 		var kvArena, mArena []byte
+		exec := n.exec
+		var kvDev, mDev *cuda.Arena // nil: host memory
+		if n.mem.device() {
+			// The pools live in device memory; the model computes over host
+			// copies of each request's bytes, moved per step.
+			if kvDev, mDev, err = n.mem.arenas(pools.KV.ArenaBytes(), pools.Mamba.ArenaBytes()); err != nil {
+				n.close()
+				return nil, err
+			}
+			exec = model.OnDevice(exec, kvDev, mDev)
+		}
 		if remote {
-			kvr, err := n.data.Register(fmt.Sprintf("rank%d-kv", i), pools.KV.ArenaBytes())
+			kvr, err := n.mem.register(n.data, fmt.Sprintf("rank%d-kv", i), kvDev, pools.KV.ArenaBytes())
 			if err != nil {
 				n.close()
 				return nil, fmt.Errorf("register kv arena: %w", err)
 			}
-			mr, err := n.data.Register(fmt.Sprintf("rank%d-mamba", i), pools.Mamba.ArenaBytes())
+			mr, err := n.mem.register(n.data, fmt.Sprintf("rank%d-mamba", i), mDev, pools.Mamba.ArenaBytes())
 			if err != nil {
 				n.close()
 				return nil, fmt.Errorf("register mamba arena: %w", err)
@@ -178,7 +198,8 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool) (*node, error) 
 			}
 			n.tranks = append(n.tranks, tr)
 			kvArena, mArena = kvr.Bytes(), mr.Bytes()
-		} else {
+		}
+		if kvArena == nil { // local, or device memory: host arenas (copies) for the model
 			kvArena, mArena = make([]byte, pools.KV.ArenaBytes()), make([]byte, pools.Mamba.ArenaBytes())
 		}
 		rexec, err := n.tpExec(i, exec, m)
@@ -227,6 +248,7 @@ func (n *node) close() {
 			n.log.Warn("data plane close", "err", err)
 		}
 	}
+	n.mem.close(n.log) // after the data plane: it lands in the arenas
 }
 
 // transportInfo sets handoff_transport_info for the transport used with

@@ -28,7 +28,7 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 		return err
 	}
 	defer shutdownQuietly(admSrv, log)
-	n, err := buildNode(cfg, log, true)
+	n, err := buildNode(cfg, log, true, o.CUDA)
 	if err != nil {
 		return err
 	}

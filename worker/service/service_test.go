@@ -36,7 +36,8 @@ func testConfig(t testing.TB, role worker.Role, args ...string) config.Config {
 
 // startWorker runs run in the background and returns its endpoints once it
 // serves; the worker is stopped (and must stop cleanly) when the test ends.
-func startWorker(t testing.TB, cfg config.Config) (Endpoints, func() error) {
+// opts adjust the worker's Options.
+func startWorker(t testing.TB, cfg config.Config, opts ...func(*Options)) (Endpoints, func() error) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	ready := make(chan Endpoints, 1)
@@ -44,6 +45,9 @@ func startWorker(t testing.TB, cfg config.Config) (Endpoints, func() error) {
 	var logs bytes.Buffer
 	var mu sync.Mutex
 	o := Options{Ready: func(ep Endpoints) { ready <- ep }, Stdout: io.Discard, Stderr: lockedWriter{&mu, &logs}}
+	for _, f := range opts {
+		f(&o)
+	}
 	go func() {
 		if cfg.Role == worker.RoleDecode {
 			done <- RunDecode(ctx, cfg, o)
