@@ -1049,43 +1049,56 @@ func (tc *txConn) send(op *writeOp, pieces []piece, end uint8) error {
 	h := header{typ: frameData, grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token}
 	iov := tc.iov[:0]
 	var batch uint64
-	for i := range pieces {
-		p := &pieces[i]
-		b := hdrs[i*headerSize : (i+1)*headerSize]
-		h.index, h.offset, h.length = p.ext, p.off, uint64(len(p.src))
+	for i, f := 0, 0; i < len(pieces); f++ {
+		// Pieces that continue each other in one destination extent go out
+		// as one frame: a resharded source is many short slices of several
+		// regions that fill an extent in order, and a frame each would cost
+		// the receiver a header and a landing per slice.
+		first := &pieces[i]
+		j, length := i+1, uint64(len(first.src))
+		for j < len(pieces) && !first.apart && !pieces[j].apart && pieces[j].ext == first.ext && pieces[j].off == first.off+length {
+			length += uint64(len(pieces[j].src))
+			j++
+		}
+		b := hdrs[f*headerSize : (f+1)*headerSize]
+		h.index, h.offset, h.length = first.ext, first.off, length
 		h.put(b)
 		iov = append(iov, b)
-		if op.noCRC {
-			iov = append(iov, p.src)
-			batch += uint64(len(p.src))
-			if batch >= txBigBatchBytes || len(iov) >= txBatchVecs {
-				if err := tc.flush(iov); err != nil {
-					return err
+		for k := i; k < j; k++ {
+			p := &pieces[k]
+			if op.noCRC {
+				iov = append(iov, p.src)
+				batch += uint64(len(p.src))
+				if batch >= txBigBatchBytes || len(iov) >= txBatchVecs {
+					if err := tc.flush(iov); err != nil {
+						return err
+					}
+					iov, batch = tc.iov[:0], 0
 				}
-				iov, batch = tc.iov[:0], 0
+				continue
 			}
-			continue
-		}
-		// A long payload goes out as several vectors of one frame, so that
-		// no batch outgrows the cache.
-		for src := p.src; len(src) > 0; {
-			n := min(len(src), txBatchBytes)
-			iov = append(iov, src[:n])
-			sum := &op.manifest.CRC[p.ext]
-			if p.apart {
-				sum = &p.crc
-			}
-			tc.pend = append(tc.pend, pendSum{sum, src[:n]})
-			src = src[n:]
-			batch += uint64(n)
-			if batch >= txBatchBytes || len(iov) >= txBatchVecs {
-				if err := tc.flush(iov); err != nil {
-					return err
+			// A long payload goes out as several vectors of one frame, so that
+			// no batch outgrows the cache.
+			for src := p.src; len(src) > 0; {
+				n := min(len(src), txBatchBytes)
+				iov = append(iov, src[:n])
+				sum := &op.manifest.CRC[p.ext]
+				if p.apart {
+					sum = &p.crc
 				}
-				tc.sumPending()
-				iov, batch = tc.iov[:0], 0
+				tc.pend = append(tc.pend, pendSum{sum, src[:n]})
+				src = src[n:]
+				batch += uint64(n)
+				if batch >= txBatchBytes || len(iov) >= txBatchVecs {
+					if err := tc.flush(iov); err != nil {
+						return err
+					}
+					tc.sumPending()
+					iov, batch = tc.iov[:0], 0
+				}
 			}
 		}
+		i = j
 	}
 	if len(tc.pend) > 0 {
 		// The commit needs the last sums: send the rest of the data first.
