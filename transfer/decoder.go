@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
 )
 
 // DecoderConfig configures a Decoder.
@@ -204,15 +205,15 @@ func (c *call) init() {
 
 // takeNotes returns and clears what c was told of, as session events:
 // deaths, then control connections lost.
-func (d *Decoder) takeNotes(c *call) []Event {
+func (d *Decoder) takeNotes(c *call) []session.Event {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	var evs []Event
+	var evs []session.Event
 	for _, inst := range c.dead {
-		evs = append(evs, Event{Kind: EvPeerDied, Instance: inst})
+		evs = append(evs, session.Event{Kind: session.EvPeerDied, Instance: inst})
 	}
 	for _, inst := range c.lost {
-		evs = append(evs, Event{Kind: EvLost, Instance: inst})
+		evs = append(evs, session.Event{Kind: session.EvLost, Instance: inst})
 	}
 	c.dead, c.lost = nil, nil
 	return evs
@@ -417,7 +418,7 @@ type handoff struct {
 	req      Request
 	start    time.Time // Handoff's start: a monotonic reading, see now
 	deadline time.Time
-	sess     RecvSession
+	sess     session.RecvSession
 	reply    string // the reply subject of attempt 1: the inbox and tok
 	tok      string // the call's token, a suffix of reply
 	attempt  int    // the attempt last sent
@@ -469,7 +470,7 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 	h := d.newHandoff()
 	h.d, h.req, h.start, h.deadline = d, req, start, deadline
 	h.kvB, h.mB = req.Dest.Bytes()
-	h.sess.init(RecvParams{
+	h.sess.Reset(session.RecvParams{
 		RequestID: req.ID, MaxDraftTokens: d.cfg.MaxDraftTokens, Deadline: deadline, MaxAttempts: d.cfg.MaxAttempts,
 		QuietWait: max(d.cfg.NoResponderWait, 0),
 	})
@@ -514,15 +515,15 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 	defer h.d.putTimer(timer)
 	// The queue of actions to execute; a Step's actions are copied in at once
 	// (the session reuses its slice).
-	var queue [8]Action
-	acts := append(queue[:0], h.sess.Step(Event{Kind: EvStart, Now: start})...)
+	var queue [8]session.Action
+	acts := append(queue[:0], h.sess.Step(session.Event{Kind: session.EvStart, Now: start})...)
 	armed := h.deadline // what timer fires at
 	for {
 		for len(acts) > 0 {
 			a := acts[0]
 			acts = acts[1:]
 			switch a.Kind {
-			case ActDeliver:
+			case session.ActDeliver:
 				if log := h.d.cfg.Logger; log.Enabled(ctx, slog.LevelDebug) {
 					log.Debug("handoff delivered", "seq", h.req.ID, "peer", h.sess.Instance())
 				}
@@ -531,7 +532,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 					Prefill: time.Duration(h.ok.PrefillNanos), Transfer: time.Duration(h.ok.WriteNanos),
 					Total: time.Since(start), KVBytes: h.kvB, MambaBytes: h.mB,
 				}, nil
-			case ActFail:
+			case session.ActFail:
 				err := h.failure(a.Code)
 				if log := h.d.cfg.Logger; log.Enabled(ctx, slog.LevelDebug) {
 					log.Debug("handoff failed", "seq", h.req.ID, "err", err)
@@ -543,8 +544,8 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 				}
 			}
 		}
-		var ev Event
-		var early []Action // outcomes of events taken along with ev
+		var ev session.Event
+		var early []session.Action // outcomes of events taken along with ev
 		grantCh := h.failCh
 		if h.replied {
 			grantCh = h.doneCh
@@ -580,15 +581,15 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 			}
 			ev = notes[len(notes)-1]
 		case <-timer.C:
-			ev = Event{Kind: EvTick}
+			ev = session.Event{Kind: session.EvTick}
 		case <-ctx.Done():
 			h.setCause(context.Cause(ctx))
-			ev = Event{Kind: EvCancel, Code: CodeCancelled}
+			ev = session.Event{Kind: session.EvCancel, Code: CodeCancelled}
 			if errors.Is(ctx.Err(), context.DeadlineExceeded) {
 				ev.Code = CodeTimeout
 			}
 		case <-h.d.done:
-			ev = Event{Kind: EvCancel, Code: CodeClosed}
+			ev = session.Event{Kind: session.EvCancel, Code: CodeClosed}
 		}
 		ev.Now = h.now()
 		acts = append(append(queue[:0], early...), h.sess.Step(ev)...) // acts was drained
@@ -598,7 +599,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 		if at := h.sess.RetryAt(); !at.IsZero() && at.Before(want) {
 			want = at
 		}
-		if (!want.Equal(armed) || ev.Kind == EvTick) && !h.sess.State().Terminal() {
+		if (!want.Equal(armed) || ev.Kind == session.EvTick) && !h.sess.State().Terminal() {
 			timer.Reset(time.Until(want))
 			armed = want
 		}
@@ -611,24 +612,24 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 func (h *handoff) now() time.Time { return h.start.Add(time.Since(h.start)) }
 
 // grantEvent is the event of the grant's end (h.doneCh or h.failCh closed).
-func (h *handoff) grantEvent() Event {
+func (h *handoff) grantEvent() session.Event {
 	h.doneCh, h.failCh = nil, nil
 	if err := h.grant.Err(); err != nil { // failed: Done may wait on a quarantine
 		h.setCause(err)
-		return Event{Kind: EvGrantFailed, Code: rdmaCode(err)}
+		return session.Event{Kind: session.EvGrantFailed, Code: rdmaCode(err)}
 	}
 	m, err := h.grant.Wait(context.Background()) // committed: returns at once
 	if err != nil {
 		h.setCause(err)
-		return Event{Kind: EvGrantFailed, Code: rdmaCode(err)}
+		return session.Event{Kind: session.EvGrantFailed, Code: rdmaCode(err)}
 	}
-	return Event{Kind: EvCommitted, Manifest: m}
+	return session.Event{Kind: session.EvCommitted, Manifest: session.Manifest(m)}
 }
 
 // delivered steps the replies and the grant's end that are already there,
 // without waiting, and returns the actions.
-func (h *handoff) delivered() []Action {
-	var acts []Action
+func (h *handoff) delivered() []session.Action {
+	var acts []session.Action
 	for {
 		select {
 		case m := <-h.c.replies:
@@ -649,10 +650,10 @@ func (h *handoff) delivered() []Action {
 
 // exec performs a non-terminal action. It returns the outcome event of
 // synchronous actions.
-func (h *handoff) exec(a Action) (Event, bool) {
+func (h *handoff) exec(a session.Action) (session.Event, bool) {
 	now := h.now
 	switch a.Kind {
-	case ActOpenGrant:
+	case session.ActOpenGrant:
 		// A re-grant after a dead peer: the old grant is revoked already, and
 		// what it carried (its end, an OK reply of its attempt) is dropped.
 		h.grant, h.doneCh, h.failCh, h.replied, h.ok = nil, nil, nil, false, PrefillReply{}
@@ -660,7 +661,7 @@ func (h *handoff) exec(a Action) (Event, bool) {
 		g, err := h.d.eng.OpenGrant(rdma.GrantSpec{RequestID: h.req.ID, Extents: exts, Deadline: h.deadline})
 		if err != nil {
 			h.setCause(err)
-			return Event{Kind: EvGranted, Now: now(), Code: rdmaCode(err)}, true
+			return session.Event{Kind: session.EvGranted, Now: now(), Code: rdmaCode(err)}, true
 		}
 		h.grant = g
 		expected := make([]uint64, len(exts))
@@ -668,18 +669,18 @@ func (h *handoff) exec(a Action) (Event, bool) {
 			expected[i] = e.Length
 		}
 		h.doneCh, h.failCh = g.Done(), g.Failed()
-		return Event{Kind: EvGranted, Now: now(), Expected: expected}, true
-	case ActSendRequest:
+		return session.Event{Kind: session.EvGranted, Now: now(), Expected: expected}, true
+	case session.ActSendRequest:
 		target, err := h.send(a)
 		if err != nil {
 			h.setCause(err)
-			return Event{Kind: EvSent, Now: now(), Code: CodeOf(err)}, true
+			return session.Event{Kind: session.EvSent, Now: now(), Code: CodeOf(err)}, true
 		}
 		if a.Attempt > 1 {
 			h.d.retries.Add(1)
 		}
-		return Event{Kind: EvSent, Now: now(), Instance: target}, true
-	case ActPublishCancel:
+		return session.Event{Kind: session.EvSent, Now: now(), Instance: target}, true
+	case session.ActPublishCancel:
 		subj := Subject(h.d.cfg.Prefix, h.d.cfg.Namespace, SubjectCancel, "")
 		if a.Instance != "" {
 			subj = Subject(h.d.cfg.Prefix, h.d.cfg.Namespace, SubjectInstanceCancel, a.Instance)
@@ -696,7 +697,7 @@ func (h *handoff) exec(a Action) (Event, bool) {
 		if err != nil { // best effort: the revoke that follows is the fence
 			h.d.cfg.Logger.Warn("publish cancel", "seq", h.req.ID, "err", err)
 		}
-	case ActRevoke:
+	case session.ActRevoke:
 		if h.grant != nil {
 			h.grant.Revoke()
 			if h.grant.Quarantined() {
@@ -704,13 +705,13 @@ func (h *handoff) exec(a Action) (Event, bool) {
 			}
 		}
 	}
-	return Event{}, false
+	return session.Event{}, false
 }
 
 // send publishes the prefill request for attempt a. Retries go to a live
 // prefill instance that has not refused this request, when the registry knows
 // one; otherwise to the queue group.
-func (h *handoff) send(a Action) (string, error) {
+func (h *handoff) send(a session.Action) (string, error) {
 	d := h.d
 	subj := d.prefillSub
 	target := a.Instance
@@ -821,15 +822,15 @@ func replyToken(s string) (tok string, attempt int) {
 	return s[:i], n
 }
 
-func (h *handoff) replyEvent(m *nats.Msg) Event {
+func (h *handoff) replyEvent(m *nats.Msg) session.Event {
 	_, attempt := replyToken(m.Subject[len(h.d.inbox)+1:])
 	if attempt != h.attempt {
 		// An answer to an earlier attempt: the session drops it, and
 		// nothing of it may stand as this attempt's reply or cause.
-		return Event{Kind: EvReply, Code: CodeBadMessage, Attempt: attempt}
+		return session.Event{Kind: session.EvReply, Code: CodeBadMessage, Attempt: attempt}
 	}
 	if m.Header.Get("Status") == "503" {
-		return Event{Kind: EvNoResponders, Attempt: attempt}
+		return session.Event{Kind: session.EvNoResponders, Attempt: attempt}
 	}
 	r, err := DecodePrefillReply(m.Data)
 	if err != nil || r.RequestID != h.req.ID {
@@ -837,15 +838,15 @@ func (h *handoff) replyEvent(m *nats.Msg) Event {
 			err = fmt.Errorf("%w: reply names request %d", ErrBadMessage, r.RequestID)
 		}
 		h.setCause(err)
-		return Event{Kind: EvReply, Code: CodeBadMessage}
+		return session.Event{Kind: session.EvReply, Code: CodeBadMessage}
 	}
-	if r.Code == CodeOK && !h.sess.ignores(r.Instance) {
+	if r.Code == CodeOK && !h.sess.Ignores(r.Instance) {
 		h.ok = r
 		h.replied = true
 	} else {
 		h.setCause(&RemoteError{Code: r.Code, Msg: r.Msg, Instance: r.Instance})
 	}
-	return Event{Kind: EvReply, Code: r.Code, Instance: r.Instance, Manifest: r.Manifest.RDMA(), Attempt: attempt}
+	return session.Event{Kind: session.EvReply, Code: r.Code, Instance: r.Instance, Manifest: session.Manifest(r.Manifest.RDMA()), Attempt: attempt}
 }
 
 func (h *handoff) setCause(err error) { h.cause = err }
@@ -869,17 +870,17 @@ func (h *handoff) failure(code Code) error {
 
 func (h *handoff) failureErr(code Code) error {
 	if h.cause == nil {
-		return fmt.Errorf("transfer: request %d: %w", h.req.ID, code.Err())
+		return fmt.Errorf("transfer: request %d: %w", h.req.ID, CodeErr(code))
 	}
-	if errors.Is(h.cause, code.Err()) {
+	if errors.Is(h.cause, CodeErr(code)) {
 		return fmt.Errorf("transfer: request %d: %w", h.req.ID, h.cause)
 	}
 	for c := Code(1); c < codeCount; c++ {
-		if c != code && errors.Is(h.cause, c.Err()) {
-			return fmt.Errorf("transfer: request %d: %w (after: %v)", h.req.ID, code.Err(), h.cause)
+		if c != code && errors.Is(h.cause, CodeErr(c)) {
+			return fmt.Errorf("transfer: request %d: %w (after: %v)", h.req.ID, CodeErr(code), h.cause)
 		}
 	}
-	return fmt.Errorf("transfer: request %d: %w: %w", h.req.ID, code.Err(), h.cause)
+	return fmt.Errorf("transfer: request %d: %w: %w", h.req.ID, CodeErr(code), h.cause)
 }
 
 // rdmaCode classifies a data-plane error.

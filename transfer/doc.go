@@ -15,9 +15,10 @@
 //     <prefix>.<ns>.prefill (queue group "prefill": any free worker takes it),
 //     <prefix>.<ns>.inst.<id>.prefill (one instance, for targeted retries),
 //     <prefix>.<ns>.inst.<id>.cancel and <prefix>.<ns>.cancel (cancels).
-//   - session.go: RecvSession and SendSession, pure state machines (events in,
-//     actions out, time passed in; no IO, no goroutines). One terminal state
-//     per session; events after it are ignored, so cleanup is idempotent.
+//   - package session (transfer/session): RecvSession and SendSession, pure
+//     state machines (events in, actions out, time passed in; no IO, no
+//     goroutines, held to it by its TestDeps). One terminal state per
+//     session; events after it are ignored, so cleanup is idempotent.
 //   - decoder.go, prefiller.go: the drivers that execute actions on NATS and
 //     rdma. registry.go: the instance directory in a JetStream KV bucket.
 //   - rank.go: CacheExtents, where one request's cache lives in registered
@@ -29,10 +30,10 @@
 //  1. The caller (the decode worker's scheduler) prepares the request's KV
 //     blocks and one real Mamba row and resolves them to a CacheExtents
 //     (RankRegions.Resolve). Decoder.Handoff refuses dummies (id 0, padding
-//     sentinels: IsDummyID), opens an rdma grant over exactly those extents
-//     and publishes a
-//     PrefillRequest (tokens, sampling, deadline, layout fingerprint, its
-//     rdma descriptor, the grant's ticket) to the queue group.
+//     sentinels: session.IsDummyID), opens an rdma grant over exactly those
+//     extents and publishes a PrefillRequest (tokens, sampling, deadline,
+//     layout fingerprint, its rdma descriptor, the grant's ticket) to the
+//     queue group.
 //  2. A Prefiller checks the request (dummy id, layout fingerprint, deadline:
 //     refused by name before any byte moves), admits it through the
 //     PrefillExecutor or refuses at once (ErrCapacityRefused), runs prefill,
@@ -123,12 +124,14 @@
 //
 // # Symmetry
 //
-// The sessions are named by data-path role, not by serving role: RecvSession
-// opens a grant and accepts a commit, SendSession writes into a grant. Handing
+// The sessions are named by data-path role, not by serving role:
+// session.RecvSession opens a grant and accepts a commit, session.SendSession
+// writes into a grant. Handing
 // a finished conversation's state back from decode to a prefill worker
 // (multi-turn continuation without recompute) is the same exchange with the
 // roles swapped: the prefill side runs a RecvSession over a destination it
-// prepared and a grant, the decode side a SendSession over the request's extents, with a
+// prepared and a grant, the decode side a SendSession over the request's
+// extents, with a
 // new request message on its own subject. The wire types (Peer, Ticket,
 // Manifest, Extents) and both machines are reused unchanged.
 //

@@ -976,7 +976,7 @@ func TestFailureMatchesOneSentinel(t *testing.T) {
 		err := h.failure(c.code)
 		require.Equal(t, c.code, CodeOf(err), "%v", err)
 		for o := Code(1); o < codeCount; o++ {
-			require.Equal(t, o == c.code, errors.Is(err, o.Err()), "%v vs %s", err, o)
+			require.Equal(t, o == c.code, errors.Is(err, CodeErr(o)), "%v vs %s", err, o)
 		}
 		if c.also != nil {
 			require.ErrorIs(t, err, c.also)

@@ -4,8 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"reflect"
 
 	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/handoff-io/handoff/transfer/session"
 )
 
 // Sentinel errors. Every error a Decoder or Prefiller returns wraps exactly one
@@ -69,40 +72,44 @@ func (e *QuarantinedError) Unwrap() error { return e.Err }
 // Released is closed once no byte can land in the destination any more.
 func (e *QuarantinedError) Released() <-chan struct{} { return e.released }
 
-// Code is the wire form of a failure class. CodeOK means success. Codes are
-// stable: they are part of the wire format.
-type Code uint16
+// Code is the wire form of a failure class (session.Code: the sessions
+// decide it). CodeOK means success. Codes are stable: they are part of the
+// wire format.
+type Code = session.Code
 
-// DecodeMsgpack refuses a code too wide for a Code, which msgpack's
-// reflection would truncate into another, valid-looking one.
-func (c *Code) DecodeMsgpack(dec *msgpack.Decoder) error {
-	v, err := dec.DecodeUint64()
-	if err != nil {
-		return err
-	}
-	if v > math.MaxUint16 {
-		return fmt.Errorf("code %d out of range", v)
-	}
-	*c = Code(v)
-	return nil
-}
-
+// The codes, as the wire and the errors name them.
 const (
-	CodeOK Code = iota
-	CodeNoPrefillWorker
-	CodeTimeout
-	CodePayloadTooLarge
-	CodeLayoutMismatch
-	CodeCapacityRefused
-	CodePeerFailed
-	CodeCancelled
-	CodeDummyRequest
-	CodeIntegrity
-	CodePrefillFailed
-	CodeBadMessage
-	CodeClosed
-	codeCount
+	CodeOK              = session.CodeOK
+	CodeNoPrefillWorker = session.CodeNoPrefillWorker
+	CodeTimeout         = session.CodeTimeout
+	CodePayloadTooLarge = session.CodePayloadTooLarge
+	CodeLayoutMismatch  = session.CodeLayoutMismatch
+	CodeCapacityRefused = session.CodeCapacityRefused
+	CodePeerFailed      = session.CodePeerFailed
+	CodeCancelled       = session.CodeCancelled
+	CodeDummyRequest    = session.CodeDummyRequest
+	CodeIntegrity       = session.CodeIntegrity
+	CodePrefillFailed   = session.CodePrefillFailed
+	CodeBadMessage      = session.CodeBadMessage
+	CodeClosed          = session.CodeClosed
+	codeCount           = session.NumCodes
 )
+
+// A code on the wire is refused when it is too wide for a Code, which
+// msgpack's reflection would truncate into another, valid-looking one.
+func init() {
+	msgpack.Register(Code(0), nil, func(dec *msgpack.Decoder, v reflect.Value) error {
+		n, err := dec.DecodeUint64()
+		if err != nil {
+			return err
+		}
+		if n > math.MaxUint16 {
+			return fmt.Errorf("code %d out of range", n)
+		}
+		v.SetUint(n)
+		return nil
+	})
+}
 
 var codeErrors = [codeCount]error{
 	CodeOK:              nil,
@@ -120,23 +127,9 @@ var codeErrors = [codeCount]error{
 	CodeClosed:          ErrClosed,
 }
 
-var codeNames = [codeCount]string{
-	"ok", "no_prefill_worker", "timeout", "payload_too_large", "layout_mismatch",
-	"capacity_refused", "peer_failed", "cancelled", "dummy_request", "integrity",
-	"prefill_failed", "bad_message", "closed",
-}
-
-// String returns the code's stable lower-case name (used in logs, metrics and
-// transcripts).
-func (c Code) String() string {
-	if c < codeCount {
-		return codeNames[c]
-	}
-	return fmt.Sprintf("code(%d)", uint16(c))
-}
-
-// Err returns the sentinel of c (nil for CodeOK, ErrBadMessage for unknown codes).
-func (c Code) Err() error {
+// CodeErr returns the sentinel of c (nil for CodeOK, ErrBadMessage for
+// unknown codes).
+func CodeErr(c Code) error {
 	if c < codeCount {
 		return codeErrors[c]
 	}
@@ -179,6 +172,6 @@ func (e *RemoteError) Error() string {
 
 // Is reports whether target is the sentinel of e's code.
 func (e *RemoteError) Is(target error) bool {
-	s := e.Code.Err()
+	s := CodeErr(e.Code)
 	return s != nil && s == target
 }

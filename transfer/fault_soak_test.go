@@ -119,7 +119,7 @@ func TestFaultSoak(t *testing.T) {
 		} else {
 			var code Code
 			for _, c := range []Code{CodeTimeout, CodeCancelled, CodePeerFailed, CodeCapacityRefused} {
-				if errors.Is(err, c.Err()) {
+				if errors.Is(err, CodeErr(c)) {
 					code = c
 				}
 			}

@@ -140,7 +140,7 @@ func TestLayerwiseHandoff(t *testing.T) {
 					}
 					done := make(chan out, 1)
 					go func() {
-						res, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(n), Alloc: ds.rank, Deadline: time.Now().Add(10 * time.Second)})
+						res, err := ds.handoff(context.Background(), d, Request{ID: id, Tokens: tokens(n), Deadline: time.Now().Add(10 * time.Second)})
 						done <- out{res, err}
 					}()
 					require.Equal(t, id, <-x.paused)
@@ -160,15 +160,15 @@ func TestLayerwiseHandoff(t *testing.T) {
 					o := <-done
 					require.NoError(t, o.err)
 					i := 0
-					for _, e := range o.res.Dest.Extents() {
+					for _, e := range ds.dest(id).Extents() {
 						for _, b := range ds.bytes(e) {
 							require.Equal(t, pattern(id, i), b, "request %d byte %d", id, i)
 							i++
 						}
 					}
-					kv, m := o.res.Dest.Bytes()
+					kv, m := ds.dest(id).Bytes()
 					require.Equal(t, before+kv+m, ps.eng.Stats().BytesWritten, "every byte written once")
-					require.NoError(t, ds.rank.Free(id))
+					require.NoError(t, ds.m.Free(id))
 				}
 				want := map[Layerwise]int64{LayerwiseOn: 4, LayerwiseAuto: 2, LayerwiseOff: 0}[mode]
 				require.Equal(t, want, x.streams.Load())
@@ -196,7 +196,7 @@ func TestLayerwiseFaults(t *testing.T) {
 			x.fail.Store(true)
 			errc := make(chan error, 1)
 			go func() {
-				_, err := d.Handoff(context.Background(), Request{ID: 1, Tokens: tokens(30), Alloc: ds.rank, Deadline: time.Now().Add(10 * time.Second)})
+				_, err := ds.handoff(context.Background(), d, Request{ID: 1, Tokens: tokens(30), Deadline: time.Now().Add(10 * time.Second)})
 				errc <- err
 			}()
 			require.Equal(t, uint64(1), <-x.paused)
@@ -214,7 +214,7 @@ func TestLayerwiseFaults(t *testing.T) {
 			x.fail.Store(false)
 			ctx, cancel := context.WithCancel(context.Background())
 			go func() {
-				_, err := d.Handoff(ctx, Request{ID: 2, Tokens: tokens(30), Alloc: ds.rank, Deadline: time.Now().Add(10 * time.Second)})
+				_, err := ds.handoff(ctx, d, Request{ID: 2, Tokens: tokens(30), Deadline: time.Now().Add(10 * time.Second)})
 				errc <- err
 			}()
 			require.Equal(t, uint64(2), <-x.paused)

@@ -15,6 +15,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
 )
 
 // ServiceName is the NATS micro service name prefill workers register under
@@ -566,7 +567,7 @@ type task struct {
 	msg    PrefillRequest
 	peer   rdma.Descriptor // msg.Peer's
 	ticket rdma.Ticket
-	sess   SendSession
+	sess   session.SendSession
 	lease  AdmittedJob
 	lw     *streamer // the cache's stream while prefill computes (layerwise), else nil
 
@@ -667,12 +668,12 @@ func (p *Prefiller) handle(r micro.Request) {
 	// it against its own, so it gets the local equivalent.
 	tk.Deadline = deadline
 	t.p, t.reply, t.msg, t.peer, t.ticket = p, r.Reply(), m, peer, tk
-	t.sess.p = SendParams{
+	t.sess.Reset(session.SendParams{
 		RequestID: m.RequestID, MaxDraftTokens: p.cfg.MaxDraftTokens, Deadline: deadline,
 		Fingerprint: m.Fingerprint, Local: p.cfg.Fingerprint, KVBytes: m.KVBytes, MambaBytes: m.MambaBytes,
-	}
-	// The session asks to admit (ActAdmit); that is done inline below.
-	t.sess.Step(Event{Kind: EvRequest, Now: t.start})
+	})
+	// The session asks to admit (session.ActAdmit); that is done inline below.
+	t.sess.Step(session.Event{Kind: session.EvRequest, Now: t.start})
 	if t.sess.State().Terminal() {
 		p.refused.Add(1)
 		p.replyNow(r, t.replyFor(t.sess.Code()))
@@ -698,7 +699,7 @@ func (p *Prefiller) handle(r micro.Request) {
 		code, t.cause = CodePrefillFailed, errors.New("executor admitted without a lease")
 	}
 	t.lease = lease
-	acts := t.sess.Step(Event{Kind: EvAdmitted, Code: code, Now: t.now()})
+	acts := t.sess.Step(session.Event{Kind: session.EvAdmitted, Code: code, Now: t.now()})
 	if t.sess.State().Terminal() {
 		p.refused.Add(1)
 		p.replyNow(r, t.replyFor(t.sess.Code()))
@@ -734,7 +735,7 @@ func (p *Prefiller) handle(r micro.Request) {
 // taskStart is a task to run and its first actions.
 type taskStart struct {
 	t    *task
-	acts []Action
+	acts []session.Action
 }
 
 // workerIdle is how long a worker waits for a task before it exits (up to
@@ -835,13 +836,13 @@ func (t *task) replyFor(code Code) PrefillReply {
 	} else if t.cause != nil {
 		rep.Msg = t.cause.Error()
 	} else {
-		rep.Msg = code.Err().Error()
+		rep.Msg = CodeErr(code).Error()
 	}
 	return rep
 }
 
 // run drives an admitted request to its reply.
-func (t *task) run(acts []Action) {
+func (t *task) run(acts []session.Action) {
 	p := t.p
 	defer func() {
 		t.stopStream()
@@ -857,21 +858,21 @@ func (t *task) run(acts []Action) {
 	}()
 	// The queue of actions to execute; a Step's actions are copied in at once
 	// (the session reuses its slice).
-	var queue [8]Action
+	var queue [8]session.Action
 	acts = append(queue[:0], acts...)
 	var now time.Time // the end of the last step: the clock of its outcome
 	for len(acts) > 0 {
 		a := acts[0]
 		acts = acts[1:]
-		var outcome *Event
+		var outcome *session.Event
 		switch a.Kind {
-		case ActPrefill:
+		case session.ActPrefill:
 			start := t.now()
 			t.startStream()
 			out, err := t.lease.Prefill(&t.ctx)
 			now = t.now()
 			t.pf = now.Sub(start)
-			ev := Event{Kind: EvPrefilled}
+			ev := session.Event{Kind: session.EvPrefilled}
 			if err != nil {
 				t.cause = err
 				ev.Code = CodeOf(err)
@@ -883,7 +884,7 @@ func (t *task) run(acts []Action) {
 				ev.KVBytes, ev.MambaBytes = out.Source.Bytes()
 			}
 			outcome = &ev
-		case ActWrite:
+		case session.ActWrite:
 			start := t.now()
 			src := append(append(append(t.src[:0], t.out.Source.KV...), t.out.Source.Mamba), t.out.Source.MambaMore...)
 			ws := t.startWriteSpan(start)
@@ -898,7 +899,7 @@ func (t *task) run(acts []Action) {
 			now = t.now()
 			t.endWriteSpan(ws, now, err)
 			t.wr = now.Sub(start)
-			ev := Event{Kind: EvWritten, Manifest: m}
+			ev := session.Event{Kind: session.EvWritten, Manifest: session.Manifest(m)}
 			if err != nil {
 				t.cause = err
 				ev.Code = rdmaCode(err)
@@ -906,21 +907,21 @@ func (t *task) run(acts []Action) {
 				t.manifest = m
 			}
 			outcome = &ev
-		case ActAbort:
+		case session.ActAbort:
 			t.ctx.cancel()
-		case ActRelease:
+		case session.ActRelease:
 			t.stopStream() // no byte of the lease is read after its release
 			t.lease.Release()
-		case ActReply:
+		case session.ActReply:
 			t.sendReply(a.Code)
 		}
 		if outcome != nil {
 			// Interruptions that happened during the step come first, so the
 			// session sees the cancel or the deadline, not just a failed step.
 			if c := Code(t.aborts.Load()); c != CodeOK {
-				acts = append(acts, t.sess.Step(Event{Kind: EvCancel, Code: c, Now: now})...)
+				acts = append(acts, t.sess.Step(session.Event{Kind: session.EvCancel, Code: c, Now: now})...)
 			}
-			acts = append(acts, t.sess.Step(Event{Kind: EvTick, Now: now})...)
+			acts = append(acts, t.sess.Step(session.Event{Kind: session.EvTick, Now: now})...)
 			outcome.Now = now
 			acts = append(acts, t.sess.Step(*outcome)...)
 		}

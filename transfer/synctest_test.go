@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
 )
 
 // recorder is a publisher that keeps what the decoder publishes; the test
@@ -160,8 +161,8 @@ func TestPeerDeathsAllDelivered(t *testing.T) {
 	d.controlLost("")
 	d.controlLost("p3")
 	require.Len(t, c.died, 1)
-	require.Equal(t, []Event{{Kind: EvPeerDied, Instance: "p1"}, {Kind: EvPeerDied, Instance: "p2"},
-		{Kind: EvLost, Instance: "p3"}, {Kind: EvLost}}, d.takeNotes(c))
+	require.Equal(t, []session.Event{{Kind: session.EvPeerDied, Instance: "p1"}, {Kind: session.EvPeerDied, Instance: "p2"},
+		{Kind: session.EvLost, Instance: "p3"}, {Kind: session.EvLost}}, d.takeNotes(c))
 	require.Empty(t, d.takeNotes(c))
 }
 

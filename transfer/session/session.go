@@ -1,23 +1,4 @@
-package transfer
-
-// The per-request protocol as two pure state machines, one per data-path role:
-// RecvSession for the side that opens a grant and receives bytes (decode, for
-// prefill-to-decode handoff), SendSession for the side that writes into a
-// grant (prefill). They do no IO, start no goroutines and read no clock: the
-// driver feeds events (with the current time) and executes the returned
-// actions in order, feeding each action's outcome back as an event.
-//
-// Invariants both machines keep:
-//   - exactly one terminal action: ActDeliver or ActFail on the receiver,
-//     one ActReply on the sender;
-//   - every event after the terminal state is ignored (no actions), which
-//     makes cleanup idempotent: late commits, duplicate replies and repeated
-//     cancels change nothing;
-//   - resources are released only when nothing can touch them any more: the
-//     receiver fails only after revoking its grant (no byte lands after
-//     Revoke), so its caller may free the destination it allocated once the
-//     handoff ended; the sender releases only after its in-flight step
-//     (prefill, write) returned.
+package session
 
 import (
 	"fmt"
@@ -25,8 +6,6 @@ import (
 	"slices"
 	"strings"
 	"time"
-
-	"github.com/handoff-io/handoff/rdma"
 )
 
 // IsDummyID reports whether id can never be transferred: the ADP dummy id 0 or
@@ -162,7 +141,7 @@ type Event struct {
 	Now        time.Time
 	Code       Code
 	Instance   string
-	Manifest   rdma.Manifest
+	Manifest   Manifest
 	Expected   []uint64 // EvGranted: bytes per granted extent, for the manifest check
 	KVBytes    uint64   // EvPrefilled: source KV bytes
 	MambaBytes uint64   // EvPrefilled: source Mamba bytes
@@ -240,9 +219,9 @@ type RecvSession struct {
 
 	replied        bool
 	replyInstance  string
-	replyManifest  rdma.Manifest
+	replyManifest  Manifest
 	committed      bool
-	commitManifest rdma.Manifest
+	commitManifest Manifest
 	expected       []uint64
 
 	out [4]Action // what Step returns, reused by the next Step
@@ -251,13 +230,13 @@ type RecvSession struct {
 // NewRecvSession returns a session in StateNew.
 func NewRecvSession(p RecvParams) *RecvSession {
 	s := new(RecvSession)
-	s.init(p)
+	s.Reset(p)
 	return s
 }
 
-// init sets a zero session up as NewRecvSession does, in place (a driver
-// embeds its session).
-func (s *RecvSession) init(p RecvParams) {
+// Reset sets s up as NewRecvSession does, in place (a driver embeds its
+// session, so reusing the driver's record reuses the session).
+func (s *RecvSession) Reset(p RecvParams) {
 	if p.MaxAttempts < 1 {
 		p.MaxAttempts = 1
 	}
@@ -373,7 +352,7 @@ func (s *RecvSession) Step(ev Event) []Action {
 		if s.state != StateWaiting || !s.outstanding || s.stale(ev) {
 			return nil // duplicate or unsolicited reply, or one to an earlier attempt
 		}
-		if s.ignores(ev.Instance) {
+		if s.Ignores(ev.Instance) {
 			return nil // a late reply of an attempt abandoned when its instance was reported dead
 		}
 		s.outstanding = false
@@ -472,7 +451,9 @@ func (s *RecvSession) stale(ev Event) bool { return ev.Attempt != 0 && ev.Attemp
 
 // ignores reports whether replies from instance are dropped: it was reported
 // dead while serving this request, and its attempt was abandoned.
-func (s *RecvSession) ignores(instance string) bool {
+// Ignores reports whether a reply from instance is ignored: it was reported
+// dead while serving this request (its late replies must not count).
+func (s *RecvSession) Ignores(instance string) bool {
 	return instance != "" && slices.Contains(s.dead, instance)
 }
 
@@ -509,7 +490,7 @@ func (s *RecvSession) regrantOr(now time.Time, dead string) []Action {
 	if !slices.Contains(s.refused, dead) {
 		s.refused = append(s.refused, dead)
 	}
-	s.replied, s.replyInstance, s.replyManifest = false, "", rdma.Manifest{}
+	s.replied, s.replyInstance, s.replyManifest = false, "", Manifest{}
 	s.granted, s.expected = false, nil
 	s.state, s.busy = StateGranting, true
 	return append(acts, Action{Kind: ActRevoke}, Action{Kind: ActOpenGrant})
@@ -528,8 +509,8 @@ func (s *RecvSession) resend(now time.Time) []Action {
 	}
 	acts := append(s.out[:0], Action{Kind: ActPublishCancel, Instance: s.target, Code: CodeCancelled})
 	s.outstanding = false
-	s.replied, s.replyInstance, s.replyManifest = false, "", rdma.Manifest{}
-	s.committed, s.commitManifest = false, rdma.Manifest{}
+	s.replied, s.replyInstance, s.replyManifest = false, "", Manifest{}
+	s.committed, s.commitManifest = false, Manifest{}
 	s.granted, s.expected = false, nil
 	s.state, s.busy = StateGranting, true
 	return append(acts, Action{Kind: ActRevoke}, Action{Kind: ActOpenGrant})
@@ -555,7 +536,7 @@ func (s *RecvSession) maybeAccept() []Action {
 	return s.acts(Action{Kind: ActRevoke}, Action{Kind: ActDeliver})
 }
 
-func manifestsAgree(reply, commit rdma.Manifest, expected []uint64) bool {
+func manifestsAgree(reply, commit Manifest, expected []uint64) bool {
 	return slices.Equal(reply.Bytes, commit.Bytes) && slices.Equal(reply.CRC, commit.CRC) &&
 		slices.Equal(commit.Bytes, expected) && len(commit.CRC) == len(expected)
 }
@@ -608,6 +589,9 @@ type SendSession struct {
 
 // NewSendSession returns a session in StateNew.
 func NewSendSession(p SendParams) *SendSession { return &SendSession{p: p} }
+
+// Reset sets s up as NewSendSession does, in place.
+func (s *SendSession) Reset(p SendParams) { *s = SendSession{p: p} }
 
 // State returns the current phase.
 func (s *SendSession) State() State { return s.state }

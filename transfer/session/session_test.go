@@ -1,4 +1,4 @@
-package transfer
+package session
 
 import (
 	"flag"
@@ -11,8 +11,6 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-
-	"github.com/handoff-io/handoff/rdma"
 )
 
 var update = flag.Bool("update", false, "rewrite testdata golden transcripts")
@@ -125,8 +123,8 @@ func transcript(t *testing.T, header string, s stepper, script []at) string {
 func ms(n int) time.Duration { return time.Duration(n) * time.Millisecond }
 
 var (
-	okManifest  = rdma.Manifest{Bytes: []uint64{4096, 512}, CRC: []uint32{0xaaaa, 0xbbbb}}
-	badManifest = rdma.Manifest{Bytes: []uint64{4096, 512}, CRC: []uint32{0xaaaa, 0xcccc}}
+	okManifest  = Manifest{Bytes: []uint64{4096, 512}, CRC: []uint32{0xaaaa, 0xbbbb}}
+	badManifest = Manifest{Bytes: []uint64{4096, 512}, CRC: []uint32{0xaaaa, 0xcccc}}
 	expected    = []uint64{4096, 512}
 )
 
