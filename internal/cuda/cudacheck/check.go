@@ -108,7 +108,7 @@ func pattern(n uint64, seed byte) []byte {
 // the others still run; the error is for a check that could not start.
 func Run(ctx context.Context, cfg Config) (*Report, error) {
 	r := &Report{Library: cfg.Library, SizeBytes: cfg.Size, Repeat: cfg.Repeat,
-		EndToEnd: "not run: the workers cannot yet keep their pools in device memory (--memory cuda, issue 20)"}
+		EndToEnd: "not run here: scripts/gpu-check runs the handoff with both workers in device memory (service.test TestDeviceMemoryMatchesLocal, device_oracle_rc)"}
 	fail := func(step string, err error) { r.Errors = append(r.Errors, fmt.Sprintf("%s: %v", step, err)) }
 	drv, err := cuda.Load(cfg.Library)
 	if err != nil {
