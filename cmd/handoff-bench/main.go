@@ -20,6 +20,7 @@ subcommands:
   topology   the GPUs and NICs this host offers the data path
   serve      load an OpenAI /v1/completions endpoint as vllm bench serve does
   compare    serve --sweep-rates reports of several setups side by side: goodput table and plot
+  layerwise  time to first token with and without layer-wise streaming, against local prefill
 
 handoff-bench <subcommand> --help lists a subcommand's flags.
 `
@@ -58,6 +59,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	switch args[0] {
 	case "datapath":
 		return runDatapath(ctx, args[1:])
+	case "layerwise":
+		return runLayerwise(ctx, args[1:], stdout, stderr)
 	case "control":
 		return runControl(ctx, args[1:])
 	case "topology":
