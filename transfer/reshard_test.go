@@ -144,7 +144,7 @@ type tpSide struct {
 	shards []Shard
 }
 
-func newTPSide(t *testing.T, agent string, kv kvcache.Config, mc mambacache.Config, tp int, tr rdma.Transport) *tpSide {
+func newTPSide(t testing.TB, agent string, kv kvcache.Config, mc mambacache.Config, tp int, tr rdma.Transport, blocks int) *tpSide {
 	t.Helper()
 	eng, err := rdma.New(rdma.Config{Agent: rdma.AgentID(agent), Transports: []rdma.Transport{tr}, Logger: slog.New(slog.DiscardHandler)})
 	require.NoError(t, err)
@@ -153,7 +153,7 @@ func newTPSide(t *testing.T, agent string, kv kvcache.Config, mc mambacache.Conf
 	for r := range tp {
 		k, err := reshard.KVShard(kv, tp)
 		require.NoError(t, err)
-		k.Blocks = 12
+		k.Blocks = blocks
 		m, err := reshard.MambaShard(mc, tp)
 		require.NoError(t, err)
 		m.MaxBatchSize = 2
@@ -183,9 +183,9 @@ func TestTPRankRegionsWrite(t *testing.T) {
 		for _, pr := range [][2]int{{2, 1}, {1, 4}, {4, 2}, {2, 2}, {1, 1}} {
 			from, to := pr[0], pr[1]
 			t.Run(fmt.Sprintf("%s/%d→%d", tr, from, to), func(t *testing.T) {
-				src := newTPSide(t, "src", kv, mc, from, tr)
-				dst := newTPSide(t, "dst", kv, mc, to, tr)
-				const tokens = 40 // 3 blocks
+				src := newTPSide(t, "src", kv, mc, from, tr, 12)
+				dst := newTPSide(t, "dst", kv, mc, to, tr, 12)
+				const tokens = 40              // 3 blocks
 				_, err := dst.m.Prepare(1, 16) // a neighbour, so the request's blocks are not at 0
 				require.NoError(t, err)
 				for _, s := range dst.shards {
