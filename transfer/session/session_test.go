@@ -13,19 +13,29 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-var update = flag.Bool("update", false, "rewrite testdata golden transcripts")
+var update = flag.Bool("update", false, "rewrite the transcripts of the testdata scripts")
 
-// golden compares got with testdata/name.txt, or rewrites it under -update.
-func golden(t *testing.T, name, got string) {
-	t.Helper()
-	path := filepath.Join("testdata", name+".txt")
-	if *update {
-		require.NoError(t, os.WriteFile(path, []byte(got), 0o644))
-		return
+// TestGolden runs every script in testdata (see script) and compares the
+// transcript its session produces with the one below the script's "----",
+// or rewrites it under -update.
+func TestGolden(t *testing.T) {
+	paths, err := filepath.Glob(filepath.Join("testdata", "*.txt"))
+	require.NoError(t, err)
+	require.NotEmpty(t, paths)
+	for _, path := range paths {
+		t.Run(strings.TrimSuffix(filepath.Base(path), ".txt"), func(t *testing.T) {
+			sc, err := readScript(path)
+			require.NoError(t, err)
+			s, err := newStepper(sc.directive)
+			require.NoError(t, err)
+			got := transcript(t, s, sc.events)
+			if *update {
+				require.NoError(t, os.WriteFile(path, []byte(sc.input()+got), 0o644))
+				return
+			}
+			require.Equal(t, sc.want, got, "transcript differs from %s (run with -update if intended)", path)
+		})
 	}
-	want, err := os.ReadFile(path)
-	require.NoError(t, err, "missing golden file; run go test -run %s -update", t.Name())
-	require.Equal(t, string(want), got, "transcript differs from %s (run with -update if intended)", path)
 }
 
 type stepper interface {
@@ -68,10 +78,9 @@ func renderEvent(ev Event) string {
 // exactly one terminal action, nothing after it, no terminal action while a
 // grant is open (the caller frees the destination once the handoff ended)
 // and releases only when no step is in flight.
-func transcript(t *testing.T, header string, s stepper, script []at) string {
+func transcript(t *testing.T, s stepper, script []at) string {
 	t.Helper()
 	var b strings.Builder
-	fmt.Fprintf(&b, "# %s\n", header)
 	terminals := 0
 	grantOpen, inFlight := false, false
 	for _, st := range script {
@@ -127,376 +136,6 @@ var (
 	badManifest = Manifest{Bytes: []uint64{4096, 512}, CRC: []uint32{0xaaaa, 0xcccc}}
 	expected    = []uint64{4096, 512}
 )
-
-// recvPrefix is the happy opening of a receiver session up to the request sent.
-func recvPrefix() []at {
-	return []at{
-		{0, Event{Kind: EvStart}},
-		{ms(1), Event{Kind: EvGranted, Expected: expected}},
-		{ms(1), Event{Kind: EvSent}},
-	}
-}
-
-// The queue group has no responder for a while (workers restarting): the
-// request is sent again with a backoff for up to QuietWait.
-func TestRecvSessionQuietGolden(t *testing.T) {
-	deadline := epoch.Add(5 * time.Second)
-	cases := []struct {
-		name   string
-		script []at
-	}{
-		{"quiet_then_served", append(recvPrefix(),
-			at{ms(2), Event{Kind: EvNoResponders}},
-			at{ms(40), Event{Kind: EvTick}},
-			at{ms(52), Event{Kind: EvTick}},
-			at{ms(52), Event{Kind: EvSent}},
-			at{ms(53), Event{Kind: EvNoResponders, Attempt: 2}},
-			at{ms(153), Event{Kind: EvTick}},
-			at{ms(153), Event{Kind: EvSent}},
-			at{ms(160), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(161), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest, Attempt: 3}},
-		)},
-		// The worker died after its commit and before its reply: it is
-		// awaited for a second, then the request fails.
-		{"peer_gone_after_commit_no_reply", append(recvPrefix()[:3],
-			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
-			at{ms(5), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(6), Event{Kind: EvPeerDied, Instance: "p1"}},
-			at{ms(500), Event{Kind: EvTick}},
-			at{ms(1006), Event{Kind: EvTick}},
-		)},
-		{"quiet_past_wait", append(recvPrefix(),
-			at{ms(2), Event{Kind: EvNoResponders}},
-			at{ms(52), Event{Kind: EvTick}},
-			at{ms(52), Event{Kind: EvSent}},
-			at{ms(53), Event{Kind: EvNoResponders}},
-			at{ms(153), Event{Kind: EvTick}},
-			at{ms(153), Event{Kind: EvSent}},
-			at{ms(154), Event{Kind: EvNoResponders}},
-		)},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			s := NewRecvSession(RecvParams{RequestID: 7, Deadline: deadline, MaxAttempts: 3, QuietWait: 300 * time.Millisecond})
-			header := fmt.Sprintf("recv %s: request 7, deadline +5s, 3 attempts, quiet wait 300ms", tc.name)
-			golden(t, "recv_"+tc.name, transcript(t, header, s, tc.script))
-		})
-	}
-}
-
-func TestRecvSessionGolden(t *testing.T) {
-	deadline := epoch.Add(100 * time.Millisecond)
-	cases := []struct {
-		name   string
-		id     uint64
-		script []at
-	}{
-		{"happy", 7, append(recvPrefix(),
-			at{ms(5), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(6), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
-		)},
-		{"reply_before_commit", 7, append(recvPrefix(),
-			at{ms(5), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
-			at{ms(6), Event{Kind: EvCommitted, Manifest: okManifest}},
-		)},
-		{"late_commit_after_timeout", 7, append(recvPrefix(),
-			at{ms(50), Event{Kind: EvTick}},
-			at{ms(100), Event{Kind: EvTick}},
-			at{ms(101), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(102), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
-		)},
-		{"cancel_during_write", 7, append(recvPrefix(),
-			at{ms(10), Event{Kind: EvCancel}},
-			at{ms(11), Event{Kind: EvGrantFailed, Code: CodeCancelled}},
-			at{ms(12), Event{Kind: EvReply, Code: CodeCancelled, Instance: "p1"}},
-			at{ms(13), Event{Kind: EvCancel}},
-		)},
-		{"duplicate_reply", 7, append(recvPrefix(),
-			at{ms(5), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
-			at{ms(5), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
-			at{ms(6), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(7), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
-		)},
-		{"duplicate_commit_and_failure_reply", 7, append(recvPrefix(),
-			at{ms(5), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(5), Event{Kind: EvCommitted, Manifest: badManifest}},
-			at{ms(6), Event{Kind: EvReply, Code: CodePrefillFailed, Instance: "p1"}},
-		)},
-		{"manifest_mismatch", 7, append(recvPrefix(),
-			at{ms(5), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(6), Event{Kind: EvReply, Instance: "p1", Manifest: badManifest}},
-		)},
-		{"no_responders_retry_exhausted", 7, append(recvPrefix(),
-			at{ms(2), Event{Kind: EvNoResponders}},
-			at{ms(2), Event{Kind: EvSent}},
-			at{ms(3), Event{Kind: EvNoResponders}},
-			at{ms(3), Event{Kind: EvSent}},
-			at{ms(4), Event{Kind: EvNoResponders}},
-		)},
-		// A direct request nobody answers: that instance is gone (its
-		// registry entry not yet expired); the retry must not pick it again.
-		{"no_responders_direct_excluded", 7, append(recvPrefix()[:3],
-			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
-			at{ms(2), Event{Kind: EvNoResponders}},
-			at{ms(2), Event{Kind: EvSent, Instance: "p2"}},
-			at{ms(8), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(9), Event{Kind: EvReply, Instance: "p2", Manifest: okManifest}},
-		)},
-		{"capacity_refused_then_served", 7, append(recvPrefix(),
-			at{ms(2), Event{Kind: EvReply, Code: CodeCapacityRefused, Instance: "p1"}},
-			at{ms(2), Event{Kind: EvSent, Instance: "p2"}},
-			at{ms(8), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(9), Event{Kind: EvReply, Instance: "p2", Manifest: okManifest}},
-		)},
-		{"capacity_refused_past_deadline", 7, append(recvPrefix(),
-			at{ms(100), Event{Kind: EvReply, Code: CodeCapacityRefused, Instance: "p1"}},
-		)},
-		{"layout_mismatch_refused", 7, append(recvPrefix(),
-			at{ms(2), Event{Kind: EvReply, Code: CodeLayoutMismatch, Instance: "p1"}},
-		)},
-		{"peer_death_and_cancel_while_granting", 7, []at{
-			{0, Event{Kind: EvStart}},
-			{ms(1), Event{Kind: EvPeerDied, Instance: "p1"}},
-			{ms(1), Event{Kind: EvCancel, Code: CodeClosed}},
-			{ms(2), Event{Kind: EvGranted, Expected: expected}},
-		}},
-		{"peer_death_while_granting", 7, []at{
-			{0, Event{Kind: EvStart}},
-			{ms(1), Event{Kind: EvTick}},
-			{ms(100), Event{Kind: EvTick}},
-			{ms(101), Event{Kind: EvGranted, Expected: expected}},
-		}},
-		// The addressed instance dies before any commit: the grant is revoked
-		// (fencing its late writes), a fresh one opened, and the next attempt
-		// goes to a live instance; the last attempt's death fails.
-		{"peer_death_waiting_targeted", 7, append(recvPrefix(),
-			at{ms(2), Event{Kind: EvReply, Code: CodeCapacityRefused, Instance: "p1"}},
-			at{ms(2), Event{Kind: EvSent, Instance: "p2"}},
-			at{ms(3), Event{Kind: EvPeerDied, Instance: "p1"}},
-			at{ms(4), Event{Kind: EvPeerDied, Instance: "p2"}},
-			at{ms(4), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(4), Event{Kind: EvGranted, Expected: expected}},
-			at{ms(4), Event{Kind: EvSent, Instance: "p3"}},
-			at{ms(5), Event{Kind: EvReply, Code: CodeCancelled, Instance: "p2"}},
-			at{ms(6), Event{Kind: EvPeerDied, Instance: "p3"}},
-			at{ms(7), Event{Kind: EvCommitted, Manifest: okManifest}},
-		)},
-		{"peer_death_after_reply", 7, append(recvPrefix(),
-			at{ms(5), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
-			at{ms(6), Event{Kind: EvPeerDied, Instance: "p1"}},
-			at{ms(6), Event{Kind: EvGranted, Expected: expected}},
-			at{ms(6), Event{Kind: EvSent, Instance: "p2"}},
-			at{ms(7), Event{Kind: EvReply, Instance: "p1", Manifest: badManifest}},
-			at{ms(8), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(9), Event{Kind: EvReply, Instance: "p2", Manifest: okManifest}},
-		)},
-		{"control_lost_resent_served", 7, append(recvPrefix()[:3],
-			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
-			at{ms(3), Event{Kind: EvLost}},
-			at{ms(3), Event{Kind: EvGranted, Expected: expected}},
-			at{ms(3), Event{Kind: EvSent, Instance: "p1"}},
-			at{ms(4), Event{Kind: EvReply, Code: CodeCancelled, Instance: "p1", Attempt: 1}},
-			at{ms(8), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(9), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest, Attempt: 2}},
-		)},
-		{"control_lost_by_serving_instance", 7, append(recvPrefix()[:3],
-			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
-			at{ms(2), Event{Kind: EvLost, Instance: "p2"}},
-			at{ms(3), Event{Kind: EvLost, Instance: "p1"}},
-			at{ms(3), Event{Kind: EvGranted, Expected: expected}},
-			at{ms(3), Event{Kind: EvSent, Instance: "p2"}},
-			at{ms(8), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(9), Event{Kind: EvReply, Instance: "p2", Manifest: okManifest}},
-		)},
-		{"control_lost_after_reply", 7, append(recvPrefix(),
-			at{ms(5), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
-			at{ms(6), Event{Kind: EvLost}},
-			at{ms(7), Event{Kind: EvCommitted, Manifest: okManifest}},
-		)},
-		{"control_lost_no_attempt_left", 7, append(recvPrefix()[:3],
-			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
-			at{ms(2), Event{Kind: EvReply, Code: CodeCapacityRefused, Instance: "p1"}},
-			at{ms(2), Event{Kind: EvSent, Instance: "p2"}},
-			at{ms(3), Event{Kind: EvReply, Code: CodeCapacityRefused, Instance: "p2"}},
-			at{ms(3), Event{Kind: EvSent, Instance: "p3"}},
-			at{ms(5), Event{Kind: EvLost}},
-			at{ms(8), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(9), Event{Kind: EvReply, Instance: "p3", Manifest: okManifest}},
-		)},
-		{"peer_death_retry_served", 7, append(recvPrefix()[:3],
-			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
-			at{ms(3), Event{Kind: EvPeerDied, Instance: "p1"}},
-			at{ms(3), Event{Kind: EvGranted, Expected: expected}},
-			at{ms(3), Event{Kind: EvSent, Instance: "p2"}},
-			at{ms(4), Event{Kind: EvReply, Code: CodeCancelled, Instance: "p1"}},
-			at{ms(5), Event{Kind: EvReply, Code: CodeCapacityRefused, Instance: "p2"}},
-			at{ms(5), Event{Kind: EvSent, Instance: "p3"}},
-			at{ms(8), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(9), Event{Kind: EvReply, Instance: "p3", Manifest: okManifest}},
-		)},
-		{"peer_death_regrant_refused", 7, append(recvPrefix()[:3],
-			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
-			at{ms(3), Event{Kind: EvPeerDied, Instance: "p1"}},
-			at{ms(3), Event{Kind: EvCancel}},
-			at{ms(3), Event{Kind: EvGranted, Code: CodeClosed}},
-		)},
-		{"peer_death_no_live_instance", 7, append(recvPrefix()[:3],
-			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
-			at{ms(3), Event{Kind: EvPeerDied, Instance: "p1"}},
-			at{ms(3), Event{Kind: EvGranted, Expected: expected}},
-			at{ms(3), Event{Kind: EvSent, Code: CodePeerFailed}},
-		)},
-		{"peer_death_past_deadline", 7, append(recvPrefix()[:3],
-			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
-			at{ms(100), Event{Kind: EvPeerDied, Instance: "p1"}},
-		)},
-		{"peer_death_after_commit", 7, append(recvPrefix()[:3],
-			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
-			at{ms(5), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(6), Event{Kind: EvPeerDied, Instance: "p1"}},
-			at{ms(50), Event{Kind: EvTick}},
-			at{ms(99), Event{Kind: EvTick}},
-		)},
-		// A draining worker replies, then leaves the registry; the two
-		// reach the decoder by different paths, the reply last.
-		{"peer_gone_after_commit_reply_follows", 7, append(recvPrefix()[:3],
-			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
-			at{ms(5), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(6), Event{Kind: EvPeerDied, Instance: "p1"}},
-			at{ms(7), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
-		)},
-		{"peer_death_data_path", 7, append(recvPrefix(),
-			at{ms(5), Event{Kind: EvGrantFailed, Code: CodePeerFailed}},
-			at{ms(6), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
-		)},
-		{"peer_death_data_path_targeted", 7, append(recvPrefix()[:3],
-			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
-			at{ms(5), Event{Kind: EvGrantFailed, Code: CodePeerFailed}},
-			at{ms(5), Event{Kind: EvGranted, Expected: expected}},
-			at{ms(5), Event{Kind: EvSent, Instance: "p2"}},
-			at{ms(6), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
-			at{ms(8), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(9), Event{Kind: EvReply, Instance: "p2", Manifest: okManifest}},
-		)},
-		{"peer_death_data_path_last_attempt", 7, append(recvPrefix()[:3],
-			at{ms(1), Event{Kind: EvSent, Instance: "p1"}},
-			at{ms(2), Event{Kind: EvReply, Code: CodeCapacityRefused, Instance: "p1"}},
-			at{ms(2), Event{Kind: EvSent, Instance: "p2"}},
-			at{ms(3), Event{Kind: EvReply, Code: CodeCapacityRefused, Instance: "p2"}},
-			at{ms(3), Event{Kind: EvSent, Instance: "p3"}},
-			at{ms(5), Event{Kind: EvGrantFailed, Code: CodePeerFailed}},
-		)},
-		{"peer_death_after_deliver", 7, append(recvPrefix(),
-			at{ms(5), Event{Kind: EvCommitted, Manifest: okManifest}},
-			at{ms(6), Event{Kind: EvReply, Instance: "p1", Manifest: okManifest}},
-			at{ms(7), Event{Kind: EvPeerDied, Instance: "p1"}},
-		)},
-		{"grant_refused_reserved_row", 7, []at{
-			{0, Event{Kind: EvStart}},
-			{ms(1), Event{Kind: EvGranted, Code: CodeDummyRequest}},
-		}},
-		{"payload_too_large", 7, []at{
-			{0, Event{Kind: EvStart}},
-			{ms(1), Event{Kind: EvGranted, Expected: expected}},
-			{ms(1), Event{Kind: EvSent, Code: CodePayloadTooLarge}},
-		}},
-		{"dummy_id_zero", 0, []at{{0, Event{Kind: EvStart}}}},
-		{"dummy_padding_sentinel", math.MaxUint64 - 1, []at{{0, Event{Kind: EvStart}}}},
-		{"expired_before_start", 7, []at{{ms(100), Event{Kind: EvStart}}}},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			s := NewRecvSession(RecvParams{RequestID: tc.id, MaxDraftTokens: 2, Deadline: deadline, MaxAttempts: 3})
-			header := fmt.Sprintf("recv %s: request %d, deadline +100ms, 3 attempts", tc.name, tc.id)
-			golden(t, "recv_"+tc.name, transcript(t, header, s, tc.script))
-		})
-	}
-}
-
-func sendPrefix() []at {
-	return []at{
-		{0, Event{Kind: EvRequest}},
-		{ms(1), Event{Kind: EvAdmitted}},
-	}
-}
-
-func TestSendSessionGolden(t *testing.T) {
-	deadline := epoch.Add(100 * time.Millisecond)
-	good := Event{Kind: EvPrefilled, KVBytes: 4096, MambaBytes: 512}
-	cases := []struct {
-		name   string
-		id     uint64
-		fp     string
-		script []at
-	}{
-		{"happy", 7, "fp", append(sendPrefix(),
-			at{ms(20), good},
-			at{ms(25), Event{Kind: EvWritten, Manifest: okManifest}},
-		)},
-		{"cancel_during_prefill", 7, "fp", append(sendPrefix(),
-			at{ms(5), Event{Kind: EvCancel}},
-			at{ms(6), Event{Kind: EvCancel}},
-			at{ms(7), Event{Kind: EvPrefilled, Code: CodeCancelled}},
-		)},
-		{"cancel_during_write", 7, "fp", append(sendPrefix(),
-			at{ms(20), good},
-			at{ms(21), Event{Kind: EvCancel}},
-			at{ms(22), Event{Kind: EvWritten, Code: CodeCancelled}},
-			at{ms(23), Event{Kind: EvCancel}},
-		)},
-		{"cancel_racing_accepted_commit", 7, "fp", append(sendPrefix(),
-			at{ms(20), good},
-			at{ms(21), Event{Kind: EvCancel}},
-			at{ms(22), Event{Kind: EvWritten, Manifest: okManifest}},
-		)},
-		{"receiver_death_during_write", 7, "fp", append(sendPrefix(),
-			at{ms(20), good},
-			at{ms(22), Event{Kind: EvWritten, Code: CodePeerFailed}},
-		)},
-		{"receiver_revoked_after_timeout", 7, "fp", append(sendPrefix(),
-			at{ms(20), good},
-			at{ms(99), Event{Kind: EvWritten, Code: CodeCancelled}},
-		)},
-		{"peer_death_during_prefill", 7, "fp", append(sendPrefix(),
-			at{ms(5), Event{Kind: EvPeerDied, Instance: "d1"}},
-			at{ms(9), good},
-		)},
-		{"deadline_during_prefill", 7, "fp", append(sendPrefix(),
-			at{ms(50), Event{Kind: EvTick}},
-			at{ms(100), Event{Kind: EvTick}},
-			at{ms(100), Event{Kind: EvPrefilled, Code: CodeTimeout}},
-		)},
-		{"prefill_failed", 7, "fp", append(sendPrefix(),
-			at{ms(5), Event{Kind: EvPrefilled, Code: CodePrefillFailed}},
-		)},
-		{"layout_mismatch_fingerprint", 7, "other", []at{{0, Event{Kind: EvRequest}}}},
-		{"layout_mismatch_bytes", 7, "fp", append(sendPrefix(),
-			at{ms(20), Event{Kind: EvPrefilled, KVBytes: 8192, MambaBytes: 512}},
-		)},
-		{"capacity_refused", 7, "fp", []at{
-			{0, Event{Kind: EvRequest}},
-			{0, Event{Kind: EvAdmitted, Code: CodeCapacityRefused}},
-		}},
-		{"dummy_id_zero", 0, "fp", []at{{0, Event{Kind: EvRequest}}}},
-		{"dummy_padding_sentinel", math.MaxUint64, "fp", []at{{0, Event{Kind: EvRequest}}}},
-		{"expired_on_arrival", 7, "fp", []at{{ms(100), Event{Kind: EvRequest}}}},
-		{"duplicate_request", 7, "fp", append(sendPrefix(),
-			at{ms(1), Event{Kind: EvRequest}},
-			at{ms(2), Event{Kind: EvAdmitted}},
-			at{ms(20), good},
-			at{ms(25), Event{Kind: EvWritten, Manifest: okManifest}},
-			at{ms(26), Event{Kind: EvWritten, Manifest: okManifest}},
-		)},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			s := NewSendSession(SendParams{RequestID: tc.id, MaxDraftTokens: 2, Deadline: deadline,
-				Fingerprint: tc.fp, Local: "fp", KVBytes: 4096, MambaBytes: 512})
-			header := fmt.Sprintf("send %s: request %d, deadline +100ms, fingerprint %s (local fp)", tc.name, tc.id, tc.fp)
-			golden(t, "send_"+tc.name, transcript(t, header, s, tc.script))
-		})
-	}
-}
 
 func TestIsDummyID(t *testing.T) {
 	cases := []struct {
