@@ -13,6 +13,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -46,6 +47,14 @@ func TestKubernetes(t *testing.T) {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithDeadline(ctx, dl.Add(-30*time.Second))
 		defer cancel()
+	}
+	// An image whose binary cannot start fails here, by name, rather than as
+	// a crash-looping pod behind a rollout timeout.
+	for _, img := range []string{"handoff-nats", "handoff-prefill", "handoff-decode"} {
+		out, err := exec.CommandContext(ctx, "docker", "run", "--rm", "--network=none", img+":"+tag, "version").CombinedOutput()
+		if err != nil {
+			t.Fatalf("image %s:%s does not run (a FROM scratch image needs a static binary): %v: %s", img, tag, err, bytes.TrimSpace(out))
+		}
 	}
 	c := startCluster(ctx, t)
 
