@@ -392,10 +392,14 @@ func (s *RecvSession) Step(ev Event) []Action {
 		if code == CodeOK {
 			code = CodePeerFailed
 		}
-		if code == CodePeerFailed && s.outstanding && s.target != "" {
+		if code == CodePeerFailed && s.outstanding {
 			// The writer's connection went mid-write (it died, or will be
 			// taken for dead): retry fenced on another instance, as when
-			// its death is reported first.
+			// its death is reported first. A request sent to the queue
+			// group does not know its writer; its retry goes to the group
+			// again, where a dead worker no longer listens. A layer-wise
+			// writer holds its grant for the whole prefill, so its death
+			// reaches the grant before the control plane as often as not.
 			return s.regrantOr(ev.Now, s.target)
 		}
 		return s.fail(code)
@@ -484,10 +488,10 @@ func (s *RecvSession) regrantOr(now time.Time, dead string) []Action {
 		acts = append(acts, Action{Kind: ActPublishCancel, Instance: s.target, Code: CodePeerFailed})
 		s.outstanding = false
 	}
-	if !slices.Contains(s.dead, dead) {
+	if dead != "" && !slices.Contains(s.dead, dead) {
 		s.dead = append(s.dead, dead)
 	}
-	if !slices.Contains(s.refused, dead) {
+	if dead != "" && !slices.Contains(s.refused, dead) {
 		s.refused = append(s.refused, dead)
 	}
 	s.replied, s.replyInstance, s.replyManifest = false, "", Manifest{}
