@@ -26,14 +26,13 @@ const (
 // Defaults of AutoPolicy, the thresholds of decode --prefill auto.
 //
 // DefaultAutoMinRemoteTokens: a prompt shorter than this is prefilled
-// locally. It is where the two costs of a prefill cross for the simulated
-// nemotron-h-8b on an H200 (docs/evaluation.md): a remote prefill adds the
-// transfer of the request's cache and the control-plane round trip to its
-// time to first token (the Mamba row alone is 49 MiB), while a local one
-// stalls the running decodes of its step for the prefill's compute. Below
-// about 512 tokens the prefill (17 ms simulated) costs the decodes less than
-// the handoff costs the request; SGLang's open layer-wise PRs put their
-// minimum prefill length in the same range for the same reason.
+// locally. A remote prefill adds the transfer of the request's cache and the
+// control-plane round trip to its time to first token (the Mamba row alone
+// is 49 MiB; 7-23 ms measured in docs/evaluation.md), while a local one
+// stalls the running decodes of its step for the prefill's compute. Up to
+// about 512 tokens the simulated nemotron-h-8b prefill on an H200 (17 ms)
+// stalls the decodes about as long as the handoff delays the request; past
+// it the stall grows with the prompt and a remote prefill wins.
 //
 // DefaultAutoMaxPrefillQueue: when even the least-loaded prefill instance
 // has this many requests beyond one step's batch waiting, a new request is
