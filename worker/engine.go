@@ -799,6 +799,7 @@ func (e *Scheduler) place(q *request, r *Rank) {
 	q.rank = r
 	q.admitted = time.Now()
 	q.timing.Queued = q.admitted.Sub(q.accepted)
+	q.traceQueued()
 	e.m.QueueDuration.WithLabelValues(string(e.cfg.Role)).Observe(q.timing.Queued.Seconds())
 	q.log = q.log.With("rank", r.index)
 	r.held = append(r.held, q)
@@ -974,10 +975,12 @@ func (e *Scheduler) prefillStep(r *Rank, q *request) {
 	}
 	if logits == nil { // chunks to go: the request stays in its context phase
 		q.computed += time.Since(start)
+		q.traceCompute(start)
 		return
 	}
 	tok, lp := q.sample(logits)
 	q.timing.Prefill = q.computed + time.Since(start)
+	q.traceCompute(start)
 	e.m.PrefillDuration.WithLabelValues(string(e.cfg.Role)).Observe(q.timing.Prefill.Seconds())
 	q.pos = len(q.prompt)
 	if q.prefillOnly {
@@ -1015,6 +1018,7 @@ func (e *Scheduler) decodeStep(r *Rank, q *request) {
 		return
 	}
 	q.blocks = c.Blocks
+	traced := q.firstStepStart()
 	logits, err := model.DecodeContext(q.ctx, r.exec, c, q.last, q.pos)
 	if err != nil {
 		q.stepErr = err
@@ -1023,6 +1027,7 @@ func (e *Scheduler) decodeStep(r *Rank, q *request) {
 	tok, lp := q.sample(logits)
 	q.pos++
 	q.finished = q.accept(tok, lp)
+	q.traceFirstStep(traced)
 }
 
 // collect ends the requests the iteration finished or failed.

@@ -16,6 +16,8 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/handoff-io/handoff/model"
 	"github.com/handoff-io/handoff/worker"
 )
@@ -45,6 +47,10 @@ type Config struct {
 	WriteTimeout time.Duration
 	// Now is the clock for "created"; nil means time.Now.
 	Now func() time.Time
+	// TracerProvider traces each request (a server span continuing the
+	// client's W3C traceparent; the scheduler and the handoff add children);
+	// nil traces nothing and costs nothing.
+	TracerProvider trace.TracerProvider
 }
 
 type server struct {
@@ -82,6 +88,9 @@ func New(cfg Config, gen Generator) http.Handler {
 		writeError(w, http.StatusNotFound, &apiError{
 			Message: fmt.Sprintf("no route %s %s", r.Method, r.URL.Path), Type: typeInvalid, Code: "not_found"})
 	})
+	if cfg.TracerProvider != nil {
+		return traced(mux, cfg.TracerProvider)
+	}
 	return mux
 }
 

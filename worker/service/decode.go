@@ -29,6 +29,11 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 		return runStandalone(ctx, cfg, o)
 	}
 	log := o.Logger
+	tp, stopTracing, err := startTracing(ctx, &o, worker.RoleDecode, cfg.InstanceID)
+	if err != nil {
+		return err
+	}
+	defer stopTracing()
 	// Remote and auto both reach prefill workers over NATS and the data
 	// path; auto may also prefill any request here.
 	remote, auto := cfg.Prefill != "local", cfg.Prefill == "auto"
@@ -133,7 +138,7 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 		return nil
 	})
 	apiSrv, err := listenHTTP(cfg.HTTPAddr, api.New(api.Config{Model: cfg.Model, Logger: log, Metrics: o.Metrics,
-		WriteTimeout: cfg.WriteTimeout}, eng), log)
+		WriteTimeout: cfg.WriteTimeout, TracerProvider: tp}, eng), log)
 	if err != nil {
 		return fmt.Errorf("api listener: %w", err)
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/handoff-io/handoff/hybrid"
 	"github.com/handoff-io/handoff/internal/cuda"
@@ -59,6 +60,9 @@ type Options struct {
 	// what is left fails at once and the worker returns ErrAborted. Nil
 	// never ends.
 	Abort context.Context
+	// TracerProvider traces the worker's requests; nil: the one the OTEL_*
+	// environment configures, if any (startTracing).
+	TracerProvider trace.TracerProvider
 	// Stdout receives the standalone banner; nil means os.Stdout.
 	Stdout io.Writer
 	// Stderr receives the logs when Logger is nil; nil means os.Stderr.

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/handoff-io/handoff/transfer"
 	"github.com/handoff-io/handoff/worker"
@@ -23,6 +24,11 @@ import (
 func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 	o.fill(&cfg)
 	log := o.Logger
+	tp, stopTracing, err := startTracing(ctx, &o, worker.RolePrefill, cfg.InstanceID)
+	if err != nil {
+		return err
+	}
+	defer stopTracing()
 	adm, gate, admSrv, err := startAdmin(cfg, &o)
 	if err != nil {
 		return err
@@ -70,7 +76,7 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 	pe := &prefillExec{e: eng, n: n, m: o.Metrics}
 	pf, err := transfer.NewPrefiller(transfer.PrefillerConfig{
 		Instance: cfg.InstanceID, Namespace: cfg.Namespace, Fingerprint: n.fingerprint,
-		Capacity: n.capacity, Logger: log,
+		Capacity: n.capacity, Logger: log, TracerProvider: tp,
 		Registry: transfer.RegistryConfig{Replicas: cfg.RegistryReplicas}, Layerwise: layerwiseOf(cfg), LayerwiseMinTokens: cfg.LayerwiseMinTokens,
 	}, nc, n.data, pe)
 	if err != nil {
@@ -141,6 +147,10 @@ func (p *prefillExec) Admit(job transfer.Job) (transfer.AdmittedJob, error) {
 	if !job.Deadline.IsZero() {
 		cancel()
 		ctx, cancel = context.WithDeadline(context.Background(), job.Deadline)
+	}
+	if job.Span != nil {
+		// The scheduler records the job's queue and compute under it.
+		ctx = trace.ContextWithSpan(ctx, job.Span)
 	}
 	parts := &partSink{n: p.n}
 	pend, err := p.e.SubmitPrefill(ctx, worker.PrefillJob{
