@@ -237,9 +237,6 @@ func (st *streamer) stop(drain bool) error {
 	return st.err
 }
 
-// streamed returns the bytes that landed while prefill computed.
-func (st *streamer) streamed() uint64 { return st.s.Written() }
-
 // startStream starts streaming t's cache when the prefiller's mode and the
 // job allow it. A stream that cannot start leaves the cache to the write
 // after prefill, as without streaming.
