@@ -831,7 +831,6 @@ func (t *task) replyFor(code Code) PrefillReply {
 	if code == CodeOK {
 		rep.FirstToken, rep.Logprobs = t.out.FirstToken, t.out.Logprobs
 		rep.PrefillNanos, rep.WriteNanos = int64(t.pf), int64(t.wr)
-		rep.KVBytes, rep.MambaBytes = t.out.Source.Bytes()
 		rep.Manifest = ManifestOf(t.manifest)
 	} else if t.cause != nil {
 		rep.Msg = t.cause.Error()

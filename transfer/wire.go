@@ -212,7 +212,6 @@ func decodeWith(dec *msgpack.Decoder, f func(*reader) error) error {
 type Sampling struct {
 	Temperature float64 `msgpack:"t"`
 	Seed        uint64  `msgpack:"s"`
-	MaxTokens   int32   `msgpack:"n"`
 	// TopP restricts the draw to the nucleus; 0 means unset (omitted, so a
 	// request without it encodes as before).
 	TopP float64 `msgpack:"p,omitempty"`
@@ -381,8 +380,6 @@ type PrefillReply struct {
 	FirstToken   int32    `msgpack:"tok"`
 	PrefillNanos int64    `msgpack:"pf"`
 	WriteNanos   int64    `msgpack:"wr"`
-	KVBytes      uint64   `msgpack:"kvb"`
-	MambaBytes   uint64   `msgpack:"mb"`
 	Manifest     Manifest `msgpack:"man"`
 	// Logprobs are the first token's logprobs when the request asked, in
 	// the worker's encoding (model.Logprobs.MarshalBinary); omitted when empty.
@@ -699,7 +696,7 @@ func fromUnixNano(n int64) time.Time {
 // where they are nested in other messages.
 
 func (s Sampling) appendTo(b []byte) []byte {
-	n := 3
+	n := 2
 	if s.TopP != 0 {
 		n++
 	}
@@ -709,7 +706,6 @@ func (s Sampling) appendTo(b []byte) []byte {
 	b = appendMapLen(b, n)
 	b = appendFloat64(appendStr(b, "t"), s.Temperature)
 	b = appendUint(appendStr(b, "s"), s.Seed)
-	b = appendInt(appendStr(b, "n"), int64(s.MaxTokens))
 	if s.TopP != 0 {
 		b = appendFloat64(appendStr(b, "p"), s.TopP)
 	}
@@ -732,10 +728,6 @@ func (s *Sampling) decode(r *reader) error {
 			s.Temperature, err = r.float64()
 		case "s":
 			s.Seed, err = r.uint()
-		case "n":
-			var v int64
-			v, err = r.int()
-			s.MaxTokens = int32(v)
 		case "p":
 			s.TopP, err = r.float64()
 		case "lp":
@@ -1116,7 +1108,7 @@ func (m *PrefillRequest) DecodeMsgpack(dec *msgpack.Decoder) error {
 }
 
 func (m *PrefillReply) appendTo(b []byte) []byte {
-	n := 11
+	n := 9
 	if len(m.Logprobs) > 0 {
 		n++
 	}
@@ -1129,8 +1121,6 @@ func (m *PrefillReply) appendTo(b []byte) []byte {
 	b = appendInt(appendStr(b, "tok"), int64(m.FirstToken))
 	b = appendInt(appendStr(b, "pf"), m.PrefillNanos)
 	b = appendInt(appendStr(b, "wr"), m.WriteNanos)
-	b = appendUint(appendStr(b, "kvb"), m.KVBytes)
-	b = appendUint(appendStr(b, "mb"), m.MambaBytes)
 	b = m.Manifest.appendTo(appendStr(b, "man"))
 	if len(m.Logprobs) > 0 {
 		b = appendBin(appendStr(b, "lp"), m.Logprobs)
@@ -1169,10 +1159,6 @@ func (m *PrefillReply) decode(r *reader) error {
 			m.PrefillNanos, err = r.int()
 		case "wr":
 			m.WriteNanos, err = r.int()
-		case "kvb":
-			m.KVBytes, err = r.uint()
-		case "mb":
-			m.MambaBytes, err = r.uint()
 		case "man":
 			if err = once(&seen, 1, "man"); err == nil {
 				err = m.Manifest.decode(r)

@@ -30,7 +30,7 @@ func sampleRequest(nTokens, nExtents int) PrefillRequest {
 	}
 	return PrefillRequest{
 		RequestID: 42, From: "decode-0", Attempt: 1, Fingerprint: "tiny-hybrid:abc123",
-		Tokens: toks, Sampling: Sampling{Temperature: 0.7, Seed: 9, MaxTokens: 64},
+		Tokens: toks, Sampling: Sampling{Temperature: 0.7, Seed: 9},
 		Deadline: time.Date(2026, 1, 1, 0, 0, 1, 0, time.UTC).UnixNano(),
 		Peer: PeerOf(rdma.Descriptor{Agent: "decode-0", Host: "h1", TCPAddr: "127.0.0.1:7000",
 			Transports: []rdma.Transport{rdma.TransportInproc, rdma.TransportTCP},
@@ -43,7 +43,7 @@ func sampleRequest(nTokens, nExtents int) PrefillRequest {
 
 func sampleReply() PrefillReply {
 	return PrefillReply{RequestID: 42, Instance: "prefill-1", FirstToken: 17, PrefillNanos: 1234, WriteNanos: 567,
-		KVBytes: 8192, MambaBytes: 4096, Manifest: Manifest{Bytes: U64s{4096, 4096, 4096}, CRC: U32s{1, 2, 3}}}
+		Manifest: Manifest{Bytes: U64s{4096, 4096, 4096}, CRC: U32s{1, 2, 3}}}
 }
 
 func sampleInstance() Instance {
@@ -108,7 +108,6 @@ func TestWirePacked(t *testing.T) {
 type plainSampling struct {
 	Temperature float64 `msgpack:"t"`
 	Seed        uint64  `msgpack:"s"`
-	MaxTokens   int32   `msgpack:"n"`
 	TopP        float64 `msgpack:"p,omitempty"`
 	Logprobs    uint8   `msgpack:"lp,omitempty"`
 }
@@ -167,8 +166,6 @@ type plainReply struct {
 	FirstToken   int32         `msgpack:"tok"`
 	PrefillNanos int64         `msgpack:"pf"`
 	WriteNanos   int64         `msgpack:"wr"`
-	KVBytes      uint64        `msgpack:"kvb"`
-	MambaBytes   uint64        `msgpack:"mb"`
 	Manifest     plainManifest `msgpack:"man"`
 	Logprobs     []byte        `msgpack:"lp,omitempty"`
 }
@@ -181,8 +178,8 @@ func plainOfRequest(m PrefillRequest) plainRequest {
 
 func plainOfReply(m PrefillReply) plainReply {
 	return plainReply{V: m.V, RequestID: m.RequestID, Instance: m.Instance, Code: m.Code, Msg: m.Msg,
-		FirstToken: m.FirstToken, PrefillNanos: m.PrefillNanos, WriteNanos: m.WriteNanos, KVBytes: m.KVBytes,
-		MambaBytes: m.MambaBytes, Manifest: plainManifest(m.Manifest), Logprobs: m.Logprobs}
+		FirstToken: m.FirstToken, PrefillNanos: m.PrefillNanos, WriteNanos: m.WriteNanos,
+		Manifest: plainManifest(m.Manifest), Logprobs: m.Logprobs}
 }
 
 func TestWireHandCodecsMatchReflection(t *testing.T) {
@@ -238,7 +235,6 @@ func TestWireHandCodecsSameBytesAsReflection(t *testing.T) {
 		req.V = WireVersion
 		req.RequestID, req.Ticket.RequestID = uint64(n), uint64(n)
 		req.Deadline, req.Ticket.Deadline, req.Budget = n, -n, n/3
-		req.Sampling.MaxTokens = int32(n)
 		if i%2 == 1 { // the optional fields, present and absent
 			req.Sampling.TopP, req.Sampling.Logprobs = 0.9, uint8(i)
 			req.TP = uint16(n)

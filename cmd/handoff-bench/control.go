@@ -337,7 +337,7 @@ func controlMessageSizes(decEng *rdma.Engine, prompt []int32, fp string) (int, i
 		return 0, 0, err
 	}
 	pb, err := transfer.EncodePrefillReply(transfer.PrefillReply{RequestID: 1 << 40, Instance: "prefill-0", FirstToken: 1,
-		PrefillNanos: 1 << 20, WriteNanos: 1 << 20, MambaBytes: 1,
+		PrefillNanos: 1 << 20, WriteNanos: 1 << 20,
 		Manifest: transfer.Manifest{Bytes: transfer.U64s{1}, CRC: transfer.U32s{1 << 31}}}, 0)
 	if err != nil {
 		return 0, 0, err
