@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/handoff-io/handoff/internal/crc32c"
+	"github.com/handoff-io/handoff/internal/size"
 	"github.com/handoff-io/handoff/rdma"
 )
 
@@ -131,10 +132,11 @@ func parseDatapathFlags(args []string, stderr io.Writer) (datapathOptions, error
 		}
 	}
 	for _, s := range strings.Split(*extents, ",") {
-		n, err := parseSize(s)
+		ns, err := size.Parse(s)
 		if err != nil {
 			return o, fmt.Errorf("datapath: --extent: %w", err)
 		}
+		n := uint64(ns)
 		if n == 0 {
 			return o, errors.New("datapath: --extent must be > 0")
 		}
@@ -142,11 +144,11 @@ func parseDatapathFlags(args []string, stderr io.Writer) (datapathOptions, error
 			o.extents = append(o.extents, n)
 		}
 	}
-	g, err := parseSize(*grant)
+	g, err := size.Parse(*grant)
 	if err != nil {
 		return o, fmt.Errorf("datapath: --grant-bytes: %w", err)
 	}
-	o.grantBytes = g
+	o.grantBytes = uint64(g)
 	if o.duration <= 0 {
 		return o, errors.New("datapath: --duration must be > 0")
 	}
@@ -829,45 +831,6 @@ func (r report) write(w io.Writer, format string) error {
 		}
 	}
 	return tw.Flush()
-}
-
-// parseSize reads "4KiB", "1MiB", "8MB", "65536", "64k" (k, m, g are binary).
-func parseSize(s string) (uint64, error) {
-	s = strings.TrimSpace(s)
-	i := 0
-	for i < len(s) && (s[i] >= '0' && s[i] <= '9') {
-		i++
-	}
-	if i == 0 {
-		return 0, fmt.Errorf("size %q: want a number with an optional unit (B, KiB, MiB, GiB, KB, MB, GB)", s)
-	}
-	n, err := strconv.ParseUint(s[:i], 10, 64)
-	if err != nil {
-		return 0, fmt.Errorf("size %q: %w", s, err)
-	}
-	var mul uint64
-	switch strings.ToLower(strings.TrimSpace(s[i:])) {
-	case "", "b":
-		mul = 1
-	case "k", "kib":
-		mul = 1 << 10
-	case "m", "mib":
-		mul = 1 << 20
-	case "g", "gib":
-		mul = 1 << 30
-	case "kb":
-		mul = 1e3
-	case "mb":
-		mul = 1e6
-	case "gb":
-		mul = 1e9
-	default:
-		return 0, fmt.Errorf("size %q: unknown unit %q", s, s[i:])
-	}
-	if n > (1<<62)/mul {
-		return 0, fmt.Errorf("size %q: too large", s)
-	}
-	return n * mul, nil
 }
 
 // formatSize writes sizes the way parseSize reads them, exact where it can.

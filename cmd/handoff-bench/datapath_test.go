@@ -21,6 +21,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/handoff-io/handoff/internal/size"
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/stretchr/testify/require"
 )
@@ -56,40 +57,6 @@ func noLeak(t *testing.T) {
 
 func quietLogger() *slog.Logger { return slog.New(slog.DiscardHandler) }
 
-func TestParseSize(t *testing.T) {
-	for _, tc := range []struct {
-		in   string
-		want uint64
-		err  bool
-	}{
-		{in: "4KiB", want: 4096},
-		{in: "1MiB", want: 1 << 20},
-		{in: "2GiB", want: 2 << 30},
-		{in: "64k", want: 64 << 10},
-		{in: "8M", want: 8 << 20},
-		{in: "1MB", want: 1e6},
-		{in: "65536", want: 65536},
-		{in: "12B", want: 12},
-		{in: " 4 KiB ", want: 4096},
-		{in: "0", want: 0},
-		{in: "", err: true},
-		{in: "KiB", err: true},
-		{in: "-1KiB", err: true},
-		{in: "1.5MiB", err: true},
-		{in: "4XiB", err: true},
-		{in: "99999999999999999999", err: true},
-		{in: "9999999999GiB", err: true},
-	} {
-		got, err := parseSize(tc.in)
-		if tc.err {
-			require.Error(t, err, "%q", tc.in)
-			continue
-		}
-		require.NoError(t, err, "%q", tc.in)
-		require.Equal(t, tc.want, got, "%q", tc.in)
-	}
-}
-
 func TestFormatSize(t *testing.T) {
 	for n, want := range map[uint64]string{0: "0B", 100: "100B", 4096: "4KiB", 4097: "4097B", 1 << 20: "1MiB",
 		3 << 19: "1.5MiB", 8 << 30: "8GiB", 1 << 40: "1TiB"} {
@@ -99,9 +66,9 @@ func TestFormatSize(t *testing.T) {
 	for range 1000 {
 		n := r.Uint64N(1 << 34)
 		if s := formatSize(n); !strings.Contains(s, ".") {
-			back, err := parseSize(s)
+			back, err := size.Parse(s)
 			require.NoError(t, err)
-			require.Equal(t, n, back, s)
+			require.Equal(t, n, uint64(back), s)
 		}
 	}
 }

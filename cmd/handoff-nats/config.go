@@ -5,7 +5,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"math"
 	"net/url"
 	"os"
 	"strconv"
@@ -13,6 +12,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
+
+	"github.com/handoff-io/handoff/internal/size"
 )
 
 // errHelp is returned when --help was asked for; the usage has been printed.
@@ -82,7 +83,7 @@ func (v sizeValue) String() string {
 }
 
 func (v sizeValue) Set(s string) error {
-	n, err := parseSize(s)
+	n, err := size.Parse(s)
 	if err != nil {
 		return err
 	}
@@ -108,42 +109,6 @@ func (v listValue) Set(s string) error {
 		}
 	}
 	return nil
-}
-
-// parseSize reads a non-negative byte count: "1048576", "8MiB", "8M", "1GB".
-func parseSize(s string) (int64, error) {
-	t := strings.TrimSpace(s)
-	if t == "" {
-		return 0, fmt.Errorf("size %q: empty", s)
-	}
-	units := []struct {
-		suffix string
-		mult   int64
-	}{
-		{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"TiB", 1 << 40},
-		{"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12},
-		{"K", 1 << 10}, {"M", 1 << 20}, {"G", 1 << 30}, {"T", 1 << 40},
-		{"B", 1},
-	}
-	mult := int64(1)
-	for _, u := range units {
-		if strings.HasSuffix(t, u.suffix) {
-			mult = u.mult
-			t = strings.TrimSpace(strings.TrimSuffix(t, u.suffix))
-			break
-		}
-	}
-	n, err := strconv.ParseInt(t, 10, 64)
-	if err != nil {
-		return 0, fmt.Errorf("size %q: want an integer with an optional unit (KiB, MiB, GiB, KB, MB, GB)", s)
-	}
-	if n < 0 {
-		return 0, fmt.Errorf("size %q: negative", s)
-	}
-	if n > math.MaxInt64/mult {
-		return 0, fmt.Errorf("size %q: too large", s)
-	}
-	return n * mult, nil
 }
 
 // defaultServerName is $POD_NAME (a StatefulSet gives stable, unique names),

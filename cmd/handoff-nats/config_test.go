@@ -2,8 +2,6 @@ package main
 
 import (
 	"io"
-	"math"
-	"strconv"
 	"testing"
 	"time"
 
@@ -127,64 +125,4 @@ func TestParseServe(t *testing.T) {
 func TestParseServeHelp(t *testing.T) {
 	_, err := parseServe([]string{"--help"}, envOf(nil), io.Discard)
 	require.ErrorIs(t, err, errHelp)
-}
-
-func TestParseSize(t *testing.T) {
-	tests := []struct {
-		in      string
-		want    int64
-		wantErr bool
-	}{
-		{"0", 0, false},
-		{"1048576", 1 << 20, false},
-		{"8MiB", 8 << 20, false},
-		{"8M", 8 << 20, false},
-		{"8 MiB", 8 << 20, false},
-		{"1MB", 1_000_000, false},
-		{"2GiB", 2 << 30, false},
-		{"3KB", 3000, false},
-		{"10B", 10, false},
-		{"", 0, true},
-		{"MiB", 0, true},
-		{"-1", 0, true},
-		{"1.5GiB", 0, true},
-		{"9223372036854775807GiB", 0, true},
-		{"12XB", 0, true},
-	}
-	for _, tt := range tests {
-		t.Run(tt.in, func(t *testing.T) {
-			got, err := parseSize(tt.in)
-			if tt.wantErr {
-				require.Error(t, err)
-				return
-			}
-			require.NoError(t, err)
-			require.Equal(t, tt.want, got)
-		})
-	}
-}
-
-func FuzzParseSize(f *testing.F) {
-	for _, s := range []string{"0", "8MiB", "1GB", "-3", "", "KiB", "99999999999999999999", "7 TiB"} {
-		f.Add(s)
-	}
-	f.Fuzz(func(t *testing.T, s string) {
-		n, err := parseSize(s)
-		if err != nil {
-			return
-		}
-		require.GreaterOrEqual(t, n, int64(0))
-		// A plain count parses back to itself.
-		back, err := parseSize(strconv.FormatInt(n, 10))
-		require.NoError(t, err)
-		require.Equal(t, n, back)
-	})
-}
-
-func TestParseSizeRoundTrip(t *testing.T) {
-	for _, n := range []int64{0, 1, 1023, 1 << 20, math.MaxInt64} {
-		got, err := parseSize(strconv.FormatInt(n, 10))
-		require.NoError(t, err)
-		require.Equal(t, n, got)
-	}
 }
