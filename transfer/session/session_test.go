@@ -129,8 +129,6 @@ func transcript(t *testing.T, s stepper, script []at) string {
 	return b.String()
 }
 
-func ms(n int) time.Duration { return time.Duration(n) * time.Millisecond }
-
 var (
 	okManifest  = Manifest{Bytes: []uint64{4096, 512}, CRC: []uint32{0xaaaa, 0xbbbb}}
 	badManifest = Manifest{Bytes: []uint64{4096, 512}, CRC: []uint32{0xaaaa, 0xcccc}}
