@@ -6,7 +6,6 @@ import (
 	"context"
 	"fmt"
 	"net/http"
-	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -68,13 +67,7 @@ func TestLayerwiseRemoteEqualsLocal(t *testing.T) {
 // answers equal the aggregated ones, so no byte the dead writer streamed
 // survives into a cache decode used. Decode's pools return to idle.
 func TestLayerwisePrefillKilledMidStream(t *testing.T) {
-	// Known failure, left open in issue 13: in about one run of several a
-	// request whose streaming writer is SIGKILLed ends 500 "peer failed"
-	// instead of failing over to the survivor. HANDOFF_KNOWN_FAILURES=1
-	// runs it.
-	if os.Getenv("HANDOFF_KNOWN_FAILURES") == "" {
-		t.Skip("known failure (issue 13): a request can end 500 peer failed when its streaming writer dies; HANDOFF_KNOWN_FAILURES=1 runs it")
-	}
+	knownFailure(t, "a request whose streaming writer is SIGKILLed can end 500 peer failed instead of failing over")
 	ns := startNATS(t, nil)
 	common := []string{"--nats-url", ns.url(), "--namespace", "lwkill", "--model", "tiny-hybrid?prefill_delay=3ms",
 		"--layerwise", "on", "--request-timeout", "90s"}
