@@ -17,8 +17,6 @@ import (
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
 	"gonum.org/v1/plot/vg"
-	"gonum.org/v1/plot/vg/draw"
-	"gonum.org/v1/plot/vg/vgimg"
 )
 
 const compareUsage = `usage: handoff-bench compare [--plot FILE] SWEEP.json...
@@ -216,24 +214,8 @@ func writeComparePlot(path string, sweeps []sweepFile) error {
 		}
 		plots[i] = []*plot.Plot{p}
 	}
-	img := vgimg.New(7*vg.Inch, 9*vg.Inch)
-	dc := draw.New(img)
-	tiles := draw.Tiles{Rows: len(plots), Cols: 1, PadX: vg.Millimeter, PadY: 4 * vg.Millimeter,
-		PadTop: vg.Points(4), PadBottom: vg.Points(4), PadLeft: vg.Points(4), PadRight: vg.Points(8)}
-	canvases := plot.Align(plots, tiles, dc)
-	for i := range plots {
-		plots[i][0].Draw(canvases[i][0])
-	}
-	f, err := os.Create(path)
-	if err != nil {
-		return fmt.Errorf("compare: plot: %w", err)
-	}
-	if _, err := (vgimg.PngCanvas{Canvas: img}).WriteTo(f); err != nil {
-		f.Close()
-		return fmt.Errorf("compare: plot %s: %w", path, err)
-	}
-	if err := f.Close(); err != nil {
-		return fmt.Errorf("compare: plot %s: %w", path, err)
+	if err := writeColumnPNG(path, plots); err != nil {
+		return fmt.Errorf("compare: %w", err)
 	}
 	return nil
 }

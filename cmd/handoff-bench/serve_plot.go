@@ -88,6 +88,15 @@ func writeSweepPlot(path string, points []serving.SweepPoint, slo serving.SLO, t
 		}
 		plots[i] = []*plot.Plot{p}
 	}
+	if err := writeColumnPNG(path, plots); err != nil {
+		return fmt.Errorf("serve: %w", err)
+	}
+	return nil
+}
+
+// writeColumnPNG draws plots one above the other, aligned, into a PNG at
+// path (each row of plots holds one plot).
+func writeColumnPNG(path string, plots [][]*plot.Plot) error {
 	img := vgimg.New(7*vg.Inch, 9*vg.Inch)
 	dc := draw.New(img)
 	tiles := draw.Tiles{Rows: len(plots), Cols: 1, PadX: vg.Millimeter, PadY: 4 * vg.Millimeter,
@@ -98,14 +107,14 @@ func writeSweepPlot(path string, points []serving.SweepPoint, slo serving.SLO, t
 	}
 	f, err := os.Create(path)
 	if err != nil {
-		return fmt.Errorf("serve: plot: %w", err)
+		return fmt.Errorf("plot: %w", err)
 	}
 	if _, err := (vgimg.PngCanvas{Canvas: img}).WriteTo(f); err != nil {
 		f.Close()
-		return fmt.Errorf("serve: plot %s: %w", path, err)
+		return fmt.Errorf("plot %s: %w", path, err)
 	}
 	if err := f.Close(); err != nil {
-		return fmt.Errorf("serve: plot %s: %w", path, err)
+		return fmt.Errorf("plot %s: %w", path, err)
 	}
 	return nil
 }
