@@ -123,3 +123,23 @@ func putF32s(p []byte, v []float32) {
 		binary.LittleEndian.PutUint32(p[4*i:], math.Float32bits(x))
 	}
 }
+
+// softmax turns attention scores into weights in place, in one fixed order
+// (max, exponentials and their sum, then one scaling), so that every
+// tensor-parallel split computes the same bits.
+func softmax(scores []float32) {
+	mx := float32(math.Inf(-1))
+	for _, sc := range scores {
+		mx = max(mx, sc)
+	}
+	var sum float32
+	for t, sc := range scores {
+		e := exp32(sc - mx)
+		scores[t] = e
+		sum += e
+	}
+	inv := 1 / sum
+	for t := range scores {
+		scores[t] = float32(scores[t] * inv)
+	}
+}

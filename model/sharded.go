@@ -539,20 +539,7 @@ func (m *tiny) attentionShard(l *tinyLayer, layer int, c *Cache, s *tinyShard, p
 			loadF32s(kt, c.KVArena[c.KV.TokenOffset(c.Blocks[t/tpb], layer, kvcache.K, t%tpb, kh):])
 			scores[t] = float32(dot(q, kt) * scale)
 		}
-		mx := float32(math.Inf(-1))
-		for _, sc := range scores {
-			mx = max(mx, sc)
-		}
-		var sum float32
-		for t, sc := range scores {
-			e := exp32(sc - mx)
-			scores[t] = e
-			sum += e
-		}
-		inv := 1 / sum
-		for t := range scores {
-			scores[t] = float32(scores[t] * inv)
-		}
+		softmax(scores)
 		att := s.att[lq*hd : (lq+1)*hd]
 		clear(att)
 		for t := range n {

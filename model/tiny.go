@@ -476,20 +476,7 @@ func (m *tiny) attention(l *tinyLayer, layer int, c *Cache, pos int, s *tinyScra
 		}
 		for g := range group {
 			scores := s.scores[(q0+g)*n : (q0+g+1)*n]
-			mx := float32(math.Inf(-1))
-			for _, sc := range scores {
-				mx = max(mx, sc)
-			}
-			var sum float32
-			for t, sc := range scores {
-				e := exp32(sc - mx)
-				scores[t] = e
-				sum += e
-			}
-			inv := 1 / sum
-			for t := range scores {
-				scores[t] = float32(scores[t] * inv)
-			}
+			softmax(scores)
 			clear(s.att[(q0+g)*hd : (q0+g+1)*hd])
 		}
 		for t := range n {
