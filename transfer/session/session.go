@@ -411,7 +411,11 @@ func (s *RecvSession) Step(ev Event) []Action {
 			return s.fail(CodeTimeout)
 		}
 		if !s.replyBy.IsZero() && !ev.Now.Before(s.replyBy) && s.state == StateWaiting {
-			return s.fail(CodePeerFailed) // the reply never came
+			// The reply of the instance reported gone never came: its
+			// bytes are here, its first token is not. Another instance
+			// prefills the request again into a fresh grant.
+			s.replyBy = time.Time{}
+			return s.regrantOr(ev.Now, s.target)
 		}
 		if !s.retryAt.IsZero() && !ev.Now.Before(s.retryAt) && s.state == StateWaiting && !s.outstanding {
 			return s.send("")
@@ -473,14 +477,16 @@ func (s *RecvSession) send(target string) []Action {
 func (s *RecvSession) acts(as ...Action) []Action { return append(s.out[:0], as...) }
 
 // regrantOr retries after the instance serving this request was reported
-// dead, where the deadline and attempt budget allow and no commit was
-// accepted; otherwise it fails with peer_failed. The instance may only be
-// partitioned and still writing, so the retry is fenced: the current grant is
-// revoked first (no byte of the old ticket lands after Revoke), a fresh grant
-// is opened over the same destination, and the instance is excluded and its
-// replies ignored from then on.
+// dead, where the deadline and attempt budget allow; otherwise it fails with
+// peer_failed. The instance may only be partitioned and still writing, so the
+// retry is fenced: the current grant is revoked first (no byte of the old
+// ticket lands after Revoke), a fresh grant is opened over the same
+// destination, and the instance is excluded and its replies ignored from then
+// on. A commit already accepted from it is forgotten with its grant: without
+// the reply that carries the first token it cannot be delivered, and the new
+// attempt overwrites every byte it covered.
 func (s *RecvSession) regrantOr(now time.Time, dead string) []Action {
-	if s.committed || s.attempts >= s.p.MaxAttempts || !now.Before(s.p.Deadline) {
+	if s.attempts >= s.p.MaxAttempts || !now.Before(s.p.Deadline) {
 		return s.fail(CodePeerFailed)
 	}
 	acts := s.out[:0]
@@ -495,6 +501,7 @@ func (s *RecvSession) regrantOr(now time.Time, dead string) []Action {
 		s.refused = append(s.refused, dead)
 	}
 	s.replied, s.replyInstance, s.replyManifest = false, "", Manifest{}
+	s.committed, s.commitManifest = false, Manifest{}
 	s.granted, s.expected = false, nil
 	s.state, s.busy = StateGranting, true
 	return append(acts, Action{Kind: ActRevoke}, Action{Kind: ActOpenGrant})
