@@ -18,7 +18,6 @@ import (
 // long ones are prefilled locally too, without a failed request. Every
 // output equals the aggregated worker's, and the routes are counted.
 func TestPrefillAuto(t *testing.T) {
-	knownFailure(t, "after the only prefill worker dies a long prompt can end 500 peer failed instead of prefilling locally")
 	ns := startNATS(t, nil)
 	pre := startProc(t, "prefill", "--nats-url", ns.url(), "--namespace", "auto")
 	auto := startProc(t, "decode", "--nats-url", ns.url(), "--namespace", "auto", "--prefill", "auto",
@@ -71,8 +70,8 @@ func TestPrefillAuto(t *testing.T) {
 	require.Equal(t, float64(len(prompts)), transfers()-x0, "only the long prompts' caches were transferred")
 
 	// The prefill worker dies: every request still succeeds, prefilled here
-	// (refused remotely while the registry still lists it, no_prefill once
-	// its entry expired).
+	// (remote_failed when it died under the request, remote_refused while
+	// the registry still lists it, no_prefill once its entry expired).
 	pre.kill()
 	require.Eventually(t, func() bool {
 		same(long(100))

@@ -27,7 +27,8 @@ import (
 // method Released() <-chan struct{} (transfer.QuarantinedError: a live
 // writer may still store into them), when they stay allocated until that
 // channel closes. Errors that are a peer's refusal
-// should wrap ErrTransferRefused, deadlines ErrTransferTimeout or
+// should wrap ErrTransferRefused, a peer's failure ErrTransferFailed,
+// deadlines ErrTransferTimeout or
 // context.DeadlineExceeded, so the transfer metric is labelled right.
 type CacheSource interface {
 	Fetch(ctx context.Context, f FetchRequest) (FetchResult, error)
@@ -140,7 +141,8 @@ type Config struct {
 	// Router, with a Source, decides per admitted request whether its
 	// prefill runs at the Source or here (conditional disaggregation,
 	// decode --prefill auto); a request whose remote prefill is refused
-	// (ErrTransferRefused) is then prefilled here instead of failing. Nil
+	// (ErrTransferRefused) or failed (ErrTransferFailed) is then prefilled
+	// here instead of failing. Nil
 	// sends every request to the Source.
 	Router Router
 	// Logger receives the scheduler's logs; nil discards them.
@@ -840,12 +842,15 @@ func (e *Scheduler) fetched(q *request, res FetchResult, err error) {
 	role := string(e.cfg.Role)
 	e.m.TransferDuration.WithLabelValues(role).Observe(time.Since(q.admitted).Seconds())
 	e.m.Transfers.WithLabelValues(role, TransferResult(err)).Inc()
-	if err != nil && e.cfg.Router != nil && errors.Is(err, ErrTransferRefused) &&
+	if reason := fallbackReason(err); reason != "" && e.cfg.Router != nil &&
 		q.ctx.Err() == nil && quarantined(err) == nil {
-		// Refused before any byte could land (Fetch's contract): the
-		// resources are the request's still, and it is prefilled here.
-		e.m.PrefillRoutes.WithLabelValues(role, RouteLocal, ReasonRemoteRefused).Inc()
-		q.log.Info("remote prefill refused; prefilling here", "err", err)
+		// No further byte can land (Fetch's contract, no quarantine): the
+		// resources are the request's still, and it is prefilled here. A
+		// prefill from the prompt's first token overwrites every byte a
+		// failed transfer may have left (the Mamba row is zeroed, every
+		// KV position read is written first).
+		e.m.PrefillRoutes.WithLabelValues(role, RouteLocal, reason).Inc()
+		q.log.Info("remote prefill did not complete; prefilling here", "reason", reason, "err", err)
 		e.setPhase(q, PhaseContext)
 		return
 	}
@@ -870,6 +875,19 @@ func (e *Scheduler) fetched(q *request, res FetchResult, err error) {
 		return
 	}
 	e.setPhase(q, PhaseGenerate)
+}
+
+// fallbackReason is the route reason of a remote prefill that ended in err
+// and may run here instead: refused, or failed mid-way; "" for any other
+// outcome (success, deadline, cancellation, integrity).
+func fallbackReason(err error) string {
+	switch {
+	case errors.Is(err, ErrTransferRefused):
+		return ReasonRemoteRefused
+	case errors.Is(err, ErrTransferFailed):
+		return ReasonRemoteFailed
+	}
+	return ""
 }
 
 // quarantined returns the channel that closes once the destination of a

@@ -28,6 +28,11 @@ var (
 	// worker, a full queue, a layout mismatch); CacheSource implementations
 	// wrap with it so the transfer metric says "refused".
 	ErrTransferRefused = errors.New("worker: transfer refused")
+	// ErrTransferFailed wraps a transfer whose peer failed mid-way (it
+	// died, or its data path or control connection broke) on every
+	// attempt: some of its bytes may have landed, none will after Fetch
+	// returns, and the destination holds no usable cache.
+	ErrTransferFailed = errors.New("worker: transfer failed")
 	// ErrTransferTimeout wraps a transfer that ran past its deadline.
 	ErrTransferTimeout = errors.New("worker: transfer timed out")
 	// ErrStreamEnded is returned by Stream.Next after the final event.

@@ -160,7 +160,7 @@ func (m *Metrics) setPools(role Role, rank int, s hybrid.Stats) {
 // initRoutes creates, at 0, the route series a Router can produce.
 func (m *Metrics) initRoutes(role Role) {
 	r := string(role)
-	for _, reason := range []string{ReasonShortPrompt, ReasonPrefillBusy, ReasonNoPrefill, ReasonRemoteRefused} {
+	for _, reason := range []string{ReasonShortPrompt, ReasonPrefillBusy, ReasonNoPrefill, ReasonRemoteRefused, ReasonRemoteFailed} {
 		m.PrefillRoutes.WithLabelValues(r, RouteLocal, reason)
 	}
 	m.PrefillRoutes.WithLabelValues(r, RouteRemote, ReasonLongPrompt)

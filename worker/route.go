@@ -21,6 +21,11 @@ const (
 	// prefilled here on the resources it already held. Such a request is
 	// counted twice, remote and then local.
 	ReasonRemoteRefused = "remote_refused"
+	// ReasonRemoteFailed: local after all: the remote prefill failed
+	// mid-way (its prefill worker died on every attempt), so the request
+	// was prefilled here from scratch over whatever bytes had landed.
+	// Counted twice too.
+	ReasonRemoteFailed = "remote_failed"
 )
 
 // Defaults of AutoPolicy, the thresholds of decode --prefill auto.

@@ -14,19 +14,38 @@ import (
 )
 
 // countingSource is a loopback CacheSource that counts its fetches, or
-// refuses every one when refuse is set.
+// refuses every one when refuse is set, or fails every one mid-way when
+// fail is set: it scribbles over the destination's KV runs and Mamba row
+// (the bytes a dying writer may leave) and returns ErrTransferFailed.
 type countingSource struct {
 	gateSource
 	fetches atomic.Int32
 	refuse  bool
+	fail    bool
 }
 
 func (c *countingSource) Fetch(ctx context.Context, f FetchRequest) (FetchResult, error) {
 	c.fetches.Add(1)
-	if c.refuse {
+	switch {
+	case c.refuse:
 		return FetchResult{}, fmt.Errorf("%w: no prefill worker", ErrTransferRefused)
+	case c.fail:
+		d := c.dst[f.Rank]
+		for _, run := range f.Runs {
+			x := d.kvCfg.RunExtent(run)
+			fill(d.kvArena[x.Offset:x.Offset+x.Length], 0x7f)
+		}
+		x := d.mCfg.RowExtent(f.Row)
+		fill(d.mambaArena[x.Offset:x.Offset+x.Length], 0x7f)
+		return FetchResult{}, fmt.Errorf("%w: prefill worker died mid-write", ErrTransferFailed)
 	}
 	return c.gateSource.Fetch(ctx, f)
+}
+
+func fill(b []byte, v byte) {
+	for i := range b {
+		b[i] = v
+	}
 }
 
 func routes(t *testing.T, m *Metrics, route, reason string) float64 {
@@ -102,6 +121,37 @@ func TestSchedulerRefusedRemotePrefillRunsHere(t *testing.T) {
 	require.Equal(t, 3.0, routes(t, m, RouteLocal, ReasonRemoteRefused))
 	require.Equal(t, 3.0, counterValue(t, m.Transfers.WithLabelValues(string(RoleDecode), TransferRefused)))
 	require.Equal(t, 3.0, counterValue(t, m.Requests.WithLabelValues(string(RoleDecode), ResultOK)))
+}
+
+// A remote prefill that failed mid-way, leaving garbage in the request's
+// KV runs and Mamba row, runs here from scratch: the output is the
+// reference's (the row is zeroed, every KV position read is written first),
+// and the fallback is counted apart from refusals.
+func TestSchedulerFailedRemotePrefillRunsHere(t *testing.T) {
+	dranks := newRanks(t, rankOpts{ranks: 1, batch: 2})
+	src := &countingSource{fail: true, gateSource: gateSource{dst: dranks}}
+	m := NewMetrics(prometheus.NewRegistry())
+	router := AutoRouter{
+		Policy: AutoPolicy{MinRemoteTokens: 1, MaxPrefillQueue: 1},
+		Load:   func() PrefillLoad { return PrefillLoad{Instances: 1, Rows: 2} },
+	}
+	dec := newEngine(t, Config{Source: src, Router: router, Metrics: m}, dranks)
+	for _, p := range testPrompts[:3] {
+		generateChecked(t, dec, p)
+	}
+	require.Equal(t, int32(3), src.fetches.Load())
+	require.Equal(t, 3.0, routes(t, m, RouteLocal, ReasonRemoteFailed))
+	require.Zero(t, routes(t, m, RouteLocal, ReasonRemoteRefused))
+	require.Equal(t, 3.0, counterValue(t, m.Transfers.WithLabelValues(string(RoleDecode), TransferFailed)))
+	require.Equal(t, 3.0, counterValue(t, m.Requests.WithLabelValues(string(RoleDecode), ResultOK)))
+
+	// Without a Router the failure is the request's.
+	pranks := newRanks(t, rankOpts{ranks: 1, batch: 2})
+	plain := newEngine(t, Config{Source: &countingSource{fail: true, gateSource: gateSource{dst: pranks}}}, pranks)
+	st, err := plain.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("Hello"), MaxTokens: 2})
+	require.NoError(t, err)
+	_, ev := drainStream(t, st)
+	require.ErrorIs(t, ev.Err, ErrTransferFailed)
 }
 
 // Without a Router a remote engine fetches every request and fails a

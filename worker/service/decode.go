@@ -250,6 +250,8 @@ func classify(ctx context.Context, err error) error {
 		errors.Is(err, transfer.ErrLayoutMismatch), errors.Is(err, transfer.ErrPayloadTooLarge),
 		errors.Is(err, transfer.ErrDummyRequest):
 		return fmt.Errorf("%w: %w", worker.ErrTransferRefused, err)
+	case errors.Is(err, transfer.ErrPeerFailed):
+		return fmt.Errorf("%w: %w", worker.ErrTransferFailed, err)
 	case errors.Is(err, transfer.ErrTimeout):
 		return fmt.Errorf("%w: %w", worker.ErrTransferTimeout, err)
 	case ctx.Err() != nil:
