@@ -387,7 +387,6 @@ func startNATSCluster(t *testing.T, n int) []*natsServer {
 // kills nodes in turn under load (one down at a time, the first back before
 // the second goes): every request is served and the pools end idle.
 func TestNATSClusterNodeLoss(t *testing.T) {
-	knownFailure(t, "with the decode worker's NATS node down a request can end 503 no prefill worker")
 	nodes := startNATSCluster(t, 3)
 	urls := func(first int) string {
 		var u []string

@@ -516,7 +516,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 	// The queue of actions to execute; a Step's actions are copied in at once
 	// (the session reuses its slice).
 	var queue [8]session.Action
-	acts := append(queue[:0], h.sess.Step(session.Event{Kind: session.EvStart, Now: start})...)
+	acts := append(queue[:0], h.step(session.Event{Kind: session.EvStart, Now: start})...)
 	armed := h.deadline // what timer fires at
 	for {
 		for len(acts) > 0 {
@@ -540,7 +540,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 				return Result{}, err
 			default:
 				if ev, ok := h.exec(a); ok {
-					acts = append(acts, h.sess.Step(ev)...)
+					acts = append(acts, h.step(ev)...)
 				}
 			}
 		}
@@ -555,7 +555,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 			case <-grantCh: // nil once taken: never ready
 				ev = h.grantEvent()
 				ev.Now = h.now()
-				acts = append(queue[:0], h.sess.Step(ev)...) // acts was drained
+				acts = append(queue[:0], h.step(ev)...) // acts was drained
 				continue
 			default:
 			}
@@ -577,7 +577,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 			early = h.delivered()
 			for _, n := range notes[:len(notes)-1] {
 				n.Now = h.now()
-				early = append(early, h.sess.Step(n)...)
+				early = append(early, h.step(n)...)
 			}
 			ev = notes[len(notes)-1]
 		case <-timer.C:
@@ -592,7 +592,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 			ev = session.Event{Kind: session.EvCancel, Code: CodeClosed}
 		}
 		ev.Now = h.now()
-		acts = append(append(queue[:0], early...), h.sess.Step(ev)...) // acts was drained
+		acts = append(append(queue[:0], early...), h.step(ev)...) // acts was drained
 		// Tick at the deadline, or earlier where the session waits to send
 		// again (no responder); re-arm after a tick that came early.
 		want := h.deadline
@@ -635,12 +635,12 @@ func (h *handoff) delivered() []session.Action {
 		case m := <-h.c.replies:
 			ev := h.replyEvent(m)
 			ev.Now = time.Now()
-			acts = append(acts, h.sess.Step(ev)...)
+			acts = append(acts, h.step(ev)...)
 			continue
 		case <-h.doneCh: // nil once taken: never ready
 			ev := h.grantEvent()
 			ev.Now = time.Now()
-			acts = append(acts, h.sess.Step(ev)...)
+			acts = append(acts, h.step(ev)...)
 			continue
 		default:
 		}
@@ -947,4 +947,15 @@ func (d *Decoder) getTimer(dur time.Duration) *time.Timer {
 func (d *Decoder) putTimer(t *time.Timer) {
 	t.Stop()
 	d.timers.Put(t)
+}
+
+// step applies ev to the session and returns its actions; at debug level
+// it logs the transition (the request's trace through its session).
+func (h *handoff) step(ev session.Event) []session.Action {
+	acts := h.sess.Step(ev)
+	if log := h.d.cfg.Logger; log.Enabled(context.Background(), slog.LevelDebug) {
+		log.Debug("handoff step", "seq", h.req.ID, "event", ev.Kind.String(), "code", ev.Code.String(),
+			"peer", ev.Instance, "attempt", ev.Attempt, "state", h.sess.State().String(), "actions", fmt.Sprint(acts))
+	}
+	return acts
 }

@@ -330,12 +330,22 @@ func (s *RecvSession) Step(ev Event) []Action {
 		s.outstanding = false
 		if s.target != "" || s.p.QuietWait <= 0 {
 			if s.target != "" && !slices.Contains(s.refused, s.target) {
-				s.refused = append(s.refused, s.target) // its subject has no subscriber: it is gone
+				// Its subject has no subscriber: it is gone, or it is
+				// resubscribing after a reconnect; not asked again.
+				s.refused = append(s.refused, s.target)
 			}
 			// Another instance may serve it now; nothing was written.
-			return s.retryOr(ev.Now, CodeNoPrefillWorker)
+			if !s.committed && s.attempts < s.p.MaxAttempts && ev.Now.Before(s.p.Deadline) {
+				return s.send("")
+			}
+			if s.p.QuietWait <= 0 {
+				return s.fail(CodeNoPrefillWorker)
+			}
+			// Out of attempts: the quiet wait below sends it again, to an
+			// instance not asked yet or to the queue group (instances
+			// that had no subscriber may have one again).
 		}
-		// Nobody serves the queue group right now. Nothing was written, so
+		// Nobody serves the request right now. Nothing was written, so
 		// sending again is safe: after a backoff, for up to QuietWait and
 		// while the deadline allows.
 		if s.quiet == 0 {
