@@ -308,13 +308,3 @@ func complete(ctx context.Context, api string, req completionRequest) (completio
 func ptr[T any](v T) *T { return &v }
 
 func itoa(i int) string { return strconv.Itoa(i) }
-
-// knownFailure skips a test that fails on main for a bug still open (named
-// in why), unless HANDOFF_KNOWN_FAILURES=1 asks to run it: the bug stays
-// visible in the test list and one variable brings the test back.
-func knownFailure(t *testing.T, why string) {
-	t.Helper()
-	if os.Getenv("HANDOFF_KNOWN_FAILURES") == "" {
-		t.Skip("known failure: " + why + " (HANDOFF_KNOWN_FAILURES=1 runs it)")
-	}
-}

@@ -67,7 +67,6 @@ func TestLayerwiseRemoteEqualsLocal(t *testing.T) {
 // answers equal the aggregated ones, so no byte the dead writer streamed
 // survives into a cache decode used. Decode's pools return to idle.
 func TestLayerwisePrefillKilledMidStream(t *testing.T) {
-	knownFailure(t, "a request whose streaming writer is SIGKILLed can end 500 peer failed instead of failing over")
 	ns := startNATS(t, nil)
 	common := []string{"--nats-url", ns.url(), "--namespace", "lwkill", "--model", "tiny-hybrid?prefill_delay=3ms",
 		"--layerwise", "on", "--request-timeout", "90s"}
