@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
+
+	"github.com/handoff-io/handoff/internal/buildinfo"
 )
 
 // errNotReady is returned when the server did not accept connections in time.
@@ -49,7 +51,7 @@ func serve(ctx context.Context, cfg config, log *slog.Logger, ready func(*server
 	}
 	log.Info("handoff-nats ready", "client_url", s.ClientURL(), "monitor", monitorURL(s),
 		"server_name", cfg.ServerName, "jetstream", cfg.JetStream, "store_dir", s.StoreDir(),
-		"max_payload", cfg.MaxPayload, "cluster", cfg.ClusterName, "version", buildVersion())
+		"max_payload", cfg.MaxPayload, "cluster", cfg.ClusterName, "version", buildinfo.Version())
 	if ready != nil {
 		ready(s)
 	}

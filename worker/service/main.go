@@ -12,13 +12,10 @@ import (
 	"strings"
 	"time"
 
+	"github.com/handoff-io/handoff/internal/buildinfo"
 	"github.com/handoff-io/handoff/worker"
 	"github.com/handoff-io/handoff/worker/config"
 )
-
-// Version is the release version, set at link time with
-// -ldflags "-X github.com/handoff-io/handoff/worker/service.Version=v1.2.3".
-var Version = "dev"
 
 // Main runs a worker binary of role with args (without the program name):
 // "version", "healthcheck [--url URL]", or the worker itself. It returns when
@@ -56,7 +53,7 @@ func Main(ctx, abort context.Context, role worker.Role, args []string, stdout, s
 }
 
 func printVersion(w io.Writer, role worker.Role) {
-	fmt.Fprintf(w, "handoff %s %s", role, Version)
+	fmt.Fprintf(w, "handoff %s %s", role, buildinfo.Version())
 	if bi, ok := debug.ReadBuildInfo(); ok {
 		fmt.Fprintf(w, " (%s", bi.GoVersion)
 		for _, s := range bi.Settings {

@@ -17,6 +17,7 @@ import (
 	semconv "go.opentelemetry.io/otel/semconv/v1.39.0"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/handoff-io/handoff/internal/buildinfo"
 	"github.com/handoff-io/handoff/worker"
 )
 
@@ -51,7 +52,7 @@ func startTracing(ctx context.Context, o *Options, role worker.Role, instance st
 	res, err := resource.New(ctx,
 		resource.WithTelemetrySDK(),
 		resource.WithAttributes(semconv.ServiceName("handoff-"+string(role)), semconv.ServiceInstanceID(instance),
-			semconv.ServiceVersion(Version)),
+			semconv.ServiceVersion(buildinfo.Version())),
 		resource.WithFromEnv(), // OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES win
 	)
 	if err != nil {
