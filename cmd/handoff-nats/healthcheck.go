@@ -6,9 +6,10 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"net/http"
 	"strconv"
 	"time"
+
+	"github.com/handoff-io/handoff/internal/healthcheck"
 )
 
 // errUnhealthy is returned when the probed endpoint did not answer 200.
@@ -30,7 +31,7 @@ func runHealthcheck(ctx context.Context, args []string, getenv func(string) stri
 	fs := flag.NewFlagSet("handoff-nats healthcheck", flag.ContinueOnError)
 	fs.SetOutput(stdout)
 	url := fs.String("url", defaultHealthURL(getenv), "URL to GET; 200 means healthy (add ?js-enabled-only=true for a liveness-style check)")
-	timeout := fs.Duration("timeout", 3*time.Second, "request timeout")
+	timeout := fs.Duration("timeout", healthcheck.DefaultTimeout, "request timeout")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return errHelp
@@ -47,21 +48,16 @@ func runHealthcheck(ctx context.Context, args []string, getenv func(string) stri
 }
 
 func probe(ctx context.Context, url string, timeout time.Duration, out io.Writer) error {
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-	if err != nil {
+	resp, err := healthcheck.Get(ctx, url, timeout)
+	var ue *healthcheck.URLError
+	switch {
+	case errors.As(err, &ue):
 		return fmt.Errorf("%w: healthcheck: %v", errConfig, err)
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
+	case err != nil:
 		return fmt.Errorf("%w: %v", errUnhealthy, err)
+	case !resp.OK():
+		return fmt.Errorf("%w: %s answered %d: %s", errUnhealthy, url, resp.StatusCode, resp.Body)
 	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("%w: %s answered %d: %s", errUnhealthy, url, resp.StatusCode, body)
-	}
-	fmt.Fprintf(out, "%s\n", body)
+	fmt.Fprintf(out, "%s\n", resp.Body)
 	return nil
 }

@@ -6,13 +6,12 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"net/http"
 	"os"
 	"runtime/debug"
 	"strings"
-	"time"
 
 	"github.com/handoff-io/handoff/internal/buildinfo"
+	"github.com/handoff-io/handoff/internal/healthcheck"
 	"github.com/handoff-io/handoff/worker"
 	"github.com/handoff-io/handoff/worker/config"
 )
@@ -29,7 +28,7 @@ func Main(ctx, abort context.Context, role worker.Role, args []string, stdout, s
 			printVersion(stdout, role)
 			return nil
 		case "healthcheck":
-			return healthcheck(ctx, role, args[1:], stdout, stderr)
+			return runHealthcheck(ctx, role, args[1:], stdout, stderr)
 		}
 	}
 	out := stderr
@@ -67,35 +66,27 @@ func printVersion(w io.Writer, role worker.Role) {
 	fmt.Fprintln(w)
 }
 
-// healthcheck GETs the readiness URL: nil on 200, an error otherwise. For
+// runHealthcheck GETs the readiness URL: nil on 200, an error otherwise. For
 // images without a shell or curl.
-func healthcheck(ctx context.Context, role worker.Role, args []string, stdout, stderr io.Writer) error {
+func runHealthcheck(ctx context.Context, role worker.Role, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet(string(role)+" healthcheck", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	def := "http://127.0.0.1:" + config.AdminPort(role, os.Getenv) + "/readyz"
 	url := fs.String("url", def, "URL to GET; healthy on 200")
-	timeout := fs.Duration("timeout", 3*time.Second, "request timeout")
+	timeout := fs.Duration("timeout", healthcheck.DefaultTimeout, "request timeout")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil
 		}
 		return err
 	}
-	ctx, cancel := context.WithTimeout(ctx, *timeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, *url, nil)
+	resp, err := healthcheck.Get(ctx, *url, *timeout)
 	if err != nil {
 		return fmt.Errorf("healthcheck: %w", err)
 	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return fmt.Errorf("healthcheck: %w", err)
+	if !resp.OK() {
+		return fmt.Errorf("healthcheck: %s: %s: %s", *url, resp.Status, strings.TrimSpace(string(resp.Body)))
 	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("healthcheck: %s: %s: %s", *url, resp.Status, strings.TrimSpace(string(body)))
-	}
-	fmt.Fprintf(stdout, "ok: %s\n", strings.TrimSpace(string(body)))
+	fmt.Fprintf(stdout, "ok: %s\n", strings.TrimSpace(string(resp.Body)))
 	return nil
 }
