@@ -13,6 +13,7 @@ import (
 
 	"github.com/nats-io/nats-server/v2/server"
 
+	"github.com/handoff-io/handoff/internal/envflag"
 	"github.com/handoff-io/handoff/internal/size"
 )
 
@@ -63,12 +64,6 @@ type config struct {
 	MaxPingsOut int
 	LogLevel    string
 	LogFormat   string
-}
-
-// envFlag links a flag to its environment twin.
-type envFlag struct {
-	name string
-	env  string
 }
 
 // sizeValue is a flag.Value holding a byte count written as a plain integer or
@@ -140,11 +135,8 @@ func parseServe(args []string, getenv func(string) string, usage io.Writer) (con
 	}
 	fs := flag.NewFlagSet("handoff-nats", flag.ContinueOnError)
 	fs.SetOutput(usage)
-	var twins []envFlag
-	env := func(name, envName string) string {
-		twins = append(twins, envFlag{name, envName})
-		return " (env " + envName + ")"
-	}
+	tw := envflag.New(fs)
+	env := tw.Env
 	fs.StringVar(&cfg.Host, "host", cfg.Host, "client listen host"+env("host", "HANDOFF_NATS_HOST"))
 	fs.IntVar(&cfg.Port, "port", cfg.Port, "client port; -1 picks a free one"+env("port", "HANDOFF_NATS_PORT"))
 	fs.StringVar(&cfg.HTTPHost, "http-host", "", "monitoring listen host (default: --host); /healthz, /varz, /jsz are unauthenticated, bind to 127.0.0.1 where that matters"+env("http-host", "HANDOFF_NATS_HTTP_HOST"))
@@ -180,8 +172,12 @@ func parseServe(args []string, getenv func(string) string, usage io.Writer) (con
 	if fs.NArg() > 0 {
 		return config{}, fmt.Errorf("%w: unexpected argument %q (subcommands: healthcheck, version)", errConfig, fs.Arg(0))
 	}
-	if err := applyEnv(fs, twins, getenv); err != nil {
-		return config{}, err
+	if err := tw.Apply(getenv); err != nil {
+		var e *envflag.Error
+		if errors.As(err, &e) {
+			return config{}, fmt.Errorf("%w: %v (or pass --%s)", errConfig, err, e.Flag)
+		}
+		return config{}, fmt.Errorf("%w: %v", errConfig, err)
 	}
 	if cfg.ServerName == "" {
 		cfg.ServerName = defaultServerName(getenv)
@@ -190,26 +186,6 @@ func parseServe(args []string, getenv func(string) string, usage io.Writer) (con
 		return config{}, err
 	}
 	return cfg, nil
-}
-
-// applyEnv sets every flag that was not given on the command line from its
-// environment twin, when that variable is set and non-empty.
-func applyEnv(fs *flag.FlagSet, twins []envFlag, getenv func(string) string) error {
-	given := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
-	for _, tw := range twins {
-		if given[tw.name] {
-			continue
-		}
-		v := getenv(tw.env)
-		if v == "" {
-			continue
-		}
-		if err := fs.Set(tw.name, v); err != nil {
-			return fmt.Errorf("%w: %s=%q: %v (or pass --%s)", errConfig, tw.env, v, err, tw.name)
-		}
-	}
-	return nil
 }
 
 func validPort(p int, allowZero bool) bool {

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/handoff-io/handoff/internal/cuda"
+	"github.com/handoff-io/handoff/internal/envflag"
 	"github.com/handoff-io/handoff/transfer"
 	"github.com/handoff-io/handoff/worker"
 )
@@ -103,11 +104,6 @@ type Config struct {
 	PrefillGrace time.Duration
 }
 
-type binding struct {
-	name, envName string
-	decodeOnly    bool
-}
-
 // Parse parses args (without the program name) for role. Output of --help
 // goes to out. It returns flag.ErrHelp after printing help.
 func Parse(role worker.Role, args []string, getenv func(string) string, out io.Writer) (Config, error) {
@@ -117,17 +113,18 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	c := Config{Role: role}
 	fs := flag.NewFlagSet(string(role), flag.ContinueOnError)
 	fs.SetOutput(out)
-	var bindings []binding
+	tw := envflag.New(fs)
 	str := func(p *string, name, envName, def, usage string, decodeOnly bool) {
 		if decodeOnly && role != worker.RoleDecode {
 			return
 		}
-		fs.StringVar(p, name, def, usage+envNote(envName))
-		bindings = append(bindings, binding{name, envName, decodeOnly})
+		fs.StringVar(p, name, def, usage+tw.Env(name, envName))
 	}
 	num := func(p *int, name, envName string, def int, usage string) {
-		fs.IntVar(p, name, def, usage+envNote(envName))
-		bindings = append(bindings, binding{name, envName, false})
+		fs.IntVar(p, name, def, usage+tw.Env(name, envName))
+	}
+	dur := func(p *time.Duration, name, envName string, def time.Duration, usage string) {
+		fs.DurationVar(p, name, def, usage+tw.Env(name, envName))
 	}
 	adminDefault := DefaultPrefillAdminAddr
 	if role == worker.RoleDecode {
@@ -168,25 +165,20 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	str(&c.AdminAddr, "admin-addr", "HANDOFF_ADMIN_ADDR", adminDefault, "admin HTTP address (/livez, /readyz, /metrics); empty disables", false)
 	str(&logLevel, "log-level", "HANDOFF_LOG_LEVEL", "info", "log level: debug, info, warn, error", false)
 	str(&c.LogFormat, "log-format", "HANDOFF_LOG_FORMAT", "json", "log format: json or text", false)
-	dur(fs, &c.DrainTimeout, "drain-timeout", "HANDOFF_DRAIN_TIMEOUT", 30*time.Second, "how long SIGTERM waits for in-flight requests", &bindings)
-	dur(fs, &c.RequestTimeout, "request-timeout", "HANDOFF_REQUEST_TIMEOUT", 30*time.Second, "deadline of one cache handoff", &bindings)
+	dur(&c.DrainTimeout, "drain-timeout", "HANDOFF_DRAIN_TIMEOUT", 30*time.Second, "how long SIGTERM waits for in-flight requests")
+	dur(&c.RequestTimeout, "request-timeout", "HANDOFF_REQUEST_TIMEOUT", 30*time.Second, "deadline of one cache handoff")
 	if role == worker.RoleDecode {
 		str(&c.HTTPAddr, "http-addr", "HANDOFF_HTTP_ADDR", DefaultHTTPAddr, "OpenAI-compatible API address", true)
 		str(&c.Prefill, "prefill", "HANDOFF_PREFILL", "remote", "where prefill runs: remote (prefill workers over NATS), local (in process, no transfer) or auto (local for short prompts and while the prefill workers are busy or gone, remote otherwise)", true)
 		fs.IntVar(&c.AutoMinTokens, "prefill-auto-min-tokens", worker.DefaultAutoMinRemoteTokens,
-			"--prefill auto: prompts with fewer tokens are prefilled locally"+envNote("HANDOFF_PREFILL_AUTO_MIN_TOKENS"))
-		bindings = append(bindings, binding{"prefill-auto-min-tokens", "HANDOFF_PREFILL_AUTO_MIN_TOKENS", true})
+			"--prefill auto: prompts with fewer tokens are prefilled locally"+tw.Env("prefill-auto-min-tokens", "HANDOFF_PREFILL_AUTO_MIN_TOKENS"))
 		fs.IntVar(&c.AutoMaxQueue, "prefill-auto-max-queue", worker.DefaultAutoMaxPrefillQueue,
-			"--prefill auto: prefill locally while the least-loaded prefill worker has this many requests waiting beyond its batch"+envNote("HANDOFF_PREFILL_AUTO_MAX_QUEUE"))
-		bindings = append(bindings, binding{"prefill-auto-max-queue", "HANDOFF_PREFILL_AUTO_MAX_QUEUE", true})
+			"--prefill auto: prefill locally while the least-loaded prefill worker has this many requests waiting beyond its batch"+tw.Env("prefill-auto-max-queue", "HANDOFF_PREFILL_AUTO_MAX_QUEUE"))
 		fs.DurationVar(&c.WriteTimeout, "write-timeout", 30*time.Second,
-			"how long one API response write may wait for a client that stopped reading before the response is cut and the request cancelled"+envNote("HANDOFF_WRITE_TIMEOUT"))
-		bindings = append(bindings, binding{"write-timeout", "HANDOFF_WRITE_TIMEOUT", true})
+			"how long one API response write may wait for a client that stopped reading before the response is cut and the request cancelled"+tw.Env("write-timeout", "HANDOFF_WRITE_TIMEOUT"))
 		fs.DurationVar(&c.PrefillGrace, "prefill-grace", 30*time.Second,
-			"remote prefill: how long readiness stays 200 with no usable prefill instance known (it is 503 until the first one is seen)"+envNote("HANDOFF_PREFILL_GRACE"))
-		bindings = append(bindings, binding{"prefill-grace", "HANDOFF_PREFILL_GRACE", true})
-		fs.BoolVar(&c.Standalone, "standalone", false, "run an embedded NATS server and an in-process prefill worker: one command, the whole pipeline"+envNote("HANDOFF_STANDALONE"))
-		bindings = append(bindings, binding{"standalone", "HANDOFF_STANDALONE", true})
+			"remote prefill: how long readiness stays 200 with no usable prefill instance known (it is 503 until the first one is seen)"+tw.Env("prefill-grace", "HANDOFF_PREFILL_GRACE"))
+		fs.BoolVar(&c.Standalone, "standalone", false, "run an embedded NATS server and an in-process prefill worker: one command, the whole pipeline"+tw.Env("standalone", "HANDOFF_STANDALONE"))
 	}
 	fs.Usage = func() {
 		fmt.Fprintf(out, "Usage: %s [flags]\n       %s version\n       %s healthcheck [--url URL]\n\nFlags (each with its environment variable):\n",
@@ -199,18 +191,8 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	if fs.NArg() > 0 {
 		return Config{}, fmt.Errorf("%w: unexpected argument %q", ErrInvalid, fs.Arg(0))
 	}
-	set := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	for _, b := range bindings {
-		if set[b.name] {
-			continue
-		}
-		if v, ok := lookup(getenv, b.envName); ok {
-			if err := fs.Set(b.name, v); err != nil {
-				return Config{}, fmt.Errorf("%w: %s=%q: %v", ErrInvalid, b.envName, v, err)
-			}
-			set[b.name] = true
-		}
+	if err := tw.Apply(getenv); err != nil {
+		return Config{}, fmt.Errorf("%w: %v", ErrInvalid, err)
 	}
 	var err error
 	if c.LogLevel, err = parseLevel(logLevel); err != nil {
@@ -361,18 +343,6 @@ func (c *Config) Logger(w io.Writer) *slog.Logger {
 		h = slog.NewJSONHandler(w, opts)
 	}
 	return slog.New(h).With("role", string(c.Role), "instance", c.InstanceID)
-}
-
-func envNote(name string) string { return " (env " + name + ")" }
-
-func lookup(getenv func(string) string, name string) (string, bool) {
-	v := getenv(name)
-	return v, v != ""
-}
-
-func dur(fs *flag.FlagSet, p *time.Duration, name, envName string, def time.Duration, usage string, b *[]binding) {
-	fs.DurationVar(p, name, def, usage+envNote(envName))
-	*b = append(*b, binding{name, envName, false})
 }
 
 func parseLevel(s string) (slog.Level, error) {
