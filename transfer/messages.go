@@ -1,0 +1,264 @@
+package transfer
+
+// Every control-plane message of the protocol is declared in this file, with
+// its conversions to and from the rdma types. Messages are msgpack maps with
+// explicit short keys and a version field "v"; unknown keys are ignored so a
+// later minor revision may add fields. Bulk fields (tokens, extents,
+// manifests) travel as packed little-endian byte strings, never as msgpack
+// arrays (packed.go): reflection over thousands of array items costs ~20x
+// more. codec.go holds the Encode and Decode functions, msgcodec.go the
+// hand-written codecs of the messages on every handoff's path.
+
+import (
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/handoff-io/handoff/rdma"
+)
+
+// WireVersion is the version every message carries. A receiver refuses other
+// versions with ErrBadMessage.
+const WireVersion uint8 = 1
+
+// DefaultMaxPayload is NATS's default max_payload (1 MiB). The drivers use the
+// connected server's value; this is the fallback.
+const DefaultMaxPayload = 1 << 20
+
+// Sampling carries the request's sampling parameters to the prefill worker,
+// which samples the first token.
+type Sampling struct {
+	Temperature float64 `msgpack:"t"`
+	Seed        uint64  `msgpack:"s"`
+	// TopP restricts the draw to the nucleus; 0 means unset (omitted, so a
+	// request without it encodes as before).
+	TopP float64 `msgpack:"p,omitempty"`
+	// Logprobs asks for the first token's logprobs: 0 none, else 1 plus
+	// the number of alternatives.
+	Logprobs uint8 `msgpack:"lp,omitempty"`
+}
+
+// RegionInfo is the wire form of rdma.RegionDesc.
+type RegionInfo struct {
+	ID     uint32 `msgpack:"id"`
+	Name   string `msgpack:"n"`
+	Length uint64 `msgpack:"l"`
+	// Memory and Device: a device region ("cuda") and its device's UUID;
+	// empty for host memory (and then not encoded).
+	Memory string `msgpack:"m,omitempty"`
+	Device string `msgpack:"d,omitempty"`
+}
+
+// Peer is the wire form of an rdma.Descriptor: how to reach an agent's regions.
+type Peer struct {
+	Agent      string       `msgpack:"a"`
+	Host       string       `msgpack:"h"`
+	TCPAddr    string       `msgpack:"tcp"`
+	ShmAddr    string       `msgpack:"shm"`
+	Transports []string     `msgpack:"tr"`
+	Regions    []RegionInfo `msgpack:"r"`
+	// IPCNamespace and CUDADevices: whose CUDA IPC exports the agent can
+	// open (cuda-ipc); empty without device regions (and then not encoded).
+	IPCNamespace string   `msgpack:"ipc,omitempty"`
+	CUDADevices  []string `msgpack:"cd,omitempty"`
+}
+
+// PeerOf converts a descriptor to its wire form.
+func PeerOf(d rdma.Descriptor) Peer {
+	p := Peer{Agent: string(d.Agent), Host: d.Host, TCPAddr: d.TCPAddr, ShmAddr: d.ShmAddr, IPCNamespace: d.IPCNamespace}
+	if len(d.CUDADevices) > 0 {
+		p.CUDADevices = slices.Clone(d.CUDADevices)
+	}
+	if len(d.Transports) > 0 {
+		p.Transports = make([]string, len(d.Transports))
+		for i, t := range d.Transports {
+			p.Transports[i] = string(t)
+		}
+	}
+	if len(d.Regions) > 0 {
+		p.Regions = make([]RegionInfo, len(d.Regions))
+		for i, r := range d.Regions {
+			p.Regions[i] = RegionInfo{ID: uint32(r.ID), Name: r.Name, Length: r.Length, Memory: string(r.Memory), Device: r.Device}
+		}
+	}
+	return p
+}
+
+// Descriptor converts p back to an rdma.Descriptor.
+func (p Peer) Descriptor() rdma.Descriptor {
+	d := rdma.Descriptor{Agent: rdma.AgentID(p.Agent), Host: p.Host, TCPAddr: p.TCPAddr, ShmAddr: p.ShmAddr, IPCNamespace: p.IPCNamespace}
+	if len(p.CUDADevices) > 0 {
+		d.CUDADevices = slices.Clone(p.CUDADevices)
+	}
+	if len(p.Transports) > 0 {
+		d.Transports = make([]rdma.Transport, len(p.Transports))
+		for i, t := range p.Transports {
+			d.Transports[i] = rdma.Transport(t)
+		}
+	}
+	if len(p.Regions) > 0 {
+		d.Regions = make([]rdma.RegionDesc, len(p.Regions))
+		for i, r := range p.Regions {
+			d.Regions[i] = rdma.RegionDesc{ID: rdma.RegionID(r.ID), Name: r.Name, Length: r.Length, Memory: rdma.Memory(r.Memory), Device: r.Device}
+		}
+	}
+	return d
+}
+
+// Ticket is the wire form of an rdma.Ticket: what a writer needs to write into
+// a grant.
+type Ticket struct {
+	Agent     string  `msgpack:"a"`
+	Grant     uint64  `msgpack:"g"`
+	Epoch     uint64  `msgpack:"e"`
+	Token     []byte  `msgpack:"k"`
+	RequestID uint64  `msgpack:"id"`
+	Extents   Extents `msgpack:"x"`
+	Bytes     uint64  `msgpack:"b"`
+	Deadline  int64   `msgpack:"dl"` // unix nanoseconds, 0 for none
+}
+
+// TicketOf converts an rdma.Ticket to its wire form.
+func TicketOf(t rdma.Ticket) Ticket { return ticketOf(&t) }
+
+// ticketOf is TicketOf for a ticket the caller keeps: the result's Token
+// aliases t's.
+func ticketOf(t *rdma.Ticket) Ticket {
+	return Ticket{
+		Agent: string(t.Agent), Grant: t.Grant, Epoch: t.Epoch, Token: t.Token[:],
+		RequestID: t.RequestID, Extents: Extents(t.Extents), Bytes: t.Bytes, Deadline: unixNano(t.Deadline),
+	}
+}
+
+// RDMA converts w back to an rdma.Ticket. A token that is not 16 bytes is an
+// ErrBadMessage.
+func (w Ticket) RDMA() (rdma.Ticket, error) {
+	t := rdma.Ticket{
+		Agent: rdma.AgentID(w.Agent), Grant: w.Grant, Epoch: w.Epoch, RequestID: w.RequestID,
+		Extents: []rdma.Extent(w.Extents), Bytes: w.Bytes, Deadline: fromUnixNano(w.Deadline),
+	}
+	if len(w.Token) != len(t.Token) {
+		return rdma.Ticket{}, fmt.Errorf("%w: grant token of %d bytes", ErrBadMessage, len(w.Token))
+	}
+	copy(t.Token[:], w.Token)
+	return t, nil
+}
+
+// Manifest is the wire form of an rdma.Manifest: bytes and crc32c per
+// destination extent.
+type Manifest struct {
+	Bytes U64s `msgpack:"b"`
+	CRC   U32s `msgpack:"c"`
+}
+
+// ManifestOf converts an rdma.Manifest to its wire form.
+func ManifestOf(m rdma.Manifest) Manifest { return Manifest{Bytes: U64s(m.Bytes), CRC: U32s(m.CRC)} }
+
+// RDMA converts w back to an rdma.Manifest.
+func (w Manifest) RDMA() rdma.Manifest {
+	return rdma.Manifest{Bytes: []uint64(w.Bytes), CRC: []uint32(w.CRC)}
+}
+
+// PrefillRequest asks a prefill worker to prefill a prompt and write its cache
+// into the receiver's grant. Sent by the Decoder as a NATS request.
+type PrefillRequest struct {
+	V           uint8    `msgpack:"v"`
+	RequestID   uint64   `msgpack:"id"`
+	From        string   `msgpack:"from"` // the requesting instance id
+	Attempt     uint8    `msgpack:"try"`
+	Fingerprint string   `msgpack:"fp"` // layout fingerprint of the receiver's model
+	Tokens      Tokens   `msgpack:"tok"`
+	Sampling    Sampling `msgpack:"smp"`
+	Deadline    int64    `msgpack:"dl"`   // unix nanoseconds, on the sender's clock
+	Peer        Peer     `msgpack:"peer"` // the receiver's data-plane descriptor
+	Ticket      Ticket   `msgpack:"tk"`
+	KVBytes     uint64   `msgpack:"kvb"` // bytes of the ticket's leading KV extents
+	MambaBytes  uint64   `msgpack:"mb"`  // bytes of the ticket's trailing Mamba extent
+	// Budget is the time left until Deadline when the request was sent, in
+	// nanoseconds. The receiver's deadline is its own clock at receipt plus
+	// Budget: two hosts' wall clocks are never compared. 0 (a sender that
+	// predates it): Deadline is used as it is.
+	Budget int64 `msgpack:"rem"`
+	// TP is the receiver's tensor-parallel size (issue 12): the ticket's
+	// extents are its TP shards' KV runs, shard after shard, then their
+	// Mamba rows, each in that shard's own layout (reshard.KVShard,
+	// reshard.MambaShard), and the writer reshards its own shards' bytes
+	// into them. 0 (omitted) means 1.
+	TP uint16 `msgpack:"tp,omitempty"`
+}
+
+// PrefillReply answers a PrefillRequest: success with the first token, or a
+// refusal/failure code. Success is sent only after the commit was accepted.
+type PrefillReply struct {
+	V            uint8    `msgpack:"v"`
+	RequestID    uint64   `msgpack:"id"`
+	Instance     string   `msgpack:"inst"`
+	Code         Code     `msgpack:"code"`
+	Msg          string   `msgpack:"msg"`
+	FirstToken   int32    `msgpack:"tok"`
+	PrefillNanos int64    `msgpack:"pf"`
+	WriteNanos   int64    `msgpack:"wr"`
+	Manifest     Manifest `msgpack:"man"`
+	// Logprobs are the first token's logprobs when the request asked, in
+	// the worker's encoding (model.Logprobs.MarshalBinary); omitted when empty.
+	Logprobs []byte `msgpack:"lp,omitempty"`
+}
+
+// Cancel tells the worker that serves a request to stop and free it. Published
+// (no reply) on the instance's cancel subject or on the namespace's.
+type Cancel struct {
+	V         uint8  `msgpack:"v"`
+	RequestID uint64 `msgpack:"id"`
+	Grant     uint64 `msgpack:"g"` // the grant of the cancelled attempt; 0 cancels any
+	Code      Code   `msgpack:"code"`
+	// From is the decode instance that sent the request: request and grant
+	// ids are only unique per decoder. Empty (an older sender) matches any.
+	From string `msgpack:"from"`
+}
+
+// Capacity is an instance's advertised room.
+type Capacity struct {
+	Ranks      int `msgpack:"ranks"`
+	Rows       int `msgpack:"rows"`
+	Blocks     int `msgpack:"blocks"`
+	FreeRows   int `msgpack:"frows"`
+	FreeBlocks int `msgpack:"fblocks"`
+	Inflight   int `msgpack:"infl"`
+}
+
+// Instance is what each worker instance publishes in the registry bucket and
+// refreshes with heartbeats.
+type Instance struct {
+	V           uint8    `msgpack:"v"`
+	ID          string   `msgpack:"id"`
+	Role        Role     `msgpack:"role"`
+	Fingerprint string   `msgpack:"fp"`
+	Peer        Peer     `msgpack:"peer"`
+	Capacity    Capacity `msgpack:"cap"`
+	Updated     int64    `msgpack:"at"` // unix nanoseconds of the heartbeat
+	// Draining: the instance takes no new requests (it finishes the ones it
+	// holds, so it stays registered); decoders do not address it.
+	Draining bool `msgpack:"drain"`
+}
+
+// Role is a worker's role in the registry.
+type Role string
+
+const (
+	RolePrefill Role = "prefill"
+	RoleDecode  Role = "decode"
+)
+
+func unixNano(t time.Time) int64 {
+	if t.IsZero() {
+		return 0
+	}
+	return t.UnixNano()
+}
+
+func fromUnixNano(n int64) time.Time {
+	if n == 0 {
+		return time.Time{}
+	}
+	return time.Unix(0, n)
+}
