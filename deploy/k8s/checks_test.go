@@ -323,10 +323,16 @@ func (c *checker) worker(p podTemplate, ctr corev1.Container, role worker.Role, 
 		}
 	}
 
-	// Termination: the grace period outlasts the drain.
+	// Termination: the grace period outlasts the preStop sleep and the
+	// drain.
 	grace := p.Template.Spec.TerminationGracePeriodSeconds
-	if grace == nil || time.Duration(*grace)*time.Second <= cfg.DrainTimeout {
-		c.errorf("%s: terminationGracePeriodSeconds %v must exceed the drain timeout %v", where, ptrVal(grace), cfg.DrainTimeout)
+	var sleep time.Duration
+	if l := ctr.Lifecycle; l != nil && l.PreStop != nil && l.PreStop.Sleep != nil {
+		sleep = time.Duration(l.PreStop.Sleep.Seconds) * time.Second
+	}
+	if grace == nil || time.Duration(*grace)*time.Second <= sleep+cfg.DrainTimeout {
+		c.errorf("%s: terminationGracePeriodSeconds %v must exceed the preStop sleep %v plus the drain timeout %v",
+			where, ptrVal(grace), sleep, cfg.DrainTimeout)
 	}
 
 	// NATS: every URL names a rendered Service and one of its ports.

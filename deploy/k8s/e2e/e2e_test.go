@@ -20,7 +20,6 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -433,7 +432,8 @@ var plainClient = &http.Client{
 	Transport: &http.Transport{DisableKeepAlives: true},
 }
 
-// errRetryable marks a request no server took: refused at connect, or
+// errRetryable marks a request no server took: its connection failed
+// (refused or reset while connecting: not a byte of it was sent), or it was
 // answered 429/503 with Retry-After (queue full, draining, no prefill yet).
 var errRetryable = errors.New("retryable")
 
@@ -446,7 +446,7 @@ func completeOnce(ctx context.Context, api, prompt string, maxTokens int) (strin
 	req.Header.Set("Content-Type", "application/json")
 	resp, err := plainClient.Do(req)
 	if err != nil {
-		if errors.Is(err, syscall.ECONNREFUSED) {
+		if op := (*net.OpError)(nil); errors.As(err, &op) && op.Op == "dial" {
 			return "", 100 * time.Millisecond, fmt.Errorf("%w: %v", errRetryable, err)
 		}
 		return "", 0, err
@@ -512,7 +512,7 @@ type loadResult struct {
 }
 
 func (r loadResult) String() string {
-	s := fmt.Sprintf("%d requests: %d completed, %d failed, %d retries of requests no server took (429/503 with Retry-After, connection refused)",
+	s := fmt.Sprintf("%d requests: %d completed, %d failed, %d retries of requests no server took (429/503 with Retry-After, connection failed)",
 		r.ok+r.failed, r.ok, r.failed, r.retries)
 	if len(r.errs) > 0 {
 		s += "; errors: " + strings.Join(r.errs, " | ")
