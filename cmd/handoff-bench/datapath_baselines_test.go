@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/handoff-io/handoff/internal/leakcheck"
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/stretchr/testify/require"
 )
@@ -204,7 +205,7 @@ func TestRawTCPBaseline(t *testing.T) {
 	if testing.Short() {
 		t.Skip("spawns a child process")
 	}
-	noLeak(t)
+	leakcheck.Check(t)
 	t.Setenv(testRoleEnv, "receiver")
 	l, err := newLayout(64<<10, 1<<20, 1, 2)
 	require.NoError(t, err)
@@ -218,7 +219,7 @@ func TestRawTCPBaseline(t *testing.T) {
 // The sink counts what it read up to the end of the stream, a partial
 // extent included, so a short stream does not pass for a whole one.
 func TestServeRawSinkCounts(t *testing.T) {
-	noLeak(t)
+	leakcheck.Check(t)
 	l, err := newLayout(4<<10, 16<<10, 1, 2)
 	require.NoError(t, err)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")

@@ -13,7 +13,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -21,6 +20,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/handoff-io/handoff/internal/leakcheck"
 	"github.com/handoff-io/handoff/internal/size"
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/stretchr/testify/require"
@@ -36,23 +36,6 @@ func TestMain(m *testing.M) {
 		os.Exit(runMain(os.Args[1:], os.Stdout, os.Stderr))
 	}
 	os.Exit(m.Run())
-}
-
-// noLeak fails the test if goroutines started during it are still running
-// shortly after it ends.
-func noLeak(t *testing.T) {
-	t.Helper()
-	before := runtime.NumGoroutine()
-	t.Cleanup(func() {
-		deadline := time.Now().Add(3 * time.Second)
-		for runtime.NumGoroutine() > before && time.Now().Before(deadline) {
-			time.Sleep(20 * time.Millisecond)
-		}
-		if n := runtime.NumGoroutine(); n > before {
-			buf := make([]byte, 1<<20)
-			t.Errorf("%d goroutines before, %d after:\n%s", before, n, buf[:runtime.Stack(buf, true)])
-		}
-	})
 }
 
 func quietLogger() *slog.Logger { return slog.New(slog.DiscardHandler) }
@@ -218,7 +201,7 @@ func FuzzDecodeCtrl(f *testing.F) {
 
 // TestReceiverRefusesBadRequests drives serveReceiver by hand.
 func TestReceiverRefusesBadRequests(t *testing.T) {
-	noLeak(t)
+	leakcheck.Check(t)
 	l, err := newLayout(4096, 16384, 1, 2)
 	require.NoError(t, err)
 	for _, tc := range []struct {
@@ -256,7 +239,7 @@ func TestReceiverRefusesBadRequests(t *testing.T) {
 // TestReceiverStats: grants opened and never written are revoked at stop and
 // counted as unused; nothing is reported committed.
 func TestReceiverStats(t *testing.T) {
-	noLeak(t)
+	leakcheck.Check(t)
 	l, err := newLayout(4096, 16384, 2, 2)
 	require.NoError(t, err)
 	in := strings.NewReader(`{"type":"open","stream":0,"slot":0,"request_id":1}
@@ -301,14 +284,14 @@ func runShort(t *testing.T, tr rdma.Transport, extent uint64, streams int, sp sp
 }
 
 func TestRunInproc(t *testing.T) {
-	noLeak(t)
+	leakcheck.Check(t)
 	r := runShort(t, rdma.TransportInproc, 4096, 2, goroutineSpawner{})
 	require.Equal(t, 1, r.Processes)
 	require.Equal(t, 256, r.ExtentsPerGrant)
 }
 
 func TestRunTCPSingleProcess(t *testing.T) {
-	noLeak(t)
+	leakcheck.Check(t)
 	runShort(t, rdma.TransportTCP, 64<<10, 1, goroutineSpawner{})
 }
 
@@ -316,7 +299,7 @@ func TestRunTwoProcesses(t *testing.T) {
 	if testing.Short() {
 		t.Skip("spawns a child process")
 	}
-	noLeak(t)
+	leakcheck.Check(t)
 	sp := childSpawner{env: []string{testRoleEnv + "=receiver"}}
 	r := runShort(t, rdma.TransportTCP, 1<<20, 1, sp)
 	require.Equal(t, 2, r.Processes)
@@ -329,7 +312,7 @@ func TestRunTwoProcessesSettings(t *testing.T) {
 	if testing.Short() {
 		t.Skip("spawns a child process")
 	}
-	noLeak(t)
+	leakcheck.Check(t)
 	o, err := parseDatapathFlags([]string{"--grant-bytes", "4MiB", "--tcp-lanes", "3", "--skip-crc"}, io.Discard)
 	require.NoError(t, err)
 	l, err := o.layout(1 << 20)
@@ -374,7 +357,7 @@ func (f failingSpawner) spawn(ctx context.Context, t rdma.Transport, l layout, l
 }
 
 func TestRunReceiverFailures(t *testing.T) {
-	noLeak(t)
+	leakcheck.Check(t)
 	l, err := newLayout(4096, 65536, 1, 2)
 	require.NoError(t, err)
 	for _, tc := range []struct {
@@ -405,7 +388,7 @@ func (m mismatchSpawner) spawn(ctx context.Context, t rdma.Transport, _ layout, 
 }
 
 func TestMeasureDatapathReport(t *testing.T) {
-	noLeak(t)
+	leakcheck.Check(t)
 	o, err := parseDatapathFlags([]string{"--transport", "inproc", "--extent", "4KiB,64KiB", "--duration", "200ms",
 		"--grant-bytes", "256KiB", "--repeat", "3"}, io.Discard)
 	require.NoError(t, err)
@@ -464,7 +447,7 @@ func TestHelp(t *testing.T) {
 
 // A run that moves nothing measured nothing: an error, not a zero rate.
 func TestRunTooShort(t *testing.T) {
-	noLeak(t)
+	leakcheck.Check(t)
 	l, err := newLayout(4096, 65536, 1, 2)
 	require.NoError(t, err)
 	_, err = runOnce(context.Background(), rdma.TransportInproc, l, time.Nanosecond, quietLogger(), goroutineSpawner{}, nil)
@@ -489,7 +472,7 @@ func (c cancelWriter) Write(p []byte) (int, error) {
 // second repetition to come) ends the measurement with the interruption and
 // nothing else: no report, no failed receiver start.
 func TestMeasureInterruptedInBaselines(t *testing.T) {
-	noLeak(t)
+	leakcheck.Check(t)
 	t.Setenv("PATH", t.TempDir())
 	o, err := parseDatapathFlags([]string{"--transport", "inproc", "--extent", "4KiB", "--grant-bytes", "64KiB",
 		"--duration", "1h", "--baselines", "--repeat", "2"}, io.Discard)
@@ -550,7 +533,7 @@ func TestRunCancelledLeavesNoSocket(t *testing.T) {
 	if testing.Short() {
 		t.Skip("spawns a child process")
 	}
-	noLeak(t)
+	leakcheck.Check(t)
 	dir := t.TempDir()
 	l, err := newLayout(1<<20, 1<<20, 1, 2)
 	require.NoError(t, err)
@@ -580,7 +563,7 @@ func TestRunStuckReceiver(t *testing.T) {
 	if testing.Short() {
 		t.Skip("spawns a child process")
 	}
-	noLeak(t)
+	leakcheck.Check(t)
 	dir := t.TempDir()
 	l, err := newLayout(1<<20, 1<<20, 1, 2)
 	require.NoError(t, err)

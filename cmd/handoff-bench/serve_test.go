@@ -26,6 +26,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/handoff-io/handoff/cmd/handoff-bench/internal/serving"
+	"github.com/handoff-io/handoff/internal/leakcheck"
 )
 
 // pipeNet is an in-memory network over net.Pipe: a listener for an
@@ -525,7 +526,7 @@ func TestServeSignalPartialReport(t *testing.T) {
 	if testing.Short() {
 		t.Skip("spawns a child process")
 	}
-	noLeak(t)
+	leakcheck.Check(t)
 	var (
 		mu   sync.Mutex
 		done int

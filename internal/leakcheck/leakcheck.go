@@ -5,16 +5,24 @@
 //     run: no goroutine may outlive the tests.
 //   - Check, first thing in a test, checks that no goroutine the test started
 //     outlives it. Tests that call it must not run in parallel with others.
+//   - CheckFDs, likewise, checks that the test leaves no more file
+//     descriptors open than it found (connections, listeners, memfds).
 //
-// Both wait up to 5 seconds for goroutines to end before they fail, closing
-// idle HTTP keep-alive connections of the default clients on the way: a
-// goroutine that is only slow to wind down on a loaded machine is not a leak.
+// All wait up to 5 seconds for goroutines and descriptors to go before they
+// fail, closing idle HTTP keep-alive connections of the default clients on
+// the way: a goroutine that is only slow to wind down on a loaded machine is
+// not a leak.
 package leakcheck
 
 import (
 	"fmt"
+	"net"
 	"net/http"
 	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -50,6 +58,74 @@ func Check(t testing.TB) {
 			t.Errorf("leakcheck: goroutines left after %s: %v", t.Name(), err)
 		}
 	})
+}
+
+// CheckFDs fails t if, once the test and its other cleanups are done, the
+// process has more file descriptors open than when CheckFDs was called; the
+// report names the descriptors that were not open then. It checks nothing
+// where /proc/self/fd cannot be read. Call it first in the test, like Check,
+// and not in tests that run in parallel with others.
+func CheckFDs(t testing.TB) {
+	t.Helper()
+	before := openFDs()
+	if before == nil {
+		return
+	}
+	t.Cleanup(func() {
+		deadline := time.Now().Add(grace)
+		for {
+			closeIdle()
+			now := openFDs()
+			if len(now) <= len(before) {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Errorf("leakcheck: %d file descriptors open after %s, %d before; new: %s",
+					len(now), t.Name(), len(before), newFDs(before, now))
+				return
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	})
+}
+
+var netpollWarm sync.Once
+
+// openFDs maps each open descriptor of this process to what it refers to,
+// or returns nil where that is unknown. The runtime's network poller opens
+// descriptors of its own on first use and keeps them: they are opened before
+// the first count, so that they are never taken for a test's.
+func openFDs() map[string]string {
+	netpollWarm.Do(func() {
+		if ln, err := net.Listen("tcp", "127.0.0.1:0"); err == nil {
+			ln.Close()
+		}
+	})
+	const dir = "/proc/self/fd"
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil
+	}
+	fds := make(map[string]string, len(ents))
+	for _, e := range ents {
+		target, _ := os.Readlink(filepath.Join(dir, e.Name()))
+		fds[e.Name()] = target
+	}
+	return fds
+}
+
+// newFDs lists the descriptors of now that before did not have, as
+// "fd -> target", leaving out the one openFDs read the list through.
+func newFDs(before, now map[string]string) string {
+	self := fmt.Sprintf("/proc/%d/fd", os.Getpid())
+	var l []string
+	for fd, target := range now {
+		if old, ok := before[fd]; (!ok || old != target) && target != self {
+			l = append(l, fd+" -> "+target)
+		}
+	}
+	slices.Sort(l)
+	return strings.Join(l, ", ")
 }
 
 // find waits up to grace for the goroutines opts do not ignore to end, and

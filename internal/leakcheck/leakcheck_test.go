@@ -2,6 +2,7 @@ package leakcheck
 
 import (
 	"fmt"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -55,5 +56,37 @@ func TestCheckReportsALeak(t *testing.T) {
 	}
 	if n := strings.Count(r.errs[0], "Goroutine "); n != 1 {
 		t.Fatalf("want the one goroutine started after Check, got %d:\n%s", n, r.errs[0])
+	}
+}
+
+func TestCheckFDs(t *testing.T) {
+	if openFDs() == nil {
+		t.Skip("no /proc/self/fd")
+	}
+	r := &recorder{TB: t}
+	CheckFDs(r)
+	f, err := os.Open(os.DevNull)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { time.Sleep(50 * time.Millisecond); f.Close() }()
+	r.finish()
+	if len(r.errs) != 0 {
+		t.Fatalf("errors for a descriptor that was closed: %v", r.errs)
+	}
+
+	if testing.Short() {
+		return // the leak case waits the whole grace period
+	}
+	r = &recorder{TB: t}
+	CheckFDs(r)
+	f, err = os.Open(os.DevNull)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	r.finish()
+	if len(r.errs) != 1 || !strings.Contains(r.errs[0], "file descriptors open after recorded") || !strings.Contains(r.errs[0], os.DevNull) {
+		t.Fatalf("want one leak report naming %s, got %v", os.DevNull, r.errs)
 	}
 }
