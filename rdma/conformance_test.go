@@ -10,13 +10,13 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net"
-	"os"
-	"runtime"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/internal/leakcheck"
 )
 
 const canary = 0xA5
@@ -34,12 +34,10 @@ func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard
 
 // pair is a receiver and a writer engine that reach each other over one transport.
 type pair struct {
-	t          Transport
-	rx, tx     *Engine
-	dst, src   *Region
-	desc       Descriptor
-	goroutines int
-	fds        int
+	t        Transport
+	rx, tx   *Engine
+	dst, src *Region
+	desc     Descriptor
 }
 
 const pairRegion = 1 << 20
@@ -76,7 +74,10 @@ func pairCases() []pairCase {
 func newPairCase(t *testing.T, c pairCase, rxSkip, txSkip bool) *pair {
 	t.Helper()
 	tr := c.t
-	p := &pair{t: tr, goroutines: runtime.NumGoroutine(), fds: openFDs()}
+	// No goroutine, connection, memfd or listener outlives the pair.
+	leakcheck.Check(t)
+	leakcheck.CheckFDs(t)
+	p := &pair{t: tr}
 	var err error
 	var release []func()
 	p.rx, err = New(Config{Agent: AgentID("rx-" + t.Name()), Transports: []Transport{tr}, Logger: quietLogger(), SkipCRC: rxSkip})
@@ -116,8 +117,6 @@ func newPairCase(t *testing.T, c pairCase, rxSkip, txSkip bool) *pair {
 		for _, f := range release {
 			f()
 		}
-		requireGoroutines(t, p.goroutines)
-		requireFDs(t, p.fds)
 	})
 	return p
 }
@@ -125,54 +124,6 @@ func newPairCase(t *testing.T, c pairCase, rxSkip, txSkip bool) *pair {
 func fill(b []byte, v byte) {
 	for i := range b {
 		b[i] = v
-	}
-}
-
-var netpollWarm sync.Once
-
-// openFDs counts this process's open file descriptors (-1 where unknown).
-// The runtime's own poller descriptors are created first, so they are
-// counted in the baseline.
-func openFDs() int {
-	netpollWarm.Do(func() {
-		if ln, err := net.Listen("tcp", "127.0.0.1:0"); err == nil {
-			ln.Close()
-		}
-	})
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		return -1
-	}
-	return len(ents)
-}
-
-// requireFDs waits for the descriptor count to fall back to n: no
-// connection, memfd or listener outlives its engine.
-func requireFDs(t *testing.T, n int) {
-	t.Helper()
-	if n < 0 {
-		return
-	}
-	deadline := time.Now().Add(5 * time.Second)
-	for openFDs() > n {
-		if time.Now().After(deadline) {
-			t.Fatalf("descriptor leak: %d open, %d before", openFDs(), n)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
-// requireGoroutines waits for the goroutine count to fall back to n.
-func requireGoroutines(t *testing.T, n int) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for runtime.NumGoroutine() > n {
-		if time.Now().After(deadline) {
-			buf := make([]byte, 1<<20)
-			buf = buf[:runtime.Stack(buf, true)]
-			t.Fatalf("goroutine leak: %d running, %d before\n%s", runtime.NumGoroutine(), n, buf)
-		}
-		time.Sleep(5 * time.Millisecond)
 	}
 }
 
@@ -656,7 +607,7 @@ func TestDescriptorAndTicketJSON(t *testing.T) {
 }
 
 func TestCloseAbortsDialInProgress(t *testing.T) {
-	before := runtime.NumGoroutine()
+	leakcheck.Check(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0") // accepts in the kernel, never answers the hello
 	require.NoError(t, err)
 	defer ln.Close()
@@ -678,7 +629,6 @@ func TestCloseAbortsDialInProgress(t *testing.T) {
 	}
 	require.Less(t, time.Since(start), 5*time.Second)
 	ln.Close()
-	requireGoroutines(t, before)
 }
 
 func TestNoCommonTransport(t *testing.T) {

@@ -7,12 +7,12 @@ import (
 	"encoding/binary"
 	"errors"
 	"math/rand/v2"
-	"runtime"
 	"slices"
 	"testing"
 	"time"
 
 	"github.com/handoff-io/handoff/internal/faultnet"
+	"github.com/handoff-io/handoff/internal/leakcheck"
 	"github.com/stretchr/testify/require"
 )
 
@@ -39,8 +39,8 @@ type faultPair struct {
 
 func newFaultPair(t *testing.T, lanes int) *faultPair {
 	t.Helper()
-	before := runtime.NumGoroutine()
-	fds := openFDs()
+	leakcheck.Check(t)
+	leakcheck.CheckFDs(t)
 	p := &faultPair{lanes: lanes}
 	var err error
 	p.rx, err = New(Config{Agent: "fault-rx", Transports: []Transport{TransportTCP}, Logger: quietLogger()})
@@ -57,8 +57,6 @@ func newFaultPair(t *testing.T, lanes int) *faultPair {
 		require.NoError(t, p.tx.Close())
 		require.NoError(t, p.proxy.Close())
 		require.NoError(t, p.rx.Close())
-		requireGoroutines(t, before)
-		requireFDs(t, fds)
 	})
 	return p
 }

@@ -3,11 +3,12 @@ package rdma
 import (
 	"context"
 	"math/rand/v2"
-	"runtime"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/internal/leakcheck"
 )
 
 // stripePair is a tcp writer and receiver with regions large enough for
@@ -22,7 +23,8 @@ const stripeRegion = 24 << 20
 
 func newStripePair(t *testing.T, lanes int) *stripePair {
 	t.Helper()
-	goroutines, fds := runtime.NumGoroutine(), openFDs()
+	leakcheck.Check(t)
+	leakcheck.CheckFDs(t)
 	p := &stripePair{}
 	var err error
 	p.rx, err = New(Config{Agent: "stripe-rx", Transports: []Transport{TransportTCP}, Logger: quietLogger()})
@@ -44,8 +46,6 @@ func newStripePair(t *testing.T, lanes int) *stripePair {
 	t.Cleanup(func() {
 		require.NoError(t, p.tx.Close())
 		require.NoError(t, p.rx.Close())
-		requireGoroutines(t, goroutines)
-		requireFDs(t, fds)
 	})
 	return p
 }

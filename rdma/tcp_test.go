@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/internal/leakcheck"
 )
 
 // rawRx is a receiver engine with one open grant, reached over a raw TCP
@@ -25,7 +27,7 @@ type rawRx struct {
 
 func newRawRx(t *testing.T, deadline time.Duration) *rawRx {
 	t.Helper()
-	before := runtime.NumGoroutine()
+	leakcheck.Check(t)
 	e, err := New(Config{Agent: "raw-rx", Transports: []Transport{TransportTCP}, Logger: quietLogger()})
 	require.NoError(t, err)
 	dst, err := e.Register("dst", 1<<20)
@@ -38,7 +40,6 @@ func newRawRx(t *testing.T, deadline time.Duration) *rawRx {
 	t.Cleanup(func() {
 		r.conn.Close()
 		require.NoError(t, e.Close())
-		requireGoroutines(t, before)
 	})
 	return r
 }
@@ -386,7 +387,7 @@ func isAny(err error, targets ...error) bool {
 // A receiver that accepts, answers the hello and then never replies: Write
 // returns when its context ends, and leaves no goroutine behind.
 func TestTCPWriterContextAgainstSilentReceiver(t *testing.T) {
-	before := runtime.NumGoroutine()
+	leakcheck.Check(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	defer ln.Close()
@@ -436,7 +437,6 @@ func TestTCPWriterContextAgainstSilentReceiver(t *testing.T) {
 	require.NoError(t, tx.Close())
 	ln.Close()
 	<-served
-	requireGoroutines(t, before)
 }
 
 func TestTCPRawRefusalsAreBounded(t *testing.T) {
