@@ -1,8 +1,14 @@
 package transfer
 
+// Packed slices: a bulk field travels as one msgpack bin of fixed-size
+// little-endian items (nil as nil), never as a msgpack array. The integer
+// slices share one codec, appendWords and decodeWords, compiled for each
+// word type (no call per item); Extents packs a struct per item.
+
 import (
 	"encoding/binary"
 	"fmt"
+	"unsafe"
 
 	"github.com/vmihailenco/msgpack/v5"
 
@@ -13,32 +19,71 @@ import (
 // cannot make the decoder allocate more than any NATS payload could hold.
 const maxPacked = 8 << 20
 
-// Tokens is a prompt, packed as little-endian int32 on the wire.
-type Tokens []int32
+// word is the item of a packed integer slice.
+type word interface{ ~int32 | ~uint32 | ~uint64 }
 
-func (t Tokens) appendTo(b []byte) []byte {
-	if t == nil {
+// wordSize is W's packed size, 4 or 8 bytes: its size in memory, known to
+// the compiler for each word type.
+func wordSize[W word]() int { return int(unsafe.Sizeof(W(0))) }
+
+// appendWords appends s as a bin of little-endian words, or nil when s is
+// nil.
+func appendWords[W word](b []byte, s []W) []byte {
+	if s == nil {
 		return appendNil(b)
 	}
-	b = appendBinLen(b, 4*len(t))
-	for _, v := range t {
-		b = binary.LittleEndian.AppendUint32(b, uint32(v))
+	size := wordSize[W]()
+	b = appendBinLen(b, size*len(s))
+	for _, v := range s {
+		if size == 4 {
+			b = binary.LittleEndian.AppendUint32(b, uint32(v))
+		} else {
+			b = binary.LittleEndian.AppendUint64(b, uint64(v))
+		}
 	}
 	return b
 }
 
-func (t *Tokens) decode(r *reader) error {
-	b, ok, err := r.packed(4, "tokens")
+// decodeWords reads a bin of little-endian words into a new slice; nil for
+// nil or an error. what names the field in errors.
+func decodeWords[S ~[]W, W word](r *reader, what string) (S, error) {
+	size := wordSize[W]()
+	b, ok, err := r.packed(size, what)
 	if err != nil || !ok {
-		*t = nil
-		return err
+		return nil, err
 	}
-	out := make(Tokens, len(b)/4)
+	out := make(S, len(b)/size)
 	for i := range out {
-		out[i] = int32(binary.LittleEndian.Uint32(b[4*i:]))
+		if size == 4 {
+			out[i] = W(binary.LittleEndian.Uint32(b[4*i:]))
+		} else {
+			out[i] = W(binary.LittleEndian.Uint64(b[8*i:]))
+		}
 	}
-	*t = out
-	return nil
+	return out, nil
+}
+
+// packed reads a bin of whole elem-byte items in place; ok is false for nil.
+func (r *reader) packed(elem int, what string) (b []byte, ok bool, err error) {
+	n, err := r.bytesLen()
+	if err != nil || n < 0 {
+		return nil, false, err
+	}
+	if n > maxPacked || n%elem != 0 {
+		return nil, false, fmt.Errorf("%w: packed %s of %d bytes", ErrBadMessage, what, n)
+	}
+	b, err = r.next(n)
+	return b, err == nil, err
+}
+
+// Tokens is a prompt, packed as little-endian int32 on the wire.
+type Tokens []int32
+
+func (t Tokens) appendTo(b []byte) []byte { return appendWords(b, t) }
+
+func (t *Tokens) decode(r *reader) (err error) {
+	*t, err = decodeWords[Tokens](r, "tokens")
+	return err
 }
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
@@ -94,29 +139,11 @@ func (x *Extents) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(
 // U64s is a list of uint64, packed little-endian on the wire.
 type U64s []uint64
 
-func (u U64s) appendTo(b []byte) []byte {
-	if u == nil {
-		return appendNil(b)
-	}
-	b = appendBinLen(b, 8*len(u))
-	for _, v := range u {
-		b = binary.LittleEndian.AppendUint64(b, v)
-	}
-	return b
-}
+func (u U64s) appendTo(b []byte) []byte { return appendWords(b, u) }
 
-func (u *U64s) decode(r *reader) error {
-	b, ok, err := r.packed(8, "u64s")
-	if err != nil || !ok {
-		*u = nil
-		return err
-	}
-	out := make(U64s, len(b)/8)
-	for i := range out {
-		out[i] = binary.LittleEndian.Uint64(b[8*i:])
-	}
-	*u = out
-	return nil
+func (u *U64s) decode(r *reader) (err error) {
+	*u, err = decodeWords[U64s](r, "u64s")
+	return err
 }
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
@@ -128,29 +155,11 @@ func (u *U64s) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec
 // U32s is a list of uint32, packed little-endian on the wire.
 type U32s []uint32
 
-func (u U32s) appendTo(b []byte) []byte {
-	if u == nil {
-		return appendNil(b)
-	}
-	b = appendBinLen(b, 4*len(u))
-	for _, v := range u {
-		b = binary.LittleEndian.AppendUint32(b, v)
-	}
-	return b
-}
+func (u U32s) appendTo(b []byte) []byte { return appendWords(b, u) }
 
-func (u *U32s) decode(r *reader) error {
-	b, ok, err := r.packed(4, "u32s")
-	if err != nil || !ok {
-		*u = nil
-		return err
-	}
-	out := make(U32s, len(b)/4)
-	for i := range out {
-		out[i] = binary.LittleEndian.Uint32(b[4*i:])
-	}
-	*u = out
-	return nil
+func (u *U32s) decode(r *reader) (err error) {
+	*u, err = decodeWords[U32s](r, "u32s")
+	return err
 }
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
@@ -158,16 +167,3 @@ func (u U32s) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(enc,
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
 func (u *U32s) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, u.decode) }
-
-// packed reads a bin of whole elem-byte items in place; ok is false for nil.
-func (r *reader) packed(elem int, what string) (b []byte, ok bool, err error) {
-	n, err := r.bytesLen()
-	if err != nil || n < 0 {
-		return nil, false, err
-	}
-	if n > maxPacked || n%elem != 0 {
-		return nil, false, fmt.Errorf("%w: packed %s of %d bytes", ErrBadMessage, what, n)
-	}
-	b, err = r.next(n)
-	return b, err == nil, err
-}
