@@ -5,12 +5,14 @@
 //
 // # Layers
 //
-//   - wire.go: every NATS message (msgpack maps, explicit keys, version "v",
-//     tokens/extents/manifests as packed little-endian bytes). Encoders refuse
-//     a message over the server's max payload with ErrPayloadTooLarge before
-//     anything is published. msgp.go: the byte-level msgpack the two messages
-//     of every handoff (PrefillRequest, PrefillReply) are written and read
-//     with, byte for byte the format reflection produces with compact ints.
+//   - messages.go: every NATS message (msgpack maps, explicit keys, version
+//     "v"); packed.go: tokens/extents/manifests as packed little-endian
+//     bytes. codec.go: the Encode and Decode functions; encoders refuse a
+//     message over the server's max payload with ErrPayloadTooLarge before
+//     anything is published. msgcodec.go, on msgp.go's byte-level msgpack:
+//     the hand-written codecs the two messages of every handoff
+//     (PrefillRequest, PrefillReply) are written and read with, byte for
+//     byte the format reflection produces with compact ints.
 //   - subjects.go: Subject builds every subject:
 //     <prefix>.<ns>.prefill (queue group "prefill": any free worker takes it),
 //     <prefix>.<ns>.inst.<id>.prefill (one instance, for targeted retries),
