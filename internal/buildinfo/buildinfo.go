@@ -5,7 +5,10 @@
 //	          -X github.com/handoff-io/handoff/internal/buildinfo.revision=<git sha>"
 package buildinfo
 
-import "runtime/debug"
+import (
+	"runtime/debug"
+	"strings"
+)
 
 // Set at link time; see the package doc.
 var (
@@ -39,4 +42,25 @@ func Revision() string {
 		}
 	}
 	return "unknown"
+}
+
+// Build is the toolchain and the build settings a binary was built with:
+// the go version, then those of vcs.revision, vcs.time, vcs.modified, GOOS
+// and GOARCH the go command stamped, in its order, as
+// "go1.26.8, GOARCH=amd64, GOOS=linux". It is "" for a binary without
+// build information.
+func Build() string {
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		return ""
+	}
+	var b strings.Builder
+	b.WriteString(bi.GoVersion)
+	for _, s := range bi.Settings {
+		switch s.Key {
+		case "vcs.revision", "vcs.time", "vcs.modified", "GOOS", "GOARCH":
+			b.WriteString(", " + s.Key + "=" + s.Value)
+		}
+	}
+	return b.String()
 }

@@ -1,6 +1,10 @@
 package buildinfo
 
-import "testing"
+import (
+	"runtime"
+	"strings"
+	"testing"
+)
 
 func TestLinkTimeWins(t *testing.T) {
 	v, r := version, revision
@@ -16,5 +20,12 @@ func TestLinkTimeWins(t *testing.T) {
 	}
 	if got := Revision(); got != "abc123" {
 		t.Errorf("Revision() = %q, want the link-time abc123", got)
+	}
+}
+
+func TestBuild(t *testing.T) {
+	b := Build()
+	if !strings.HasPrefix(b, runtime.Version()) || !strings.Contains(b, "GOOS="+runtime.GOOS) {
+		t.Fatalf("Build() = %q, want the go version first and GOOS among the settings", b)
 	}
 }

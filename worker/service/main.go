@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"runtime/debug"
 	"strings"
 
 	"github.com/handoff-io/handoff/internal/buildinfo"
@@ -53,15 +52,8 @@ func Main(ctx, abort context.Context, role worker.Role, args []string, stdout, s
 
 func printVersion(w io.Writer, role worker.Role) {
 	fmt.Fprintf(w, "handoff %s %s", role, buildinfo.Version())
-	if bi, ok := debug.ReadBuildInfo(); ok {
-		fmt.Fprintf(w, " (%s", bi.GoVersion)
-		for _, s := range bi.Settings {
-			switch s.Key {
-			case "vcs.revision", "vcs.time", "vcs.modified", "GOOS", "GOARCH":
-				fmt.Fprintf(w, ", %s=%s", s.Key, s.Value)
-			}
-		}
-		fmt.Fprint(w, ")")
+	if b := buildinfo.Build(); b != "" {
+		fmt.Fprintf(w, " (%s)", b)
 	}
 	fmt.Fprintln(w)
 }
