@@ -1,0 +1,133 @@
+package transfer
+
+// How decoders find prefill workers over NATS: the micro service listing,
+// registry expiry and watch, and a worker that is resubscribing.
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/internal/leakcheck"
+	"github.com/handoff-io/handoff/internal/natstest"
+)
+
+// A prefill worker that is not there yet (restarting, or resubscribing
+// after a NATS reconnect) when a request is sent serves it once it is: the
+// request is sent again with a backoff instead of failing at once.
+func TestHandoffWaitsForPrefillWorker(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoResponderWait = 10 * time.Second })
+	type out struct {
+		res Result
+		err error
+	}
+	done := make(chan out, 1)
+	go func() {
+		res, err := ds.handoff(context.Background(), d, Request{ID: 4, Tokens: tokens(9), Deadline: time.Now().Add(20 * time.Second)})
+		done <- out{res, err}
+	}()
+	time.Sleep(400 * time.Millisecond)
+	f.prefiller("p1", f.fp, newExec(ps), nil)
+	o := <-done
+	require.NoError(t, o.err)
+	require.Equal(t, int32(4), o.res.FirstToken)
+	require.Greater(t, o.res.Attempts, 1)
+	require.NoError(t, ds.m.Free(4))
+	ds.requireInitial(t)
+	ps.requireInitial(t)
+}
+
+func TestMicroServiceListed(t *testing.T) {
+	f := newFixture(t)
+	ps := newSide(t, "pre", testHybrid(64, 8))
+	f.prefiller("p1", f.fp, newExec(ps), nil)
+	nc := natstest.Connect(t, f.srv)
+	m, err := nc.Request("$SRV.INFO."+ServiceName, nil, 5*time.Second)
+	require.NoError(t, err)
+	s := string(m.Data)
+	require.Contains(t, s, `"name":"handoff-prefill"`)
+	require.Contains(t, s, Subject(DefaultPrefix, f.ns, SubjectPrefill, ""))
+	require.Contains(t, s, `"queue_group":"prefill"`)
+	require.Contains(t, s, Subject(DefaultPrefix, f.ns, SubjectInstancePrefill, "p1"))
+	require.Contains(t, s, `"fingerprint":"fp-tiny"`)
+}
+
+func TestRegistryExpiry(t *testing.T) {
+	leakcheck.Check(t)
+	srv := natstest.Run(t)
+	nc := natstest.Connect(t, srv)
+	ctx := context.Background()
+	cfg := RegistryConfig{Namespace: "t1", TTL: time.Second}
+	watcher, err := OpenRegistry(ctx, nc, cfg)
+	require.NoError(t, err)
+	defer watcher.Close(ctx)
+	gone := make(chan string, 4)
+	watcher.OnChange(func(inst Instance, g bool) {
+		if g {
+			gone <- inst.ID
+		}
+	})
+	require.NoError(t, watcher.Watch(ctx, RolePrefill))
+
+	// A live instance, refreshed by heartbeats, and one that stops.
+	live, err := OpenRegistry(ctx, natstest.Connect(t, srv), RegistryConfig{Namespace: "t1", TTL: time.Second, Heartbeat: 200 * time.Millisecond})
+	require.NoError(t, err)
+	defer live.Close(ctx)
+	require.NoError(t, live.Announce(ctx, func() Instance { return Instance{ID: "p-live", Role: RolePrefill, Fingerprint: "fp"} }))
+	dead, err := OpenRegistry(ctx, natstest.Connect(t, srv), cfg)
+	require.NoError(t, err)
+	require.NoError(t, dead.put(ctx, registryKey(RolePrefill, "p-dead"), Instance{ID: "p-dead", Role: RolePrefill, Fingerprint: "fp"}))
+	require.NoError(t, dead.Close(ctx))
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := len(watcher.Instances(RolePrefill, time.Now())); n != 2 {
+			return fmt.Errorf("%d instances", n)
+		}
+		return nil
+	})
+	// The stopped one expires: locally by its age, then by the server's marker.
+	select {
+	case id := <-gone:
+		require.Equal(t, "p-dead", id)
+	case <-time.After(10 * time.Second):
+		t.Fatal("no expiry seen")
+	}
+	got := watcher.Instances(RolePrefill, time.Now())
+	require.Len(t, got, 1)
+	require.Equal(t, "p-live", got[0].ID)
+	require.Empty(t, watcher.Instances(RoleDecode, time.Now()))
+	require.Empty(t, watcher.Instances(RolePrefill, time.Now().Add(2*time.Second)), "local ttl check")
+}
+
+// nats.go ends a KV watch when the context it was created with ends, so the
+// registry must not create it with Watch's ctx, which only bounds the wait for
+// the initial entries.
+func TestRegistryWatchOutlivesItsContext(t *testing.T) {
+	leakcheck.Check(t)
+	srv := natstest.Run(t)
+	cfg := RegistryConfig{Namespace: "t1", TTL: 30 * time.Second}
+	watcher, err := OpenRegistry(context.Background(), natstest.Connect(t, srv), cfg)
+	require.NoError(t, err)
+	defer watcher.Close(context.Background())
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	require.NoError(t, watcher.Watch(ctx, RolePrefill))
+	cancel()
+
+	time.Sleep(50 * time.Millisecond) // let a watch bound to ctx end
+	late, err := OpenRegistry(context.Background(), natstest.Connect(t, srv), cfg)
+	require.NoError(t, err)
+	defer late.Close(context.Background())
+	require.NoError(t, late.Announce(context.Background(), func() Instance {
+		return Instance{ID: "p-late", Role: RolePrefill, Fingerprint: "fp"}
+	}))
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := len(watcher.Instances(RolePrefill, time.Now())); n != 1 {
+			return fmt.Errorf("%d instances, want the one announced after Watch's ctx ended", n)
+		}
+		return nil
+	})
+}

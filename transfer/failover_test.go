@@ -1,0 +1,327 @@
+package transfer
+
+// A worker dies (or looks dead) mid-handoff: the decoder fails or retries
+// on another worker, the prefiller stops when its decoder dies, and a live
+// writer that replaces a connection is not taken for dead.
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/internal/natstest"
+	"github.com/handoff-io/handoff/rdma"
+)
+
+// TestHandoffPrefillDeath: the serving worker disappears from the registry
+// mid-prefill; the decoder fails at once with ErrPeerFailed.
+func TestHandoffPrefillDeath(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	x.block = make(chan struct{})
+	p := f.prefiller("p1", f.fp, x, withRegistryP)
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 1 {
+			return fmt.Errorf("%d prefill instances known", n)
+		}
+		return nil
+	})
+	go func() {
+		<-x.started
+		// What expiry of the worker's entry looks like to watchers.
+		require.NoError(t, p.Registry().kv.Delete(context.Background(), registryKey(RolePrefill, "p1")))
+	}()
+	start := time.Now()
+	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
+	require.ErrorIs(t, err, ErrPeerFailed)
+	require.Less(t, time.Since(start), 30*time.Second)
+	ds.requireInitial(t)
+	// The worker is alive after all: it gets the cancel and stops.
+	require.ErrorIs(t, <-x.ctxErr, context.Canceled)
+	ps.requireInitial(t)
+}
+
+// TestPrefillerStopsOnDecodeDeath: the requesting decode instance leaves the
+// registry; the worker stops its prefill and frees.
+func TestPrefillerStopsOnDecodeDeath(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	x.block = make(chan struct{})
+	p := f.prefiller("p1", f.fp, x, withRegistryP)
+	d := f.decoder("d1", ds, withRegistry)
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := len(p.Registry().Instances(RoleDecode, time.Now())); n != 1 {
+			return fmt.Errorf("%d decode instances known", n)
+		}
+		return nil
+	})
+	// The worker pre-connected its data plane to the decode instance it saw.
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if tr, ok := ps.eng.TransportFor("dec"); !ok || tr != rdma.TransportInproc {
+			return fmt.Errorf("not connected (%q)", tr)
+		}
+		return nil
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		_, err := ds.handoff(ctx, d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
+		done <- err
+	}()
+	<-x.started
+	require.NoError(t, d.Registry().kv.Delete(context.Background(), registryKey(RoleDecode, "d1")))
+	require.ErrorIs(t, <-x.ctxErr, context.Canceled)
+	ps.requireInitial(t)
+	// The decoder hears the worker's peer_failed reply.
+	err := <-done
+	cancel()
+	require.ErrorIs(t, err, ErrPeerFailed)
+	ds.requireInitial(t)
+}
+
+// TestHandoffPrefillDeathRetried: the worker that took the request leaves the
+// registry before any commit; the decoder revokes the grant, opens a fresh one
+// over the same blocks and row, and the other worker serves the request. The
+// "dead" worker was only partitioned: a write with its old ticket is refused
+// and changes no byte.
+func TestHandoffPrefillDeathRetried(t *testing.T) {
+	f := newFixture(t)
+	ds := newSide(t, "dec", testHybrid(64, 8))
+	ps := map[string]*side{"p1": newSide(t, "pre1", testHybrid(64, 8)), "p2": newSide(t, "pre2", testHybrid(64, 8))}
+	xs := map[string]*testExec{}
+	pre := map[string]*Prefiller{}
+	for _, name := range []string{"p1", "p2"} {
+		xs[name] = newExec(ps[name])
+		xs[name].block = make(chan struct{})
+		pre[name] = f.prefiller(name, f.fp, xs[name], withRegistryP)
+	}
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
+			return fmt.Errorf("%d prefill instances known", n)
+		}
+		return nil
+	})
+	// Every request addressed to an instance, as sent.
+	nc := natstest.Connect(t, f.srv)
+	sent := make(chan PrefillRequest, 8)
+	sub, err := nc.Subscribe(Subject(DefaultPrefix, f.ns, SubjectInstancePrefill, "*"), func(m *nats.Msg) {
+		if r, err := DecodePrefillRequest(m.Data); err == nil {
+			sent <- r
+		}
+	})
+	require.NoError(t, err)
+	defer sub.Unsubscribe()
+	require.NoError(t, nc.Flush())
+
+	type out struct {
+		res Result
+		err error
+	}
+	done := make(chan out, 1)
+	go func() {
+		res, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
+		done <- out{res, err}
+	}()
+	var dead, live string
+	select {
+	case <-xs["p1"].started:
+		dead, live = "p1", "p2"
+	case <-xs["p2"].started:
+		dead, live = "p2", "p1"
+	}
+	first := <-sent
+	require.Equal(t, uint8(1), first.Attempt)
+	// What expiry of the worker's entry looks like to watchers.
+	require.NoError(t, pre[dead].Registry().kv.Delete(context.Background(), registryKey(RolePrefill, dead)))
+	<-xs[live].started
+	second := <-sent
+	require.Equal(t, uint8(2), second.Attempt)
+	require.NotEqual(t, first.Ticket.Grant, second.Ticket.Grant, "the retry writes into a fresh grant")
+	close(xs[live].block)
+	o := <-done
+	require.NoError(t, o.err)
+	require.Equal(t, live, o.res.Instance)
+	require.Equal(t, 2, o.res.Attempts)
+	require.Equal(t, int32(3), o.res.FirstToken)
+	checkPattern := func() {
+		i := 0
+		for _, e := range ds.dest(3).Extents() {
+			for _, b := range ds.bytes(e) {
+				require.Equal(t, pattern(3, i), b, "byte %d", i)
+				i++
+			}
+		}
+	}
+	checkPattern()
+	// The dead worker was alive after all: it got the cancel and stopped.
+	require.ErrorIs(t, <-xs[dead].ctxErr, context.Canceled)
+
+	// A late write with the dead worker's ticket is refused by the data plane.
+	old, err := first.Ticket.RDMA()
+	require.NoError(t, err)
+	src, err := ps[dead].prepare(99, 9)
+	require.NoError(t, err)
+	for _, e := range src.Extents() {
+		for j, b := 0, ps[dead].bytes(e); j < len(b); j++ {
+			b[j] = 0xEE
+		}
+	}
+	_, err = ps[dead].eng.Write(context.Background(), first.Peer.Descriptor(), old, src.Extents())
+	require.Error(t, err)
+	require.Equal(t, CodeCancelled, rdmaCode(err), "late write: %v", err) // revoked, unknown or stale grant
+	require.NoError(t, ps[dead].m.Free(99))
+	checkPattern()
+
+	require.NoError(t, ds.m.Free(3))
+	ds.requireInitial(t)
+	ps["p1"].requireInitial(t)
+	ps["p2"].requireInitial(t)
+	require.Equal(t, uint64(1), d.Stats().Retries)
+}
+
+// TestHandoffWriterGoneRetried: the prefill worker serving a handoff loses
+// every data-path connection (its engine closes, as when the process is
+// killed) while its registry entry stays fresh. The decoder learns it from
+// its own engine, fences the grant and retries on the other worker.
+func TestHandoffWriterGoneRetried(t *testing.T) {
+	f := newFixture(t)
+	ds := newSideOn(t, "dec", testHybrid(64, 8), rdma.TransportTCP)
+	ps := map[string]*side{
+		"p1": newSideOn(t, "p1", testHybrid(64, 8), rdma.TransportTCP),
+		"p2": newSideOn(t, "p2", testHybrid(64, 8), rdma.TransportTCP),
+	}
+	xs := map[string]*testExec{}
+	for _, name := range []string{"p1", "p2"} {
+		xs[name] = newExec(ps[name])
+		xs[name].block = make(chan struct{})
+		f.prefiller(name, f.fp, xs[name], withRegistryP)
+	}
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
+			return fmt.Errorf("%d prefill instances known", n)
+		}
+		for name, p := range ps { // pre-connected at discovery
+			if _, ok := p.eng.TransportFor(ds.eng.Agent()); !ok {
+				return fmt.Errorf("%s not connected to the decoder yet", name)
+			}
+		}
+		return nil
+	})
+	type out struct {
+		res Result
+		err error
+	}
+	done := make(chan out, 1)
+	go func() {
+		res, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
+		done <- out{res, err}
+	}()
+	var dead, live string
+	select {
+	case <-xs["p1"].started:
+		dead, live = "p1", "p2"
+	case <-xs["p2"].started:
+		dead, live = "p2", "p1"
+	}
+	// Without the report the handoff would wait for its deadline: the dead
+	// worker's registry entry stays fresh.
+	require.NoError(t, ps[dead].eng.Close())
+	<-xs[live].started
+	close(xs[live].block)
+	o := <-done
+	require.NoError(t, o.err)
+	require.Equal(t, live, o.res.Instance)
+	require.Equal(t, 2, o.res.Attempts)
+	i := 0
+	for _, e := range ds.dest(3).Extents() {
+		for _, b := range ds.bytes(e) {
+			require.Equal(t, pattern(3, i), b, "byte %d", i)
+			i++
+		}
+	}
+	// The worker that lost its engine got the cancel and stopped.
+	require.ErrorIs(t, <-xs[dead].ctxErr, context.Canceled)
+	require.NoError(t, ds.m.Free(3))
+	ds.requireInitial(t)
+	ps[live].requireInitial(t)
+	ps[dead].requireInitial(t)
+}
+
+// TestHandoffSurvivesLiveWriterDroppingItsConnection: a prefill worker that
+// lives breaks its only data-path connection to the decoder, as its engine
+// does after a write whose context ended (another request cancelled while
+// its bytes were sent). The worker connects again before letting the broken
+// connection go, so the decoder hears of no death, and the handoff it is
+// computing completes on its first attempt.
+func TestHandoffSurvivesLiveWriterDroppingItsConnection(t *testing.T) {
+	f := newFixture(t)
+	ds := newSideOn(t, "dec", testHybrid(64, 8), rdma.TransportTCP)
+	ps := newSideOn(t, "p1", testHybrid(64, 8), rdma.TransportTCP)
+	x := newExec(ps)
+	x.block = make(chan struct{})
+	f.prefiller("p1", f.fp, x, withRegistryP)
+	gone := make(chan rdma.AgentID, 8)
+	stop := ds.eng.OnWriterGone(func(a rdma.AgentID) { gone <- a })
+	defer stop()
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 1 {
+			return fmt.Errorf("%d prefill instances known", n)
+		}
+		if _, ok := ps.eng.TransportFor(ds.eng.Agent()); !ok {
+			return fmt.Errorf("p1 not connected to the decoder yet")
+		}
+		return nil
+	})
+	type out struct {
+		res Result
+		err error
+	}
+	done := make(chan out, 1)
+	go func() {
+		res, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
+		done <- out{res, err}
+	}()
+	require.Equal(t, uint64(3), <-x.started)
+
+	// Another request's write from p1 whose context ended: the writer drops
+	// the connection it used, its only one to the decoder.
+	dst, err := ds.prepare(5, 9)
+	require.NoError(t, err)
+	g, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 5, Extents: dst.Extents(), Deadline: time.Now().Add(time.Minute)})
+	require.NoError(t, err)
+	src, err := ps.prepare(5, 9)
+	require.NoError(t, err)
+	cctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	// Whether the bytes got out before the cancel took hold or not, a
+	// connection whose deadline the cancel may have moved is not reused.
+	_, _ = ps.eng.Write(cctx, ds.eng.Descriptor(), g.Ticket(), src.Extents())
+	g.Revoke()
+	require.NoError(t, ds.m.Free(5))
+	require.NoError(t, ps.m.Free(5))
+	select {
+	case a := <-gone:
+		t.Fatalf("%s reported gone while it lives", a)
+	case <-time.After(100 * time.Millisecond):
+	}
+
+	// p1 lives and finishes the handoff it was computing.
+	close(x.block)
+	o := <-done
+	require.NoError(t, o.err)
+	require.Equal(t, "p1", o.res.Instance)
+	require.Equal(t, 1, o.res.Attempts)
+	require.NoError(t, ds.m.Free(3))
+	ds.requireInitial(t)
+	ps.requireInitial(t)
+}

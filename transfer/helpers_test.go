@@ -1,0 +1,331 @@
+package transfer
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/hybrid"
+	"github.com/handoff-io/handoff/internal/leakcheck"
+	"github.com/handoff-io/handoff/internal/natstest"
+	"github.com/handoff-io/handoff/kvcache"
+	"github.com/handoff-io/handoff/mambacache"
+	"github.com/handoff-io/handoff/rdma"
+)
+
+func testHybrid(blocks, mbs int) hybrid.Config {
+	return hybrid.Config{
+		KV: kvcache.Config{Layers: 2, KVHeads: 2, HeadDim: 4, ElemSize: 2, TokensPerBlock: 4, Blocks: blocks},
+		Mamba: mambacache.Config{Layers: 2, DState: 4, DConv: 4, Heads: 2, HeadDim: 3, NGroups: 1,
+			ConvElemSize: 2, SSMElemSize: 4, MaxBatchSize: mbs, AttentionDP: true, MaxDraftTokens: 2},
+	}
+}
+
+// side is one worker's data plane and pools.
+type side struct {
+	eng     *rdma.Engine
+	m       *hybrid.Manager
+	rank    *RankRegions
+	regions map[rdma.RegionID]*rdma.Region
+	initial hybrid.Stats
+
+	mu    sync.Mutex
+	dests map[uint64]CacheExtents // by request id, see handoff
+}
+
+func newSide(t *testing.T, agent string, cfg hybrid.Config) *side {
+	t.Helper()
+	return newSideOn(t, agent, cfg, rdma.TransportInproc)
+}
+
+// newSideOn is newSide with its engine serving transport tr.
+func newSideOn(t *testing.T, agent string, cfg hybrid.Config, tr rdma.Transport) *side {
+	t.Helper()
+	eng, err := rdma.New(rdma.Config{Agent: rdma.AgentID(agent), Transports: []rdma.Transport{tr},
+		Logger: slog.New(slog.DiscardHandler)})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = eng.Close() })
+	m, err := hybrid.New(cfg)
+	require.NoError(t, err)
+	kv, err := eng.Register("kv", cfg.KV.ArenaBytes())
+	require.NoError(t, err)
+	mr, err := eng.Register("mamba", cfg.Mamba.ArenaBytes())
+	require.NoError(t, err)
+	rank, err := NewRankRegions(m, kv, mr)
+	require.NoError(t, err)
+	return &side{eng: eng, m: m, rank: rank, regions: map[rdma.RegionID]*rdma.Region{kv.ID(): kv, mr.ID(): mr}, initial: m.Stats()}
+}
+
+// prepare allocates request id's KV blocks and Mamba row for tokens prompt
+// tokens and resolves them to extents: what a worker's scheduler does before a
+// handoff (decode) or a prefill (prefill).
+func (s *side) prepare(id uint64, tokens int) (CacheExtents, error) {
+	res, err := s.m.Prepare(id, tokens)
+	if err != nil {
+		return CacheExtents{}, err
+	}
+	d, err := s.rank.Resolve(res)
+	if err != nil {
+		_ = s.m.Free(id)
+		return CacheExtents{}, err
+	}
+	return d, nil
+}
+
+// handoff runs req on d into a destination prepared on s, with the decode
+// worker's duties around it: a failed handoff's destination is freed at once,
+// or once its quarantine ends; a delivered one stays the caller's, who frees
+// it (s.m.Free) when done with it. The destination is s.dests[req.ID].
+func (s *side) handoff(ctx context.Context, d *Decoder, req Request) (Result, error) {
+	dest, err := s.prepare(req.ID, len(req.Tokens))
+	if err != nil {
+		return Result{}, fmt.Errorf("%w: %w", ErrCapacityRefused, err)
+	}
+	s.mu.Lock()
+	if s.dests == nil {
+		s.dests = map[uint64]CacheExtents{}
+	}
+	s.dests[req.ID] = dest
+	s.mu.Unlock()
+	req.Dest = dest
+	res, err := d.Handoff(ctx, req)
+	if err == nil {
+		return res, nil
+	}
+	if q, ok := errors.AsType[*QuarantinedError](err); ok {
+		go func() {
+			<-q.Released()
+			_ = s.m.Free(req.ID)
+		}()
+		return res, err
+	}
+	if ferr := s.m.Free(req.ID); ferr != nil {
+		panic(ferr)
+	}
+	return res, err
+}
+
+// dest is where request id's last handoff on s wrote.
+func (s *side) dest(id uint64) CacheExtents {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.dests[id]
+}
+
+func (s *side) bytes(x rdma.Extent) []byte {
+	return s.regions[x.Region].Bytes()[x.Offset : x.Offset+x.Length]
+}
+
+func (s *side) requireInitial(t *testing.T) {
+	t.Helper()
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if got := s.m.Stats(); got != s.initial {
+			return fmt.Errorf("pools not back to initial: %+v, want %+v", got, s.initial)
+		}
+		return nil
+	})
+}
+
+// pattern is the byte the test executor writes at offset i of request id's
+// cache: the receiver checks every byte it got.
+func pattern(id uint64, i int) byte { return byte(id*31 + uint64(i)*7 + uint64(i>>8)) }
+
+// testExec is a PrefillExecutor over a side's pools, with fault switches.
+type testExec struct {
+	s        *side
+	refuse   atomic.Bool
+	block    chan struct{} // when set, Prefill waits for it (or ctx)
+	started  chan uint64   // receives request ids as prefills start (buffered)
+	ctxErr   chan error    // receives the ctx error of a blocked prefill
+	admits   atomic.Int64
+	releases atomic.Int64
+	ready    atomic.Bool  // Admit returns ReadyLeases
+	inline   atomic.Int64 // prefills that ran on the NATS dispatch goroutine
+}
+
+func newExec(s *side) *testExec {
+	return &testExec{s: s, started: make(chan uint64, 64), ctxErr: make(chan error, 64)}
+}
+
+func (x *testExec) Admit(job Job) (AdmittedJob, error) {
+	x.admits.Add(1)
+	if x.refuse.Load() {
+		return nil, fmt.Errorf("%w: test executor full", ErrCapacityRefused)
+	}
+	d, err := x.s.prepare(job.RequestID, len(job.Tokens))
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrCapacityRefused, err)
+	}
+	l := &testLease{x: x, job: job, d: d}
+	if x.ready.Load() {
+		return readyLease{l}, nil
+	}
+	return l, nil
+}
+
+// readyLease is a testLease that declares its prefill ready at admission.
+type readyLease struct{ *testLease }
+
+func (readyLease) Ready() bool { return true }
+
+type testLease struct {
+	x        *testExec
+	job      Job
+	d        CacheExtents
+	released atomic.Bool
+}
+
+func (l *testLease) Prefill(ctx context.Context) (Prefilled, error) {
+	l.x.started <- l.job.RequestID
+	buf := make([]byte, 64<<10)
+	if strings.Contains(string(buf[:runtime.Stack(buf, false)]), "transfer.(*Prefiller).handle(") {
+		l.x.inline.Add(1)
+	}
+	if l.x.block != nil {
+		select {
+		case <-l.x.block:
+		case <-ctx.Done():
+			l.x.ctxErr <- ctx.Err()
+			return Prefilled{}, ctx.Err()
+		}
+	}
+	i := 0
+	for _, e := range l.d.Extents() {
+		b := l.x.s.bytes(e)
+		for j := range b {
+			b[j] = pattern(l.job.RequestID, i)
+			i++
+		}
+	}
+	return Prefilled{FirstToken: int32(l.job.RequestID % 1000), Source: l.d}, nil
+}
+
+func (l *testLease) Release() {
+	if l.released.Swap(true) {
+		panic("lease released twice")
+	}
+	l.x.releases.Add(1)
+	if err := l.x.s.m.Free(l.job.RequestID); err != nil {
+		panic(err)
+	}
+}
+
+type fixture struct {
+	t   *testing.T
+	srv *server.Server
+	ns  string
+	fp  string
+}
+
+func newFixture(t *testing.T) *fixture {
+	leakcheck.Check(t)
+	return &fixture{t: t, srv: natstest.Run(t), ns: "t1", fp: "fp-tiny"}
+}
+
+func (f *fixture) decoder(name string, s *side, mod func(*DecoderConfig)) *Decoder {
+	f.t.Helper()
+	cfg := DecoderConfig{Instance: name, Namespace: f.ns, Fingerprint: f.fp, MaxDraftTokens: 2, NoRegistry: true,
+		Registry: RegistryConfig{TTL: 30 * time.Second}}
+	if mod != nil {
+		mod(&cfg)
+	}
+	nc := natstest.Connect(f.t, f.srv)
+	d, err := NewDecoder(context.Background(), cfg, nc, s.eng)
+	require.NoError(f.t, err)
+	f.t.Cleanup(func() { require.NoError(f.t, d.Close()) })
+	return d
+}
+
+func (f *fixture) prefiller(name, fp string, x *testExec, mod func(*PrefillerConfig)) *Prefiller {
+	f.t.Helper()
+	cfg := PrefillerConfig{Instance: name, Namespace: f.ns, Fingerprint: fp, MaxDraftTokens: 2, NoRegistry: true,
+		Registry: RegistryConfig{TTL: 30 * time.Second}}
+	if mod != nil {
+		mod(&cfg)
+	}
+	nc := natstest.Connect(f.t, f.srv)
+	p, err := NewPrefiller(cfg, nc, x.s.eng, x)
+	require.NoError(f.t, err)
+	require.NoError(f.t, p.Start(context.Background()))
+	f.t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		require.NoError(f.t, p.Shutdown(ctx))
+	})
+	return p
+}
+
+func withRegistry(c *DecoderConfig)    { c.NoRegistry = false }
+func withRegistryP(c *PrefillerConfig) { c.NoRegistry = false }
+func tokens(n int) []int32             { return make([]int32, n) }
+func inMsgs(t *testing.T, s *server.Server) int64 {
+	v, err := s.Varz(nil)
+	require.NoError(t, err)
+	return v.InMsgs
+}
+
+// requireInMsgs checks that the server received want messages since before.
+// The server adds a read's messages to its count after it delivered them, so
+// the last reply may reach its receiver a moment before it is counted.
+func requireInMsgs(t *testing.T, s *server.Server, before, want int64) {
+	t.Helper()
+	natstest.CheckFor(t, 5*time.Second, time.Millisecond, func() error {
+		if n := inMsgs(t, s) - before; n < want {
+			return fmt.Errorf("%d messages, want %d", n, want)
+		}
+		return nil
+	})
+	require.Equal(t, want, inMsgs(t, s)-before)
+}
+
+// syncBuffer is a bytes.Buffer safe for a logger shared by goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// duplicateKeys returns the top-level keys a JSON log line repeats.
+func duplicateKeys(t *testing.T, line string) []string {
+	t.Helper()
+	dec := json.NewDecoder(strings.NewReader(line))
+	tok, err := dec.Token()
+	require.NoError(t, err, line)
+	require.Equal(t, json.Delim('{'), tok, line)
+	seen := map[string]bool{}
+	var dups []string
+	for dec.More() {
+		k, err := dec.Token()
+		require.NoError(t, err, line)
+		if seen[k.(string)] {
+			dups = append(dups, k.(string))
+		}
+		seen[k.(string)] = true
+		var v json.RawMessage
+		require.NoError(t, dec.Decode(&v), line)
+	}
+	return dups
+}

@@ -1,0 +1,240 @@
+package transfer
+
+// Handoffs refused by name before any byte moves, or retried elsewhere:
+// no worker, capacity, layout, payload size, dummies and reserved rows, and
+// the one sentinel every failure matches.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/hybrid"
+	"github.com/handoff-io/handoff/internal/natstest"
+	"github.com/handoff-io/handoff/mambacache"
+	"github.com/handoff-io/handoff/rdma"
+)
+
+func TestHandoffNoPrefillWorker(t *testing.T) {
+	f := newFixture(t)
+	ds := newSide(t, "dec", testHybrid(64, 8))
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoResponderWait = 300 * time.Millisecond })
+	start := time.Now()
+	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9)})
+	require.ErrorIs(t, err, ErrNoPrefillWorker)
+	require.Less(t, time.Since(start), 5*time.Second, "waited past NoResponderWait")
+	ds.requireInitial(t)
+	// Sent at 0, 50 and 150 ms; the next (350 ms) is past the wait.
+	require.Equal(t, uint64(2), d.Stats().Retries)
+}
+
+func TestHandoffCapacityRefused(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	x.refuse.Store(true)
+	d := f.decoder("d1", ds, nil)
+	f.prefiller("p1", f.fp, x, nil)
+	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9)})
+	require.ErrorIs(t, err, ErrCapacityRefused)
+	var re *RemoteError
+	require.ErrorAs(t, err, &re)
+	require.Equal(t, "p1", re.Instance)
+	require.Equal(t, int64(3), x.admits.Load())
+	ds.requireInitial(t)
+	ps.requireInitial(t)
+}
+
+// TestHandoffRetriesOnAnotherWorker: a full worker refuses; the retry goes to
+// the other worker by its instance subject.
+func TestHandoffRetriesOnAnotherWorker(t *testing.T) {
+	f := newFixture(t)
+	ds := newSide(t, "dec", testHybrid(64, 8))
+	full, free := newExec(newSide(t, "pre1", testHybrid(64, 8))), newExec(newSide(t, "pre2", testHybrid(64, 8)))
+	full.refuse.Store(true)
+	f.prefiller("p1", f.fp, full, withRegistryP)
+	f.prefiller("p2", f.fp, free, withRegistryP)
+	d := f.decoder("d1", ds, withRegistry)
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
+			return fmt.Errorf("%d prefill instances known", n)
+		}
+		return nil
+	})
+	for id := uint64(1); id <= 16; id++ {
+		res, err := ds.handoff(context.Background(), d, Request{ID: id, Tokens: tokens(5)})
+		require.NoError(t, err)
+		require.Equal(t, "p2", res.Instance)
+		require.LessOrEqual(t, res.Attempts, 2)
+		require.NoError(t, ds.m.Free(id))
+	}
+	require.Positive(t, full.admits.Load(), "the queue group never chose the full worker")
+	ds.requireInitial(t)
+	free.s.requireInitial(t)
+}
+
+func TestHandoffLayoutMismatch(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	d := f.decoder("d1", ds, nil)
+	f.prefiller("p1", "fp-other-model", x, nil)
+	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9)})
+	require.ErrorIs(t, err, ErrLayoutMismatch)
+	require.ErrorContains(t, err, "layout")
+	require.Zero(t, x.admits.Load(), "admitted despite the mismatch")
+	ds.requireInitial(t)
+	for _, r := range ds.regions {
+		require.Equal(t, make([]byte, r.Len()), r.Bytes(), "a byte moved")
+	}
+}
+
+// TestHandoffLayoutMismatchBytes: same fingerprint, but the worker's cache of
+// the prompt has another size (misconfigured block size): refused after
+// prefill, before any byte moves.
+func TestHandoffLayoutMismatchBytes(t *testing.T) {
+	f := newFixture(t)
+	other := testHybrid(64, 8)
+	other.KV.TokensPerBlock = 8
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", other)
+	x := newExec(ps)
+	d := f.decoder("d1", ds, nil)
+	f.prefiller("p1", f.fp, x, nil)
+	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9)})
+	require.ErrorIs(t, err, ErrLayoutMismatch)
+	ds.requireInitial(t)
+	ps.requireInitial(t)
+	for _, r := range ds.regions {
+		require.Equal(t, make([]byte, r.Len()), r.Bytes(), "a byte moved")
+	}
+}
+
+func TestHandoffPayloadTooLarge(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(1<<16+2, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	d := f.decoder("d1", ds, nil)
+	f.prefiller("p1", f.fp, x, nil)
+	before := inMsgs(t, f.srv)
+	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(DefaultMaxPayload / 4)})
+	require.ErrorIs(t, err, ErrPayloadTooLarge)
+	require.Equal(t, before, inMsgs(t, f.srv), "something was published")
+	require.Zero(t, x.admits.Load())
+	ds.requireInitial(t)
+}
+
+// TestDummiesNeverTransferred: request id 0 and padding sentinels are refused
+// by the decoder before granting and by the worker before admitting; a
+// reserved row cannot be resolved nor granted.
+func TestDummiesNeverTransferred(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	d := f.decoder("d1", ds, nil)
+	f.prefiller("p1", f.fp, x, nil)
+
+	// A destination a broken caller might pass along with a dummy id.
+	dest, err := ds.prepare(1, 4)
+	require.NoError(t, err)
+	for _, id := range []uint64{0, math.MaxUint64, math.MaxUint64 - 2} {
+		_, err := d.Handoff(context.Background(), Request{ID: id, Tokens: tokens(4), Dest: dest})
+		require.ErrorIs(t, err, ErrDummyRequest, "id %d", id)
+	}
+	require.Zero(t, ds.eng.Stats().GrantsOpened)
+	require.NoError(t, ds.m.Free(1))
+
+	// The worker refuses a request naming a dummy id, whoever sent it.
+	nc := natstest.Connect(t, f.srv)
+	for _, id := range []uint64{0, math.MaxUint64 - 1} {
+		req := sampleRequest(4, 2)
+		req.RequestID, req.Ticket.RequestID, req.Fingerprint = id, id, f.fp
+		req.Deadline = time.Now().Add(time.Minute).UnixNano()
+		b, err := EncodePrefillRequest(req, 0)
+		require.NoError(t, err)
+		m, err := nc.Request(Subject(DefaultPrefix, f.ns, SubjectPrefill, ""), b, 5*time.Second)
+		require.NoError(t, err)
+		rep, err := DecodePrefillReply(m.Data)
+		require.NoError(t, err)
+		require.Equal(t, CodeDummyRequest, rep.Code, "id %d", id)
+	}
+	require.Zero(t, x.admits.Load())
+
+	// Reserved rows: the ADP dummy's row can be neither resolved nor granted.
+	require.NoError(t, ds.m.AddDummy(mambacache.ADPDummyID))
+	row, ok := ds.m.Mamba().Row(mambacache.ADPDummyID)
+	require.True(t, ok)
+	require.True(t, ds.m.Mamba().IsReserved(row))
+	_, err = ds.rank.Resolve(hybrid.Resources{Row: row})
+	require.ErrorIs(t, err, ErrDummyRequest)
+	x0 := ds.m.Mamba().Config().RowExtent(row)
+	var mambaRegion rdma.RegionID
+	for id, r := range ds.regions {
+		if r.Name() == "mamba" {
+			mambaRegion = id
+		}
+	}
+	_, err = ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 5, Extents: []rdma.Extent{{Region: mambaRegion, Offset: uint64(x0.Offset), Length: uint64(x0.Length)}}})
+	require.ErrorIs(t, err, rdma.ErrForbidden)
+	require.Equal(t, CodeDummyRequest, rdmaCode(err))
+	require.NoError(t, ds.m.Free(mambacache.ADPDummyID))
+	ds.requireInitial(t)
+}
+
+// badRowDest is a reserved row's extent, as a broken allocator might hand
+// it out.
+func badRowDest(s *side) CacheExtents {
+	cfg := s.m.Mamba().Config()
+	row := mambacache.Row(cfg.TotalRows() - 1) // the padding row
+	x := cfg.RowExtent(row)
+	var region rdma.RegionID
+	for rid, r := range s.regions {
+		if r.Name() == "mamba" {
+			region = rid
+		}
+	}
+	return CacheExtents{Mamba: rdma.Extent{Region: region, Offset: uint64(x.Offset), Length: uint64(x.Length)}}
+}
+
+func TestHandoffRefusesReservedRowGrant(t *testing.T) {
+	f := newFixture(t)
+	ds := newSide(t, "dec", testHybrid(64, 8))
+	require.True(t, ds.m.Mamba().IsReserved(mambacache.Row(ds.m.Mamba().Config().TotalRows()-1)))
+	d := f.decoder("d1", ds, nil)
+	_, err := d.Handoff(context.Background(), Request{ID: 9, Tokens: tokens(4), Dest: badRowDest(ds)})
+	require.ErrorIs(t, err, ErrDummyRequest)
+	require.ErrorIs(t, err, rdma.ErrForbidden)
+}
+
+// TestFailureMatchesOneSentinel: whatever happened before, a Handoff error
+// matches exactly one class.
+func TestFailureMatchesOneSentinel(t *testing.T) {
+	h := &handoff{req: Request{ID: 5}}
+	cases := []struct {
+		cause error
+		code  Code
+		also  error // a non-transfer error that must stay reachable
+	}{
+		{nil, CodeTimeout, nil},
+		{&RemoteError{Code: CodeCapacityRefused}, CodeCapacityRefused, nil},
+		{&RemoteError{Code: CodeCapacityRefused}, CodeNoPrefillWorker, nil},
+		{fmt.Errorf("grant: %w", rdma.ErrForbidden), CodeDummyRequest, rdma.ErrForbidden},
+		{context.Canceled, CodeCancelled, context.Canceled},
+		{context.DeadlineExceeded, CodeTimeout, context.DeadlineExceeded},
+	}
+	for _, c := range cases {
+		h.cause = c.cause
+		err := h.failure(c.code)
+		require.Equal(t, c.code, CodeOf(err), "%v", err)
+		for o := Code(1); o < codeCount; o++ {
+			require.Equal(t, o == c.code, errors.Is(err, CodeErr(o)), "%v vs %s", err, o)
+		}
+		if c.also != nil {
+			require.ErrorIs(t, err, c.also)
+		}
+	}
+}
