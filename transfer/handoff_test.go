@@ -7,7 +7,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"math"
 	"sync"
 	"testing"
 	"time"
@@ -55,87 +54,6 @@ func TestHandoffHappy(t *testing.T) {
 	require.Equal(t, uint64(5), d.Stats().Delivered)
 	require.Equal(t, uint64(5), p.Stats().Served)
 	require.Equal(t, int64(5), x.releases.Load())
-}
-
-// A ReadyJob's request to a decoder connected inproc runs on the dispatch
-// goroutine, with the same outcome, messages and cleanup; the first one,
-// before the engines are connected, runs on its own goroutine.
-func TestHandoffReadyLeaseInline(t *testing.T) {
-	f := newFixture(t)
-	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
-	x := newExec(ps)
-	x.ready.Store(true)
-	d := f.decoder("d1", ds, nil)
-	p := f.prefiller("p1", f.fp, x, nil)
-	before := inMsgs(t, f.srv)
-	for id := uint64(1); id <= 5; id++ {
-		res, err := ds.handoff(context.Background(), d, Request{ID: id, Tokens: tokens(9), Deadline: time.Now().Add(5 * time.Second)})
-		require.NoError(t, err)
-		require.Equal(t, int32(id), res.FirstToken)
-		i := 0
-		for _, e := range ds.dest(id).Extents() {
-			for _, b := range ds.bytes(e) {
-				require.Equal(t, pattern(id, i), b, "request %d byte %d", id, i)
-				i++
-			}
-		}
-		require.NoError(t, ds.m.Free(id))
-		<-x.started
-	}
-	require.Equal(t, int64(4), x.inline.Load())
-	requireInMsgs(t, f.srv, before, 2*5)
-	ds.requireInitial(t)
-	ps.requireInitial(t)
-	require.Equal(t, uint64(5), p.Stats().Served)
-	require.Equal(t, int64(5), x.releases.Load())
-	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := p.Stats().InFlight; n != 0 {
-			return fmt.Errorf("%d in flight", n)
-		}
-		return nil
-	})
-}
-
-// transportEngine is a sender engine with a fixed connection state.
-type transportEngine struct {
-	senderEngine
-	tr        rdma.Transport
-	connected bool
-}
-
-func (e transportEngine) TransportFor(rdma.AgentID) (rdma.Transport, bool) { return e.tr, e.connected }
-
-type notReady struct{ readyLease }
-
-func (notReady) Ready() bool { return false }
-
-func TestInlineOnlyWhenNothingCanBlock(t *testing.T) {
-	ready, plain := readyLease{&testLease{}}, &testLease{}
-	cases := []struct {
-		name      string
-		lease     AdmittedJob
-		tr        rdma.Transport
-		connected bool
-		kv, mamba uint64
-		want      bool
-	}{
-		{"ready inproc small", ready, rdma.TransportInproc, true, 4096, 128, true},
-		{"ready inproc at the limit", ready, rdma.TransportInproc, true, InlineMaxBytes - 1, 1, true},
-		{"ready inproc too large", ready, rdma.TransportInproc, true, InlineMaxBytes, 1, false},
-		{"ready inproc overflowing sizes", ready, rdma.TransportInproc, true, math.MaxUint64, 2, false},
-		{"ready not connected yet", ready, "", false, 1, 1, false},
-		{"ready over tcp", ready, rdma.TransportTCP, true, 1, 1, false},
-		{"ready over shm", ready, rdma.TransportSHM, true, 1, 1, false},
-		{"not ready", notReady{ready}, rdma.TransportInproc, true, 1, 1, false},
-		{"plain lease", plain, rdma.TransportInproc, true, 1, 1, false},
-	}
-	for _, c := range cases {
-		t.Run(c.name, func(t *testing.T) {
-			p := &Prefiller{eng: transportEngine{tr: c.tr, connected: c.connected}}
-			tk := &task{lease: c.lease, msg: PrefillRequest{KVBytes: c.kv, MambaBytes: c.mamba}}
-			require.Equal(t, c.want, p.inline(tk))
-		})
-	}
 }
 
 func TestHandoffConcurrent(t *testing.T) {

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -151,8 +150,6 @@ type testExec struct {
 	ctxErr   chan error    // receives the ctx error of a blocked prefill
 	admits   atomic.Int64
 	releases atomic.Int64
-	ready    atomic.Bool  // Admit returns ReadyLeases
-	inline   atomic.Int64 // prefills that ran on the NATS dispatch goroutine
 }
 
 func newExec(s *side) *testExec {
@@ -168,17 +165,8 @@ func (x *testExec) Admit(job Job) (AdmittedJob, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrCapacityRefused, err)
 	}
-	l := &testLease{x: x, job: job, d: d}
-	if x.ready.Load() {
-		return readyLease{l}, nil
-	}
-	return l, nil
+	return &testLease{x: x, job: job, d: d}, nil
 }
-
-// readyLease is a testLease that declares its prefill ready at admission.
-type readyLease struct{ *testLease }
-
-func (readyLease) Ready() bool { return true }
 
 type testLease struct {
 	x        *testExec
@@ -189,10 +177,6 @@ type testLease struct {
 
 func (l *testLease) Prefill(ctx context.Context) (Prefilled, error) {
 	l.x.started <- l.job.RequestID
-	buf := make([]byte, 64<<10)
-	if strings.Contains(string(buf[:runtime.Stack(buf, false)]), "transfer.(*Prefiller).handle(") {
-		l.x.inline.Add(1)
-	}
 	if l.x.block != nil {
 		select {
 		case <-l.x.block:

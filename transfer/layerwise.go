@@ -246,9 +246,6 @@ func (t *task) startStream() {
 	if !ok || !p.cfg.Layerwise.streams(len(t.msg.Tokens), p.cfg.LayerwiseMinTokens) {
 		return
 	}
-	if rl, ok := t.lease.(ReadyJob); ok && rl.Ready() {
-		return // computed already: one write
-	}
 	if t.msg.TP > 1 {
 		// A resharded write's source is not the cache in the order its
 		// pieces are numbered: one write after prefill (not streamed yet).

@@ -124,26 +124,6 @@ type AdmittedJob interface {
 	Release()
 }
 
-// ReadyJob is an AdmittedJob whose result is already there when it is admitted (a
-// prompt whose cache is already computed, for instance): Prefill returns at
-// once, without compute. For such a lease, when the decoder's engine is
-// already connected in this process (inproc, so the write is a memcpy that
-// no peer can stall) and the cache is small (at most InlineMaxBytes), the
-// prefiller writes and replies on the NATS dispatch goroutine itself instead
-// of handing the request to a worker goroutine: the same steps, one
-// goroutine hand-off fewer. Every other request runs on a worker goroutine
-// (see dispatchLocked), one request at a time each, so a prefill that
-// computes never delays the intake of the next request.
-type ReadyJob interface {
-	AdmittedJob
-	// Ready reports whether Prefill will return without blocking.
-	Ready() bool
-}
-
-// InlineMaxBytes is the largest cache a ReadyJob's request writes on the
-// dispatch goroutine (see ReadyJob).
-const InlineMaxBytes = 64 << 10
-
 // senderEngine is what a Prefiller needs from the data plane.
 type senderEngine interface {
 	Write(ctx context.Context, peer rdma.Descriptor, t rdma.Ticket, src []rdma.Extent) (rdma.Manifest, error)
@@ -721,15 +701,8 @@ func (p *Prefiller) handle(r micro.Request) {
 	t.next = p.tasks[m.RequestID]
 	p.tasks[m.RequestID] = t
 	p.inflight.Add(1)
-	if !p.inline(t) {
-		p.dispatchLocked(taskStart{t, acts})
-		p.mu.Unlock()
-		return
-	}
-	p.wg.Add(1) // the task is registered and cancellable like any other
+	p.dispatchLocked(taskStart{t, acts})
 	p.mu.Unlock()
-	defer p.wg.Done()
-	t.run(acts)
 }
 
 // taskStart is a task to run and its first actions.
@@ -778,17 +751,6 @@ func (p *Prefiller) worker(s taskStart) {
 			return
 		}
 	}
-}
-
-// inline reports whether t may run on the dispatch goroutine (see
-// ReadyJob): nothing in it can block for long.
-func (p *Prefiller) inline(t *task) bool {
-	rl, ok := t.lease.(ReadyJob)
-	if !ok || t.msg.KVBytes+t.msg.MambaBytes > InlineMaxBytes || t.msg.KVBytes+t.msg.MambaBytes < t.msg.KVBytes {
-		return false
-	}
-	tr, ok := p.eng.TransportFor(t.ticket.Agent)
-	return ok && tr == rdma.TransportInproc && rl.Ready()
 }
 
 // refuseNotServing refuses a request that reached the endpoints while the

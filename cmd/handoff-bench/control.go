@@ -37,7 +37,6 @@ type controlOptions struct {
 	requests int
 	warmup   int
 	output   string
-	prefill  string
 }
 
 func parseControlFlags(args []string, stderr io.Writer) (controlOptions, error) {
@@ -47,7 +46,6 @@ func parseControlFlags(args []string, stderr io.Writer) (controlOptions, error) 
 	fs.IntVar(&o.requests, "requests", 2000, "measured handoffs (and as many raw request-replies)")
 	fs.IntVar(&o.warmup, "warmup", 200, "unmeasured iterations of each before measuring")
 	fs.StringVar(&o.output, "output", "table", "table or json")
-	fs.StringVar(&o.prefill, "prefill", "ready", "ready: the cache is there at admission (a cached prompt; the prefill worker may hand it off on its NATS dispatch goroutine); computing: every prefill runs off the NATS dispatch goroutine, on a worker goroutine, as a computing prefill does")
 	fs.Usage = func() {
 		fmt.Fprint(stderr, controlUsage)
 		fs.VisitAll(func(f *flag.Flag) {
@@ -63,9 +61,6 @@ func parseControlFlags(args []string, stderr io.Writer) (controlOptions, error) 
 	if o.requests < 1 || o.warmup < 0 {
 		return o, fmt.Errorf("control: --requests must be >= 1 and --warmup >= 0")
 	}
-	if o.prefill != "ready" && o.prefill != "computing" {
-		return o, fmt.Errorf("control: --prefill must be ready or computing, not %q", o.prefill)
-	}
 	if o.output != "table" && o.output != "json" {
 		return o, fmt.Errorf("control: --output must be table or json, not %q", o.output)
 	}
@@ -75,7 +70,6 @@ func parseControlFlags(args []string, stderr io.Writer) (controlOptions, error) 
 // controlReport is the JSON output.
 type controlReport struct {
 	Requests           int     `json:"requests"`
-	Prefill            string  `json:"prefill"`
 	HandoffP50us       float64 `json:"handoff_p50_us"`
 	HandoffP90us       float64 `json:"handoff_p90_us"`
 	HandoffP99us       float64 `json:"handoff_p99_us"`
@@ -111,26 +105,11 @@ func runControl(ctx context.Context, args []string) error {
 }
 
 // controlExec admits everything and "prefills" a fixed 1-byte source.
-type controlExec struct {
-	src       transfer.CacheExtents
-	computing bool
-}
+type controlExec struct{ src transfer.CacheExtents }
 
 func (x controlExec) Admit(transfer.Job) (transfer.AdmittedJob, error) {
-	if x.computing {
-		return computingLease{controlLease{x.src}}, nil
-	}
 	return controlLease{x.src}, nil
 }
-
-// computingLease hides Ready: the prefill worker treats it as a prefill that
-// computes, on a worker goroutine rather than its NATS dispatch goroutine.
-type computingLease struct{ l controlLease }
-
-func (c computingLease) Prefill(ctx context.Context) (transfer.Prefilled, error) {
-	return c.l.Prefill(ctx)
-}
-func (c computingLease) Release() { c.l.Release() }
 
 type controlLease struct{ src transfer.CacheExtents }
 
@@ -138,11 +117,6 @@ func (l controlLease) Prefill(context.Context) (transfer.Prefilled, error) {
 	return transfer.Prefilled{FirstToken: 1, Source: l.src}, nil
 }
 func (controlLease) Release() {}
-
-// Ready: the fixed source is there at admission, as for a prompt whose cache
-// is already computed; a computing prefill would not be (see
-// transfer.ReadyJob).
-func (controlLease) Ready() bool { return true }
 
 func measureControl(ctx context.Context, o controlOptions) (controlReport, error) {
 	dir, err := os.MkdirTemp("", "handoff-bench-control-")
@@ -201,7 +175,7 @@ func measureControl(ctx context.Context, o controlOptions) (controlReport, error
 	regCfg := transfer.RegistryConfig{TTL: 10 * time.Minute, Heartbeat: 3 * time.Minute}
 	pre, err := transfer.NewPrefiller(transfer.PrefillerConfig{Instance: "prefill-0", Namespace: ns, Fingerprint: fp,
 		Registry: regCfg, Logger: quiet}, preNC, preEng,
-		controlExec{src: transfer.CacheExtents{Mamba: rdma.Extent{Region: preReg.ID(), Offset: 0, Length: 1}}, computing: o.prefill == "computing"})
+		controlExec{src: transfer.CacheExtents{Mamba: rdma.Extent{Region: preReg.ID(), Offset: 0, Length: 1}}})
 	if err != nil {
 		return controlReport{}, err
 	}
@@ -310,7 +284,6 @@ func measureControl(ctx context.Context, o controlOptions) (controlReport, error
 	}
 	rep := controlReport{
 		Requests:     o.requests,
-		Prefill:      o.prefill,
 		HandoffP50us: controlPercentile(hs, 50), HandoffP90us: controlPercentile(hs, 90), HandoffP99us: controlPercentile(hs, 99),
 		NATSP50us: controlPercentile(rs, 50), NATSP90us: controlPercentile(rs, 90), NATSP99us: controlPercentile(rs, 99),
 		MsgsPerRequest: handoffMsgs, NATSMsgsPerRequest: rawMsgs,
@@ -394,8 +367,8 @@ func printControl(w io.Writer, format string, r controlReport) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintf(w, "ratio p50 %.2f (goal <= %.1f), p99 %.2f; prefill %s, %d requests, request %d B, reply %d B, payload %d B, nats-server %s",
-		r.RatioP50, r.GoalRatioP50, r.RatioP99, r.Prefill, r.Requests, r.RequestBytes, r.ReplyBytes, r.PayloadBytes, r.NATSServerVersion)
+	fmt.Fprintf(w, "ratio p50 %.2f (goal <= %.1f), p99 %.2f; %d requests, request %d B, reply %d B, payload %d B, nats-server %s",
+		r.RatioP50, r.GoalRatioP50, r.RatioP99, r.Requests, r.RequestBytes, r.ReplyBytes, r.PayloadBytes, r.NATSServerVersion)
 	if r.HandoffErrors > 0 {
 		fmt.Fprintf(w, "; %d handoffs failed", r.HandoffErrors)
 	}
