@@ -251,7 +251,7 @@ func (t *task) startStream() {
 		// pieces are numbered: one write after prefill (not streamed yet).
 		return
 	}
-	st, err := startStreamer(&t.ctx, p.eng, t.peer, t.ticket)
+	st, err := startStreamer(t.ctx, p.eng, t.peer, t.ticket)
 	if err != nil {
 		p.cfg.Logger.Debug("layer-wise stream not started; the cache goes in one write", "seq", t.msg.RequestID, "err", err)
 		return

@@ -551,7 +551,8 @@ type task struct {
 	lease  AdmittedJob
 	lw     *streamer // the cache's stream while prefill computes (layerwise), else nil
 
-	ctx    deadlineCtx   // the task's context: its steps take &ctx
+	ctx    context.Context    // the task's context, done at its deadline or on abort
+	stop   context.CancelFunc // ctx's
 	start  time.Time     // when the request was taken: a monotonic reading, see now
 	aborts atomic.Uint32 // external abort code, first one wins
 
@@ -573,12 +574,8 @@ func (p *Prefiller) newTask() *task {
 
 // freeTask keeps t for a later request, once it is out of p.tasks and done
 // with: no abort reaches it any more, its lease was released and the caller
-// of run does not touch it. A task whose context was armed is left to the
-// collector: something asked for its Done and may still hold it.
+// of run does not touch it.
 func (p *Prefiller) freeTask(t *task) {
-	if t.ctx.armed() {
-		return
-	}
 	*t = task{}
 	p.free.Put(t)
 }
@@ -610,7 +607,7 @@ func (t *task) now() time.Time { return t.start.Add(time.Since(t.start)) }
 
 func (t *task) abort(code Code) {
 	if t.aborts.CompareAndSwap(0, uint32(code)) {
-		t.ctx.cancel()
+		t.stop()
 	}
 }
 
@@ -689,11 +686,11 @@ func (p *Prefiller) handle(r micro.Request) {
 		}
 		return
 	}
-	t.ctx.deadline = deadline
+	t.ctx, t.stop = context.WithDeadline(context.Background(), deadline)
 	p.mu.Lock()
 	if st := p.state; st != 1 { // shut down while admitting
 		p.mu.Unlock()
-		t.ctx.cancel()
+		t.stop()
 		lease.Release()
 		p.refuseNotServing(r, t, st)
 		return
@@ -807,7 +804,7 @@ func (t *task) run(acts []session.Action) {
 	p := t.p
 	defer func() {
 		t.stopStream()
-		t.ctx.release()
+		t.stop()
 		p.mu.Lock()
 		p.removeTaskLocked(t)
 		p.mu.Unlock()
@@ -830,7 +827,7 @@ func (t *task) run(acts []session.Action) {
 		case session.ActPrefill:
 			start := t.now()
 			t.startStream()
-			out, err := t.lease.Prefill(&t.ctx)
+			out, err := t.lease.Prefill(t.ctx)
 			now = t.now()
 			t.pf = now.Sub(start)
 			ev := session.Event{Kind: session.EvPrefilled}
@@ -853,9 +850,9 @@ func (t *task) run(acts []session.Action) {
 			var err error
 			if t.lw != nil {
 				// What prefill finished has left already; the rest now.
-				m, err = t.lw.finish(&t.ctx, src)
+				m, err = t.lw.finish(t.ctx, src)
 			} else {
-				m, err = p.eng.Write(&t.ctx, t.peer, t.ticket, src)
+				m, err = p.eng.Write(t.ctx, t.peer, t.ticket, src)
 			}
 			now = t.now()
 			t.endWriteSpan(ws, now, err)
@@ -869,7 +866,7 @@ func (t *task) run(acts []session.Action) {
 			}
 			outcome = &ev
 		case session.ActAbort:
-			t.ctx.cancel()
+			t.stop()
 		case session.ActRelease:
 			t.stopStream() // no byte of the lease is read after its release
 			t.lease.Release()
