@@ -161,9 +161,6 @@ type Decoder struct {
 	seq        atomic.Uint64
 	picks      atomic.Uint64 // round-robin offset of pick
 
-	timers   sync.Pool // *time.Timer, see getTimer
-	handoffs sync.Pool // *handoff, see newHandoff
-
 	mu    sync.Mutex
 	calls map[string]*call // by reply token
 	// gone holds prefill instances reported gone by the data plane
@@ -362,7 +359,7 @@ func (d *Decoder) onReply(m *nats.Msg) {
 	if c == nil {
 		return // late reply of a finished handoff
 	}
-	select { // under d.mu, so never into a mailbox already reused (see freeHandoff)
+	select {
 	case c.replies <- m:
 	default: // a third copy: the session ignores duplicates anyway
 	}
@@ -467,7 +464,8 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 		// compares against it (a wall-clock step must not move it).
 		deadline = start.Add(deadline.Sub(start))
 	}
-	h := d.newHandoff()
+	h := new(handoff)
+	h.mailbox.init()
 	h.d, h.req, h.start, h.deadline = d, req, start, deadline
 	h.kvB, h.mB = req.Dest.Bytes()
 	h.sess.Reset(session.RecvParams{
@@ -493,7 +491,6 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 		delete(d.calls, h.tok)
 		d.mu.Unlock()
 		d.inflight.Add(-1)
-		d.freeHandoff(h)
 		d.wg.Done()
 	}()
 
@@ -511,8 +508,8 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 }
 
 func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
-	timer := h.d.getTimer(h.deadline.Sub(start))
-	defer h.d.putTimer(timer)
+	timer := time.NewTimer(h.deadline.Sub(start))
+	defer timer.Stop()
 	// The queue of actions to execute; a Step's actions are copied in at once
 	// (the session reuses its slice).
 	var queue [8]session.Action
@@ -904,49 +901,6 @@ func rdmaCode(err error) Code {
 	default:
 		return CodePeerFailed
 	}
-}
-
-// newHandoff returns a zero handoff with its mailbox's channels: one a
-// finished handoff left (freeHandoff) or a new one.
-func (d *Decoder) newHandoff() *handoff {
-	if h, ok := d.handoffs.Get().(*handoff); ok {
-		return h
-	}
-	h := new(handoff)
-	h.mailbox.init()
-	return h
-}
-
-// freeHandoff keeps h for a later handoff. h is out of d.calls: nothing
-// sends into its mailbox any more (senders hold d.mu while they look it up
-// and send), and what was sent but not taken is dropped here.
-func (d *Decoder) freeHandoff(h *handoff) {
-	mb := call{replies: h.mailbox.replies, died: h.mailbox.died}
-	for len(mb.replies) > 0 {
-		<-mb.replies
-	}
-	for len(mb.died) > 0 {
-		<-mb.died
-	}
-	*h = handoff{mailbox: mb}
-	d.handoffs.Put(h)
-}
-
-// getTimer returns a deadline timer set to fire after dur: a stopped one of
-// an earlier handoff (a stopped or reset timer delivers no stale tick, by Go
-// 1.23 timer semantics) or a new one. The pool is the decoder's own, so a
-// timer never crosses from one synctest bubble to another.
-func (d *Decoder) getTimer(dur time.Duration) *time.Timer {
-	if t, ok := d.timers.Get().(*time.Timer); ok {
-		t.Reset(dur)
-		return t
-	}
-	return time.NewTimer(dur)
-}
-
-func (d *Decoder) putTimer(t *time.Timer) {
-	t.Stop()
-	d.timers.Put(t)
 }
 
 // step applies ev to the session and returns its actions; at debug level

@@ -553,8 +553,8 @@ type task struct {
 
 	ctx    context.Context    // the task's context, done at its deadline or on abort
 	stop   context.CancelFunc // ctx's
-	start  time.Time     // when the request was taken: a monotonic reading, see now
-	aborts atomic.Uint32 // external abort code, first one wins
+	start  time.Time          // when the request was taken: a monotonic reading, see now
+	aborts atomic.Uint32      // external abort code, first one wins
 
 	out      Prefilled
 	src      [4]rdma.Extent // room for out.Source's extents
