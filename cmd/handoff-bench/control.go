@@ -108,7 +108,7 @@ func runControl(ctx context.Context, args []string) error {
 type controlExec struct{ src transfer.CacheExtents }
 
 func (x controlExec) Admit(transfer.Job) (transfer.AdmittedJob, error) {
-	return controlLease{x.src}, nil
+	return controlLease(x), nil
 }
 
 type controlLease struct{ src transfer.CacheExtents }
