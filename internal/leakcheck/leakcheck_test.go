@@ -69,7 +69,7 @@ func TestCheckFDs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	go func() { time.Sleep(50 * time.Millisecond); f.Close() }()
+	go func(f *os.File) { time.Sleep(50 * time.Millisecond); f.Close() }(f)
 	r.finish()
 	if len(r.errs) != 0 {
 		t.Fatalf("errors for a descriptor that was closed: %v", r.errs)
