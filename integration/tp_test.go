@@ -28,8 +28,9 @@ func TestTPOracle(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	prompts := randomPrompts(8, 12)
-	// Past --layerwise-min-tokens (512), where a TP-1 pair streams the cache
-	// layer by layer: a resharded handoff must still go in one write.
+	// A long prompt, which a TP-1 pair streams layer by layer (as it does
+	// every prompt by default): a resharded handoff must still go in one
+	// write.
 	prompts = append(prompts, strings.Repeat("river stone cloud ", 40))
 	reqs := make([]completionRequest, len(prompts))
 	want := make([]string, len(prompts))

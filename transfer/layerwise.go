@@ -19,8 +19,8 @@ type Layerwise uint8
 
 const (
 	// LayerwiseAuto streams prompts of at least
-	// PrefillerConfig.LayerwiseMinTokens tokens: below it one write after
-	// prefill costs less than the per-layer round trips save.
+	// PrefillerConfig.LayerwiseMinTokens tokens (every prompt by default),
+	// and writes shorter ones once prefill is done.
 	LayerwiseAuto Layerwise = iota
 	// LayerwiseOn streams every request whose executor reports layers.
 	LayerwiseOn
@@ -28,10 +28,12 @@ const (
 	LayerwiseOff
 )
 
-// DefaultLayerwiseMinTokens is LayerwiseAuto's threshold: streaming wins
-// from about this prompt length on (see docs/scaling.md, "Layer-wise
-// streaming", for the measurement).
-const DefaultLayerwiseMinTokens = 512
+// DefaultLayerwiseMinTokens is LayerwiseAuto's threshold: every prompt.
+// A hybrid model's cache is dominated by its Mamba state, whose size does
+// not depend on the prompt, so streaming hid the whole transfer from 8
+// prompt tokens to 16k, and cost nothing measurable on a cache too small
+// to matter (docs/scaling.md, "Layer-wise streaming").
+const DefaultLayerwiseMinTokens = 1
 
 func (l Layerwise) String() string {
 	switch l {
