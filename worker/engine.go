@@ -831,7 +831,13 @@ func (e *Scheduler) routeRemote(q *request) bool {
 	if e.cfg.Router == nil {
 		return true
 	}
-	d := e.cfg.Router.Route(len(q.prompt))
+	local := LocalLoad{Rows: q.rank.rows}
+	for _, o := range q.rank.held {
+		if o != q && (o.phase == PhaseContext || o.phase == PhaseGenerate) {
+			local.Running++
+		}
+	}
+	d := e.cfg.Router.Route(len(q.prompt), local)
 	e.m.PrefillRoutes.WithLabelValues(string(e.cfg.Role), d.Route(), d.Reason).Inc()
 	q.log.Debug("prefill routed", "route", d.Route(), "reason", d.Reason)
 	return d.Remote

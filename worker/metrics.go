@@ -164,4 +164,5 @@ func (m *Metrics) initRoutes(role Role) {
 		m.PrefillRoutes.WithLabelValues(r, RouteLocal, reason)
 	}
 	m.PrefillRoutes.WithLabelValues(r, RouteRemote, ReasonLongPrompt)
+	m.PrefillRoutes.WithLabelValues(r, RouteRemote, ReasonDecodeBusy)
 }

@@ -78,6 +78,7 @@ type Rank struct {
 	kvCfg      kvcache.Config
 	mCfg       mambacache.Config
 	budget     int // blocks real requests may be promised
+	rows       int // rows real requests may hold
 
 	// Owned by the scheduler loop.
 	promised int
@@ -96,11 +97,11 @@ func NewRank(index int, mgr *hybrid.Manager, exec model.Executor, kvArena, mamba
 		return nil, fmt.Errorf("worker: rank %d: mamba arena %d bytes, want %d: %w",
 			index, len(mambaArena), mCfg.ArenaBytes(), ErrInvalidConfig)
 	}
-	_, blocks := mgr.Capacity()
+	rows, blocks := mgr.Capacity()
 	return &Rank{
 		index: index, mgr: mgr, exec: exec,
 		kvArena: kvArena, mambaArena: mambaArena,
-		kvCfg: kvCfg, mCfg: mCfg, budget: blocks,
+		kvCfg: kvCfg, mCfg: mCfg, budget: blocks, rows: rows,
 	}, nil
 }
 

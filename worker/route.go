@@ -16,6 +16,11 @@ const (
 	ReasonPrefillBusy = "prefill_busy" // local: the least-loaded prefill instance has a queue
 	ReasonNoPrefill   = "no_prefill"   // local: no usable prefill instance is known
 	ReasonLongPrompt  = "long_prompt"  // remote: a long prompt and a prefill instance with room
+	// ReasonDecodeBusy: remote: a short prompt, but the rank it landed on
+	// runs so many requests that a local prefill would stall all of their
+	// decode steps and hold its row longer, while a prefill instance has
+	// room.
+	ReasonDecodeBusy = "decode_busy"
 	// ReasonRemoteRefused: local after all: the remote prefill was refused
 	// (no prefill worker answered, none had room), so the request was
 	// prefilled here on the resources it already held. Such a request is
@@ -54,8 +59,13 @@ const (
 // the caller gathers what it knows of the prefill instances (PrefillLoad)
 // and applies the decision.
 type AutoPolicy struct {
-	// MinRemoteTokens: prompts with fewer tokens are prefilled locally.
+	// MinRemoteTokens: prompts with fewer tokens are prefilled locally,
+	// while their rank is not busy (MaxLocalRunning).
 	MinRemoteTokens int
+	// MaxLocalRunning: a short prompt whose rank already runs this many
+	// requests goes to a prefill instance with room instead; 0: half the
+	// rank's rows.
+	MaxLocalRunning int
 	// MaxPrefillQueue: when the least-loaded usable prefill instance has
 	// at least this many requests waiting beyond its batch (requests in
 	// flight minus its real rows), prefill locally.
@@ -66,6 +76,9 @@ type AutoPolicy struct {
 func (p AutoPolicy) Validate() error {
 	if p.MinRemoteTokens < 0 {
 		return fmt.Errorf("%w: auto prefill: min remote tokens %d, want ≥ 0", ErrInvalidConfig, p.MinRemoteTokens)
+	}
+	if p.MaxLocalRunning < 0 {
+		return fmt.Errorf("%w: auto prefill: max local running %d, want ≥ 0", ErrInvalidConfig, p.MaxLocalRunning)
 	}
 	if p.MaxPrefillQueue < 1 {
 		return fmt.Errorf("%w: auto prefill: max prefill queue %d, want ≥ 1", ErrInvalidConfig, p.MaxPrefillQueue)
@@ -93,6 +106,21 @@ type PrefillLoad struct {
 // beyond the batch its ranks prefill in one step.
 func (l PrefillLoad) Queue() int { return max(l.Inflight-l.Rows, 0) }
 
+// LocalLoad is the decode rank a request was placed on, when it is routed.
+type LocalLoad struct {
+	Running int // requests the rank prefills or generates, this one aside
+	Rows    int // the rank's rows for real requests
+}
+
+// busy reports whether a local prefill would stall too many decodes:
+// Running reached max, or half the rows when max is 0.
+func (l LocalLoad) busy(max int) bool {
+	if max == 0 {
+		max = (l.Rows + 1) / 2
+	}
+	return max > 0 && l.Running >= max
+}
+
 // RouteDecision is where one request's prefill runs, and why.
 type RouteDecision struct {
 	Remote bool
@@ -107,15 +135,20 @@ func (d RouteDecision) Route() string {
 	return RouteLocal
 }
 
-// Decide routes the prefill of a prompt of promptTokens tokens, in order:
-// with no usable prefill instance it is local (a remote prefill would
-// fail); a short prompt is local; a long one is remote unless the
-// least-loaded prefill instance's queue reached MaxPrefillQueue.
-func (p AutoPolicy) Decide(promptTokens int, l PrefillLoad) RouteDecision {
+// Decide routes the prefill of a prompt of promptTokens tokens placed on a
+// rank with local load, in order: with no usable prefill instance it is
+// local (a remote prefill would fail); a short prompt is local, unless its
+// rank is busy (MaxLocalRunning) and the prefill instances have room; a
+// long one is remote unless the least-loaded prefill instance's queue
+// reached MaxPrefillQueue.
+func (p AutoPolicy) Decide(promptTokens int, l PrefillLoad, local LocalLoad) RouteDecision {
 	switch {
 	case l.Instances < 1:
 		return RouteDecision{Reason: ReasonNoPrefill}
 	case promptTokens < p.MinRemoteTokens:
+		if local.busy(p.MaxLocalRunning) && l.Queue() < p.MaxPrefillQueue {
+			return RouteDecision{Remote: true, Reason: ReasonDecodeBusy}
+		}
 		return RouteDecision{Reason: ReasonShortPrompt}
 	case l.Queue() >= p.MaxPrefillQueue:
 		return RouteDecision{Reason: ReasonPrefillBusy}
@@ -128,7 +161,7 @@ func (p AutoPolicy) Decide(promptTokens int, l PrefillLoad) RouteDecision {
 // the scheduling loop's goroutine, once per request at admission: it must
 // not block (read what is known, never ask a peer).
 type Router interface {
-	Route(promptTokens int) RouteDecision
+	Route(promptTokens int, local LocalLoad) RouteDecision
 }
 
 // LoadFunc reports what is known of the prefill instances now.
@@ -143,6 +176,6 @@ type AutoRouter struct {
 var _ Router = AutoRouter{}
 
 // Route implements Router.
-func (a AutoRouter) Route(promptTokens int) RouteDecision {
-	return a.Policy.Decide(promptTokens, a.Load())
+func (a AutoRouter) Route(promptTokens int, local LocalLoad) RouteDecision {
+	return a.Policy.Decide(promptTokens, a.Load(), local)
 }

@@ -96,6 +96,9 @@ type Config struct {
 	// prefill instance has AutoMaxQueue requests waiting beyond its batch.
 	AutoMinTokens int
 	AutoMaxQueue  int
+	// AutoMaxRunning: a short prompt whose rank runs this many requests
+	// is prefilled remotely (0: half the rank's rows).
+	AutoMaxRunning int
 	// WriteTimeout bounds one write of an API response: a client that
 	// reads nothing for that long is cut off and its request cancelled.
 	WriteTimeout time.Duration
@@ -174,6 +177,8 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 			"--prefill auto: prompts with fewer tokens are prefilled locally"+tw.Env("prefill-auto-min-tokens", "HANDOFF_PREFILL_AUTO_MIN_TOKENS"))
 		fs.IntVar(&c.AutoMaxQueue, "prefill-auto-max-queue", worker.DefaultAutoMaxPrefillQueue,
 			"--prefill auto: prefill locally while the least-loaded prefill worker has this many requests waiting beyond its batch"+tw.Env("prefill-auto-max-queue", "HANDOFF_PREFILL_AUTO_MAX_QUEUE"))
+		fs.IntVar(&c.AutoMaxRunning, "prefill-auto-max-running", 0,
+			"--prefill auto: a short prompt whose rank already runs this many requests is prefilled remotely, as a local prefill would stall all their decodes (0: half the rank's rows)"+tw.Env("prefill-auto-max-running", "HANDOFF_PREFILL_AUTO_MAX_RUNNING"))
 		fs.DurationVar(&c.WriteTimeout, "write-timeout", 30*time.Second,
 			"how long one API response write may wait for a client that stopped reading before the response is cut and the request cancelled"+tw.Env("write-timeout", "HANDOFF_WRITE_TIMEOUT"))
 		fs.DurationVar(&c.PrefillGrace, "prefill-grace", 30*time.Second,
@@ -316,6 +321,9 @@ func (c *Config) Validate() error {
 		}
 		if c.AutoMaxQueue < 1 {
 			bad("--prefill-auto-max-queue %d: want ≥ 1", c.AutoMaxQueue)
+		}
+		if c.AutoMaxRunning < 0 {
+			bad("--prefill-auto-max-running %d: want ≥ 0", c.AutoMaxRunning)
 		}
 		if c.WriteTimeout <= 0 {
 			bad("--write-timeout %v: want > 0", c.WriteTimeout)

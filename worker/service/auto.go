@@ -13,7 +13,8 @@ import (
 // own handoffs in flight), read per request without asking a peer.
 func autoRouter(cfg config.Config, dec *transfer.Decoder) worker.Router {
 	return worker.AutoRouter{
-		Policy: worker.AutoPolicy{MinRemoteTokens: cfg.AutoMinTokens, MaxPrefillQueue: cfg.AutoMaxQueue},
+		Policy: worker.AutoPolicy{MinRemoteTokens: cfg.AutoMinTokens, MaxPrefillQueue: cfg.AutoMaxQueue,
+			MaxLocalRunning: cfg.AutoMaxRunning},
 		Load: func() worker.PrefillLoad {
 			l := dec.PrefillLoad(time.Now())
 			return worker.PrefillLoad{Instances: l.Instances, Inflight: l.Inflight, Rows: l.Rows}
