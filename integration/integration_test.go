@@ -86,6 +86,28 @@ func requireIdle(t *testing.T, p *proc, role string) {
 	}, 15*time.Second, 100*time.Millisecond, "%s pools did not return to idle", p.name)
 }
 
+// requireSameAnswers is the oracle's loop: each prompt goes to the
+// disaggregated API remote and to the aggregated API local, greedy (OpenAI's
+// default temperature is 1 with a random seed: greedy is said explicitly),
+// and every third one sampled at 0.8 with its index as seed; both must
+// answer 200 with the same text. what names the pair in a failure.
+func requireSameAnswers(ctx context.Context, t *testing.T, remote, local, model string, prompts []string, maxTokens int, what string) {
+	t.Helper()
+	for i, p := range prompts {
+		req := completionRequest{Model: model, Prompt: p, MaxTokens: maxTokens, Temperature: ptr(0.0)}
+		if i%3 == 2 {
+			req.Temperature, req.Seed = ptr(0.8), ptr(uint64(i))
+		}
+		a, err := complete(ctx, remote, req)
+		require.NoError(t, err)
+		b, err := complete(ctx, local, req)
+		require.NoError(t, err)
+		require.Equalf(t, http.StatusOK, a.Status, "remote: %s", a.Err)
+		require.Equalf(t, http.StatusOK, b.Status, "local: %s", b.Err)
+		require.Equalf(t, b.Text, a.Text, "prompt %d %q: %s differ", i, p, what)
+	}
+}
+
 // TestRemoteEqualsLocal is the oracle: disaggregated output equals aggregated
 // output token for token, greedy and seeded sampling alike.
 func TestRemoteEqualsLocal(t *testing.T) {
@@ -103,20 +125,7 @@ func TestRemoteEqualsLocal(t *testing.T) {
 	warmUp(ctx, t, remote.api, name)
 	before := sum(remote.metrics(), "handoff_transfers_total", map[string]string{"role": "decode", "result": "ok"})
 	prompts := randomPrompts(24, 7)
-	for i, p := range prompts {
-		// OpenAI's default temperature is 1 with a random seed: say greedy explicitly.
-		req := completionRequest{Model: name, Prompt: p, MaxTokens: 12, Temperature: ptr(0.0)}
-		if i%3 == 2 {
-			req.Temperature, req.Seed = ptr(0.8), ptr(uint64(i))
-		}
-		a, err := complete(ctx, remote.api, req)
-		require.NoError(t, err)
-		b, err := complete(ctx, local.api, req)
-		require.NoError(t, err)
-		require.Equalf(t, http.StatusOK, a.Status, "remote: %s", a.Err)
-		require.Equalf(t, http.StatusOK, b.Status, "local: %s", b.Err)
-		require.Equalf(t, b.Text, a.Text, "prompt %d %q: remote and local differ", i, p)
-	}
+	requireSameAnswers(ctx, t, remote.api, local.api, name, prompts, 12, "remote and local")
 	mf := remote.metrics()
 	require.Equal(t, float64(len(prompts)), sum(mf, "handoff_transfers_total", map[string]string{"role": "decode", "result": "ok"})-before)
 	require.Positive(t, sum(mf, "handoff_transfer_bytes_total", map[string]string{"role": "decode", "kind": "kv"}))

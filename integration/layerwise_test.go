@@ -42,19 +42,7 @@ func TestLayerwiseRemoteEqualsLocal(t *testing.T) {
 			defer cancel()
 			warmUp(ctx, t, remote.api, name)
 			prompts := randomPrompts(16, 13)
-			for i, p := range prompts {
-				req := completionRequest{Model: name, Prompt: p, MaxTokens: 10, Temperature: ptr(0.0)}
-				if i%3 == 2 {
-					req.Temperature, req.Seed = ptr(0.8), ptr(uint64(i))
-				}
-				a, err := complete(ctx, remote.api, req)
-				require.NoError(t, err)
-				b, err := complete(ctx, local.api, req)
-				require.NoError(t, err)
-				require.Equalf(t, http.StatusOK, a.Status, "remote: %s", a.Err)
-				require.Equalf(t, http.StatusOK, b.Status, "local: %s", b.Err)
-				require.Equalf(t, b.Text, a.Text, "prompt %d %q: remote (layer-wise) and local differ", i, p)
-			}
+			requireSameAnswers(ctx, t, remote.api, local.api, name, prompts, 10, "remote (layer-wise) and local")
 			requireIdle(t, remote, "decode")
 			requireIdle(t, pre, "prefill")
 		})

@@ -4,7 +4,6 @@ package integration
 
 import (
 	"context"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -56,19 +55,7 @@ func TestRemoteEqualsLocalDeviceMemory(t *testing.T) {
 	warmUp(ctx, t, remote.api, name)
 	before := sum(remote.metrics(), "handoff_transfers_total", map[string]string{"role": "decode", "result": "ok"})
 	prompts := randomPrompts(12, 11)
-	for i, p := range prompts {
-		req := completionRequest{Model: name, Prompt: p, MaxTokens: 12, Temperature: ptr(0.0)}
-		if i%3 == 2 {
-			req.Temperature, req.Seed = ptr(0.8), ptr(uint64(i))
-		}
-		a, err := complete(ctx, remote.api, req)
-		require.NoError(t, err)
-		b, err := complete(ctx, local.api, req)
-		require.NoError(t, err)
-		require.Equalf(t, http.StatusOK, a.Status, "remote: %s", a.Err)
-		require.Equalf(t, http.StatusOK, b.Status, "local: %s", b.Err)
-		require.Equalf(t, b.Text, a.Text, "prompt %d %q: device-memory remote and host local differ", i, p)
-	}
+	requireSameAnswers(ctx, t, remote.api, local.api, name, prompts, 12, "device-memory remote and host local")
 	mf := remote.metrics()
 	require.Equal(t, float64(len(prompts)), sum(mf, "handoff_transfers_total", map[string]string{"role": "decode", "result": "ok"})-before)
 	require.Equal(t, 1.0, sum(pre.metrics(), "handoff_transport_info", map[string]string{"transport": "cuda-ipc"}), "prefill's transport")
