@@ -66,13 +66,21 @@ func (d *delayed) prefillChunk(ctx context.Context, c Cache, tokens []int32, fro
 	if !ok {
 		return nil, fmt.Errorf("%w: %s prefills whole prompts only", ErrInvalidOption, d.inner.Spec().Name)
 	}
-	total := time.Duration(to-from) * d.prefill
-	layers := time.Duration(len(d.inner.Spec().LayerPattern))
-	return ch.prefillChunk(ctx, c, tokens, from, to, func(layer int) error {
+	return ch.prefillChunk(ctx, c, tokens, from, to, paced(ctx, time.Duration(to-from)*d.prefill, len(d.inner.Spec().LayerPattern), done))
+}
+
+// paced returns done delayed by layer i's share of total: layer i is
+// reported total*(i+1)/layers after the first layer began.
+func paced(ctx context.Context, total time.Duration, layers int, done func(layer int) error) func(int) error {
+	if total <= 0 || layers <= 0 {
+		return done
+	}
+	n := time.Duration(layers)
+	return func(layer int) error {
 		i := time.Duration(layer)
-		if err := sleep(ctx, total*(i+1)/layers-total*i/layers); err != nil {
+		if err := sleep(ctx, total*(i+1)/n-total*i/n); err != nil {
 			return fmt.Errorf("model: prefill: %w", err)
 		}
 		return done(layer)
-	})
+	}
 }

@@ -57,6 +57,9 @@ type chunker interface {
 // (PrefillChunk with any bounds). Other executors take the whole prompt at
 // once, and their Parts come when it is done.
 func Chunked(e Executor) bool {
+	if s, ok := e.(*sharded); ok {
+		e = unwrap(s.inner) // a group chunks what its model chunks
+	}
 	_, ok := e.(chunker)
 	return ok
 }

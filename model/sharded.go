@@ -131,6 +131,31 @@ func unwrap(e Executor) Executor {
 // runs call, and scatters the result back with the plan 1→tp. The bytes
 // the model sees and leaves are those of a TP-1 run.
 func viaTP1(e Executor, cs []Cache, tokens int, call func(Cache) ([]float32, error)) ([]float32, error) {
+	v, err := gatherTP1(e, cs, tokens)
+	if err != nil {
+		return nil, err
+	}
+	logits, err := call(v.one)
+	if err != nil {
+		return nil, err
+	}
+	v.scatter(0, math.MaxInt64, 0, math.MaxInt64)
+	return logits, nil
+}
+
+// tp1View is a TP-1 scratch copy of a request's cache on a TP group's
+// shards (viaTP1).
+type tp1View struct {
+	one                   Cache
+	cs                    []Cache
+	nb                    int // the request's blocks
+	kvOut, mOut           *reshard.Plan
+	kvRowBytes, mRowBytes int64 // of one row of a shard's unit
+}
+
+// gatherTP1 checks the shards' caches for a request of tokens positions
+// and gathers them into a TP-1 view.
+func gatherTP1(e Executor, cs []Cache, tokens int) (*tp1View, error) {
 	spec := e.Spec()
 	tp := len(cs)
 	shard, err := ShardSpec(spec, tp)
@@ -155,60 +180,120 @@ func viaTP1(e Executor, cs []Cache, tokens int, call func(Cache) ([]float32, err
 	kv.Blocks = max(nb, 1)
 	mc := spec.Mamba
 	mc.MaxBatchSize, mc.PPSize, mc.AttentionDP = 1, 1, false
-	one := Cache{KV: kv, Mamba: mc, Row: 0}
+	v := &tp1View{one: Cache{KV: kv, Mamba: mc, Row: 0}, cs: cs, nb: nb}
 	if kv.Layers > 0 {
-		one.KVArena = make([]byte, kv.ArenaBytes())
+		v.one.KVArena = make([]byte, kv.ArenaBytes())
 		for b := range nb {
-			one.Blocks = append(one.Blocks, kvcache.BlockID(b))
+			v.one.Blocks = append(v.one.Blocks, kvcache.BlockID(b))
 		}
 	}
 	if mc.Layers > 0 {
-		one.MambaArena = make([]byte, mc.ArenaBytes())
+		v.one.MambaArena = make([]byte, mc.ArenaBytes())
 	}
 	kvIn, kvOut, mIn, mOut, err := tp1Plans(spec, kv, tp)
 	if err != nil {
 		return nil, err
 	}
-	unit := func(c *Cache, kvUnit bool, i int) []byte {
-		if kvUnit {
-			x := c.KV.BlockExtent(c.Blocks[i])
-			return c.KVArena[x.Offset : x.Offset+x.Length]
-		}
-		x := c.Mamba.RowExtent(c.Row)
-		return c.MambaArena[x.Offset : x.Offset+x.Length]
-	}
-	move := func(plan *reshard.Plan, kvUnit, gather bool) {
-		n := 1
-		if kvUnit {
-			n = nb
-		}
-		for i := range n {
+	v.kvOut, v.mOut = kvOut, mOut
+	if kvIn != nil {
+		v.kvRowBytes = kvOut.Layout.RowBytes(tp)
+		for i := range nb {
 			for r := range cs {
-				if gather {
-					reshard.Apply(unit(&one, kvUnit, i), unit(&cs[r], kvUnit, i), plan.Copies(r, 0))
-				} else {
-					reshard.Apply(unit(&cs[r], kvUnit, i), unit(&one, kvUnit, i), plan.Copies(0, r))
-				}
+				reshard.Apply(v.unit(&v.one, true, i), v.unit(&cs[r], true, i), kvIn.Copies(r, 0))
 			}
 		}
 	}
-	if kvIn != nil {
-		move(kvIn, true, true)
-	}
 	if mIn != nil {
-		move(mIn, false, true)
+		v.mRowBytes = mOut.Layout.RowBytes(tp)
+		for r := range cs {
+			reshard.Apply(v.unit(&v.one, false, 0), v.unit(&cs[r], false, 0), mIn.Copies(r, 0))
+		}
 	}
-	logits, err := call(one)
+	return v, nil
+}
+
+// unit is block i of c's request (kvUnit), else its Mamba row.
+func (v *tp1View) unit(c *Cache, kvUnit bool, i int) []byte {
+	if kvUnit {
+		x := c.KV.BlockExtent(c.Blocks[i])
+		return c.KVArena[x.Offset : x.Offset+x.Length]
+	}
+	x := c.Mamba.RowExtent(c.Row)
+	return c.MambaArena[x.Offset : x.Offset+x.Length]
+}
+
+// scatter copies the view back to the shards: the KV rows [kv0, kv1) of
+// every block and the Mamba rows [m0, m1) (rows of package reshard's
+// layouts: a (layer, K or V, slot) of a block, a layer of the row).
+func (v *tp1View) scatter(kv0, kv1, m0, m1 int64) {
+	if v.kvOut != nil && kv0 < kv1 {
+		lo, hi := mulClamp(kv0, v.kvRowBytes), mulClamp(kv1, v.kvRowBytes)
+		for i := range v.nb {
+			for r := range v.cs {
+				reshard.ApplyRange(v.unit(&v.cs[r], true, i), v.unit(&v.one, true, i), v.kvOut.Copies(0, r), lo, hi)
+			}
+		}
+	}
+	if v.mOut != nil && m0 < m1 {
+		lo, hi := mulClamp(m0, v.mRowBytes), mulClamp(m1, v.mRowBytes)
+		for r := range v.cs {
+			reshard.ApplyRange(v.unit(&v.cs[r], false, 0), v.unit(&v.one, false, 0), v.mOut.Copies(0, r), lo, hi)
+		}
+	}
+}
+
+// mulClamp is a*b, or math.MaxInt64 when that overflows (a, b ≥ 0).
+func mulClamp(a, b int64) int64 {
+	if b != 0 && a > math.MaxInt64/b {
+		return math.MaxInt64
+	}
+	return a * b
+}
+
+// prefillChunk implements chunker for a TP group: the group runs the chunk
+// layer by layer, its simulated compute spread over the layers as
+// delayed's is, and reports a layer done once every shard holds it.
+// tiny-hybrid runs sharded; the synthetic presets run on a TP-1 view and
+// scatter each layer back to the shards before reporting it. An inner
+// executor that is not chunked takes only whole prompts.
+func (s *sharded) prefillChunk(ctx context.Context, c Cache, tokens []int32, from, to int, done func(layer int) error) ([]float32, error) {
+	cs := s.caches(c)
+	inner, pd, _ := delays(s.inner)
+	done = paced(ctx, time.Duration(to-from)*pd, len(inner.Spec().LayerPattern), done)
+	if m, ok := inner.(*tiny); ok {
+		return m.prefillChunkShards(ctx, cs, tokens, from, to, done)
+	}
+	ch, ok := inner.(chunker)
+	if !ok {
+		if from != 0 || to != len(tokens) {
+			return nil, fmt.Errorf("%w: %s prefills whole prompts only", ErrInvalidOption, inner.Spec().Name)
+		}
+		logits, err := PrefillShards(ctx, s.inner, cs, tokens)
+		if err != nil {
+			return nil, err
+		}
+		for i := range inner.Spec().LayerPattern {
+			if err := done(i); err != nil {
+				return nil, err
+			}
+		}
+		return logits, nil
+	}
+	v, err := gatherTP1(inner, cs, to)
 	if err != nil {
 		return nil, err
 	}
-	if kvOut != nil {
-		move(kvOut, true, false)
-	}
-	if mOut != nil {
-		move(mOut, false, false)
-	}
-	return logits, nil
+	parts := partsOf(inner.Spec().LayerPattern)
+	rows := 2 * int64(v.one.KV.TokensPerBlock) // KV rows of one layer
+	return ch.prefillChunk(ctx, v.one, tokens, from, to, func(layer int) error {
+		switch p := parts[layer]; p.Kind {
+		case '*':
+			v.scatter(int64(p.KVLayer)*rows, int64(p.KVLayer+1)*rows, 0, 0)
+		case 'M':
+			v.scatter(0, 0, int64(p.MambaLayer), int64(p.MambaLayer+1))
+		}
+		return done(layer)
+	})
 }
 
 func tp1Plans(spec Spec, kv kvcache.Config, tp int) (kvIn, kvOut, mIn, mOut *reshard.Plan, err error) {
@@ -395,37 +480,100 @@ func (m *tiny) stepShards(cs []Cache, sh []tinyShard, ts *tpScratch, token int32
 	copy(ts.h, m.embed[int(token)*dm:(int(token)+1)*dm])
 	mi, ai := 0, 0
 	for i := range m.layers {
-		l := &m.layers[i]
-		rmsNorm(ts.xn, ts.h, l.norm)
-		clear(ts.acc)
-		switch l.kind {
+		m.layerShards(cs, sh, ts, &m.layers[i], mi, ai, pos, ts.h)
+		switch m.layers[i].kind {
 		case 'M':
-			for r := range sh {
-				m.mambaShard(l, &sh[r], mi, ts)
-			}
 			mi++
 		case '*':
-			for r := range sh {
-				m.attentionShard(l, ai, &cs[r], &sh[r], pos, ts)
-			}
 			ai++
-		case '-':
-			for r := range sh {
-				m.mlpShard(l, &sh[r], ts)
-			}
 		}
-		for j := range ts.out {
-			ts.out[j] = ts.acc[j].sum()
-		}
-		addTo(ts.h, ts.out)
 	}
 	if logits == nil {
 		return
 	}
-	rmsNorm(ts.xn, ts.h, m.final)
-	for v := range logits {
-		logits[v] = dot(m.head[v*dm:(v+1)*dm], ts.xn) + m.prior[v]
+	m.headOf(logits, ts.xn, ts.h)
+}
+
+// layerShards runs layer l (the mi-th Mamba layer, the ai-th attention
+// layer) over the shards at position pos: h, the replicated hidden state,
+// goes in and comes out with the layer's output added.
+func (m *tiny) layerShards(cs []Cache, sh []tinyShard, ts *tpScratch, l *tinyLayer, mi, ai, pos int, h []float32) {
+	rmsNorm(ts.xn, h, l.norm)
+	clear(ts.acc)
+	switch l.kind {
+	case 'M':
+		for r := range sh {
+			m.mambaShard(l, &sh[r], mi, ts)
+		}
+	case '*':
+		for r := range sh {
+			m.attentionShard(l, ai, &cs[r], &sh[r], pos, ts)
+		}
+	case '-':
+		for r := range sh {
+			m.mlpShard(l, &sh[r], ts)
+		}
 	}
+	for j := range ts.out {
+		ts.out[j] = ts.acc[j].sum()
+	}
+	addTo(h, ts.out)
+}
+
+// headOf writes the next-token logits of hidden state h (xn is scratch).
+func (m *tiny) headOf(logits, xn, h []float32) {
+	dm := m.d.dModel
+	rmsNorm(xn, h, m.final)
+	for v := range logits {
+		logits[v] = dot(m.head[v*dm:(v+1)*dm], xn) + m.prior[v]
+	}
+}
+
+// prefillChunkShards is prefillChunk over the shards: every position of
+// the chunk passes layer i on every shard before any passes layer i+1,
+// each (layer, position) computing exactly what stepShards computes, so
+// caches and logits are bit-identical to PrefillShards'.
+func (m *tiny) prefillChunkShards(ctx context.Context, cs []Cache, tokens []int32, from, to int, done func(layer int) error) ([]float32, error) {
+	sh, err := m.bindShards(cs, to)
+	if err != nil {
+		return nil, err
+	}
+	if from == 0 {
+		for i := range sh {
+			sh[i].row.zero()
+		}
+	}
+	dm := m.d.dModel
+	hs := make([]float32, (to-from)*dm) // the chunk's hidden states
+	for p := from; p < to; p++ {
+		copy(hs[(p-from)*dm:(p-from+1)*dm], m.embed[int(tokens[p])*dm:(int(tokens[p])+1)*dm])
+	}
+	ts := m.newTPScratch()
+	mi, ai := 0, 0
+	for i := range m.layers {
+		if err := ctx.Err(); err != nil {
+			return nil, fmt.Errorf("model: prefill: %w", err)
+		}
+		l := &m.layers[i]
+		for p := from; p < to; p++ {
+			m.layerShards(cs, sh, ts, l, mi, ai, p, hs[(p-from)*dm:(p-from+1)*dm])
+		}
+		switch l.kind {
+		case 'M':
+			mi++
+		case '*':
+			ai++
+		}
+		if err := done(i); err != nil {
+			return nil, err
+		}
+	}
+	if to != len(tokens) {
+		return nil, nil
+	}
+	logits := make([]float32, m.spec.Vocab)
+	m.headOf(logits, ts.xn, hs[(to-1-from)*dm:])
+	return logits, nil
 }
 
 // rowParallel adds w[:, c0:c0+len(in)] · in to the accumulators: this
@@ -594,7 +742,10 @@ type sharded struct {
 	more  []ShardPools
 }
 
-var _ ContextExecutor = (*sharded)(nil)
+var (
+	_ ContextExecutor = (*sharded)(nil)
+	_ chunker         = (*sharded)(nil)
+)
 
 func (s *sharded) Spec() Spec { return s.inner.Spec() }
 

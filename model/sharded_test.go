@@ -190,3 +190,73 @@ func TestShardedExecutorBindsTheOtherShards(t *testing.T) {
 	_, err = model.Sharded(e, more[:2])
 	require.ErrorIs(t, err, reshard.ErrIndivisible, "TP 3")
 }
+
+// A TP group prefills in chunks, layer by layer, as one shard does: the
+// caches and logits equal a whole-prompt PrefillShards, and every part is
+// final on every shard when it is reported (no byte of it changes later),
+// so a sender that ships it at once ships the bytes decode needs.
+func TestShardedChunkedPrefill(t *testing.T) {
+	ctx := context.Background()
+	for _, e := range smallExecutors(t) {
+		spec := e.Spec()
+		tpb := spec.KV.TokensPerBlock
+		n := 2*tpb + 3
+		toks := prompt(n, 5)
+		nb := (n + tpb - 1) / tpb
+		for _, tp := range []int{2, 4} {
+			ref := shardArenas(t, spec, tp, nb, 1)
+			want, err := model.PrefillShards(ctx, e, shardCaches(ref, 0, blockRange(0, nb)...), toks)
+			require.NoError(t, err)
+			wantKV, wantRow := gather(t, spec, shardCaches(ref, 0, blockRange(0, nb)...), nb)
+			for _, chunk := range []int{n, 5, tpb} {
+				name := fmt.Sprintf("%s/tp%d/chunk%d", spec.Name, tp, chunk)
+				as := shardArenas(t, spec, tp, nb, 1)
+				var more []model.ShardPools
+				for _, a := range as[1:] {
+					more = append(more, model.ShardPools{KVArena: a.kvMem, KV: a.kv, MambaArena: a.mMem, Mamba: a.mamba})
+				}
+				se, err := model.Sharded(e, more)
+				require.NoError(t, err)
+				require.True(t, model.Chunked(se), name)
+				c0 := as[0].cache(0, blockRange(0, nb)...)
+				type snap struct {
+					mem []byte
+					off int64
+					b   []byte
+				}
+				var snaps []snap
+				keep := func(mem []byte, off, n int64) {
+					snaps = append(snaps, snap{mem, off, append([]byte(nil), mem[off:off+n]...)})
+				}
+				var got []float32
+				for from := 0; from < n; from += chunk {
+					to := min(n, from+chunk)
+					got, err = model.PrefillChunk(ctx, se, c0, toks, from, to, func(p model.Part) {
+						for _, a := range as {
+							if p.Kind == 'M' {
+								x := a.mamba.LayerExtent(0, p.MambaLayer)
+								keep(a.mMem, x.Offset, x.Length)
+								continue
+							}
+							slot := int64(a.kv.KVHeads * a.kv.HeadDim * a.kv.ElemSize)
+							for pos := p.From; pos < p.To; pos++ {
+								for _, k := range []kvcache.KV{kvcache.K, kvcache.V} {
+									keep(a.kvMem, a.kv.TokenOffset(kvcache.BlockID(pos/tpb), p.KVLayer, k, pos%tpb, 0), slot)
+								}
+							}
+						}
+					})
+					require.NoError(t, err, name)
+				}
+				require.Equal(t, bits(want), bits(got), name)
+				kv, row := gather(t, spec, shardCaches(as, 0, blockRange(0, nb)...), nb)
+				require.Equal(t, wantRow, row, name)
+				require.Equal(t, wantKV, kv, name)
+				require.NotEmpty(t, snaps)
+				for i, s := range snaps {
+					require.Equal(t, s.b, s.mem[s.off:s.off+int64(len(s.b))], "%s: part %d changed after it was reported", name, i)
+				}
+			}
+		}
+	}
+}

@@ -75,6 +75,20 @@ func Apply(dst, src []byte, cs []Copy) {
 	}
 }
 
+// ApplyRange is Apply restricted to the destination bytes [lo, hi): the
+// parts of cs's copies that land there, and nothing else.
+func ApplyRange(dst, src []byte, cs []Copy, lo, hi int64) {
+	for _, c := range cs {
+		s, d := c.Src, c.Dst
+		for range c.Count {
+			if a, b := max(d, lo), min(d+c.Len, hi); a < b {
+				copy(dst[a:b], src[s+a-d:s+b-d])
+			}
+			s, d = s+c.SrcStride, d+c.DstStride
+		}
+	}
+}
+
 // Plan is the resharding of one cache unit (a KV block or a Mamba row) from
 // a TP-From group to a TP-To group: for every (source shard, destination
 // shard) pair, the copies from the source's unit into the destination's.
