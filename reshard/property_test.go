@@ -72,6 +72,7 @@ func TestPropertyOracle(t *testing.T) {
 				require.NoError(t, sameShards(reshard(t, back, got), shards[from]), "%s %d→%d→%d", m.name, from, to, from)
 				checkRepeat(t, rng, p)
 				checkOrder(t, p, shards[from], shards[to])
+				checkApplyRange(t, rng, p, shards[from], shards[to])
 			}
 		}
 	}
@@ -115,6 +116,27 @@ func checkOrder(t *testing.T, p *Plan, src, want [][]byte) {
 			got = append(got, src[s.Shard][s.Src:s.Src+s.Len]...)
 		}
 		require.Equal(t, want[rd], got, "%d→%d shard %d streamed in Order", p.From, p.To, rd)
+	}
+}
+
+// checkApplyRange checks that the plan applied range by range, over a
+// random cut of each destination unit, gives that unit, and that a range
+// writes nothing outside itself.
+func checkApplyRange(t *testing.T, rng *rand.Rand, p *Plan, src, want [][]byte) {
+	t.Helper()
+	for rd := range p.To {
+		got := make([]byte, p.DstBytes)
+		for lo := int64(0); lo < p.DstBytes; {
+			hi := min(p.DstBytes, lo+1+rng.Int64N(p.DstBytes))
+			before := slices.Clone(got)
+			for rs := range p.From {
+				ApplyRange(got, src[rs], p.Copies(rs, rd), lo, hi)
+			}
+			require.Equal(t, before[:lo], got[:lo], "%d→%d shard %d: [%d, %d) wrote below", p.From, p.To, rd, lo, hi)
+			require.Equal(t, before[hi:], got[hi:], "%d→%d shard %d: [%d, %d) wrote above", p.From, p.To, rd, lo, hi)
+			lo = hi
+		}
+		require.Equal(t, want[rd], got, "%d→%d shard %d applied by ranges", p.From, p.To, rd)
 	}
 }
 
