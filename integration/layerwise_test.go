@@ -49,6 +49,54 @@ func TestLayerwiseRemoteEqualsLocal(t *testing.T) {
 	}
 }
 
+// TestLayerwiseTPRemoteEqualsLocal is the oracle with streaming and
+// different TP on the two sides together: a TP-p prefill group computes
+// each chunk layer by layer and streams each layer, resharded, into a
+// TP-d decode's grant while later layers compute. Remote output equals
+// local TP-1 output token for token, and the prefill worker's metrics
+// show that bytes did leave while prefill computed.
+func TestLayerwiseTPRemoteEqualsLocal(t *testing.T) {
+	ns := startNATS(t, nil)
+	local := startProc(t, "decode", "--prefill", "local", "--nats-url", ns.url(), "--namespace", "lwtp-local")
+	local.waitReady(readyWithin)
+	for _, c := range []struct {
+		name string
+		p, d int
+		args []string
+	}{
+		{"p2d1-shm-chunked", 2, 1, []string{"--prefill-chunk-tokens", "7"}},
+		{"p1d2-tcp", 1, 2, []string{"--transport", "tcp"}},
+		{"p4d2-shm", 4, 2, nil},
+		{"p2d4-tcp-chunked", 2, 4, []string{"--prefill-chunk-tokens", "16", "--transport", "tcp"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			space := "lwtp-" + c.name
+			common := append([]string{"--nats-url", ns.url(), "--namespace", space, "--model", "tiny-hybrid?prefill_delay=1ms"}, c.args...)
+			pre := startProc(t, "prefill", append(common, "--layerwise", "on", "--tp-size", itoa(c.p))...)
+			remote := startProc(t, "decode", append(common, "--prefill", "remote", "--tp-size", itoa(c.d))...)
+			pre.waitReady(readyWithin)
+			remote.waitReady(readyWithin)
+			name := modelName(t, remote.api)
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			warmUp(ctx, t, remote.api, name)
+			prompts := randomPrompts(10, 29)
+			for i := range prompts {
+				prompts[i] += strings.Repeat(" river", 2+4*i)
+			}
+			requireSameAnswers(ctx, t, remote.api, local.api, name, prompts, 8, fmt.Sprintf("remote (layer-wise, prefill TP %d, decode TP %d) and local", c.p, c.d))
+			mf := pre.metrics()
+			streamed := sum(mf, "handoff_transfer_streamed_bytes_total", map[string]string{"role": "prefill"})
+			moved := sum(mf, "handoff_transfer_bytes_total", map[string]string{"role": "prefill"})
+			t.Logf("%.0f of %.0f bytes left while prefill computed", streamed, moved)
+			require.Positive(t, streamed, "nothing was streamed: the resharded cache went in one write")
+			require.LessOrEqual(t, streamed, moved)
+			requireIdle(t, remote, "decode")
+			requireIdle(t, pre, "prefill")
+		})
+	}
+}
+
 // TestLayerwisePrefillKilledMidStream kills one of two streaming prefill
 // workers (SIGKILL) while it has requests in flight: the grants it was
 // filling are fenced, every request is served by the survivor, and the

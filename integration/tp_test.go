@@ -28,9 +28,8 @@ func TestTPOracle(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	prompts := randomPrompts(8, 12)
-	// A long prompt, which a TP-1 pair streams layer by layer (as it does
-	// every prompt by default): a resharded handoff must still go in one
-	// write.
+	// A long prompt, streamed layer by layer and resharded on the way (as
+	// every prompt is by default).
 	prompts = append(prompts, strings.Repeat("river stone cloud ", 40))
 	reqs := make([]completionRequest, len(prompts))
 	want := make([]string, len(prompts))

@@ -207,15 +207,18 @@ func (st *streamer) ranges(ps []Piece, dst []rdma.Range, src []rdma.Extent) ([]r
 }
 
 // finish waits for the queued pieces to land, writes what no piece
-// covered from the whole-write sources, and commits.
-func (st *streamer) finish(ctx context.Context, all []rdma.Extent) (rdma.Manifest, error) {
+// covered from the whole-write sources, and commits. early is what the
+// pieces wrote.
+func (st *streamer) finish(ctx context.Context, all []rdma.Extent) (m rdma.Manifest, early uint64, err error) {
 	if err := st.stop(true); err != nil {
-		return rdma.Manifest{}, err
+		return rdma.Manifest{}, 0, err
 	}
+	early = st.s.Written()
 	if err := st.s.WriteRest(ctx, all); err != nil {
-		return rdma.Manifest{}, err
+		return rdma.Manifest{}, early, err
 	}
-	return st.s.Commit(ctx)
+	m, err = st.s.Commit(ctx)
+	return m, early, err
 }
 
 // stop ends the goroutine once it wrote what was queued (drain) or once
@@ -246,11 +249,6 @@ func (t *task) startStream() {
 	p := t.p
 	ll, ok := t.lease.(LayerwiseJob)
 	if !ok || !p.cfg.Layerwise.streams(len(t.msg.Tokens), p.cfg.LayerwiseMinTokens) {
-		return
-	}
-	if t.msg.TP > 1 {
-		// A resharded write's source is not the cache in the order its
-		// pieces are numbered: one write after prefill (not streamed yet).
 		return
 	}
 	st, err := startStreamer(t.ctx, p.eng, t.peer, t.ticket)

@@ -145,6 +145,9 @@ type PrefillerStats struct {
 	// KVBytes and MambaBytes are the bytes of the handoffs served (written
 	// and committed); failed and cancelled writes are not counted.
 	KVBytes, MambaBytes uint64
+	// StreamedBytes are those of KVBytes and MambaBytes that left while
+	// prefill still computed (layer-wise streaming).
+	StreamedBytes uint64
 }
 
 // Prefiller is the sending side of the handoff protocol: a NATS micro service
@@ -186,6 +189,7 @@ type Prefiller struct {
 	published  atomic.Uint64
 	kvBytes    atomic.Uint64
 	mambaBytes atomic.Uint64
+	streamed   atomic.Uint64
 }
 
 // NewPrefiller validates cfg; Start begins serving.
@@ -211,7 +215,7 @@ func (p *Prefiller) Stats() PrefillerStats {
 	return PrefillerStats{
 		Received: p.received.Load(), Served: p.served.Load(), Refused: p.refused.Load(), Failed: p.failed.Load(),
 		Cancelled: p.cancelled.Load(), InFlight: p.inflight.Load(), Published: p.published.Load(),
-		KVBytes: p.kvBytes.Load(), MambaBytes: p.mambaBytes.Load(),
+		KVBytes: p.kvBytes.Load(), MambaBytes: p.mambaBytes.Load(), StreamedBytes: p.streamed.Load(),
 	}
 }
 
@@ -550,6 +554,7 @@ type task struct {
 	sess   session.SendSession
 	lease  AdmittedJob
 	lw     *streamer // the cache's stream while prefill computes (layerwise), else nil
+	early  uint64    // bytes lw's pieces wrote: the parts prefill finished while computing
 
 	ctx    context.Context    // the task's context, done at its deadline or on abort
 	stop   context.CancelFunc // ctx's
@@ -850,7 +855,7 @@ func (t *task) run(acts []session.Action) {
 			var err error
 			if t.lw != nil {
 				// What prefill finished has left already; the rest now.
-				m, err = t.lw.finish(t.ctx, src)
+				m, t.early, err = t.lw.finish(t.ctx, src)
 			} else {
 				m, err = p.eng.Write(t.ctx, t.peer, t.ticket, src)
 			}
@@ -893,6 +898,7 @@ func (t *task) sendReply(code Code) {
 		kv, mamba := t.out.Source.Bytes()
 		p.kvBytes.Add(kv)
 		p.mambaBytes.Add(mamba)
+		p.streamed.Add(t.early)
 		p.served.Add(1)
 	case CodeCancelled, CodeClosed:
 		p.cancelled.Add(1)

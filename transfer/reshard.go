@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"fmt"
+	"sort"
 	"sync"
 
 	"github.com/handoff-io/handoff/hybrid"
@@ -38,6 +39,7 @@ type ShardSource struct {
 // is immutable and safe for concurrent use.
 type Resharder struct {
 	from, to      int
+	tpb           int           // tokens per KV block
 	kv, mamba     *reshard.Plan // nil for a model without that cache
 	kvOrd, mamOrd [][]reshard.Sourced
 }
@@ -47,7 +49,7 @@ type Resharder struct {
 // split over either size is refused with an error wrapping
 // ErrLayoutMismatch and the reshard sentinel, naming the dimension.
 func NewResharder(kv kvcache.Config, m mambacache.Config, from, to int) (*Resharder, error) {
-	r := &Resharder{from: from, to: to}
+	r := &Resharder{from: from, to: to, tpb: kv.TokensPerBlock}
 	var err error
 	if kv.Layers > 0 {
 		if r.kv, err = reshard.New(reshard.KV(kv), from, to); err != nil {
@@ -125,6 +127,104 @@ func (r *Resharder) Source(shards []ShardSource, blocks []kvcache.BlockID, row m
 		}
 	}
 	return kv, mamba, nil
+}
+
+// Finished names a part of a request's cache that prefill finished, the
+// same on every shard of a TP group: attention layer Layer's token
+// positions [From, To) — the prompt's last when End, so the block holding
+// To-1 is final to its end, slots past the prompt included, as a whole
+// write sends them — or, when Mamba, Mamba layer Layer's whole state.
+type Finished struct {
+	Mamba    bool
+	Layer    int // the kvcache layer, or the mambacache layer
+	From, To int
+	End      bool
+}
+
+// Pieces appends to dst the pieces of a request's cache that f names,
+// numbered as the whole write to the receiver sends them (Source's order:
+// the KV of receiver shards 0..To-1, then their Mamba rows), each read from
+// the source shard that writes it. blocks and row are the request's, as for
+// Source. A receiver's KV layer is, in each of its blocks, one stretch of
+// rows (K then V of the layer's slots) and its Mamba layer one row of the
+// unit, so f's pieces are those of the plan's Order that land in them, cut
+// to them: O(blocks × To × source shards) pieces, from the same plan as
+// Source, so streamed pieces and the write after prefill agree to the byte.
+func (r *Resharder) Pieces(dst []Piece, shards []ShardSource, f Finished, blocks []kvcache.BlockID, row mambacache.Row) ([]Piece, error) {
+	if len(shards) != r.from {
+		return dst, fmt.Errorf("%w: %d source shards for a TP-%d sender", ErrInvalidConfig, len(shards), r.from)
+	}
+	nb := uint64(len(blocks))
+	var kvBytes uint64 // one receiver shard's KV for the request
+	if r.kv != nil {
+		kvBytes = nb * uint64(r.kv.DstBytes)
+	}
+	if f.Mamba {
+		if r.mamba == nil || f.Layer < 0 || f.Layer >= r.mamba.Layout.Rows {
+			return dst, fmt.Errorf("%w: mamba layer %d of a cache with %d", rdma.ErrOutOfRange, f.Layer, r.mambaLayers())
+		}
+		rb := r.mamba.Layout.RowBytes(r.to)
+		lo := int64(f.Layer) * rb
+		for rd := range r.to {
+			at := uint64(r.to)*kvBytes + uint64(rd)*uint64(r.mamba.DstBytes)
+			dst = cut(dst, r.mamOrd[rd], lo, lo+rb, at, func(s int) (rdma.RegionID, uint64) {
+				return shards[s].Mamba, uint64(shards[s].MambaConfig.RowExtent(row).Offset)
+			})
+		}
+		return dst, nil
+	}
+	t := r.tpb
+	if r.kv == nil || f.Layer < 0 || 2*t*f.Layer >= r.kv.Layout.Rows || f.From < 0 || f.To < f.From {
+		return dst, fmt.Errorf("%w: kv layer %d positions [%d, %d)", rdma.ErrOutOfRange, f.Layer, f.From, f.To)
+	}
+	rb := r.kv.Layout.RowBytes(r.to)
+	kLo := int64(2*t*f.Layer) * rb // the layer's K rows start here in a block; its V rows follow
+	end := f.To
+	if f.End {
+		end = (f.To + t - 1) / t * t
+	}
+	for k := f.From / t; k*t < end && k < len(blocks); k++ {
+		s0, s1 := int64(max(f.From, k*t)-k*t), int64(min(end, (k+1)*t)-k*t)
+		src := func(s int) (rdma.RegionID, uint64) {
+			return shards[s].KV, uint64(shards[s].KVConfig.BlockExtent(blocks[k]).Offset)
+		}
+		for rd := range r.to {
+			at := uint64(rd)*kvBytes + uint64(k)*uint64(r.kv.DstBytes)
+			if s0 == 0 && s1 == int64(t) {
+				dst = cut(dst, r.kvOrd[rd], kLo, kLo+2*int64(t)*rb, at, src)
+				continue
+			}
+			dst = cut(dst, r.kvOrd[rd], kLo+s0*rb, kLo+s1*rb, at, src)
+			dst = cut(dst, r.kvOrd[rd], kLo+(int64(t)+s0)*rb, kLo+(int64(t)+s1)*rb, at, src)
+		}
+	}
+	return dst, nil
+}
+
+func (r *Resharder) mambaLayers() int {
+	if r.mamba == nil {
+		return 0
+	}
+	return r.mamba.Layout.Rows
+}
+
+// cut appends the pieces of ord (one receiver unit's stretches, at byte at
+// of the whole write) that land in the unit's bytes [lo, hi), cut to them;
+// src gives a source shard's region and the offset of its unit.
+func cut(dst []Piece, ord []reshard.Sourced, lo, hi int64, at uint64, src func(shard int) (rdma.RegionID, uint64)) []Piece {
+	i := sort.Search(len(ord), func(i int) bool { return ord[i].Dst+ord[i].Len > lo })
+	for ; i < len(ord) && ord[i].Dst < hi; i++ {
+		o := ord[i]
+		a, b := max(o.Dst, lo), min(o.Dst+o.Len, hi)
+		reg, base := src(o.Shard)
+		p := Piece{At: at + uint64(a), Src: rdma.Extent{Region: reg, Offset: base + uint64(o.Src+a-o.Dst), Length: uint64(b - a)}}
+		if n := len(dst) - 1; n >= 0 && dst[n].At+dst[n].Src.Length == p.At && dst[n].Src.Region == reg && dst[n].Src.Offset+dst[n].Src.Length == p.Src.Offset {
+			dst[n].Src.Length += p.Src.Length
+			continue
+		}
+		dst = append(dst, p)
+	}
+	return dst
 }
 
 // appendExtent appends e to xs, merged into the last extent when it
@@ -247,6 +347,18 @@ func (r *RankRegions) Source(res hybrid.Resources, to int) (CacheExtents, error)
 		d.Mamba, d.MambaMore = mamba[0], mamba[1:]
 	}
 	return d, nil
+}
+
+// Pieces returns, appended to dst, the pieces of resources res's cache
+// that f names, numbered as the rank's whole write to a TP-to receiver
+// sends them (Source), for a stream while prefill computes. blocks are
+// res's blocks in token order.
+func (r *RankRegions) Pieces(dst []Piece, f Finished, blocks []kvcache.BlockID, row mambacache.Row, to int) ([]Piece, error) {
+	rs, err := r.tp.resharder(max(to, 1))
+	if err != nil {
+		return dst, err
+	}
+	return rs.Pieces(dst, r.tp.src, f, blocks, row)
 }
 
 func (t *tpRegions) resharder(to int) (*Resharder, error) {

@@ -39,6 +39,7 @@ type Metrics struct {
 	Requests         *prometheus.CounterVec   // handoff_requests_total{role,result}
 	Transfers        *prometheus.CounterVec   // handoff_transfers_total{role,result}
 	TransferBytes    *prometheus.CounterVec   // handoff_transfer_bytes_total{role,kind}
+	StreamedBytes    *prometheus.CounterVec   // handoff_transfer_streamed_bytes_total{role}
 	TransferDuration *prometheus.HistogramVec // handoff_transfer_duration_seconds{role}
 	QueueDuration    *prometheus.HistogramVec // handoff_queue_duration_seconds{role}
 	PrefillDuration  *prometheus.HistogramVec // handoff_prefill_duration_seconds{role}
@@ -68,6 +69,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "handoff_transfer_bytes_total",
 			Help: "Cache bytes moved by successful transfers, by role and kind (kv, mamba).",
 		}, []string{"role", "kind"}),
+		StreamedBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_transfer_streamed_bytes_total",
+			Help: "Of handoff_transfer_bytes_total, the bytes that left layer by layer while prefill still computed (--layerwise).",
+		}, []string{"role"}),
 		TransferDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "handoff_transfer_duration_seconds",
 			Help:    "Duration of cache transfers, from the request on the control plane to the accepted commit.",
@@ -119,7 +124,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 				"(short_prompt, prefill_busy, no_prefill, long_prompt).",
 		}, []string{"role", "route", "reason"}),
 	}
-	reg.MustRegister(m.Requests, m.Transfers, m.TransferBytes, m.TransferDuration,
+	reg.MustRegister(m.Requests, m.Transfers, m.TransferBytes, m.StreamedBytes, m.TransferDuration,
 		m.QueueDuration, m.PrefillDuration, m.FirstToken,
 		m.Dummies, m.MambaRows, m.KVBlocks, m.Sessions, m.Queued, m.TransportInfo, m.PrefillRoutes)
 	return m

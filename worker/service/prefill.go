@@ -152,7 +152,7 @@ func (p *prefillExec) Admit(job transfer.Job) (transfer.AdmittedJob, error) {
 		// The scheduler records the job's queue and compute under it.
 		ctx = trace.ContextWithSpan(ctx, job.Span)
 	}
-	parts := &partSink{n: p.n}
+	parts := &partSink{n: p.n, to: job.TP}
 	pend, err := p.e.SubmitPrefill(ctx, worker.PrefillJob{
 		Prompt: job.Tokens, Sampling: samplingOf(job.Sampling),
 		LogID: fmt.Sprintf("%s-%d", job.From, job.RequestID),
@@ -193,6 +193,9 @@ func (p *prefillExec) syncStats() {
 	}
 	if s.MambaBytes > p.last.MambaBytes {
 		p.m.TransferBytes.WithLabelValues(role, "mamba").Add(float64(s.MambaBytes - p.last.MambaBytes))
+	}
+	if s.StreamedBytes > p.last.StreamedBytes {
+		p.m.StreamedBytes.WithLabelValues(role).Add(float64(s.StreamedBytes - p.last.StreamedBytes))
 	}
 	p.last = s
 }
