@@ -147,6 +147,7 @@ func TestConformanceStreamRefusesBadRanges(t *testing.T) {
 			"past the end":  {[]Range{{Ext: 1, Offset: 0, Length: 2}}, one(2)},
 			"empty":         {[]Range{{Ext: 0, Offset: 0, Length: 0}}, nil},
 			"overlap":       {[]Range{{Ext: 0, Offset: 0, Length: 10}, {Ext: 0, Offset: 9, Length: 2}}, one(12)},
+			"overlap later": {[]Range{{Ext: 0, Offset: 20, Length: 5}, {Ext: 1, Offset: 0, Length: 1}, {Ext: 0, Offset: 0, Length: 21}}, one(27)},
 			"short source":  {[]Range{{Ext: 0, Offset: 0, Length: 10}}, one(9)},
 			"long source":   {[]Range{{Ext: 0, Offset: 0, Length: 10}}, one(11)},
 			"unknown local": {[]Range{{Ext: 0, Offset: 0, Length: 10}}, []Extent{{Region: 9, Offset: 0, Length: 10}}},

@@ -220,12 +220,10 @@ func (s *Stream) op(dst []Range, src []Extent) (*writeOp, error) {
 		if s.overlaps(r) {
 			return nil, fmt.Errorf("%w: range %d: [%d, +%d) of extent %d was written already", ErrOutOfRange, i, r.Offset, r.Length, r.Ext)
 		}
-		for _, q := range dst[:i] {
-			if q.Ext == r.Ext && q.Offset < r.Offset+r.Length && r.Offset < q.Offset+q.Length {
-				return nil, fmt.Errorf("%w: ranges overlap in extent %d", ErrOutOfRange, r.Ext)
-			}
-		}
 		want += r.Length
+	}
+	if ext, ok := overlapping(dst); ok {
+		return nil, fmt.Errorf("%w: ranges overlap in extent %d", ErrOutOfRange, ext)
 	}
 	op := opPool.Get().(*writeOp)
 	op.tk = s.t
@@ -287,6 +285,28 @@ func (s *Stream) split(op *writeOp, dst []Range, src []Extent, want uint64) erro
 		return fmt.Errorf("%w: source extents hold %d bytes, ranges %d", ErrOutOfRange, have, want)
 	}
 	return nil
+}
+
+// overlapping reports whether two of rs overlap, and in which extent. A
+// stream's ranges usually come in order: that is checked in one pass, and
+// a sorted copy only otherwise.
+func overlapping(rs []Range) (ext int, ok bool) {
+	byPlace := func(a, b Range) int {
+		if c := cmp.Compare(a.Ext, b.Ext); c != 0 {
+			return c
+		}
+		return cmp.Compare(a.Offset, b.Offset)
+	}
+	if !slices.IsSortedFunc(rs, byPlace) {
+		rs = slices.Clone(rs)
+		slices.SortFunc(rs, byPlace)
+	}
+	for i := 1; i < len(rs); i++ {
+		if q, r := rs[i-1], rs[i]; q.Ext == r.Ext && q.Offset+q.Length > r.Offset {
+			return r.Ext, true
+		}
+	}
+	return 0, false
 }
 
 // overlaps reports whether r meets a range written before. s.mu is held.
