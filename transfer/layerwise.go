@@ -198,8 +198,19 @@ func (st *streamer) ranges(ps []Piece, dst []rdma.Range, src []rdma.Extent) ([]r
 				start = st.ends[i-1]
 			}
 			n := min(x.Length, st.ends[i]-at)
-			dst = append(dst, rdma.Range{Ext: i, Offset: at - start, Length: n})
-			src = append(src, rdma.Extent{Region: x.Region, Offset: x.Offset, Length: n})
+			// Bytes land in the ranges' concatenation from the sources':
+			// a range that continues the last one extends it, whatever
+			// its source (a resharded layer is many sources, one range).
+			if k := len(dst) - 1; k >= 0 && dst[k].Ext == i && dst[k].Offset+dst[k].Length == at-start {
+				dst[k].Length += n
+			} else {
+				dst = append(dst, rdma.Range{Ext: i, Offset: at - start, Length: n})
+			}
+			if k := len(src) - 1; k >= 0 && src[k].Region == x.Region && src[k].Offset+src[k].Length == x.Offset {
+				src[k].Length += n
+			} else {
+				src = append(src, rdma.Extent{Region: x.Region, Offset: x.Offset, Length: n})
+			}
 			at, x.Offset, x.Length = at+n, x.Offset+n, x.Length-n
 		}
 	}
