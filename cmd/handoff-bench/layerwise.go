@@ -33,6 +33,8 @@ type layerwiseOptions struct {
 	requests  int
 	transport string
 	chunk     int
+	prefillTP int
+	decodeTP  int
 	output    string
 }
 
@@ -46,13 +48,15 @@ func parseLayerwiseFlags(args []string, stderr io.Writer) (layerwiseOptions, err
 	fs.IntVar(&o.requests, "requests", 7, "requests per prompt length and setup (the median is reported)")
 	fs.StringVar(&o.transport, "transport", "tcp", "data path between prefill and decode: tcp or shm (the workers share this process, so auto would be inproc)")
 	fs.IntVar(&o.chunk, "prefill-chunk-tokens", 0, "the prefill workers' --prefill-chunk-tokens")
+	fs.IntVar(&o.prefillTP, "prefill-tp", 1, "the remote prefill workers' --tp-size")
+	fs.IntVar(&o.decodeTP, "decode-tp", 1, "the remote decode workers' --tp-size (with different sizes, the handoff reshards)")
 	fs.StringVar(&o.output, "output", "text", "text or json")
 	fs.Usage = func() {
 		fmt.Fprint(stderr, `usage: handoff-bench layerwise [flags]
 
 Time to first token of the same prompts through three setups in one run,
 requests interleaved: a decode worker that prefills locally (the
-aggregated baseline), and remote prefill with --layerwise off and on, all
+aggregated baseline, with the remote prefill's TP size), and remote prefill with --layerwise off and on, all
 real workers (NATS, the data path, the pools) in this process. The
 handoff exposed in TTFT is remote TTFT minus local TTFT; the ratio on/off
 is what streaming each layer while prefill computes saves.
@@ -79,6 +83,9 @@ is what streaming each layer while prefill computes saves.
 	if o.output != "text" && o.output != "json" {
 		return o, fmt.Errorf("layerwise: --output %q: want text or json", o.output)
 	}
+	if o.prefillTP < 1 || o.decodeTP < 1 {
+		return o, fmt.Errorf("layerwise: --prefill-tp %d, --decode-tp %d: want ≥ 1", o.prefillTP, o.decodeTP)
+	}
 	return o, nil
 }
 
@@ -101,6 +108,8 @@ type layerwiseReport struct {
 	Model     string         `json:"model"`
 	Transport string         `json:"transport"`
 	Chunk     int            `json:"prefill_chunk_tokens"`
+	PrefillTP int            `json:"prefill_tp"`
+	DecodeTP  int            `json:"decode_tp"`
 	Requests  int            `json:"requests"`
 	Rows      []layerwiseRow `json:"rows"`
 }
@@ -122,7 +131,8 @@ func runLayerwise(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		enc.SetIndent("", "  ")
 		return enc.Encode(rep)
 	}
-	fmt.Fprintf(stdout, "model %s, transport %s, prefill chunk %d, median of %d requests\n", rep.Model, rep.Transport, rep.Chunk, rep.Requests)
+	fmt.Fprintf(stdout, "model %s, transport %s, prefill chunk %d, remote prefill TP %d → decode TP %d, median of %d requests\n",
+		rep.Model, rep.Transport, rep.Chunk, rep.PrefillTP, rep.DecodeTP, rep.Requests)
 	w := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(w, "tokens\tcache MiB\tlocal TTFT ms\toff TTFT ms\ton TTFT ms\texposed off ms\texposed on ms\ton/off\tlast layer ms\t")
 	for _, r := range rep.Rows {
@@ -202,22 +212,27 @@ func measureLayerwise(ctx context.Context, o layerwiseOptions) (layerwiseReport,
 		}
 	}
 	chunk := strconv.Itoa(o.chunk)
-	local, err := start(worker.RoleDecode, "--namespace", "lw-local", "--prefill", "local", "--http-addr", "127.0.0.1:0", "--prefill-chunk-tokens", chunk)
+	// The baseline prefills on a group of the remote prefill's TP size, so
+	// that remote minus local is the handoff, not the group's compute.
+	local, err := start(worker.RoleDecode, "--namespace", "lw-local", "--prefill", "local", "--http-addr", "127.0.0.1:0", "--prefill-chunk-tokens", chunk,
+		"--tp-size", strconv.Itoa(o.prefillTP))
 	if err != nil {
 		return layerwiseReport{}, err
 	}
 	remote := map[string]*benchWorker{}
 	for _, mode := range []string{"off", "on"} {
 		ns := "lw-" + mode
-		if _, err := start(worker.RolePrefill, "--namespace", ns, "--layerwise", mode, "--transport", o.transport, "--prefill-chunk-tokens", chunk); err != nil {
+		if _, err := start(worker.RolePrefill, "--namespace", ns, "--layerwise", mode, "--transport", o.transport, "--prefill-chunk-tokens", chunk,
+			"--tp-size", strconv.Itoa(o.prefillTP)); err != nil {
 			return layerwiseReport{}, err
 		}
-		if remote[mode], err = start(worker.RoleDecode, "--namespace", ns, "--prefill", "remote", "--transport", o.transport, "--http-addr", "127.0.0.1:0"); err != nil {
+		if remote[mode], err = start(worker.RoleDecode, "--namespace", ns, "--prefill", "remote", "--transport", o.transport, "--http-addr", "127.0.0.1:0",
+			"--tp-size", strconv.Itoa(o.decodeTP)); err != nil {
 			return layerwiseReport{}, err
 		}
 	}
 	setups := []*benchWorker{local, remote["off"], remote["on"]}
-	rep := layerwiseReport{Model: o.model, Transport: o.transport, Chunk: o.chunk, Requests: o.requests}
+	rep := layerwiseReport{Model: o.model, Transport: o.transport, Chunk: o.chunk, PrefillTP: o.prefillTP, DecodeTP: o.decodeTP, Requests: o.requests}
 	for _, n := range o.tokens {
 		prompt := layerwisePrompt(n)
 		// One warm-up each: connections, pools, page faults.

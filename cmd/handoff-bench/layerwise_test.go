@@ -30,22 +30,24 @@ func TestLayerwiseFlags(t *testing.T) {
 	}
 }
 
-// The bench runs its five workers in process and reports one row per
-// prompt length (no figure is checked: a loaded machine times anything).
+// The bench runs its five workers in process, here with a TP-2 prefill
+// streaming into a TP-1 decode, and reports one row per prompt length (no
+// figure is checked: a loaded machine times anything).
 func TestLayerwiseMeasures(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts five workers")
 	}
 	rep, err := measureLayerwise(context.Background(), layerwiseOptions{model: model.TinyHybrid + "?prefill_delay=100us",
-		tokens: []int{40, 100}, requests: 1, transport: "tcp", chunk: 32, output: "json"})
+		tokens: []int{40, 100}, requests: 1, transport: "tcp", chunk: 32, prefillTP: 2, decodeTP: 1, output: "json"})
 	require.NoError(t, err)
 	require.Len(t, rep.Rows, 2)
+	require.Equal(t, 2, rep.PrefillTP)
 	for _, r := range rep.Rows {
 		require.Positive(t, r.LocalTTFT)
 		require.Positive(t, r.OffTTFT)
 		require.Positive(t, r.OnTTFT)
 		require.Positive(t, r.CacheMiB)
 	}
-	_, err = measureLayerwise(context.Background(), layerwiseOptions{model: model.TinyHybrid, tokens: []int{5000}, requests: 1, transport: "tcp"})
+	_, err = measureLayerwise(context.Background(), layerwiseOptions{model: model.TinyHybrid, tokens: []int{5000}, requests: 1, transport: "tcp", prefillTP: 1, decodeTP: 1})
 	require.Error(t, err, "a prompt beyond the model's context")
 }
