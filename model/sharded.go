@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"sync"
 	"time"
 
 	"github.com/handoff-io/handoff/kvcache"
@@ -131,10 +132,11 @@ func unwrap(e Executor) Executor {
 // runs call, and scatters the result back with the plan 1→tp. The bytes
 // the model sees and leaves are those of a TP-1 run.
 func viaTP1(e Executor, cs []Cache, tokens int, call func(Cache) ([]float32, error)) ([]float32, error) {
-	v, err := gatherTP1(e, cs, tokens)
+	v, err := newTP1View(e, cs, tokens, true)
 	if err != nil {
 		return nil, err
 	}
+	defer v.release()
 	logits, err := call(v.one)
 	if err != nil {
 		return nil, err
@@ -153,9 +155,10 @@ type tp1View struct {
 	kvRowBytes, mRowBytes int64 // of one row of a shard's unit
 }
 
-// gatherTP1 checks the shards' caches for a request of tokens positions
-// and gathers them into a TP-1 view.
-func gatherTP1(e Executor, cs []Cache, tokens int) (*tp1View, error) {
+// newTP1View checks the shards' caches for a request of tokens positions
+// and returns a TP-1 view of them: gathered, or zero where the caller
+// overwrites what it scatters back (!gather).
+func newTP1View(e Executor, cs []Cache, tokens int, gather bool) (*tp1View, error) {
 	spec := e.Spec()
 	tp := len(cs)
 	shard, err := ShardSpec(spec, tp)
@@ -182,21 +185,29 @@ func gatherTP1(e Executor, cs []Cache, tokens int) (*tp1View, error) {
 	mc.MaxBatchSize, mc.PPSize, mc.AttentionDP = 1, 1, false
 	v := &tp1View{one: Cache{KV: kv, Mamba: mc, Row: 0}, cs: cs, nb: nb}
 	if kv.Layers > 0 {
-		v.one.KVArena = make([]byte, kv.ArenaBytes())
+		v.one.KVArena = scratchBytes(kv.ArenaBytes())
 		for b := range nb {
 			v.one.Blocks = append(v.one.Blocks, kvcache.BlockID(b))
 		}
 	}
 	if mc.Layers > 0 {
-		v.one.MambaArena = make([]byte, mc.ArenaBytes())
+		v.one.MambaArena = scratchBytes(mc.ArenaBytes())
 	}
 	kvIn, kvOut, mIn, mOut, err := tp1Plans(spec, kv, tp)
 	if err != nil {
 		return nil, err
 	}
 	v.kvOut, v.mOut = kvOut, mOut
-	if kvIn != nil {
+	if kvOut != nil {
 		v.kvRowBytes = kvOut.Layout.RowBytes(tp)
+	}
+	if mOut != nil {
+		v.mRowBytes = mOut.Layout.RowBytes(tp)
+	}
+	if !gather {
+		return v, nil
+	}
+	if kvIn != nil {
 		for i := range nb {
 			for r := range cs {
 				reshard.Apply(v.unit(&v.one, true, i), v.unit(&cs[r], true, i), kvIn.Copies(r, 0))
@@ -204,12 +215,37 @@ func gatherTP1(e Executor, cs []Cache, tokens int) (*tp1View, error) {
 		}
 	}
 	if mIn != nil {
-		v.mRowBytes = mOut.Layout.RowBytes(tp)
 		for r := range cs {
 			reshard.Apply(v.unit(&v.one, false, 0), v.unit(&cs[r], false, 0), mIn.Copies(r, 0))
 		}
 	}
 	return v, nil
+}
+
+// scratch keeps the arenas of TP-1 views between calls (*[]byte): a
+// view's bytes are all gathered or all written before they are read, so a
+// reused arena needs no clearing, and a synthetic 4k-token view is 113 MiB.
+var scratch sync.Pool
+
+// scratchBytes returns n bytes of scratch, of unspecified content.
+func scratchBytes(n int64) []byte {
+	if b, ok := scratch.Get().(*[]byte); ok {
+		if int64(cap(*b)) >= n {
+			return (*b)[:n]
+		}
+		scratch.Put(b) // too small for this one; another view may fit
+	}
+	return make([]byte, n)
+}
+
+// release returns v's arenas to scratch; v is not used after.
+func (v *tp1View) release() {
+	for _, b := range [][]byte{v.one.KVArena, v.one.MambaArena} {
+		if cap(b) > 0 {
+			scratch.Put(&b)
+		}
+	}
+	v.one.KVArena, v.one.MambaArena = nil, nil
 }
 
 // unit is block i of c's request (kvUnit), else its Mamba row.
@@ -242,6 +278,25 @@ func (v *tp1View) scatter(kv0, kv1, m0, m1 int64) {
 	}
 }
 
+// scatterKV copies back the K and V of KV layer layer at positions
+// [from, to): rows of the blocks that hold them.
+func (v *tp1View) scatterKV(layer, from, to int) {
+	if v.kvOut == nil {
+		return
+	}
+	t := v.one.KV.TokensPerBlock
+	for k := from / t; k*t < to && k < v.nb; k++ {
+		s0, s1 := int64(max(from, k*t)-k*t), int64(min(to, (k+1)*t)-k*t)
+		for half := range int64(2) { // K, then V
+			row := (2*int64(layer) + half) * int64(t)
+			lo, hi := (row+s0)*v.kvRowBytes, (row+s1)*v.kvRowBytes
+			for r := range v.cs {
+				reshard.ApplyRange(v.unit(&v.cs[r], true, k), v.unit(&v.one, true, k), v.kvOut.Copies(0, r), lo, hi)
+			}
+		}
+	}
+}
+
 // mulClamp is a*b, or math.MaxInt64 when that overflows (a, b ≥ 0).
 func mulClamp(a, b int64) int64 {
 	if b != 0 && a > math.MaxInt64/b {
@@ -254,8 +309,10 @@ func mulClamp(a, b int64) int64 {
 // layer by layer, its simulated compute spread over the layers as
 // delayed's is, and reports a layer done once every shard holds it.
 // tiny-hybrid runs sharded; the synthetic presets run on a TP-1 view and
-// scatter each layer back to the shards before reporting it. An inner
-// executor that is not chunked takes only whole prompts.
+// scatter each layer back to the shards before reporting it (a synthetic
+// prefill only writes, so its view starts empty and only what the chunk
+// wrote goes back). An inner executor that is not chunked takes only whole
+// prompts.
 func (s *sharded) prefillChunk(ctx context.Context, c Cache, tokens []int32, from, to int, done func(layer int) error) ([]float32, error) {
 	cs := s.caches(c)
 	inner, pd, _ := delays(s.inner)
@@ -279,18 +336,22 @@ func (s *sharded) prefillChunk(ctx context.Context, c Cache, tokens []int32, fro
 		}
 		return logits, nil
 	}
-	v, err := gatherTP1(inner, cs, to)
+	_, writesOnly := inner.(*synthetic)
+	v, err := newTP1View(inner, cs, to, !writesOnly)
 	if err != nil {
 		return nil, err
 	}
+	defer v.release()
 	parts := partsOf(inner.Spec().LayerPattern)
-	rows := 2 * int64(v.one.KV.TokensPerBlock) // KV rows of one layer
+	last := to == len(tokens)
 	return ch.prefillChunk(ctx, v.one, tokens, from, to, func(layer int) error {
 		switch p := parts[layer]; p.Kind {
 		case '*':
-			v.scatter(int64(p.KVLayer)*rows, int64(p.KVLayer+1)*rows, 0, 0)
+			v.scatterKV(p.KVLayer, from, to)
 		case 'M':
-			v.scatter(0, 0, int64(p.MambaLayer), int64(p.MambaLayer+1))
+			if last || !writesOnly { // a synthetic Mamba layer is written in the last chunk only
+				v.scatter(0, 0, int64(p.MambaLayer), int64(p.MambaLayer+1))
+			}
 		}
 		return done(layer)
 	})
