@@ -246,16 +246,18 @@ func TestLayerwiseParse(t *testing.T) {
 }
 
 // TestStreamerRanges maps pieces of the whole write onto the ticket's
-// extents, cutting one that spans two, and refuses one outside the cache.
+// extents, cutting one that spans two, merges ranges (and sources) that
+// continue the last one, and refuses a piece outside the cache.
 func TestStreamerRanges(t *testing.T) {
 	st := &streamer{ends: []uint64{10, 15, 40}, total: 40}
 	dst, src, err := st.ranges([]Piece{
 		{At: 8, Src: rdma.Extent{Region: 1, Offset: 100, Length: 10}},
 		{At: 0, Src: rdma.Extent{Region: 2, Offset: 0, Length: 3}},
+		{At: 3, Src: rdma.Extent{Region: 3, Offset: 50, Length: 2}}, // continues the range, not the source
 	}, nil, nil)
 	require.NoError(t, err)
-	require.Equal(t, []rdma.Range{{Ext: 0, Offset: 8, Length: 2}, {Ext: 1, Offset: 0, Length: 5}, {Ext: 2, Offset: 0, Length: 3}, {Ext: 0, Offset: 0, Length: 3}}, dst)
-	require.Equal(t, []rdma.Extent{{Region: 1, Offset: 100, Length: 2}, {Region: 1, Offset: 102, Length: 5}, {Region: 1, Offset: 107, Length: 3}, {Region: 2, Offset: 0, Length: 3}}, src)
+	require.Equal(t, []rdma.Range{{Ext: 0, Offset: 8, Length: 2}, {Ext: 1, Offset: 0, Length: 5}, {Ext: 2, Offset: 0, Length: 3}, {Ext: 0, Offset: 0, Length: 5}}, dst)
+	require.Equal(t, []rdma.Extent{{Region: 1, Offset: 100, Length: 10}, {Region: 2, Offset: 0, Length: 3}, {Region: 3, Offset: 50, Length: 2}}, src)
 	for _, bad := range []Piece{{At: 38, Src: rdma.Extent{Length: 3}}, {At: 40, Src: rdma.Extent{Length: 1}}, {At: 0}} {
 		_, _, err := st.ranges([]Piece{bad}, nil, nil)
 		require.ErrorIs(t, err, rdma.ErrOutOfRange)
