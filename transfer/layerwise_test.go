@@ -133,7 +133,7 @@ func TestLayerwiseHandoff(t *testing.T) {
 				for id := uint64(1); id <= 4; id++ {
 					n := int(id*5 + 1) // 6, 11, 16, 21 tokens: auto streams the last two
 					streams := mode == LayerwiseOn || mode == LayerwiseAuto && n >= 12
-					before := ps.eng.Stats().BytesWritten
+					before, streamedBefore := ps.eng.Stats().BytesWritten, p.Stats().StreamedBytes
 					type out struct {
 						res Result
 						err error
@@ -168,6 +168,12 @@ func TestLayerwiseHandoff(t *testing.T) {
 					}
 					kv, m := ds.dest(id).Bytes()
 					require.Equal(t, before+kv+m, ps.eng.Stats().BytesWritten, "every byte written once")
+					if streamed := p.Stats().StreamedBytes - streamedBefore; streams {
+						require.Positive(t, streamed, "request %d: streamed bytes not counted", id)
+						require.LessOrEqual(t, streamed, kv+m)
+					} else {
+						require.Zero(t, streamed, "request %d went in one write", id)
+					}
 					require.NoError(t, ds.m.Free(id))
 				}
 				want := map[Layerwise]int64{LayerwiseOn: 4, LayerwiseAuto: 2, LayerwiseOff: 0}[mode]

@@ -33,9 +33,12 @@ const (
 	AttrAttempts   = attribute.Key("handoff.attempts")    // prefill requests sent
 	AttrKVBytes    = attribute.Key("handoff.kv_bytes")    // KV bytes moved
 	AttrMambaBytes = attribute.Key("handoff.mamba_bytes") // Mamba row bytes moved
-	AttrTransport  = attribute.Key("handoff.transport")   // the data path: tcp, shm, inproc
-	AttrCode       = attribute.Key("handoff.code")        // the outcome code, when not ok
-	AttrTokens     = attribute.Key("handoff.prompt_tokens")
+	// AttrStreamedBytes (write): of those, the bytes that left layer by
+	// layer as prefill finished them (layer-wise streaming).
+	AttrStreamedBytes = attribute.Key("handoff.streamed_bytes")
+	AttrTransport     = attribute.Key("handoff.transport") // the data path: tcp, shm, inproc
+	AttrCode          = attribute.Key("handoff.code")      // the outcome code, when not ok
+	AttrTokens        = attribute.Key("handoff.prompt_tokens")
 )
 
 // traceContext is the propagator of the control messages: W3C trace context.
@@ -183,6 +186,9 @@ func (t *task) endWriteSpan(span trace.Span, end time.Time, err error) {
 	}
 	if tr, ok := t.p.eng.TransportFor(t.ticket.Agent); ok {
 		span.SetAttributes(AttrTransport.String(string(tr)))
+	}
+	if t.lw != nil {
+		span.SetAttributes(AttrStreamedBytes.Int64(int64(t.early)))
 	}
 	if err != nil {
 		span.RecordError(err)

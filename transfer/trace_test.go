@@ -157,3 +157,30 @@ func TestHeaderCarrier(t *testing.T) {
 	require.Empty(t, h2.Get("tracestate"))
 	require.ElementsMatch(t, []string{"TraceParent"}, h2.Keys())
 }
+
+// A streamed handoff's write span says how many of its bytes left layer
+// by layer (handoff.streamed_bytes); one written after prefill has none.
+func TestHandoffTracedStreamed(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	exp := tracetest.NewInMemoryExporter()
+	preTP := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
+	d := f.decoder("d1", ds, nil)
+	f.streamPrefiller("p1", newStreamExec(ps, 37), func(c *PrefillerConfig) {
+		c.TracerProvider, c.Layerwise, c.LayerwiseMinTokens = preTP, LayerwiseAuto, 12
+	})
+	for _, n := range []int{20, 6} { // streamed, then under auto's threshold
+		exp.Reset()
+		res, err := ds.handoff(context.Background(), d, Request{ID: uint64(n), Tokens: tokens(n), Deadline: time.Now().Add(5 * time.Second)})
+		require.NoError(t, err)
+		require.NoError(t, ds.m.Free(uint64(n)))
+		wr := spansNamed(t, exp, 2)["write"]
+		got := attrOf(wr, AttrStreamedBytes)
+		if n < 12 {
+			require.Equal(t, attribute.INVALID, got.Type(), "a write after prefill carries no streamed bytes")
+			continue
+		}
+		require.Positive(t, got.AsInt64())
+		require.LessOrEqual(t, got.AsInt64(), int64(res.KVBytes+res.MambaBytes))
+	}
+}
