@@ -349,11 +349,15 @@ func (r *RankRegions) Source(res hybrid.Resources, to int) (CacheExtents, error)
 	return d, nil
 }
 
-// Pieces returns, appended to dst, the pieces of resources res's cache
-// that f names, numbered as the rank's whole write to a TP-to receiver
-// sends them (Source), for a stream while prefill computes. blocks are
-// res's blocks in token order.
+// Pieces returns, appended to dst, the pieces that f names of the cache of
+// a request held on this rank (blocks, its KV blocks in token order, and
+// row), numbered as the rank's whole write to a TP-to receiver sends them
+// (Source), for a stream while prefill computes. A reserved row is refused
+// with ErrDummyRequest, as by Source.
 func (r *RankRegions) Pieces(dst []Piece, f Finished, blocks []kvcache.BlockID, row mambacache.Row, to int) ([]Piece, error) {
+	if r.m.Mamba().IsReserved(row) {
+		return dst, fmt.Errorf("%w: row %d is reserved", ErrDummyRequest, row)
+	}
 	rs, err := r.tp.resharder(max(to, 1))
 	if err != nil {
 		return dst, err
