@@ -278,7 +278,3 @@ func (t *task) stopStream() {
 		_ = t.lw.stop(false)
 	}
 }
-
-// RegionIDs returns the ids of the rank's KV and Mamba regions, the ones
-// its CacheExtents name.
-func (r *RankRegions) RegionIDs() (kv, mamba rdma.RegionID) { return r.kv.ID(), r.mamba.ID() }
