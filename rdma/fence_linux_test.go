@@ -16,3 +16,10 @@ func cutSHMWriters(e *Engine) int {
 	e.shm.mu.Unlock()
 	return n
 }
+
+// shmWriting reports, when called, whether a writer is inside a copy
+// bracket of grant slot slot of e's shm table.
+func shmWriting(e *Engine, slot int) func() bool {
+	sl := slotAt(e.shm.table, slot)
+	return func() bool { return wordState(sl.state().Load()) == slotWriting }
+}

@@ -308,8 +308,7 @@ func TestConformanceFrozenWriter(t *testing.T) {
 				// Stop it; with shm, until it is caught inside a copy bracket.
 				inside := func() bool { return false }
 				if tr == TransportSHM {
-					sl := slotAt(rx.shm.table, g.slot)
-					inside = func() bool { return wordState(sl.state().Load()) == slotWriting }
+					inside = shmWriting(rx, g.slot)
 				}
 				stop(t, pid)
 				for try := 0; tr == TransportSHM && !inside(); try++ {
