@@ -380,9 +380,11 @@ func (s *RecvSession) Step(ev Event) []Action {
 				// The worker's write failed on the data path (its
 				// connection went mid-write): the news a grant failed by
 				// that connection brings, which may arrive later or never
-				// (the reset reached one end only). Retry fenced on
-				// another instance, as then.
-				return s.regrantOr(ev.Now, ev.Instance)
+				// (the reset reached one end only). Retry fenced, on
+				// another instance where there is one: the worker
+				// replied, so it lives, and may take the retry when it
+				// is the only one.
+				return s.regrantOr(ev.Now, ev.Instance, false)
 			}
 			return s.fail(ev.Code)
 		default:
@@ -410,7 +412,11 @@ func (s *RecvSession) Step(ev Event) []Action {
 			// again, where a dead worker no longer listens. A layer-wise
 			// writer holds its grant for the whole prefill, so its death
 			// reaches the grant before the control plane as often as not.
-			return s.regrantOr(ev.Now, s.target)
+			// The writer is not taken for dead on this news alone (a
+			// reset connection, a restarted link): it is excluded where
+			// another instance can serve, and its death, if it died,
+			// comes as EvPeerDied.
+			return s.regrantOr(ev.Now, s.target, false)
 		}
 		return s.fail(code)
 	case EvTick:
@@ -425,7 +431,7 @@ func (s *RecvSession) Step(ev Event) []Action {
 			// bytes are here, its first token is not. Another instance
 			// prefills the request again into a fresh grant.
 			s.replyBy = time.Time{}
-			return s.regrantOr(ev.Now, s.target)
+			return s.regrantOr(ev.Now, s.target, true)
 		}
 		if !s.retryAt.IsZero() && !ev.Now.Before(s.retryAt) && s.state == StateWaiting && !s.outstanding {
 			return s.send("")
@@ -457,7 +463,7 @@ func (s *RecvSession) Step(ev Event) []Action {
 			return nil
 		}
 		if (s.outstanding && s.target == ev.Instance) || (s.replied && s.replyInstance == ev.Instance) {
-			return s.regrantOr(ev.Now, ev.Instance)
+			return s.regrantOr(ev.Now, ev.Instance, true)
 		}
 		return nil
 	}
@@ -486,16 +492,20 @@ func (s *RecvSession) send(target string) []Action {
 // acts returns as, in the session's own buffer.
 func (s *RecvSession) acts(as ...Action) []Action { return append(s.out[:0], as...) }
 
-// regrantOr retries after the instance serving this request was reported
-// dead, where the deadline and attempt budget allow; otherwise it fails with
-// peer_failed. The instance may only be partitioned and still writing, so the
-// retry is fenced: the current grant is revoked first (no byte of the old
-// ticket lands after Revoke), a fresh grant is opened over the same
-// destination, and the instance is excluded and its replies ignored from then
-// on. A commit already accepted from it is forgotten with its grant: without
-// the reply that carries the first token it cannot be delivered, and the new
-// attempt overwrites every byte it covered.
-func (s *RecvSession) regrantOr(now time.Time, dead string) []Action {
+// regrantOr retries after the instance serving this request failed it,
+// where the deadline and attempt budget allow; otherwise it fails with
+// peer_failed. The instance may only be partitioned and still writing, so
+// the retry is fenced: the current grant is revoked first (no byte of the
+// old ticket lands after Revoke), a fresh grant is opened over the same
+// destination, and the instance is excluded (another one serves the retry
+// where the driver knows one). When it was reported dead (gone), its
+// replies are also ignored from then on and the retry goes only to a live
+// instance, never to the queue group; when its write failed (failed, not
+// gone), the queue group may hand the retry back to it, fenced. A commit
+// already accepted from it is forgotten with its grant: without the reply
+// that carries the first token it cannot be delivered, and the new attempt
+// overwrites every byte it covered.
+func (s *RecvSession) regrantOr(now time.Time, failed string, gone bool) []Action {
 	if s.attempts >= s.p.MaxAttempts || !now.Before(s.p.Deadline) {
 		return s.fail(CodePeerFailed)
 	}
@@ -504,11 +514,11 @@ func (s *RecvSession) regrantOr(now time.Time, dead string) []Action {
 		acts = append(acts, Action{Kind: ActPublishCancel, Instance: s.target, Code: CodePeerFailed})
 		s.outstanding = false
 	}
-	if dead != "" && !slices.Contains(s.dead, dead) {
-		s.dead = append(s.dead, dead)
+	if gone && failed != "" && !slices.Contains(s.dead, failed) {
+		s.dead = append(s.dead, failed)
 	}
-	if dead != "" && !slices.Contains(s.refused, dead) {
-		s.refused = append(s.refused, dead)
+	if failed != "" && !slices.Contains(s.refused, failed) {
+		s.refused = append(s.refused, failed)
 	}
 	s.replied, s.replyInstance, s.replyManifest = false, "", Manifest{}
 	s.committed, s.commitManifest = false, Manifest{}
