@@ -59,7 +59,7 @@ func (d *onDevice) DecodeContext(ctx context.Context, c Cache, token int32, pos 
 func (d *onDevice) step(c Cache, tokens int, call func() ([]float32, error)) ([]float32, error) {
 	xs := touched(c, tokens)
 	for _, x := range xs {
-		if err := x.copy(d, true); err != nil {
+		if err := x.copy(d.kv, d.mamba, true); err != nil {
 			return nil, err
 		}
 	}
@@ -68,7 +68,7 @@ func (d *onDevice) step(c Cache, tokens int, call func() ([]float32, error)) ([]
 		return nil, err
 	}
 	for _, x := range xs {
-		if err := x.copy(d, false); err != nil {
+		if err := x.copy(d.kv, d.mamba, false); err != nil {
 			return nil, err
 		}
 	}
@@ -83,11 +83,12 @@ type touch struct {
 	host        []byte
 }
 
-// copy moves the range from the device to the host copy (load) or back.
-func (x touch) copy(d *onDevice, load bool) error {
-	dev, what := d.kv, "kv"
+// copy moves the range from the device memory (kv's or mamba's) to the
+// host copy (load) or back.
+func (x touch) copy(kv, mamba Memory, load bool) error {
+	dev, what := kv, "kv"
 	if x.mamba {
-		dev, what = d.mamba, "mamba"
+		dev, what = mamba, "mamba"
 	}
 	if x.off < 0 || x.off+x.length > int64(len(x.host)) {
 		return fmt.Errorf("%w: %s bytes [%d, +%d) outside a host copy of %d", ErrInvalidCache, what, x.off, x.length, len(x.host))

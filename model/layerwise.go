@@ -58,6 +58,9 @@ type chunker interface {
 // once, and their Parts come when it is done.
 func Chunked(e Executor) bool {
 	if s, ok := e.(*sharded); ok {
+		if s.device() {
+			return false // see sharded.prefillChunk
+		}
 		e = unwrap(s.inner) // a group chunks what its model chunks
 	}
 	_, ok := e.(chunker)

@@ -314,6 +314,23 @@ func mulClamp(a, b int64) int64 {
 // wrote goes back). An inner executor that is not chunked takes only whole
 // prompts.
 func (s *sharded) prefillChunk(ctx context.Context, c Cache, tokens []int32, from, to int, done func(layer int) error) ([]float32, error) {
+	if s.device() {
+		// Not chunked (Chunked): a layer is final in device memory only
+		// once the whole call stored it back.
+		if from != 0 || to != len(tokens) {
+			return nil, fmt.Errorf("%w: a TP group in device memory prefills whole prompts only", ErrInvalidOption)
+		}
+		logits, err := s.PrefillContext(ctx, c, tokens)
+		if err != nil {
+			return nil, err
+		}
+		for i := range s.inner.Spec().LayerPattern {
+			if err := done(i); err != nil {
+				return nil, err
+			}
+		}
+		return logits, nil
+	}
 	cs := s.caches(c)
 	inner, pd, _ := delays(s.inner)
 	done = paced(ctx, time.Duration(to-from)*pd, len(inner.Spec().LayerPattern), done)
@@ -774,12 +791,17 @@ func (m *tiny) mlpShard(l *tinyLayer, s *tinyShard, ts *tpScratch) {
 }
 
 // ShardPools are the pools of one further shard of a TP group: its arenas
-// and their configs (the shard shapes, ShardSpec).
+// and their configs (the shard shapes, ShardSpec). With KVMem and MambaMem
+// set the pools live in device memory and the arenas are host copies the
+// model computes over, moved per call as OnDevice moves shard 0's (wrap
+// the group in OnDevice for that one).
 type ShardPools struct {
 	KVArena    []byte
 	KV         kvcache.Config
 	MambaArena []byte
 	Mamba      mambacache.Config
+	KVMem      Memory
+	MambaMem   Memory
 }
 
 // Sharded returns e over a TP-(1+len(more)) group, as one Executor: the
@@ -828,9 +850,52 @@ func (s *sharded) Decode(c Cache, token int32, pos int) ([]float32, error) {
 }
 
 func (s *sharded) PrefillContext(ctx context.Context, c Cache, tokens []int32) ([]float32, error) {
-	return PrefillShards(ctx, s.inner, s.caches(c), tokens)
+	cs := s.caches(c)
+	return s.onDevice(cs, len(tokens), func() ([]float32, error) { return PrefillShards(ctx, s.inner, cs, tokens) })
 }
 
 func (s *sharded) DecodeContext(ctx context.Context, c Cache, token int32, pos int) ([]float32, error) {
-	return DecodeShards(ctx, s.inner, s.caches(c), token, pos)
+	cs := s.caches(c)
+	return s.onDevice(cs, pos+1, func() ([]float32, error) { return DecodeShards(ctx, s.inner, cs, token, pos) })
+}
+
+// device reports whether shards 1.. live in device memory.
+func (s *sharded) device() bool {
+	for _, p := range s.more {
+		if p.KVMem != nil || p.MambaMem != nil {
+			return true
+		}
+	}
+	return false
+}
+
+// onDevice runs call with the request's bytes of shards 1.. (cs[1:], for a
+// call over tokens positions) loaded from their device memory, and stores
+// them back if it succeeded, as OnDevice does for one cache.
+func (s *sharded) onDevice(cs []Cache, tokens int, call func() ([]float32, error)) ([]float32, error) {
+	if !s.device() {
+		return call()
+	}
+	for i, p := range s.more {
+		if p.KVMem == nil || p.MambaMem == nil {
+			return nil, fmt.Errorf("%w: shard %d: device memory for one pool of two", ErrInvalidCache, i+1)
+		}
+		for _, x := range touched(cs[i+1], tokens) {
+			if err := x.copy(p.KVMem, p.MambaMem, true); err != nil {
+				return nil, fmt.Errorf("shard %d: %w", i+1, err)
+			}
+		}
+	}
+	logits, err := call()
+	if err != nil {
+		return nil, err
+	}
+	for i, p := range s.more {
+		for _, x := range touched(cs[i+1], tokens) {
+			if err := x.copy(p.KVMem, p.MambaMem, false); err != nil {
+				return nil, fmt.Errorf("shard %d: %w", i+1, err)
+			}
+		}
+	}
+	return logits, nil
 }

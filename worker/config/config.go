@@ -275,9 +275,6 @@ func (c *Config) Validate() error {
 	if c.Transport == "cuda-ipc" && c.Memory != string(cuda.MemoryCUDA) {
 		bad("--transport cuda-ipc needs --memory cuda")
 	}
-	if c.Memory == string(cuda.MemoryCUDA) && c.TPSize > 1 {
-		bad("--memory cuda with --tp-size %d: not supported yet (the other shards' regions would be host memory)", c.TPSize)
-	}
 	switch c.LogFormat {
 	case "json", "text":
 	default:

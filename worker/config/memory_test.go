@@ -29,10 +29,13 @@ func TestMemoryFlags(t *testing.T) {
 		require.Equal(t, "1", c.CUDADevice)
 		require.Equal(t, "cuda-ipc", c.Transport)
 
+		c, err = Parse(role, []string{"--memory", "cuda", "--tp-size", "2", "--dp-size", "1"}, env(nil), io.Discard)
+		require.NoError(t, err, "every shard's pools in device memory")
+		require.Equal(t, 2, c.TPSize)
+
 		for _, bad := range [][]string{
 			{"--memory", "gpu"},
-			{"--transport", "cuda-ipc"},                              // host memory has nothing to pull
-			{"--memory", "cuda", "--tp-size", "2", "--dp-size", "1"}, // the other shards would be host memory
+			{"--transport", "cuda-ipc"}, // host memory has nothing to pull
 		} {
 			_, err := Parse(role, bad, env(nil), io.Discard)
 			require.True(t, errors.Is(err, ErrInvalid), "%v: %v", bad, err)

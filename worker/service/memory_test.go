@@ -19,7 +19,8 @@ import (
 // memory (a fake CUDA driver with two devices, shared by the workers of
 // this process; the real driver with HANDOFF_CUDA_REAL=1): prefill and
 // decode on devices 1 and 0 over cuda-ipc, and a host-memory prefill
-// writing into a device-memory decode over tcp (staged). Every output must
+// writing into a device-memory decode over tcp (staged), each also with
+// tensor-parallel shards on one side. Every output must
 // equal a host-memory local decode's, so every transferred byte landed
 // where the model reads it through the driver.
 func TestDeviceMemoryMatchesLocal(t *testing.T) {
@@ -38,18 +39,24 @@ func TestDeviceMemoryMatchesLocal(t *testing.T) {
 	withFake := func(o *Options) { o.CUDA = func() (cuda.Driver, error) { return drv, nil } }
 	ns := natstest.Run(t)
 	lep, _ := startWorker(t, testConfig(t, worker.RoleDecode, "--prefill", "local", "--dp-size", "2", "--max-batch-size", "1"))
+	adp := []string{"--dp-size", "2"}
 	for _, tc := range []struct {
 		name, transport string
-		prefill         []string
+		prefill, decode []string
 	}{
-		{"cuda-ipc", "cuda-ipc", []string{"--memory", "cuda", "--cuda-device", prefillDevice}},
-		{"host-prefill-tcp", "tcp", []string{"--memory", "host"}},
+		{"cuda-ipc", "cuda-ipc", append([]string{"--memory", "cuda", "--cuda-device", prefillDevice}, adp...), adp},
+		{"host-prefill-tcp", "tcp", append([]string{"--memory", "host"}, adp...), adp},
+		// Tensor parallelism in device memory: every shard's pools on the
+		// device, resharded on the way (2 → 1 over cuda-ipc, 1 → 2 into a
+		// device-memory decode over tcp).
+		{"tp2-to-tp1-cuda-ipc", "cuda-ipc", []string{"--memory", "cuda", "--cuda-device", prefillDevice, "--tp-size", "2", "--dp-size", "1"}, []string{"--dp-size", "1"}},
+		{"host-tp1-to-tp2-tcp", "tcp", []string{"--memory", "host", "--dp-size", "1"}, []string{"--tp-size", "2", "--dp-size", "1"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			common := []string{"--nats-url", ns.ClientURL(), "--transport", tc.transport, "--dp-size", "2", "--max-batch-size", "1",
+			common := []string{"--nats-url", ns.ClientURL(), "--transport", tc.transport, "--max-batch-size", "1",
 				"--namespace", "device-" + tc.name}
 			pep, _ := startWorker(t, testConfig(t, worker.RolePrefill, append(common, tc.prefill...)...), withFake)
-			rep, _ := startWorker(t, testConfig(t, worker.RoleDecode, append(common, "--prefill", "remote", "--memory", "cuda", "--cuda-device", "0")...), withFake)
+			rep, _ := startWorker(t, testConfig(t, worker.RoleDecode, append(append(common, "--prefill", "remote", "--memory", "cuda", "--cuda-device", "0"), tc.decode...)...), withFake)
 			for k, p := range prompts {
 				remote, local := complete(t, rep.HTTP, p, 10, 0, k), complete(t, lep.HTTP, p, 10, 0, k)
 				require.Equal(t, http.StatusOK, remote.status, remote.text)

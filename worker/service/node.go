@@ -173,7 +173,6 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool, openCUDA func()
 			return nil, err
 		}
 		var kvArena, mArena []byte
-		exec := n.exec
 		var kvDev, mDev *cuda.Arena // nil: host memory
 		if n.mem.device() {
 			// The pools live in device memory; the model computes over host
@@ -182,7 +181,6 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool, openCUDA func()
 				n.close()
 				return nil, err
 			}
-			exec = model.OnDevice(exec, kvDev, mDev)
 		}
 		if remote {
 			kvr, err := n.mem.register(n.data, fmt.Sprintf("rank%d-kv", i), kvDev, pools.KV.ArenaBytes())
@@ -206,10 +204,15 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool, openCUDA func()
 		if kvArena == nil { // local, or device memory: host arenas (copies) for the model
 			kvArena, mArena = make([]byte, pools.KV.ArenaBytes()), make([]byte, pools.Mamba.ArenaBytes())
 		}
-		rexec, err := n.tpExec(i, exec, m)
+		rexec, err := n.tpExec(i, n.exec, m)
 		if err != nil {
 			n.close()
 			return nil, err
+		}
+		if kvDev != nil {
+			// Around the whole group: shard 0's bytes move here, the
+			// other shards' in the group (model.ShardPools).
+			rexec = model.OnDevice(rexec, kvDev, mDev)
 		}
 		r, err := worker.NewRank(i, m, rexec, kvArena, mArena)
 		if err != nil {
