@@ -114,6 +114,7 @@ func TestDataPathFaults(t *testing.T) {
 		}
 		wg.Wait()
 		ok := 0
+		failed := map[string]int{} // why requests failed, for the log
 		for i := range results {
 			require.NoError(t, errs[i], "%s: request %d got no HTTP answer", label, i)
 			// The handoff's deadline, plus the decode steps and slack
@@ -126,8 +127,12 @@ func TestDataPathFaults(t *testing.T) {
 			}
 			require.GreaterOrEqual(t, results[i].Status, 500, "%s: request %d: %s", label, i, results[i].Err)
 			require.NotEmpty(t, results[i].Err, "%s: request %d failed without a message", label, i)
+			failed[fmt.Sprintf("%d %s", results[i].Status, results[i].Err)]++
 		}
 		t.Logf("%s: %d of %d served, slowest %v", label, ok, len(prompts), slices.Max(took))
+		for why, n := range failed {
+			t.Logf("%s: %d failed: %s", label, n, why)
+		}
 		requireIdle(t, dec, "decode")
 		requireIdle(t, pre, "prefill")
 		return ok
