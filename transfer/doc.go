@@ -72,11 +72,15 @@
 // (a request sent to the queue group names it only in its reply), or that
 // instance replies peer_failed first (its own write failed so; the receiver's
 // end may learn of the cut later, or never): that instance may only be
-// partitioned, so the retry is fenced. The decoder publishes it a cancel, revokes the grant (its late
-// writes and commit are refused from then on), opens a fresh grant over the
-// same blocks and row, ignores the instance's replies and addresses the next
-// attempt to a live instance only (never the queue group, which could route
-// back to it); with none known it fails with ErrPeerFailed.
+// partitioned, so the retry is fenced. The decoder publishes it a cancel,
+// revokes the grant (its late writes and commit are refused from then on),
+// opens a fresh grant over the same blocks and row, and sends the next
+// attempt to another instance where it knows one. An instance reported
+// dead also has its replies ignored and is never asked again through the
+// queue group (which could route back to it): with no other live instance
+// known the request fails with ErrPeerFailed. One whose write merely failed
+// (a reset connection) may take the retry from the queue group when it is
+// the only one.
 //
 // A NATS connection that drops loses what it carried: a request routed to a
 // worker, or a reply published while the decoder was away. The decoder notes
