@@ -48,7 +48,9 @@ func TestHandoffPrefillDeath(t *testing.T) {
 }
 
 // TestPrefillerStopsOnDecodeDeath: the requesting decode instance leaves the
-// registry; the worker stops its prefill and frees.
+// registry; the worker stops its prefill, frees and replies peer_failed.
+// The decoder was alive after all: the worker replied, so it lives too, and
+// it serves the fenced retry (the only instance, through the queue group).
 func TestPrefillerStopsOnDecodeDeath(t *testing.T) {
 	f := newFixture(t)
 	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
@@ -78,11 +80,16 @@ func TestPrefillerStopsOnDecodeDeath(t *testing.T) {
 	<-x.started
 	require.NoError(t, d.Registry().kv.Delete(context.Background(), registryKey(RoleDecode, "d1")))
 	require.ErrorIs(t, <-x.ctxErr, context.Canceled)
-	ps.requireInitial(t)
-	// The decoder hears the worker's peer_failed reply.
+	// The fenced retry reaches the same worker, which serves it.
+	require.Equal(t, uint64(3), <-x.started)
+	close(x.block)
 	err := <-done
 	cancel()
-	require.ErrorIs(t, err, ErrPeerFailed)
+	require.NoError(t, err)
+	require.Equal(t, uint64(1), p.Stats().Served)
+	require.Equal(t, uint64(1), p.Stats().Failed, "the stopped prefill")
+	ps.requireInitial(t)
+	require.NoError(t, ds.m.Free(3))
 	ds.requireInitial(t)
 }
 
