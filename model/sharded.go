@@ -141,7 +141,7 @@ func viaTP1(e Executor, cs []Cache, tokens int, call func(Cache) ([]float32, err
 	if err != nil {
 		return nil, err
 	}
-	v.scatter(0, math.MaxInt64, 0, math.MaxInt64)
+	v.scatterAll()
 	return logits, nil
 }
 
@@ -258,23 +258,31 @@ func (v *tp1View) unit(c *Cache, kvUnit bool, i int) []byte {
 	return c.MambaArena[x.Offset : x.Offset+x.Length]
 }
 
-// scatter copies the view back to the shards: the KV rows [kv0, kv1) of
-// every block and the Mamba rows [m0, m1) (rows of package reshard's
-// layouts: a (layer, K or V, slot) of a block, a layer of the row).
-func (v *tp1View) scatter(kv0, kv1, m0, m1 int64) {
-	if v.kvOut != nil && kv0 < kv1 {
-		lo, hi := mulClamp(kv0, v.kvRowBytes), mulClamp(kv1, v.kvRowBytes)
+// scatterAll copies the whole view back to the shards.
+func (v *tp1View) scatterAll() {
+	if v.kvOut != nil {
 		for i := range v.nb {
 			for r := range v.cs {
-				reshard.ApplyRange(v.unit(&v.cs[r], true, i), v.unit(&v.one, true, i), v.kvOut.Copies(0, r), lo, hi)
+				reshard.Apply(v.unit(&v.cs[r], true, i), v.unit(&v.one, true, i), v.kvOut.Copies(0, r))
 			}
 		}
 	}
-	if v.mOut != nil && m0 < m1 {
-		lo, hi := mulClamp(m0, v.mRowBytes), mulClamp(m1, v.mRowBytes)
+	if v.mOut != nil {
 		for r := range v.cs {
-			reshard.ApplyRange(v.unit(&v.cs[r], false, 0), v.unit(&v.one, false, 0), v.mOut.Copies(0, r), lo, hi)
+			reshard.Apply(v.unit(&v.cs[r], false, 0), v.unit(&v.one, false, 0), v.mOut.Copies(0, r))
 		}
+	}
+}
+
+// scatterMamba copies back Mamba layer layer: one row of the unit in
+// package reshard's layout.
+func (v *tp1View) scatterMamba(layer int) {
+	if v.mOut == nil {
+		return
+	}
+	lo := int64(layer) * v.mRowBytes
+	for r := range v.cs {
+		reshard.ApplyRange(v.unit(&v.cs[r], false, 0), v.unit(&v.one, false, 0), v.mOut.Copies(0, r), lo, lo+v.mRowBytes)
 	}
 }
 
@@ -297,21 +305,13 @@ func (v *tp1View) scatterKV(layer, from, to int) {
 	}
 }
 
-// mulClamp is a*b, or math.MaxInt64 when that overflows (a, b ≥ 0).
-func mulClamp(a, b int64) int64 {
-	if b != 0 && a > math.MaxInt64/b {
-		return math.MaxInt64
-	}
-	return a * b
-}
-
 // prefillChunk implements chunker for a TP group: the group runs the chunk
 // layer by layer, its simulated compute spread over the layers as
 // delayed's is, and reports a layer done once every shard holds it.
 // tiny-hybrid runs sharded; the synthetic presets run on a TP-1 view and
 // scatter each layer back to the shards before reporting it (a synthetic
-// prefill only writes, so its view starts empty and only what the chunk
-// wrote goes back). An inner executor that is not chunked takes only whole
+// prefill only writes, so its view is not gathered first, and only what
+// the chunk wrote goes back). An inner executor that is not chunked takes only whole
 // prompts.
 func (s *sharded) prefillChunk(ctx context.Context, c Cache, tokens []int32, from, to int, done func(layer int) error) ([]float32, error) {
 	if s.device() {
@@ -367,7 +367,7 @@ func (s *sharded) prefillChunk(ctx context.Context, c Cache, tokens []int32, fro
 			v.scatterKV(p.KVLayer, from, to)
 		case 'M':
 			if last || !writesOnly { // a synthetic Mamba layer is written in the last chunk only
-				v.scatter(0, 0, int64(p.MambaLayer), int64(p.MambaLayer+1))
+				v.scatterMamba(p.MambaLayer)
 			}
 		}
 		return done(layer)
