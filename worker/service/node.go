@@ -161,6 +161,11 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool, openCUDA func()
 		if err != nil {
 			log.Warn("host topology discovery failed; continuing without it", "err", err)
 		}
+		if n.mem.device() {
+			addr, why := nicAddr(rc.TCPAddr, rc.Advertise, n.host, n.mem.dev.UUID().String(), interfaceAddrs)
+			log.Info("data path listen address for the GPU's caches", "addr", addr, "why", why)
+			rc.TCPAddr = addr
+		}
 		if n.data, err = rdma.New(rc); err != nil {
 			n.close()
 			return nil, fmt.Errorf("data plane: %w", err)
