@@ -57,9 +57,15 @@ func (d *onDevice) DecodeContext(ctx context.Context, c Cache, token int32, pos 
 // step loads the cache bytes of a request holding tokens positions, runs
 // call, and stores them back if it succeeded.
 func (d *onDevice) step(c Cache, tokens int, call func() ([]float32, error)) ([]float32, error) {
-	xs := touched(c, tokens)
+	return withDevice(touched(nil, c, tokens, d.kv, d.mamba, ""), call)
+}
+
+// withDevice loads xs from device memory into their host copies, runs
+// call, and stores them back if it succeeded: a copy per call, what a CPU
+// reference model can do with device memory.
+func withDevice(xs []touch, call func() ([]float32, error)) ([]float32, error) {
 	for _, x := range xs {
-		if err := x.copy(d.kv, d.mamba, true); err != nil {
+		if err := x.copy(true); err != nil {
 			return nil, err
 		}
 	}
@@ -68,50 +74,48 @@ func (d *onDevice) step(c Cache, tokens int, call func() ([]float32, error)) ([]
 		return nil, err
 	}
 	for _, x := range xs {
-		if err := x.copy(d.kv, d.mamba, false); err != nil {
+		if err := x.copy(false); err != nil {
 			return nil, err
 		}
 	}
 	return logits, nil
 }
 
-// touch is a byte range of one arena that a call reads or writes, with
-// the host copy of that arena.
+// touch is a byte range of one arena that a call reads or writes: in dev,
+// the device memory, and in host, the copy the model computes over.
 type touch struct {
-	mamba       bool
+	what        string // for errors: "kv", "mamba", "shard 1 kv", ...
+	dev         Memory
 	off, length int64
 	host        []byte
 }
 
-// copy moves the range from the device memory (kv's or mamba's) to the
-// host copy (load) or back.
-func (x touch) copy(kv, mamba Memory, load bool) error {
-	dev, what := kv, "kv"
-	if x.mamba {
-		dev, what = mamba, "mamba"
-	}
+// copy moves the range from the device memory to the host copy (load) or
+// back.
+func (x touch) copy(load bool) error {
 	if x.off < 0 || x.off+x.length > int64(len(x.host)) {
-		return fmt.Errorf("%w: %s bytes [%d, +%d) outside a host copy of %d", ErrInvalidCache, what, x.off, x.length, len(x.host))
+		return fmt.Errorf("%w: %s bytes [%d, +%d) outside a host copy of %d", ErrInvalidCache, x.what, x.off, x.length, len(x.host))
 	}
 	b := x.host[x.off : x.off+x.length]
 	var err error
 	if load {
-		_, err = dev.ReadAt(b, x.off)
+		_, err = x.dev.ReadAt(b, x.off)
 	} else {
-		_, err = dev.WriteAt(b, x.off)
+		_, err = x.dev.WriteAt(b, x.off)
 	}
 	if err != nil {
-		return fmt.Errorf("model: %s cache in device memory: %w", what, err)
+		return fmt.Errorf("model: %s cache in device memory: %w", x.what, err)
 	}
 	return nil
 }
 
-// touched lists the bytes a call over c with tokens positions reads or
-// writes: the KV blocks of those positions (runs of adjacent blocks merged)
-// and the Mamba row. What lies outside the pools is left out: the executor
+// touched appends to out the bytes a call over c with tokens positions
+// reads or writes: the KV blocks of those positions (runs of adjacent
+// blocks merged), in kv, and the Mamba row, in mamba; prefix names the
+// cache in errors. What lies outside the pools is left out: the executor
 // refuses such a cache itself.
-func touched(c Cache, tokens int) []touch {
-	var out []touch
+func touched(out []touch, c Cache, tokens int, kv, mamba Memory, prefix string) []touch {
+	first := len(out)
 	if c.KV.Layers > 0 && c.KV.Validate() == nil {
 		need := max(0, min(c.KV.BlocksFor(tokens), len(c.Blocks)))
 		n := kvcache.BlockID(c.KV.NumBlocks())
@@ -120,16 +124,16 @@ func touched(c Cache, tokens int) []touch {
 				continue
 			}
 			x := c.KV.BlockExtent(b)
-			if k := len(out) - 1; k >= 0 && out[k].off+out[k].length == x.Offset {
+			if k := len(out) - 1; k >= first && out[k].off+out[k].length == x.Offset {
 				out[k].length += x.Length
 				continue
 			}
-			out = append(out, touch{false, x.Offset, x.Length, c.KVArena})
+			out = append(out, touch{prefix + "kv", kv, x.Offset, x.Length, c.KVArena})
 		}
 	}
 	if c.Mamba.Layers > 0 && c.Mamba.Validate() == nil && int64(c.Row) < int64(c.Mamba.TotalRows()) {
 		x := c.Mamba.RowExtent(c.Row)
-		out = append(out, touch{true, x.Offset, x.Length, c.MambaArena})
+		out = append(out, touch{prefix + "mamba", mamba, x.Offset, x.Length, c.MambaArena})
 	}
 	return out
 }

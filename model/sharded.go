@@ -876,26 +876,12 @@ func (s *sharded) onDevice(cs []Cache, tokens int, call func() ([]float32, error
 	if !s.device() {
 		return call()
 	}
+	var xs []touch
 	for i, p := range s.more {
 		if p.KVMem == nil || p.MambaMem == nil {
 			return nil, fmt.Errorf("%w: shard %d: device memory for one pool of two", ErrInvalidCache, i+1)
 		}
-		for _, x := range touched(cs[i+1], tokens) {
-			if err := x.copy(p.KVMem, p.MambaMem, true); err != nil {
-				return nil, fmt.Errorf("shard %d: %w", i+1, err)
-			}
-		}
+		xs = touched(xs, cs[i+1], tokens, p.KVMem, p.MambaMem, fmt.Sprintf("shard %d ", i+1))
 	}
-	logits, err := call()
-	if err != nil {
-		return nil, err
-	}
-	for i, p := range s.more {
-		for _, x := range touched(cs[i+1], tokens) {
-			if err := x.copy(p.KVMem, p.MambaMem, false); err != nil {
-				return nil, fmt.Errorf("shard %d: %w", i+1, err)
-			}
-		}
-	}
-	return logits, nil
+	return withDevice(xs, call)
 }
