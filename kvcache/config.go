@@ -137,12 +137,13 @@ func (c Config) blockBytes() (int64, bool) {
 
 // halfBytes is the size of one (block, layer, K|V) extent.
 func (c Config) halfBytes() int64 {
-	return int64(c.TokensPerBlock) * c.tokenBytes()
+	return int64(c.KVHeads) * c.headBytes()
 }
 
-// tokenBytes is the size of one token's heads in one (layer, K|V).
-func (c Config) tokenBytes() int64 {
-	return int64(c.KVHeads) * int64(c.HeadDim) * int64(c.ElemSize)
+// headBytes is the size of one head's TokensPerBlock tokens in one
+// (block, layer, K|V).
+func (c Config) headBytes() int64 {
+	return int64(c.TokensPerBlock) * int64(c.HeadDim) * int64(c.ElemSize)
 }
 
 // BlockBytes is the size of one block: every layer's K and V for
@@ -201,7 +202,7 @@ func (c Config) RunExtent(r Run) Extent {
 }
 
 // KVExtent returns the bytes of the K or V half of one layer of block b:
-// [TokensPerBlock][KVHeads][HeadDim] elements. It panics on an out-of-range
+// [KVHeads][TokensPerBlock][HeadDim] elements. It panics on an out-of-range
 // block, layer or kv.
 func (c Config) KVExtent(b BlockID, layer int, kv KV) Extent {
 	c.checkBlock(b)
@@ -220,7 +221,8 @@ func (c Config) KVExtent(b BlockID, layer int, kv KV) Extent {
 
 // TokenOffset returns the arena offset of head head of the token in slot
 // slot (0 .. TokensPerBlock-1) of block b, layer layer, half kv. The head's
-// HeadDim*ElemSize bytes start there. It panics on out-of-range arguments.
+// HeadDim*ElemSize bytes start there, and the next slot's of the same head
+// follow them (HeadExtent). It panics on out-of-range arguments.
 func (c Config) TokenOffset(b BlockID, layer int, kv KV, slot, head int) int64 {
 	e := c.KVExtent(b, layer, kv)
 	if slot < 0 || slot >= c.TokensPerBlock {
@@ -229,7 +231,14 @@ func (c Config) TokenOffset(b BlockID, layer int, kv KV, slot, head int) int64 {
 	if head < 0 || head >= c.KVHeads {
 		panic(fmt.Sprintf("kvcache: head %d outside 0..%d", head, c.KVHeads-1))
 	}
-	return e.Offset + int64(slot)*c.tokenBytes() + int64(head)*int64(c.HeadDim)*int64(c.ElemSize)
+	return e.Offset + int64(head)*c.headBytes() + int64(slot)*int64(c.HeadDim)*int64(c.ElemSize)
+}
+
+// HeadExtent returns the bytes of head head of block b, layer layer, half
+// kv: its TokensPerBlock slots, [TokensPerBlock][HeadDim] elements. It
+// panics on out-of-range arguments.
+func (c Config) HeadExtent(b BlockID, layer int, kv KV, head int) Extent {
+	return Extent{Offset: c.TokenOffset(b, layer, kv, 0, head), Length: c.headBytes()}
 }
 
 func (c Config) checkBlock(b BlockID) {

@@ -10,16 +10,24 @@
 // The arena is block-major. With H = KVHeads, D = HeadDim, E = ElemSize,
 // T = TokensPerBlock and L = Layers:
 //
-//	half       = T*H*D*E                   one (block, layer, K|V)
+//	half       = H*T*D*E                   one (block, layer, K|V)
 //	BlockBytes = 2*L*half
 //	block b    = [b*BlockBytes, (b+1)*BlockBytes)
-//	within b:    layer 0 K, layer 0 V, layer 1 K, layer 1 V, ... each [T][H][D]
+//	within b:    layer 0 K, layer 0 V, layer 1 K, layer 1 V, ... each [H][T][D]
 //	(b, l, kv) = b*BlockBytes + (2*l+kv)*half
-//	token slot s, head h of (b, l, kv) = (b, l, kv) + (s*H+h)*D*E
+//	token slot s, head h of (b, l, kv) = (b, l, kv) + (h*T+s)*D*E
 //
 // So a Run of n contiguous blocks is one contiguous extent of
 // n*BlockBytes bytes (Config.RunExtent), and a request is described to a
 // transfer in O(runs), never O(blocks x layers).
+//
+// Within a (block, layer, K|V) the heads are outermost ([H][T][D], "HND"),
+// as TensorRT-LLM's attention kernels address a block (KVBlockArray:
+// [numHeads, tokensPerBlock, hiddenSizePerHead]). So a head's T slots are
+// one contiguous stretch of T*D*E bytes (Config.HeadExtent), and a
+// tensor-parallel shard's heads of a block one stretch per (layer, K|V):
+// resharding between TP sizes moves head slices of kilobytes, not a few
+// hundred bytes per token.
 //
 // # Allocation
 //

@@ -12,7 +12,7 @@ import (
 // Fingerprint is a stable short hash (16 hex digits of a SHA-256) of everything
 // that must match between a prefill and a decode peer: name, revision, layer
 // pattern, vocabulary, every KV and Mamba dimension, element sizes, tokens per
-// block and the conv section layout. Pool sizing (blocks, byte budget, batch
+// block, the KV block layout and the conv section layout. Pool sizing (blocks, byte budget, batch
 // size, attention DP, pipeline size, draft tokens) and MaxContext are not part
 // of it, so peers with different pool sizes interoperate.
 func (s Spec) Fingerprint() string {
@@ -34,6 +34,7 @@ func (s Spec) canonical() string {
 	w("kv.head_dim", s.KV.HeadDim)
 	w("kv.elem", s.KV.ElemSize)
 	w("kv.tokens_per_block", s.KV.TokensPerBlock)
+	w("kv.layout", "hnd") // heads outermost in a block (kvcache); builds before it wrote tokens outermost
 	m := s.Mamba
 	w("mamba.layers", m.Layers)
 	w("mamba.heads", m.Heads)

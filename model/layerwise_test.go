@@ -40,13 +40,15 @@ func partBytes(c model.Cache, p model.Part) []byte {
 	if p.End {
 		to = (p.To + kv.TokensPerBlock - 1) / kv.TokensPerBlock * kv.TokensPerBlock
 	}
-	n := int64(kv.KVHeads * kv.HeadDim * kv.ElemSize)
+	n := int64(kv.HeadDim * kv.ElemSize)
 	var out []byte
 	for pos := p.From; pos < to; pos++ {
 		b, slot := c.Blocks[pos/kv.TokensPerBlock], pos%kv.TokensPerBlock
 		for _, k := range []kvcache.KV{kvcache.K, kvcache.V} {
-			off := kv.TokenOffset(b, p.KVLayer, k, slot, 0)
-			out = append(out, c.KVArena[off:off+n]...)
+			for h := range kv.KVHeads {
+				off := kv.TokenOffset(b, p.KVLayer, k, slot, h)
+				out = append(out, c.KVArena[off:off+n]...)
+			}
 		}
 	}
 	return out

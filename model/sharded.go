@@ -287,19 +287,21 @@ func (v *tp1View) scatterMamba(layer int) {
 }
 
 // scatterKV copies back the K and V of KV layer layer at positions
-// [from, to): rows of the blocks that hold them.
+// [from, to): in each block that holds them, the slots of each head of the
+// layer's K and V rows.
 func (v *tp1View) scatterKV(layer, from, to int) {
 	if v.kvOut == nil {
 		return
 	}
 	t := v.one.KV.TokensPerBlock
+	head := v.kvOut.Layout.Sections[0].ItemBytes // one head's t slots
+	slot := head / int64(t)
 	for k := from / t; k*t < to && k < v.nb; k++ {
 		s0, s1 := int64(max(from, k*t)-k*t), int64(min(to, (k+1)*t)-k*t)
-		for half := range int64(2) { // K, then V
-			row := (2*int64(layer) + half) * int64(t)
-			lo, hi := (row+s0)*v.kvRowBytes, (row+s1)*v.kvRowBytes
+		row := 2 * int64(layer) * v.kvRowBytes // K, then V
+		for h := row; h < row+2*v.kvRowBytes; h += head {
 			for r := range v.cs {
-				reshard.ApplyRange(v.unit(&v.cs[r], true, k), v.unit(&v.one, true, k), v.kvOut.Copies(0, r), lo, hi)
+				reshard.ApplyRange(v.unit(&v.cs[r], true, k), v.unit(&v.one, true, k), v.kvOut.Copies(0, r), h+s0*slot, h+s1*slot)
 			}
 		}
 	}

@@ -238,10 +238,12 @@ func TestShardedChunkedPrefill(t *testing.T) {
 								keep(a.mMem, x.Offset, x.Length)
 								continue
 							}
-							slot := int64(a.kv.KVHeads * a.kv.HeadDim * a.kv.ElemSize)
+							slot := int64(a.kv.HeadDim * a.kv.ElemSize)
 							for pos := p.From; pos < p.To; pos++ {
 								for _, k := range []kvcache.KV{kvcache.K, kvcache.V} {
-									keep(a.kvMem, a.kv.TokenOffset(kvcache.BlockID(pos/tpb), p.KVLayer, k, pos%tpb, 0), slot)
+									for h := range a.kv.KVHeads {
+										keep(a.kvMem, a.kv.TokenOffset(kvcache.BlockID(pos/tpb), p.KVLayer, k, pos%tpb, h), slot)
+									}
 								}
 							}
 						}

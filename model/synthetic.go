@@ -191,21 +191,19 @@ func (s *synthetic) Decode(c Cache, token int32, pos int) ([]float32, error) {
 	return s.logits(h), nil
 }
 
-// tokenBytes is the size of one token's K (or V) for one layer: all heads.
-func (s *synthetic) tokenBytes() int {
-	kv := &s.spec.KV
-	return kv.KVHeads * kv.HeadDim * kv.ElemSize
+// tokenHeads calls f with the bytes of each head of the token in slot slot
+// of block blk, layer l, half kv, in head order.
+func tokenHeads(c *Cache, blk kvcache.BlockID, l int, kv kvcache.KV, slot int, f func(h int, p []byte)) {
+	n := int64(c.KV.HeadDim * c.KV.ElemSize)
+	for h := range c.KV.KVHeads {
+		off := c.KV.TokenOffset(blk, l, kv, slot, h)
+		f(h, c.KVArena[off:off+n])
+	}
 }
 
 func (s *synthetic) writeKV(c *Cache, pos int, h uint64) {
-	tpb := c.KV.TokensPerBlock
-	blk, slot := c.Blocks[pos/tpb], pos%tpb
-	n := int64(s.tokenBytes())
 	for l := range s.spec.KV.Layers {
-		for kv := range kvcache.KV(2) {
-			off := c.KV.TokenOffset(blk, l, kv, slot, 0)
-			fillPattern(c.KVArena[off:off+n], mix64(h, uint64(l)<<1|uint64(kv)))
-		}
+		s.writeKVLayer(c, pos, h, l)
 	}
 }
 
@@ -213,10 +211,9 @@ func (s *synthetic) writeKV(c *Cache, pos int, h uint64) {
 func (s *synthetic) writeKVLayer(c *Cache, pos int, h uint64, l int) {
 	tpb := c.KV.TokensPerBlock
 	blk, slot := c.Blocks[pos/tpb], pos%tpb
-	n := int64(s.tokenBytes())
 	for kv := range kvcache.KV(2) {
-		off := c.KV.TokenOffset(blk, l, kv, slot, 0)
-		fillPattern(c.KVArena[off:off+n], mix64(h, uint64(l)<<1|uint64(kv)))
+		seed := mix64(h, uint64(l)<<1|uint64(kv))
+		tokenHeads(c, blk, l, kv, slot, func(hd int, p []byte) { fillPattern(p, mix64(seed, uint64(hd))) })
 	}
 }
 
@@ -260,12 +257,10 @@ func (s *synthetic) checksum(c *Cache, rv *rowView, pos int) uint32 {
 	tpb := c.KV.TokensPerBlock
 	last := pos - 1
 	blk := c.Blocks[last/tpb]
-	n := int64(s.tokenBytes())
 	for l := range s.spec.KV.Layers {
 		for kv := range kvcache.KV(2) {
 			for slot := 0; slot <= last%tpb; slot++ {
-				off := c.KV.TokenOffset(blk, l, kv, slot, 0)
-				crc = crc32.Update(crc, castagnoli, c.KVArena[off:off+n])
+				tokenHeads(c, blk, l, kv, slot, func(_ int, p []byte) { crc = crc32.Update(crc, castagnoli, p) })
 			}
 		}
 	}

@@ -450,7 +450,8 @@ func (m *tiny) attention(l *tinyLayer, layer int, c *Cache, pos int, s *tinyScra
 	group := d.qHeads / d.kvHeads
 	n := pos + 1
 	// Per block of the request, where head 0 of slot 0 of K and V start, and the
-	// distance between slots: one TokenOffset per block instead of per token.
+	// distances between slots and between heads: one TokenOffset per block
+	// instead of per token.
 	nb := (n + tpb - 1) / tpb
 	kBase, vBase := s.kBase[:nb], s.vBase[:nb]
 	for i := range nb {
@@ -461,7 +462,10 @@ func (m *tiny) attention(l *tinyLayer, layer int, c *Cache, pos int, s *tinyScra
 	if tpb > 1 {
 		slotStride = c.KV.TokenOffset(c.Blocks[0], layer, kvcache.K, 1, 0) - kBase[0]
 	}
-	headStride := int64(4 * hd)
+	var headStride int64
+	if d.kvHeads > 1 {
+		headStride = c.KV.TokenOffset(c.Blocks[0], layer, kvcache.K, 0, 1) - kBase[0]
+	}
 	kt := s.kt[:hd]
 	for kh := range d.kvHeads {
 		// The q heads of this kv head's group share each K/V row read.

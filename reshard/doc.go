@@ -13,8 +13,8 @@
 // same shape, and each row is a concatenation of sections, each a sequence
 // of items split across shards (Layout):
 //
-//	KV block:   2·L·T rows (layer 0 K token 0..T-1, layer 0 V, layer 1 K, ...)
-//	            row = kv [KVHeads items of HeadDim·ElemSize]
+//	KV block:   2·L rows (layer 0 K, layer 0 V, layer 1 K, ...)
+//	            row = kv [KVHeads items of T·HeadDim·ElemSize]
 //	Mamba row:  L rows (one per Mamba layer)
 //	  Mamba2    row = x [Heads items of HeadDim·(DConv-1)·ConvElemSize]
 //	                | B [NGroups items of DState·(DConv-1)·ConvElemSize]
@@ -22,11 +22,13 @@
 //	                | ssm [Heads items of HeadDim·DState·SSMElemSize]
 //	  GDN       row = Q [groups] | K [groups] | V [heads] | ssm [heads]
 //
-// This is exactly kvcache's block layout ([T][H][D] per layer and K|V) and
+// This is exactly kvcache's block layout ([H][T][D] per layer and K|V) and
 // mambacache's row layout (conv [conv_dim][DConv-1] in section order, then
 // ssm [H][HeadDim][DState], per layer), read as rows: a conv channel is
 // DConv-1 contiguous elements, so a head's or a group's channels are one
-// contiguous stretch of its section.
+// contiguous stretch of its section, and a KV head's slots are one
+// contiguous stretch of its layer's K or V: a shard's part of a row is one
+// copy of kilobytes, never one per token.
 //
 // # What a shard holds
 //

@@ -39,16 +39,16 @@ type Layout struct {
 }
 
 // KV returns the layout of one block of a KV pool whose Config describes
-// the whole model (TP 1): 2·Layers·TokensPerBlock rows (layer 0 K tokens
-// 0..T-1, layer 0 V, layer 1 K, ...), each the token's heads
-// [KVHeads][HeadDim]. Only Layers, KVHeads, HeadDim, ElemSize and
-// TokensPerBlock are read.
+// the whole model (TP 1): 2·Layers rows (layer 0 K, layer 0 V, layer 1 K,
+// ...), each the layer's heads [KVHeads][TokensPerBlock][HeadDim], so an
+// item is one head's TokensPerBlock slots. Only Layers, KVHeads, HeadDim,
+// ElemSize and TokensPerBlock are read.
 func KV(c kvcache.Config) Layout {
 	return Layout{
 		Name: "kv",
-		Rows: 2 * c.Layers * c.TokensPerBlock,
+		Rows: 2 * c.Layers,
 		Sections: []Section{
-			{Name: "kv", Dim: "kv heads", Items: c.KVHeads, ItemBytes: int64(c.HeadDim) * int64(c.ElemSize), Replicate: true},
+			{Name: "kv", Dim: "kv heads", Items: c.KVHeads, ItemBytes: int64(c.TokensPerBlock) * int64(c.HeadDim) * int64(c.ElemSize), Replicate: true},
 		},
 	}
 }

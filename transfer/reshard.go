@@ -145,11 +145,13 @@ type Finished struct {
 // numbered as the whole write to the receiver sends them (Source's order:
 // the KV of receiver shards 0..To-1, then their Mamba rows), each read from
 // the source shard that writes it. blocks and row are the request's, as for
-// Source. A receiver's KV layer is, in each of its blocks, one stretch of
-// rows (K then V of the layer's slots) and its Mamba layer one row of the
-// unit, so f's pieces are those of the plan's Order that land in them, cut
-// to them: O(blocks × To × source shards) pieces, from the same plan as
-// Source, so streamed pieces and the write after prefill agree to the byte.
+// Source. A receiver's KV layer is, in each of its blocks, two rows of the
+// unit (K, then V: each its heads' slots, head by head) and its Mamba layer
+// one row, so f's pieces are those of the plan's Order that land in them
+// (in a block f ends or starts inside, in the stretch of f's slots of each
+// head), cut to them: O(blocks × To × source shards) pieces, times the
+// heads for the blocks f cuts, from the same plan as Source, so streamed
+// pieces and the write after prefill agree to the byte.
 func (r *Resharder) Pieces(dst []Piece, shards []ShardSource, f Finished, blocks []kvcache.BlockID, row mambacache.Row) ([]Piece, error) {
 	if len(shards) != r.from {
 		return dst, fmt.Errorf("%w: %d source shards for a TP-%d sender", ErrInvalidConfig, len(shards), r.from)
@@ -174,11 +176,13 @@ func (r *Resharder) Pieces(dst []Piece, shards []ShardSource, f Finished, blocks
 		return dst, nil
 	}
 	t := r.tpb
-	if r.kv == nil || f.Layer < 0 || 2*t*f.Layer >= r.kv.Layout.Rows || f.From < 0 || f.To < f.From {
+	if r.kv == nil || f.Layer < 0 || 2*f.Layer >= r.kv.Layout.Rows || f.From < 0 || f.To < f.From {
 		return dst, fmt.Errorf("%w: kv layer %d positions [%d, %d)", rdma.ErrOutOfRange, f.Layer, f.From, f.To)
 	}
-	rb := r.kv.Layout.RowBytes(r.to)
-	kLo := int64(2*t*f.Layer) * rb // the layer's K rows start here in a block; its V rows follow
+	rb := r.kv.Layout.RowBytes(r.to)          // a receiver shard's K (or V) of one layer of a block
+	head := r.kv.Layout.Sections[0].ItemBytes // one head's t slots in it
+	slot := head / int64(t)
+	kLo := int64(2*f.Layer) * rb // the layer's K row starts here in a block; its V row follows
 	end := f.To
 	if f.End {
 		end = (f.To + t - 1) / t * t
@@ -191,11 +195,12 @@ func (r *Resharder) Pieces(dst []Piece, shards []ShardSource, f Finished, blocks
 		for rd := range r.to {
 			at := uint64(rd)*kvBytes + uint64(k)*uint64(r.kv.DstBytes)
 			if s0 == 0 && s1 == int64(t) {
-				dst = cut(dst, r.kvOrd[rd], kLo, kLo+2*int64(t)*rb, at, src)
+				dst = cut(dst, r.kvOrd[rd], kLo, kLo+2*rb, at, src)
 				continue
 			}
-			dst = cut(dst, r.kvOrd[rd], kLo+s0*rb, kLo+s1*rb, at, src)
-			dst = cut(dst, r.kvOrd[rd], kLo+(int64(t)+s0)*rb, kLo+(int64(t)+s1)*rb, at, src)
+			for h := kLo; h < kLo+2*rb; h += head { // each head of K, then of V: slots [s0, s1)
+				dst = cut(dst, r.kvOrd[rd], h+s0*slot, h+s1*slot, at, src)
+			}
 		}
 	}
 	return dst, nil
