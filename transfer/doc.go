@@ -67,7 +67,9 @@
 // allow, or when the instance serving the request is reported dead before a
 // commit was accepted (its registry entry expired, or, at once, every one of
 // its data-path connections to this decoder closed: rdma.Engine.OnWriterGone,
-// which a killed worker's kernel triggers), or when the grant fails because
+// which a killed worker's kernel triggers, and its micro service did not
+// answer a ping: a reset of every connection between live hosts reports the
+// same, see watchWriters), or when the grant fails because
 // the writer's connection closed mid-write and the serving instance is known
 // (a request sent to the queue group names it only in its reply), or that
 // instance replies peer_failed first (its own write failed so; the receiver's

@@ -194,10 +194,12 @@ func TestHandoffPrefillDeathRetried(t *testing.T) {
 	require.Equal(t, uint64(1), d.Stats().Retries)
 }
 
-// TestHandoffWriterGoneRetried: the prefill worker serving a handoff loses
-// every data-path connection (its engine closes, as when the process is
-// killed) while its registry entry stays fresh. The decoder learns it from
-// its own engine, fences the grant and retries on the other worker.
+// TestHandoffWriterGoneRetried: the prefill worker serving a handoff is
+// killed (its NATS connection and its engine close, as the kernel closes a
+// killed process's sockets) while its registry entry stays fresh. The
+// decoder learns it from its own engine, finds that the worker does not
+// answer on the control plane either, fences the grant and retries on the
+// other worker.
 func TestHandoffWriterGoneRetried(t *testing.T) {
 	f := newFixture(t)
 	ds := newSideOn(t, "dec", testHybrid(64, 8), rdma.TransportTCP)
@@ -206,10 +208,11 @@ func TestHandoffWriterGoneRetried(t *testing.T) {
 		"p2": newSideOn(t, "p2", testHybrid(64, 8), rdma.TransportTCP),
 	}
 	xs := map[string]*testExec{}
+	pfs := map[string]*Prefiller{}
 	for _, name := range []string{"p1", "p2"} {
 		xs[name] = newExec(ps[name])
 		xs[name].block = make(chan struct{})
-		f.prefiller(name, f.fp, xs[name], withRegistryP)
+		pfs[name] = f.prefiller(name, f.fp, xs[name], withRegistryP)
 	}
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
@@ -241,6 +244,7 @@ func TestHandoffWriterGoneRetried(t *testing.T) {
 	}
 	// Without the report the handoff would wait for its deadline: the dead
 	// worker's registry entry stays fresh.
+	pfs[dead].nc.Close()
 	require.NoError(t, ps[dead].eng.Close())
 	<-xs[live].started
 	close(xs[live].block)
@@ -255,7 +259,11 @@ func TestHandoffWriterGoneRetried(t *testing.T) {
 			i++
 		}
 	}
-	// The worker that lost its engine got the cancel and stopped.
+	// The killed worker's goroutines linger in this process, where a real
+	// kill ends them: abort them, as nothing could cancel them any more.
+	aborted, abort := context.WithCancel(context.Background())
+	abort()
+	_ = pfs[dead].Shutdown(aborted) // its connection is closed: it cannot deregister
 	require.ErrorIs(t, <-xs[dead].ctxErr, context.Canceled)
 	require.NoError(t, ds.m.Free(3))
 	ds.requireInitial(t)
@@ -328,6 +336,73 @@ func TestHandoffSurvivesLiveWriterDroppingItsConnection(t *testing.T) {
 	require.NoError(t, o.err)
 	require.Equal(t, "p1", o.res.Instance)
 	require.Equal(t, 1, o.res.Attempts)
+	require.NoError(t, ds.m.Free(3))
+	ds.requireInitial(t)
+	ps.requireInitial(t)
+}
+
+// TestHandoffSurvivesDataPathReset: something between a live prefill
+// worker and the decoder resets every data-path connection while the worker
+// computes. The decoder's engine reports the writer gone, as it would for a
+// killed one; the decoder asks the worker's service over NATS, hears it
+// answer, and does not take it for dead. The worker connects again for its
+// write and the handoff completes, though it is the only prefill instance
+// (taken for dead, the request would have no live instance to go to).
+func TestHandoffSurvivesDataPathReset(t *testing.T) {
+	f := newFixture(t)
+	ds, proxy := newSideVia(t, "dec", testHybrid(64, 8))
+	gone := make(chan rdma.AgentID, 8)
+	stop := ds.eng.OnWriterGone(func(a rdma.AgentID) { gone <- a })
+	defer stop()
+	ps := newSideOn(t, "p1", testHybrid(64, 8), rdma.TransportTCP)
+	x := newExec(ps)
+	x.block = make(chan struct{})
+	f.prefiller("p1", f.fp, x, withRegistryP)
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		insts := d.Registry().Instances(RolePrefill, time.Now())
+		if len(insts) != 1 || insts[0].Service == "" {
+			return fmt.Errorf("prefill instances known: %+v", insts)
+		}
+		if _, ok := ps.eng.TransportFor(ds.eng.Agent()); !ok {
+			return fmt.Errorf("p1 not connected to the decoder yet")
+		}
+		return nil
+	})
+	type out struct {
+		res Result
+		err error
+	}
+	done := make(chan out, 1)
+	go func() {
+		res, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(30 * time.Second)})
+		done <- out{res, err}
+	}()
+	<-x.started
+	proxy.Reset()
+	require.Equal(t, rdma.AgentID("p1"), <-gone)
+	// The decoder's check takes a round trip; a wrong verdict would end
+	// the handoff now, with no live instance left to retry on.
+	time.Sleep(2 * writerProbe)
+	select {
+	case o := <-done:
+		t.Fatalf("the handoff ended before the worker wrote: %v", o.err)
+	default:
+	}
+	d.mu.Lock()
+	require.Empty(t, d.gone, "a live worker taken for dead")
+	d.mu.Unlock()
+	close(x.block)
+	o := <-done
+	require.NoError(t, o.err)
+	require.Equal(t, "p1", o.res.Instance)
+	i := 0
+	for _, e := range ds.dest(3).Extents() {
+		for _, b := range ds.bytes(e) {
+			require.Equal(t, pattern(3, i), b, "byte %d", i)
+			i++
+		}
+	}
 	require.NoError(t, ds.m.Free(3))
 	ds.requireInitial(t)
 	ps.requireInitial(t)

@@ -45,9 +45,10 @@ func TestFaultSoak(t *testing.T) {
 	ps1 := newSideOn(t, "pre1", faultCfg(), rdma.TransportTCP)
 	ps2 := newSideOn(t, "pre2", faultCfg(), rdma.TransportTCP)
 	// A reset of a worker's only data connection reads as its death to
-	// the decoder (rdma.Engine.OnWriterGone), which passes it over until
-	// its next heartbeat: keep that short, or a second reset within it
-	// leaves no live worker to retry on.
+	// the decoder (rdma.Engine.OnWriterGone) unless the worker answers a
+	// ping on NATS within writerProbe; one taken for dead is passed over
+	// until its next heartbeat: keep that short, or a second reset within
+	// it leaves no live worker to retry on.
 	reg := RegistryConfig{TTL: time.Second}
 	withReg := func(c *PrefillerConfig) { c.NoRegistry, c.Registry = false, reg }
 	x1, x2 := newExec(ps1), newExec(ps2)

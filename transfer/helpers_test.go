@@ -246,7 +246,10 @@ func (f *fixture) prefiller(name, fp string, x *testExec, mod func(*PrefillerCon
 	f.t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
-		require.NoError(f.t, p.Shutdown(ctx))
+		err := p.Shutdown(ctx)
+		if !nc.IsClosed() { // a test that closed it killed the worker: it cannot delete its entry
+			require.NoError(f.t, err)
+		}
 	})
 	return p
 }

@@ -239,6 +239,10 @@ type Instance struct {
 	// Draining: the instance takes no new requests (it finishes the ones it
 	// holds, so it stays registered); decoders do not address it.
 	Draining bool `msgpack:"drain"`
+	// Service is the id of a prefill instance's NATS micro service: a
+	// decoder that lost every data-path connection from it pings it
+	// ($SRV.PING.<ServiceName>.<Service>) before taking it for dead.
+	Service string `msgpack:"svc,omitempty"`
 }
 
 // Role is a worker's role in the registry.

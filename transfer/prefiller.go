@@ -160,6 +160,7 @@ type Prefiller struct {
 	exec PrefillExecutor
 	// tracer is cfg.TracerProvider's, nil when requests are not traced.
 	tracer trace.Tracer
+	svcID  string // the micro service's id (Instance.Service); set by Start
 
 	mu    sync.Mutex
 	state int // 0 new, 3 starting, 1 serving, 2 shut down
@@ -316,6 +317,7 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 		return nil, fmt.Errorf("transfer: micro service: %w", err)
 	}
 	in.svc = svc
+	p.svcID = svc.Info().ID // read by self, which the registry calls only after Start announced
 	h := micro.HandlerFunc(p.handle)
 	if err := svc.AddEndpoint("prefill", h, micro.WithEndpointSubject(Subject(c.Prefix, c.Namespace, SubjectPrefill, "")),
 		micro.WithEndpointQueueGroup(PrefillQueue)); err != nil {
@@ -422,7 +424,7 @@ func (p *Prefiller) preconnect(inst Instance, gone bool) {
 }
 
 func (p *Prefiller) self() Instance {
-	inst := Instance{ID: p.cfg.Instance, Role: RolePrefill, Fingerprint: p.cfg.Fingerprint, Peer: PeerOf(p.eng.Descriptor())}
+	inst := Instance{ID: p.cfg.Instance, Role: RolePrefill, Fingerprint: p.cfg.Fingerprint, Peer: PeerOf(p.eng.Descriptor()), Service: p.svcID}
 	if p.cfg.Capacity != nil {
 		inst.Capacity = p.cfg.Capacity()
 	}

@@ -334,7 +334,7 @@ func TestPickPassesOverWriterGone(t *testing.T) {
 		return n
 	}
 	require.Positive(t, seen()["p1"], "both are picked before")
-	d.writerGone("p1")
+	d.writerGone("p1", d.entriesOf("p1"))
 	require.Equal(t, map[string]int{"p2": 10}, seen())
 	// A heartbeat after the report: p1 is alive after all.
 	e := reg.entries["p1"]

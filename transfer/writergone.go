@@ -1,10 +1,21 @@
 package transfer
 
 import (
+	"context"
+	"errors"
 	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/micro"
 
 	"github.com/handoff-io/handoff/rdma"
 )
+
+// writerProbe bounds the control-plane check of a writer the data plane
+// reported gone. A dead instance's NATS subscriptions go when its
+// connection does, so the answer is a no-responders in about a round trip;
+// the bound is for a host that vanished without closing anything.
+const writerProbe = 250 * time.Millisecond
 
 // watchWriters treats a prefill instance that closed its last data-path
 // connection to this decoder (rdma.Engine.OnWriterGone: a worker killed
@@ -14,25 +25,90 @@ import (
 // milliseconds instead of after the registry TTL. Even a wrong report would
 // cost a retry, never a wrong byte: the old grant is revoked first.
 //
-// New handoffs pass such an instance over (pick) until its registry entry
-// shows a heartbeat after the report: its entry stays fresh for up to the
-// TTL after a SIGKILL, and a request sent to it would spend an attempt on a
-// no-responders.
+// The same report comes when something between the two hosts reset every
+// connection (a proxy, a NIC, a firewall), and then the writer is alive.
+// So the report is checked first on the control plane, which does not
+// share the data path: the instance's micro service is pinged
+// (Instance.Service). An answer within writerProbe means it lives: it is
+// not taken for dead, and a handoff whose bytes the reset cut fails its
+// write and is retried fenced, on it too where no other instance serves
+// (its next write connects again). No answer, or an instance that does not
+// say its service, and it is taken for dead.
+//
+// New handoffs pass an instance taken for dead over (pick) until its
+// registry entry shows a heartbeat after the report: its entry stays fresh
+// for up to the TTL after a SIGKILL, and a request sent to it would spend
+// an attempt on a no-responders.
 func (d *Decoder) watchWriters(eng *rdma.Engine) {
-	d.unwatch = eng.OnWriterGone(func(a rdma.AgentID) { d.writerGone(string(a)) })
+	d.unwatch = eng.OnWriterGone(func(a rdma.AgentID) { d.writerLost(string(a)) })
 }
 
-func (d *Decoder) writerGone(agent string) {
+// writerLost checks a writer-gone report on its own goroutine (the report
+// comes on a data-path connection's, which must not block) and takes the
+// writer for dead unless it answers.
+func (d *Decoder) writerLost(agent string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return
+	}
+	d.wg.Go(func() {
+		entries := d.entriesOf(agent)
+		if inst, ok := d.answers(entries); ok {
+			d.cfg.Logger.Warn("data-path connections of a prefill instance lost; it answers on the control plane, so it is not taken for dead",
+				"peer", inst.ID, "peer_agent", agent)
+			return
+		}
+		d.cfg.Logger.Warn("prefill instance taken for dead: its data-path connections closed and it does not answer", "peer_agent", agent)
+		d.writerGone(agent, entries)
+	})
+}
+
+// entriesOf returns the registry's prefill entries that name agent.
+func (d *Decoder) entriesOf(agent string) []Instance {
+	if d.reg == nil {
+		return nil
+	}
+	var out []Instance
+	for _, inst := range d.reg.Instances(RolePrefill, time.Now()) {
+		if inst.Peer.Agent == agent || inst.ID == agent {
+			out = append(out, inst)
+		}
+	}
+	return out
+}
+
+// answers pings the micro service of each entry that names one and returns
+// the first that answers within writerProbe.
+func (d *Decoder) answers(entries []Instance) (Instance, bool) {
+	for _, inst := range entries {
+		if inst.Service == "" {
+			continue
+		}
+		subj, err := micro.ControlSubject(micro.PingVerb, ServiceName, inst.Service)
+		if err != nil {
+			continue // not a service id: the entry cannot vouch for it
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), writerProbe)
+		_, err = d.nc.RequestWithContext(ctx, subj, nil)
+		cancel()
+		if err == nil {
+			return inst, true
+		}
+		if !errors.Is(err, nats.ErrNoResponders) && !errors.Is(err, context.DeadlineExceeded) {
+			d.cfg.Logger.Warn("ping of a prefill instance", "peer", inst.ID, "err", err)
+		}
+	}
+	return Instance{}, false
+}
+
+// writerGone takes agent's instance for dead: entries are the registry's
+// entries that name it, whose heartbeat times pick compares.
+func (d *Decoder) writerGone(agent string, entries []Instance) {
 	ids := []string{agent} // the workers use their instance id as agent id
-	var entries []Instance // the registry's entries that name the agent
-	if d.reg != nil {
-		for _, inst := range d.reg.Instances(RolePrefill, time.Now()) {
-			if inst.Peer.Agent == agent || inst.ID == agent {
-				entries = append(entries, inst)
-				if inst.ID != agent {
-					ids = append(ids, inst.ID)
-				}
-			}
+	for _, inst := range entries {
+		if inst.ID != agent {
+			ids = append(ids, inst.ID)
 		}
 	}
 	d.mu.Lock()
