@@ -53,14 +53,28 @@ func (d *Decoder) writerLost(agent string) {
 		return
 	}
 	d.wg.Go(func() {
-		entries := d.entriesOf(agent)
-		if inst, ok := d.answers(entries); ok {
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		go func() { // Close ends the check rather than wait it out; ends with it
+			select {
+			case <-d.done:
+				cancel()
+			case <-ctx.Done():
+			}
+		}()
+		if inst, ok := d.answers(ctx, d.entriesOf(agent)); ok {
 			d.cfg.Logger.Warn("data-path connections of a prefill instance lost; it answers on the control plane, so it is not taken for dead",
 				"peer", inst.ID, "peer_agent", agent)
 			return
 		}
+		if ctx.Err() != nil {
+			return // closing
+		}
 		d.cfg.Logger.Warn("prefill instance taken for dead: its data-path connections closed and it does not answer", "peer_agent", agent)
-		d.writerGone(agent, entries)
+		// The entries as of now: pick passes the instance over until a
+		// heartbeat later than the one recorded, and one may have come
+		// during the ping.
+		d.writerGone(agent, d.entriesOf(agent))
 	})
 }
 
@@ -79,8 +93,8 @@ func (d *Decoder) entriesOf(agent string) []Instance {
 }
 
 // answers pings the micro service of each entry that names one and returns
-// the first that answers within writerProbe.
-func (d *Decoder) answers(entries []Instance) (Instance, bool) {
+// the first that answers within writerProbe (and before ctx ends).
+func (d *Decoder) answers(ctx context.Context, entries []Instance) (Instance, bool) {
 	for _, inst := range entries {
 		if inst.Service == "" {
 			continue
@@ -89,11 +103,14 @@ func (d *Decoder) answers(entries []Instance) (Instance, bool) {
 		if err != nil {
 			continue // not a service id: the entry cannot vouch for it
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), writerProbe)
-		_, err = d.nc.RequestWithContext(ctx, subj, nil)
+		pctx, cancel := context.WithTimeout(ctx, writerProbe)
+		_, err = d.nc.RequestWithContext(pctx, subj, nil)
 		cancel()
 		if err == nil {
 			return inst, true
+		}
+		if ctx.Err() != nil {
+			return Instance{}, false
 		}
 		if !errors.Is(err, nats.ErrNoResponders) && !errors.Is(err, context.DeadlineExceeded) {
 			d.cfg.Logger.Warn("ping of a prefill instance", "peer", inst.ID, "err", err)
