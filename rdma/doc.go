@@ -192,10 +192,12 @@
 //     every pool until Done closes. OpenGrant refuses (ErrBusy) bytes that
 //     an open or quarantined grant holds.
 //  6. Optionally watch OnWriterGone: a writer that closed its last
-//     connection (killed, closed) will not write or commit; fail over what
-//     waits for it instead of waiting for its deadline. A live writer
-//     always keeps a connection, and the receiver's own cuts are not
-//     reported.
+//     connection was killed or closed its engine, or something between the
+//     hosts reset every connection (then it connects again for its next
+//     write); fail over what waits for it instead of waiting for its
+//     deadline, after checking on another channel where that matters. A
+//     live writer always keeps a connection, and the receiver's own cuts
+//     are not reported.
 //  7. Close at shutdown: open grants are revoked, regions unmapped; Region.Bytes
 //     must not be used afterwards.
 //

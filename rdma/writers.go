@@ -2,9 +2,10 @@ package rdma
 
 // Writer liveness. A writer engine keeps its connections to a receiver open
 // between writes (pooled tcp connections, the shm control socket), so when
-// the last of them closes the writer has closed its engine or died: the
-// kernel closes a killed process's sockets at once. A receiver that waits for
-// that writer's data learns it then, not at its grant's deadline.
+// the last of them closes the writer has closed its engine or died (the
+// kernel closes a killed process's sockets at once), or something between
+// the hosts reset every connection. A receiver that waits for that writer's
+// data learns it then, not at its grant's deadline.
 
 // OnWriterGone registers f, called with a writer's agent id when the writer
 // closes its last connection to this engine: its process was killed (the
