@@ -158,15 +158,7 @@ func TestHandoffPrefillDeathRetried(t *testing.T) {
 	require.Equal(t, live, o.res.Instance)
 	require.Equal(t, 2, o.res.Attempts)
 	require.Equal(t, int32(3), o.res.FirstToken)
-	checkPattern := func() {
-		i := 0
-		for _, e := range ds.dest(3).Extents() {
-			for _, b := range ds.bytes(e) {
-				require.Equal(t, pattern(3, i), b, "byte %d", i)
-				i++
-			}
-		}
-	}
+	checkPattern := func() { ds.requirePattern(t, 3) }
 	checkPattern()
 	// The dead worker was alive after all: it got the cancel and stopped.
 	require.ErrorIs(t, <-xs[dead].ctxErr, context.Canceled)
@@ -252,13 +244,7 @@ func TestHandoffWriterGoneRetried(t *testing.T) {
 	require.NoError(t, o.err)
 	require.Equal(t, live, o.res.Instance)
 	require.Equal(t, 2, o.res.Attempts)
-	i := 0
-	for _, e := range ds.dest(3).Extents() {
-		for _, b := range ds.bytes(e) {
-			require.Equal(t, pattern(3, i), b, "byte %d", i)
-			i++
-		}
-	}
+	ds.requirePattern(t, 3)
 	// The killed worker's goroutines linger in this process, where a real
 	// kill ends them: abort them, as nothing could cancel them any more.
 	aborted, abort := context.WithCancel(context.Background())
@@ -297,15 +283,7 @@ func TestHandoffSurvivesLiveWriterDroppingItsConnection(t *testing.T) {
 		}
 		return nil
 	})
-	type out struct {
-		res Result
-		err error
-	}
-	done := make(chan out, 1)
-	go func() {
-		res, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
-		done <- out{res, err}
-	}()
+	done := ds.handoffAsync(d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
 	require.Equal(t, uint64(3), <-x.started)
 
 	// Another request's write from p1 whose context ended: the writer drops
@@ -369,15 +347,7 @@ func TestHandoffSurvivesDataPathReset(t *testing.T) {
 		}
 		return nil
 	})
-	type out struct {
-		res Result
-		err error
-	}
-	done := make(chan out, 1)
-	go func() {
-		res, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(30 * time.Second)})
-		done <- out{res, err}
-	}()
+	done := ds.handoffAsync(d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(30 * time.Second)})
 	<-x.started
 	proxy.Reset()
 	require.Equal(t, rdma.AgentID("p1"), <-gone)
@@ -396,13 +366,7 @@ func TestHandoffSurvivesDataPathReset(t *testing.T) {
 	o := <-done
 	require.NoError(t, o.err)
 	require.Equal(t, "p1", o.res.Instance)
-	i := 0
-	for _, e := range ds.dest(3).Extents() {
-		for _, b := range ds.bytes(e) {
-			require.Equal(t, pattern(3, i), b, "byte %d", i)
-			i++
-		}
-	}
+	ds.requirePattern(t, 3)
 	require.NoError(t, ds.m.Free(3))
 	ds.requireInitial(t)
 	ps.requireInitial(t)

@@ -137,6 +137,35 @@ func (s *side) requireInitial(t *testing.T) {
 	})
 }
 
+// handoffOut is what a handoff run by handoffAsync returned.
+type handoffOut struct {
+	res Result
+	err error
+}
+
+// handoffAsync runs s.handoff on a goroutine and delivers its outcome.
+func (s *side) handoffAsync(d *Decoder, req Request) <-chan handoffOut {
+	done := make(chan handoffOut, 1)
+	go func() {
+		res, err := s.handoff(context.Background(), d, req)
+		done <- handoffOut{res, err}
+	}()
+	return done
+}
+
+// requirePattern checks every byte of request id's destination: the test
+// executor's pattern, in the order of the destination's extents.
+func (s *side) requirePattern(t *testing.T, id uint64) {
+	t.Helper()
+	i := 0
+	for _, e := range s.dest(id).Extents() {
+		for _, b := range s.bytes(e) {
+			require.Equal(t, pattern(id, i), b, "byte %d", i)
+			i++
+		}
+	}
+}
+
 // pattern is the byte the test executor writes at offset i of request id's
 // cache: the receiver checks every byte it got.
 func pattern(id uint64, i int) byte { return byte(id*31 + uint64(i)*7 + uint64(i>>8)) }
