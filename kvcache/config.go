@@ -222,7 +222,7 @@ func (c Config) KVExtent(b BlockID, layer int, kv KV) Extent {
 // TokenOffset returns the arena offset of head head of the token in slot
 // slot (0 .. TokensPerBlock-1) of block b, layer layer, half kv. The head's
 // HeadDim*ElemSize bytes start there, and the next slot's of the same head
-// follow them (HeadExtent). It panics on out-of-range arguments.
+// follow them. It panics on out-of-range arguments.
 func (c Config) TokenOffset(b BlockID, layer int, kv KV, slot, head int) int64 {
 	e := c.KVExtent(b, layer, kv)
 	if slot < 0 || slot >= c.TokensPerBlock {
@@ -232,13 +232,6 @@ func (c Config) TokenOffset(b BlockID, layer int, kv KV, slot, head int) int64 {
 		panic(fmt.Sprintf("kvcache: head %d outside 0..%d", head, c.KVHeads-1))
 	}
 	return e.Offset + int64(head)*c.headBytes() + int64(slot)*int64(c.HeadDim)*int64(c.ElemSize)
-}
-
-// HeadExtent returns the bytes of head head of block b, layer layer, half
-// kv: its TokensPerBlock slots, [TokensPerBlock][HeadDim] elements. It
-// panics on out-of-range arguments.
-func (c Config) HeadExtent(b BlockID, layer int, kv KV, head int) Extent {
-	return Extent{Offset: c.TokenOffset(b, layer, kv, 0, head), Length: c.headBytes()}
 }
 
 func (c Config) checkBlock(b BlockID) {

@@ -24,7 +24,7 @@
 // Within a (block, layer, K|V) the heads are outermost ([H][T][D], "HND"),
 // as TensorRT-LLM's attention kernels address a block (KVBlockArray:
 // [numHeads, tokensPerBlock, hiddenSizePerHead]). So a head's T slots are
-// one contiguous stretch of T*D*E bytes (Config.HeadExtent), and a
+// one contiguous stretch of T*D*E bytes, and a
 // tensor-parallel shard's heads of a block one stretch per (layer, K|V):
 // resharding between TP sizes moves head slices of kilobytes, not a few
 // hundred bytes per token.

@@ -87,8 +87,8 @@ func TestConfigLayout(t *testing.T) {
 	// slot 2, head 1 of block 1 layer 1 V, heads outermost ([H][T][D]):
 	// 256+192 + 1*(4*4*2) + 2*(4*2)
 	require.EqualValues(t, 256+192+32+16, c.TokenOffset(1, 1, V, 2, 1))
-	require.Equal(t, Extent{Offset: 256 + 192 + 32, Length: 32}, c.HeadExtent(1, 1, V, 1))
-	require.Panics(t, func() { c.HeadExtent(0, 0, K, 2) })
+	// the next slot of the same head follows it
+	require.EqualValues(t, 256+192+32+24, c.TokenOffset(1, 1, V, 3, 1))
 
 	require.Panics(t, func() { c.KVExtent(8, 0, K) })
 	require.Panics(t, func() { c.KVExtent(0, 2, K) })

@@ -148,11 +148,11 @@ func viaTP1(e Executor, cs []Cache, tokens int, call func(Cache) ([]float32, err
 // tp1View is a TP-1 scratch copy of a request's cache on a TP group's
 // shards (viaTP1).
 type tp1View struct {
-	one                   Cache
-	cs                    []Cache
-	nb                    int // the request's blocks
-	kvOut, mOut           *reshard.Plan
-	kvRowBytes, mRowBytes int64 // of one row of a shard's unit
+	one         Cache
+	cs          []Cache
+	nb          int // the request's blocks
+	kvOut, mOut *reshard.Plan
+	mRowBytes   int64 // of one row of a shard's Mamba unit
 }
 
 // newTP1View checks the shards' caches for a request of tokens positions
@@ -198,9 +198,6 @@ func newTP1View(e Executor, cs []Cache, tokens int, gather bool) (*tp1View, erro
 		return nil, err
 	}
 	v.kvOut, v.mOut = kvOut, mOut
-	if kvOut != nil {
-		v.kvRowBytes = kvOut.Layout.RowBytes(tp)
-	}
 	if mOut != nil {
 		v.mRowBytes = mOut.Layout.RowBytes(tp)
 	}
@@ -294,14 +291,11 @@ func (v *tp1View) scatterKV(layer, from, to int) {
 		return
 	}
 	t := v.one.KV.TokensPerBlock
-	head := v.kvOut.Layout.Sections[0].ItemBytes // one head's t slots
-	slot := head / int64(t)
 	for k := from / t; k*t < to && k < v.nb; k++ {
 		s0, s1 := int64(max(from, k*t)-k*t), int64(min(to, (k+1)*t)-k*t)
-		row := 2 * int64(layer) * v.kvRowBytes // K, then V
-		for h := row; h < row+2*v.kvRowBytes; h += head {
+		for lo, hi := range reshard.LayerSlots(v.kvOut, t, layer, s0, s1) {
 			for r := range v.cs {
-				reshard.ApplyRange(v.unit(&v.cs[r], true, k), v.unit(&v.one, true, k), v.kvOut.Copies(0, r), h+s0*slot, h+s1*slot)
+				reshard.ApplyRange(v.unit(&v.cs[r], true, k), v.unit(&v.one, true, k), v.kvOut.Copies(0, r), lo, hi)
 			}
 		}
 	}

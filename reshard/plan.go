@@ -263,3 +263,25 @@ func (p *Plan) Order(dst int) []Sourced {
 	}
 	return slices.Clip(merged)
 }
+
+// LayerSlots yields the byte ranges [lo, hi) of a destination unit of p, a
+// plan of KV(c) with c.TokensPerBlock = tpb, that hold KV layer layer's
+// slots [s0, s1): one range per head of the layer's K row and of its V
+// row, or, for all tpb slots, the two rows as one range.
+func LayerSlots(p *Plan, tpb, layer int, s0, s1 int64) iter.Seq2[int64, int64] {
+	return func(yield func(lo, hi int64) bool) {
+		rb := p.Layout.RowBytes(p.To)          // one layer's K (or V) of a destination shard
+		head := p.Layout.Sections[0].ItemBytes // one head's tpb slots in it
+		k := int64(2*layer) * rb               // the K row; the V row follows
+		if s0 == 0 && s1 == int64(tpb) {
+			yield(k, k+2*rb)
+			return
+		}
+		slot := head / int64(tpb)
+		for h := k; h < k+2*rb; h += head {
+			if !yield(h+s0*slot, h+s1*slot) {
+				return
+			}
+		}
+	}
+}

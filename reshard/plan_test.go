@@ -319,3 +319,40 @@ func TestPieces(t *testing.T) {
 	}
 	require.Equal(t, 1, n)
 }
+
+// LayerSlots covers exactly the bytes the destination shard's kvcache
+// layout gives slots [s0, s1) of the layer, K and V, every head.
+func TestLayerSlots(t *testing.T) {
+	c := kvcache.Config{Layers: 3, KVHeads: 4, HeadDim: 2, ElemSize: 2, TokensPerBlock: 4, Blocks: 1}
+	for _, to := range []int{1, 2, 4, 8} {
+		p, err := New(KV(c), 1, to)
+		require.NoError(t, err)
+		sc, err := KVShard(c, to)
+		require.NoError(t, err)
+		for layer := range c.Layers {
+			for s0 := range c.TokensPerBlock {
+				for s1 := s0 + 1; s1 <= c.TokensPerBlock; s1++ {
+					want := make([]bool, sc.BlockBytes())
+					for _, kv := range []kvcache.KV{kvcache.K, kvcache.V} {
+						for h := range sc.KVHeads {
+							for s := s0; s < s1; s++ {
+								off := sc.TokenOffset(0, layer, kv, s, h)
+								for i := off; i < off+int64(c.HeadDim*c.ElemSize); i++ {
+									want[i] = true
+								}
+							}
+						}
+					}
+					got := make([]bool, sc.BlockBytes())
+					for lo, hi := range LayerSlots(p, c.TokensPerBlock, layer, int64(s0), int64(s1)) {
+						for i := lo; i < hi; i++ {
+							require.False(t, got[i], "TP %d layer %d [%d, %d): byte %d twice", to, layer, s0, s1, i)
+							got[i] = true
+						}
+					}
+					require.Equal(t, want, got, "TP %d layer %d slots [%d, %d)", to, layer, s0, s1)
+				}
+			}
+		}
+	}
+}

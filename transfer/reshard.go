@@ -179,10 +179,6 @@ func (r *Resharder) Pieces(dst []Piece, shards []ShardSource, f Finished, blocks
 	if r.kv == nil || f.Layer < 0 || 2*f.Layer >= r.kv.Layout.Rows || f.From < 0 || f.To < f.From {
 		return dst, fmt.Errorf("%w: kv layer %d positions [%d, %d)", rdma.ErrOutOfRange, f.Layer, f.From, f.To)
 	}
-	rb := r.kv.Layout.RowBytes(r.to)          // a receiver shard's K (or V) of one layer of a block
-	head := r.kv.Layout.Sections[0].ItemBytes // one head's t slots in it
-	slot := head / int64(t)
-	kLo := int64(2*f.Layer) * rb // the layer's K row starts here in a block; its V row follows
 	end := f.To
 	if f.End {
 		end = (f.To + t - 1) / t * t
@@ -194,12 +190,8 @@ func (r *Resharder) Pieces(dst []Piece, shards []ShardSource, f Finished, blocks
 		}
 		for rd := range r.to {
 			at := uint64(rd)*kvBytes + uint64(k)*uint64(r.kv.DstBytes)
-			if s0 == 0 && s1 == int64(t) {
-				dst = cut(dst, r.kvOrd[rd], kLo, kLo+2*rb, at, src)
-				continue
-			}
-			for h := kLo; h < kLo+2*rb; h += head { // each head of K, then of V: slots [s0, s1)
-				dst = cut(dst, r.kvOrd[rd], h+s0*slot, h+s1*slot, at, src)
+			for lo, hi := range reshard.LayerSlots(r.kv, t, f.Layer, s0, s1) {
+				dst = cut(dst, r.kvOrd[rd], lo, hi, at, src)
 			}
 		}
 	}
