@@ -116,7 +116,10 @@ var messageFields = map[string]fieldOf[message]{
 		if isNull(raw) {
 			return nil
 		}
-		return unmarshal(name, raw, &m.name, "a string")
+		if e := unmarshal(name, raw, &m.name, "a string"); e != nil {
+			return e
+		}
+		return checkName(name, m.name)
 	},
 	"content": func(name string, raw json.RawMessage, m *message) *apiError {
 		m.set[name] = true
@@ -163,6 +166,27 @@ var messageFields = map[string]fieldOf[message]{
 	"audio": func(name string, raw json.RawMessage, _ *message) *apiError {
 		return emptyOr(name, raw, "Audio is not supported.")
 	},
+}
+
+// maxNameLen is the longest messages[].name taken, as OpenAI's limit.
+const maxNameLen = 64
+
+// checkName refuses a participant name outside OpenAI's pattern
+// ^[a-zA-Z0-9_-]+$ (at most maxNameLen bytes), as OpenAI does: 400
+// invalid_value. The name is spliced into the template's header line
+// (<|user:name|>), so a name carrying "|>" or a newline would forge a header
+// of another role; the pattern is what makes the splice safe.
+func checkName(param, name string) *apiError {
+	ok := name != "" && len(name) <= maxNameLen
+	for i := 0; ok && i < len(name); i++ {
+		c := name[i]
+		ok = c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '-'
+	}
+	if !ok {
+		return invalidValue(param, "Invalid value: %q. A message name must match the pattern '^[a-zA-Z0-9_-]+$' "+
+			"and have at most %d characters.", name, maxNameLen)
+	}
+	return nil
 }
 
 // contentPart is one part of a message's content.
