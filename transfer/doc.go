@@ -69,7 +69,9 @@
 // its data-path connections to this decoder closed: rdma.Engine.OnWriterGone,
 // which a killed worker's kernel triggers, and its micro service did not
 // answer a ping: a reset of every connection between live hosts reports the
-// same, see watchWriters), or when the grant fails because
+// same, see watchWriters; one that answered is pinged every 200 ms until it
+// connects again, so its death in that window is known as fast), or when
+// the grant fails because
 // the writer's connection closed mid-write and the serving instance is known
 // (a request sent to the queue group names it only in its reply), or that
 // instance replies peer_failed first (its own write failed so; the receiver's
@@ -82,7 +84,11 @@
 // queue group (which could route back to it): with no other live instance
 // known the request fails with ErrPeerFailed. One whose write merely failed
 // (a reset connection) may take the retry from the queue group when it is
-// the only one.
+// the only one. A request outstanding at the queue group names no instance,
+// so any prefill instance reported dead may be the one serving it: it is
+// retried fenced as above (an attempt spent when another worker was serving
+// it), never left waiting for its deadline. Sends that found no responder
+// spend no attempt of MaxAttempts; NoResponderWait bounds them.
 //
 // A NATS connection that drops loses what it carried: a request routed to a
 // worker, or a reply published while the decoder was away. The decoder notes
@@ -118,9 +124,9 @@
 // bucket moved on is restarted. Decoders watch
 // prefill instances (targeted retries; a watched instance that disappears
 // moves the handoffs addressed to it to another instance, fenced as above, or
-// fails them with ErrPeerFailed; a request taken
-// through the queue group names its instance only in the reply, so until
-// then a silent death is bounded by the deadline); prefillers watch decode
+// fails them with ErrPeerFailed; a request taken through the queue group
+// names its instance only in the reply, so any death moves it, as above);
+// prefillers watch decode
 // instances, pre-connect their data plane to each one as it appears (so no
 // handoff pays the connection set-up) and stop work for one that disappears.
 // A prefiller that shuts down stays registered until its requests are done

@@ -183,7 +183,7 @@ type RecvParams struct {
 	RequestID      uint64
 	MaxDraftTokens int
 	Deadline       time.Time
-	MaxAttempts    int // prefill attempts, >= 1
+	MaxAttempts    int // prefill attempts a worker heard (no-responder sends are bounded by QuietWait), >= 1
 	// QuietWait is how long a request the prefill queue group has no
 	// responder for keeps being sent again, with a backoff, before it fails
 	// with no_prefill_worker: workers restarting, or resubscribing after a
@@ -203,11 +203,18 @@ type RecvSession struct {
 	pending Code // failure decided while busy
 	granted bool
 
-	attempts    int
-	outstanding bool     // a request is in flight without an answer
-	target      string   // instance the outstanding request was sent to ("" queue group)
-	refused     []string // instances that refused this request or were found gone: not retried
-	dead        []string // instances reported dead while serving this request: their replies are ignored
+	attempts int
+	// unheard counts the attempts no worker heard (no responder, with a
+	// QuietWait): they spend no attempt of the budget, which bounds the
+	// attempts a worker took and failed (spent).
+	unheard     int
+	outstanding bool   // a request is in flight without an answer
+	target      string // instance the outstanding request was sent to ("" queue group)
+	// graceFor is the instance reported gone whose reply a committed
+	// request waits for until replyBy.
+	graceFor string
+	refused  []string // instances that refused this request or were found gone: not retried
+	dead     []string // instances reported dead while serving this request: their replies are ignored
 	// retryAt is when a request that found no responder is sent again
 	// (zero: none pending); quiet counts those in a row since quietSince.
 	retryAt    time.Time
@@ -328,6 +335,13 @@ func (s *RecvSession) Step(ev Event) []Action {
 			return nil
 		}
 		s.outstanding = false
+		if s.p.QuietWait > 0 {
+			// No worker heard it: the attempt is not spent. Sends that
+			// find no responder are bounded by QuietWait (and each
+			// instance asked directly is asked once), not by the budget
+			// that a worker's real failures draw on.
+			s.unheard++
+		}
 		if s.target != "" || s.p.QuietWait <= 0 {
 			if s.target != "" && !slices.Contains(s.refused, s.target) {
 				// Its subject has no subscriber: it is gone, or it is
@@ -335,7 +349,7 @@ func (s *RecvSession) Step(ev Event) []Action {
 				s.refused = append(s.refused, s.target)
 			}
 			// Another instance may serve it now; nothing was written.
-			if !s.committed && s.attempts < s.p.MaxAttempts && ev.Now.Before(s.p.Deadline) {
+			if !s.committed && s.spent() < s.p.MaxAttempts && ev.Now.Before(s.p.Deadline) {
 				return s.send("")
 			}
 			if s.p.QuietWait <= 0 {
@@ -431,7 +445,7 @@ func (s *RecvSession) Step(ev Event) []Action {
 			// bytes are here, its first token is not. Another instance
 			// prefills the request again into a fresh grant.
 			s.replyBy = time.Time{}
-			return s.regrantOr(ev.Now, s.target, true)
+			return s.regrantOr(ev.Now, s.graceFor, true)
 		}
 		if !s.retryAt.IsZero() && !ev.Now.Before(s.retryAt) && s.state == StateWaiting && !s.outstanding {
 			return s.send("")
@@ -457,12 +471,22 @@ func (s *RecvSession) Step(ev Event) []Action {
 		if s.state != StateWaiting || ev.Instance == "" {
 			return nil
 		}
-		if s.outstanding && s.target == ev.Instance && s.committed && s.replyBy.IsZero() {
+		// A request sent to the queue group names no instance: whichever
+		// worker took it is unknown until it replies, and may be the one
+		// that died (after a failed write on the only instance, the retry
+		// goes to the group and comes back to it). Dropping the news would
+		// leave the request waiting out its deadline, holding its blocks
+		// and row. It is taken as the serving instance's death: the retry
+		// is fenced like any other (the old grant is revoked before a new
+		// one opens), so when another worker was serving it, an attempt is
+		// spent and nothing else is lost.
+		serving := s.outstanding && (s.target == ev.Instance || s.target == "")
+		if serving && s.committed && s.replyBy.IsZero() {
 			// Its bytes are all here; its reply may be on the way still.
-			s.replyBy = ev.Now.Add(lateReplyGrace)
+			s.replyBy, s.graceFor = ev.Now.Add(lateReplyGrace), ev.Instance
 			return nil
 		}
-		if (s.outstanding && s.target == ev.Instance) || (s.replied && s.replyInstance == ev.Instance) {
+		if serving || (s.replied && s.replyInstance == ev.Instance) {
 			return s.regrantOr(ev.Now, ev.Instance, true)
 		}
 		return nil
@@ -470,11 +494,12 @@ func (s *RecvSession) Step(ev Event) []Action {
 	return nil
 }
 
+// spent is the attempts of the budget used: those sent that a worker heard.
+func (s *RecvSession) spent() int { return s.attempts - s.unheard }
+
 // stale reports whether ev answers an attempt before the last one sent.
 func (s *RecvSession) stale(ev Event) bool { return ev.Attempt != 0 && ev.Attempt != s.attempts }
 
-// ignores reports whether replies from instance are dropped: it was reported
-// dead while serving this request, and its attempt was abandoned.
 // Ignores reports whether a reply from instance is ignored: it was reported
 // dead while serving this request (its late replies must not count).
 func (s *RecvSession) Ignores(instance string) bool {
@@ -506,7 +531,7 @@ func (s *RecvSession) acts(as ...Action) []Action { return append(s.out[:0], as.
 // that carries the first token it cannot be delivered, and the new attempt
 // overwrites every byte it covered.
 func (s *RecvSession) regrantOr(now time.Time, failed string, gone bool) []Action {
-	if s.attempts >= s.p.MaxAttempts || !now.Before(s.p.Deadline) {
+	if s.spent() >= s.p.MaxAttempts || !now.Before(s.p.Deadline) {
 		return s.fail(CodePeerFailed)
 	}
 	acts := s.out[:0]
@@ -535,7 +560,7 @@ func (s *RecvSession) regrantOr(now time.Time, failed string, gone bool) []Actio
 // its ticket lands after that, and its late reply answers a stale attempt),
 // and a fresh grant opened over the same destination.
 func (s *RecvSession) resend(now time.Time) []Action {
-	if s.attempts >= s.p.MaxAttempts || !now.Before(s.p.Deadline) {
+	if s.spent() >= s.p.MaxAttempts || !now.Before(s.p.Deadline) {
 		return nil
 	}
 	acts := append(s.out[:0], Action{Kind: ActPublishCancel, Instance: s.target, Code: CodeCancelled})
@@ -550,7 +575,7 @@ func (s *RecvSession) resend(now time.Time) []Action {
 // retryOr retries where that is safe (nothing was written: no commit seen, the
 // refusal came before admission) and the deadline and attempt budget allow.
 func (s *RecvSession) retryOr(now time.Time, code Code) []Action {
-	if !s.committed && s.attempts < s.p.MaxAttempts && now.Before(s.p.Deadline) {
+	if !s.committed && s.spent() < s.p.MaxAttempts && now.Before(s.p.Deadline) {
 		return s.send("")
 	}
 	return s.fail(code)
