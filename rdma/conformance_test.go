@@ -727,6 +727,8 @@ func TestWriterGone(t *testing.T) {
 				t.Fatalf("%s reported gone while it lives", a)
 			case <-time.After(50 * time.Millisecond):
 			}
+			require.True(t, rx.WriterConnected("gone-tx"))
+			require.False(t, rx.WriterConnected("someone-else"))
 			require.NoError(t, tx.Close())
 			select {
 			case a := <-gone:
@@ -734,6 +736,7 @@ func TestWriterGone(t *testing.T) {
 			case <-time.After(5 * time.Second):
 				t.Fatal("no report after the writer closed")
 			}
+			require.False(t, rx.WriterConnected("gone-tx"))
 			select {
 			case a := <-gone:
 				t.Fatalf("a second report for %s", a)

@@ -32,6 +32,14 @@ func (e *Engine) OnWriterGone(f func(AgentID)) (stop func()) {
 	}
 }
 
+// WriterConnected reports whether agent holds a data-path connection to this
+// engine that passed its hello.
+func (e *Engine) WriterConnected(agent AgentID) bool {
+	e.writersMu.Lock()
+	defer e.writersMu.Unlock()
+	return e.writers[agent] > 0
+}
+
 // writerUp counts a connection from agent that passed its hello.
 func (e *Engine) writerUp(agent AgentID) {
 	e.writersMu.Lock()

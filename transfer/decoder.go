@@ -136,6 +136,7 @@ var _ publisher = (*nats.Conn)(nil)
 type receiverEngine interface {
 	OpenGrant(spec rdma.GrantSpec) (*rdma.Grant, error)
 	Descriptor() rdma.Descriptor
+	WriterConnected(agent rdma.AgentID) bool // writer watch (writergone.go)
 }
 
 var _ receiverEngine = (*rdma.Engine)(nil)

@@ -65,7 +65,9 @@ func (d *Decoder) writerLost(agent string) {
 		if inst, ok := d.answers(ctx, d.entriesOf(agent)); ok {
 			d.cfg.Logger.Warn("data-path connections of a prefill instance lost; it answers on the control plane, so it is not taken for dead",
 				"peer", inst.ID, "peer_agent", agent)
-			return
+			if !d.watchWriter(ctx, rdma.AgentID(agent)) {
+				return
+			}
 		}
 		if ctx.Err() != nil {
 			return // closing
@@ -76,6 +78,42 @@ func (d *Decoder) writerLost(agent string) {
 		// during the ping.
 		d.writerGone(agent, d.entriesOf(agent))
 	})
+}
+
+// writerWatch is how often a writer whose data path was lost, but that
+// answered on the control plane, is pinged again until it connects again.
+const writerWatch = 200 * time.Millisecond
+
+// watchWriter keeps a writer that answered after losing every data-path
+// connection under watch: until it connects again (its next write dials;
+// from then on its death closes that connection and is reported at once),
+// it is pinged every writerWatch. While it has no connection nothing else
+// would report its death before the registry's TTL: a retry of a request
+// whose write the reset cut goes to it (through the queue group, when it is
+// the only instance), and if it is then killed, the decoder must learn it
+// in milliseconds, not seconds. watchWriter returns true when a ping went
+// unanswered (the writer is to be taken for dead), false when it connected
+// again, left the registry (whose own news covers it) or ctx ended.
+func (d *Decoder) watchWriter(ctx context.Context, agent rdma.AgentID) bool {
+	t := time.NewTicker(writerWatch)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return false
+		case <-t.C:
+		}
+		if d.eng.WriterConnected(agent) {
+			return false
+		}
+		entries := d.entriesOf(string(agent))
+		if len(entries) == 0 {
+			return false
+		}
+		if _, ok := d.answers(ctx, entries); !ok {
+			return ctx.Err() == nil
+		}
+	}
 }
 
 // entriesOf returns the registry's prefill entries that name agent.
