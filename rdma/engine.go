@@ -74,7 +74,7 @@ type Config struct {
 	Agent      AgentID       // unique per process; required
 	Transports []Transport   // served transports; default all three (shm only on linux)
 	TCPAddr    string        // listen address, default "127.0.0.1:0"
-	Advertise  string        // advertised TCP address (POD_IP:port); default the listener's
+	Advertise  string        // advertised TCP address (POD_IP:port; port 0: the listener's); default the listener's
 	ShmSocket  string        // unix socket path for shm control; default a fresh path in os.TempDir()
 	Host       string        // host identity; default boot id (else hostname) plus mount namespace
 	GrantTTL   time.Duration // deadline of grants opened without one; default 60s

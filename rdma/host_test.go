@@ -33,3 +33,13 @@ func TestDefaultAdvertise(t *testing.T) {
 		require.Equal(t, wild.String(), got)
 	}
 }
+
+// A configured address is advertised as given, except that its port 0
+// (an ephemeral listener) is the listener's: peers cannot dial port 0.
+func TestAdvertisedPortZero(t *testing.T) {
+	ln := &net.TCPAddr{IP: net.IPv4zero, Port: 41234}
+	require.Equal(t, "192.0.2.7:41234", advertised("192.0.2.7:0", ln))
+	require.Equal(t, "[2001:db8::5]:41234", advertised("[2001:db8::5]:0", ln))
+	require.Equal(t, "pod.example:7400", advertised("pod.example:7400", ln), "a port given is honoured")
+	require.Equal(t, defaultAdvertise(ln), advertised("", ln))
+}

@@ -70,14 +70,26 @@ func defaultAdvertise(a *net.TCPAddr) string {
 	return a.String()
 }
 
+// advertised is the address peers dial for listener a: advertise as
+// configured, where a port of 0 (never dialable) stands for the
+// listener's, so that one interface's address can be advertised for a
+// listener on an ephemeral port; defaultAdvertise when none is configured.
+func advertised(advertise string, a *net.TCPAddr) string {
+	if advertise == "" {
+		return defaultAdvertise(a)
+	}
+	if h, p, err := net.SplitHostPort(advertise); err == nil && p == "0" {
+		return net.JoinHostPort(h, strconv.Itoa(a.Port))
+	}
+	return advertise
+}
+
 func startTCP(e *Engine, addr, advertise string) (*tcpServer, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("rdma: tcp listen %s: %w", addr, err)
 	}
-	if advertise == "" {
-		advertise = defaultAdvertise(ln.Addr().(*net.TCPAddr))
-	}
+	advertise = advertised(advertise, ln.Addr().(*net.TCPAddr))
 	if e.cfg.TLS != nil {
 		ln = tls.NewListener(ln, serverTLS(e.cfg.TLS))
 	}

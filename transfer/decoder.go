@@ -167,7 +167,9 @@ type Decoder struct {
 	// gone holds prefill instances reported gone by the data plane
 	// (watchWriters) with the heartbeat time of their registry entry then:
 	// pick passes them over until the entry is refreshed (a live instance
-	// heartbeats again) or expires.
+	// heartbeats again, or a new incarnation took the id over) or expires.
+	// Only an incarnation found dead is recorded (writerGone), so one that
+	// restarted under the id is usable at once.
 	gone   map[string]int64
 	closed bool
 	done   chan struct{}
@@ -195,6 +197,11 @@ type call struct {
 	// since the last take, "" for this decoder's own (under Decoder.mu).
 	lost   []string
 	target string // the instance addressed directly, if any (under Decoder.mu)
+	// svc is the micro service (the incarnation: Instance.Service) target's
+	// registry entry named when it was addressed, anyIncarnation when not
+	// known (under Decoder.mu): the death of another incarnation under the
+	// same id is not this call's.
+	svc string
 }
 
 func (c *call) init() {
@@ -315,7 +322,10 @@ func (d *Decoder) startRegistry(ctx context.Context) error {
 		}
 		d.mu.Unlock()
 		if gone {
-			d.peerDied(inst.ID)
+			// Expired or deleted, or taken over by a new incarnation (the
+			// registry reports the old one gone first): the handoffs that
+			// addressed the new one are not told.
+			d.incarnationDied(inst.ID, inst.Service)
 		}
 	})
 	self := func() Instance {
@@ -366,10 +376,30 @@ func (d *Decoder) onReply(m *nats.Msg) {
 	}
 }
 
-func (d *Decoder) peerDied(instance string) {
+// anyIncarnation, as the service of incarnationDied, stands for every
+// incarnation of the instance. Not a micro service id (those are nuids).
+const anyIncarnation = "*"
+
+// peerDied tells every handoff in flight that instance died, whichever
+// incarnation of it it addressed.
+func (d *Decoder) peerDied(instance string) { d.incarnationDied(instance, anyIncarnation) }
+
+// incarnationDied tells the handoffs in flight that the incarnation of
+// instance whose micro service is svc (Instance.Service; anyIncarnation:
+// whichever) died. A handoff that addressed another incarnation under the
+// same id is not told: that one lives (a restart took the id over, and the
+// handoff was addressed to the new process). Every other one is; its
+// session acts on it only where it waits on instance. A request sent
+// through the queue group names its incarnation nowhere: one the new
+// incarnation answered and whose commit is still on its way is told too,
+// and costs a fenced retry, never a wrong byte.
+func (d *Decoder) incarnationDied(instance, svc string) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for _, c := range d.calls {
+		if c.target == instance && svc != anyIncarnation && c.svc != anyIncarnation && c.svc != svc {
+			continue
+		}
 		if !slices.Contains(c.dead, instance) {
 			c.dead = append(c.dead, instance)
 		}
@@ -712,9 +742,10 @@ func (h *handoff) exec(a session.Action) (session.Event, bool) {
 func (h *handoff) send(a session.Action) (string, error) {
 	d := h.d
 	subj := d.prefillSub
-	target := a.Instance
+	target, svc := a.Instance, anyIncarnation // the session names no incarnation
 	if target == "" && (a.Attempt > 1 || d.cfg.DirectFirst || a.Live) && d.reg != nil {
-		target = d.pick(a.Exclude)
+		inst := d.pick(a.Exclude)
+		target, svc = inst.ID, inst.Service
 	}
 	if target == "" && a.Live {
 		// The queue group could hand the request back to the instance reported
@@ -725,7 +756,7 @@ func (h *handoff) send(a session.Action) (string, error) {
 		subj = Subject(d.cfg.Prefix, d.cfg.Namespace, SubjectInstancePrefill, target)
 	}
 	d.mu.Lock()
-	h.c.target = target // "" after a fall-back to the queue group: pick stops counting it
+	h.c.target, h.c.svc = target, svc // "" after a fall-back to the queue group: pick stops counting it
 	d.mu.Unlock()
 	tk := h.grant.Ticket()
 	msg := PrefillRequest{
@@ -762,11 +793,12 @@ func (h *handoff) send(a session.Action) (string, error) {
 // pick chooses the live prefill instance with the same layout, not draining
 // and not in exclude, with the least load: the requests it announced in flight (as of its
 // last heartbeat) plus the ones this decoder addressed to it since. Ties go
-// round-robin, so a burst between two heartbeats spreads out.
-func (d *Decoder) pick(exclude []string) string {
+// round-robin, so a burst between two heartbeats spreads out. It returns
+// the instance's registry entry, or the zero Instance when none will do.
+func (d *Decoder) pick(exclude []string) Instance {
 	insts := d.reg.Instances(RolePrefill, time.Now())
 	if len(insts) == 0 {
-		return ""
+		return Instance{}
 	}
 	d.mu.Lock()
 	mine := make(map[string]int, len(insts))
@@ -780,7 +812,8 @@ func (d *Decoder) pick(exclude []string) string {
 		gone = maps.Clone(d.gone)
 	}
 	d.mu.Unlock()
-	target, best := "", 0
+	var target Instance
+	best := 0
 	off := int(d.picks.Add(1))
 	for i := range insts {
 		inst := insts[(off+i)%len(insts)]
@@ -790,8 +823,8 @@ func (d *Decoder) pick(exclude []string) string {
 		if at, ok := gone[inst.ID]; ok && inst.Updated == at {
 			continue // reported gone, no heartbeat since
 		}
-		if load := inst.Capacity.Inflight + mine[inst.ID]; target == "" || load < best {
-			target, best = inst.ID, load
+		if load := inst.Capacity.Inflight + mine[inst.ID]; target.ID == "" || load < best {
+			target, best = inst, load
 		}
 	}
 	return target

@@ -65,7 +65,8 @@
 // frees the blocks and row then. It retries on another worker only when nothing can have been
 // written (no responders, capacity refused) and the deadline and MaxAttempts
 // allow, or when the instance serving the request is reported dead before a
-// commit was accepted (its registry entry expired, or, at once, every one of
+// commit was accepted (its registry entry expired or was taken over by a new
+// incarnation, see Registry; or, at once, every one of
 // its data-path connections to this decoder closed: rdma.Engine.OnWriterGone,
 // which a killed worker's kernel triggers, and its micro service did not
 // answer a ping: a reset of every connection between live hosts reports the
@@ -121,7 +122,13 @@
 // announcers recreate it on a failed heartbeat and watchers, which check it
 // every heartbeat, watch the new one (entries reappear within a heartbeat or
 // two). A watch whose consumer fell silent (a stream leader died) while the
-// bucket moved on is restarted. Decoders watch
+// bucket moved on is restarted. An instance restarted under the same id (a
+// pod keeps $POD_NAME) before its entry expired keeps its key, but its
+// entry names another micro service (Instance.Service, one per process):
+// watchers take that for the old incarnation's death, then see the new
+// one, usable at once. A decoder tells the handoffs served by the old one
+// (a fenced retry, as for any death), not those it addressed to the new
+// one. Decoders watch
 // prefill instances (targeted retries; a watched instance that disappears
 // moves the handoffs addressed to it to another instance, fenced as above, or
 // fails them with ErrPeerFailed; a request taken through the queue group

@@ -371,3 +371,89 @@ func TestHandoffSurvivesDataPathReset(t *testing.T) {
 	ds.requireInitial(t)
 	ps.requireInitial(t)
 }
+
+// TestHandoffPrefillRestartedUnderSameID: the prefill worker serving a
+// handoff dies and comes back at once under the same instance id (a pod
+// restarted in place keeps $POD_NAME), long before its registry entry
+// could expire. Its host vanished, so no data-path connection closes to
+// tell the decoder. The new incarnation's entry names another micro
+// service under the same key: the decoder takes that for the old
+// incarnation's death, fences the grant and retries on the other worker at
+// once, not at the deadline; and it addresses the new incarnation at once.
+func TestHandoffPrefillRestartedUnderSameID(t *testing.T) {
+	f := newFixture(t)
+	ds := newSideOn(t, "dec", testHybrid(64, 8), rdma.TransportTCP)
+	old := newSideOn(t, "p1", testHybrid(64, 8), rdma.TransportTCP)
+	xOld := newExec(old)
+	xOld.block = make(chan struct{})
+	pOld := f.prefiller("p1", f.fp, xOld, withRegistryP)
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
+	service := func(id string) string {
+		for _, inst := range d.Registry().Instances(RolePrefill, time.Now()) {
+			if inst.ID == id {
+				return inst.Service
+			}
+		}
+		return ""
+	}
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if service("p1") == "" {
+			return fmt.Errorf("p1 not known with its service")
+		}
+		return nil
+	})
+	oldService := service("p1")
+	const deadline = 20 * time.Second
+	done := ds.handoffAsync(d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(deadline)})
+	require.Equal(t, uint64(3), <-xOld.started)
+
+	// The worker that takes the retry.
+	ps2 := newSideOn(t, "p2", testHybrid(64, 8), rdma.TransportTCP)
+	x2 := newExec(ps2)
+	f.prefiller("p2", f.fp, x2, withRegistryP)
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if service("p2") == "" {
+			return fmt.Errorf("p2 not known yet")
+		}
+		return nil
+	})
+
+	// p1 vanishes with its NATS connection (its micro service goes with it)
+	// while its data-path connections stay open, and comes back at once.
+	pOld.nc.Close()
+	restarted := time.Now()
+	fresh := newSideOn(t, "p1", testHybrid(64, 8), rdma.TransportTCP)
+	xNew := newExec(fresh)
+	f.prefiller("p1", f.fp, xNew, withRegistryP)
+	o := <-done
+	require.NoError(t, o.err)
+	require.Less(t, time.Since(restarted), deadline/4, "failed over at the restart, not at the deadline")
+	require.Equal(t, "p2", o.res.Instance)
+	require.Equal(t, 2, o.res.Attempts)
+	ds.requirePattern(t, 3)
+	require.NoError(t, ds.m.Free(3))
+	require.NotEqual(t, oldService, service("p1"), "the new incarnation is known")
+
+	// New handoffs reach the new incarnation at once: with p2 refusing,
+	// only it can serve them.
+	x2.refuse.Store(true)
+	for _, id := range []uint64{5, 6} {
+		o = <-ds.handoffAsync(d, Request{ID: id, Tokens: tokens(9), Deadline: time.Now().Add(deadline)})
+		require.NoError(t, o.err)
+		require.Equal(t, "p1", o.res.Instance)
+		require.Equal(t, id, <-xNew.started)
+		ds.requirePattern(t, id)
+		require.NoError(t, ds.m.Free(id))
+	}
+
+	// The old incarnation's goroutines linger in this process, where a real
+	// kill ends them: abort them, as nothing could cancel them any more.
+	aborted, abort := context.WithCancel(context.Background())
+	abort()
+	_ = pOld.Shutdown(aborted)
+	require.ErrorIs(t, <-xOld.ctxErr, context.Canceled)
+	ds.requireInitial(t)
+	old.requireInitial(t)
+	fresh.requireInitial(t)
+	ps2.requireInitial(t)
+}

@@ -62,7 +62,7 @@ func TestDecoderPrefillLoad(t *testing.T) {
 				}
 			}
 			for _, id := range tt.gone {
-				d.writerGone(id, d.entriesOf(id))
+				d.writerGone(id, d.entriesOf(id), d.entriesOf(id))
 			}
 			require.Equal(t, tt.want, d.PrefillLoad(now))
 		})

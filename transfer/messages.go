@@ -241,7 +241,9 @@ type Instance struct {
 	Draining bool `msgpack:"drain"`
 	// Service is the id of a prefill instance's NATS micro service: a
 	// decoder that lost every data-path connection from it pings it
-	// ($SRV.PING.<ServiceName>.<Service>) before taking it for dead.
+	// ($SRV.PING.<ServiceName>.<Service>) before taking it for dead. A
+	// process keeps one for its life, so it names the incarnation: another
+	// one under the same id is a restart (Registry.OnChange).
 	Service string `msgpack:"svc,omitempty"`
 }
 

@@ -300,8 +300,10 @@ func (r *Registry) put(ctx context.Context, key string, inst Instance) error {
 }
 
 // OnChange registers fn, called from the watch goroutine for every entry that
-// appears, changes (gone false) or is deleted or expires (gone true). fn must
-// not block. Register before Watch.
+// appears, changes (gone false) or is deleted or expires (gone true). An
+// entry taken over by another incarnation (Instance.Service changed: the
+// instance restarted under the same id) is reported twice: the old one
+// gone, then the new one. fn must not block. Register before Watch.
 func (r *Registry) OnChange(fn func(inst Instance, gone bool)) {
 	r.mu.Lock()
 	r.onChange = append(r.onChange, fn)
@@ -489,6 +491,14 @@ func (r *Registry) apply(e jetstream.KeyValueEntry) {
 			return
 		}
 	}
+	// An entry that names another micro service than the one it replaces
+	// is another process under the same id: a worker restarted before its
+	// entry expired (a pod keeps $POD_NAME). The key alone would never say
+	// the old one died, so it is reported gone before the new one appears.
+	// One process announces one service for its life, so a heartbeat never
+	// looks like this.
+	var prev Instance
+	replaced := false
 	r.mu.Lock()
 	if gone {
 		old, ok := r.entries[id]
@@ -501,12 +511,22 @@ func (r *Registry) apply(e jetstream.KeyValueEntry) {
 		delete(r.seen, id)
 		delete(r.revs, id)
 	} else {
+		old, ok := r.entries[inst.ID]
+		replaced = ok && old.Service != inst.Service
+		prev = old
 		r.entries[inst.ID] = inst
 		r.seen[inst.ID] = time.Now()
 		r.revs[inst.ID] = e.Revision()
 	}
 	fns := slices.Clone(r.onChange)
 	r.mu.Unlock()
+	if replaced {
+		r.cfg.Logger.Info("registry entry taken over by a new incarnation (restarted under the same id): the old one is gone",
+			"key", e.Key(), "old_service", prev.Service, "service", inst.Service)
+		for _, fn := range fns {
+			fn(prev, true)
+		}
+	}
 	for _, fn := range fns {
 		fn(inst, gone)
 	}

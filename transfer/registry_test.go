@@ -40,6 +40,42 @@ func TestRegistryClockSkew(t *testing.T) {
 	require.Eventually(t, func() bool { return len(reg.Instances(RolePrefill, time.Now())) == 0 }, 10*time.Second, 50*time.Millisecond)
 }
 
+// An entry put under an id by another micro service than the one it
+// replaces is another process: the instance restarted under the same id
+// before its entry expired. Watchers hear the old incarnation gone, then
+// the new one; a heartbeat of the same process is only a change.
+func TestRegistryReportsRestartUnderSameID(t *testing.T) {
+	s := natstest.Run(t)
+	nc := natstest.Connect(t, s)
+	ctx := context.Background()
+	reg, err := OpenRegistry(ctx, nc, RegistryConfig{Namespace: "restart"})
+	require.NoError(t, err)
+	defer reg.Close(ctx)
+	type change struct {
+		svc  string
+		gone bool
+	}
+	changes := make(chan change, 16)
+	reg.OnChange(func(inst Instance, gone bool) { changes <- change{inst.Service, gone} })
+	require.NoError(t, reg.Watch(ctx, RolePrefill))
+	key := registryKey(RolePrefill, "p1")
+	for _, svc := range []string{"svc-a", "svc-a", "svc-b"} {
+		require.NoError(t, reg.put(ctx, key, Instance{ID: "p1", Role: RolePrefill, Fingerprint: "fp", Service: svc}))
+	}
+	want := []change{{"svc-a", false}, {"svc-a", false}, {"svc-a", true}, {"svc-b", false}}
+	for i, w := range want {
+		select {
+		case c := <-changes:
+			require.Equal(t, w, c, "change %d", i)
+		case <-time.After(5 * time.Second):
+			t.Fatalf("change %d (%+v) not reported", i, w)
+		}
+	}
+	insts := reg.Instances(RolePrefill, time.Now())
+	require.Len(t, insts, 1)
+	require.Equal(t, "svc-b", insts[0].Service)
+}
+
 // On a single server the bucket has one replica (auto), and asking for
 // more is refused by name.
 func TestRegistryReplicasStandalone(t *testing.T) {

@@ -166,6 +166,36 @@ func TestPeerDeathsAllDelivered(t *testing.T) {
 	require.Empty(t, d.takeNotes(c))
 }
 
+// A prefill instance restarted under its id: the death of its old
+// incarnation reaches every handoff but the ones addressed to the new one
+// (by its micro service), which lives. A handoff that names no incarnation
+// (sent to the queue group, or addressed where the registry said none) is
+// told; so is every handoff of a death whose incarnation is not known.
+func TestIncarnationDeathSparesNewIncarnation(t *testing.T) {
+	d := &Decoder{calls: map[string]*call{}}
+	calls := map[string]*call{
+		"old": {target: "p1", svc: "svc-a"}, "new": {target: "p1", svc: "svc-b"},
+		"queue": {svc: anyIncarnation}, "unknown": {target: "p1", svc: anyIncarnation}, "other": {target: "p2", svc: "svc-c"},
+	}
+	for name, c := range calls {
+		c.init()
+		d.calls[name] = c
+	}
+	told := func() []string {
+		var out []string
+		for name, c := range calls {
+			if len(d.takeNotes(c)) > 0 {
+				out = append(out, name)
+			}
+		}
+		return out
+	}
+	d.incarnationDied("p1", "svc-a")
+	require.ElementsMatch(t, []string{"old", "queue", "unknown", "other"}, told())
+	d.peerDied("p1")
+	require.ElementsMatch(t, []string{"old", "new", "queue", "unknown", "other"}, told())
+}
+
 // TestControlLostResendSynctest: the decoder's NATS connection drops and
 // comes back while its request is unanswered (the request, or the reply,
 // may be gone with it). The handoff resends at once, fenced: the first
@@ -329,16 +359,49 @@ func TestPickPassesOverWriterGone(t *testing.T) {
 	seen := func() map[string]int {
 		n := map[string]int{}
 		for range 10 {
-			n[d.pick(nil)]++
+			n[d.pick(nil).ID]++
 		}
 		return n
 	}
 	require.Positive(t, seen()["p1"], "both are picked before")
-	d.writerGone("p1", d.entriesOf("p1"))
+	d.writerGone("p1", d.entriesOf("p1"), d.entriesOf("p1"))
 	require.Equal(t, map[string]int{"p2": 10}, seen())
 	// A heartbeat after the report: p1 is alive after all.
 	e := reg.entries["p1"]
 	e.Updated++
 	reg.entries["p1"] = e
 	require.Positive(t, seen()["p1"])
+}
+
+// A prefill instance the data plane reported gone whose id a new
+// incarnation took over during the ping (a quick restart): the new one is
+// not recorded as gone, so new handoffs may go to it at once, and a
+// handoff already addressed to it is not told of the old one's death.
+func TestWriterGoneSparesNewIncarnation(t *testing.T) {
+	d := &Decoder{cfg: DecoderConfig{Fingerprint: "fp"}, calls: map[string]*call{}}
+	reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]Instance{}, seen: map[string]time.Time{}}
+	d.reg = reg
+	put := func(svc string) {
+		reg.entries["p1"] = Instance{ID: "p1", Role: RolePrefill, Fingerprint: "fp", Updated: time.Now().UnixNano(), Service: svc}
+		reg.seen["p1"] = time.Now()
+	}
+	put("svc-a")
+	pinged := d.entriesOf("p1")
+	put("svc-b") // the new incarnation announces during the ping
+	toNew := &call{target: "p1", svc: "svc-b"}
+	toNew.init()
+	d.calls["new"] = toNew
+	toOld := &call{target: "p1", svc: "svc-a"}
+	toOld.init()
+	d.calls["old"] = toOld
+	d.writerGone("p1", pinged, d.entriesOf("p1"))
+	require.Equal(t, "p1", d.pick(nil).ID, "the new incarnation is usable")
+	require.Empty(t, d.takeNotes(toNew))
+	require.Equal(t, []session.Event{{Kind: session.EvPeerDied, Instance: "p1"}}, d.takeNotes(toOld))
+
+	// Without a restart, the instance found dead is passed over.
+	put("svc-b")
+	d.writerGone("p1", d.entriesOf("p1"), d.entriesOf("p1"))
+	require.Empty(t, d.pick(nil).ID)
+	require.Equal(t, []session.Event{{Kind: session.EvPeerDied, Instance: "p1"}}, d.takeNotes(toNew))
 }

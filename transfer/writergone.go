@@ -3,6 +3,7 @@ package transfer
 import (
 	"context"
 	"errors"
+	"slices"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -62,7 +63,8 @@ func (d *Decoder) writerLost(agent string) {
 			case <-ctx.Done():
 			}
 		}()
-		if inst, ok := d.answers(ctx, d.entriesOf(agent)); ok {
+		pinged := d.entriesOf(agent)
+		if inst, ok := d.answers(ctx, pinged); ok {
 			d.cfg.Logger.Warn("data-path connections of a prefill instance lost; it answers on the control plane, so it is not taken for dead",
 				"peer", inst.ID, "peer_agent", agent)
 			if !d.watchWriter(ctx, rdma.AgentID(agent)) {
@@ -76,7 +78,7 @@ func (d *Decoder) writerLost(agent string) {
 		// The entries as of now: pick passes the instance over until a
 		// heartbeat later than the one recorded, and one may have come
 		// during the ping.
-		d.writerGone(agent, d.entriesOf(agent))
+		d.writerGone(agent, pinged, d.entriesOf(agent))
 	})
 }
 
@@ -157,24 +159,30 @@ func (d *Decoder) answers(ctx context.Context, entries []Instance) (Instance, bo
 	return Instance{}, false
 }
 
-// writerGone takes agent's instance for dead: entries are the registry's
-// entries that name it, whose heartbeat times pick compares.
-func (d *Decoder) writerGone(agent string, entries []Instance) {
-	ids := []string{agent} // the workers use their instance id as agent id
-	for _, inst := range entries {
-		if inst.ID != agent {
-			ids = append(ids, inst.ID)
-		}
-	}
+// writerGone takes agent's instance for dead: pinged are the registry's
+// entries that named it when it was found not to answer, now the ones that
+// name it now, whose heartbeat times pick compares. An entry of now whose
+// micro service was not pinged is a new incarnation that took the id over
+// during the ping (a quick restart): it is not recorded as gone, and the
+// handoffs addressed to it are not told; the registry reports the old
+// incarnation's end in any case.
+func (d *Decoder) writerGone(agent string, pinged, now []Instance) {
 	d.mu.Lock()
 	if d.gone == nil {
 		d.gone = make(map[string]int64)
 	}
-	for _, inst := range entries {
-		d.gone[inst.ID] = inst.Updated
+	for _, inst := range now {
+		if slices.ContainsFunc(pinged, func(p Instance) bool { return p.ID == inst.ID && p.Service == inst.Service }) {
+			d.gone[inst.ID] = inst.Updated
+		}
 	}
 	d.mu.Unlock()
-	for _, id := range ids {
-		d.peerDied(id)
+	named := false // the workers use their instance id as agent id
+	for _, inst := range pinged {
+		d.incarnationDied(inst.ID, inst.Service)
+		named = named || inst.ID == agent
+	}
+	if !named {
+		d.peerDied(agent) // no entry says which incarnation
 	}
 }

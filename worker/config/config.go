@@ -160,7 +160,7 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	num(&c.PrefillChunkTokens, "prefill-chunk-tokens", "HANDOFF_PREFILL_CHUNK_TOKENS", 0, "prefill each prompt in chunks of at most this many tokens, one per step, so other requests' steps run between them (0: whole prompts)")
 	num(&c.RegistryReplicas, "registry-replicas", "HANDOFF_REGISTRY_REPLICAS", 0, "replicas of the instance registry bucket (0: 3 on a NATS cluster that can hold them, else 1)")
 	str(&c.DataAddr, "data-addr", "HANDOFF_DATA_ADDR", DefaultDataAddr, "data-plane TCP listen address", false)
-	str(&c.DataAdvertise, "data-advertise", "HANDOFF_DATA_ADVERTISE", "", "data-plane address peers dial (default $POD_IP:<port> when POD_IP is set, else the listener's)", false)
+	str(&c.DataAdvertise, "data-advertise", "HANDOFF_DATA_ADVERTISE", "", "data-plane address peers dial (default $POD_IP:<port> when POD_IP is set; else, with --memory cuda and a wildcard --data-addr, the GPU's NIC:<port>; else the listener's)", false)
 	str(&c.Transport, "transport", "HANDOFF_TRANSPORT", "auto", "data-plane transport: auto, tcp, shm, inproc or cuda-ipc", false)
 	str(&c.Memory, "memory", "HANDOFF_MEMORY", "host", "where the caches live: host, or cuda (GPU memory through libcuda.so.1, loaded at run time)", false)
 	str(&c.CUDADevice, "cuda-device", "HANDOFF_CUDA_DEVICE", "0", "with --memory cuda: the GPU, by CUDA ordinal or UUID (GPU-...)", false)

@@ -162,9 +162,7 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool, openCUDA func()
 			log.Warn("host topology discovery failed; continuing without it", "err", err)
 		}
 		if n.mem.device() {
-			addr, why := nicAddr(rc.TCPAddr, rc.Advertise, n.host, n.mem.dev.UUID().String(), interfaceAddrs)
-			log.Info("data path listen address for the GPU's caches", "addr", addr, "why", why)
-			rc.TCPAddr = addr
+			gpuDataPath(&rc, n.host, n.mem.dev.UUID().String(), interfaceAddrs, log)
 		}
 		if n.data, err = rdma.New(rc); err != nil {
 			n.close()
