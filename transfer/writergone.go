@@ -67,7 +67,8 @@ func (d *Decoder) writerLost(agent string) {
 		if inst, ok := d.answers(ctx, pinged); ok {
 			d.cfg.Logger.Warn("data-path connections of a prefill instance lost; it answers on the control plane, so it is not taken for dead",
 				"peer", inst.ID, "peer_agent", agent)
-			if !d.watchWriter(ctx, rdma.AgentID(agent)) {
+			var silent bool
+			if pinged, silent = d.watchWriter(ctx, rdma.AgentID(agent)); !silent {
 				return
 			}
 		}
@@ -93,27 +94,28 @@ const writerWatch = 200 * time.Millisecond
 // would report its death before the registry's TTL: a retry of a request
 // whose write the reset cut goes to it (through the queue group, when it is
 // the only instance), and if it is then killed, the decoder must learn it
-// in milliseconds, not seconds. watchWriter returns true when a ping went
-// unanswered (the writer is to be taken for dead), false when it connected
-// again, left the registry (whose own news covers it) or ctx ended.
-func (d *Decoder) watchWriter(ctx context.Context, agent rdma.AgentID) bool {
+// in milliseconds, not seconds. watchWriter returns the entries pinged and
+// true when none answered (the writer is to be taken for dead), false when
+// it connected again, left the registry (whose own news covers it) or ctx
+// ended.
+func (d *Decoder) watchWriter(ctx context.Context, agent rdma.AgentID) ([]Instance, bool) {
 	t := time.NewTicker(writerWatch)
 	defer t.Stop()
 	for {
 		select {
 		case <-ctx.Done():
-			return false
+			return nil, false
 		case <-t.C:
 		}
 		if d.eng.WriterConnected(agent) {
-			return false
+			return nil, false
 		}
 		entries := d.entriesOf(string(agent))
 		if len(entries) == 0 {
-			return false
+			return nil, false
 		}
 		if _, ok := d.answers(ctx, entries); !ok {
-			return ctx.Err() == nil
+			return entries, ctx.Err() == nil
 		}
 	}
 }
