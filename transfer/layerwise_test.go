@@ -27,6 +27,10 @@ type streamExec struct {
 	resume  chan struct{}
 	fail    atomic.Bool
 	streams atomic.Int64 // jobs whose Stream was called
+	// extra, when set, returns pieces to report right after p (and in
+	// the same call to the sink when together is set).
+	extra    func(p Piece) []Piece
+	together bool
 }
 
 func newStreamExec(s *side, piece int) *streamExec {
@@ -85,7 +89,18 @@ func (l *streamJob) Prefill(ctx context.Context) (Prefilled, error) {
 			b[j] = pattern(id, int(p.At)+j)
 		}
 		if sink := l.sink.Load(); sink != nil {
-			(*sink)([]Piece{p})
+			var more []Piece
+			if l.x.extra != nil {
+				more = l.x.extra(p)
+			}
+			if l.x.together {
+				(*sink)(append([]Piece{p}, more...))
+			} else {
+				(*sink)([]Piece{p})
+				for _, m := range more {
+					(*sink)([]Piece{m})
+				}
+			}
 		}
 	}
 	return Prefilled{FirstToken: int32(id % 1000), Source: l.d}, nil
@@ -231,6 +246,47 @@ func TestLayerwiseFaults(t *testing.T) {
 			require.Equal(t, int64(2), x.releases.Load())
 			require.Equal(t, uint64(0), p.Stats().Served)
 			require.Zero(t, ds.eng.Stats().GrantsOpen)
+		})
+	}
+}
+
+// TestLayerwiseRefusedPieceGoesOn: a piece rdma.Stream.Write refuses
+// before sending anything (one reported twice, so its range was written
+// already; one whose source is no local region) leaves the stream going,
+// as Write documents: the handoff completes, every byte written once, and
+// the other pieces of a batch that held a refused one still leave while
+// prefill computes. A piece outside the cache is dropped the same way.
+func TestLayerwiseRefusedPieceGoesOn(t *testing.T) {
+	for _, together := range []bool{false, true} {
+		t.Run(fmt.Sprintf("together=%t", together), func(t *testing.T) {
+			f := newFixture(t)
+			ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+			x := newStreamExec(ps, 37)
+			var n atomic.Int64
+			x.together = together
+			x.extra = func(p Piece) []Piece {
+				switch n.Add(1) {
+				case 2:
+					return []Piece{p} // reported twice: written already
+				case 4:
+					return []Piece{{At: p.At, Src: rdma.Extent{Region: 99, Length: p.Src.Length}}} // no such region
+				case 6:
+					return []Piece{{At: 1 << 40, Src: p.Src}} // outside the cache
+				}
+				return nil
+			}
+			d := f.decoder("d1", ds, nil)
+			p := f.streamPrefiller("p1", x, func(c *PrefillerConfig) { c.Layerwise = LayerwiseOn })
+			before := ps.eng.Stats().BytesWritten
+			_, err := ds.handoff(context.Background(), d, Request{ID: 1, Tokens: tokens(30), Deadline: time.Now().Add(10 * time.Second)})
+			require.NoError(t, err)
+			ds.requirePattern(t, 1)
+			kv, m := ds.dest(1).Bytes()
+			require.Equal(t, before+kv+m, ps.eng.Stats().BytesWritten, "every byte written once")
+			require.Positive(t, p.Stats().StreamedBytes, "nothing streamed after the refused piece")
+			require.NoError(t, ds.m.Free(1))
+			ds.requireInitial(t)
+			ps.requireInitial(t)
 		})
 	}
 }
