@@ -31,6 +31,9 @@ type streamExec struct {
 	// the same call to the sink when together is set).
 	extra    func(p Piece) []Piece
 	together bool
+	// released, when set, is called by Release, on the task's goroutine,
+	// before the lease's resources are freed.
+	released func(id uint64)
 }
 
 func newStreamExec(s *side, piece int) *streamExec {
@@ -52,6 +55,13 @@ type streamJob struct {
 }
 
 var _ LayerwiseJob = (*streamJob)(nil)
+
+func (l *streamJob) Release() {
+	if l.x.released != nil {
+		l.x.released(l.job.RequestID)
+	}
+	l.testLease.Release()
+}
 
 func (l *streamJob) Stream(sink func([]Piece)) {
 	l.x.streams.Add(1)
@@ -285,6 +295,72 @@ func TestLayerwiseRefusedPieceGoesOn(t *testing.T) {
 			require.Equal(t, before+kv+m, ps.eng.Stats().BytesWritten, "every byte written once")
 			require.Positive(t, p.Stats().StreamedBytes, "nothing streamed after the refused piece")
 			require.NoError(t, ds.m.Free(1))
+			ds.requireInitial(t)
+			ps.requireInitial(t)
+		})
+	}
+}
+
+// TestLayerwiseReleaseAfterStreamStopped: a job that ends mid-stream
+// (prefill fails, or its decoder cancels, while writes of its pieces are in
+// flight on a slow link) is released only once the stream's goroutine
+// ended: no piece is read from the lease's blocks after the executor may
+// hand them on (AdmittedJob.Release; worker.PendingPrefill frees them only
+// then).
+func TestLayerwiseReleaseAfterStreamStopped(t *testing.T) {
+	for _, how := range []string{"failed", "cancelled"} {
+		t.Run(how, func(t *testing.T) {
+			f := newFixture(t)
+			ds, proxy := newSideVia(t, "dec", testHybrid(64, 8))
+			ps := newSideOn(t, "pre", testHybrid(64, 8), rdma.TransportTCP)
+			proxy.SetLatency(20 * time.Millisecond)
+			x := newStreamExec(ps, 16)
+			if how == "failed" {
+				x.fail.Store(true)
+			} else {
+				x.paused, x.resume = make(chan uint64, 1), make(chan struct{})
+			}
+			p := f.streamPrefiller("p1", x, func(c *PrefillerConfig) { c.Layerwise = LayerwiseOn })
+			var streamed, stopped, released atomic.Int64
+			x.released = func(id uint64) {
+				released.Add(1)
+				p.mu.Lock()
+				tk := p.tasks[id]
+				p.mu.Unlock()
+				if tk == nil || tk.lw == nil { // tk.lw is the task goroutine's, which runs Release
+					return
+				}
+				streamed.Add(1)
+				select {
+				case <-tk.lw.done:
+					stopped.Add(1)
+				default:
+				}
+			}
+			d := f.decoder("d1", ds, nil)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			errc := make(chan error, 1)
+			go func() {
+				_, err := ds.handoff(ctx, d, Request{ID: 1, Tokens: tokens(30), Deadline: time.Now().Add(10 * time.Second)})
+				errc <- err
+			}()
+			if how == "failed" {
+				require.ErrorIs(t, <-errc, ErrPrefillFailed)
+			} else {
+				require.Equal(t, uint64(1), <-x.paused)
+				cancel()
+				require.ErrorIs(t, <-errc, context.Canceled)
+			}
+			natstest.CheckFor(t, 5*time.Second, time.Millisecond, func() error {
+				if released.Load() == 0 {
+					return errors.New("not released yet")
+				}
+				return nil
+			})
+			require.Equal(t, int64(1), streamed.Load(), "the job did not stream")
+			require.Equal(t, int64(1), stopped.Load(), "released while the stream still ran")
+			drain(t, proxy, ps)
 			ds.requireInitial(t)
 			ps.requireInitial(t)
 		})
