@@ -6,6 +6,7 @@ package transfer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -463,8 +464,10 @@ func TestDrainingWorkerSurvivesDataPathReset(t *testing.T) {
 	require.Equal(t, "p1", o.res.Instance)
 	ds.requirePattern(t, 3)
 	require.NoError(t, <-drained)
-	_, err = nc.Request(pingSubj, nil, time.Second)
-	require.ErrorIs(t, err, nats.ErrNoResponders, "the ping is answered after the drain")
+	// Unanswered after the drain (a timeout while the server has not yet
+	// processed the unsubscribe).
+	_, err = nc.Request(pingSubj, nil, 500*time.Millisecond)
+	require.True(t, errors.Is(err, nats.ErrNoResponders) || errors.Is(err, nats.ErrTimeout), "the ping is answered after the drain: %v", err)
 	require.NoError(t, ds.m.Free(3))
 	ds.requireInitial(t)
 	ps.requireInitial(t)
