@@ -153,12 +153,14 @@ func TestConformanceStreamRefusesBadRanges(t *testing.T) {
 			"unknown local": {[]Range{{Ext: 0, Offset: 0, Length: 10}}, []Extent{{Region: 9, Offset: 0, Length: 10}}},
 		} {
 			require.ErrorIs(t, s.Write(ctx, c.r, c.src), ErrOutOfRange, name)
+			require.NoError(t, s.Err(), "%s: a refused write ended the stream", name)
 		}
 		require.NoError(t, s.Write(ctx, []Range{{Ext: 0, Offset: 100, Length: 50}}, one(50)))
 		require.ErrorIs(t, s.Write(ctx, []Range{{Ext: 0, Offset: 149, Length: 2}}, one(2)), ErrOutOfRange, "rewrite")
 		require.ErrorIs(t, s.Write(ctx, []Range{{Ext: 0, Offset: 60, Length: 41}}, one(41)), ErrOutOfRange, "rewrite")
 		require.NoError(t, s.Write(ctx, []Range{{Ext: 0, Offset: 60, Length: 40}, {Ext: 0, Offset: 150, Length: 1}}, one(41)))
 		require.Equal(t, uint64(91), s.Written())
+		require.NoError(t, s.Err())
 		select {
 		case <-g.Failed():
 			t.Fatal("a refused range failed the grant")
@@ -192,6 +194,7 @@ func TestConformanceStreamRevoke(t *testing.T) {
 		require.Error(t, err)
 		require.True(t, errors.Is(err, ErrRevoked) || errors.Is(err, ErrStaleEpoch), "%v", err)
 		// Sticky: the stream is over.
+		require.ErrorIs(t, s.Err(), err)
 		require.ErrorIs(t, s.Write(ctx, parts[half+1:half+2], []Extent{srcFor(dst, src, parts[half+1])}), err)
 		_, cerr := s.Commit(ctx)
 		require.Error(t, cerr)

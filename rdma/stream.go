@@ -93,6 +93,15 @@ func checkTicket(peer Descriptor, t *Ticket) error {
 // Ticket returns the ticket the stream writes.
 func (s *Stream) Ticket() Ticket { return s.t }
 
+// Err returns the failure that ended the stream, nil while it goes on: a
+// call refused before anything was sent (see Write, Commit) leaves it nil.
+// After a successful Commit it wraps ErrCommitted.
+func (s *Stream) Err() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.err
+}
+
 // Written returns the bytes the stream's writes have landed so far.
 func (s *Stream) Written() uint64 {
 	s.mu.Lock()
@@ -107,8 +116,12 @@ func (s *Stream) Written() uint64 {
 // source memory must not change until Write returns, and must already hold
 // its final bytes when Write is called: nothing is read later.
 //
-// A failure ends the stream (the receiver's refusal is a *RemoteError, as
-// for Engine.Write); the grant then fails on the receiver, or has already.
+// Ranges or sources the stream refuses before sending anything (outside
+// the ticket or their region, overlapping each other or bytes written
+// before: an error wrapping ErrOutOfRange) are the caller's mistake:
+// nothing was sent, the stream goes on (Err stays nil). Any other failure
+// ends the stream (the receiver's refusal is a *RemoteError, as for
+// Engine.Write); the grant then fails on the receiver, or has already.
 func (s *Stream) Write(ctx context.Context, dst []Range, src []Extent) error {
 	if err := s.e.beginOp(); err != nil {
 		return err

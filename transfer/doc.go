@@ -139,7 +139,10 @@
 // A prefiller that shuts down stays registered until its requests are done
 // but re-announces itself draining at once, and decoders stop addressing it;
 // a request that still reaches a starting or draining prefiller is refused as
-// capacity, so it is retried elsewhere. A cancel names its decoder: request
+// capacity, so it is retried elsewhere. Its micro service stops taking
+// requests at once, but until they are done it still hears cancels and its
+// service's ping is answered (metadata "draining"), so a data-path reset
+// during a rolling update takes no draining worker for dead. A cancel names its decoder: request
 // and grant ids are unique per decoder only. Prefill workers are also NATS
 // micro services (ServiceName), so `nats micro ls|info|stats` lists them.
 //

@@ -6,11 +6,13 @@ package transfer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/micro"
 	"github.com/stretchr/testify/require"
 
 	"github.com/handoff-io/handoff/internal/natstest"
@@ -456,4 +458,103 @@ func TestHandoffPrefillRestartedUnderSameID(t *testing.T) {
 	old.requireInitial(t)
 	fresh.requireInitial(t)
 	ps2.requireInitial(t)
+}
+
+// TestDrainingWorkerSurvivesDataPathReset: a prefill worker that drains (a
+// rolling update) still serves the request it computes, and something
+// resets every data-path connection meanwhile. The decoder's ping must
+// still reach the worker's service: taken for dead, the handoff would fail
+// with no live instance left, though the worker would have written it.
+// Its cancels still reach it too: a second request it computes during the
+// drain ends as soon as its decoder cancels it, not when it would be done.
+func TestDrainingWorkerSurvivesDataPathReset(t *testing.T) {
+	f := newFixture(t)
+	ds, proxy := newSideVia(t, "dec", testHybrid(64, 8))
+	gone := make(chan rdma.AgentID, 8)
+	stop := ds.eng.OnWriterGone(func(a rdma.AgentID) { gone <- a })
+	defer stop()
+	ps := newSideOn(t, "p1", testHybrid(64, 8), rdma.TransportTCP)
+	x := newExec(ps)
+	x.block = make(chan struct{})
+	p := f.prefiller("p1", f.fp, x, withRegistryP)
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		insts := d.Registry().Instances(RolePrefill, time.Now())
+		if len(insts) != 1 || insts[0].Service == "" {
+			return fmt.Errorf("prefill instances known: %+v", insts)
+		}
+		if _, ok := ps.eng.TransportFor(ds.eng.Agent()); !ok {
+			return fmt.Errorf("p1 not connected to the decoder yet")
+		}
+		return nil
+	})
+	done := ds.handoffAsync(d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(30 * time.Second)})
+	require.Equal(t, uint64(3), <-x.started)
+	cctx, cancel := context.WithCancel(context.Background())
+	cancelled := make(chan error, 1)
+	go func() {
+		_, err := ds.handoff(cctx, d, Request{ID: 4, Tokens: tokens(9), Deadline: time.Now().Add(30 * time.Second)})
+		cancelled <- err
+	}()
+	require.Equal(t, uint64(4), <-x.started)
+
+	drained := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		drained <- p.Shutdown(ctx)
+	}()
+	natstest.CheckFor(t, 5*time.Second, time.Millisecond, func() error {
+		insts := d.Registry().Instances(RolePrefill, time.Now())
+		if len(insts) != 1 || !insts[0].Draining {
+			return fmt.Errorf("p1 not seen draining: %+v", insts)
+		}
+		return nil
+	})
+	// The ping is answered, and says so.
+	nc := natstest.Connect(t, f.srv)
+	pingSubj, err := micro.ControlSubject(micro.PingVerb, ServiceName, p.svcID)
+	require.NoError(t, err)
+	pong, err := nc.Request(pingSubj, nil, 5*time.Second)
+	require.NoError(t, err)
+	require.Contains(t, string(pong.Data), `"draining":"true"`)
+	require.Contains(t, string(pong.Data), `"instance":"p1"`)
+	// A new request is not taken by the draining worker: no other serves.
+	_, err = ds.handoff(context.Background(), d, Request{ID: 5, Tokens: tokens(9), Deadline: time.Now().Add(2 * time.Second)})
+	require.Error(t, err)
+
+	proxy.Reset()
+	require.Equal(t, rdma.AgentID("p1"), <-gone)
+	time.Sleep(2 * writerProbe)
+	select {
+	case o := <-done:
+		t.Fatalf("the handoff ended before the draining worker wrote: %v", o.err)
+	default:
+	}
+	d.mu.Lock()
+	require.Empty(t, d.gone, "a live, draining worker taken for dead")
+	d.mu.Unlock()
+
+	// The decoder's cancel reaches the draining worker, which stops.
+	cancel()
+	require.ErrorIs(t, <-cancelled, context.Canceled)
+	select {
+	case err := <-x.ctxErr:
+		require.ErrorIs(t, err, context.Canceled)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the draining worker did not hear the cancel")
+	}
+	close(x.block)
+	o := <-done
+	require.NoError(t, o.err)
+	require.Equal(t, "p1", o.res.Instance)
+	ds.requirePattern(t, 3)
+	require.NoError(t, <-drained)
+	// Unanswered after the drain (a timeout while the server has not yet
+	// processed the unsubscribe).
+	_, err = nc.Request(pingSubj, nil, 500*time.Millisecond)
+	require.True(t, errors.Is(err, nats.ErrNoResponders) || errors.Is(err, nats.ErrTimeout), "the ping is answered after the drain: %v", err)
+	require.NoError(t, ds.m.Free(3))
+	ds.requireInitial(t)
+	ps.requireInitial(t)
 }

@@ -2,7 +2,9 @@ package transfer
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"strings"
 	"sync"
@@ -101,6 +103,12 @@ type streamer struct {
 	s     *rdma.Stream
 	ends  []uint64 // ends[i]: where ticket extent i ends in the whole write
 	total uint64
+	log   *slog.Logger
+	seq   uint64 // the request's id, for the log
+
+	// run's scratch, owned by its goroutine.
+	dst []rdma.Range
+	src []rdma.Extent
 
 	mu     sync.Mutex
 	queue  []Piece
@@ -112,12 +120,12 @@ type streamer struct {
 
 // startStreamer opens a stream of t into peer and starts its goroutine,
 // which ends once stop or finish is called.
-func startStreamer(ctx context.Context, eng senderEngine, peer rdma.Descriptor, t rdma.Ticket) (*streamer, error) {
+func startStreamer(ctx context.Context, eng senderEngine, peer rdma.Descriptor, t rdma.Ticket, log *slog.Logger, seq uint64) (*streamer, error) {
 	s, err := eng.OpenStream(ctx, peer, t)
 	if err != nil {
 		return nil, err
 	}
-	st := &streamer{s: s, ends: make([]uint64, len(t.Extents)), wake: make(chan struct{}, 1), done: make(chan struct{})}
+	st := &streamer{s: s, ends: make([]uint64, len(t.Extents)), log: log, seq: seq, wake: make(chan struct{}, 1), done: make(chan struct{})}
 	for i, x := range t.Extents {
 		st.total += x.Length
 		st.ends[i] = st.total
@@ -146,8 +154,6 @@ func (st *streamer) push(ps []Piece) {
 func (st *streamer) run(ctx context.Context) {
 	defer close(st.done)
 	var batch []Piece
-	var dst []rdma.Range
-	var src []rdma.Extent
 	for {
 		st.mu.Lock()
 		batch = append(batch[:0], st.queue...)
@@ -156,12 +162,7 @@ func (st *streamer) run(ctx context.Context) {
 		closed := st.closed
 		st.mu.Unlock()
 		if len(batch) > 0 {
-			var err error
-			dst, src, err = st.ranges(batch, dst[:0], src[:0])
-			if err == nil {
-				err = st.s.Write(ctx, dst, src)
-			}
-			if err != nil {
+			if err := st.write(ctx, batch); err != nil {
 				st.mu.Lock()
 				st.err, st.queue = err, nil
 				st.mu.Unlock()
@@ -181,6 +182,54 @@ func (st *streamer) run(ctx context.Context) {
 			return
 		}
 	}
+}
+
+// write sends batch in one Write. A batch refused with nothing sent (a
+// piece outside the cache, or a Write the stream refused before sending
+// anything: a range written already, a source outside its region; the
+// stream goes on then, rdma.Stream.Err stays nil, as Write documents) does
+// not end the stream: its pieces are tried one at a time, so that one bad
+// piece does not hold the others back, and a piece refused on its own is
+// dropped. The write after prefill sends it (WriteRest sends every byte no
+// write did), so no piece is lost, and each is tried at most twice. The
+// error returned, a failure that ended the stream, ends the request.
+func (st *streamer) write(ctx context.Context, batch []Piece) error {
+	err := st.writeOnce(ctx, batch)
+	if err == nil || !st.unsent(err) {
+		return err
+	}
+	if len(batch) > 1 {
+		for i := range batch {
+			if err = st.writeOnce(ctx, batch[i:i+1]); err == nil {
+				continue
+			}
+			if !st.unsent(err) {
+				return err
+			}
+			st.log.Debug("layer-wise piece refused, left to the write after prefill", "seq", st.seq, "at", batch[i].At, "bytes", batch[i].Src.Length, "err", err)
+		}
+		return nil
+	}
+	st.log.Debug("layer-wise piece refused, left to the write after prefill", "seq", st.seq, "at", batch[0].At, "bytes", batch[0].Src.Length, "err", err)
+	return nil
+}
+
+// unsent reports whether the failed write err sent nothing and left the
+// stream going: refused as out of range (by ranges, or by Write before it
+// sent anything) with the stream not ended. A closed engine, a cancelled
+// context or a receiver's refusal end the stream.
+func (st *streamer) unsent(err error) bool {
+	return errors.Is(err, rdma.ErrOutOfRange) && st.s.Err() == nil
+}
+
+// writeOnce sends pieces in one Write.
+func (st *streamer) writeOnce(ctx context.Context, pieces []Piece) error {
+	var err error
+	st.dst, st.src, err = st.ranges(pieces, st.dst[:0], st.src[:0])
+	if err != nil {
+		return err
+	}
+	return st.s.Write(ctx, st.dst, st.src)
 }
 
 // ranges maps pieces, in the whole write's bytes, onto the ticket's
@@ -262,7 +311,7 @@ func (t *task) startStream() {
 	if !ok || !p.cfg.Layerwise.streams(len(t.msg.Tokens), p.cfg.LayerwiseMinTokens) {
 		return
 	}
-	st, err := startStreamer(t.ctx, p.eng, t.peer, t.ticket)
+	st, err := startStreamer(t.ctx, p.eng, t.peer, t.ticket, p.cfg.Logger, t.msg.RequestID)
 	if err != nil {
 		p.cfg.Logger.Debug("layer-wise stream not started; the cache goes in one write", "seq", t.msg.RequestID, "err", err)
 		return

@@ -27,6 +27,13 @@ type streamExec struct {
 	resume  chan struct{}
 	fail    atomic.Bool
 	streams atomic.Int64 // jobs whose Stream was called
+	// extra, when set, returns pieces to report right after p (and in
+	// the same call to the sink when together is set).
+	extra    func(p Piece) []Piece
+	together bool
+	// released, when set, is called by Release, on the task's goroutine,
+	// before the lease's resources are freed.
+	released func(id uint64)
 }
 
 func newStreamExec(s *side, piece int) *streamExec {
@@ -48,6 +55,13 @@ type streamJob struct {
 }
 
 var _ LayerwiseJob = (*streamJob)(nil)
+
+func (l *streamJob) Release() {
+	if l.x.released != nil {
+		l.x.released(l.job.RequestID)
+	}
+	l.testLease.Release()
+}
 
 func (l *streamJob) Stream(sink func([]Piece)) {
 	l.x.streams.Add(1)
@@ -85,7 +99,18 @@ func (l *streamJob) Prefill(ctx context.Context) (Prefilled, error) {
 			b[j] = pattern(id, int(p.At)+j)
 		}
 		if sink := l.sink.Load(); sink != nil {
-			(*sink)([]Piece{p})
+			var more []Piece
+			if l.x.extra != nil {
+				more = l.x.extra(p)
+			}
+			if l.x.together {
+				(*sink)(append([]Piece{p}, more...))
+			} else {
+				(*sink)([]Piece{p})
+				for _, m := range more {
+					(*sink)([]Piece{m})
+				}
+			}
 		}
 	}
 	return Prefilled{FirstToken: int32(id % 1000), Source: l.d}, nil
@@ -231,6 +256,113 @@ func TestLayerwiseFaults(t *testing.T) {
 			require.Equal(t, int64(2), x.releases.Load())
 			require.Equal(t, uint64(0), p.Stats().Served)
 			require.Zero(t, ds.eng.Stats().GrantsOpen)
+		})
+	}
+}
+
+// TestLayerwiseRefusedPieceGoesOn: a piece rdma.Stream.Write refuses
+// before sending anything (one reported twice, so its range was written
+// already; one whose source is no local region) leaves the stream going,
+// as Write documents: the handoff completes, every byte written once, and
+// the other pieces of a batch that held a refused one still leave while
+// prefill computes. A piece outside the cache is dropped the same way.
+func TestLayerwiseRefusedPieceGoesOn(t *testing.T) {
+	for _, together := range []bool{false, true} {
+		t.Run(fmt.Sprintf("together=%t", together), func(t *testing.T) {
+			f := newFixture(t)
+			ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+			x := newStreamExec(ps, 37)
+			var n atomic.Int64
+			x.together = together
+			x.extra = func(p Piece) []Piece {
+				switch n.Add(1) {
+				case 2:
+					return []Piece{p} // reported twice: written already
+				case 4:
+					return []Piece{{At: p.At, Src: rdma.Extent{Region: 99, Length: p.Src.Length}}} // no such region
+				case 6:
+					return []Piece{{At: 1 << 40, Src: p.Src}} // outside the cache
+				}
+				return nil
+			}
+			d := f.decoder("d1", ds, nil)
+			p := f.streamPrefiller("p1", x, func(c *PrefillerConfig) { c.Layerwise = LayerwiseOn })
+			before := ps.eng.Stats().BytesWritten
+			_, err := ds.handoff(context.Background(), d, Request{ID: 1, Tokens: tokens(30), Deadline: time.Now().Add(10 * time.Second)})
+			require.NoError(t, err)
+			ds.requirePattern(t, 1)
+			kv, m := ds.dest(1).Bytes()
+			require.Equal(t, before+kv+m, ps.eng.Stats().BytesWritten, "every byte written once")
+			require.Positive(t, p.Stats().StreamedBytes, "nothing streamed after the refused piece")
+			require.NoError(t, ds.m.Free(1))
+			ds.requireInitial(t)
+			ps.requireInitial(t)
+		})
+	}
+}
+
+// TestLayerwiseReleaseAfterStreamStopped: a job that ends mid-stream
+// (prefill fails, or its decoder cancels, while writes of its pieces are in
+// flight on a slow link) is released only once the stream's goroutine
+// ended: no piece is read from the lease's blocks after the executor may
+// hand them on (AdmittedJob.Release; worker.PendingPrefill frees them only
+// then).
+func TestLayerwiseReleaseAfterStreamStopped(t *testing.T) {
+	for _, how := range []string{"failed", "cancelled"} {
+		t.Run(how, func(t *testing.T) {
+			f := newFixture(t)
+			ds, proxy := newSideVia(t, "dec", testHybrid(64, 8))
+			ps := newSideOn(t, "pre", testHybrid(64, 8), rdma.TransportTCP)
+			proxy.SetLatency(20 * time.Millisecond)
+			x := newStreamExec(ps, 16)
+			if how == "failed" {
+				x.fail.Store(true)
+			} else {
+				x.paused, x.resume = make(chan uint64, 1), make(chan struct{})
+			}
+			p := f.streamPrefiller("p1", x, func(c *PrefillerConfig) { c.Layerwise = LayerwiseOn })
+			var streamed, stopped, released atomic.Int64
+			x.released = func(id uint64) {
+				released.Add(1)
+				p.mu.Lock()
+				tk := p.tasks[id]
+				p.mu.Unlock()
+				if tk == nil || tk.lw == nil { // tk.lw is the task goroutine's, which runs Release
+					return
+				}
+				streamed.Add(1)
+				select {
+				case <-tk.lw.done:
+					stopped.Add(1)
+				default:
+				}
+			}
+			d := f.decoder("d1", ds, nil)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			errc := make(chan error, 1)
+			go func() {
+				_, err := ds.handoff(ctx, d, Request{ID: 1, Tokens: tokens(30), Deadline: time.Now().Add(10 * time.Second)})
+				errc <- err
+			}()
+			if how == "failed" {
+				require.ErrorIs(t, <-errc, ErrPrefillFailed)
+			} else {
+				require.Equal(t, uint64(1), <-x.paused)
+				cancel()
+				require.ErrorIs(t, <-errc, context.Canceled)
+			}
+			natstest.CheckFor(t, 5*time.Second, time.Millisecond, func() error {
+				if released.Load() == 0 {
+					return errors.New("not released yet")
+				}
+				return nil
+			})
+			require.Equal(t, int64(1), streamed.Load(), "the job did not stream")
+			require.Equal(t, int64(1), stopped.Load(), "released while the stream still ran")
+			drain(t, proxy, ps)
+			ds.requireInitial(t)
+			ps.requireInitial(t)
 		})
 	}
 }

@@ -2,9 +2,11 @@ package transfer
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -269,25 +271,82 @@ func (p *Prefiller) Start(ctx context.Context) error {
 // is NATS IO.
 type intake struct {
 	svc    micro.Service
-	subs   []*nats.Subscription
+	subs   []*nats.Subscription // cancels; while draining, the ping (see stopRequests)
 	nc     *nats.Conn
 	status chan nats.Status // reconnects, see announceReconnects
 }
 
-func (in intake) stop() error {
+// stop stops everything in.
+func (in *intake) stop() error {
+	return errors.Join(in.stopRequests(false), in.stopControl())
+}
+
+// stopRequests stops taking requests: the micro service goes, with its
+// endpoints, and announceReconnects ends. With draining set, what the
+// requests in flight still need stays until stopControl: their cancels,
+// and an answer to the service's ping. Decoders ping a writer whose
+// data-path connections all closed to tell a reset of the path from a
+// death (watchWriters): a drain that went silent would be taken for dead
+// at the first reset, and its requests failed while it still serves them.
+// So a stand-in answers the ping from before the service stops (one
+// connection: the server subscribes it before it unsubscribes the
+// service's, so no ping goes unanswered), its metadata saying draining.
+func (in *intake) stopRequests(draining bool) error {
 	var err error
 	if in.status != nil {
 		in.nc.RemoveStatusListener(in.status) // ends announceReconnects
+		in.status = nil
 	}
-	if in.svc != nil {
-		err = in.svc.Stop()
+	if in.svc == nil {
+		return nil
 	}
+	if draining {
+		sub, perr := answerPing(in.nc, in.svc)
+		if perr == nil {
+			in.subs = append(in.subs, sub)
+		}
+		err = perr
+	}
+	err = errors.Join(err, in.svc.Stop())
+	in.svc = nil
+	return err
+}
+
+// stopControl ends the cancel subscriptions and the ping's stand-in.
+func (in *intake) stopControl() error {
+	var err error
 	for _, s := range in.subs {
 		if e := s.Unsubscribe(); e != nil && !errors.Is(e, nats.ErrConnectionClosed) {
 			err = errors.Join(err, e)
 		}
 	}
+	in.subs = nil
 	return err
+}
+
+// answerPing subscribes svc's ping subject (micro.PingVerb, by its id) on
+// nc and answers as svc would, with "draining" in its metadata.
+func answerPing(nc *nats.Conn, svc micro.Service) (*nats.Subscription, error) {
+	info := svc.Info()
+	subj, err := micro.ControlSubject(micro.PingVerb, info.Name, info.ID)
+	if err != nil {
+		return nil, fmt.Errorf("transfer: ping subject: %w", err)
+	}
+	id := info.ServiceIdentity
+	id.Metadata = maps.Clone(id.Metadata)
+	if id.Metadata == nil {
+		id.Metadata = map[string]string{}
+	}
+	id.Metadata["draining"] = "true"
+	pong, err := json.Marshal(micro.Ping{ServiceIdentity: id, Type: micro.PingResponseType})
+	if err != nil {
+		return nil, fmt.Errorf("transfer: ping response: %w", err)
+	}
+	sub, err := nc.Subscribe(subj, func(m *nats.Msg) { _ = m.Respond(pong) })
+	if err != nil {
+		return nil, fmt.Errorf("transfer: ping while draining: %w", err)
+	}
+	return sub, nil
 }
 
 // startIntake registers the endpoints and cancel subscriptions and opens the
@@ -455,7 +514,11 @@ func (p *Prefiller) Serve(ctx context.Context, drain time.Duration) error {
 // Shutdown stops intake (in-flight requests keep running), waits for them
 // until ctx is done, then aborts the rest (each releases its lease and replies
 // ErrClosed) and waits for them to finish. Idempotent.
-func (p *Prefiller) Shutdown(ctx context.Context) error {
+//
+// Until they are done the instance stays registered (marked draining),
+// hears cancels and answers its service's ping (see intake.stopRequests),
+// so that decoders neither lose their cancels nor take it for dead.
+func (p *Prefiller) Shutdown(ctx context.Context) (err error) {
 	p.mu.Lock()
 	if p.state == 2 {
 		p.mu.Unlock()
@@ -464,7 +527,8 @@ func (p *Prefiller) Shutdown(ctx context.Context) error {
 	in := p.stopIntakeLocked()
 	reg := p.reg
 	p.mu.Unlock()
-	err := in.stop()
+	err = in.stopRequests(true)
+	defer func() { err = errors.Join(err, in.stopControl()) }()
 	p.connCancel()
 	if reg != nil && ctx.Err() == nil { // stay registered for the requests in flight, marked draining
 		p.draining.Store(true)

@@ -33,8 +33,10 @@ const writerProbe = 250 * time.Millisecond
 // (Instance.Service). An answer within writerProbe means it lives: it is
 // not taken for dead, and a handoff whose bytes the reset cut fails its
 // write and is retried fenced, on it too where no other instance serves
-// (its next write connects again). No answer, or an instance that does not
-// say its service, and it is taken for dead.
+// (its next write connects again). A draining instance answers too, until
+// its requests are done (Prefiller.Shutdown, intake.stopRequests): a reset
+// during a rolling update must not fail what it still serves. No answer,
+// or an instance that does not say its service, and it is taken for dead.
 //
 // New handoffs pass an instance taken for dead over (pick) until its
 // registry entry shows a heartbeat after the report: its entry stays fresh

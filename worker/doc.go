@@ -24,7 +24,8 @@
 //     the dummy needs a reserved row (TensorRT-LLM PR #14853).
 //  4. Step: one prefill or decode step per schedulable request, ranks in
 //     parallel; then end the finished and failed requests and free their
-//     resources.
+//     resources (a failed prefill job's once its holder let go of it:
+//     PhaseHeld, see PendingPrefill).
 //
 // The decode role serves Generate: with no CacheSource it prefills in
 // process (the aggregated baseline); with one, an admitted request first
@@ -45,8 +46,11 @@
 //     request runs. Stop sequences end a generation without emitting the
 //     match (stopper); Sampling asks for top_p and logprobs.
 //  4. Prefill: Prefill (or SubmitPrefill then Wait); Release the lease once
-//     its cache was pushed. A CacheSource must not return from Fetch while
-//     a byte can still land in the destination.
+//     its cache was pushed. After SubmitPrefill, let go of a job whose Wait
+//     failed with Abandon once nothing reads what its Parts named: until
+//     then its blocks and row stay allocated (PendingPrefill). A
+//     CacheSource must not return from Fetch while a byte can still land
+//     in the destination.
 //  5. To stop gracefully, Drain first (intake stops, accepted requests
 //     finish), then cancel Run's ctx.
 //

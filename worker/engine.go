@@ -101,7 +101,8 @@ type PrefillJob struct {
 	// Parts, when set, is called with each part of the cache as soon as
 	// compute finished it (layer by layer: model.PrefillChunk), on the
 	// scheduler's goroutine: it must not block. The bytes it names stay
-	// unchanged until the lease is released.
+	// unchanged, and no other job gets them, until the holder let go of
+	// the job (see PendingPrefill), even if the job failed meanwhile.
 	Parts func(Part)
 }
 
@@ -249,6 +250,7 @@ type request struct {
 	pos       int           // positions the cache holds (during prefill: the chunks done)
 	computed  time.Duration // prefill compute of the chunks before this step
 	parts     func(Part)    // prefill role: PrefillJob.Parts
+	heldErr   error         // prefill role, PhaseHeld: what ended the job
 	last      int32
 	generated int
 	tokens    int // generated tokens other than EOS
@@ -431,16 +433,31 @@ func (e *Scheduler) Generate(ctx context.Context, g GenerateRequest) (*Stream, e
 }
 
 // Prefill queues a prefill job and waits until it ran: the returned lease
-// holds the cache until Release. Errors as Generate's, or ctx's.
+// holds the cache until Release. Errors as Generate's, or ctx's. A job that
+// failed is abandoned at once, so a caller whose Parts hand the bytes to a
+// reader that may outlive the call uses SubmitPrefill, and abandons the
+// job once that reader stopped.
 func (e *Scheduler) Prefill(ctx context.Context, j PrefillJob) (*Lease, error) {
 	p, err := e.SubmitPrefill(ctx, j)
 	if err != nil {
 		return nil, err
 	}
-	return p.Wait(ctx)
+	l, err := p.Wait(ctx)
+	if err != nil {
+		p.Abandon()
+	}
+	return l, err
 }
 
 // PendingPrefill is a queued prefill job.
+//
+// Its blocks and row are freed only once its holder (the caller of
+// SubmitPrefill) lets go of the job, exactly when nothing reads them any
+// more: Release of the lease Wait returned, or Abandon. Whatever else ends
+// the job first (its context, Wait's, a failed step, shutdown) stops its
+// compute and fails Wait, but leaves them allocated, out of every other
+// job's reach (PhaseHeld): what its Parts named may still be read. Only a
+// stopping scheduler frees them regardless, after Config.ReleaseGrace.
 type PendingPrefill struct {
 	e *Scheduler
 	q *request
@@ -448,7 +465,7 @@ type PendingPrefill struct {
 
 // SubmitPrefill queues a prefill job without waiting for it: it fails at once
 // with ErrQueueFull, ErrDraining, ErrClosed, ErrInvalidRequest or ErrTooLong.
-// Ending ctx before the lease was taken frees the job's resources.
+// Ending ctx ends the job; its holder still lets go of it (PendingPrefill).
 func (e *Scheduler) SubmitPrefill(ctx context.Context, j PrefillJob) (*PendingPrefill, error) {
 	if e.cfg.Role != RolePrefill {
 		return nil, ErrWrongRole
@@ -468,21 +485,25 @@ func (e *Scheduler) SubmitPrefill(ctx context.Context, j PrefillJob) (*PendingPr
 }
 
 // Wait blocks until the job ran and returns its lease, or its error. When
-// ctx ends first the job is abandoned (its resources are freed) and Wait
-// returns ctx's error. Call Wait at most once.
+// ctx ends first the job ends (its compute stops) and Wait returns ctx's
+// error. After an error, call Abandon once nothing reads what the job's
+// Parts named. Call Wait at most once.
 func (p *PendingPrefill) Wait(ctx context.Context) (*Lease, error) {
 	select {
 	case r := <-p.q.lease:
 		return r.lease, r.err
 	case <-ctx.Done():
-		p.Abandon()
-		return nil, fmt.Errorf("worker: prefill: %w", context.Cause(ctx))
+		err := fmt.Errorf("worker: prefill: %w", context.Cause(ctx))
+		p.q.cancel(err) // the job's context: the loop ends it (evCancel)
+		return nil, err
 	}
 }
 
-// Abandon gives up a job whose lease was never taken by Wait: it ends and
-// frees whatever it holds. Do not call it after Wait returned a lease
-// (Release that instead).
+// Abandon lets go of a job whose lease Wait did not return (it failed, or
+// Wait was not called): it ends, and whatever it holds is freed. Call it
+// once nothing reads what its Parts named any more; later calls do
+// nothing. Do not call it after Wait returned a lease (Release that
+// instead).
 func (p *PendingPrefill) Abandon() { p.e.post(inboxEvent{kind: evAbandon, q: p.q}) }
 
 func (e *Scheduler) check(prompt []int32, maxTokens int, smp Sampling) error {
@@ -667,12 +688,20 @@ func (e *Scheduler) applyInbox() {
 					e.finish(q, cancelCause(q))
 				}
 			case PhaseContext, PhaseGenerate:
-				e.finish(q, cancelCause(q))
+				if ev.kind == evAbandon {
+					e.finish(q, cancelCause(q)) // let go: nothing reads its parts
+				} else {
+					e.end(q, cancelCause(q))
+				}
 			case PhasePush:
 				// Once the lease was handed out only Release frees it; an
 				// abandoned Prefill never handed it out.
 				if ev.kind == evAbandon {
 					e.finish(q, cancelCause(q))
+				}
+			case PhaseHeld:
+				if ev.kind == evAbandon {
+					e.finish(q, q.heldErr)
 				}
 			case PhaseAwaitCache:
 				// The fetch runs under q.ctx and ends on its own.
@@ -1069,8 +1098,28 @@ func (e *Scheduler) collect() {
 		if err != nil && q.ctx.Err() != nil {
 			err = context.Cause(q.ctx)
 		}
-		e.finish(q, err)
+		e.end(q, err)
 	}
+}
+
+// end ends q with err. A prefill job in compute keeps its blocks and row
+// until its holder lets go of it (PendingPrefill): its Parts may have
+// named them to a reader that has not stopped yet (the layer-wise stream,
+// whose queued pieces would otherwise be read from blocks another job
+// computes into). Wait hears err at once; the job is held (PhaseHeld)
+// until Abandon finishes it. Every other request finishes now.
+func (e *Scheduler) end(q *request, err error) {
+	if !q.prefillOnly || q.phase != PhaseContext {
+		e.finish(q, err)
+		return
+	}
+	q.heldErr = err
+	e.setPhase(q, PhaseHeld)
+	if !q.leaseOut {
+		q.leaseOut = true
+		q.lease <- leaseResult{err: err}
+	}
+	q.log.Debug("prefill ended; its blocks and row stay held until its holder lets go", "err", err)
 }
 
 // finish ends q: frees what it holds, reports, and counts it.
@@ -1200,7 +1249,7 @@ func (e *Scheduler) shutdown() {
 	for _, q := range running {
 		switch q.phase {
 		case PhaseContext, PhaseGenerate:
-			e.finish(q, ErrClosed)
+			e.end(q, ErrClosed) // a prefill job waits for its holder, as a lease does
 		case PhaseAwaitCache:
 			// The fetch ends with its context; it then fails with
 			// ErrClosed, like every other phase.

@@ -2,7 +2,11 @@ package worker
 
 import (
 	"context"
+	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -81,5 +85,55 @@ func TestPrefillParts(t *testing.T) {
 		want := reference(t, model.TinyHybrid, prompt, 1, 0, 0)
 		require.Equal(t, want[0], l.First, "chunk %d", chunk)
 		l.Release()
+	}
+}
+
+// A prefill job whose Parts named its blocks and row keeps them until its
+// holder lets go (Abandon, or Release of its lease), whatever ended it
+// first: Wait's context, the job's own, a failed step. A reader of the parts
+// (the layer-wise stream) may still be reading them, and a job admitted in
+// their place would overwrite them: the next job waits for its room until
+// the holder let go.
+func TestAbandonedPrefillKeepsCacheUntilLetGo(t *testing.T) {
+	prompt := model.Encode(strings.Repeat("p", 120)) // chunks of 8 tokens, about 2 ms each
+	for _, how := range []string{"wait", "job"} {
+		t.Run(how, func(t *testing.T) {
+			ranks := newRanks(t, rankOpts{ranks: 1, batch: 1, model: model.TinyHybrid + "?prefill_delay=2ms"})
+			e := newEngine(t, Config{Role: RolePrefill, PrefillChunkTokens: 8}, ranks)
+			idle := ranks[0].mgr.Stats()
+			first := make(chan struct{})
+			var once sync.Once
+			jctx, jcancel := context.WithCancel(context.Background())
+			defer jcancel()
+			p, err := e.SubmitPrefill(jctx, PrefillJob{Prompt: prompt, Parts: func(Part) { once.Do(func() { close(first) }) }})
+			require.NoError(t, err)
+			var nextParts atomic.Int64
+			next, err := e.SubmitPrefill(context.Background(), PrefillJob{Prompt: prompt, Parts: func(Part) { nextParts.Add(1) }})
+			require.NoError(t, err)
+			<-first
+			wctx, wcancel := context.WithCancel(context.Background())
+			if how == "wait" {
+				wcancel()
+			} else {
+				defer wcancel()
+				jcancel()
+			}
+			_, err = p.Wait(wctx)
+			require.ErrorIs(t, err, context.Canceled)
+			// The job ended; its row and blocks stay its holder's.
+			time.Sleep(50 * time.Millisecond)
+			held := ranks[0].mgr.Stats()
+			require.Equal(t, idle.RowsFree-1, held.RowsFree, "the abandoned job's row was freed before its holder let go")
+			require.Less(t, held.BlocksFree, idle.BlocksFree)
+			require.Zero(t, nextParts.Load(), "the next job computed into the abandoned job's cache")
+			require.Equal(t, 2, e.Live())
+			p.Abandon()
+			l, err := next.Wait(context.Background())
+			require.NoError(t, err, "the next job did not run once the holder let go")
+			require.Positive(t, nextParts.Load())
+			l.Release()
+			p.Abandon() // idempotent
+			require.Eventually(t, func() bool { return e.Live() == 0 && ranks[0].mgr.Stats() == idle }, 5*time.Second, time.Millisecond)
+		})
 	}
 }

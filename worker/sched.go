@@ -23,11 +23,16 @@ const (
 	// PhasePush: prefill side, prefill done, the cache is being pushed to a
 	// decode worker. Holds resources, not schedulable.
 	PhasePush
+	// PhaseHeld: prefill side, the job ended before its lease was taken
+	// (failed, cancelled, given up by Wait) and its holder has not let go
+	// yet (PendingPrefill.Abandon): what its Parts named may still be read.
+	// Holds resources, not schedulable.
+	PhaseHeld
 	// PhaseDone: finished; resources are being released.
 	PhaseDone
 )
 
-var phaseNames = [...]string{"queued", "await-cache", "context", "generate", "push", "done"}
+var phaseNames = [...]string{"queued", "await-cache", "context", "generate", "push", "held", "done"}
 
 func (p Phase) String() string {
 	if int(p) < len(phaseNames) {
@@ -42,7 +47,7 @@ func (p Phase) Schedulable() bool { return p == PhaseContext || p == PhaseGenera
 
 // HoldsResources reports whether a request in phase p holds a row and blocks.
 func (p Phase) HoldsResources() bool {
-	return p == PhaseAwaitCache || p == PhaseContext || p == PhaseGenerate || p == PhasePush
+	return p == PhaseAwaitCache || p == PhaseContext || p == PhaseGenerate || p == PhasePush || p == PhaseHeld
 }
 
 // RankLoad is what the planner sees of one rank at the start of an iteration.

@@ -142,7 +142,7 @@ func TestPhase(t *testing.T) {
 		require.False(t, p.Schedulable())
 		require.False(t, p.HoldsResources())
 	}
-	for _, p := range []Phase{PhaseAwaitCache, PhasePush} {
+	for _, p := range []Phase{PhaseAwaitCache, PhasePush, PhaseHeld} {
 		require.False(t, p.Schedulable())
 		require.True(t, p.HoldsResources())
 	}

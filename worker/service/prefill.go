@@ -215,6 +215,9 @@ type prefillLease struct {
 func (l *prefillLease) Prefill(ctx context.Context) (transfer.Prefilled, error) {
 	lease, err := l.pend.Wait(ctx)
 	if err != nil {
+		// The job keeps its blocks and row until Release abandons it: the
+		// layer-wise stream may still read what its parts named, and the
+		// prefiller releases only once that stream stopped.
 		return transfer.Prefilled{}, err
 	}
 	l.lease = lease
@@ -232,6 +235,9 @@ func (l *prefillLease) Prefill(ctx context.Context) (transfer.Prefilled, error) 
 	return out, nil
 }
 
+// Release lets go of the job (transfer calls it once, after every read of
+// its blocks and row, the stream's included): the scheduler frees them
+// only now.
 func (l *prefillLease) Release() {
 	if l.lease != nil {
 		role := string(worker.RolePrefill)
