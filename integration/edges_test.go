@@ -86,7 +86,9 @@ func probeStart(t *testing.T, p *proc) {
 // A decode whose NATS never answers is never ready (it answered 200 for
 // its first milliseconds, before any check was registered).
 func TestNotReadyWithoutNATS(t *testing.T) {
-	p := startProc(t, "decode", "--nats-url", "nats://127.0.0.1:"+itoa(freePort(t)))
+	// A reserved port refuses connections (no server listens there), and
+	// nothing else is handed it meanwhile (reservePort).
+	p := startProc(t, "decode", "--nats-url", "nats://127.0.0.1:"+itoa(reservePort(t)))
 	client := &http.Client{Timeout: 500 * time.Millisecond}
 	answered := 0
 	for end := time.Now().Add(2 * time.Second); time.Now().Before(end); {
