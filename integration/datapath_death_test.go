@@ -38,7 +38,7 @@ func TestDataPathResetThenDeath(t *testing.T) {
 		t.Run(mode, func(t *testing.T) {
 			space := "death-" + mode
 			common := []string{"--nats-url", ns.url(), "--namespace", space, "--transport", "tcp"}
-			dataPort := freePort(t)
+			dataPort := reservePort(t) // the proxy must know it before decode starts
 			px := startDataPathProxy(t, fmt.Sprintf("127.0.0.1:%d", dataPort))
 			// The prefill worker computes 4 ms a token, about 450 ms for the
 			// prompt: the window in which it is killed during the retry.

@@ -27,11 +27,13 @@ type dataPathProxy struct {
 	proxy *toxiproxy.Proxy
 }
 
+// startDataPathProxy starts the proxy on a port of its own choosing
+// (proxy.Listen, once started) in front of upstream.
 func startDataPathProxy(t *testing.T, upstream string) *dataPathProxy {
 	t.Helper()
 	srv := toxiproxy.NewServer(toxiproxy.NewMetricsContainer(prometheus.NewRegistry()), zerolog.Nop())
 	srv.Metrics.ProxyMetrics = collectors.NewProxyMetricCollectors()
-	p := toxiproxy.NewProxy(srv, "data", fmt.Sprintf("127.0.0.1:%d", freePort(t)), upstream)
+	p := toxiproxy.NewProxy(srv, "data", "127.0.0.1:0", upstream)
 	require.NoError(t, p.Start())
 	t.Cleanup(p.Stop)
 	return &dataPathProxy{t: t, proxy: p}
@@ -66,7 +68,9 @@ func TestDataPathFaults(t *testing.T) {
 	ns := startNATS(t, nil)
 	common := []string{"--nats-url", ns.url(), "--namespace", "faults", "--transport", "tcp",
 		"--model", "tiny-hybrid?prefill_delay=1ms"}
-	dataPort := freePort(t)
+	// The proxy forwards to decode's data port, so that port is known
+	// before decode starts: reserved (reservePort), not picked by decode.
+	dataPort := reservePort(t)
 	px := startDataPathProxy(t, fmt.Sprintf("127.0.0.1:%d", dataPort))
 	const timeout = 8 * time.Second
 	pre := startProc(t, "prefill", common...)

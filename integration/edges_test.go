@@ -50,7 +50,6 @@ func probeStart(t *testing.T, p *proc) {
 			p.kill()
 		}
 	}()
-	apiHost := strings.TrimPrefix(p.api, "http://")
 	client := &http.Client{Timeout: 500 * time.Millisecond}
 	probes, unready := 0, 0
 	deadline := time.Now().Add(readyWithin)
@@ -70,6 +69,11 @@ func probeStart(t *testing.T, p *proc) {
 			unready++
 			continue
 		}
+		// The API's "listening" line was logged before readiness could
+		// pass, so it is in the log by now (a file the worker writes):
+		// ready without it is readiness ahead of the API.
+		apiHost, ok := p.listening("http")
+		require.Truef(t, ok, "probe %d: ready (%s) before the API listened", probes, body)
 		c, err := net.DialTimeout("tcp", apiHost, time.Second)
 		require.NoErrorf(t, err, "probe %d: ready (%s) while the API refuses connections", probes, body)
 		c.Close()
@@ -82,7 +86,9 @@ func probeStart(t *testing.T, p *proc) {
 // A decode whose NATS never answers is never ready (it answered 200 for
 // its first milliseconds, before any check was registered).
 func TestNotReadyWithoutNATS(t *testing.T) {
-	p := startProc(t, "decode", "--nats-url", "nats://127.0.0.1:"+itoa(freePort(t)))
+	// A reserved port refuses connections (no server listens there), and
+	// nothing else is handed it meanwhile (reservePort).
+	p := startProc(t, "decode", "--nats-url", "nats://127.0.0.1:"+itoa(reservePort(t)))
 	client := &http.Client{Timeout: 500 * time.Millisecond}
 	answered := 0
 	for end := time.Now().Add(2 * time.Second); time.Now().Before(end); {

@@ -11,7 +11,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
@@ -19,7 +18,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -55,25 +54,67 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// freePort returns a loopback port that was free a moment ago, for a
-// process to listen on. It is picked below Linux's ephemeral range
-// (32768-60999): a port from that range, free when asked, is handed to the
-// next outgoing connection (workers' and NATS routes' dials) as often as to
-// the process meant to bind it, which then fails with "address already in
-// use".
-func freePort(t *testing.T) int {
+// Ports. No port is picked free, closed and handed to a server: another
+// test's process, or an outgoing connection's ephemeral port, could take it
+// before the server binds it ("address already in use"). The workers and
+// the Toxiproxy proxy listen on 127.0.0.1:0: the harness reads the address
+// a worker's listener got from the "listening" line it logs
+// (proc.listening), the proxy's from its Listen after Start. reservePort is
+// for the rest.
+
+// reservePort returns a loopback port reserved until the test ends, for a
+// server that must be told its port before it starts: an in-process NATS
+// server, which a test may stop and start again on the same port (its
+// clients know that URL), and whose cluster routes are configured before
+// any node starts (JetStream clustering needs them); and a worker's data
+// port behind a proxy, which the proxy forwards to.
+//
+// The reservation is a socket bound to 127.0.0.1:port with SO_REUSEADDR,
+// not listening. Linux keeps a port so bound out of its ephemeral picks
+// (an outgoing connection's local port, a bind to port 0) and refuses it to
+// a bind without SO_REUSEADDR; a listener that sets SO_REUSEADDR, as every
+// Go listener does, binds the same address while it is reserved. So the
+// server gets the port whenever it starts, and nothing else is handed it
+// while the server is down. The socket accepts nothing: a connection to the
+// port while no server listens there is refused, as on a free port.
+func reservePort(t *testing.T) int {
 	t.Helper()
-	for range 100 {
-		port := 20000 + rand.IntN(12000)
-		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
-		if err != nil {
-			continue
-		}
-		l.Close()
-		return port
+	// Close-on-exec before any child can be started with it.
+	syscall.ForkLock.RLock()
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
+	if err == nil {
+		syscall.CloseOnExec(fd)
 	}
-	t.Fatal("no free loopback port in 20000-31999")
-	return 0
+	syscall.ForkLock.RUnlock()
+	require.NoError(t, err, "reserve a port: socket")
+	t.Cleanup(func() { _ = syscall.Close(fd) })
+	require.NoError(t, syscall.SetsockoptInt(fd, syscall.SOL_SOCKET, syscall.SO_REUSEADDR, 1), "reserve a port: SO_REUSEADDR")
+	require.NoError(t, syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}), "reserve a port: bind")
+	sa, err := syscall.Getsockname(fd)
+	require.NoError(t, err, "reserve a port: getsockname")
+	return sa.(*syscall.SockaddrInet4).Port
+}
+
+// What the harness relies on reservePort for: the port refuses connections
+// while no server listens, a server binds it, and again after a stop; a
+// bind without SO_REUSEADDR (not a Go listener's) is refused.
+func TestReservePort(t *testing.T) {
+	port := reservePort(t)
+	addr := fmt.Sprintf("127.0.0.1:%d", port)
+	_, err := net.Dial("tcp", addr)
+	require.ErrorIs(t, err, syscall.ECONNREFUSED)
+	for range 2 { // a start and a restart
+		ln, err := net.Listen("tcp", addr)
+		require.NoError(t, err, "a server binds the reserved port")
+		c, err := net.Dial("tcp", addr)
+		require.NoError(t, err)
+		c.Close()
+		ln.Close()
+	}
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
+	require.NoError(t, err)
+	defer syscall.Close(fd)
+	require.ErrorIs(t, syscall.Bind(fd, &syscall.SockaddrInet4{Port: port, Addr: [4]byte{127, 0, 0, 1}}), syscall.EADDRINUSE)
 }
 
 // natsServer is a real nats-server (the same code as the nats-server binary)
@@ -87,7 +128,7 @@ type natsServer struct {
 func startNATS(t *testing.T, mutate func(*server.Options)) *natsServer {
 	t.Helper()
 	opts := natstest.Options(t.TempDir())
-	opts.Port = freePort(t) // fixed, so that a restart keeps the address
+	opts.Port = reservePort(t) // fixed and reserved, so that a restart gets the same address
 	if mutate != nil {
 		mutate(opts)
 	}
@@ -120,50 +161,56 @@ type proc struct {
 	t     *testing.T
 	name  string
 	cmd   *exec.Cmd
-	log   *syncBuffer
+	log   procLog
 	done  chan struct{}
-	admin string // http://host:port of the admin server
-	api   string // http://host:port of the OpenAI API (decode only)
+	admin string // http://host:port of the admin server, once it listens
+	api   string // http://host:port of the OpenAI API (decode only), set by waitReady
 }
 
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
+// procLog is a process's stdout and stderr: a file that the process writes
+// itself. A line it wrote before it answered a request (a "listening" line
+// before /readyz said 200) is in the file when the answer arrives, which a
+// pipe copied into a buffer by the harness would not promise.
+type procLog struct{ path string }
+
+func (l procLog) String() string {
+	b, _ := os.ReadFile(l.path)
+	return string(b)
 }
 
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
+// procSeq numbers the processes of a run, for their instance ids.
+var procSeq atomic.Int64
 
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-// startProc starts binary name with args; it is SIGKILLed at cleanup if still running.
+// startProc starts binary name with args; it is SIGKILLed at cleanup if
+// still running. It returns once the admin server listens (or the process
+// exited first: p.admin is then empty); p.api is set by waitReady. The
+// process picks its own ports and logs them at info (proc.listening):
+// args may not raise --log-level above info.
 func startProc(t *testing.T, name string, args ...string) *proc {
 	t.Helper()
-	adminPort := freePort(t)
-	p := &proc{t: t, name: name, log: &syncBuffer{}, done: make(chan struct{})}
-	p.admin = fmt.Sprintf("http://127.0.0.1:%d", adminPort)
+	for i, a := range args {
+		if lvl, ok := strings.CutPrefix(a, "--log-level="); (ok && quietLevel(lvl)) || (a == "--log-level" && i+1 < len(args) && quietLevel(args[i+1])) {
+			t.Fatalf("startProc %s %v: the harness reads the listeners' addresses from info lines", name, args)
+		}
+	}
+	f, err := os.CreateTemp(t.TempDir(), name+"-*.log")
+	require.NoError(t, err)
+	p := &proc{t: t, name: name, log: procLog{f.Name()}, done: make(chan struct{})}
 	all := append([]string{
-		"--admin-addr", fmt.Sprintf("127.0.0.1:%d", adminPort),
+		"--admin-addr", "127.0.0.1:0",
 		"--data-addr", "127.0.0.1:0",
 		"--log-format", "json",
 		"--log-level", "debug",
 	}, args...)
 	if name == "decode" {
-		apiPort := freePort(t)
-		p.api = fmt.Sprintf("http://127.0.0.1:%d", apiPort)
-		all = append(all, "--http-addr", fmt.Sprintf("127.0.0.1:%d", apiPort))
+		all = append(all, "--http-addr", "127.0.0.1:0")
 	}
 	p.cmd = exec.Command(filepath.Join(binDir, name), all...)
-	p.cmd.Env = append(os.Environ(), "HANDOFF_INSTANCE_ID="+fmt.Sprintf("%s-%s-%d", name, sanitize(t.Name()), adminPort))
-	p.cmd.Stdout, p.cmd.Stderr = p.log, p.log
-	require.NoError(t, p.cmd.Start())
+	p.cmd.Env = append(os.Environ(), "HANDOFF_INSTANCE_ID="+fmt.Sprintf("%s-%s-%d", name, sanitize(t.Name()), procSeq.Add(1)))
+	p.cmd.Stdout, p.cmd.Stderr = f, f
+	err = p.cmd.Start()
+	f.Close() // the process has its own descriptor
+	require.NoError(t, err)
 	go func() {
 		_ = p.cmd.Wait()
 		close(p.done)
@@ -181,7 +228,46 @@ func startProc(t *testing.T, name string, args ...string) *proc {
 			_ = os.WriteFile(filepath.Join(dir, sanitize(t.Name())+"-"+p.name+"-"+itoa(p.cmd.Process.Pid)+".log"), []byte(p.log.String()), 0o644)
 		}
 	})
+	// The admin server listens first thing, before the worker builds its
+	// pools or connects to NATS.
+	for end := time.Now().Add(readyWithin); ; time.Sleep(5 * time.Millisecond) {
+		if addr, ok := p.listening("admin"); ok {
+			p.admin = "http://" + addr
+			break
+		}
+		select {
+		case <-p.done:
+			return p // refused to start: the test may expect that
+		default:
+		}
+		if time.Now().After(end) {
+			t.Fatalf("%s: admin server not listening within %v\n%s", name, readyWithin, tail(p.log.String(), 4000))
+		}
+	}
 	return p
+}
+
+func quietLevel(l string) bool {
+	l = strings.ToLower(l)
+	return l == "warn" || l == "warning" || l == "error"
+}
+
+// listening returns the address p's listener is bound to, from the
+// "listening" line the worker logs when it opens it (the listener named
+// after its flag: "http", "admin", "data"), and whether that line is
+// logged yet. In standalone mode the decode worker's lines count, not the
+// in-process prefill worker's.
+func (p *proc) listening(listener string) (string, bool) {
+	for line := range strings.Lines(p.log.String()) {
+		if !strings.Contains(line, `"msg":"listening"`) {
+			continue
+		}
+		var l struct{ Msg, Listener, Addr, Role string }
+		if json.Unmarshal([]byte(line), &l) == nil && l.Msg == "listening" && l.Listener == listener && l.Role == p.name {
+			return l.Addr, true
+		}
+	}
+	return "", false
 }
 
 func sanitize(s string) string {
@@ -220,11 +306,17 @@ func (p *proc) kill() {
 	<-p.done
 }
 
-// waitReady polls /readyz until it answers 200.
+// waitReady polls /readyz until it answers 200, and then sets p.api.
 func (p *proc) waitReady(d time.Duration) {
 	p.t.Helper()
 	require.Eventuallyf(p.t, func() bool { return p.ready() }, d, 50*time.Millisecond,
 		"%s not ready within %v", p.name, d)
+	if p.name == "decode" && p.api == "" {
+		// Logged before readiness could pass.
+		addr, ok := p.listening("http")
+		require.Truef(p.t, ok, "decode ready before its API listened\n%s", tail(p.log.String(), 4000))
+		p.api = "http://" + addr
+	}
 }
 
 func (p *proc) ready() bool {

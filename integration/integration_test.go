@@ -369,12 +369,14 @@ func TestNATSRestartMidLoad(t *testing.T) {
 }
 
 // startNATSCluster starts n routed nats-servers with JetStream on loopback,
-// each restartable on its ports.
+// each restartable on its ports. Every node is configured with every
+// node's route port before the first starts (JetStream clustering wants
+// its routes configured), so the route ports are reserved (reservePort).
 func startNATSCluster(t *testing.T, n int) []*natsServer {
 	t.Helper()
 	routePorts := make([]int, n)
 	for i := range routePorts {
-		routePorts[i] = freePort(t)
+		routePorts[i] = reservePort(t)
 	}
 	var routes []string
 	for _, p := range routePorts {

@@ -56,7 +56,7 @@ func soakEnv[T any](t *testing.T, name string, def T, parse func(string) (T, err
 func TestSoak(t *testing.T) {
 	duration := soakEnv(t, "HANDOFF_SOAK", 20*time.Second, time.ParseDuration)
 	rate := soakEnv(t, "HANDOFF_SOAK_RATE", 40, strconv.Atoi)
-	p := startProc(t, "decode", "--standalone", "--log-level", "warn")
+	p := startProc(t, "decode", "--standalone", "--log-level", "info") // as a user's; the harness reads info lines
 	p.waitReady(readyWithin)
 	model := modelName(t, p.api)
 	ctx, cancel := context.WithTimeout(context.Background(), duration+2*time.Minute)

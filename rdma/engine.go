@@ -338,6 +338,17 @@ func (e *Engine) Region(id RegionID) (*Region, bool) {
 	return r, ok
 }
 
+// TCPListenAddr returns the address the tcp listener is bound to: with
+// Config.TCPAddr ":0", the port the kernel chose. It is empty when tcp is not
+// served. Peers dial Descriptor().TCPAddr instead, the advertised address,
+// which differs behind a proxy or NAT (Config.Advertise).
+func (e *Engine) TCPListenAddr() string {
+	if e.tcp == nil {
+		return ""
+	}
+	return e.tcp.ln.Addr().String()
+}
+
 // Descriptor returns what a peer needs to reach this engine.
 func (e *Engine) Descriptor() Descriptor {
 	e.mu.RLock()

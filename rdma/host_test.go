@@ -3,6 +3,7 @@ package rdma
 import (
 	"net"
 	"os"
+	"runtime"
 	"strings"
 	"testing"
 
@@ -42,4 +43,28 @@ func TestAdvertisedPortZero(t *testing.T) {
 	require.Equal(t, "[2001:db8::5]:41234", advertised("[2001:db8::5]:0", ln))
 	require.Equal(t, "pod.example:7400", advertised("pod.example:7400", ln), "a port given is honoured")
 	require.Equal(t, defaultAdvertise(ln), advertised("", ln))
+}
+
+// TCPListenAddr is the address the listener got (the kernel's port for
+// ":0"), not the advertised one, and empty without tcp.
+func TestTCPListenAddr(t *testing.T) {
+	e, err := New(Config{Agent: "listen", Transports: []Transport{TransportTCP}, Advertise: "proxy.example:7400", Logger: quietLogger()})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, e.Close()) }()
+	require.Equal(t, "proxy.example:7400", e.Descriptor().TCPAddr)
+	addr := e.TCPListenAddr()
+	host, port, err := net.SplitHostPort(addr)
+	require.NoError(t, err)
+	require.Equal(t, "127.0.0.1", host)
+	require.NotEqual(t, "0", port)
+	c, err := net.Dial("tcp", addr)
+	require.NoError(t, err, "the listen address must be dialable")
+	c.Close()
+
+	if runtime.GOOS == "linux" {
+		shm, err := New(Config{Agent: "shm-only", Transports: []Transport{TransportSHM}, Logger: quietLogger()})
+		require.NoError(t, err)
+		defer func() { require.NoError(t, shm.Close()) }()
+		require.Empty(t, shm.TCPListenAddr())
+	}
 }

@@ -137,7 +137,7 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 		}
 		return nil
 	})
-	apiSrv, err := listenHTTP(cfg.HTTPAddr, api.New(api.Config{Model: cfg.Model, Logger: log, Metrics: o.Metrics,
+	apiSrv, err := listenHTTP("http", cfg.HTTPAddr, api.New(api.Config{Model: cfg.Model, Logger: log, Metrics: o.Metrics,
 		WriteTimeout: cfg.WriteTimeout, TracerProvider: tp}, eng), log)
 	if err != nil {
 		return fmt.Errorf("api listener: %w", err)

@@ -18,7 +18,7 @@ func TestHTTPStalledBodyTimesOut(t *testing.T) {
 	defer func(d time.Duration) { readTimeout = d }(readTimeout)
 	readTimeout = 200 * time.Millisecond
 	read := make(chan error, 1)
-	s, err := listenHTTP("127.0.0.1:0", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	s, err := listenHTTP("http", "127.0.0.1:0", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, err := io.ReadAll(r.Body)
 		read <- err
 	}), slog.New(slog.DiscardHandler))
@@ -43,7 +43,7 @@ func TestHTTPStalledBodyTimesOut(t *testing.T) {
 func TestHTTPLongResponseOutlivesReadTimeout(t *testing.T) {
 	defer func(d time.Duration) { readTimeout = d }(readTimeout)
 	readTimeout = 200 * time.Millisecond
-	s, err := listenHTTP("127.0.0.1:0", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	s, err := listenHTTP("http", "127.0.0.1:0", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if _, err := io.ReadAll(r.Body); err != nil {
 			http.Error(w, err.Error(), http.StatusBadRequest)
 			return

@@ -168,6 +168,9 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool, openCUDA func()
 			n.close()
 			return nil, fmt.Errorf("data plane: %w", err)
 		}
+		if addr := n.data.TCPListenAddr(); addr != "" {
+			logListening(log, "data", addr, "advertise", n.dataAddr())
+		}
 	}
 	for i := 0; i < cfg.DPSize; i++ {
 		m, err := hybrid.New(pools)
@@ -282,6 +285,15 @@ func (n *node) transportInfo(m *worker.Metrics, agent string) {
 // Responses (SSE streams included) are not bounded.
 var readTimeout = time.Minute
 
+// logListening logs the address a listener is bound to, the port the kernel
+// chose for ":0" included: one "listening" line at info for each of the
+// worker's listeners, named after its flag ("http" for --http-addr, "admin",
+// "data"), as soon as it is open (before the worker serves). The
+// integration tests learn their workers' ports from these lines.
+func logListening(log *slog.Logger, listener, addr string, attrs ...any) {
+	log.Info("listening", append([]any{"listener", listener, "addr", addr}, attrs...)...)
+}
+
 // httpServer serves h on a listener it opens now, so the address is known
 // (and a busy port fails the start) before Serve.
 type httpServer struct {
@@ -290,11 +302,14 @@ type httpServer struct {
 	done chan error
 }
 
-func listenHTTP(addr string, h http.Handler, log *slog.Logger) (*httpServer, error) {
+// listenHTTP opens the listener named name (logListening) on addr and
+// serves h on it.
+func listenHTTP(name, addr string, h http.Handler, log *slog.Logger) (*httpServer, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, err
 	}
+	logListening(log, name, ln.Addr().String())
 	s := &httpServer{
 		srv: &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, ReadTimeout: readTimeout, IdleTimeout: 2 * time.Minute,
 			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)},
@@ -335,7 +350,7 @@ func startAdmin(cfg config.Config, o *Options) (*admin.Server, *admin.Gate, *htt
 	if o.Admin != nil || cfg.AdminAddr == "" {
 		return a, gate, nil, nil
 	}
-	s, err := listenHTTP(cfg.AdminAddr, a.Handler(), o.Logger)
+	s, err := listenHTTP("admin", cfg.AdminAddr, a.Handler(), o.Logger)
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("admin listener: %w", err)
 	}
