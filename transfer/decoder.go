@@ -621,12 +621,9 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 		}
 		ev.Now = h.now()
 		acts = append(append(queue[:0], early...), h.step(ev)...) // acts was drained
-		// Tick at the deadline, or earlier where the session waits to send
-		// again (no responder); re-arm after a tick that came early.
-		want := h.deadline
-		if at := h.sess.RetryAt(); !at.IsZero() && at.Before(want) {
-			want = at
-		}
+		// Tick when the session wants it; re-arm after a tick that came
+		// early.
+		want := h.sess.WakeAt()
 		if (!want.Equal(armed) || ev.Kind == session.EvTick) && !h.sess.State().Terminal() {
 			timer.Reset(time.Until(want))
 			armed = want

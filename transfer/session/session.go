@@ -262,14 +262,18 @@ func (s *RecvSession) Attempts() int { return s.attempts }
 // Instance returns the instance that replied successfully, if any.
 func (s *RecvSession) Instance() string { return s.replyInstance }
 
-// RetryAt returns when the session wants an EvTick to send its request
-// again (after no responder took it), or the zero time. The driver ticks at
-// the earlier of this and the deadline.
-func (s *RecvSession) RetryAt() time.Time {
-	if s.replyBy.IsZero() || !s.retryAt.IsZero() && s.retryAt.Before(s.replyBy) {
-		return s.retryAt
+// WakeAt returns when the session next wants an EvTick: the earliest of its
+// deadline, the time a request no responder took is sent again, and the end
+// of the grace for a late reply. The driver arms its timer at WakeAt after
+// every Step; a tick that comes early does nothing.
+func (s *RecvSession) WakeAt() time.Time {
+	at := s.p.Deadline
+	for _, t := range [...]time.Time{s.retryAt, s.replyBy} {
+		if !t.IsZero() && t.Before(at) {
+			at = t
+		}
 	}
-	return s.replyBy
+	return at
 }
 
 // lateReplyGrace is how long a request whose commit landed waits for the

@@ -248,3 +248,44 @@ func randomEvent(r *rng, recv bool, now *time.Time) Event {
 	}
 	return ev
 }
+
+// WakeAt is the earliest time the session acts on a tick: the deadline, a
+// resend after no responder, or the end of a late reply's grace.
+func TestWakeAt(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	dl := t0.Add(5 * time.Second)
+	exp := []uint64{4096, 512}
+	man := Manifest{Bytes: exp, CRC: []uint32{1, 2}}
+	tests := []struct {
+		name   string
+		quiet  time.Duration
+		events []Event
+		want   time.Time
+	}{
+		{"waiting: the deadline", 0, []Event{
+			{Kind: EvStart, Now: t0}, {Kind: EvGranted, Now: t0, Expected: exp}, {Kind: EvSent, Now: t0, Instance: "p1"},
+		}, dl},
+		{"no responder: the resend", time.Second, []Event{
+			{Kind: EvStart, Now: t0}, {Kind: EvGranted, Now: t0, Expected: exp}, {Kind: EvSent, Now: t0},
+			{Kind: EvNoResponders, Now: t0.Add(time.Millisecond)},
+		}, t0.Add(time.Millisecond + quietFirst)},
+		{"committed, serving instance gone: the grace", 0, []Event{
+			{Kind: EvStart, Now: t0}, {Kind: EvGranted, Now: t0, Expected: exp}, {Kind: EvSent, Now: t0, Instance: "p1"},
+			{Kind: EvCommitted, Now: t0, Manifest: man}, {Kind: EvPeerDied, Now: t0.Add(time.Millisecond), Instance: "p1"},
+		}, t0.Add(time.Millisecond + lateReplyGrace)},
+		{"grace past the deadline: the deadline", 0, []Event{
+			{Kind: EvStart, Now: t0}, {Kind: EvGranted, Now: t0, Expected: exp}, {Kind: EvSent, Now: t0, Instance: "p1"},
+			{Kind: EvCommitted, Now: t0, Manifest: man}, {Kind: EvPeerDied, Now: dl.Add(-time.Millisecond), Instance: "p1"},
+		}, dl},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := NewRecvSession(RecvParams{RequestID: 7, Deadline: dl, MaxAttempts: 3, QuietWait: tt.quiet})
+			for _, ev := range tt.events {
+				s.Step(ev)
+			}
+			require.Equal(t, StateWaiting, s.State())
+			require.Equal(t, tt.want, s.WakeAt())
+		})
+	}
+}
