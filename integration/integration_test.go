@@ -218,21 +218,16 @@ func TestPrefillKilledMidTransfer(t *testing.T) {
 		}
 	}
 	wg.Wait()
-	ok := 0
 	for i := range results {
 		require.NoError(t, errs[i], "request %d got no HTTP answer", i)
 		require.Less(t, took[i], 60*time.Second, "request %d outlived any sane deadline", i)
-		if results[i].Status == http.StatusOK {
-			ok++
-			continue
-		}
-		require.GreaterOrEqual(t, results[i].Status, 500, "request %d: unexpected status", i)
-		require.NotEmpty(t, results[i].Err, "request %d failed without a message", i)
+		// Every request is served: one the dead worker held is retried on
+		// the survivor.
+		require.Equal(t, http.StatusOK, results[i].Status, "request %d was not served by the survivor: %s", i, results[i].Err)
 	}
 	retried := sum(dec.metrics(), "handoff_retries_total", map[string]string{"role": "decode"})
-	t.Logf("%d of %d requests succeeded across the SIGKILL; slowest took %v; %v handoffs retried", ok, n, slices.Max(took), retried)
+	t.Logf("%d requests succeeded across the SIGKILL; slowest took %v; %v handoffs retried", n, slices.Max(took), retried)
 	require.Positive(t, retried, "no handoff failed over: the kill did not land mid-transfer")
-	require.Equal(t, n, ok, "a request the dead worker held was not served by the survivor")
 	requireIdle(t, dec, "decode")
 	// The survivor still serves.
 	c, err := complete(ctx, dec.api, completionRequest{Model: name, Prompt: "after the fault", MaxTokens: 4})
