@@ -53,8 +53,8 @@ type FetchResult struct {
 
 // routeRemote reports whether q's prefill runs at the Source: always
 // without a Router, else as it decides, counted by route and reason.
-func (e *Scheduler) routeRemote(q *request) bool {
-	if e.cfg.Router == nil {
+func (s *Scheduler) routeRemote(q *request) bool {
+	if s.cfg.Router == nil {
 		return true
 	}
 	local := LocalLoad{Rows: q.rank.rows}
@@ -63,27 +63,27 @@ func (e *Scheduler) routeRemote(q *request) bool {
 			local.Running++
 		}
 	}
-	d := e.cfg.Router.Route(len(q.prompt), local)
-	e.m.PrefillRoutes.WithLabelValues(string(e.cfg.Role), d.Route(), d.Reason).Inc()
+	d := s.cfg.Router.Route(len(q.prompt), local)
+	s.m.PrefillRoutes.WithLabelValues(string(s.cfg.Role), d.Route(), d.Reason).Inc()
 	q.log.Debug("prefill routed", "route", d.Route(), "reason", d.Reason)
 	return d.Remote
 }
 
 // fetched applies a finished Fetch.
-func (e *Scheduler) fetched(q *request, res FetchResult, err error) {
-	role := string(e.cfg.Role)
-	e.m.TransferDuration.WithLabelValues(role).Observe(time.Since(q.admitted).Seconds())
-	e.m.Transfers.WithLabelValues(role, TransferResult(err)).Inc()
-	if reason := fallbackReason(err); reason != "" && e.cfg.Router != nil &&
+func (s *Scheduler) fetched(q *request, res FetchResult, err error) {
+	role := string(s.cfg.Role)
+	s.m.TransferDuration.WithLabelValues(role).Observe(time.Since(q.admitted).Seconds())
+	s.m.Transfers.WithLabelValues(role, TransferResult(err)).Inc()
+	if reason := fallbackReason(err); reason != "" && s.cfg.Router != nil &&
 		q.ctx.Err() == nil && quarantined(err) == nil {
 		// No further byte can land (Fetch's contract, no quarantine): the
 		// resources are the request's still, and it is prefilled here. A
 		// prefill from the prompt's first token overwrites every byte a
 		// failed transfer may have left (the Mamba row is zeroed, every
 		// KV position read is written first).
-		e.m.PrefillRoutes.WithLabelValues(role, RouteLocal, reason).Inc()
+		s.m.PrefillRoutes.WithLabelValues(role, RouteLocal, reason).Inc()
 		q.log.Info("remote prefill did not complete; prefilling here", "reason", reason, "err", err)
-		e.setPhase(q, PhaseContext)
+		s.setPhase(q, PhaseContext)
 		return
 	}
 	if err != nil {
@@ -92,21 +92,21 @@ func (e *Scheduler) fetched(q *request, res FetchResult, err error) {
 			// the request fails as every other phase does then).
 			err = fmt.Errorf("%w: %w", cause, err)
 		}
-		e.finish(q, fmt.Errorf("worker: fetch cache: %w", err))
+		s.finish(q, fmt.Errorf("worker: fetch cache: %w", err))
 		return
 	}
-	e.m.TransferBytes.WithLabelValues(role, "kv").Add(float64(res.KVBytes))
-	e.m.TransferBytes.WithLabelValues(role, "mamba").Add(float64(res.MambaBytes))
+	s.m.TransferBytes.WithLabelValues(role, "kv").Add(float64(res.KVBytes))
+	s.m.TransferBytes.WithLabelValues(role, "mamba").Add(float64(res.MambaBytes))
 	q.timing.Prefill = res.Compute
-	e.m.PrefillDuration.WithLabelValues(role).Observe(res.Compute.Seconds())
+	s.m.PrefillDuration.WithLabelValues(role).Observe(res.Compute.Seconds())
 	q.timing.Transfer = res.Transfer
 	q.timing.Handoff = time.Since(q.admitted)
 	q.pos = len(q.prompt)
 	if q.accept(res.First, res.FirstLogprobs) {
-		e.finish(q, nil)
+		s.finish(q, nil)
 		return
 	}
-	e.setPhase(q, PhaseGenerate)
+	s.setPhase(q, PhaseGenerate)
 }
 
 // fallbackReason is the route reason of a remote prefill that ended in err

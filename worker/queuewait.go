@@ -17,21 +17,21 @@ const admitAlpha = 1.0 / 16
 // others' clients had left). Only a pass that follows one which left
 // requests queued is a sample: its gap is the time the ranks took to make
 // room, not time the worker sat idle.
-func (e *Scheduler) noteAdmittedLocked(popped, admitted int, now time.Time) {
+func (s *Scheduler) noteAdmittedLocked(popped, admitted int, now time.Time) {
 	if popped == 0 {
 		return
 	}
-	if e.backlogged && admitted > 0 {
-		per := now.Sub(e.lastAdmit).Seconds() / float64(admitted)
-		if e.gapKnown {
+	if s.backlogged && admitted > 0 {
+		per := now.Sub(s.lastAdmit).Seconds() / float64(admitted)
+		if s.gapKnown {
 			// admitted samples of per at once: the weight of as many EWMA steps.
-			e.admitGap += (1 - math.Pow(1-admitAlpha, float64(admitted))) * (per - e.admitGap)
+			s.admitGap += (1 - math.Pow(1-admitAlpha, float64(admitted))) * (per - s.admitGap)
 		} else {
-			e.admitGap, e.gapKnown = per, true
+			s.admitGap, s.gapKnown = per, true
 		}
 	}
-	e.lastAdmit = now
-	e.backlogged = len(e.queue) > 0
+	s.lastAdmit = now
+	s.backlogged = len(s.queue) > 0
 }
 
 // QueueWait estimates how long a request that joined the queue now would
@@ -40,8 +40,8 @@ func (e *Scheduler) noteAdmittedLocked(popped, admitted int, now time.Time) {
 // so it follows the load, whatever bounds it: rows, blocks or step time).
 // It is 0 until requests have once had to wait. The API turns it into
 // Retry-After when it refuses a request for a full queue.
-func (e *Scheduler) QueueWait() time.Duration {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return time.Duration(float64(len(e.queue)+1) * e.admitGap * float64(time.Second))
+func (s *Scheduler) QueueWait() time.Duration {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return time.Duration(float64(len(s.queue)+1) * s.admitGap * float64(time.Second))
 }

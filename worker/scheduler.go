@@ -83,65 +83,65 @@ func NewScheduler(cfg Config, ranks []*Rank) (*Scheduler, error) {
 	for _, r := range ranks {
 		maxCtx = min(maxCtx, r.MaxTokens())
 	}
-	e := &Scheduler{
+	s := &Scheduler{
 		cfg: cfg, ranks: ranks, log: cfg.Logger, m: cfg.Metrics, maxContext: maxCtx,
 		wake: make(chan struct{}, 1), idle: make(chan struct{}), nextID: 1, quit: make(chan struct{}),
 	}
-	e.m.init(cfg.Role)
+	s.m.init(cfg.Role)
 	if cfg.Router != nil {
-		e.m.initRoutes(cfg.Role)
+		s.m.initRoutes(cfg.Role)
 	}
-	e.publish()
-	return e, nil
+	s.publish()
+	return s, nil
 }
 
 // MaxContext is the most tokens (prompt plus generated) one request may use.
-func (e *Scheduler) MaxContext() int { return e.maxContext }
+func (s *Scheduler) MaxContext() int { return s.maxContext }
 
 // Ranks returns the scheduler's ranks.
-func (e *Scheduler) Ranks() []*Rank { return e.ranks }
+func (s *Scheduler) Ranks() []*Rank { return s.ranks }
 
 // Role returns the scheduler's role.
-func (e *Scheduler) Role() Role { return e.cfg.Role }
+func (s *Scheduler) Role() Role { return s.cfg.Role }
 
 // Metrics returns the scheduler's metrics.
-func (e *Scheduler) Metrics() *Metrics { return e.m }
+func (s *Scheduler) Metrics() *Metrics { return s.m }
 
-func (e *Scheduler) kick() {
+func (s *Scheduler) kick() {
 	select {
-	case e.wake <- struct{}{}:
+	case s.wake <- struct{}{}:
 	default:
 	}
 }
 
-func (e *Scheduler) post(ev inboxEvent) {
-	e.mu.Lock()
-	e.inbox = append(e.inbox, ev)
-	e.mu.Unlock()
-	e.kick()
+func (s *Scheduler) post(ev inboxEvent) {
+	s.mu.Lock()
+	s.inbox = append(s.inbox, ev)
+	s.mu.Unlock()
+	s.kick()
 }
 
 // Run is the scheduling loop. It returns when ctx ends, after failing queued
 // and running requests with ErrClosed and freeing everything they held.
 // It must be called once.
-func (e *Scheduler) Run(ctx context.Context) error {
-	e.mu.Lock()
-	if e.running || e.stopped {
-		e.mu.Unlock()
+func (s *Scheduler) Run(ctx context.Context) error {
+	s.mu.Lock()
+	if s.running || s.stopped {
+		s.mu.Unlock()
 		return fmt.Errorf("%w: Run called twice", ErrInvalidConfig)
 	}
-	e.running = true
-	e.mu.Unlock()
-	defer e.shutdown()
+	s.running = true
+	s.mu.Unlock()
+	defer s.shutdown()
 	for {
-		e.applyInbox()
-		e.admit()
-		plan := e.plan()
+		s.applyInbox()
+		s.admit()
+		plan := s.plan()
 		if plan.Step {
-			e.step(ctx, plan)
-			e.collect()
+			s.step(ctx, plan)
+			s.collect()
 		}
-		e.publish()
+		s.publish()
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -151,64 +151,64 @@ func (e *Scheduler) Run(ctx context.Context) error {
 		select {
 		case <-ctx.Done():
 			return nil
-		case <-e.wake:
+		case <-s.wake:
 		}
 	}
 }
 
-func (e *Scheduler) plan() Plan {
-	loads := make([]RankLoad, len(e.ranks))
-	ph := e.scratchPh[:0]
-	for i, r := range e.ranks {
+func (s *Scheduler) plan() Plan {
+	loads := make([]RankLoad, len(s.ranks))
+	ph := s.scratchPh[:0]
+	for i, r := range s.ranks {
 		start := len(ph)
 		ph = r.load(ph).Phases
 		loads[i] = RankLoad{Phases: ph[start:len(ph):len(ph)]}
 	}
-	e.scratchPh = ph
-	return PlanStep(loads, e.cfg.AttentionDP)
+	s.scratchPh = ph
+	return PlanStep(loads, s.cfg.AttentionDP)
 }
 
 // applyInbox handles the events posted since the last iteration.
-func (e *Scheduler) applyInbox() {
-	e.mu.Lock()
-	events := e.inbox
-	e.inbox = nil
-	e.mu.Unlock()
+func (s *Scheduler) applyInbox() {
+	s.mu.Lock()
+	events := s.inbox
+	s.inbox = nil
+	s.mu.Unlock()
 	for _, ev := range events {
 		q := ev.q
 		switch ev.kind {
 		case evCancel, evAbandon:
 			switch q.phase {
 			case PhaseQueued:
-				if e.unqueue(q) {
-					e.finish(q, cancelCause(q))
+				if s.unqueue(q) {
+					s.finish(q, cancelCause(q))
 				}
 			case PhaseContext, PhaseGenerate:
 				if ev.kind == evAbandon {
-					e.finish(q, cancelCause(q)) // let go: nothing reads its parts
+					s.finish(q, cancelCause(q)) // let go: nothing reads its parts
 				} else {
-					e.end(q, cancelCause(q))
+					s.end(q, cancelCause(q))
 				}
 			case PhasePush:
 				// Once the lease was handed out only Release frees it; an
 				// abandoned Prefill never handed it out.
 				if ev.kind == evAbandon {
-					e.finish(q, cancelCause(q))
+					s.finish(q, cancelCause(q))
 				}
 			case PhaseHeld:
 				if ev.kind == evAbandon {
-					e.finish(q, q.heldErr)
+					s.finish(q, q.heldErr)
 				}
 			case PhaseAwaitCache:
 				// The fetch runs under q.ctx and ends on its own.
 			}
 		case evFetched:
 			if q.phase == PhaseAwaitCache {
-				e.fetched(q, ev.res, ev.err)
+				s.fetched(q, ev.res, ev.err)
 			}
 		case evRelease:
 			if q.phase == PhasePush {
-				e.finish(q, nil)
+				s.finish(q, nil)
 			}
 		case evUnquarantine:
 			if err := q.rank.mgr.Free(q.id); err != nil {
@@ -227,16 +227,16 @@ func cancelCause(q *request) error {
 	return context.Canceled
 }
 
-func (e *Scheduler) unqueue(q *request) bool {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	for i, x := range e.queue {
+func (s *Scheduler) unqueue(q *request) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i, x := range s.queue {
 		if x == q {
-			e.queue = slices.Delete(e.queue, i, i+1) // clears the vacated slot
-			if len(e.queue) == 0 {
+			s.queue = slices.Delete(s.queue, i, i+1) // clears the vacated slot
+			if len(s.queue) == 0 {
 				// Nobody waits any more: the next admission may follow
 				// idle time, which is no sample of the admission rate.
-				e.backlogged = false
+				s.backlogged = false
 			}
 			return true
 		}
@@ -245,81 +245,81 @@ func (e *Scheduler) unqueue(q *request) bool {
 }
 
 // admit moves queued requests onto ranks, in order, while the head fits.
-func (e *Scheduler) admit() {
-	rooms := make([]RankRoom, len(e.ranks))
+func (s *Scheduler) admit() {
+	rooms := make([]RankRoom, len(s.ranks))
 	popped, admitted := 0, 0
 	for {
-		e.mu.Lock()
-		if len(e.queue) == 0 || e.stopped {
-			e.noteAdmittedLocked(popped, admitted, time.Now())
-			e.mu.Unlock()
+		s.mu.Lock()
+		if len(s.queue) == 0 || s.stopped {
+			s.noteAdmittedLocked(popped, admitted, time.Now())
+			s.mu.Unlock()
 			return
 		}
-		q := e.queue[0]
-		for i, r := range e.ranks {
+		q := s.queue[0]
+		for i, r := range s.ranks {
 			rooms[i] = r.room()
 		}
 		idx := PickRank(rooms, q.promise)
 		if idx < 0 {
-			e.noteAdmittedLocked(popped, admitted, time.Now())
-			e.mu.Unlock()
+			s.noteAdmittedLocked(popped, admitted, time.Now())
+			s.mu.Unlock()
 			return
 		}
 		// Shift rather than reslice: a resliced array would keep every
 		// admitted request (and its stream) reachable until it is
 		// reallocated.
-		e.queue = slices.Delete(e.queue, 0, 1)
-		e.mu.Unlock()
+		s.queue = slices.Delete(s.queue, 0, 1)
+		s.mu.Unlock()
 		popped++
 		if q.ctx.Err() == nil { // a request whose client left ends at once: no sample
 			admitted++
 		}
-		e.place(q, e.ranks[idx])
+		s.place(q, s.ranks[idx])
 	}
 }
 
-func (e *Scheduler) place(q *request, r *Rank) {
+func (s *Scheduler) place(q *request, r *Rank) {
 	if q.ctx.Err() != nil {
-		e.finish(q, context.Cause(q.ctx))
+		s.finish(q, context.Cause(q.ctx))
 		return
 	}
 	res, err := r.mgr.Prepare(q.id, len(q.prompt))
 	if err != nil {
 		// Admission checked rows and blocks; this is a bug, not load.
-		e.finish(q, fmt.Errorf("worker: admit on rank %d: %w", r.index, err))
+		s.finish(q, fmt.Errorf("worker: admit on rank %d: %w", r.index, err))
 		return
 	}
 	q.rank = r
 	q.admitted = time.Now()
 	q.timing.Queued = q.admitted.Sub(q.accepted)
 	q.traceQueued()
-	e.m.QueueDuration.WithLabelValues(string(e.cfg.Role)).Observe(q.timing.Queued.Seconds())
+	s.m.QueueDuration.WithLabelValues(string(s.cfg.Role)).Observe(q.timing.Queued.Seconds())
 	q.log = q.log.With("rank", r.index)
 	r.held = append(r.held, q)
 	r.promised += q.promise
-	if q.prefillOnly || e.cfg.Source == nil || !e.routeRemote(q) {
-		e.setPhase(q, PhaseContext)
+	if q.prefillOnly || s.cfg.Source == nil || !s.routeRemote(q) {
+		s.setPhase(q, PhaseContext)
 		q.log.Debug("request admitted", "row", res.Row, "runs", len(res.Runs))
 		return
 	}
-	e.setPhase(q, PhaseAwaitCache)
+	s.setPhase(q, PhaseAwaitCache)
 	q.log.Debug("request admitted, awaiting cache", "row", res.Row, "runs", len(res.Runs))
 	f := FetchRequest{
 		ID: q.id, LogID: q.logID, Rank: r.index, Prompt: q.prompt,
 		Sampling:  q.smp,
 		Resources: hybrid.Resources{Row: res.Row, Runs: append([]kvcache.Run(nil), res.Runs...)},
 	}
-	src := e.cfg.Source
-	e.fetches.Go(func() {
+	src := s.cfg.Source
+	s.fetches.Go(func() {
 		res, err := src.Fetch(q.ctx, f)
-		e.post(inboxEvent{kind: evFetched, q: q, res: res, err: err})
+		s.post(inboxEvent{kind: evFetched, q: q, res: res, err: err})
 	})
 }
 
 // collect ends the requests the iteration finished or failed.
-func (e *Scheduler) collect() {
+func (s *Scheduler) collect() {
 	var done []*request
-	for _, r := range e.ranks {
+	for _, r := range s.ranks {
 		for _, q := range r.held {
 			if q.stepErr != nil || q.finished {
 				done = append(done, q)
@@ -331,7 +331,7 @@ func (e *Scheduler) collect() {
 		if err != nil && q.ctx.Err() != nil {
 			err = context.Cause(q.ctx)
 		}
-		e.end(q, err)
+		s.end(q, err)
 	}
 }
 
@@ -341,13 +341,13 @@ func (e *Scheduler) collect() {
 // whose queued pieces would otherwise be read from blocks another job
 // computes into). Wait hears err at once; the job is held (PhaseHeld)
 // until Abandon finishes it. Every other request finishes now.
-func (e *Scheduler) end(q *request, err error) {
+func (s *Scheduler) end(q *request, err error) {
 	if !q.prefillOnly || q.phase != PhaseContext {
-		e.finish(q, err)
+		s.finish(q, err)
 		return
 	}
 	q.heldErr = err
-	e.setPhase(q, PhaseHeld)
+	s.setPhase(q, PhaseHeld)
 	if !q.leaseOut {
 		q.leaseOut = true
 		q.lease <- leaseResult{err: err}
@@ -356,7 +356,7 @@ func (e *Scheduler) end(q *request, err error) {
 }
 
 // finish ends q: frees what it holds, reports, and counts it.
-func (e *Scheduler) finish(q *request, err error) {
+func (s *Scheduler) finish(q *request, err error) {
 	if q.phase == PhaseDone {
 		return
 	}
@@ -366,11 +366,11 @@ func (e *Scheduler) finish(q *request, err error) {
 			// A live writer may still store into the blocks and row: they
 			// stay allocated, out of every pool, until its copy ended.
 			q.log.Warn("blocks and row quarantined: a live prefill writer may still store into them", "err", err)
-			e.fetches.Go(func() {
+			s.fetches.Go(func() {
 				select {
 				case <-held:
-					e.post(inboxEvent{kind: evUnquarantine, q: q})
-				case <-e.quit: // the process is going; nothing to reuse them for
+					s.post(inboxEvent{kind: evUnquarantine, q: q})
+				case <-s.quit: // the process is going; nothing to reuse them for
 				}
 			})
 		} else if ferr := r.mgr.Free(q.id); ferr != nil {
@@ -384,7 +384,7 @@ func (e *Scheduler) finish(q *request, err error) {
 			}
 		}
 	}
-	e.setPhase(q, PhaseDone)
+	s.setPhase(q, PhaseDone)
 	if q.stopAfter != nil {
 		q.stopAfter()
 	}
@@ -401,7 +401,7 @@ func (e *Scheduler) finish(q *request, err error) {
 	default:
 		result = ResultFailed
 	}
-	e.m.Requests.WithLabelValues(string(e.cfg.Role), result).Inc()
+	s.m.Requests.WithLabelValues(string(s.cfg.Role), result).Inc()
 	if q.out != nil {
 		ev := Output{Done: true, Err: err, Timing: q.timing, Tokens: q.tokens}
 		if err == nil {
@@ -428,22 +428,22 @@ func (e *Scheduler) finish(q *request, err error) {
 		attrs = append(attrs, "err", err)
 	}
 	q.log.Info("request done", attrs...)
-	e.mu.Lock()
-	e.live--
-	e.maybeIdleLocked()
-	e.mu.Unlock()
+	s.mu.Lock()
+	s.live--
+	s.maybeIdleLocked()
+	s.mu.Unlock()
 }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
 // publish updates the pool and queue gauges.
-func (e *Scheduler) publish() {
-	e.mu.Lock()
-	queued := len(e.queue)
-	e.mu.Unlock()
-	e.m.Queued.WithLabelValues(string(e.cfg.Role)).Set(float64(queued))
-	for _, r := range e.ranks {
-		e.m.setPools(e.cfg.Role, r.index, r.mgr.Stats())
+func (s *Scheduler) publish() {
+	s.mu.Lock()
+	queued := len(s.queue)
+	s.mu.Unlock()
+	s.m.Queued.WithLabelValues(string(s.cfg.Role)).Set(float64(queued))
+	for _, r := range s.ranks {
+		s.m.setPools(s.cfg.Role, r.index, r.mgr.Stats())
 	}
 }
 
@@ -452,13 +452,13 @@ func (e *Scheduler) publish() {
 // as they enter and leave, not at the end of an iteration, which may be long
 // (one iteration prefills every admitted prompt). Called by the goroutine
 // that owns q.
-func (e *Scheduler) setPhase(q *request, p Phase) {
+func (s *Scheduler) setPhase(q *request, p Phase) {
 	inFlight := func(p Phase) bool { return p == PhaseAwaitCache || p == PhasePush }
 	switch was, now := inFlight(q.phase), inFlight(p); {
 	case now && !was:
-		e.m.Sessions.WithLabelValues(string(e.cfg.Role)).Inc()
+		s.m.Sessions.WithLabelValues(string(s.cfg.Role)).Inc()
 	case was && !now:
-		e.m.Sessions.WithLabelValues(string(e.cfg.Role)).Dec()
+		s.m.Sessions.WithLabelValues(string(s.cfg.Role)).Dec()
 	}
 	q.phase = p
 }

@@ -11,14 +11,14 @@ import (
 )
 
 // step runs one lockstep iteration: ranks step concurrently.
-func (e *Scheduler) step(ctx context.Context, plan Plan) {
+func (s *Scheduler) step(ctx context.Context, plan Plan) {
 	var wg sync.WaitGroup
-	for i, r := range e.ranks {
+	for i, r := range s.ranks {
 		dummy := plan.Dummy[i]
 		if !dummy && !hasWork(r) {
 			continue
 		}
-		wg.Go(func() { e.stepRank(ctx, r, dummy) })
+		wg.Go(func() { s.stepRank(ctx, r, dummy) })
 	}
 	wg.Wait()
 }
@@ -32,30 +32,30 @@ func hasWork(r *Rank) bool {
 	return false
 }
 
-func (e *Scheduler) stepRank(ctx context.Context, r *Rank, dummy bool) {
+func (s *Scheduler) stepRank(ctx context.Context, r *Rank, dummy bool) {
 	if st, ok := r.exec.(model.StepTimer); ok {
 		defer simulateStep(ctx, st, r.held, dummy)() // the step lasts its simulated time
 	}
 	if dummy {
-		e.padDummy(ctx, r)
+		s.padDummy(ctx, r)
 		return
 	}
 	for _, q := range r.held {
 		switch q.phase {
 		case PhaseContext:
-			e.prefillStep(r, q)
+			s.prefillStep(r, q)
 		case PhaseGenerate:
-			e.decodeStep(r, q)
+			s.decodeStep(r, q)
 		}
 	}
 }
 
 // padDummy places the ADP dummy on r's reserved row, runs a decode step on
 // it so the rank joins the iteration, and frees it.
-func (e *Scheduler) padDummy(ctx context.Context, r *Rank) {
+func (s *Scheduler) padDummy(ctx context.Context, r *Rank) {
 	id := mambacache.ADPDummyID
 	if err := r.mgr.AddDummy(id); err != nil {
-		e.log.Error("adp dummy not placed", "rank", r.index, "err", err)
+		s.log.Error("adp dummy not placed", "rank", r.index, "err", err)
 		return
 	}
 	c, err := r.cache(id, nil)
@@ -63,15 +63,15 @@ func (e *Scheduler) padDummy(ctx context.Context, r *Rank) {
 		_, err = model.DecodeContext(ctx, r.exec, c, 0, 0)
 	}
 	if err != nil && ctx.Err() == nil {
-		e.log.Error("adp dummy step", "rank", r.index, "err", err)
+		s.log.Error("adp dummy step", "rank", r.index, "err", err)
 	}
 	if err := r.mgr.Free(id); err != nil {
-		e.log.Error("adp dummy free", "rank", r.index, "err", err)
+		s.log.Error("adp dummy free", "rank", r.index, "err", err)
 	}
-	e.m.Dummies.WithLabelValues(string(e.cfg.Role)).Inc()
+	s.m.Dummies.WithLabelValues(string(s.cfg.Role)).Inc()
 }
 
-func (e *Scheduler) prefillStep(r *Rank, q *request) {
+func (s *Scheduler) prefillStep(r *Rank, q *request) {
 	start := time.Now()
 	c, err := r.cache(q.id, q.blocks)
 	if err != nil {
@@ -79,7 +79,7 @@ func (e *Scheduler) prefillStep(r *Rank, q *request) {
 		return
 	}
 	q.blocks = c.Blocks
-	logits, err := e.prefillChunk(r, q, c)
+	logits, err := s.prefillChunk(r, q, c)
 	if err != nil {
 		q.stepErr = err
 		return
@@ -92,7 +92,7 @@ func (e *Scheduler) prefillStep(r *Rank, q *request) {
 	tok, lp := q.sample(logits)
 	q.timing.Prefill = q.computed + time.Since(start)
 	q.traceCompute(start)
-	e.m.PrefillDuration.WithLabelValues(string(e.cfg.Role)).Observe(q.timing.Prefill.Seconds())
+	s.m.PrefillDuration.WithLabelValues(string(s.cfg.Role)).Observe(q.timing.Prefill.Seconds())
 	q.pos = len(q.prompt)
 	if q.prefillOnly {
 		q.generated, q.last = 1, tok
@@ -103,11 +103,11 @@ func (e *Scheduler) prefillStep(r *Rank, q *request) {
 		}
 		q.firstAt = time.Now()
 		q.timing.FirstToken = q.firstAt.Sub(q.accepted)
-		e.setPhase(q, PhasePush)
+		s.setPhase(q, PhasePush)
 		q.leaseOut = true
 		q.lease <- leaseResult{lease: &Lease{
 			Rank: r.index, ID: q.id, Resources: hybrid.Resources{Row: c.Row, Runs: runs}, Tokens: len(q.prompt),
-			First: tok, FirstLogprobs: lp, Compute: q.timing.Prefill, e: e, q: q,
+			First: tok, FirstLogprobs: lp, Compute: q.timing.Prefill, s: s, q: q,
 		}}
 		return
 	}
@@ -115,10 +115,10 @@ func (e *Scheduler) prefillStep(r *Rank, q *request) {
 		q.finished = true
 		return
 	}
-	e.setPhase(q, PhaseGenerate)
+	s.setPhase(q, PhaseGenerate)
 }
 
-func (e *Scheduler) decodeStep(r *Rank, q *request) {
+func (s *Scheduler) decodeStep(r *Rank, q *request) {
 	if err := r.mgr.Grow(q.id, q.pos+1); err != nil {
 		q.stepErr = err
 		return

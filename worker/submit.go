@@ -13,28 +13,28 @@ import (
 // ErrDraining or ErrClosed when the request is not taken, ErrInvalidRequest
 // or ErrTooLong for a request that can never run. Cancelling ctx ends the
 // request and frees its resources.
-func (e *Scheduler) Generate(ctx context.Context, g GenerateRequest) (*Stream, error) {
-	if e.cfg.Role != RoleDecode {
+func (s *Scheduler) Generate(ctx context.Context, g GenerateRequest) (*Stream, error) {
+	if s.cfg.Role != RoleDecode {
 		return nil, ErrWrongRole
 	}
-	if err := e.check(g.Prompt, g.MaxTokens, g.Sampling); err != nil {
-		e.m.Requests.WithLabelValues(string(e.cfg.Role), ResultInvalid).Inc()
+	if err := s.check(g.Prompt, g.MaxTokens, g.Sampling); err != nil {
+		s.m.Requests.WithLabelValues(string(s.cfg.Role), ResultInvalid).Inc()
 		return nil, err
 	}
 	for _, st := range g.Stop {
 		if st == "" {
-			e.m.Requests.WithLabelValues(string(e.cfg.Role), ResultInvalid).Inc()
+			s.m.Requests.WithLabelValues(string(s.cfg.Role), ResultInvalid).Inc()
 			return nil, fmt.Errorf("%w: empty stop sequence", ErrInvalidRequest)
 		}
 	}
 	need := len(g.Prompt) + g.MaxTokens
-	q := e.newRequest(ctx, g.LogID, g.Prompt, g.MaxTokens, g.Sampling, need)
+	q := s.newRequest(ctx, g.LogID, g.Prompt, g.MaxTokens, g.Sampling, need)
 	// Nothing here is sized by MaxTokens: the stream grows with the tokens
 	// generated, once the request was admitted.
 	q.out = newStream()
-	q.ttft = e.m.FirstToken.WithLabelValues(string(e.cfg.Role))
+	q.ttft = s.m.FirstToken.WithLabelValues(string(s.cfg.Role))
 	q.stop.stops = g.Stop
-	if err := e.enqueue(q); err != nil {
+	if err := s.enqueue(q); err != nil {
 		return nil, err
 	}
 	q.out.ID = q.id
@@ -46,8 +46,8 @@ func (e *Scheduler) Generate(ctx context.Context, g GenerateRequest) (*Stream, e
 // failed is abandoned at once, so a caller whose Parts hand the bytes to a
 // reader that may outlive the call uses SubmitPrefill, and abandons the
 // job once that reader stopped.
-func (e *Scheduler) Prefill(ctx context.Context, j PrefillJob) (*Lease, error) {
-	p, err := e.SubmitPrefill(ctx, j)
+func (s *Scheduler) Prefill(ctx context.Context, j PrefillJob) (*Lease, error) {
+	p, err := s.SubmitPrefill(ctx, j)
 	if err != nil {
 		return nil, err
 	}
@@ -68,29 +68,29 @@ func (e *Scheduler) Prefill(ctx context.Context, j PrefillJob) (*Lease, error) {
 // job's reach (PhaseHeld): what its Parts named may still be read. Only a
 // stopping scheduler frees them regardless, after Config.ReleaseGrace.
 type PendingPrefill struct {
-	e *Scheduler
+	s *Scheduler
 	q *request
 }
 
 // SubmitPrefill queues a prefill job without waiting for it: it fails at once
 // with ErrQueueFull, ErrDraining, ErrClosed, ErrInvalidRequest or ErrTooLong.
 // Ending ctx ends the job; its holder still lets go of it (PendingPrefill).
-func (e *Scheduler) SubmitPrefill(ctx context.Context, j PrefillJob) (*PendingPrefill, error) {
-	if e.cfg.Role != RolePrefill {
+func (s *Scheduler) SubmitPrefill(ctx context.Context, j PrefillJob) (*PendingPrefill, error) {
+	if s.cfg.Role != RolePrefill {
 		return nil, ErrWrongRole
 	}
-	if err := e.check(j.Prompt, 1, j.Sampling); err != nil {
-		e.m.Requests.WithLabelValues(string(e.cfg.Role), ResultInvalid).Inc()
+	if err := s.check(j.Prompt, 1, j.Sampling); err != nil {
+		s.m.Requests.WithLabelValues(string(s.cfg.Role), ResultInvalid).Inc()
 		return nil, err
 	}
-	q := e.newRequest(ctx, j.LogID, j.Prompt, 1, j.Sampling, len(j.Prompt))
+	q := s.newRequest(ctx, j.LogID, j.Prompt, 1, j.Sampling, len(j.Prompt))
 	q.prefillOnly = true
 	q.parts = j.Parts
 	q.lease = make(chan leaseResult, 1)
-	if err := e.enqueue(q); err != nil {
+	if err := s.enqueue(q); err != nil {
 		return nil, err
 	}
-	return &PendingPrefill{e: e, q: q}, nil
+	return &PendingPrefill{s: s, q: q}, nil
 }
 
 // Wait blocks until the job ran and returns its lease, or its error. When
@@ -113,9 +113,9 @@ func (p *PendingPrefill) Wait(ctx context.Context) (*Lease, error) {
 // once nothing reads what its Parts named any more; later calls do
 // nothing. Do not call it after Wait returned a lease (Release that
 // instead).
-func (p *PendingPrefill) Abandon() { p.e.post(inboxEvent{kind: evAbandon, q: p.q}) }
+func (p *PendingPrefill) Abandon() { p.s.post(inboxEvent{kind: evAbandon, q: p.q}) }
 
-func (e *Scheduler) check(prompt []int32, maxTokens int, smp Sampling) error {
+func (s *Scheduler) check(prompt []int32, maxTokens int, smp Sampling) error {
 	temp := smp.Temperature
 	switch {
 	case len(prompt) == 0:
@@ -128,57 +128,57 @@ func (e *Scheduler) check(prompt []int32, maxTokens int, smp Sampling) error {
 		return fmt.Errorf("%w: top_p %v", ErrInvalidRequest, smp.TopP)
 	case smp.TopLogprobs < 0 || smp.TopLogprobs > model.MaxTopLogprobs:
 		return fmt.Errorf("%w: top logprobs %d", ErrInvalidRequest, smp.TopLogprobs)
-	case len(prompt)+maxTokens > e.maxContext:
-		return fmt.Errorf("%w: %d prompt + %d new tokens > %d", ErrTooLong, len(prompt), maxTokens, e.maxContext)
+	case len(prompt)+maxTokens > s.maxContext:
+		return fmt.Errorf("%w: %d prompt + %d new tokens > %d", ErrTooLong, len(prompt), maxTokens, s.maxContext)
 	}
 	return nil
 }
 
-func (e *Scheduler) newRequest(ctx context.Context, logID string, prompt []int32, maxTokens int,
+func (s *Scheduler) newRequest(ctx context.Context, logID string, prompt []int32, maxTokens int,
 	smp Sampling, tokens int) *request {
 	rctx, cancel := context.WithCancelCause(ctx)
 	return &request{
 		logID: logID, ctx: rctx, cancel: cancel,
 		prompt: prompt, maxTokens: maxTokens, smp: smp,
-		promise:  ranksBlocksFor(e.ranks[0], tokens),
+		promise:  ranksBlocksFor(s.ranks[0], tokens),
 		accepted: time.Now(),
 	}
 }
 
 func ranksBlocksFor(r *Rank, tokens int) int { return r.kvCfg.BlocksFor(tokens) }
 
-func (e *Scheduler) enqueue(q *request) error {
-	e.mu.Lock()
+func (s *Scheduler) enqueue(q *request) error {
+	s.mu.Lock()
 	var err error
 	switch {
-	case e.stopped:
+	case s.stopped:
 		err = ErrClosed
-	case e.draining:
+	case s.draining:
 		err = ErrDraining
-	case len(e.queue) >= e.cfg.QueueSize:
+	case len(s.queue) >= s.cfg.QueueSize:
 		err = ErrQueueFull
 	}
 	if err != nil {
-		e.mu.Unlock()
+		s.mu.Unlock()
 		q.cancel(err)
-		e.m.Requests.WithLabelValues(string(e.cfg.Role), ResultRejected).Inc()
+		s.m.Requests.WithLabelValues(string(s.cfg.Role), ResultRejected).Inc()
 		return err
 	}
-	q.id = e.nextID
-	e.nextID++
+	q.id = s.nextID
+	s.nextID++
 	if q.logID == "" {
-		q.logID = fmt.Sprintf("%s-%d", e.cfg.Role, q.id)
+		q.logID = fmt.Sprintf("%s-%d", s.cfg.Role, q.id)
 	}
 	// seq is the id the pools and the transfer protocol know the request by
 	// (a prefill worker logs it as <decode instance>-<seq>).
-	q.log = e.log.With("request_id", q.logID, "seq", q.id)
-	// The callback runs on its own goroutine, never under e.mu.
-	q.stopAfter = context.AfterFunc(q.ctx, func() { e.post(inboxEvent{kind: evCancel, q: q}) })
+	q.log = s.log.With("request_id", q.logID, "seq", q.id)
+	// The callback runs on its own goroutine, never under s.mu.
+	q.stopAfter = context.AfterFunc(q.ctx, func() { s.post(inboxEvent{kind: evCancel, q: q}) })
 	log := q.log
-	e.queue = append(e.queue, q)
-	e.live++
-	e.mu.Unlock()
+	s.queue = append(s.queue, q)
+	s.live++
+	s.mu.Unlock()
 	log.Debug("request queued", "prompt_tokens", len(q.prompt), "max_tokens", q.maxTokens)
-	e.kick()
+	s.kick()
 	return nil
 }

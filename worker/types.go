@@ -69,10 +69,10 @@ type Lease struct {
 	FirstLogprobs *model.Logprobs
 	Compute       time.Duration
 
-	e    *Scheduler
+	s    *Scheduler
 	q    *request
 	once sync.Once
 }
 
 // Release frees the lease's resources. Idempotent; safe after the scheduler stopped.
-func (l *Lease) Release() { l.once.Do(func() { l.e.post(inboxEvent{kind: evRelease, q: l.q}) }) }
+func (l *Lease) Release() { l.once.Do(func() { l.s.post(inboxEvent{kind: evRelease, q: l.q}) }) }
