@@ -17,7 +17,7 @@ func BenchmarkPlanStep(b *testing.B) {
 	}
 }
 
-// BenchmarkSchedulerGenerate measures generated tokens through the engine's
+// BenchmarkSchedulerGenerate measures generated tokens through the scheduler's
 // loop (local prefill, tiny-hybrid), 2 ranks of 4 requests: ns/op is per
 // token, so the loop's own overhead shows against the model's compute.
 func BenchmarkSchedulerGenerate(b *testing.B) {

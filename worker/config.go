@@ -46,7 +46,7 @@ func (c *Config) validate(ranks []*Rank) error {
 		return fmt.Errorf("%w: no ranks", ErrInvalidConfig)
 	}
 	if c.Role == RolePrefill && c.Source != nil {
-		return fmt.Errorf("%w: a prefill engine takes no cache source", ErrInvalidConfig)
+		return fmt.Errorf("%w: a prefill scheduler takes no cache source", ErrInvalidConfig)
 	}
 	if c.Router != nil && c.Source == nil {
 		return fmt.Errorf("%w: a prefill router needs a cache source", ErrInvalidConfig)

@@ -12,7 +12,7 @@ import (
 	"github.com/handoff-io/handoff/model"
 )
 
-// Issue 19 finding 2: a request still waiting for its cache when the engine
+// Issue 19 finding 2: a request still waiting for its cache when the scheduler
 // stops fails with ErrClosed (503 unavailable at the API), counted failed,
 // like a request stopped in any other phase; it used to end with a plain
 // context.Canceled, counted cancelled (and answered 500).
@@ -137,7 +137,7 @@ func TestGenerateStopSequence(t *testing.T) {
 }
 
 // Logprobs ride on every token, and the remote path (the first token's
-// logprobs computed on the prefill engine) gives what local gives.
+// logprobs computed on the prefill scheduler) gives what local gives.
 func TestGenerateLogprobsRemoteEqualsLocal(t *testing.T) {
 	pre := newScheduler(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
 	dranks := newRanks(t, rankOpts{ranks: 1, batch: 1})

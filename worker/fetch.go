@@ -28,7 +28,7 @@ type CacheSource interface {
 
 // FetchRequest describes the destination of one prefilled cache.
 type FetchRequest struct {
-	ID     uint64 // engine-local request id, never 0
+	ID     uint64 // scheduler-local request id, never 0
 	LogID  string // the request id used in logs
 	Rank   int
 	Prompt []int32

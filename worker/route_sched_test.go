@@ -154,7 +154,7 @@ func TestSchedulerFailedRemotePrefillRunsHere(t *testing.T) {
 	require.ErrorIs(t, ev.Err, ErrTransferFailed)
 }
 
-// Without a Router a remote engine fetches every request and fails a
+// Without a Router a remote scheduler fetches every request and fails a
 // refused one, as before; a Router needs a CacheSource.
 func TestSchedulerWithoutRouterFailsRefused(t *testing.T) {
 	dranks := newRanks(t, rankOpts{ranks: 1, batch: 2})

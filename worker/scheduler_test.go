@@ -90,7 +90,7 @@ func drainStream(t testing.TB, s *Stream) ([]int32, Output) {
 }
 
 // reference generates with the executor directly on a private pool: the
-// oracle every engine mode must match token for token.
+// oracle every scheduler mode must match token for token.
 func reference(t testing.TB, name string, prompt []int32, maxTokens int, temp float64, seed uint64) []int32 {
 	t.Helper()
 	exec, err := model.Lookup(name)
@@ -217,7 +217,7 @@ func TestSchedulerValidation(t *testing.T) {
 }
 
 // gateSource is a CacheSource that holds each fetch until released, then
-// fills the destination through a prefill engine (a loopback transfer).
+// fills the destination through a prefill scheduler (a loopback transfer).
 type gateSource struct {
 	pre     *Scheduler
 	dst     []*Rank
@@ -479,7 +479,7 @@ func TestSchedulerCancel(t *testing.T) {
 	require.Equal(t, idle, ranks[0].mgr.Stats())
 	require.Equal(t, 1.0, counterValue(t, sched.m.Transfers.WithLabelValues("decode", "cancelled")))
 
-	// Cancelled while generating (local engine, long generation).
+	// Cancelled while generating (local scheduler, long generation).
 	lr := newRanks(t, rankOpts{ranks: 1, batch: 1, model: model.TinyHybrid + "?decode_delay=5ms"})
 	local := newScheduler(t, Config{}, lr)
 	ctx3, cancel3 := context.WithCancel(context.Background())

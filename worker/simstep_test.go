@@ -75,7 +75,7 @@ func TestSimulateStep(t *testing.T) {
 	})
 }
 
-// The engine asks a simulating executor for every step's time: one prefill
+// The scheduler asks a simulating executor for every step's time: one prefill
 // of the prompt, then one decode step per further token, at growing
 // positions; the request takes at least their sum.
 func TestSchedulerSleepsSimulatedSteps(t *testing.T) {

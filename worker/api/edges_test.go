@@ -286,7 +286,7 @@ func TestSlowReaderNotCut(t *testing.T) {
 }
 
 // stalledHeap measures what n stalled streams keep on the heap once the
-// engine has finished them.
+// scheduler has finished them.
 func stalledHeap(t *testing.T, n int, writeTimeout time.Duration) (perStream int64, goroutines int) {
 	sched := newModelScheduler(t, model.TinyHybrid, 0, n+1)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -316,7 +316,7 @@ func stalledHeap(t *testing.T, n int, writeTimeout time.Duration) (perStream int
 }
 
 // TestStalledStreamsHeap reports the heap and goroutines kept per stalled
-// stream after the engine finished them, with and without a write deadline
+// stream after the scheduler finished them, with and without a write deadline
 // (the closing note's figures). Skipped in -short.
 func TestStalledStreamsHeap(t *testing.T) {
 	if testing.Short() {

@@ -28,10 +28,10 @@ func (blockedSource) Fetch(ctx context.Context, _ worker.FetchRequest) (worker.F
 
 // queuedRequestBytes measures what one request waiting in the admission
 // queue costs the server, everything included: its connection and handler
-// goroutine (net/http), its parsed request and token ids, its engine record
+// goroutine (net/http), its parsed request and token ids, its scheduler record
 // and stream. n clients send a completion of prompt bytes over raw
 // connections and read nothing; the heap and stacks in use are compared
-// before and after, with the engine's rows all taken.
+// before and after, with the scheduler's rows all taken.
 func queuedRequestBytes(t *testing.T, n, prompt int) float64 {
 	t.Helper()
 	exec, err := model.Lookup(model.TinyHybrid)

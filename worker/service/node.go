@@ -357,15 +357,15 @@ func startAdmin(cfg config.Config, o *Options) (*admin.Server, *admin.Gate, *htt
 	return a, gate, s, nil
 }
 
-// runEngine runs e's loop on a goroutine; the returned stop cancels it and
-// waits.
-func runEngine(e *worker.Scheduler, log *slog.Logger) (stop func()) {
+// runScheduler runs sched's loop on a goroutine; the returned stop cancels
+// it and waits.
+func runScheduler(sched *worker.Scheduler, log *slog.Logger) (stop func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		if err := e.Run(ctx); err != nil {
-			log.Error("engine loop", "err", err)
+		if err := sched.Run(ctx); err != nil {
+			log.Error("scheduler loop", "err", err)
 		}
 	}()
 	return func() {
