@@ -131,7 +131,7 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 	}
 	stopLoop := runScheduler(sched, log)
 	defer stopLoop()
-	adm.AddCheck("engine", func() error {
+	adm.AddCheck("scheduler", func() error {
 		if sched.Draining() {
 			return errors.New("draining")
 		}

@@ -20,8 +20,9 @@
 //     final), then the transfer Decoder or Prefiller announces the instance.
 //  4. The scheduler loop starts; decode opens its API listener, then opens
 //     its gate. /readyz turns 200 once every check passes: the gate, NATS
-//     connected, the instance registered, the data path listening and, for
-//     remote decode, prefill_instances (prefillPresence: 503 until a usable
+//     connected, the instance registered, the data path listening, for
+//     decode the scheduler (failing once it drains) and, for remote
+//     decode, prefill_instances (prefillPresence: 503 until a usable
 //     prefill instance is seen, a passing warning for --prefill-grace after
 //     the last one left, then 503).
 //
