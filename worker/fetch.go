@@ -15,15 +15,26 @@ import (
 //
 // Fetch must not return before no further byte can land in the destination
 // (the data-plane grant is closed or revoked): the scheduler frees and reuses
-// the resources as soon as Fetch returns, except when the error has a
-// method Released() <-chan struct{} (transfer.QuarantinedError: a live
-// writer may still store into them), when they stay allocated until that
-// channel closes. Errors that are a peer's refusal
+// the resources as soon as Fetch returns, except when the error is (or
+// wraps) a Quarantine (transfer.QuarantinedError: a live writer may still
+// store into them), when they stay allocated until its Released channel
+// closes. Errors that are a peer's refusal
 // should wrap ErrTransferRefused, a peer's failure ErrTransferFailed,
 // deadlines ErrTransferTimeout or
 // context.DeadlineExceeded, so the transfer metric is labelled right.
 type CacheSource interface {
 	Fetch(ctx context.Context, f FetchRequest) (FetchResult, error)
+}
+
+// Quarantine is implemented by the error of a failed Fetch whose
+// destination a live writer may still store into (transfer.QuarantinedError
+// is one). The scheduler finds it with errors.As and keeps the request's
+// blocks and row allocated, out of every pool, until Released closes; any
+// other failed Fetch frees them at once.
+type Quarantine interface {
+	// Released returns a channel that closes once no further byte can land
+	// in the destination.
+	Released() <-chan struct{}
 }
 
 // FetchRequest describes the destination of one prefilled cache.
@@ -123,10 +134,9 @@ func fallbackReason(err error) string {
 }
 
 // quarantined returns the channel that closes once the destination of a
-// failed fetch is safe to reuse, when err says a writer may still store into
-// it (transfer.QuarantinedError), else nil.
+// failed fetch is safe to reuse, when err is a Quarantine, else nil.
 func quarantined(err error) <-chan struct{} {
-	var q interface{ Released() <-chan struct{} }
+	var q Quarantine
 	if errors.As(err, &q) {
 		return q.Released()
 	}

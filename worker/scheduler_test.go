@@ -554,6 +554,8 @@ type quarantineSource struct{ released chan struct{} }
 
 type quarantineErr struct{ released chan struct{} }
 
+var _ Quarantine = quarantineErr{}
+
 func (q quarantineErr) Error() string             { return "a writer is still copying" }
 func (q quarantineErr) Released() <-chan struct{} { return q.released }
 

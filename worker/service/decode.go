@@ -189,7 +189,10 @@ type transferSource struct {
 	timeout time.Duration
 }
 
-var _ worker.CacheSource = (*transferSource)(nil)
+var (
+	_ worker.CacheSource = (*transferSource)(nil)
+	_ worker.Quarantine  = (*transfer.QuarantinedError)(nil) // the quarantine a transferSource's Fetch fails with
+)
 
 func (s *transferSource) Fetch(ctx context.Context, f worker.FetchRequest) (worker.FetchResult, error) {
 	// The scheduler prepared the resources at admission and frees them once
