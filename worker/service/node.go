@@ -19,9 +19,9 @@ import (
 
 	"github.com/handoff-io/handoff/hybrid"
 	"github.com/handoff-io/handoff/internal/cuda"
+	"github.com/handoff-io/handoff/internal/topology"
 	"github.com/handoff-io/handoff/model"
 	"github.com/handoff-io/handoff/rdma"
-	"github.com/handoff-io/handoff/topology"
 	"github.com/handoff-io/handoff/transfer"
 	"github.com/handoff-io/handoff/worker"
 	"github.com/handoff-io/handoff/worker/admin"
