@@ -3,18 +3,20 @@ package mambacache
 import (
 	"fmt"
 	"math"
+
+	"github.com/handoff-io/handoff/internal/reqid"
 )
 
 // ADPDummyID is the request id attention-DP ranks pad with. When attention
 // DP is on it maps to the reserved ADP row. TensorRT-LLM calls it
 // ATTENTION_DP_DUMMY_REQUEST_ID: generated real request ids never use 0.
-const ADPDummyID uint64 = 0
+const ADPDummyID = reqid.ADPDummy
 
 // PaddingSentinelID is the top of the padding sentinel id range
 // (TensorRT-LLM's CUDA_GRAPH_DUMMY_REQUEST_ID, 2^64-1). A batch padded for a
 // captured CUDA graph repeats the id PaddingSentinelID - draft_len; every
 // such id shares the reserved padding row.
-const PaddingSentinelID uint64 = math.MaxUint64
+const PaddingSentinelID = reqid.PaddingSentinel
 
 // MaxRows bounds TotalRows; a Row is a uint32 and real pools hold at most
 // a few thousand rows.
@@ -282,14 +284,17 @@ func (c Config) SSMExtent(r Row, layer int) Extent {
 }
 
 // IsPaddingID reports whether id is a padding sentinel:
-// 2^64-1-MaxDraftTokens <= id <= 2^64-1.
-func (c Config) IsPaddingID(id uint64) bool {
-	return id >= PaddingSentinelID-uint64(max(c.MaxDraftTokens, 0))
-}
+// 2^64-1-MaxDraftTokens <= id <= 2^64-1 (reqid.IsPadding).
+func (c Config) IsPaddingID(id uint64) bool { return reqid.IsPadding(id, c.MaxDraftTokens) }
 
 // IsDummyID reports whether id lives on a reserved row: the ADP dummy id
 // (only when AttentionDP) or a padding sentinel. Other dummies (warm-up)
 // take real rows and are not dummy ids in this sense.
+//
+// It says which row an id takes, not whether the id may be transferred:
+// ADPDummyID without attention DP takes a real row here, yet is never a
+// real request's id, so no transfer names it (reqid.IsDummy, which
+// transfer/session applies).
 func (c Config) IsDummyID(id uint64) bool {
 	return c.IsPaddingID(id) || (c.AttentionDP && id == ADPDummyID)
 }

@@ -17,12 +17,12 @@ func BenchmarkPlanStep(b *testing.B) {
 	}
 }
 
-// BenchmarkEngineGenerate measures generated tokens through the engine's
+// BenchmarkSchedulerGenerate measures generated tokens through the scheduler's
 // loop (local prefill, tiny-hybrid), 2 ranks of 4 requests: ns/op is per
 // token, so the loop's own overhead shows against the model's compute.
-func BenchmarkEngineGenerate(b *testing.B) {
+func BenchmarkSchedulerGenerate(b *testing.B) {
 	ranks := newRanks(b, rankOpts{ranks: 2, batch: 4, adp: true})
-	e := newEngine(b, Config{AttentionDP: true}, ranks)
+	sched := newScheduler(b, Config{AttentionDP: true}, ranks)
 	prompt := model.Encode("benchmark the lockstep loop")
 	const perRequest = 32
 	b.ReportAllocs()
@@ -30,7 +30,7 @@ func BenchmarkEngineGenerate(b *testing.B) {
 	for done := 0; done < b.N; {
 		var streams []*Stream
 		for range 8 {
-			s, err := e.Generate(context.Background(), GenerateRequest{Prompt: prompt, MaxTokens: perRequest, Sampling: Sampling{Temperature: 0.5, Seed: uint64(done)}})
+			s, err := sched.Generate(context.Background(), GenerateRequest{Prompt: prompt, MaxTokens: perRequest, Sampling: Sampling{Temperature: 0.5, Seed: uint64(done)}})
 			require.NoError(b, err)
 			streams = append(streams, s)
 		}

@@ -12,29 +12,29 @@ import (
 	"github.com/handoff-io/handoff/model"
 )
 
-// Issue 19 finding 2: a request still waiting for its cache when the engine
+// Issue 19 finding 2: a request still waiting for its cache when the scheduler
 // stops fails with ErrClosed (503 unavailable at the API), counted failed,
 // like a request stopped in any other phase; it used to end with a plain
 // context.Canceled, counted cancelled (and answered 500).
 func TestStopFailsAwaitCacheWithErrClosed(t *testing.T) {
-	pre := newEngine(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
+	pre := newScheduler(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
 	dranks := newRanks(t, rankOpts{ranks: 1, batch: 2})
 	src := &gateSource{pre: pre, dst: dranks, gate: make(chan struct{}), started: make(chan uint64, 1)}
-	e, err := NewScheduler(Config{Role: RoleDecode, Source: src}, dranks)
+	sched, err := NewScheduler(Config{Role: RoleDecode, Source: src}, dranks)
 	require.NoError(t, err)
 	ctx, stop := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- e.Run(ctx) }()
+	go func() { done <- sched.Run(ctx) }()
 
-	sa, err := e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("awaiting its cache"), MaxTokens: 4})
+	sa, err := sched.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("awaiting its cache"), MaxTokens: 4})
 	require.NoError(t, err)
 	<-src.started
 	stop()
 	require.NoError(t, <-done)
 	_, ev := drainStream(t, sa)
 	require.ErrorIs(t, ev.Err, ErrClosed)
-	require.Equal(t, 1.0, counterValue(t, e.m.Requests.WithLabelValues("decode", ResultFailed)))
-	require.Equal(t, 0.0, counterValue(t, e.m.Requests.WithLabelValues("decode", ResultCancelled)))
+	require.Equal(t, 1.0, counterValue(t, sched.m.Requests.WithLabelValues("decode", ResultFailed)))
+	require.Equal(t, 0.0, counterValue(t, sched.m.Requests.WithLabelValues("decode", ResultCancelled)))
 	require.Equal(t, 2, dranks[0].mgr.Stats().RowsFree, "the row came back")
 }
 
@@ -42,18 +42,18 @@ func TestStopFailsAwaitCacheWithErrClosed(t *testing.T) {
 // max_tokens (it used to allocate a channel of max_tokens+1 events, about
 // 100 bytes a token, before the queue bound was checked).
 func TestRefusedRequestAllocatesLittle(t *testing.T) {
-	e, err := NewScheduler(Config{Role: RoleDecode, QueueSize: 1}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
+	sched, err := NewScheduler(Config{Role: RoleDecode, QueueSize: 1}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
 	require.NoError(t, err) // not running: the first request stays queued
-	maxTokens := e.MaxContext() - 1
+	maxTokens := sched.MaxContext() - 1
 	req := GenerateRequest{Prompt: []int32{1}, MaxTokens: maxTokens}
-	_, err = e.Generate(context.Background(), req)
+	_, err = sched.Generate(context.Background(), req)
 	require.NoError(t, err)
 	const n = 200
 	var before, after runtime.MemStats
 	runtime.GC()
 	runtime.ReadMemStats(&before)
 	for range n {
-		_, err := e.Generate(context.Background(), req)
+		_, err := sched.Generate(context.Background(), req)
 		require.ErrorIs(t, err, ErrQueueFull)
 	}
 	runtime.ReadMemStats(&after)
@@ -108,10 +108,10 @@ func TestStopper(t *testing.T) {
 // Generation with a stop sequence taken from the unconstrained output ends
 // right before it, with finish "stop", and frees everything.
 func TestGenerateStopSequence(t *testing.T) {
-	e := newEngine(t, Config{}, newRanks(t, rankOpts{ranks: 1, batch: 2}))
+	sched := newScheduler(t, Config{}, newRanks(t, rankOpts{ranks: 1, batch: 2}))
 	prompt := model.Encode("Hello, handoff")
 	run := func(stop []string) (string, Output) {
-		s, err := e.Generate(context.Background(), GenerateRequest{Prompt: prompt, MaxTokens: 40, Stop: stop})
+		s, err := sched.Generate(context.Background(), GenerateRequest{Prompt: prompt, MaxTokens: 40, Stop: stop})
 		require.NoError(t, err)
 		var text strings.Builder
 		for {
@@ -133,19 +133,19 @@ func TestGenerateStopSequence(t *testing.T) {
 	require.Equal(t, "stop", ev.Finish)
 	require.GreaterOrEqual(t, ev.Tokens, at+len(stop), "tokens generated include the matched ones")
 	require.Less(t, ev.Tokens, 40, "generation ended at the match")
-	require.Eventually(t, func() bool { return e.Live() == 0 }, 5*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return sched.Live() == 0 }, 5*time.Second, time.Millisecond)
 }
 
 // Logprobs ride on every token, and the remote path (the first token's
-// logprobs computed on the prefill engine) gives what local gives.
+// logprobs computed on the prefill scheduler) gives what local gives.
 func TestGenerateLogprobsRemoteEqualsLocal(t *testing.T) {
-	pre := newEngine(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
+	pre := newScheduler(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
 	dranks := newRanks(t, rankOpts{ranks: 1, batch: 1})
-	remote := newEngine(t, Config{Source: &gateSource{pre: pre, dst: dranks}}, dranks)
-	local := newEngine(t, Config{}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
+	remote := newScheduler(t, Config{Source: &gateSource{pre: pre, dst: dranks}}, dranks)
+	local := newScheduler(t, Config{}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
 	smp := Sampling{Temperature: 0.9, TopP: 0.8, Seed: 5, Logprobs: true, TopLogprobs: 3}
-	collect := func(e *Scheduler) []Output {
-		s, err := e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("logprobs"), MaxTokens: 12, Sampling: smp})
+	collect := func(sched *Scheduler) []Output {
+		s, err := sched.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("logprobs"), MaxTokens: 12, Sampling: smp})
 		require.NoError(t, err)
 		var evs []Output
 		for {

@@ -20,9 +20,9 @@ var (
 	ErrDraining = errors.New("worker: draining")
 	// ErrClosed ends requests still queued or running when the scheduler stops,
 	// and is returned by Generate and Prefill after it stopped.
-	ErrClosed = errors.New("worker: engine stopped")
+	ErrClosed = errors.New("worker: scheduler stopped")
 	// ErrWrongRole is returned by Generate on a prefill scheduler and by
-	// Prefill on a decode engine.
+	// Prefill on a decode scheduler.
 	ErrWrongRole = errors.New("worker: not served by this role")
 	// ErrTransferRefused wraps a peer's refusal of a transfer (no prefill
 	// worker, a full queue, a layout mismatch); CacheSource implementations

@@ -15,13 +15,13 @@ func ExampleScheduler() {
 	pools, _ := worker.PoolConfig(exec.Spec(), worker.PoolParams{MaxBatchSize: 4})
 	m, _ := hybrid.New(pools)
 	rank, _ := worker.NewRank(0, m, exec, make([]byte, pools.KV.ArenaBytes()), make([]byte, pools.Mamba.ArenaBytes()))
-	e, _ := worker.NewScheduler(worker.Config{Role: worker.RoleDecode}, []*worker.Rank{rank})
+	sched, _ := worker.NewScheduler(worker.Config{Role: worker.RoleDecode}, []*worker.Rank{rank})
 
 	ctx, stop := context.WithCancel(context.Background())
 	done := make(chan error)
-	go func() { done <- e.Run(ctx) }()
+	go func() { done <- sched.Run(ctx) }()
 
-	s, err := e.Generate(ctx, worker.GenerateRequest{Prompt: model.Encode("Hello"), MaxTokens: 8})
+	s, err := sched.Generate(ctx, worker.GenerateRequest{Prompt: model.Encode("Hello"), MaxTokens: 8})
 	if err != nil {
 		fmt.Println(err)
 		stop()

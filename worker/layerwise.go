@@ -21,9 +21,9 @@ type Part struct {
 // most Config.PrefillChunkTokens tokens when the executor prefills in
 // chunks. It returns the logits once the prompt is done, nil before, and
 // reports each finished part of the cache to q.parts.
-func (e *Scheduler) prefillChunk(r *Rank, q *request, c model.Cache) ([]float32, error) {
+func (s *Scheduler) prefillChunk(r *Rank, q *request, c model.Cache) ([]float32, error) {
 	from, to := q.pos, len(q.prompt)
-	if k := e.cfg.PrefillChunkTokens; k > 0 && model.Chunked(r.exec) {
+	if k := s.cfg.PrefillChunkTokens; k > 0 && model.Chunked(r.exec) {
 		to = min(to, from+k)
 	}
 	var ready func(model.Part)

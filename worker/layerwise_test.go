@@ -19,10 +19,10 @@ func TestChunkedPrefillMatchesReference(t *testing.T) {
 	prompt := model.Encode("Chunked prefill of a hybrid model, step after step.")
 	want := reference(t, model.TinyHybrid, prompt, 12, 0, 0)
 	for _, chunk := range []int{1, 7, 16, 1000} {
-		e := newEngine(t, Config{PrefillChunkTokens: chunk}, newRanks(t, rankOpts{ranks: 2, batch: 2, adp: true}))
-		other, err := e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("other"), MaxTokens: 30})
+		sched := newScheduler(t, Config{PrefillChunkTokens: chunk}, newRanks(t, rankOpts{ranks: 2, batch: 2, adp: true}))
+		other, err := sched.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("other"), MaxTokens: 30})
 		require.NoError(t, err)
-		s, err := e.Generate(context.Background(), GenerateRequest{Prompt: prompt, MaxTokens: 12})
+		s, err := sched.Generate(context.Background(), GenerateRequest{Prompt: prompt, MaxTokens: 12})
 		require.NoError(t, err)
 		got, ev := drainStream(t, s)
 		require.NoError(t, ev.Err)
@@ -42,7 +42,7 @@ func TestPrefillParts(t *testing.T) {
 	n := len(prompt)
 	for _, chunk := range []int{0, 9} {
 		ranks := newRanks(t, rankOpts{ranks: 1, batch: 1})
-		e := newEngine(t, Config{Role: RolePrefill, PrefillChunkTokens: chunk}, ranks)
+		sched := newScheduler(t, Config{Role: RolePrefill, PrefillChunkTokens: chunk}, ranks)
 		spec := ranks[0].exec.Spec()
 		var parts []Part
 		kv := make([][]int, spec.KV.Layers)
@@ -52,7 +52,7 @@ func TestPrefillParts(t *testing.T) {
 		mamba := make([]int, spec.Mamba.Layers)
 		var early []Part // attention parts of an earlier chunk after a Mamba part
 		// Parts runs on the scheduler's goroutine: it only records.
-		p, err := e.SubmitPrefill(context.Background(), PrefillJob{Prompt: prompt, Parts: func(p Part) {
+		p, err := sched.SubmitPrefill(context.Background(), PrefillJob{Prompt: prompt, Parts: func(p Part) {
 			parts = append(parts, p)
 			switch p.Kind {
 			case '*':
@@ -99,16 +99,16 @@ func TestAbandonedPrefillKeepsCacheUntilLetGo(t *testing.T) {
 	for _, how := range []string{"wait", "job"} {
 		t.Run(how, func(t *testing.T) {
 			ranks := newRanks(t, rankOpts{ranks: 1, batch: 1, model: model.TinyHybrid + "?prefill_delay=2ms"})
-			e := newEngine(t, Config{Role: RolePrefill, PrefillChunkTokens: 8}, ranks)
+			sched := newScheduler(t, Config{Role: RolePrefill, PrefillChunkTokens: 8}, ranks)
 			idle := ranks[0].mgr.Stats()
 			first := make(chan struct{})
 			var once sync.Once
 			jctx, jcancel := context.WithCancel(context.Background())
 			defer jcancel()
-			p, err := e.SubmitPrefill(jctx, PrefillJob{Prompt: prompt, Parts: func(Part) { once.Do(func() { close(first) }) }})
+			p, err := sched.SubmitPrefill(jctx, PrefillJob{Prompt: prompt, Parts: func(Part) { once.Do(func() { close(first) }) }})
 			require.NoError(t, err)
 			var nextParts atomic.Int64
-			next, err := e.SubmitPrefill(context.Background(), PrefillJob{Prompt: prompt, Parts: func(Part) { nextParts.Add(1) }})
+			next, err := sched.SubmitPrefill(context.Background(), PrefillJob{Prompt: prompt, Parts: func(Part) { nextParts.Add(1) }})
 			require.NoError(t, err)
 			<-first
 			wctx, wcancel := context.WithCancel(context.Background())
@@ -126,14 +126,14 @@ func TestAbandonedPrefillKeepsCacheUntilLetGo(t *testing.T) {
 			require.Equal(t, idle.RowsFree-1, held.RowsFree, "the abandoned job's row was freed before its holder let go")
 			require.Less(t, held.BlocksFree, idle.BlocksFree)
 			require.Zero(t, nextParts.Load(), "the next job computed into the abandoned job's cache")
-			require.Equal(t, 2, e.Live())
+			require.Equal(t, 2, sched.Live())
 			p.Abandon()
 			l, err := next.Wait(context.Background())
 			require.NoError(t, err, "the next job did not run once the holder let go")
 			require.Positive(t, nextParts.Load())
 			l.Release()
 			p.Abandon() // idempotent
-			require.Eventually(t, func() bool { return e.Live() == 0 && ranks[0].mgr.Stats() == idle }, 5*time.Second, time.Millisecond)
+			require.Eventually(t, func() bool { return sched.Live() == 0 && ranks[0].mgr.Stats() == idle }, 5*time.Second, time.Millisecond)
 		})
 	}
 }

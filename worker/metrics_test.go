@@ -17,9 +17,9 @@ import (
 func TestMetricsLintAndPhases(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	m := NewMetrics(reg)
-	pre := newEngine(t, Config{Role: RolePrefill, Metrics: m}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
+	pre := newScheduler(t, Config{Role: RolePrefill, Metrics: m}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
 	dranks := newRanks(t, rankOpts{ranks: 1, batch: 1})
-	dec := newEngine(t, Config{Metrics: m, Source: &gateSource{pre: pre, dst: dranks}}, dranks)
+	dec := newScheduler(t, Config{Metrics: m, Source: &gateSource{pre: pre, dst: dranks}}, dranks)
 	for range 3 {
 		s, err := dec.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("metrics"), MaxTokens: 2})
 		require.NoError(t, err)

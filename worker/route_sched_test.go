@@ -70,7 +70,7 @@ func generateChecked(t *testing.T, s *Scheduler, prompt string) Timing {
 // time), a long one here too while no prefill instance is known; the output
 // is the same either way, and every decision is counted by route and reason.
 func TestSchedulerRoutesPrefill(t *testing.T) {
-	pre := newEngine(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 2}))
+	pre := newScheduler(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 2}))
 	dranks := newRanks(t, rankOpts{ranks: 1, batch: 2})
 	src := &countingSource{gateSource: gateSource{pre: pre, dst: dranks}}
 	var instances atomic.Int32
@@ -80,7 +80,7 @@ func TestSchedulerRoutesPrefill(t *testing.T) {
 		Policy: AutoPolicy{MinRemoteTokens: 20, MaxPrefillQueue: 1},
 		Load:   func() PrefillLoad { return PrefillLoad{Instances: int(instances.Load()), Rows: 2} },
 	}
-	dec := newEngine(t, Config{Source: src, Router: router, Metrics: m}, dranks)
+	dec := newScheduler(t, Config{Source: src, Router: router, Metrics: m}, dranks)
 	const short, long = "Hello", "a prompt long enough to be prefilled remotely"
 
 	tm := generateChecked(t, dec, short)
@@ -112,7 +112,7 @@ func TestSchedulerRefusedRemotePrefillRunsHere(t *testing.T) {
 		Policy: AutoPolicy{MinRemoteTokens: 1, MaxPrefillQueue: 1},
 		Load:   func() PrefillLoad { return PrefillLoad{Instances: 1, Rows: 2} },
 	}
-	dec := newEngine(t, Config{Source: src, Router: router, Metrics: m}, dranks)
+	dec := newScheduler(t, Config{Source: src, Router: router, Metrics: m}, dranks)
 	for _, p := range testPrompts[:3] {
 		generateChecked(t, dec, p)
 	}
@@ -135,7 +135,7 @@ func TestSchedulerFailedRemotePrefillRunsHere(t *testing.T) {
 		Policy: AutoPolicy{MinRemoteTokens: 1, MaxPrefillQueue: 1},
 		Load:   func() PrefillLoad { return PrefillLoad{Instances: 1, Rows: 2} },
 	}
-	dec := newEngine(t, Config{Source: src, Router: router, Metrics: m}, dranks)
+	dec := newScheduler(t, Config{Source: src, Router: router, Metrics: m}, dranks)
 	for _, p := range testPrompts[:3] {
 		generateChecked(t, dec, p)
 	}
@@ -147,18 +147,18 @@ func TestSchedulerFailedRemotePrefillRunsHere(t *testing.T) {
 
 	// Without a Router the failure is the request's.
 	pranks := newRanks(t, rankOpts{ranks: 1, batch: 2})
-	plain := newEngine(t, Config{Source: &countingSource{fail: true, gateSource: gateSource{dst: pranks}}}, pranks)
+	plain := newScheduler(t, Config{Source: &countingSource{fail: true, gateSource: gateSource{dst: pranks}}}, pranks)
 	st, err := plain.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("Hello"), MaxTokens: 2})
 	require.NoError(t, err)
 	_, ev := drainStream(t, st)
 	require.ErrorIs(t, ev.Err, ErrTransferFailed)
 }
 
-// Without a Router a remote engine fetches every request and fails a
+// Without a Router a remote scheduler fetches every request and fails a
 // refused one, as before; a Router needs a CacheSource.
 func TestSchedulerWithoutRouterFailsRefused(t *testing.T) {
 	dranks := newRanks(t, rankOpts{ranks: 1, batch: 2})
-	dec := newEngine(t, Config{Source: &countingSource{refuse: true}}, dranks)
+	dec := newScheduler(t, Config{Source: &countingSource{refuse: true}}, dranks)
 	st, err := dec.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("Hello"), MaxTokens: 2})
 	require.NoError(t, err)
 	_, ev := drainStream(t, st)

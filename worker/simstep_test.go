@@ -75,10 +75,10 @@ func TestSimulateStep(t *testing.T) {
 	})
 }
 
-// The engine asks a simulating executor for every step's time: one prefill
+// The scheduler asks a simulating executor for every step's time: one prefill
 // of the prompt, then one decode step per further token, at growing
 // positions; the request takes at least their sum.
-func TestEngineSleepsSimulatedSteps(t *testing.T) {
+func TestSchedulerSleepsSimulatedSteps(t *testing.T) {
 	exec, err := model.Lookup(model.TinyHybrid)
 	require.NoError(t, err)
 	st := &stepRecorder{Executor: exec, prefill: 40 * time.Millisecond, decode: 10 * time.Millisecond}
@@ -88,10 +88,10 @@ func TestEngineSleepsSimulatedSteps(t *testing.T) {
 	require.NoError(t, err)
 	r, err := NewRank(0, m, st, make([]byte, cfg.KV.ArenaBytes()), make([]byte, cfg.Mamba.ArenaBytes()))
 	require.NoError(t, err)
-	e := newEngine(t, Config{}, []*Rank{r})
+	sched := newScheduler(t, Config{}, []*Rank{r})
 
 	start := time.Now()
-	s, err := e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("hello, timing"), MaxTokens: 4,
+	s, err := sched.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("hello, timing"), MaxTokens: 4,
 		Sampling: Sampling{Temperature: 0}})
 	require.NoError(t, err)
 	toks, ev := drainStream(t, s)

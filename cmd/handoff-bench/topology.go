@@ -12,7 +12,7 @@ import (
 	"strings"
 	"text/tabwriter"
 
-	"github.com/handoff-io/handoff/topology"
+	"github.com/handoff-io/handoff/internal/topology"
 )
 
 // runTopology prints the GPUs and NICs this host offers the data path.

@@ -6,7 +6,7 @@ import (
 	"encoding/json"
 	"testing"
 
-	"github.com/handoff-io/handoff/topology"
+	"github.com/handoff-io/handoff/internal/topology"
 	"github.com/stretchr/testify/require"
 )
 

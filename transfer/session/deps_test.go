@@ -7,10 +7,12 @@ import (
 )
 
 // allowedImports is everything the package may import directly: the
-// standard library's pure parts. Time enters only as the values events
-// carry; nothing reads the clock.
+// standard library's pure parts, and reqid, the pure leaf that says which
+// request ids are reserved. Time enters only as the values events carry;
+// nothing reads the clock.
 var allowedImports = map[string]bool{
 	"fmt": true, "math": true, "slices": true, "strings": true, "time": true,
+	"github.com/handoff-io/handoff/internal/reqid": true,
 }
 
 // TestDeps fails when the package imports something outside its allowlist:

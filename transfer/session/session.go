@@ -2,23 +2,17 @@ package session
 
 import (
 	"fmt"
-	"math"
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/handoff-io/handoff/internal/reqid"
 )
 
 // IsDummyID reports whether id can never be transferred: the ADP dummy id 0 or
-// a CUDA-graph padding sentinel in [2^64-1-maxDraftTokens, 2^64-1].
-func IsDummyID(id uint64, maxDraftTokens int) bool {
-	if id == 0 {
-		return true
-	}
-	if maxDraftTokens < 0 {
-		maxDraftTokens = 0
-	}
-	return id >= math.MaxUint64-uint64(maxDraftTokens)
-}
+// a CUDA-graph padding sentinel in [2^64-1-maxDraftTokens, 2^64-1]
+// (reqid.IsDummy, the one definition).
+func IsDummyID(id uint64, maxDraftTokens int) bool { return reqid.IsDummy(id, maxDraftTokens) }
 
 // ActionKind names what a session asks its driver to do.
 type ActionKind uint8

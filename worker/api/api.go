@@ -22,7 +22,7 @@ import (
 	"github.com/handoff-io/handoff/worker"
 )
 
-// Generator is what the API needs of a decode engine.
+// Generator is what the API needs of a decode scheduler (worker.Scheduler).
 type Generator interface {
 	Generate(ctx context.Context, g worker.GenerateRequest) (*worker.Stream, error)
 	MaxContext() int
@@ -158,9 +158,9 @@ func retryAfter(h http.Header, status int) {
 	}
 }
 
-// refuseEngine answers a request the engine did not take.
-func (s *server) refuseEngine(w http.ResponseWriter, log *slog.Logger, err error) {
-	status, e := engineError(err)
+// refuseErr answers a request the scheduler did not take.
+func (s *server) refuseErr(w http.ResponseWriter, log *slog.Logger, err error) {
+	status, e := schedulerError(err)
 	if status == http.StatusTooManyRequests {
 		var wait time.Duration
 		if qw, ok := s.gen.(QueueWaiter); ok {
@@ -233,7 +233,8 @@ func requestID(r *http.Request, prefix string) string {
 	return prefix + hex.EncodeToString(b[:])
 }
 
-// admitted is a generation request that start parsed and the engine took.
+// admitted is a generation request that start parsed and the scheduler
+// took.
 type admitted struct {
 	id      string
 	log     *slog.Logger
@@ -245,8 +246,8 @@ type admitted struct {
 // start does what every generation endpoint does before it answers: it
 // names the request (prefix), checks the method, reads the body, parses it
 // with parse (which fills the endpoint's own request and returns its
-// generation) and hands the generation to the engine. With ok false the
-// client has its answer already; else the caller answers and calls
+// generation) and hands the generation to the scheduler. With ok false
+// the client has its answer already; else the caller answers and calls
 // a.out.done.
 func (s *server) start(w http.ResponseWriter, r *http.Request, prefix string,
 	parse func([]byte) (*generation, int, *apiError)) (a admitted, ok bool) {
@@ -273,7 +274,7 @@ func (s *server) start(w http.ResponseWriter, r *http.Request, prefix string,
 		Prompt: g.prompt, MaxTokens: g.maxTokens, Sampling: g.smp, Stop: g.stop, LogID: a.id,
 	})
 	if err != nil {
-		s.refuseEngine(w, a.log, err)
+		s.refuseErr(w, a.log, err)
 		return a, false
 	}
 	a.stream = stream
@@ -318,7 +319,7 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 			continue
 		}
 		if ev.Err != nil {
-			status, e := engineError(ev.Err)
+			status, e := schedulerError(ev.Err)
 			out.json(status, map[string]*apiError{"error": e})
 			return
 		}
@@ -467,8 +468,8 @@ func (s *server) refuse(w http.ResponseWriter, log *slog.Logger, status int, e *
 	writeError(w, status, e)
 }
 
-// engineError maps an engine error to a status and error body.
-func engineError(err error) (int, *apiError) {
+// schedulerError maps a scheduler error to a status and error body.
+func schedulerError(err error) (int, *apiError) {
 	switch {
 	case errors.Is(err, worker.ErrQueueFull):
 		return http.StatusTooManyRequests, &apiError{Message: "The server is at capacity; retry later.",
@@ -554,7 +555,7 @@ func (s *server) streamCompletion(r *http.Request, out *writer, log *slog.Logger
 		}
 		if ev.Err != nil {
 			if r.Context().Err() == nil {
-				_, e := engineError(ev.Err)
+				_, e := schedulerError(ev.Err)
 				out.send(map[string]any{"error": e})
 				out.event([]byte("[DONE]"))
 			}

@@ -18,11 +18,11 @@ import (
 	"github.com/handoff-io/handoff/worker"
 )
 
-func newEngine(t *testing.T, blocks, queue int) *worker.Scheduler {
-	return newModelEngine(t, model.TinyHybrid, blocks, queue)
+func newScheduler(t *testing.T, blocks, queue int) *worker.Scheduler {
+	return newModelScheduler(t, model.TinyHybrid, blocks, queue)
 }
 
-func newModelEngine(t *testing.T, name string, blocks, queue int) *worker.Scheduler {
+func newModelScheduler(t *testing.T, name string, blocks, queue int) *worker.Scheduler {
 	t.Helper()
 	exec, err := model.Lookup(name)
 	require.NoError(t, err)
@@ -32,16 +32,16 @@ func newModelEngine(t *testing.T, name string, blocks, queue int) *worker.Schedu
 	require.NoError(t, err)
 	r, err := worker.NewRank(0, m, exec, make([]byte, cfg.KV.ArenaBytes()), make([]byte, cfg.Mamba.ArenaBytes()))
 	require.NoError(t, err)
-	e, err := worker.NewScheduler(worker.Config{Role: worker.RoleDecode, QueueSize: queue}, []*worker.Rank{r})
+	sched, err := worker.NewScheduler(worker.Config{Role: worker.RoleDecode, QueueSize: queue}, []*worker.Rank{r})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- e.Run(ctx) }()
+	go func() { done <- sched.Run(ctx) }()
 	t.Cleanup(func() {
 		cancel()
 		require.NoError(t, <-done)
 	})
-	return e
+	return sched
 }
 
 func newServer(t *testing.T, gen Generator) *httptest.Server {
@@ -71,8 +71,8 @@ func post(t *testing.T, url, body string) (*http.Response, []byte) {
 }
 
 func TestBadInput(t *testing.T) {
-	e := newEngine(t, 8, 4) // 8 blocks of 16 tokens: 128 tokens at most
-	srv := newServer(t, e)
+	sched := newScheduler(t, 8, 4) // 8 blocks of 16 tokens: 128 tokens at most
+	srv := newServer(t, sched)
 	long := strings.Repeat("x", 200)
 	tests := []struct {
 		name   string
@@ -187,7 +187,7 @@ type completion struct {
 }
 
 func TestCompletionDeterministicAndStreamEqual(t *testing.T) {
-	srv := newServer(t, newEngine(t, 0, 8))
+	srv := newServer(t, newScheduler(t, 0, 8))
 	body := `{"model":"tiny-hybrid","prompt":"Hello, handoff","max_tokens":8,"temperature":0.9,"seed":42}`
 	var texts []string
 	for range 2 {
@@ -244,7 +244,7 @@ func TestCompletionDeterministicAndStreamEqual(t *testing.T) {
 }
 
 func TestModels(t *testing.T) {
-	srv := newServer(t, newEngine(t, 0, 8))
+	srv := newServer(t, newScheduler(t, 0, 8))
 	resp, err := http.Get(srv.URL + "/v1/models")
 	require.NoError(t, err)
 	defer resp.Body.Close()
@@ -269,7 +269,7 @@ func TestModels(t *testing.T) {
 
 // The neutral values of refused parameters are accepted (clients send them).
 func TestNeutralParametersAccepted(t *testing.T) {
-	srv := newServer(t, newEngine(t, 0, 8))
+	srv := newServer(t, newScheduler(t, 0, 8))
 	resp, b := post(t, srv.URL, `{"model":"tiny-hybrid","prompt":"hi","max_tokens":2,"best_of":1,"n":1,"suffix":null,`+
 		`"presence_penalty":0,"frequency_penalty":0,"logit_bias":{},"user":"u-1","logprobs":null,"stop":null,"top_p":1}`)
 	require.Equal(t, http.StatusOK, resp.StatusCode, string(b))
@@ -291,7 +291,7 @@ type waitGen struct {
 
 func (w waitGen) QueueWait() time.Duration { return w.wait }
 
-func TestEngineRefusals(t *testing.T) {
+func TestSchedulerRefusals(t *testing.T) {
 	tests := []struct {
 		name       string
 		gen        Generator
@@ -335,8 +335,8 @@ func TestEngineRefusals(t *testing.T) {
 
 func TestClientDisconnectCancels(t *testing.T) {
 	// A decode delay keeps the request running until the client hangs up.
-	e := newModelEngine(t, model.TinyHybrid+"?decode_delay=5ms", 0, 4)
-	srv := httptest.NewServer(New(Config{Model: model.TinyHybrid}, e))
+	sched := newModelScheduler(t, model.TinyHybrid+"?decode_delay=5ms", 0, 4)
+	srv := httptest.NewServer(New(Config{Model: model.TinyHybrid}, sched))
 	defer srv.Close()
 	ctx, cancel := context.WithCancel(context.Background())
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/v1/completions",
@@ -347,11 +347,11 @@ func TestClientDisconnectCancels(t *testing.T) {
 	// Read the first chunk, then hang up.
 	_, err = bufio.NewReader(resp.Body).ReadString('\n')
 	require.NoError(t, err)
-	require.Equal(t, 1, e.Live())
+	require.Equal(t, 1, sched.Live())
 	cancel()
 	resp.Body.Close()
-	require.Eventually(t, func() bool { return e.Live() == 0 }, 10*time.Second, 5*time.Millisecond)
-	require.Equal(t, e.Ranks()[0].Manager().Stats().RowsUsed, 0)
+	require.Eventually(t, func() bool { return sched.Live() == 0 }, 10*time.Second, 5*time.Millisecond)
+	require.Equal(t, sched.Ranks()[0].Manager().Stats().RowsUsed, 0)
 }
 
 func TestUTF8Holder(t *testing.T) {
@@ -383,9 +383,9 @@ func TestStreamHeadersBeforeFirstToken(t *testing.T) {
 	require.NoError(t, err)
 	r, err := worker.NewRank(0, m, exec, make([]byte, cfg.KV.ArenaBytes()), make([]byte, cfg.Mamba.ArenaBytes()))
 	require.NoError(t, err)
-	e, err := worker.NewScheduler(worker.Config{Role: worker.RoleDecode}, []*worker.Rank{r})
+	sched, err := worker.NewScheduler(worker.Config{Role: worker.RoleDecode}, []*worker.Rank{r})
 	require.NoError(t, err)
-	srv := newServer(t, e) // the loop is not running yet: the request stays queued
+	srv := newServer(t, sched) // the loop is not running yet: the request stays queued
 
 	ctx, cancel := context.WithCancel(context.Background())
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/v1/completions",
@@ -409,6 +409,6 @@ func TestStreamHeadersBeforeFirstToken(t *testing.T) {
 	cancel()
 	lctx, stop := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- e.Run(lctx) }() // ends the cancelled request, so the handler returns
+	go func() { done <- sched.Run(lctx) }() // ends the cancelled request, so the handler returns
 	t.Cleanup(func() { stop(); require.NoError(t, <-done) })
 }

@@ -371,7 +371,7 @@ func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 			continue
 		}
 		if ev.Err != nil {
-			status, e := engineError(ev.Err)
+			status, e := schedulerError(ev.Err)
 			out.json(status, map[string]*apiError{"error": e})
 			return
 		}
@@ -455,7 +455,7 @@ func (s *server) streamChat(r *http.Request, out *writer, log *slog.Logger, id s
 		}
 		if ev.Err != nil {
 			if r.Context().Err() == nil {
-				_, e := engineError(ev.Err)
+				_, e := schedulerError(ev.Err)
 				out.send(map[string]any{"error": e})
 				out.event([]byte("[DONE]"))
 			}

@@ -22,7 +22,7 @@ func postChat(t *testing.T, url, body string) (*http.Response, []byte) {
 }
 
 func TestChatBadInput(t *testing.T) {
-	srv := newServer(t, newEngine(t, 8, 4))
+	srv := newServer(t, newScheduler(t, 8, 4))
 	const m = `"model":"tiny-hybrid"`
 	const msgs = `"messages":[{"role":"user","content":"hi"}]`
 	tests := []struct {
@@ -104,7 +104,7 @@ type chatOut struct {
 }
 
 func TestChatCompletion(t *testing.T) {
-	srv := newServer(t, newEngine(t, 0, 8))
+	srv := newServer(t, newScheduler(t, 0, 8))
 	body := `{"model":"tiny-hybrid","messages":[{"role":"system","content":"Be brief."},` +
 		`{"role":"user","content":[{"type":"text","text":"Hello, "},{"type":"text","text":"handoff"}]}],` +
 		`"max_completion_tokens":12,"temperature":0,"logprobs":true,"top_logprobs":2}`
@@ -173,7 +173,7 @@ func TestChatCompletion(t *testing.T) {
 // Chat and completions share the parameter decoder: a completion of the
 // rendered template is the chat completion.
 func TestChatIsTemplatedCompletion(t *testing.T) {
-	srv := newServer(t, newEngine(t, 0, 8))
+	srv := newServer(t, newScheduler(t, 0, 8))
 	_, b := postChat(t, srv.URL, `{"model":"tiny-hybrid","messages":[{"role":"user","content":"hi"}],"max_tokens":9,"temperature":0.7,"seed":5,"stop":["zz"]}`)
 	var c chatOut
 	require.NoError(t, json.Unmarshal(b, &c), string(b))
@@ -196,7 +196,7 @@ func TestChatNameCannotForgeHeader(t *testing.T) {
 	require.Equal(t, "invalid_value", e.Code)
 	require.Equal(t, "messages[0].name", *e.Param)
 
-	srv := newServer(t, newEngine(t, 8, 4))
+	srv := newServer(t, newScheduler(t, 8, 4))
 	resp, b := postChat(t, srv.URL, `{"model":"tiny-hybrid","max_tokens":1,"messages":`+msgs+`}`)
 	require.Equal(t, http.StatusBadRequest, resp.StatusCode, string(b))
 	var eb errorBody

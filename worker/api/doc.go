@@ -49,7 +49,7 @@
 // key once and exactly as spelled, nothing after it (params.go: one table-
 // driven decoder for every endpoint).
 //
-// Bad input never reaches the engine: it is answered with an OpenAI-style
+// Bad input never reaches the scheduler: it is answered with an OpenAI-style
 // error body {"error":{"message","type","param","code"}} and a 4xx status.
 // A full admission queue is 429, a draining or stopped worker 503 (whatever
 // phase a request is in when the worker stops); both carry Retry-After. A

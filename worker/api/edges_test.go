@@ -98,15 +98,15 @@ func viaJSON(t *testing.T, s string) string {
 }
 
 func TestParametersServed(t *testing.T) {
-	e := newEngine(t, 0, 8)
-	srv := newServer(t, e)
+	sched := newScheduler(t, 0, 8)
+	srv := newServer(t, sched)
 	base := `{"model":"tiny-hybrid","prompt":"Hello, handoff","max_tokens":40,"temperature":0`
 	full, _, _, _, _ := completeBoth(t, srv.URL, base+`}`)
 	require.Equal(t, "length", *full.FinishReason)
 	require.Nil(t, full.Logprobs)
 	// The raw bytes of the same greedy completion, to pick a stop sequence
 	// that occurs in them.
-	s, err := e.Generate(context.Background(), worker.GenerateRequest{Prompt: model.Encode("Hello, handoff"), MaxTokens: 40})
+	s, err := sched.Generate(context.Background(), worker.GenerateRequest{Prompt: model.Encode("Hello, handoff"), MaxTokens: 40})
 	require.NoError(t, err)
 	var raw strings.Builder
 	for {
@@ -241,11 +241,11 @@ func fmtInt(n int) string { b, _ := json.Marshal(n); return string(b) }
 // the idle write deadline; the request is cancelled and everything it held
 // is released (the handler used to block in Write until the client closed).
 func TestStalledStreamIsCut(t *testing.T) {
-	e := newModelEngine(t, model.TinyHybrid, 0, 8)
+	sched := newModelScheduler(t, model.TinyHybrid, 0, 8)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	handlerDone := make(chan struct{}, 1)
-	h := New(Config{Model: model.TinyHybrid, WriteTimeout: 300 * time.Millisecond}, e)
+	h := New(Config{Model: model.TinyHybrid, WriteTimeout: 300 * time.Millisecond}, sched)
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		h.ServeHTTP(w, r)
 		handlerDone <- struct{}{}
@@ -266,15 +266,15 @@ func TestStalledStreamIsCut(t *testing.T) {
 	got, _ := io.ReadAll(c)
 	require.NotContains(t, string(got), "[DONE]", "the stream ran to its end: nothing stalled")
 	require.Contains(t, string(got), "data: ", "the stream had begun")
-	require.Eventually(t, func() bool { return e.Live() == 0 }, 10*time.Second, 5*time.Millisecond)
-	require.Equal(t, 0, e.Ranks()[0].Manager().Stats().RowsUsed)
+	require.Eventually(t, func() bool { return sched.Live() == 0 }, 10*time.Second, 5*time.Millisecond)
+	require.Equal(t, 0, sched.Ranks()[0].Manager().Stats().RowsUsed)
 }
 
 // A client that reads slowly but steadily is not cut: the deadline bounds
 // one write, not the stream.
 func TestSlowReaderNotCut(t *testing.T) {
-	e := newModelEngine(t, model.TinyHybrid+"?decode_delay=2ms", 0, 8)
-	srv := httptest.NewServer(New(Config{Model: model.TinyHybrid, WriteTimeout: 100 * time.Millisecond}, e))
+	sched := newModelScheduler(t, model.TinyHybrid+"?decode_delay=2ms", 0, 8)
+	srv := httptest.NewServer(New(Config{Model: model.TinyHybrid, WriteTimeout: 100 * time.Millisecond}, sched))
 	t.Cleanup(srv.Close)
 	resp, err := http.Post(srv.URL+"/v1/completions", "application/json",
 		strings.NewReader(`{"model":"tiny-hybrid","prompt":"slow","max_tokens":100,"temperature":0,"stream":true}`))
@@ -286,19 +286,19 @@ func TestSlowReaderNotCut(t *testing.T) {
 }
 
 // stalledHeap measures what n stalled streams keep on the heap once the
-// engine has finished them.
+// scheduler has finished them.
 func stalledHeap(t *testing.T, n int, writeTimeout time.Duration) (perStream int64, goroutines int) {
-	e := newModelEngine(t, model.TinyHybrid, 0, n+1)
+	sched := newModelScheduler(t, model.TinyHybrid, 0, n+1)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	srv := httptest.NewUnstartedServer(New(Config{Model: model.TinyHybrid, WriteTimeout: writeTimeout}, e))
+	srv := httptest.NewUnstartedServer(New(Config{Model: model.TinyHybrid, WriteTimeout: writeTimeout}, sched))
 	srv.Listener = smallBuffers{ln}
 	srv.Start()
 	t.Cleanup(srv.Close)
 	// One stalled stream first, so lazily built state (executor scratch,
 	// server maps) is not counted.
 	dialStalled(t, ln.Addr().String(), `{"model":"tiny-hybrid","prompt":"warm","max_tokens":2000,"temperature":0,"stream":true}`)
-	require.Eventually(t, func() bool { return e.Live() == 0 }, 60*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return sched.Live() == 0 }, 60*time.Second, 10*time.Millisecond)
 	time.Sleep(2 * writeTimeout)
 	var before runtime.MemStats
 	runtime.GC()
@@ -307,7 +307,7 @@ func stalledHeap(t *testing.T, n int, writeTimeout time.Duration) (perStream int
 	for range n {
 		dialStalled(t, ln.Addr().String(), `{"model":"tiny-hybrid","prompt":"stall","max_tokens":1500,"temperature":0,"stream":true}`)
 	}
-	require.Eventually(t, func() bool { return e.Live() == 0 }, 60*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return sched.Live() == 0 }, 60*time.Second, 10*time.Millisecond)
 	time.Sleep(2 * writeTimeout)
 	var after runtime.MemStats
 	runtime.GC()
@@ -316,7 +316,7 @@ func stalledHeap(t *testing.T, n int, writeTimeout time.Duration) (perStream int
 }
 
 // TestStalledStreamsHeap reports the heap and goroutines kept per stalled
-// stream after the engine finished them, with and without a write deadline
+// stream after the scheduler finished them, with and without a write deadline
 // (the closing note's figures). Skipped in -short.
 func TestStalledStreamsHeap(t *testing.T) {
 	if testing.Short() {
@@ -339,15 +339,15 @@ func TestRefusedRequestHeap(t *testing.T) {
 	require.NoError(t, err)
 	r, err := worker.NewRank(0, m, exec, make([]byte, cfg.KV.ArenaBytes()), make([]byte, cfg.Mamba.ArenaBytes()))
 	require.NoError(t, err)
-	e, err := worker.NewScheduler(worker.Config{Role: worker.RoleDecode, QueueSize: 1}, []*worker.Rank{r})
+	sched, err := worker.NewScheduler(worker.Config{Role: worker.RoleDecode, QueueSize: 1}, []*worker.Rank{r})
 	require.NoError(t, err) // not running: one request fills the queue
-	h := New(Config{Model: model.TinyHybrid}, e)
-	body := `{"model":"tiny-hybrid","prompt":"x","max_tokens":` + fmtInt(e.MaxContext()-1) + `,"stream":true}`
+	h := New(Config{Model: model.TinyHybrid}, sched)
+	body := `{"model":"tiny-hybrid","prompt":"x","max_tokens":` + fmtInt(sched.MaxContext()-1) + `,"stream":true}`
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	first := httptest.NewRequestWithContext(ctx, http.MethodPost, "/v1/completions", strings.NewReader(body))
 	go h.ServeHTTP(httptest.NewRecorder(), first) // stays queued until cancelled
-	require.Eventually(t, func() bool { return e.Live() == 1 }, 5*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return sched.Live() == 1 }, 5*time.Second, time.Millisecond)
 	const n = 200
 	reqs := make([]*http.Request, n)
 	for i := range reqs {
@@ -363,7 +363,7 @@ func TestRefusedRequestHeap(t *testing.T) {
 	}
 	runtime.ReadMemStats(&after)
 	per := (after.TotalAlloc - before.TotalAlloc) / n
-	t.Logf("max_tokens %d, refused with 429: %d bytes allocated per request", e.MaxContext()-1, per)
+	t.Logf("max_tokens %d, refused with 429: %d bytes allocated per request", sched.MaxContext()-1, per)
 	require.Less(t, per, uint64(32<<10))
 }
 
@@ -371,7 +371,7 @@ func TestRefusedRequestHeap(t *testing.T) {
 // and streamed, chunk by chunk (no control character but newline, no
 // replacement character), whatever the prompt.
 func TestTinyHybridTextReadable(t *testing.T) {
-	srv := newServer(t, newEngine(t, 0, 8))
+	srv := newServer(t, newScheduler(t, 0, 8))
 	for i, prompt := range []string{"Hello, handoff", "\x00\x01\xff binary prompt \xc3", "世界"} {
 		pb, _ := json.Marshal(prompt)
 		for _, temp := range []string{"0", "1", "2"} {

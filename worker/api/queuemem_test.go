@@ -28,10 +28,10 @@ func (blockedSource) Fetch(ctx context.Context, _ worker.FetchRequest) (worker.F
 
 // queuedRequestBytes measures what one request waiting in the admission
 // queue costs the server, everything included: its connection and handler
-// goroutine (net/http), its parsed request and token ids, its engine record
+// goroutine (net/http), its parsed request and token ids, its scheduler record
 // and stream. n clients send a completion of prompt bytes over raw
 // connections and read nothing; the heap and stacks in use are compared
-// before and after, with the engine's rows all taken.
+// before and after, with the scheduler's rows all taken.
 func queuedRequestBytes(t *testing.T, n, prompt int) float64 {
 	t.Helper()
 	exec, err := model.Lookup(model.TinyHybrid)
@@ -42,13 +42,13 @@ func queuedRequestBytes(t *testing.T, n, prompt int) float64 {
 	require.NoError(t, err)
 	r, err := worker.NewRank(0, m, exec, make([]byte, cfg.KV.ArenaBytes()), make([]byte, cfg.Mamba.ArenaBytes()))
 	require.NoError(t, err)
-	e, err := worker.NewScheduler(worker.Config{Role: worker.RoleDecode, QueueSize: n, Source: blockedSource{}},
+	sched, err := worker.NewScheduler(worker.Config{Role: worker.RoleDecode, QueueSize: n, Source: blockedSource{}},
 		[]*worker.Rank{r})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- e.Run(ctx) }()
-	srv := httptest.NewServer(New(Config{Model: model.TinyHybrid}, e))
+	go func() { done <- sched.Run(ctx) }()
+	srv := httptest.NewServer(New(Config{Model: model.TinyHybrid}, sched))
 	var conns []net.Conn
 	defer func() {
 		for _, c := range conns {
@@ -70,7 +70,7 @@ func queuedRequestBytes(t *testing.T, n, prompt int) float64 {
 		require.NoError(t, err)
 	}
 	live := func(want int) {
-		require.Eventually(t, func() bool { return e.Live() == want }, 10*time.Second, 5*time.Millisecond)
+		require.Eventually(t, func() bool { return sched.Live() == want }, 10*time.Second, 5*time.Millisecond)
 	}
 	send() // takes the one row; its fetch never ends
 	live(1)

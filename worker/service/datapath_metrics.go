@@ -5,8 +5,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/handoff-io/handoff/internal/topology"
 	"github.com/handoff-io/handoff/rdma"
-	"github.com/handoff-io/handoff/topology"
 	"github.com/handoff-io/handoff/worker"
 )
 

@@ -122,23 +122,23 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 	if auto {
 		router = autoRouter(cfg, dec)
 	}
-	eng, err := worker.NewScheduler(worker.Config{
+	sched, err := worker.NewScheduler(worker.Config{
 		Role: worker.RoleDecode, AttentionDP: cfg.AttentionDP, QueueSize: cfg.QueueSize, PrefillChunkTokens: cfg.PrefillChunkTokens,
 		Source: source, Router: router, Logger: log, Metrics: o.Metrics,
 	}, n.ranks)
 	if err != nil {
 		return err
 	}
-	stopLoop := runEngine(eng, log)
+	stopLoop := runScheduler(sched, log)
 	defer stopLoop()
-	adm.AddCheck("engine", func() error {
-		if eng.Draining() {
+	adm.AddCheck("scheduler", func() error {
+		if sched.Draining() {
 			return errors.New("draining")
 		}
 		return nil
 	})
 	apiSrv, err := listenHTTP("http", cfg.HTTPAddr, api.New(api.Config{Model: cfg.Model, Logger: log, Metrics: o.Metrics,
-		WriteTimeout: cfg.WriteTimeout, TracerProvider: tp}, eng), log)
+		WriteTimeout: cfg.WriteTimeout, TracerProvider: tp}, sched), log)
 	if err != nil {
 		return fmt.Errorf("api listener: %w", err)
 	}
@@ -150,17 +150,17 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 	// until Serve takes them): only now may readiness pass.
 	gate.Open()
 	log.Info("decode serving", "http", ep.HTTP, "admin", ep.Admin, "data", ep.Data, "prefill", cfg.Prefill,
-		"max_context", eng.MaxContext())
+		"max_context", sched.MaxContext())
 	if o.Ready != nil {
 		o.Ready(ep)
 	}
 
 	<-ctx.Done()
-	log.Info("draining", "live", eng.Live(), "timeout", cfg.DrainTimeout.String())
+	log.Info("draining", "live", sched.Live(), "timeout", cfg.DrainTimeout.String())
 	adm.SetDraining()
 	dctx, cancel := context.WithTimeout(o.Abort, cfg.DrainTimeout)
-	if err := eng.Drain(dctx); err != nil {
-		log.Warn("drain ended; failing the requests left", "live", eng.Live(), "aborted", o.Abort.Err() != nil)
+	if err := sched.Drain(dctx); err != nil {
+		log.Warn("drain ended; failing the requests left", "live", sched.Live(), "aborted", o.Abort.Err() != nil)
 	}
 	cancel()
 	// Stopping the loop fails what is left (ErrClosed), so every handler
@@ -189,7 +189,10 @@ type transferSource struct {
 	timeout time.Duration
 }
 
-var _ worker.CacheSource = (*transferSource)(nil)
+var (
+	_ worker.CacheSource = (*transferSource)(nil)
+	_ worker.Quarantine  = (*transfer.QuarantinedError)(nil) // the quarantine a transferSource's Fetch fails with
+)
 
 func (s *transferSource) Fetch(ctx context.Context, f worker.FetchRequest) (worker.FetchResult, error) {
 	// The scheduler prepared the resources at admission and frees them once

@@ -1,6 +1,6 @@
 // Package service wires the prefill and decode binaries: flags and
 // environment (package config), the model and the ranks over registered
-// data-plane regions, NATS, the transfer protocol, the engine loop, the
+// data-plane regions, NATS, the transfer protocol, the scheduler loop, the
 // OpenAI API (decode), the admin endpoints, and the drain on shutdown.
 //
 // Main is each binary's whole program; RunDecode and RunPrefill are the
@@ -18,10 +18,11 @@
 //     (reserved Mamba rows are forbidden at the data plane).
 //  3. NATS is dialled (forever, until ctx ends; a refused authentication is
 //     final), then the transfer Decoder or Prefiller announces the instance.
-//  4. The engine loop starts; decode opens its API listener, then opens its
-//     gate. /readyz turns 200 once every check passes: the gate, NATS
-//     connected, the instance registered, the data path listening and, for
-//     remote decode, prefill_instances (prefillPresence: 503 until a usable
+//  4. The scheduler loop starts; decode opens its API listener, then opens
+//     its gate. /readyz turns 200 once every check passes: the gate, NATS
+//     connected, the instance registered, the data path listening, for
+//     decode the scheduler (failing once it drains) and, for remote
+//     decode, prefill_instances (prefillPresence: 503 until a usable
 //     prefill instance is seen, a passing warning for --prefill-grace after
 //     the last one left, then 503).
 //

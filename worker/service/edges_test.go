@@ -89,6 +89,7 @@ func TestReadyNeverBeforeListening(t *testing.T) {
 		require.Equal(t, "ok", r.Checks["serving"])
 		require.Equal(t, "ok", r.Checks["prefill_serving"])
 		require.Equal(t, "ok", r.Checks["prefill_instances"])
+		require.Equal(t, "ok", r.Checks["scheduler"], "decode's scheduler check (named engine before)")
 		break
 	}
 	require.Positive(t, notReady, "the start was never observed unready")

@@ -5,8 +5,8 @@ import (
 	"log/slog"
 	"net"
 
+	"github.com/handoff-io/handoff/internal/topology"
 	"github.com/handoff-io/handoff/rdma"
-	"github.com/handoff-io/handoff/topology"
 )
 
 // nicAdvertise picks the address peers dial for a data plane whose caches

@@ -10,8 +10,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/handoff-io/handoff/internal/topology"
 	"github.com/handoff-io/handoff/rdma"
-	"github.com/handoff-io/handoff/topology"
 )
 
 const nicTestGPU = "GPU-6a1f0e3c-1111-2222-3333-444455556666"

@@ -19,9 +19,9 @@ import (
 
 	"github.com/handoff-io/handoff/hybrid"
 	"github.com/handoff-io/handoff/internal/cuda"
+	"github.com/handoff-io/handoff/internal/topology"
 	"github.com/handoff-io/handoff/model"
 	"github.com/handoff-io/handoff/rdma"
-	"github.com/handoff-io/handoff/topology"
 	"github.com/handoff-io/handoff/transfer"
 	"github.com/handoff-io/handoff/worker"
 	"github.com/handoff-io/handoff/worker/admin"
@@ -357,15 +357,15 @@ func startAdmin(cfg config.Config, o *Options) (*admin.Server, *admin.Gate, *htt
 	return a, gate, s, nil
 }
 
-// runEngine runs e's loop on a goroutine; the returned stop cancels it and
-// waits.
-func runEngine(e *worker.Scheduler, log *slog.Logger) (stop func()) {
+// runScheduler runs sched's loop on a goroutine; the returned stop cancels
+// it and waits.
+func runScheduler(sched *worker.Scheduler, log *slog.Logger) (stop func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		if err := e.Run(ctx); err != nil {
-			log.Error("engine loop", "err", err)
+		if err := sched.Run(ctx); err != nil {
+			log.Error("scheduler loop", "err", err)
 		}
 	}()
 	return func() {

@@ -64,16 +64,16 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 	defer nc.Close()
 	connected.Store(nc)
 
-	eng, err := worker.NewScheduler(worker.Config{
+	sched, err := worker.NewScheduler(worker.Config{
 		Role: worker.RolePrefill, AttentionDP: cfg.AttentionDP, QueueSize: cfg.QueueSize, PrefillChunkTokens: cfg.PrefillChunkTokens,
 		Logger: log, Metrics: o.Metrics,
 	}, n.ranks)
 	if err != nil {
 		return err
 	}
-	stopLoop := runEngine(eng, log)
+	stopLoop := runScheduler(sched, log)
 	defer stopLoop()
-	pe := &prefillExec{e: eng, n: n, m: o.Metrics}
+	pe := &prefillExec{sched: sched, n: n, m: o.Metrics}
 	pf, err := transfer.NewPrefiller(transfer.PrefillerConfig{
 		Instance: cfg.InstanceID, Namespace: cfg.Namespace, Fingerprint: n.fingerprint,
 		Capacity: n.capacity, Logger: log, TracerProvider: tp,
@@ -104,15 +104,15 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 	}
 
 	<-ctx.Done()
-	log.Info("draining", "live", eng.Live(), "timeout", cfg.DrainTimeout.String())
+	log.Info("draining", "live", sched.Live(), "timeout", cfg.DrainTimeout.String())
 	adm.SetDraining()
 	registered.Store(false)
 	dctx, cancel := context.WithTimeout(o.Abort, cfg.DrainTimeout)
 	if err := pf.Shutdown(dctx); err != nil {
 		log.Warn("prefiller shutdown", "err", err)
 	}
-	if err := eng.Drain(dctx); err != nil {
-		log.Warn("drain ended; failing the requests left", "live", eng.Live(), "aborted", o.Abort.Err() != nil)
+	if err := sched.Drain(dctx); err != nil {
+		log.Warn("drain ended; failing the requests left", "live", sched.Live(), "aborted", o.Abort.Err() != nil)
 	}
 	cancel()
 	stopLoop()
@@ -121,12 +121,12 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 	return o.aborted()
 }
 
-// prefillExec implements transfer.PrefillExecutor over the prefill engine.
+// prefillExec implements transfer.PrefillExecutor over the prefill scheduler.
 type prefillExec struct {
-	e  *worker.Scheduler
-	n  *node
-	m  *worker.Metrics
-	pf *transfer.Prefiller
+	sched *worker.Scheduler
+	n     *node
+	m     *worker.Metrics
+	pf    *transfer.Prefiller
 
 	mu   sync.Mutex
 	last transfer.PrefillerStats
@@ -134,8 +134,8 @@ type prefillExec struct {
 
 var _ transfer.PrefillExecutor = (*prefillExec)(nil)
 
-// Admit queues the job on the engine without waiting; a full queue, a
-// draining engine or a prompt this worker's pools cannot hold is a capacity
+// Admit queues the job on the scheduler without waiting; a full queue, a
+// draining scheduler or a prompt this worker's pools cannot hold is a capacity
 // refusal, which the decoder may retry on another worker.
 func (p *prefillExec) Admit(job transfer.Job) (transfer.AdmittedJob, error) {
 	// The receiver's shards must be reachable from ours: a TP size the
@@ -153,7 +153,7 @@ func (p *prefillExec) Admit(job transfer.Job) (transfer.AdmittedJob, error) {
 		ctx = trace.ContextWithSpan(ctx, job.Span)
 	}
 	parts := &partSink{n: p.n, to: job.TP}
-	pend, err := p.e.SubmitPrefill(ctx, worker.PrefillJob{
+	pend, err := p.sched.SubmitPrefill(ctx, worker.PrefillJob{
 		Prompt: job.Tokens, Sampling: samplingOf(job.Sampling),
 		LogID: fmt.Sprintf("%s-%d", job.From, job.RequestID),
 		Parts: parts.part,

@@ -3,7 +3,7 @@ package worker
 // This file is the pure half of the scheduler: it decides, from plain counts,
 // which rank takes a new request and which ranks pad the attention-DP dummy in
 // an iteration. It does no IO, starts no goroutines and touches no pool; the
-// loop in engine.go applies its decisions.
+// loop in scheduler.go applies its decisions.
 
 // Phase is where a request is in its life on one worker.
 type Phase uint8

@@ -42,35 +42,35 @@ func newRanks(t testing.TB, o rankOpts) []*Rank {
 	return out
 }
 
-// startEngine runs e's loop until the test ends and checks that it stopped
+// startScheduler runs sched's loop until the test ends and checks that it stopped
 // and left every pool at its idle counts.
-func startEngine(t testing.TB, e *Scheduler) {
+func startScheduler(t testing.TB, sched *Scheduler) {
 	t.Helper()
-	idle := make([]hybrid.Stats, len(e.ranks))
-	for i, r := range e.ranks {
+	idle := make([]hybrid.Stats, len(sched.ranks))
+	for i, r := range sched.ranks {
 		idle[i] = r.mgr.Stats()
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- e.Run(ctx) }()
+	go func() { done <- sched.Run(ctx) }()
 	t.Cleanup(func() {
 		cancel()
 		require.NoError(t, <-done)
-		for i, r := range e.ranks {
+		for i, r := range sched.ranks {
 			require.Equal(t, idle[i], r.mgr.Stats(), "rank %d pools not back to idle", i)
 		}
 	})
 }
 
-func newEngine(t testing.TB, cfg Config, ranks []*Rank) *Scheduler {
+func newScheduler(t testing.TB, cfg Config, ranks []*Rank) *Scheduler {
 	t.Helper()
 	if cfg.Role == "" {
 		cfg.Role = RoleDecode
 	}
-	e, err := NewScheduler(cfg, ranks)
+	sched, err := NewScheduler(cfg, ranks)
 	require.NoError(t, err)
-	startEngine(t, e)
-	return e
+	startScheduler(t, sched)
+	return sched
 }
 
 // drainStream reads a stream to its final event.
@@ -90,7 +90,7 @@ func drainStream(t testing.TB, s *Stream) ([]int32, Output) {
 }
 
 // reference generates with the executor directly on a private pool: the
-// oracle every engine mode must match token for token.
+// oracle every scheduler mode must match token for token.
 func reference(t testing.TB, name string, prompt []int32, maxTokens int, temp float64, seed uint64) []int32 {
 	t.Helper()
 	exec, err := model.Lookup(name)
@@ -135,9 +135,9 @@ var testPrompts = []string{
 	"0123456789abcdef0123",
 }
 
-func TestEngineLocalMatchesReference(t *testing.T) {
+func TestSchedulerLocalMatchesReference(t *testing.T) {
 	ranks := newRanks(t, rankOpts{ranks: 2, batch: 2, adp: true})
-	e := newEngine(t, Config{AttentionDP: true}, ranks)
+	sched := newScheduler(t, Config{AttentionDP: true}, ranks)
 	type job struct {
 		prompt []int32
 		temp   float64
@@ -148,7 +148,7 @@ func TestEngineLocalMatchesReference(t *testing.T) {
 	for i, p := range testPrompts[:3] {
 		for _, temp := range []float64{0, 0.8} {
 			j := &job{prompt: model.Encode(p), temp: temp, seed: uint64(i + 7)}
-			s, err := e.Generate(context.Background(), GenerateRequest{
+			s, err := sched.Generate(context.Background(), GenerateRequest{
 				Prompt: j.prompt, MaxTokens: 8, Sampling: Sampling{Temperature: j.temp, Seed: j.seed},
 			})
 			require.NoError(t, err)
@@ -164,17 +164,17 @@ func TestEngineLocalMatchesReference(t *testing.T) {
 	}
 }
 
-func TestEngineDeterministic(t *testing.T) {
+func TestSchedulerDeterministic(t *testing.T) {
 	run := func() [][]int32 {
 		ranks := newRanks(t, rankOpts{ranks: 1, batch: 4})
-		e, err := NewScheduler(Config{Role: RoleDecode}, ranks)
+		sched, err := NewScheduler(Config{Role: RoleDecode}, ranks)
 		require.NoError(t, err)
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
-		go func() { _ = e.Run(ctx) }()
+		go func() { _ = sched.Run(ctx) }()
 		var out [][]int32
 		for i, p := range testPrompts {
-			s, err := e.Generate(ctx, GenerateRequest{Prompt: model.Encode(p), MaxTokens: 6, Sampling: Sampling{Temperature: 0.7, Seed: uint64(i)}})
+			s, err := sched.Generate(ctx, GenerateRequest{Prompt: model.Encode(p), MaxTokens: 6, Sampling: Sampling{Temperature: 0.7, Seed: uint64(i)}})
 			require.NoError(t, err)
 			toks, ev := drainStream(t, s)
 			require.NoError(t, ev.Err)
@@ -185,10 +185,10 @@ func TestEngineDeterministic(t *testing.T) {
 	require.Equal(t, run(), run())
 }
 
-func TestEngineValidation(t *testing.T) {
+func TestSchedulerValidation(t *testing.T) {
 	ranks := newRanks(t, rankOpts{ranks: 1, batch: 1, blocks: 4})
-	e := newEngine(t, Config{}, ranks)
-	max := e.MaxContext()
+	sched := newScheduler(t, Config{}, ranks)
+	max := sched.MaxContext()
 	require.Equal(t, 4*ranks[0].kvCfg.TokensPerBlock, max)
 	tests := []struct {
 		name string
@@ -203,21 +203,21 @@ func TestEngineValidation(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, err := e.Generate(context.Background(), tt.g)
+			_, err := sched.Generate(context.Background(), tt.g)
 			require.ErrorIs(t, err, tt.want)
 		})
 	}
-	_, err := e.Prefill(context.Background(), PrefillJob{Prompt: []int32{1}})
+	_, err := sched.Prefill(context.Background(), PrefillJob{Prompt: []int32{1}})
 	require.ErrorIs(t, err, ErrWrongRole)
 	// The longest request that fits runs.
-	s, err := e.Generate(context.Background(), GenerateRequest{Prompt: make([]int32, max-2), MaxTokens: 2})
+	s, err := sched.Generate(context.Background(), GenerateRequest{Prompt: make([]int32, max-2), MaxTokens: 2})
 	require.NoError(t, err)
 	_, ev := drainStream(t, s)
 	require.NoError(t, ev.Err)
 }
 
 // gateSource is a CacheSource that holds each fetch until released, then
-// fills the destination through a prefill engine (a loopback transfer).
+// fills the destination through a prefill scheduler (a loopback transfer).
 type gateSource struct {
 	pre     *Scheduler
 	dst     []*Rank
@@ -268,10 +268,10 @@ func loopbackFetch(ctx context.Context, pre *Scheduler, dst []*Rank, f FetchRequ
 	return FetchResult{First: l.First, FirstLogprobs: l.FirstLogprobs, Compute: l.Compute, KVBytes: kvBytes, MambaBytes: dx.Length}, nil
 }
 
-func TestEngineRemoteMatchesLocal(t *testing.T) {
-	pre := newEngine(t, Config{Role: RolePrefill, AttentionDP: true}, newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true}))
+func TestSchedulerRemoteMatchesLocal(t *testing.T) {
+	pre := newScheduler(t, Config{Role: RolePrefill, AttentionDP: true}, newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true}))
 	dranks := newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true})
-	dec := newEngine(t, Config{AttentionDP: true, Source: &gateSource{pre: pre, dst: dranks}}, dranks)
+	dec := newScheduler(t, Config{AttentionDP: true, Source: &gateSource{pre: pre, dst: dranks}}, dranks)
 	var streams []*Stream
 	for i, p := range testPrompts {
 		s, err := dec.Generate(context.Background(), GenerateRequest{Prompt: model.Encode(p), MaxTokens: 6, Sampling: Sampling{Temperature: float64(i%2) * 0.9, Seed: uint64(i)}})
@@ -286,16 +286,16 @@ func TestEngineRemoteMatchesLocal(t *testing.T) {
 	}
 }
 
-// TestEngineSeedScenario is the case the reserved ADP row exists for:
+// TestSchedulerSeedScenario is the case the reserved ADP row exists for:
 // dp-size 2, max-batch-size 1, a request whose cache is in flight holds
 // rank 0's only real row while rank 1 generates, so rank 0 looks idle and
 // must pad the dummy every iteration.
-func TestEngineSeedScenario(t *testing.T) {
-	pre := newEngine(t, Config{Role: RolePrefill, AttentionDP: true}, newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true}))
+func TestSchedulerSeedScenario(t *testing.T) {
+	pre := newScheduler(t, Config{Role: RolePrefill, AttentionDP: true}, newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true}))
 	dranks := newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true})
 	gate := make(chan struct{})
 	src := &gateSource{pre: pre, dst: dranks, gate: gate, started: make(chan uint64, 4)}
-	dec := newEngine(t, Config{AttentionDP: true, Source: src}, dranks)
+	dec := newScheduler(t, Config{AttentionDP: true, Source: src}, dranks)
 
 	// Request A: admitted on rank 0, its fetch held at the gate.
 	sa, err := dec.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("held in transfer"), MaxTokens: 4})
@@ -329,17 +329,17 @@ func TestEngineSeedScenario(t *testing.T) {
 	require.Equal(t, 3.0, counterValue(t, dec.m.Transfers.WithLabelValues("decode", "ok")))
 }
 
-// TestEngineSeedScenarioDirect pins the exact state: rank 0's only row held
+// TestSchedulerSeedScenarioDirect pins the exact state: rank 0's only row held
 // by a fetch, rank 1 generating: rank 0 pads while rank 1 steps.
-func TestEngineSeedScenarioDirect(t *testing.T) {
-	pre := newEngine(t, Config{Role: RolePrefill, AttentionDP: true}, newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true}))
+func TestSchedulerSeedScenarioDirect(t *testing.T) {
+	pre := newScheduler(t, Config{Role: RolePrefill, AttentionDP: true}, newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true}))
 	dranks := newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true})
 	gate := make(chan struct{})
 	src := &gateSource{pre: pre, dst: dranks, started: make(chan uint64, 4)}
 	first := true
 	var mu sync.Mutex
 	held := &holdFirst{gateSource: src, gate: gate, first: &first, mu: &mu}
-	dec := newEngine(t, Config{AttentionDP: true, Source: held}, dranks)
+	dec := newScheduler(t, Config{AttentionDP: true, Source: held}, dranks)
 
 	sa, err := dec.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("held"), MaxTokens: 2})
 	require.NoError(t, err)
@@ -387,9 +387,9 @@ func (h *holdFirst) Fetch(ctx context.Context, f FetchRequest) (FetchResult, err
 	return loopbackFetch(ctx, h.pre, h.dst, f)
 }
 
-func TestEnginePrefillPadsWhilePushing(t *testing.T) {
+func TestSchedulerPrefillPadsWhilePushing(t *testing.T) {
 	ranks := newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true})
-	pre := newEngine(t, Config{Role: RolePrefill, AttentionDP: true}, ranks)
+	pre := newScheduler(t, Config{Role: RolePrefill, AttentionDP: true}, ranks)
 	l, err := pre.Prefill(context.Background(), PrefillJob{Prompt: model.Encode("pushing")})
 	require.NoError(t, err)
 	// The lease holds a real row while "pushing"; the other rank prefills
@@ -413,14 +413,14 @@ func TestEnginePrefillPadsWhilePushing(t *testing.T) {
 	require.Eventually(t, func() bool { return pre.Live() == 0 }, 5*time.Second, time.Millisecond)
 }
 
-func TestEngineQueueFullAndDrain(t *testing.T) {
+func TestSchedulerQueueFullAndDrain(t *testing.T) {
 	ranks := newRanks(t, rankOpts{ranks: 1, batch: 1})
-	pre := newEngine(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 4}))
+	pre := newScheduler(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 4}))
 	gate := make(chan struct{})
 	src := &gateSource{pre: pre, dst: ranks, gate: gate, started: make(chan uint64, 8)}
-	e := newEngine(t, Config{QueueSize: 2, Source: src}, ranks)
+	sched := newScheduler(t, Config{QueueSize: 2, Source: src}, ranks)
 	gen := func() (*Stream, error) {
-		return e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("x"), MaxTokens: 3})
+		return sched.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("x"), MaxTokens: 3})
 	}
 	s1, err := gen() // admitted, fetch held
 	require.NoError(t, err)
@@ -433,8 +433,8 @@ func TestEngineQueueFullAndDrain(t *testing.T) {
 	require.ErrorIs(t, err, ErrQueueFull)
 
 	drained := make(chan error, 1)
-	go func() { drained <- e.Drain(context.Background()) }()
-	require.Eventually(t, e.Draining, 5*time.Second, time.Millisecond)
+	go func() { drained <- sched.Drain(context.Background()) }()
+	require.Eventually(t, sched.Draining, 5*time.Second, time.Millisecond)
 	_, err = gen()
 	require.ErrorIs(t, err, ErrDraining)
 	select {
@@ -449,25 +449,25 @@ func TestEngineQueueFullAndDrain(t *testing.T) {
 		require.NotEmpty(t, toks)
 	}
 	require.NoError(t, <-drained)
-	require.Equal(t, 2.0, counterValue(t, e.m.Requests.WithLabelValues("decode", "rejected")))
+	require.Equal(t, 2.0, counterValue(t, sched.m.Requests.WithLabelValues("decode", "rejected")))
 }
 
-func TestEngineCancel(t *testing.T) {
+func TestSchedulerCancel(t *testing.T) {
 	ranks := newRanks(t, rankOpts{ranks: 1, batch: 1})
-	pre := newEngine(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
+	pre := newScheduler(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
 	gate := make(chan struct{})
 	src := &gateSource{pre: pre, dst: ranks, gate: gate, started: make(chan uint64, 8)}
-	e := newEngine(t, Config{Source: src}, ranks)
+	sched := newScheduler(t, Config{Source: src}, ranks)
 	idle := ranks[0].mgr.Stats()
 
 	// Cancelled while its cache is in flight.
 	ctx1, cancel1 := context.WithCancel(context.Background())
-	s1, err := e.Generate(ctx1, GenerateRequest{Prompt: model.Encode("in flight"), MaxTokens: 3})
+	s1, err := sched.Generate(ctx1, GenerateRequest{Prompt: model.Encode("in flight"), MaxTokens: 3})
 	require.NoError(t, err)
 	<-src.started
 	// Cancelled while queued behind it.
 	ctx2, cancel2 := context.WithCancel(context.Background())
-	s2, err := e.Generate(ctx2, GenerateRequest{Prompt: model.Encode("queued"), MaxTokens: 3})
+	s2, err := sched.Generate(ctx2, GenerateRequest{Prompt: model.Encode("queued"), MaxTokens: 3})
 	require.NoError(t, err)
 	cancel2()
 	_, ev := drainStream(t, s2)
@@ -475,40 +475,40 @@ func TestEngineCancel(t *testing.T) {
 	cancel1()
 	_, ev = drainStream(t, s1)
 	require.ErrorIs(t, ev.Err, context.Canceled)
-	require.Eventually(t, func() bool { return e.Live() == 0 }, 5*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return sched.Live() == 0 }, 5*time.Second, time.Millisecond)
 	require.Equal(t, idle, ranks[0].mgr.Stats())
-	require.Equal(t, 1.0, counterValue(t, e.m.Transfers.WithLabelValues("decode", "cancelled")))
+	require.Equal(t, 1.0, counterValue(t, sched.m.Transfers.WithLabelValues("decode", "cancelled")))
 
-	// Cancelled while generating (local engine, long generation).
+	// Cancelled while generating (local scheduler, long generation).
 	lr := newRanks(t, rankOpts{ranks: 1, batch: 1, model: model.TinyHybrid + "?decode_delay=5ms"})
-	le := newEngine(t, Config{}, lr)
+	local := newScheduler(t, Config{}, lr)
 	ctx3, cancel3 := context.WithCancel(context.Background())
-	s3, err := le.Generate(ctx3, GenerateRequest{Prompt: model.Encode("long"), MaxTokens: 500})
+	s3, err := local.Generate(ctx3, GenerateRequest{Prompt: model.Encode("long"), MaxTokens: 500})
 	require.NoError(t, err)
 	_, err = s3.Next(context.Background())
 	require.NoError(t, err)
 	cancel3()
 	_, ev = drainStream(t, s3)
 	require.ErrorIs(t, ev.Err, context.Canceled)
-	require.Eventually(t, func() bool { return le.Live() == 0 }, 5*time.Second, time.Millisecond)
-	require.Equal(t, 2.0, counterValue(t, e.m.Requests.WithLabelValues("decode", "cancelled")))
+	require.Eventually(t, func() bool { return local.Live() == 0 }, 5*time.Second, time.Millisecond)
+	require.Equal(t, 2.0, counterValue(t, sched.m.Requests.WithLabelValues("decode", "cancelled")))
 	close(gate)
 }
 
-func TestEngineStopFailsInflight(t *testing.T) {
+func TestSchedulerStopFailsInflight(t *testing.T) {
 	ranks := newRanks(t, rankOpts{ranks: 1, batch: 1})
-	pre := newEngine(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
+	pre := newScheduler(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 1}))
 	src := &gateSource{pre: pre, dst: ranks, gate: make(chan struct{}), started: make(chan uint64, 8)}
-	e, err := NewScheduler(Config{Role: RoleDecode, Source: src}, ranks)
+	sched, err := NewScheduler(Config{Role: RoleDecode, Source: src}, ranks)
 	require.NoError(t, err)
 	idle := ranks[0].mgr.Stats()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- e.Run(ctx) }()
-	s1, err := e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("a"), MaxTokens: 3})
+	go func() { done <- sched.Run(ctx) }()
+	s1, err := sched.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("a"), MaxTokens: 3})
 	require.NoError(t, err)
 	<-src.started
-	s2, err := e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("b"), MaxTokens: 3})
+	s2, err := sched.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("b"), MaxTokens: 3})
 	require.NoError(t, err)
 	cancel()
 	require.NoError(t, <-done)
@@ -517,33 +517,33 @@ func TestEngineStopFailsInflight(t *testing.T) {
 		require.Error(t, ev.Err)
 	}
 	require.Equal(t, idle, ranks[0].mgr.Stats())
-	_, err = e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("c"), MaxTokens: 3})
+	_, err = sched.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("c"), MaxTokens: 3})
 	require.ErrorIs(t, err, ErrClosed)
 }
 
 // handoff_sessions_inflight follows a lease at once, not at the end of the
 // iteration that produced it: one iteration prefills every admitted prompt,
 // and with slow prefills it lasts long after the first lease went out.
-func TestEngineSessionsGaugeLive(t *testing.T) {
+func TestSchedulerSessionsGaugeLive(t *testing.T) {
 	ranks := newRanks(t, rankOpts{ranks: 1, batch: 2, model: model.TinyHybrid + "?prefill_delay=2ms"})
-	e, err := NewScheduler(Config{Role: RolePrefill}, ranks)
+	sched, err := NewScheduler(Config{Role: RolePrefill}, ranks)
 	require.NoError(t, err)
 	prompt := model.Encode(strings.Repeat("p", 200)) // about 0.4 s of prefill each
-	first, err := e.SubmitPrefill(context.Background(), PrefillJob{Prompt: prompt})
+	first, err := sched.SubmitPrefill(context.Background(), PrefillJob{Prompt: prompt})
 	require.NoError(t, err)
-	second, err := e.SubmitPrefill(context.Background(), PrefillJob{Prompt: prompt})
+	second, err := sched.SubmitPrefill(context.Background(), PrefillJob{Prompt: prompt})
 	require.NoError(t, err)
-	startEngine(t, e) // both are admitted to the same iteration
+	startScheduler(t, sched) // both are admitted to the same iteration
 	l, err := first.Wait(context.Background())
 	require.NoError(t, err)
-	require.Equal(t, 1.0, gaugeValue(t, e.m.Sessions.WithLabelValues("prefill")), "the second prefill still runs")
+	require.Equal(t, 1.0, gaugeValue(t, sched.m.Sessions.WithLabelValues("prefill")), "the second prefill still runs")
 	l2, err := second.Wait(context.Background())
 	require.NoError(t, err)
-	require.Equal(t, 2.0, gaugeValue(t, e.m.Sessions.WithLabelValues("prefill")))
+	require.Equal(t, 2.0, gaugeValue(t, sched.m.Sessions.WithLabelValues("prefill")))
 	l.Release()
 	l2.Release()
 	require.Eventually(t, func() bool {
-		return e.Live() == 0 && gaugeValue(t, e.m.Sessions.WithLabelValues("prefill")) == 0
+		return sched.Live() == 0 && gaugeValue(t, sched.m.Sessions.WithLabelValues("prefill")) == 0
 	}, 5*time.Second, time.Millisecond)
 }
 
@@ -554,6 +554,8 @@ type quarantineSource struct{ released chan struct{} }
 
 type quarantineErr struct{ released chan struct{} }
 
+var _ Quarantine = quarantineErr{}
+
 func (q quarantineErr) Error() string             { return "a writer is still copying" }
 func (q quarantineErr) Released() <-chan struct{} { return q.released }
 
@@ -563,16 +565,16 @@ func (s *quarantineSource) Fetch(ctx context.Context, f FetchRequest) (FetchResu
 
 // A fetch that fails with its destination quarantined leaves the row and
 // blocks allocated, out of the pools, until the quarantine ends.
-func TestEngineKeepsQuarantinedDestination(t *testing.T) {
+func TestSchedulerKeepsQuarantinedDestination(t *testing.T) {
 	ranks := newRanks(t, rankOpts{ranks: 1, batch: 2})
 	src := &quarantineSource{released: make(chan struct{})}
-	e := newEngine(t, Config{Source: src}, ranks)
+	sched := newScheduler(t, Config{Source: src}, ranks)
 	before := ranks[0].mgr.Stats()
-	s, err := e.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("quarantined"), MaxTokens: 2})
+	s, err := sched.Generate(context.Background(), GenerateRequest{Prompt: model.Encode("quarantined"), MaxTokens: 2})
 	require.NoError(t, err)
 	_, ev := drainStream(t, s)
 	require.Error(t, ev.Err)
-	require.Eventually(t, func() bool { return e.Live() == 0 }, 5*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return sched.Live() == 0 }, 5*time.Second, time.Millisecond)
 	time.Sleep(20 * time.Millisecond)
 	held := ranks[0].mgr.Stats()
 	require.Equal(t, before.RowsFree-1, held.RowsFree, "the quarantined row went back to the pool")

@@ -1,0 +1,85 @@
+package worker
+
+import (
+	"fmt"
+	"log/slog"
+	"time"
+)
+
+// Config tunes a Scheduler.
+type Config struct {
+	Role Role
+	// AttentionDP steps ranks in lockstep with dummy padding.
+	AttentionDP bool
+	// QueueSize bounds the requests waiting for admission; 0 means
+	// DefaultQueueSize.
+	QueueSize int
+	// Source brings remote prefilled caches (decode role). Nil runs
+	// prefill in-process: the aggregated baseline.
+	Source CacheSource
+	// Router, with a Source, decides per admitted request whether its
+	// prefill runs at the Source or here (conditional disaggregation,
+	// decode --prefill auto); a request whose remote prefill is refused
+	// (ErrTransferRefused) or failed (ErrTransferFailed) is then prefilled
+	// here instead of failing. Nil
+	// sends every request to the Source.
+	Router Router
+	// Logger receives the scheduler's logs; nil discards them.
+	Logger *slog.Logger
+	// Metrics receives the scheduler's metrics; nil keeps them unregistered.
+	Metrics *Metrics
+	// ReleaseGrace is how long a stopping scheduler waits for leases and
+	// fetches to end before it frees their resources anyway; 0 means 10s.
+	ReleaseGrace time.Duration
+	// PrefillChunkTokens splits a prompt's prefill into chunks of at most
+	// this many tokens, one per step, so other requests' steps run between
+	// them (executors that prefill whole prompts only take them whole); 0
+	// prefills each prompt in one step.
+	PrefillChunkTokens int
+}
+
+func (c *Config) validate(ranks []*Rank) error {
+	if c.Role != RolePrefill && c.Role != RoleDecode {
+		return fmt.Errorf("%w: role %q", ErrInvalidConfig, c.Role)
+	}
+	if len(ranks) == 0 {
+		return fmt.Errorf("%w: no ranks", ErrInvalidConfig)
+	}
+	if c.Role == RolePrefill && c.Source != nil {
+		return fmt.Errorf("%w: a prefill scheduler takes no cache source", ErrInvalidConfig)
+	}
+	if c.Router != nil && c.Source == nil {
+		return fmt.Errorf("%w: a prefill router needs a cache source", ErrInvalidConfig)
+	}
+	if c.QueueSize < 0 {
+		return fmt.Errorf("%w: queue size %d", ErrInvalidConfig, c.QueueSize)
+	}
+	if c.PrefillChunkTokens < 0 {
+		return fmt.Errorf("%w: prefill chunk of %d tokens", ErrInvalidConfig, c.PrefillChunkTokens)
+	}
+	if c.QueueSize == 0 {
+		c.QueueSize = DefaultQueueSize
+	}
+	if c.ReleaseGrace <= 0 {
+		c.ReleaseGrace = 10 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	if c.Metrics == nil {
+		c.Metrics = NewMetrics(prometheusNopRegisterer{})
+	}
+	return nil
+}
+
+// DefaultQueueSize is the default bound of the admission queue: large
+// enough that a burst of a thousand clients on one decode worker waits
+// rather than being refused, small enough that the memory it holds stays
+// bounded. A queued decode request costs the server about 25 KiB with a
+// short prompt and 37 KiB with a 4096-token one (its connection, handler
+// goroutine, parsed request and scheduler record; api's
+// TestQueuedRequestMemory measures it), so a full default queue holds
+// about 30-40 MiB: less than one Mamba row of a large model. What a long
+// queue costs instead is waiting: a refused client is told the queue's
+// expected wait (QueueWait) in Retry-After.
+const DefaultQueueSize = 1024
