@@ -1,7 +1,10 @@
 package rdma
 
-// The package's vocabulary: transports, agents, regions, extents and the
-// Descriptor a peer needs, plain data that the control plane carries.
+// The package's vocabulary: transports, agents, regions, extents, the
+// Descriptor a peer needs, and a grant's spec, Ticket and Manifest. Most
+// of it is plain data that the control plane carries.
+
+import "time"
 
 // Transport names a backend. Values are lower-case, used in logs and metric labels.
 type Transport string
@@ -53,4 +56,31 @@ type Descriptor struct {
 	// for an agent without device regions.
 	IPCNamespace string   `json:"ipc_ns,omitempty"`
 	CUDADevices  []string `json:"cuda_devices,omitempty"`
+}
+
+// GrantSpec describes a grant to open on the receiver.
+type GrantSpec struct {
+	RequestID uint64    // never 0
+	Extents   []Extent  // destination runs in this engine's regions; disjoint
+	Deadline  time.Time // zero: now + Config.GrantTTL
+}
+
+// Ticket is what the writer needs to write into a grant. It is plain data
+// (JSON-serialisable) and travels to the writer on the control plane.
+type Ticket struct {
+	Agent     AgentID   `json:"agent"`
+	Grant     uint64    `json:"grant"`
+	Epoch     uint64    `json:"epoch"`
+	Token     [16]byte  `json:"token"`
+	RequestID uint64    `json:"request_id"`
+	Extents   []Extent  `json:"extents"`
+	Bytes     uint64    `json:"bytes"`
+	Deadline  time.Time `json:"deadline"`
+}
+
+// Manifest is what a commit carries: bytes and crc32c (Castagnoli) per
+// destination extent, in ticket order.
+type Manifest struct {
+	Bytes []uint64 `json:"bytes"`
+	CRC   []uint32 `json:"crc"`
 }
