@@ -332,7 +332,7 @@ func (h *grantHeap) Pop() any {
 }
 
 // shmFence closes g's shm slot, waiting up to wait for a copy in progress,
-// and reports whether nothing can land any more; see shm_linux.go.
+// and reports whether nothing can land any more; see shm_receiver_linux.go.
 func (e *Engine) shmFence(g *Grant, wait time.Duration) bool {
 	if e.shm != nil && g.slot >= 0 {
 		return e.shm.fence(g, wait)

@@ -2,7 +2,7 @@ package rdma
 
 // The receiving end of the frame protocol: tcpServer accepts writer
 // connections, and an rxConn serves each, tcp or the shm control socket
-// (shm_linux.go), landing data frames into grants and answering commits.
+// (shm_receiver_linux.go), landing data frames into grants and answering commits.
 // The tcp writer is in tcp_writer.go, striped writes in tcp_stripe.go.
 
 import (
