@@ -383,11 +383,3 @@ func (s *Stream) Commit(ctx context.Context) (Manifest, error) {
 	s.e.stats.writes.Add(1)
 	return m, nil
 }
-
-// putOp resets a pooled writeOp and returns it.
-func putOp(op *writeOp) {
-	clear(op.pieces)
-	op.pieces, op.t, op.tk, op.manifest, op.mf, op.noCRC, op.n, op.partial = op.pieces[:0], nil, Ticket{}, nil, Manifest{}, false, 0, false
-	op.dev = false
-	opPool.Put(op)
-}

@@ -61,6 +61,19 @@ func (op *writeOp) commitFlags() uint8 {
 
 var opPool = sync.Pool{New: func() any { return new(writeOp) }}
 
+// putOp resets a pooled writeOp and returns it.
+func putOp(op *writeOp) {
+	op.reset()
+	opPool.Put(op)
+}
+
+// reset zeroes every field of op for its next use, keeping the pieces'
+// backing array, cleared so that a pooled op holds no source memory.
+func (op *writeOp) reset() {
+	clear(op.pieces)
+	*op = writeOp{pieces: op.pieces[:0]}
+}
+
 // Write copies the concatenation of src (local extents) into the
 // concatenation of the ticket's extents (same total length), then commits
 // with a manifest, and returns once the receiver accepted or refused the
@@ -95,12 +108,7 @@ func (e *Engine) Write(ctx context.Context, peer Descriptor, t Ticket, src []Ext
 		return Manifest{}, fmt.Errorf("%w: ticket extents sum to %d bytes, ticket says %d", ErrOutOfRange, total, t.Bytes)
 	}
 	op := opPool.Get().(*writeOp)
-	defer func() {
-		clear(op.pieces)
-		op.pieces, op.t, op.tk, op.manifest, op.mf, op.noCRC, op.n, op.partial = op.pieces[:0], nil, Ticket{}, nil, Manifest{}, false, 0, false
-		op.dev = false
-		opPool.Put(op)
-	}()
+	defer putOp(op)
 	op.tk, op.mf = t, m // in the pooled op, so that neither escapes; mf shares m's arrays
 	op.t, op.manifest, op.noCRC, op.n = &op.tk, &op.mf, e.cfg.SkipCRC, total
 	if err := e.split(op, src, total); err != nil {
