@@ -43,6 +43,9 @@ type Engine struct {
 	tcp      *tcpServer
 	shm      *shmServer
 	served   []Transport
+	// fences are the served transports' receiving sides, which every
+	// grant is opened on and fenced through (fence.go); set by New.
+	fences []fence
 
 	quarantines sync.WaitGroup // watchQuarantine goroutines
 
@@ -96,6 +99,18 @@ func New(cfg Config) (*Engine, error) {
 			return nil, err
 		}
 		e.served = append(e.served, t)
+	}
+	// The receivers that store every byte themselves come first: a fence
+	// cuts their stalled landings at once, before it waits for a writer
+	// that stores on its own.
+	if e.tcp != nil {
+		e.fences = append(e.fences, e.tcp) // tcp and cuda-ipc
+	}
+	if e.serves(TransportInproc) {
+		e.fences = append(e.fences, inprocRx{})
+	}
+	if e.shm != nil {
+		e.fences = append(e.fences, e.shm)
 	}
 	inprocRegister(e)
 	e.log.Info("rdma: engine started", "transports", e.served, "tcp", e.Descriptor().TCPAddr, "shm", e.Descriptor().ShmAddr, "host", cfg.Host)

@@ -308,7 +308,7 @@ func TestConformanceFrozenWriter(t *testing.T) {
 				// Stop it; with shm, until it is caught inside a copy bracket.
 				inside := func() bool { return false }
 				if tr == TransportSHM {
-					inside = shmWriting(rx, g.slot)
+					inside = shmWriting(rx, g)
 				}
 				stop(t, pid)
 				for try := 0; tr == TransportSHM && !inside(); try++ {

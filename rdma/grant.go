@@ -37,7 +37,6 @@ type Grant struct {
 	ended  chan struct{} // closed once terminal and either done or quarantined
 	endOne sync.Once
 	due    int // index in the engine's expiry heap, -1 once out of it (under Engine.mu)
-	slot   int // shm grant slot, -1 when shm is not served
 
 	mu       sync.Mutex
 	quiet    sync.Cond // signalled when inflight drops to 0; L = &mu
@@ -125,9 +124,10 @@ func (g *Grant) Err() error {
 // Revoke fences the grant: its epoch moves on, every later frame is refused,
 // and in-flight landings are finished or aborted before Revoke returns, so on
 // return no further byte lands and the destination may be reused, with one
-// exception: a shm writer that is alive but does not end its copy within
-// Config.FenceWait (stopped, frozen) leaves the grant quarantined, and the
-// destination may be reused only once Done is closed. Revoke returns within
+// exception: a writer that stores into memory it mapped (shm) and is alive
+// but does not end its copy within Config.FenceWait (stopped, frozen) leaves
+// the grant quarantined, and the destination may be reused only once Done is
+// closed. Revoke returns within
 // about FenceWait whatever the writer does. A committed grant stays
 // committed. Revoke is idempotent.
 func (g *Grant) Revoke() {
@@ -168,9 +168,10 @@ func (g *Grant) deadlineErr() error {
 // commit verifies a writer's manifest against what landed and completes or
 // fails the grant. counted is false for transports whose data does not pass
 // through the receiver (shm): then the byte count is the one the writers
-// kept in the grant's slot, and the checksums are the writer's own, taken
-// over the destination right after each copy (or, with Config.VerifySHM,
-// computed again here over the extents as they are after the fence).
+// kept themselves (fence.stored: shm's is in the grant's slot), and the
+// checksums are the writer's own, taken over the destination right after
+// each copy (or, with Config.VerifySHM, computed again here over the
+// extents as they are after the fence).
 // hasCRC is false for a SkipCRC commit.
 func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted, hasCRC bool) error {
 	g.mu.Lock()
@@ -191,13 +192,14 @@ func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted, hasC
 	dst, ext, dev := g.dst, g.ext, g.dev // finish may drop them once a revoke settles the grant
 	g.mu.Unlock()
 
-	// Fence the shared-memory slot: after this no shm writer can copy in.
+	// Fence every transport: after this no writer can store into g (shm:
+	// its slot is closed), or g is quarantined.
 	var verr error
-	fenced := g.e.shmFence(g, g.e.cfg.FenceWait)
+	fenced := g.e.fence(g, g.e.cfg.FenceWait)
 	if fenced {
 		var copied uint64
 		if !counted {
-			copied = g.e.shmCopied(g)
+			copied = g.e.stored(g)
 		}
 		verr = g.verify(dst, dev, ext, m, counted, hasCRC, copied)
 	} else {
@@ -223,8 +225,8 @@ func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted, hasC
 }
 
 // verify compares m with the grant's extents. No landing is in flight and
-// none can start (state committing, shm slot fenced). copied is the byte
-// count shm writers recorded in the slot (counted false).
+// none can start (state committing, every transport fenced). copied is the
+// byte count the writers recorded themselves (counted false).
 func (g *Grant) verify(dst [][]byte, dev []devSpan, ext []extState, m *Manifest, counted, hasCRC bool, copied uint64) error {
 	if !hasCRC && !g.e.cfg.SkipCRC {
 		return fmt.Errorf("%w: commit without crc32c, and this receiver requires it (grant %d)", ErrManifestMismatch, g.id)
@@ -330,8 +332,9 @@ func (g *Grant) settleLocked(s grantState, err error) {
 }
 
 // terminate fails the grant with cause (nil: revoked) unless it is already
-// terminal, aborts in-flight landings, fences shm, and returns once nothing
-// can land or the grant is quarantined.
+// terminal, fences it on every transport (fence.go: in-flight landings are
+// aborted and waited for, shm's slot closed), and returns once nothing can
+// land or the grant is quarantined.
 func (g *Grant) terminate(cause error) {
 	g.mu.Lock()
 	switch g.state {
@@ -347,14 +350,8 @@ func (g *Grant) terminate(cause error) {
 		cause = fmt.Errorf("%w: grant %d (request %d)", ErrRevoked, g.id, g.ticket.RequestID)
 	}
 	g.settleLocked(grantFailed, cause)
-	for _, l := range g.landers {
-		l.abortLanding()
-	}
-	for g.inflight > 0 {
-		g.quiet.Wait()
-	}
 	g.mu.Unlock()
-	g.end(g.e.shmFence(g, g.e.cfg.FenceWait))
+	g.end(g.e.fence(g, g.e.cfg.FenceWait))
 }
 
 // end completes a settled grant: finish when nothing can land any more
@@ -367,11 +364,12 @@ func (g *Grant) end(fenced bool) {
 	}
 }
 
-// quarantine ends a failed grant that a live shm writer is still copying
-// into (stopped, frozen): Revoke returns and Failed closes now, while Done,
-// the busy spans that keep OpenGrant off the destination, and the shm slot
-// wait until the writer's bracket ended or its process exited
-// (Engine.watchQuarantine).
+// quarantine ends a failed grant that a fence reported a live writer may
+// still store into (shm: stopped or frozen inside a copy): Revoke returns
+// and Failed closes now, while Done, the busy spans that keep OpenGrant off
+// the destination, and what the fences hold for it (shm: the slot) wait
+// until every fence could fence it (Engine.watchQuarantine: the writer's
+// bracket ended or its process exited).
 func (g *Grant) quarantine() {
 	g.mu.Lock()
 	if g.finished || g.quarantined {

@@ -3,7 +3,8 @@ package rdma
 // The receiver's grant table: opening grants, the busy spans that keep an
 // open grant's destination from being granted again, the settled grants
 // remembered for late frames, the expiry timer, and the quarantine watch.
-// Grant (grant.go) is one entry's own state.
+// Grant (grant.go) is one entry's own state; the fences every grant runs
+// through are in fence.go.
 
 import (
 	"container/heap"
@@ -44,7 +45,6 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 		done:   make(chan struct{}),
 		failed: make(chan struct{}),
 		ended:  make(chan struct{}),
-		slot:   -1,
 		due:    -1,
 	}
 	if n := len(spec.Extents); n <= len(g.dstRoom) {
@@ -107,12 +107,8 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 		return nil, err
 	}
 	g.id = e.nextGrant.Add(1)
-	if e.shm != nil {
-		// The grant id selects the shm slot (id mod slots): skip ids whose slot is busy.
-		for !e.shm.slotFree(g.id) {
-			g.id = e.nextGrant.Add(1)
-		}
-		g.slot = e.shm.slotOf(g.id)
+	for !e.slotsFreeLocked(g.id) {
+		g.id = e.nextGrant.Add(1)
 	}
 	g.epoch = e.newEpoch()
 	g.ticket.Grant, g.ticket.Epoch = g.id, g.epoch
@@ -121,8 +117,8 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 	e.armExpiryLocked(deadline)
 	e.grants[g.id] = g
 	e.markBusyLocked(sorted, g.id)
-	if e.shm != nil {
-		e.shm.publish(g)
+	for _, f := range e.fences {
+		f.open(g)
 	}
 	e.mu.Unlock()
 
@@ -248,7 +244,20 @@ func (e *Engine) lookupGrant(id uint64) (*Grant, error) {
 	return nil, fmt.Errorf("%w: grant %d", ErrUnknownGrant, id)
 }
 
-// retire moves a settled grant to the tombstones and frees its shm slot.
+// slotsFreeLocked reports whether every slotted fence can file a grant of
+// id now: the id selects a slot of a fixed table (id mod its size), and
+// OpenGrant skips ids whose slot is busy. e.mu is held.
+func (e *Engine) slotsFreeLocked(id uint64) bool {
+	for _, f := range e.fences {
+		if s, ok := f.(slotted); ok && !s.slotFree(id) {
+			return false
+		}
+	}
+	return true
+}
+
+// retire moves a settled grant to the tombstones and lets its fences
+// release what it used (shm: its slot).
 func (e *Engine) retire(g *Grant) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -260,8 +269,8 @@ func (e *Engine) retire(g *Grant) {
 		heap.Remove(&e.expiry, g.due)
 	}
 	e.clearBusyLocked(g)
-	if e.shm != nil && g.slot >= 0 {
-		e.shm.release(g)
+	for _, f := range e.fences {
+		f.release(g)
 	}
 	e.settled[g.id] = g
 	if len(e.ring) < tombstones {
@@ -331,24 +340,15 @@ func (h *grantHeap) Pop() any {
 	return g
 }
 
-// shmFence closes g's shm slot, waiting up to wait for a copy in progress,
-// and reports whether nothing can land any more; see shm_receiver_linux.go.
-func (e *Engine) shmFence(g *Grant, wait time.Duration) bool {
-	if e.shm != nil && g.slot >= 0 {
-		return e.shm.fence(g, wait)
-	}
-	return true
-}
-
-// watchQuarantine ends g's quarantine once its slot could be fenced: the
-// writer's bracket ended or its process exited. Engine.Close ends it too
-// (the regions are unmapped then).
+// watchQuarantine ends g's quarantine once every fence could fence it (shm:
+// the writer's bracket ended or its process exited). Engine.Close ends it
+// too (the regions are unmapped then).
 func (e *Engine) watchQuarantine(g *Grant) {
 	defer e.quarantines.Done()
 	start, wait := time.Now(), time.Millisecond
 	t := time.NewTimer(wait)
 	defer t.Stop()
-	for !e.shmFence(g, 0) {
+	for !e.fence(g, 0) {
 		select {
 		case <-t.C:
 		case <-e.ctx.Done():
@@ -361,13 +361,4 @@ func (e *Engine) watchQuarantine(g *Grant) {
 	}
 	e.log.Info("rdma: grant quarantine over: its destination may be reused", "grant", g.id, "request", g.ticket.RequestID, "bytes", g.ticket.Bytes, "after", time.Since(start))
 	g.finish()
-}
-
-// shmCopied returns the bytes shm writers recorded copying into g; the slot
-// is fenced.
-func (e *Engine) shmCopied(g *Grant) uint64 {
-	if e.shm == nil || g.slot < 0 {
-		return 0
-	}
-	return e.shm.copied(g)
 }

@@ -53,6 +53,14 @@ func inprocLookup(peer Descriptor) *Engine {
 	return nil
 }
 
+// inprocRx is the receiving side of inproc. An in-process writer lands
+// each piece through the receiving engine's Grant.beginLand (inprocLink),
+// so the fence is landings: a piece's memcpy is not cut short but waited
+// for, and it is at most one piece.
+type inprocRx struct{ landings }
+
+var _ fence = inprocRx{}
+
 // inprocLink writes into an engine of the same process: each piece passes
 // the same per-frame checks as over TCP, then one memcpy.
 type inprocLink struct {

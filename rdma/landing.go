@@ -169,6 +169,22 @@ func (g *Grant) beginLandAt(now time.Time, epoch uint64, token *[16]byte, idx ui
 	return l, nil
 }
 
+// cutLandings aborts the landings in flight (each lander's blocked read or
+// copy returns) and waits until none is: from then on nothing beginLand
+// admitted lands in g. The grant has left its epoch, so beginLand admits
+// none any more. It is the fence of the transports whose receiver stores
+// every byte itself (landings, fence.go).
+func (g *Grant) cutLandings() {
+	g.mu.Lock()
+	for _, l := range g.landers {
+		l.abortLanding()
+	}
+	for g.inflight > 0 {
+		g.quiet.Wait()
+	}
+	g.mu.Unlock()
+}
+
 // endLand ends a landing started by beginLand; ok reports whether all of dst
 // was filled.
 func (g *Grant) endLand(l *landing, ok bool, ab lander) {

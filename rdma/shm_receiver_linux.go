@@ -246,10 +246,11 @@ func (s *shmServer) slotOf(id uint64) int { return int(id % uint64(s.n)) }
 // slotFree reports whether id's slot is unused; e.mu is held.
 func (s *shmServer) slotFree(id uint64) bool { return s.owner[s.slotOf(id)] == nil }
 
-// publish makes g's slot open for writers; e.mu is held.
-func (s *shmServer) publish(g *Grant) {
-	s.owner[g.slot] = g
-	sl := slotAt(s.table, g.slot)
+// open makes g's slot open for writers; e.mu is held.
+func (s *shmServer) open(g *Grant) {
+	i := s.slotOf(g.id)
+	s.owner[i] = g
+	sl := slotAt(s.table, i)
 	sl.grant().Store(g.id)
 	sl.token0().Store(binary.LittleEndian.Uint64(g.ticket.Token[0:]))
 	sl.token1().Store(binary.LittleEndian.Uint64(g.ticket.Token[8:]))
@@ -260,9 +261,9 @@ func (s *shmServer) publish(g *Grant) {
 	sl.state().Store(slotWord(slotOpen, 0, g.epoch))
 }
 
-// copied returns the bytes writers recorded copying into g's slot.
-func (s *shmServer) copied(g *Grant) uint64 {
-	sl := slotAt(s.table, g.slot)
+// stored returns the bytes writers recorded copying into g's slot.
+func (s *shmServer) stored(g *Grant) uint64 {
+	sl := slotAt(s.table, s.slotOf(g.id))
 	if sl.grant().Load() != g.id {
 		return 0
 	}
@@ -271,8 +272,8 @@ func (s *shmServer) copied(g *Grant) uint64 {
 
 // release frees g's slot after it was fenced; e.mu is held.
 func (s *shmServer) release(g *Grant) {
-	if s.owner[g.slot] == g {
-		s.owner[g.slot] = nil
+	if i := s.slotOf(g.id); s.owner[i] == g {
+		s.owner[i] = nil
 	}
 }
 
@@ -283,7 +284,7 @@ func (s *shmServer) release(g *Grant) {
 // it itself when its bracket ends. Only words of g's own epoch are touched:
 // a slot that another grant reuses is not g's to close.
 func (s *shmServer) fence(g *Grant, wait time.Duration) bool {
-	sl := slotAt(s.table, g.slot)
+	sl := slotAt(s.table, s.slotOf(g.id))
 	epoch := g.ticket.Epoch & slotEpochMask
 	closed := slotWord(slotClosed, 0, epoch)
 	var until time.Time
@@ -330,6 +331,8 @@ func (s *shmServer) fence(g *Grant, wait time.Duration) bool {
 		}
 	}
 }
+
+var _ slotted = (*shmServer)(nil)
 
 func (s *shmServer) close() {
 	s.mu.Lock()
