@@ -63,6 +63,8 @@ type Engine struct {
 	cancel context.CancelFunc
 
 	stats counters
+
+	hooks atomic.Pointer[hooks] // test seams (hooks.go); nil outside tests
 }
 
 // New starts an engine: it binds the listeners of the served transports.

@@ -179,6 +179,9 @@ func (g *Grant) cutLandings() {
 	for _, l := range g.landers {
 		l.abortLanding()
 	}
+	if f := g.e.testHooks().fenceWaits; f != nil && g.inflight > 0 {
+		f(g)
+	}
 	for g.inflight > 0 {
 		g.quiet.Wait()
 	}

@@ -320,6 +320,9 @@ func (s *shmServer) fence(g *Grant, wait time.Duration) bool {
 		now := time.Now()
 		if until.IsZero() {
 			until = now.Add(wait)
+			if f := s.e.testHooks().fenceWaits; f != nil {
+				f(g)
+			}
 		}
 		if !now.Before(until) {
 			return false

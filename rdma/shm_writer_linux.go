@@ -397,6 +397,7 @@ func (l *shmLink) copyAll(ctx context.Context, op *writeOp) error {
 	writing := slotWord(slotWriting, l.wid, t.Epoch)
 
 	c := shmCursor{l: l, op: op, pieces: op.pieces}
+	var done uint64
 	for first := true; c.more(); first = false {
 		if err := ctx.Err(); err != nil {
 			return err
@@ -413,7 +414,11 @@ func (l *shmLink) copyAll(ctx context.Context, op *writeOp) error {
 			// this grant only (shmRxState.closed).
 			sl.writer().Store(l.wid)
 		}
+		if f := op.testHooks().writing; f != nil {
+			f(t, done)
+		}
 		n := c.step(shmBracket)
+		done += n
 		sl.copied().Add(n)
 		if !sl.state().CompareAndSwap(writing, open) {
 			// A fence asked this bracket to be the last: close the slot
@@ -466,6 +471,9 @@ func (c *shmCursor) step(budget int) uint64 {
 
 // commit sends the commit frame over the control socket and reads the verdict.
 func (l *shmLink) commit(ctx context.Context, op *writeOp) error {
+	if f := op.testHooks().commit; f != nil {
+		f(op.t)
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	m := len(op.manifest.Bytes)
@@ -537,6 +545,9 @@ func (l *shmLink) exchangeLocked(ctx context.Context, b []byte) error {
 			return cerr
 		}
 		return fmt.Errorf("%w: shm commit to %s: %w", ErrPeerClosed, l.peer.Agent, err)
+	}
+	if f := l.e.testHooks().sent; f != nil {
+		f(sent.grant)
 	}
 	rh, msg, err := readReply(l.conn, l.rbuf[:])
 	if err != nil {

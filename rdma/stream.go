@@ -225,7 +225,7 @@ func (s *Stream) op(dst []Range, src []Extent) (*writeOp, error) {
 	if ext, ok := overlapping(dst); ok {
 		return nil, fmt.Errorf("%w: ranges overlap in extent %d", ErrOutOfRange, ext)
 	}
-	op := opPool.Get().(*writeOp)
+	op := s.e.getOp()
 	op.tk = s.t
 	op.mf = Manifest{Bytes: make([]uint64, len(s.t.Extents)), CRC: make([]uint32, len(s.t.Extents))}
 	op.t, op.manifest, op.noCRC, op.n, op.partial = &op.tk, &op.mf, s.e.cfg.SkipCRC, want, true
@@ -366,7 +366,7 @@ func (s *Stream) Commit(ctx context.Context) (Manifest, error) {
 			m.CRC[i] = crc
 		}
 	}
-	op := opPool.Get().(*writeOp)
+	op := s.e.getOp()
 	defer putOp(op)
 	op.tk, op.mf = s.t, m
 	op.t, op.manifest, op.noCRC = &op.tk, &op.mf, s.e.cfg.SkipCRC

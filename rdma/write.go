@@ -40,6 +40,7 @@ type writeOp struct {
 	// have landed when write returns) but nothing is committed; every
 	// piece is summed apart, and the Stream joins the sums at its commit.
 	partial bool
+	hooks   *hooks // the writer engine's test seams (hooks.go); nil: none
 }
 
 // sum folds src, the next bytes of piece p, into its crc (crcFor). Pieces
@@ -60,6 +61,21 @@ func (op *writeOp) commitFlags() uint8 {
 }
 
 var opPool = sync.Pool{New: func() any { return new(writeOp) }}
+
+// getOp takes a writeOp of e's from the pool.
+func (e *Engine) getOp() *writeOp {
+	op := opPool.Get().(*writeOp)
+	op.hooks = e.hooks.Load()
+	return op
+}
+
+// testHooks returns the hooks of op's engine, or noHooks.
+func (op *writeOp) testHooks() *hooks {
+	if op.hooks == nil {
+		return &noHooks
+	}
+	return op.hooks
+}
 
 // putOp resets a pooled writeOp and returns it.
 func putOp(op *writeOp) {
@@ -107,7 +123,7 @@ func (e *Engine) Write(ctx context.Context, peer Descriptor, t Ticket, src []Ext
 	if total != t.Bytes {
 		return Manifest{}, fmt.Errorf("%w: ticket extents sum to %d bytes, ticket says %d", ErrOutOfRange, total, t.Bytes)
 	}
-	op := opPool.Get().(*writeOp)
+	op := e.getOp()
 	defer putOp(op)
 	op.tk, op.mf = t, m // in the pooled op, so that neither escapes; mf shares m's arrays
 	op.t, op.manifest, op.noCRC, op.n = &op.tk, &op.mf, e.cfg.SkipCRC, total
