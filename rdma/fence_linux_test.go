@@ -17,6 +17,16 @@ func cutSHMWriters(e *Engine) int {
 	return n
 }
 
+// shmConns counts the shm control connections e serves.
+func shmConns(e *Engine) int {
+	if e.shm == nil {
+		return 0
+	}
+	e.shm.mu.Lock()
+	defer e.shm.mu.Unlock()
+	return len(e.shm.conns)
+}
+
 // shmWriting reports, when called, whether a writer is inside a copy
 // bracket of g's slot of e's shm table.
 func shmWriting(e *Engine, g *Grant) func() bool {
