@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -22,6 +24,10 @@ type helperJob struct {
 	Transport Transport  `json:"transport"`
 	Peer      Descriptor `json:"peer"`
 	Ticket    Ticket     `json:"ticket"`
+	// StopMidWrite: the writer stops itself (SIGSTOP) once, in the middle
+	// of its write (hooks.writing after the first step: shm inside a copy
+	// bracket, tcp inside a frame the receiver is landing).
+	StopMidWrite bool `json:"stop_mid_write,omitempty"`
 }
 
 func helperPattern(i int) byte { return byte(i*31 + 7) }
@@ -41,6 +47,14 @@ func TestHelperWriter(t *testing.T) {
 	require.NoError(t, err)
 	for i := range src.Bytes() {
 		src.Bytes()[i] = helperPattern(i)
+	}
+	if job.StopMidWrite {
+		var once sync.Once
+		e.hooks.Store(&hooks{writing: func(_ *Ticket, n uint64) {
+			if n > 0 {
+				once.Do(func() { _ = syscall.Kill(os.Getpid(), syscall.SIGSTOP) })
+			}
+		}})
 	}
 	ctx := context.Background()
 	tr, err := e.Connect(ctx, job.Peer)

@@ -17,7 +17,9 @@ import (
 // cuda.Arena, instead of a memfd. Grants, extents, Forbid and the busy
 // spans are offsets and work on it unchanged, so the reserved rows are
 // refused at the data plane exactly as for host memory. What differs is how
-// bytes reach it, per transport:
+// bytes reach it, per transport (this file holds that one concern for
+// every transport: registration, staging, and each transport's device
+// path):
 //
 //   - inproc: device to host and host to device are synchronous copies
 //     through the driver, device to device one chunked copy on the

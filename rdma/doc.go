@@ -72,6 +72,44 @@
 // GPU IPC handle does: the peer maps whole regions, so the control socket
 // is created mode 0600 (same user only).
 //
+// # The receiver seam
+//
+// Engine and Grant fence through one small interface, fence (fence.go),
+// which each served transport's receiving side implements: tcpServer (tcp,
+// and cuda-ipc, whose pulls arrive on its connections), inprocRx and
+// shmServer. OpenGrant opens every grant on each (open), Revoke, the
+// deadline, a commit and Engine.Close fence it on each (fence, all within
+// one Config.FenceWait), and a retired grant is released on each
+// (release); shm's table also picks the grant ids it can file (slotted).
+// When a receiver's fence method returns true, it guarantees:
+//
+//   - no byte of the grant lands in its destination through this
+//     transport any more, from any writer, whatever the writer does: the
+//     writes it admitted have ended or were cut, and it admits none of the
+//     grant's old epoch again;
+//   - it did not wait on a peer past the wait it was given, and touched
+//     nothing of another grant (a slot or resource the next grant reuses
+//     is not this grant's to close).
+//
+// It returns false only when a writer it cannot stop (a live process
+// stopped inside a copy into memory it mapped) may still store: the grant
+// is quarantined, whichever transport said so, and the fence is asked
+// again (wait 0) until it returns true; only then is Done closed. A
+// transport whose writers store on their own reports the bytes they
+// stored (stored), since the receiver counted none of them.
+//
+// A receiver that stores every byte itself admits each store through
+// Grant.beginLand (token, epoch, state, deadline, extent bounds checked
+// under the grant's lock), keeps it counted in flight until Grant.endLand,
+// and registers a lander whose abortLanding cuts what the store waits on;
+// its fence is landings, which cuts the landings in flight and waits for
+// them. tcp, cuda-ipc and inproc do that (inproc registers no lander: a
+// piece's memcpy is waited for), and so does a receiver-driven transport
+// such as UCX active messages: it admits each incoming message against the
+// grant table, pulls the payload into the destination as one landing, lets
+// the fence cancel the receive, and so Revoke returns once every receive
+// filed under the grant completed.
+//
 // # Progressive writes
 //
 // A Stream (Engine.OpenStream) writes one grant in many writes, each into

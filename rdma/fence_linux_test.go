@@ -17,9 +17,19 @@ func cutSHMWriters(e *Engine) int {
 	return n
 }
 
+// shmConns counts the shm control connections e serves.
+func shmConns(e *Engine) int {
+	if e.shm == nil {
+		return 0
+	}
+	e.shm.mu.Lock()
+	defer e.shm.mu.Unlock()
+	return len(e.shm.conns)
+}
+
 // shmWriting reports, when called, whether a writer is inside a copy
-// bracket of grant slot slot of e's shm table.
-func shmWriting(e *Engine, slot int) func() bool {
-	sl := slotAt(e.shm.table, slot)
+// bracket of g's slot of e's shm table.
+func shmWriting(e *Engine, g *Grant) func() bool {
+	sl := slotAt(e.shm.table, e.shm.slotOf(g.ID()))
 	return func() bool { return wordState(sl.state().Load()) == slotWriting }
 }

@@ -5,10 +5,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -94,9 +94,69 @@ func cutWriters(e *Engine) int {
 	return n + cutSHMWriters(e)
 }
 
+// hold stops a data path at a hook (hooks.go) until let: the goroutine
+// that reaches it blocks, and reached closes the first time one does.
+type hold struct {
+	reached, released chan struct{}
+	once, letOnce     sync.Once
+}
+
+// newHold returns a hold that is let go at the end of the test at the
+// latest, before its engines close (cleanups run last in, first out).
+func newHold(t *testing.T) *hold {
+	h := &hold{reached: make(chan struct{}), released: make(chan struct{})}
+	t.Cleanup(h.let)
+	return h
+}
+
+// stop is the hook's body: note the point reached, then wait for let.
+func (h *hold) stop() {
+	h.once.Do(func() { close(h.reached) })
+	<-h.released
+}
+
+func (h *hold) let() { h.letOnce.Do(func() { close(h.released) }) }
+
+// reach waits until ch closes: the test reached a point it arranged with a
+// hook. A test whose case is never reached fails instead of passing by.
+func reach(t *testing.T, what string, ch <-chan struct{}) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("never reached: %s", what)
+	}
+}
+
+// midWrite reports whether the writing hook, called after n bytes of a
+// write, finds the writer in the middle of it: shm calls it inside each
+// copy bracket (the slot says writing); tcp before each batch, in the
+// middle once an earlier batch went out (the receiver is inside the
+// landing of the frame that batch began); inproc inside each piece's
+// landing, in the middle from the second piece on.
+func midWrite(tr Transport, n uint64) bool { return n > 0 || tr == TransportSHM }
+
+// landingIn reports whether a landing into g is in flight: the receiver
+// is inside a data frame or piece of it.
+func landingIn(g *Grant) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.inflight > 0
+}
+
+// signal returns a channel and a func that closes it, once.
+func signal() (chan struct{}, func()) {
+	ch := make(chan struct{})
+	var once sync.Once
+	return ch, func() { once.Do(func() { close(ch) }) }
+}
+
 // The receiver cuts a live writer's connection in the middle of a large
 // write: once the grant settled, nothing more lands, whatever the writer
-// still does; and the writer's verdict agrees with the grant's.
+// still does; and the writer's verdict agrees with the grant's. The writer
+// is held mid-write (shm: inside a copy bracket; tcp: inside a frame the
+// receiver is landing) when the cut comes, and let go once the fence waits
+// for it (shm) or the grant settled (tcp: the cut ends the landing).
 func TestConformanceReceiverCutsLiveWriter(t *testing.T) {
 	for _, tr := range testTransports() {
 		t.Run(string(tr), func(t *testing.T) {
@@ -105,23 +165,43 @@ func TestConformanceReceiverCutsLiveWriter(t *testing.T) {
 			}
 			const size = 256 << 20
 			bg := context.Background()
-			rx, tx, dst, src := bigPair(t, tr, size, nil)
+			// The fence waits for the held writer for as long as the test needs.
+			rx, tx, dst, src := bigPair(t, tr, size, func(c *Config) { c.FenceWait = time.Minute })
 			g, err := rx.OpenGrant(GrantSpec{RequestID: 7, Extents: []Extent{{Region: dst.ID(), Length: size}}})
 			require.NoError(t, err)
+			h := newHold(t)
+			tx.hooks.Store(&hooks{writing: func(tk *Ticket, n uint64) {
+				if tk.Grant == g.ID() && midWrite(tr, n) {
+					h.stop()
+				}
+			}})
+			fenceWaits, waits := signal()
+			rx.hooks.Store(&hooks{fenceWaits: func(*Grant) { waits() }})
 			w := make(chan error, 1)
 			go func() {
 				_, err := tx.Write(bg, rx.Descriptor(), g.Ticket(), []Extent{{Region: src.ID(), Length: size}})
 				w <- err
 			}()
-			waitFor(t, "the first bytes land", func() bool { return dst.Bytes()[0] != canary })
+			reach(t, "the writer is held in the middle of its write", h.reached)
+			if tr == TransportTCP {
+				waitFor(t, "the receiver lands the held writer's frame", func() bool { return landingIn(g) })
+			}
 			require.Positive(t, cutWriters(rx), "no connection to cut")
+			var snap []byte
+			select {
+			case <-fenceWaits: // shm: the fence waits for the bracket the writer is in
+			case <-g.Done():
+				snap = bytes.Clone(dst.Bytes()) // settled with the writer still held
+			}
+			h.let()
 			ctx, cancel := context.WithTimeout(bg, 10*time.Second)
 			defer cancel()
 			_, gerr := g.Wait(ctx)
 			require.NotErrorIs(t, gerr, context.DeadlineExceeded, "the grant never settled")
-			snap := bytes.Clone(dst.Bytes())
+			if snap == nil {
+				snap = bytes.Clone(dst.Bytes())
+			}
 			werr := <-w
-			time.Sleep(5 * time.Millisecond)
 			changed := changedSince(snap, dst.Bytes())
 			t.Logf("grant: %v; write: %v; bytes changed after the grant settled: %d", gerr, werr, changed)
 			require.Zero(t, changed, "bytes landed after the grant settled")
@@ -133,7 +213,9 @@ func TestConformanceReceiverCutsLiveWriter(t *testing.T) {
 // Two writes share the writer's link to the receiver. One write's commit
 // exchange is cut by its context while the receiver holds its verdict; the
 // other write's Write must return its own grant's verdict, never the cut
-// exchange's: nil exactly when its own grant committed.
+// exchange's: nil exactly when its own grant committed. W1 is held right
+// before its commit until A's exchange was cut, and A's verdict is held
+// until W1's commit went out (shm: on the link A's cut broke).
 func TestConformanceVerdictIsTheWritersOwn(t *testing.T) {
 	for _, tr := range testTransports() {
 		for _, c := range []struct{ revoke, ctx string }{
@@ -165,13 +247,27 @@ func TestConformanceVerdictIsTheWritersOwn(t *testing.T) {
 					}
 				}
 				defer release()
+				h := newHold(t)
+				w1sent, sent := signal()
+				tx.hooks.Store(&hooks{
+					commit: func(tk *Ticket) {
+						if tk.Grant == g1.ID() {
+							h.stop()
+						}
+					},
+					sent: func(grant uint64) {
+						if grant == g1.ID() {
+							sent()
+						}
+					},
+				})
 
 				w1 := make(chan error, 1)
 				go func() {
 					_, err := tx.Write(bg, desc, g1.Ticket(), []Extent{{Region: src.ID(), Length: big}})
 					w1 <- err
 				}()
-				waitFor(t, "W1 copies", func() bool { return dst.Bytes()[0] != canary })
+				reach(t, "W1 copied all and is about to commit", h.reached)
 				// A's context: a deadline cancelled early (a decoder's
 				// cancel), or a plain cancel.
 				ctxA, cancelA := context.WithCancel(bg)
@@ -189,19 +285,24 @@ func TestConformanceVerdictIsTheWritersOwn(t *testing.T) {
 					defer gA.mu.Unlock()
 					return gA.state == grantCommitting
 				})
-				waitFor(t, "W1's copy ends", func() bool { return dst.Bytes()[big-1] != canary || len(w1) > 0 })
-				time.Sleep(20 * time.Millisecond)
 				revoked := make(chan struct{})
-				if revoke == "own grant" {
-					go func() { g1.Revoke(); close(revoked) }()
-				} else {
-					go func() { gA.Revoke(); close(revoked) }() // waits for the held commit
+				target := g1
+				if revoke == "other grant" {
+					target = gA // Revoke waits for the held commit where a landing could hold it
 				}
-				time.Sleep(20 * time.Millisecond)
+				go func() { target.Revoke(); close(revoked) }()
+				waitFor(t, "the revoked grant settles", func() bool { return target.Err() != nil })
 				cancelA() // A's exchange is cut, its verdict still to come
-				time.Sleep(50 * time.Millisecond)
+				var errA error
+				if tr != TransportInproc {
+					errA = <-wa // an in-process commit is a call, not an exchange: nothing cuts it
+				}
+				h.let()
+				reach(t, "W1's commit went out", w1sent)
 				release()
-				errA := <-wa
+				if tr == TransportInproc {
+					errA = <-wa
+				}
 				var errW1 error
 				select {
 				case errW1 = <-w1:
@@ -223,24 +324,88 @@ func TestConformanceVerdictIsTheWritersOwn(t *testing.T) {
 
 // A grant's destination is reused for the next grant (one grant slot: the
 // shm slot is reused every round) while writes, commits and revokes of the
-// old grant race: the new grant always takes its write.
+// old grant race: the new grant always takes its write, and nothing of the
+// old write lands once its grant is Done. Each round revokes the old grant
+// at one of the points a write passes, the writer held there by a hook.
 func TestConformanceFenceVersusReuse(t *testing.T) {
+	// The points, in round order. "copying": the writer is in the middle of
+	// its data, and let go once the fence waits for it (shm: inside a copy
+	// bracket; tcp: inside a frame the receiver is landing; inproc: inside
+	// the landing of its second piece). "commit": every byte is in, the
+	// commit about to go out. "sent": the commit went out and races the
+	// revoke at the receiver.
+	points := []string{"before", "copying", "commit", "sent"}
 	for _, tr := range testTransports() {
 		t.Run(string(tr), func(t *testing.T) {
 			bg := context.Background()
-			rx, tx, dst, src := bigPair(t, tr, 1<<20, func(c *Config) { c.MaxGrants = 1 })
-			rng := rand.New(rand.NewPCG(5, 6))
-			ext := []Extent{{Region: dst.ID(), Offset: 0, Length: 256 << 10}}
-			from := []Extent{{Region: src.ID(), Offset: 0, Length: 256 << 10}}
+			// Two source pieces (inproc lands them one by one), and two tcp
+			// batches of one frame: the hook comes between them.
+			const first, n = txBatchBytes, txBatchBytes + 512<<10
+			rx, tx, dst, src := bigPair(t, tr, 2<<20, func(c *Config) { c.MaxGrants = 1; c.FenceWait = time.Minute })
+			ext := []Extent{{Region: dst.ID(), Offset: 0, Length: n}}
+			from := []Extent{{Region: src.ID(), Offset: 0, Length: first}, {Region: src.ID(), Offset: first, Length: n - first}}
 			for i := range 40 {
+				at := points[i%len(points)]
+				fill(dst.Bytes(), canary) // what the old write lands after Done shows
 				g1, err := rx.OpenGrant(GrantSpec{RequestID: uint64(2*i + 1), Extents: ext})
 				require.NoError(t, err)
+				h := newHold(t)
+				sentCh, sent := signal()
+				tx.hooks.Store(&hooks{
+					writing: func(tk *Ticket, n uint64) {
+						if at == "copying" && tk.Grant == g1.ID() && midWrite(tr, n) {
+							h.stop()
+						}
+					},
+					commit: func(tk *Ticket) {
+						if at == "commit" && tk.Grant == g1.ID() {
+							h.stop()
+						}
+					},
+					sent: func(grant uint64) {
+						if at == "sent" && grant == g1.ID() {
+							sent()
+						}
+					},
+				})
+				fenceWaits, waits := signal()
+				rx.hooks.Store(&hooks{fenceWaits: func(*Grant) { waits() }})
+				revoked := make(chan struct{})
+				revoke := func() { go func() { g1.Revoke(); close(revoked) }() }
+				if at == "before" {
+					revoke()
+					<-revoked
+				}
 				w := make(chan error, 1)
 				go func() { _, err := tx.Write(bg, rx.Descriptor(), g1.Ticket(), from); w <- err }()
-				time.Sleep(time.Duration(rng.IntN(300)) * time.Microsecond)
-				g1.Revoke()
-				<-w
+				var snap []byte
+				switch at {
+				case "copying", "commit":
+					reach(t, fmt.Sprintf("round %d: the writer is held (%s)", i, at), h.reached)
+					if at == "copying" && tr != TransportSHM {
+						waitFor(t, "the receiver lands the held writer's data", func() bool { return landingIn(g1) })
+					}
+					revoke()
+					select {
+					case <-fenceWaits: // the fence waits for the held writer's copy or landing
+					case <-revoked:
+						snap = bytes.Clone(dst.Bytes()) // Done, with the writer still held
+					}
+					h.let()
+				case "sent":
+					reach(t, fmt.Sprintf("round %d: the commit went out", i), sentCh)
+					revoke()
+				}
+				<-revoked
 				<-g1.Done()
+				if snap == nil {
+					snap = bytes.Clone(dst.Bytes())
+				}
+				<-w
+				require.Zero(t, changedSince(snap, dst.Bytes()), "round %d (%s): bytes of the old write landed after its grant was Done", i, at)
+				h.let()
+				tx.hooks.Store(nil)
+				rx.hooks.Store(nil)
 				g3, err := rx.OpenGrant(GrantSpec{RequestID: uint64(2*i + 2), Extents: ext})
 				require.NoError(t, err, "round %d: the destination was not reusable after Done", i)
 				_, err = tx.Write(bg, rx.Descriptor(), g3.Ticket(), from)
@@ -265,11 +430,15 @@ func procState(pid int) byte {
 	return b[i+2]
 }
 
-// stop stops the process and waits until the kernel reports it stopped.
-func stop(t *testing.T, pid int) {
-	t.Helper()
-	require.NoError(t, syscall.Kill(pid, syscall.SIGSTOP))
-	waitFor(t, "the writer stops", func() bool { return procState(pid) == 'T' })
+// writerConns counts the writer connections e serves (tcp, shm control).
+func writerConns(e *Engine) int {
+	n := 0
+	if e.tcp != nil {
+		e.tcp.mu.Lock()
+		n = len(e.tcp.conns)
+		e.tcp.mu.Unlock()
+	}
+	return n + shmConns(e)
 }
 
 // A writer process is stopped (SIGSTOP) in the middle of a write: Revoke
@@ -277,7 +446,9 @@ func stop(t *testing.T, pid int) {
 // writer maps the destination (shm) and is inside a copy, the destination is
 // quarantined: Done stays open, OpenGrant refuses the extents, the stats
 // count the bytes, until the writer's copy ends (SIGCONT) or its process is
-// gone (SIGKILL); nothing lands after Done either way.
+// gone (SIGKILL); nothing lands after Done either way. The writer stops
+// itself at a hook in the middle of its write (shm: inside a copy bracket;
+// tcp: inside a frame the receiver is landing).
 func TestConformanceFrozenWriter(t *testing.T) {
 	if testing.Short() {
 		t.Skip("spawns processes")
@@ -300,27 +471,15 @@ func TestConformanceFrozenWriter(t *testing.T) {
 				exts := []Extent{{Region: dst.ID(), Length: size}}
 				g, err := rx.OpenGrant(GrantSpec{RequestID: 21, Extents: exts, Deadline: time.Now().Add(time.Minute)})
 				require.NoError(t, err)
-				cmd, _ := startWriter(t, helperJob{Transport: tr, Peer: rx.Descriptor(), Ticket: g.Ticket()})
+				cmd, _ := startWriter(t, helperJob{Transport: tr, Peer: rx.Descriptor(), Ticket: g.Ticket(), StopMidWrite: true})
 				pid := cmd.Process.Pid
 				defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
-				waitFor(t, "the first bytes land", func() bool { return dst.Bytes()[0] != canary })
-
-				// Stop it; with shm, until it is caught inside a copy bracket.
-				inside := func() bool { return false }
+				waitFor(t, "the writer stops itself mid-write", func() bool { return procState(pid) == 'T' })
 				if tr == TransportSHM {
-					inside = shmWriting(rx, g.slot)
-				}
-				stop(t, pid)
-				for try := 0; tr == TransportSHM && !inside(); try++ {
-					require.Less(t, try, 500, "never caught the writer inside a copy")
-					select {
-					case <-g.Done():
-						t.Fatal("the write finished before the writer was caught inside a copy")
-					default:
-					}
-					require.NoError(t, syscall.Kill(pid, syscall.SIGCONT))
-					time.Sleep(time.Duration(rand.IntN(200)) * time.Microsecond)
-					stop(t, pid)
+					require.NotEqual(t, byte(canary), dst.Bytes()[0], "the writer stopped before its first bytes landed")
+					require.True(t, shmWriting(rx, g)(), "the writer stopped outside a copy bracket")
+				} else {
+					waitFor(t, "the receiver lands the stopped writer's frame", func() bool { return landingIn(g) })
 				}
 
 				start := time.Now()
@@ -376,7 +535,9 @@ func TestConformanceFrozenWriter(t *testing.T) {
 						t.Fatal("the resumed writer did not finish")
 					}
 				}
-				time.Sleep(5 * time.Millisecond)
+				// Once its connections ended nothing of the writer's can land
+				// (the shm writer's process is gone too).
+				waitFor(t, "the receiver's connections from the writer end", func() bool { return writerConns(rx) == 0 })
 				require.Zero(t, changedSince(snap, dst.Bytes()), "bytes landed after Done")
 				require.Zero(t, rx.Stats().QuarantinedBytes)
 				g2, err := rx.OpenGrant(GrantSpec{RequestID: 23, Extents: exts})

@@ -1,47 +1,18 @@
 package rdma
 
 import (
-	"cmp"
 	"context"
 	"crypto/subtle"
 	"errors"
 	"fmt"
 	"log/slog"
 	"runtime"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/handoff-io/handoff/internal/crc32c"
 )
-
-// GrantSpec describes a grant to open on the receiver.
-type GrantSpec struct {
-	RequestID uint64    // never 0
-	Extents   []Extent  // destination runs in this engine's regions; disjoint
-	Deadline  time.Time // zero: now + Config.GrantTTL
-}
-
-// Ticket is what the writer needs to write into a grant. It is plain data
-// (JSON-serialisable) and travels to the writer on the control plane.
-type Ticket struct {
-	Agent     AgentID   `json:"agent"`
-	Grant     uint64    `json:"grant"`
-	Epoch     uint64    `json:"epoch"`
-	Token     [16]byte  `json:"token"`
-	RequestID uint64    `json:"request_id"`
-	Extents   []Extent  `json:"extents"`
-	Bytes     uint64    `json:"bytes"`
-	Deadline  time.Time `json:"deadline"`
-}
-
-// Manifest is what a commit carries: bytes and crc32c (Castagnoli) per
-// destination extent, in ticket order.
-type Manifest struct {
-	Bytes []uint64 `json:"bytes"`
-	CRC   []uint32 `json:"crc"`
-}
 
 type grantState uint8
 
@@ -51,67 +22,6 @@ const (
 	grantDone                         // committed and verified
 	grantFailed                       // revoked, expired, refused or abandoned
 )
-
-// extState tracks what landed in one destination extent. The landings that
-// continue the extent in order from offset 0 (the normal case for one
-// writer) extend a running crc over data still in cache; a landing that
-// starts elsewhere (another lane of a striped write) keeps a crc of its own,
-// a segment. At commit the running crc and the segments, joined in offset
-// order with crc32c.Combine, give the extent's crc without reading it again;
-// when they do not tile the extent exactly the commit sums it.
-type extState struct {
-	landed uint64 // bytes landed, counting rewrites
-	next   uint64 // offset the in-order crc has reached
-	crc    uint32
-	seq    bool      // the in-order crc is usable (no in-order landing failed)
-	busy   bool      // an in-order landing is in flight
-	segs   []segment // whole landings away from next, in landing order
-}
-
-// segment is a landing's own crc over [off, off+n) of its extent.
-type segment struct {
-	off, n uint64
-	crc    uint32
-}
-
-// maxSegments bounds the segments an extent keeps, with one more per
-// segmentBytes of the extent: a landing beyond them makes the commit sum
-// the extent instead. A streamed write (Stream) lands an extent in many
-// pieces out of order (each layer of each block of a run), and summing
-// them as they land keeps the commit from reading the extent again; the
-// bound keeps a writer from making the receiver hold more than a few bytes
-// of bookkeeping per 16 KiB granted.
-const (
-	maxSegments  = 64
-	segmentBytes = 16 << 10
-)
-
-// segmentCap is how many segments an extent of n bytes keeps.
-func segmentCap(n uint64) int { return max(maxSegments, int(n/segmentBytes)) }
-
-// crcOf returns the crc of an extent of n bytes from its in-order crc and
-// segments, and false when they do not tile [0, n) exactly.
-func (st *extState) crcOf(n uint64) (uint32, bool) {
-	if !st.seq {
-		return 0, false
-	}
-	if len(st.segs) == 0 {
-		return st.crc, st.next == n
-	}
-	slices.SortFunc(st.segs, func(a, b segment) int { return cmp.Compare(a.off, b.off) })
-	crc, pos := st.crc, st.next
-	for _, s := range st.segs {
-		if s.off != pos {
-			return 0, false
-		}
-		crc, pos = crc32c.Combine(crc, s.crc, int64(s.n)), pos+s.n
-	}
-	return crc, pos == n
-}
-
-// lander is a connection landing bytes into a grant; abortLanding makes its
-// blocked read return so that Revoke never waits on a stalled peer.
-type lander interface{ abortLanding() }
 
 // Grant is the receiver side of one request's transfer: destination extents
 // that one writer may fill and then commit. All methods are safe for
@@ -127,7 +37,6 @@ type Grant struct {
 	ended  chan struct{} // closed once terminal and either done or quarantined
 	endOne sync.Once
 	due    int // index in the engine's expiry heap, -1 once out of it (under Engine.mu)
-	slot   int // shm grant slot, -1 when shm is not served
 
 	mu       sync.Mutex
 	quiet    sync.Cond // signalled when inflight drops to 0; L = &mu
@@ -215,9 +124,10 @@ func (g *Grant) Err() error {
 // Revoke fences the grant: its epoch moves on, every later frame is refused,
 // and in-flight landings are finished or aborted before Revoke returns, so on
 // return no further byte lands and the destination may be reused, with one
-// exception: a shm writer that is alive but does not end its copy within
-// Config.FenceWait (stopped, frozen) leaves the grant quarantined, and the
-// destination may be reused only once Done is closed. Revoke returns within
+// exception: a writer that stores into memory it mapped (shm) and is alive
+// but does not end its copy within Config.FenceWait (stopped, frozen) leaves
+// the grant quarantined, and the destination may be reused only once Done is
+// closed. Revoke returns within
 // about FenceWait whatever the writer does. A committed grant stays
 // committed. Revoke is idempotent.
 func (g *Grant) Revoke() {
@@ -255,150 +165,13 @@ func (g *Grant) deadlineErr() error {
 	return fmt.Errorf("%w: grant %d (request %d) at %s", ErrDeadline, g.id, g.ticket.RequestID, g.ticket.Deadline.Format(time.RFC3339Nano))
 }
 
-// landing is one admitted data frame: the destination bytes and, when the
-// frame continues its extent in order, the running crc32c the lander
-// extends as it fills dst (while the bytes are still in cache).
-type landing struct {
-	idx   uint32
-	off   uint64
-	n     uint64
-	dst   []byte // host destination; nil when dev is set
-	dev   devSpan
-	crc   uint32
-	track bool
-	seg   bool // tracked as a segment of its own, not the in-order crc
-	// nosum: the bytes landed without passing through host memory (a
-	// device-to-device copy); the commit sums the extent instead.
-	nosum bool
-}
-
-// fill records that dst[:n] was filled, extending the crc when tracked.
-func (l *landing) fill(b []byte) {
-	if l.track {
-		l.crc = crc32Update(l.crc, b)
-	}
-}
-
-// copyFill copies src into dst, the next bytes of the landing, and extends
-// the crc over them in the same pass when tracked.
-func (l *landing) copyFill(dst, src []byte) {
-	if l.track {
-		l.crc = crc32c.CopyUpdate(l.crc, dst, src)
-		return
-	}
-	copy(dst, src)
-}
-
-// beginLand admits one data frame: it checks token, epoch, state, deadline
-// and that [off, off+n) lies inside extent idx, then registers the landing as
-// in flight and returns it. The caller fills dst (calling fill on each
-// filled chunk, in order) and calls endLand. ab (may be nil) is aborted when
-// the grant is fenced. A frame with the right token but out of range fails
-// the grant.
-func (g *Grant) beginLand(epoch uint64, token *[16]byte, idx uint32, off, n uint64, ab lander) (landing, error) {
-	return g.beginLandAt(time.Now(), epoch, token, idx, off, n, ab)
-}
-
-// beginLandAt is beginLand with the deadline checked against now, for a
-// writer that lands many small pieces and reads the clock once per batch.
-func (g *Grant) beginLandAt(now time.Time, epoch uint64, token *[16]byte, idx uint32, off, n uint64, ab lander) (landing, error) {
-	g.mu.Lock()
-	if err := g.checkLocked(epoch, token); err != nil {
-		g.mu.Unlock()
-		return landing{}, err
-	}
-	if g.expired(now) {
-		g.mu.Unlock()
-		err := g.deadlineErr()
-		g.terminate(err)
-		return landing{}, err
-	}
-	if int(idx) >= len(g.dst) || off > g.ticket.Extents[idx].Length || n > g.ticket.Extents[idx].Length-off || n == 0 {
-		g.mu.Unlock()
-		var err error
-		if int(idx) >= len(g.dst) {
-			err = fmt.Errorf("%w: extent index %d, grant %d has %d", ErrOutOfRange, idx, g.id, len(g.dst))
-		} else {
-			err = fmt.Errorf("%w: [%d, +%d) outside extent %d of %d bytes (grant %d)", ErrOutOfRange, off, n, idx, g.ticket.Extents[idx].Length, g.id)
-		}
-		g.terminate(err)
-		return landing{}, err
-	}
-	l := landing{idx: idx, off: off, n: n}
-	if g.dev != nil && g.dev[idx].a != nil {
-		l.dev = devSpan{a: g.dev[idx].a, off: g.dev[idx].off + off}
-	} else {
-		l.dst = g.dst[idx][off : off+n : off+n]
-	}
-	st := &g.ext[idx]
-	switch {
-	case g.e.cfg.SkipCRC || !st.seq:
-	case !st.busy && off == st.next:
-		l.track, l.crc = true, st.crc
-		st.busy = true
-	case len(st.segs) < segmentCap(g.ticket.Extents[idx].Length):
-		l.track, l.seg = true, true
-	default:
-		st.seq = false
-	}
-	g.inflight++
-	if ab != nil {
-		g.landers = append(g.landers, ab)
-	}
-	g.mu.Unlock()
-	return l, nil
-}
-
-// endLand ends a landing started by beginLand; ok reports whether all of dst
-// was filled.
-func (g *Grant) endLand(l *landing, ok bool, ab lander) {
-	g.mu.Lock()
-	st := &g.ext[l.idx]
-	if ok {
-		st.landed += l.n
-	}
-	switch {
-	case l.nosum:
-		if l.track && !l.seg {
-			st.busy = false
-		}
-		st.seq = false // the extent is summed at commit
-	case l.track && !ok:
-		if !l.seg {
-			st.busy = false
-		}
-		st.seq = false // the extent is summed at commit
-	case l.seg:
-		st.segs = append(st.segs, segment{l.off, l.n, l.crc})
-	case l.track:
-		st.busy = false
-		st.crc = l.crc
-		st.next += l.n
-	}
-	if ab != nil {
-		for i, x := range g.landers {
-			if x == ab {
-				last := len(g.landers) - 1
-				g.landers[i] = g.landers[last]
-				g.landers[last] = nil
-				g.landers = g.landers[:last]
-				break
-			}
-		}
-	}
-	g.inflight--
-	if g.inflight == 0 {
-		g.quiet.Broadcast()
-	}
-	g.mu.Unlock()
-}
-
 // commit verifies a writer's manifest against what landed and completes or
 // fails the grant. counted is false for transports whose data does not pass
 // through the receiver (shm): then the byte count is the one the writers
-// kept in the grant's slot, and the checksums are the writer's own, taken
-// over the destination right after each copy (or, with Config.VerifySHM,
-// computed again here over the extents as they are after the fence).
+// kept themselves (fence.stored: shm's is in the grant's slot), and the
+// checksums are the writer's own, taken over the destination right after
+// each copy (or, with Config.VerifySHM, computed again here over the
+// extents as they are after the fence).
 // hasCRC is false for a SkipCRC commit.
 func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted, hasCRC bool) error {
 	g.mu.Lock()
@@ -419,13 +192,14 @@ func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted, hasC
 	dst, ext, dev := g.dst, g.ext, g.dev // finish may drop them once a revoke settles the grant
 	g.mu.Unlock()
 
-	// Fence the shared-memory slot: after this no shm writer can copy in.
+	// Fence every transport: after this no writer can store into g (shm:
+	// its slot is closed), or g is quarantined.
 	var verr error
-	fenced := g.e.shmFence(g, g.e.cfg.FenceWait)
+	fenced := g.e.fence(g, g.e.cfg.FenceWait)
 	if fenced {
 		var copied uint64
 		if !counted {
-			copied = g.e.shmCopied(g)
+			copied = g.e.stored(g)
 		}
 		verr = g.verify(dst, dev, ext, m, counted, hasCRC, copied)
 	} else {
@@ -451,8 +225,8 @@ func (g *Grant) commit(epoch uint64, token *[16]byte, m *Manifest, counted, hasC
 }
 
 // verify compares m with the grant's extents. No landing is in flight and
-// none can start (state committing, shm slot fenced). copied is the byte
-// count shm writers recorded in the slot (counted false).
+// none can start (state committing, every transport fenced). copied is the
+// byte count the writers recorded themselves (counted false).
 func (g *Grant) verify(dst [][]byte, dev []devSpan, ext []extState, m *Manifest, counted, hasCRC bool, copied uint64) error {
 	if !hasCRC && !g.e.cfg.SkipCRC {
 		return fmt.Errorf("%w: commit without crc32c, and this receiver requires it (grant %d)", ErrManifestMismatch, g.id)
@@ -558,8 +332,9 @@ func (g *Grant) settleLocked(s grantState, err error) {
 }
 
 // terminate fails the grant with cause (nil: revoked) unless it is already
-// terminal, aborts in-flight landings, fences shm, and returns once nothing
-// can land or the grant is quarantined.
+// terminal, fences it on every transport (fence.go: in-flight landings are
+// aborted and waited for, shm's slot closed), and returns once nothing can
+// land or the grant is quarantined.
 func (g *Grant) terminate(cause error) {
 	g.mu.Lock()
 	switch g.state {
@@ -575,14 +350,8 @@ func (g *Grant) terminate(cause error) {
 		cause = fmt.Errorf("%w: grant %d (request %d)", ErrRevoked, g.id, g.ticket.RequestID)
 	}
 	g.settleLocked(grantFailed, cause)
-	for _, l := range g.landers {
-		l.abortLanding()
-	}
-	for g.inflight > 0 {
-		g.quiet.Wait()
-	}
 	g.mu.Unlock()
-	g.end(g.e.shmFence(g, g.e.cfg.FenceWait))
+	g.end(g.e.fence(g, g.e.cfg.FenceWait))
 }
 
 // end completes a settled grant: finish when nothing can land any more
@@ -595,11 +364,12 @@ func (g *Grant) end(fenced bool) {
 	}
 }
 
-// quarantine ends a failed grant that a live shm writer is still copying
-// into (stopped, frozen): Revoke returns and Failed closes now, while Done,
-// the busy spans that keep OpenGrant off the destination, and the shm slot
-// wait until the writer's bracket ended or its process exited
-// (Engine.watchQuarantine).
+// quarantine ends a failed grant that a fence reported a live writer may
+// still store into (shm: stopped or frozen inside a copy): Revoke returns
+// and Failed closes now, while Done, the busy spans that keep OpenGrant off
+// the destination, and what the fences hold for it (shm: the slot) wait
+// until every fence could fence it (Engine.watchQuarantine: the writer's
+// bracket ended or its process exited).
 func (g *Grant) quarantine() {
 	g.mu.Lock()
 	if g.finished || g.quarantined {

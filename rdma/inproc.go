@@ -53,6 +53,14 @@ func inprocLookup(peer Descriptor) *Engine {
 	return nil
 }
 
+// inprocRx is the receiving side of inproc. An in-process writer lands
+// each piece through the receiving engine's Grant.beginLand (inprocLink),
+// so the fence is landings: a piece's memcpy is not cut short but waited
+// for, and it is at most one piece.
+type inprocRx struct{ landings }
+
+var _ fence = inprocRx{}
+
 // inprocLink writes into an engine of the same process: each piece passes
 // the same per-frame checks as over TCP, then one memcpy.
 type inprocLink struct {
@@ -73,6 +81,7 @@ func (l *inprocLink) write(ctx context.Context, op *writeOp) error {
 		return remoteErr(l.rx.cfg.Agent, err)
 	}
 	var now time.Time
+	var landed uint64
 	for i := range op.pieces {
 		if i&63 == 0 {
 			if err := ctx.Err(); err != nil {
@@ -91,6 +100,9 @@ func (l *inprocLink) write(ctx context.Context, op *writeOp) error {
 			l.rx.stats.framesRefused.Add(1)
 			return remoteErr(l.rx.cfg.Agent, err)
 		}
+		if f := op.testHooks().writing; f != nil {
+			f(op.t, landed)
+		}
 		if p.dev.a != nil || ld.dev.a != nil {
 			err := l.landDevice(ctx, op, p, &ld)
 			g.endLand(&ld, err == nil, nil)
@@ -99,6 +111,7 @@ func (l *inprocLink) write(ctx context.Context, op *writeOp) error {
 				g.terminate(err)
 				return remoteErr(l.rx.cfg.Agent, err)
 			}
+			landed += p.size()
 			continue
 		}
 		for off := 0; off < len(p.src); off += landChunk {
@@ -116,9 +129,16 @@ func (l *inprocLink) write(ctx context.Context, op *writeOp) error {
 			op.sum(p, s)
 		}
 		g.endLand(&ld, true, nil)
+		landed += p.size()
 	}
 	if op.partial {
 		return nil // landed; a Stream commits once every part is in
+	}
+	if h := op.testHooks(); h.commit != nil {
+		h.commit(op.t)
+	}
+	if h := op.testHooks(); h.sent != nil {
+		h.sent(op.t.Grant)
 	}
 	return remoteErr(l.rx.cfg.Agent, g.commit(op.t.Epoch, &op.t.Token, op.manifest, true, !op.noCRC))
 }

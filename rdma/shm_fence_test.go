@@ -49,7 +49,7 @@ func staleReplyRun(t *testing.T, agent string, ownRevoked bool) (errW1, g1Err er
 	gA.inflight++
 	gA.mu.Unlock()
 
-	sl1 := slotAt(rx.shm.table, g1.slot)
+	sl1 := slotAt(rx.shm.table, rx.shm.slotOf(g1.ID()))
 	w1 := make(chan error, 1)
 	go func() {
 		_, err := tx.Write(bg, desc, g1.Ticket(), []Extent{{Region: src.ID(), Offset: 0, Length: big}})
@@ -142,7 +142,7 @@ func TestSHMReceiverCutLiveWriterLandsNothingAfterSettle(t *testing.T) {
 
 	g, err := rx.OpenGrant(GrantSpec{RequestID: 7, Extents: []Extent{{Region: dst.ID(), Offset: 0, Length: big}}})
 	require.NoError(t, err)
-	sl := slotAt(rx.shm.table, g.slot)
+	sl := slotAt(rx.shm.table, rx.shm.slotOf(g.ID()))
 	w := make(chan error, 1)
 	go func() {
 		_, err := tx.Write(bg, desc, g.Ticket(), []Extent{{Region: src.ID(), Offset: 0, Length: big}})
@@ -205,7 +205,7 @@ func TestSHMCommitFenceLeavesReusedSlotOpen(t *testing.T) {
 	for range 40 {
 		g1, err := rx.OpenGrant(GrantSpec{RequestID: 1, Extents: ext})
 		require.NoError(t, err)
-		sl := slotAt(rx.shm.table, g1.slot)
+		sl := slotAt(rx.shm.table, rx.shm.slotOf(g1.ID()))
 		e1 := g1.Ticket().Epoch
 		require.True(t, sl.state().CompareAndSwap(slotWord(slotOpen, 0, e1), slotWord(slotWriting, wid, e1))) // a bracket in progress
 		a := make(chan struct{})

@@ -22,11 +22,11 @@ func dialSHM(ctx context.Context, e *Engine, peer Descriptor) (link, error) {
 
 func (s *shmServer) slotFree(id uint64) bool                        { return true }
 func (s *shmServer) slotOf(id uint64) int                           { return -1 }
-func (s *shmServer) publish(g *Grant)                               {}
+func (s *shmServer) open(g *Grant)                                  {}
 func (s *shmServer) release(g *Grant)                               {}
 func (s *shmServer) fence(g *Grant, wait time.Duration) bool        { return true }
 func (s *shmServer) close()                                         {}
-func (s *shmServer) copied(g *Grant) uint64                         { return 0 }
+func (s *shmServer) stored(g *Grant) uint64                         { return 0 }
 func (s *shmServer) unmap()                                         {}
 func (r *shmRxState) closed(err error, hungUp bool)                 {}
 func (r *shmRxState) hello(c *rxConn) error                         { return nil }

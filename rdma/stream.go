@@ -238,7 +238,7 @@ func (s *Stream) op(dst []Range, src []Extent) (*writeOp, error) {
 	if ext, ok := overlapping(dst); ok {
 		return nil, fmt.Errorf("%w: ranges overlap in extent %d", ErrOutOfRange, ext)
 	}
-	op := opPool.Get().(*writeOp)
+	op := s.e.getOp()
 	op.tk = s.t
 	op.mf = Manifest{Bytes: make([]uint64, len(s.t.Extents)), CRC: make([]uint32, len(s.t.Extents))}
 	op.t, op.manifest, op.noCRC, op.n, op.partial = &op.tk, &op.mf, s.e.cfg.SkipCRC, want, true
@@ -379,7 +379,7 @@ func (s *Stream) Commit(ctx context.Context) (Manifest, error) {
 			m.CRC[i] = crc
 		}
 	}
-	op := opPool.Get().(*writeOp)
+	op := s.e.getOp()
 	defer putOp(op)
 	op.tk, op.mf = s.t, m
 	op.t, op.manifest, op.noCRC = &op.tk, &op.mf, s.e.cfg.SkipCRC
@@ -395,12 +395,4 @@ func (s *Stream) Commit(ctx context.Context) (Manifest, error) {
 	s.err = errStreamDone
 	s.e.stats.writes.Add(1)
 	return m, nil
-}
-
-// putOp resets a pooled writeOp and returns it.
-func putOp(op *writeOp) {
-	clear(op.pieces)
-	op.pieces, op.t, op.tk, op.manifest, op.mf, op.noCRC, op.n, op.partial = op.pieces[:0], nil, Ticket{}, nil, Manifest{}, false, 0, false
-	op.dev = false
-	opPool.Put(op)
 }

@@ -399,7 +399,8 @@ func (tc *txConn) send(op *writeOp, pieces []piece, end uint8) error {
 	hdrs := tc.hdrs[:need]
 	h := header{typ: frameData, grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token}
 	iov := tc.iov[:0]
-	var batch uint64
+	var batch, carried uint64
+	hk := op.testHooks()
 	for i, f := 0, 0; i < len(pieces); f++ {
 		// Pieces that continue each other in one destination extent go out
 		// as one frame: a resharded source is many short slices of several
@@ -421,10 +422,13 @@ func (tc *txConn) send(op *writeOp, pieces []piece, end uint8) error {
 				iov = append(iov, p.src)
 				batch += uint64(len(p.src))
 				if batch >= txBigBatchBytes || len(iov) >= txBatchVecs {
+					if hk.writing != nil {
+						hk.writing(op.t, carried)
+					}
 					if err := tc.flush(iov); err != nil {
 						return err
 					}
-					iov, batch = tc.iov[:0], 0
+					iov, batch, carried = tc.iov[:0], 0, carried+batch
 				}
 				continue
 			}
@@ -441,11 +445,14 @@ func (tc *txConn) send(op *writeOp, pieces []piece, end uint8) error {
 				src = src[n:]
 				batch += uint64(n)
 				if batch >= txBatchBytes || len(iov) >= txBatchVecs {
+					if hk.writing != nil {
+						hk.writing(op.t, carried)
+					}
 					if err := tc.flush(iov); err != nil {
 						return err
 					}
 					tc.sumPending()
-					iov, batch = tc.iov[:0], 0
+					iov, batch, carried = tc.iov[:0], 0, carried+batch
 				}
 			}
 		}
@@ -453,15 +460,24 @@ func (tc *txConn) send(op *writeOp, pieces []piece, end uint8) error {
 	}
 	if len(tc.pend) > 0 {
 		// The commit needs the last sums: send the rest of the data first.
+		if hk.writing != nil {
+			hk.writing(op.t, carried)
+		}
 		if err := tc.flush(iov); err != nil {
 			return err
 		}
 		tc.sumPending()
 		iov = tc.iov[:0]
 	}
+	if len(iov) > 0 && hk.writing != nil { // the last batch (without crc) goes with the end frame
+		hk.writing(op.t, carried)
+	}
 	cb := hdrs[n*headerSize:]
 	switch end {
 	case frameCommit:
+		if hk.commit != nil {
+			hk.commit(op.t)
+		}
 		ch := header{typ: frameCommit, flags: op.commitFlags(), index: uint32(m), grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token, length: uint64(m * manifestEntrySize)}
 		ch.put(cb)
 		putManifest(cb[headerSize:], op.manifest)
@@ -474,7 +490,13 @@ func (tc *txConn) send(op *writeOp, pieces []piece, end uint8) error {
 	if len(iov) == 0 {
 		return nil
 	}
-	return tc.flush(iov)
+	if err := tc.flush(iov); err != nil {
+		return err
+	}
+	if end == frameCommit && hk.sent != nil {
+		hk.sent(op.t.Grant)
+	}
+	return nil
 }
 
 // pendSum is bytes that were sent but not summed yet, and the crc they

@@ -2,7 +2,7 @@ package rdma
 
 // The receiving end of the frame protocol: tcpServer accepts writer
 // connections, and an rxConn serves each, tcp or the shm control socket
-// (shm_linux.go), landing data frames into grants and answering commits.
+// (shm_receiver_linux.go), landing data frames into grants and answering commits.
 // The tcp writer is in tcp_writer.go, striped writes in tcp_stripe.go.
 
 import (
@@ -43,8 +43,13 @@ const (
 // aLongTimeAgo is a deadline that makes blocked reads and writes return.
 var aLongTimeAgo = time.Unix(1, 0)
 
-// tcpServer accepts writer connections and lands their data frames.
+// tcpServer accepts writer connections and lands their data frames. It is
+// the receiving side of tcp and of cuda-ipc (whose pull frames travel on
+// its connections), and their fence is landings: every data frame and pull
+// is admitted by Grant.beginLand, and a fence cuts the read or chunked copy
+// in progress (rxConn.abortLanding; pullFence) and waits for it.
 type tcpServer struct {
+	landings
 	e         *Engine
 	ln        net.Listener
 	advertise string
@@ -140,6 +145,8 @@ func (s *tcpServer) close() {
 	s.mu.Unlock()
 	s.wg.Wait()
 }
+
+var _ fence = (*tcpServer)(nil)
 
 // rejection remembers why frames of a grant were refused until its commit.
 type rejection struct {

@@ -2,541 +2,26 @@
 
 package rdma
 
+// The shm writer: a shmLink maps a same-host peer's regions and slot table
+// and copies a grant's pieces straight into them, inside the slot's CAS
+// brackets (shm_slot_linux.go); commits and aborts travel over its control
+// socket.
+
 import (
 	"context"
-	"crypto/rand"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
 	"net"
-	"os"
-	"path/filepath"
-	"runtime"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
-
-const shmSupported = true
-
-// Shared-memory transport.
-//
-// The receiver exports two things to a same-host writer over its unix
-// control socket (SCM_RIGHTS): the memfds of its regions and the memfd of a
-// grant slot table. Slot i (64 bytes) describes the open grant whose id is
-// congruent to i modulo the table size:
-//
-//	off field
-//	0   state word: epoch<<18 | writer<<2 | state (closed, open, writing, fencing)
-//	8   grant id
-//	16  token (2 words)
-//	32  digest of the grant's extents (FNV-1a over region, offset, length)
-//	40  deadline (unix nanoseconds)
-//	48  id of the last writer that copied into the grant
-//	56  bytes copied into the grant (added by writers, once per bracket)
-//
-// Epochs are unique per engine, so (state, epoch) names one grant
-// incarnation, and a fence touches only the words of its own grant's epoch
-// (a slot reused by another grant is not its to close). A writer brackets
-// each copy of at most shmBracket bytes with CAS open(e) -> writing(e, w)
-// and a CAS back to open(e); it never copies unless the first CAS
-// succeeded. To fence (revoke, deadline, commit) the receiver CASes
-// open(e) -> closed(e); finding writing(e, w), it CASes it to fencing(e, w),
-// and the writer, whose closing CAS then fails, ends its bracket with
-// fencing(e, w) -> closed(e) and copies no more. The receiver waits for that
-// up to Config.FenceWait; a writer that does not end its bracket by then
-// (stopped, frozen) leaves the grant failed and its destination quarantined
-// until the bracket ends or the writer's process is gone.
-//
-// Death is never inferred from the socket: the receiver takes the writer's
-// pid at accept (SO_PEERCRED) and opens a pidfd, which polls readable once
-// the process exited. A connection the receiver cut itself (a malformed
-// frame, an out-of-step stream) leaves a live writer live. Only where the
-// pid cannot be known (another pid namespace) does a closed connection
-// stand for the process, as it did before.
-//
-// No per-byte round trip: the data path is a memcpy into the mapped arena,
-// and the commit travels once over the socket.
-//
-// The writer sums what landed: crc32c.CopyUpdate copies each chunk into the
-// destination and sums the bytes from the registers that store them, in
-// brackets of shmBracket bytes (the slot says "writing" during each).
-const (
-	slotSize   = 64
-	shmBracket = 4 << 20   // bytes copied per CAS bracket: a fence waits for at most one (~0.4 ms at 10 GB/s)
-	shmSubCopy = 256 << 10 // copied and summed in one pass (crc32c.CopyUpdate)
-
-	slotClosed  = 0
-	slotOpen    = 1
-	slotWriting = 2
-	slotFencing = 3 // writing, and a fence waits for the bracket to end
-
-	slotWriterBits = 16
-	slotEpochShift = 2 + slotWriterBits
-	slotEpochMask  = 1<<(64-slotEpochShift) - 1
-	maxShmRegions  = 200 // SCM_RIGHTS carries at most 253 fds
-)
-
-func slotWord(state, writer uint64, epoch uint64) uint64 {
-	return (epoch&slotEpochMask)<<slotEpochShift | writer<<2 | state
-}
-
-func wordState(w uint64) uint64  { return w & 3 }
-func wordWriter(w uint64) uint64 { return w >> 2 & (1<<slotWriterBits - 1) }
-func wordEpoch(w uint64) uint64  { return w >> slotEpochShift }
-
-// slotView addresses one slot of a mapped table.
-type slotView struct{ b []byte }
-
-func (s slotView) word(off int) *atomic.Uint64 {
-	return (*atomic.Uint64)(unsafe.Pointer(&s.b[off]))
-}
-func (s slotView) state() *atomic.Uint64    { return s.word(0) }
-func (s slotView) grant() *atomic.Uint64    { return s.word(8) }
-func (s slotView) token0() *atomic.Uint64   { return s.word(16) }
-func (s slotView) token1() *atomic.Uint64   { return s.word(24) }
-func (s slotView) digest() *atomic.Uint64   { return s.word(32) }
-func (s slotView) deadline() *atomic.Uint64 { return s.word(40) }
-func (s slotView) writer() *atomic.Uint64   { return s.word(48) }
-func (s slotView) copied() *atomic.Uint64   { return s.word(56) }
-
-func slotAt(table []byte, i int) slotView { return slotView{table[i*slotSize : (i+1)*slotSize]} }
-
-// extentsDigest hashes a grant's extent list, so a writer can check that
-// its ticket names exactly the grant's extents. It is a word-wise FNV-1a
-// variant with a final avalanche: cheap for thousands of extents, and any
-// difference in region, offset, length or count changes it.
-func extentsDigest(xs []Extent) uint64 {
-	const prime = 1099511628211
-	h := uint64(14695981039346656037) ^ uint64(len(xs))
-	for _, x := range xs {
-		h = (h ^ uint64(x.Region)) * prime
-		h = (h ^ x.Offset) * prime
-		h = (h ^ x.Length) * prime
-	}
-	h ^= h >> 33
-	h *= 0xff51afd7ed558ccd
-	h ^= h >> 33
-	return h
-}
-
-// ----- receiver -----
-
-type shmServer struct {
-	e     *Engine
-	path  string
-	ln    *net.UnixListener
-	fd    int    // slot table memfd
-	table []byte // slot table
-	n     int    // slots
-
-	owner []*Grant // guarded by e.mu
-
-	mu      sync.Mutex
-	conns   map[*rxConn]struct{}
-	writers map[uint64]*shmWriter // writer ids in use
-	nextWid uint64
-	closed  bool
-	wg      sync.WaitGroup
-}
-
-// shmWriter is what the receiver knows of one writer id: the process behind
-// its control connection, and whether that connection is still open. An id
-// stays in use until its process exited, or until the writer itself closed
-// the connection and no slot shows the id copying: a writer lets a
-// connection go only after every copy under its id ended.
-type shmWriter struct {
-	pid    int  // SO_PEERCRED; 0 when not visible from here
-	pidfd  int  // pidfd_open(pid); -1 when unavailable
-	open   bool // the control connection is open
-	hungUp bool // the writer closed it (not the receiver)
-}
-
-// gone reports whether the writer can no longer store into a mapping: its
-// process exited. s.mu is held.
-func (w *shmWriter) gone() bool {
-	switch {
-	case w.pidfd >= 0:
-		fds := []unix.PollFd{{Fd: int32(w.pidfd), Events: unix.POLLIN}}
-		n, err := unix.Poll(fds, 0)
-		return err == nil && n > 0 && fds[0].Revents&unix.POLLIN != 0
-	case w.pid > 0:
-		return unix.Kill(w.pid, 0) == unix.ESRCH
-	default:
-		// Another pid namespace: the connection is all there is to go by.
-		return !w.open
-	}
-}
-
-func (w *shmWriter) release() {
-	if w.pidfd >= 0 {
-		unix.Close(w.pidfd)
-		w.pidfd = -1
-	}
-}
-
-// peerProcess returns the pid of the process at the other end of c and a
-// pidfd for it (-1 when pidfd_open is unavailable); pid 0 when the kernel
-// cannot tell (the peer lives in a pid namespace not visible from here).
-func peerProcess(c *net.UnixConn) (pid, pidfd int) {
-	pidfd = -1
-	raw, err := c.SyscallConn()
-	if err != nil {
-		return 0, -1
-	}
-	var cred *unix.Ucred
-	_ = raw.Control(func(fd uintptr) {
-		cred, err = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-	})
-	if err != nil || cred == nil || cred.Pid <= 0 {
-		return 0, -1
-	}
-	pid = int(cred.Pid)
-	if fd, err := unix.PidfdOpen(pid, 0); err == nil {
-		pidfd = fd
-	}
-	return pid, pidfd
-}
-
-func defaultShmPath(agent AgentID) string {
-	clean := strings.Map(func(r rune) rune {
-		if r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_' {
-			return r
-		}
-		return '_'
-	}, string(agent))
-	if len(clean) > 32 {
-		clean = clean[:32]
-	}
-	var rnd [4]byte
-	_, _ = rand.Read(rnd[:])
-	return filepath.Join(os.TempDir(), fmt.Sprintf("handoff-%s-%d-%x.sock", clean, os.Getpid(), rnd))
-}
-
-func startSHM(e *Engine, path string) (*shmServer, error) {
-	if path == "" {
-		path = defaultShmPath(e.cfg.Agent)
-	}
-	n := e.cfg.MaxGrants
-	table, fd, err := allocShared("grant-slots", int64(n*slotSize))
-	if err != nil {
-		return nil, err
-	}
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
-	if err != nil {
-		freeShared(table, fd)
-		return nil, fmt.Errorf("rdma: shm listen %s: %w", path, err)
-	}
-	ln.SetUnlinkOnClose(true)
-	// A peer that connects maps whole regions: only this user may.
-	if err := os.Chmod(path, 0o600); err != nil {
-		ln.Close()
-		freeShared(table, fd)
-		return nil, fmt.Errorf("rdma: shm socket %s: %w", path, err)
-	}
-	s := &shmServer{e: e, path: path, ln: ln, fd: fd, table: table, n: n, owner: make([]*Grant, n),
-		conns: make(map[*rxConn]struct{}), writers: make(map[uint64]*shmWriter)}
-	s.wg.Add(1)
-	go s.accept()
-	return s, nil
-}
-
-func (s *shmServer) accept() {
-	defer s.wg.Done()
-	for {
-		c, err := s.ln.AcceptUnix()
-		if err != nil {
-			if !errors.Is(err, net.ErrClosed) {
-				s.e.log.Warn("rdma: shm accept", "err", err)
-			}
-			return
-		}
-		rc := newRxConn(s.e, c, TransportSHM)
-		pid, pidfd := peerProcess(c)
-		if pid == 0 {
-			s.e.log.Warn("rdma: shm writer's process is not visible from here (pid namespace): its death is inferred from its control connection")
-		}
-		s.mu.Lock()
-		if s.closed {
-			s.mu.Unlock()
-			c.Close()
-			(&shmWriter{pidfd: pidfd}).release()
-			continue
-		}
-		wid, ok := s.newWriterLocked(&shmWriter{pid: pid, pidfd: pidfd, open: true})
-		if !ok {
-			s.mu.Unlock()
-			s.e.log.Warn("rdma: shm refuses a writer: all writer ids in use")
-			c.Close()
-			(&shmWriter{pidfd: pidfd}).release()
-			continue
-		}
-		rc.shm = &shmRxState{s: s, wid: wid}
-		s.conns[rc] = struct{}{}
-		s.wg.Add(1)
-		s.mu.Unlock()
-		go func() {
-			defer s.wg.Done()
-			rc.serve()
-			s.mu.Lock()
-			delete(s.conns, rc)
-			s.mu.Unlock()
-		}()
-	}
-}
-
-// newWriterLocked gives w a writer id no slot can still name; s.mu is held.
-func (s *shmServer) newWriterLocked(w *shmWriter) (uint64, bool) {
-	s.reapLocked()
-	for range 1 << slotWriterBits {
-		s.nextWid = s.nextWid%(1<<slotWriterBits-1) + 1
-		if s.writers[s.nextWid] == nil {
-			s.writers[s.nextWid] = w
-			return s.nextWid, true
-		}
-	}
-	return 0, false
-}
-
-// reapLocked frees the ids of writers whose connection closed and that can
-// no longer copy under them: their process exited, or they closed the
-// connection themselves and no slot shows them copying. A live writer the
-// receiver cut keeps its id. s.mu is held.
-func (s *shmServer) reapLocked() {
-	var copying map[uint64]bool
-	for wid, w := range s.writers {
-		if w.open {
-			continue
-		}
-		if !w.gone() {
-			if !w.hungUp {
-				continue
-			}
-			if copying == nil {
-				copying = make(map[uint64]bool)
-				for i := range s.n {
-					if st := slotAt(s.table, i).state().Load(); wordState(st) >= slotWriting {
-						copying[wordWriter(st)] = true
-					}
-				}
-			}
-			if copying[wid] {
-				continue
-			}
-		}
-		w.release()
-		delete(s.writers, wid)
-	}
-}
-
-// writerGone reports whether writer wid can no longer store: its process
-// exited (or its id was freed, which happens only then or once it stopped
-// copying under it).
-func (s *shmServer) writerGone(wid uint64) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	w := s.writers[wid]
-	return w == nil || w.gone()
-}
-
-func (s *shmServer) slotOf(id uint64) int { return int(id % uint64(s.n)) }
-
-// slotFree reports whether id's slot is unused; e.mu is held.
-func (s *shmServer) slotFree(id uint64) bool { return s.owner[s.slotOf(id)] == nil }
-
-// publish makes g's slot open for writers; e.mu is held.
-func (s *shmServer) publish(g *Grant) {
-	s.owner[g.slot] = g
-	sl := slotAt(s.table, g.slot)
-	sl.grant().Store(g.id)
-	sl.token0().Store(binary.LittleEndian.Uint64(g.ticket.Token[0:]))
-	sl.token1().Store(binary.LittleEndian.Uint64(g.ticket.Token[8:]))
-	sl.digest().Store(extentsDigest(g.ticket.Extents))
-	sl.deadline().Store(uint64(g.ticket.Deadline.UnixNano()))
-	sl.writer().Store(0)
-	sl.copied().Store(0)
-	sl.state().Store(slotWord(slotOpen, 0, g.epoch))
-}
-
-// copied returns the bytes writers recorded copying into g's slot.
-func (s *shmServer) copied(g *Grant) uint64 {
-	sl := slotAt(s.table, g.slot)
-	if sl.grant().Load() != g.id {
-		return 0
-	}
-	return sl.copied().Load()
-}
-
-// release frees g's slot after it was fenced; e.mu is held.
-func (s *shmServer) release(g *Grant) {
-	if s.owner[g.slot] == g {
-		s.owner[g.slot] = nil
-	}
-}
-
-// fence closes g's slot so that no writer starts another copy into it, and
-// waits up to wait for a copy in progress to end. It reports whether the
-// slot is closed: false means a live writer is still inside a bracket after
-// wait (stopped or frozen); the slot then says fencing, and the writer closes
-// it itself when its bracket ends. Only words of g's own epoch are touched:
-// a slot that another grant reuses is not g's to close.
-func (s *shmServer) fence(g *Grant, wait time.Duration) bool {
-	sl := slotAt(s.table, g.slot)
-	epoch := g.ticket.Epoch & slotEpochMask
-	closed := slotWord(slotClosed, 0, epoch)
-	var until time.Time
-	for spins := 0; ; spins++ {
-		if sl.grant().Load() != g.id {
-			return true
-		}
-		w := sl.state().Load()
-		if wordEpoch(w) != epoch {
-			return true
-		}
-		switch wordState(w) {
-		case slotClosed:
-			return true
-		case slotOpen:
-			if sl.state().CompareAndSwap(w, closed) {
-				return true
-			}
-			continue
-		case slotWriting, slotFencing:
-			wid := wordWriter(w)
-			if s.writerGone(wid) {
-				// Its process exited: nothing more can be stored.
-				sl.state().CompareAndSwap(w, closed)
-				continue
-			}
-			if wordState(w) == slotWriting {
-				sl.state().CompareAndSwap(w, slotWord(slotFencing, wid, epoch))
-				continue
-			}
-		}
-		// A bracket copies at most shmBracket bytes: wait it out, within wait.
-		now := time.Now()
-		if until.IsZero() {
-			until = now.Add(wait)
-		}
-		if !now.Before(until) {
-			return false
-		}
-		if spins < 64 {
-			runtime.Gosched()
-		} else {
-			time.Sleep(20 * time.Microsecond)
-		}
-	}
-}
-
-func (s *shmServer) close() {
-	s.mu.Lock()
-	s.closed = true
-	s.ln.Close()
-	for c := range s.conns {
-		c.c.Close()
-	}
-	s.mu.Unlock()
-	s.wg.Wait()
-	s.mu.Lock()
-	for wid, w := range s.writers {
-		w.release()
-		delete(s.writers, wid)
-	}
-	s.mu.Unlock()
-}
-
-func (s *shmServer) unmap() {
-	freeShared(s.table, s.fd)
-	s.table = nil
-}
-
-// shmRxState is the receiver's view of one shm writer connection.
-type shmRxState struct {
-	s   *shmServer
-	wid uint64
-}
-
-// hello answers a writer's hello with the slot table and the region memfds.
-func (r *shmRxState) hello(c *rxConn) error {
-	e := r.s.e
-	e.mu.RLock()
-	var fds []int
-	var sb strings.Builder
-	fmt.Fprintf(&sb, "%s\n%s\nwid=%d slots=%d regions=", e.cfg.Agent, c.peer, r.wid, r.s.n)
-	fds = append(fds, r.s.fd)
-	first := true
-	for id := RegionID(1); int(id) <= len(e.regions); id++ {
-		reg := e.regions[id]
-		if reg == nil || reg.fd < 0 || len(fds) > maxShmRegions {
-			continue
-		}
-		if !first {
-			sb.WriteByte(',')
-		}
-		first = false
-		fmt.Fprintf(&sb, "%d:%d", reg.id, len(reg.mem))
-		fds = append(fds, reg.fd)
-	}
-	msg := sb.String()
-	if len(msg) > maxMsgLen {
-		e.mu.RUnlock()
-		err := fmt.Errorf("%w: shm hello of %d bytes (too many regions)", ErrUnsupported, len(msg))
-		c.reply(0, 0, err)
-		return err
-	}
-	h := header{typ: frameHello, index: protocolVersion, length: uint64(len(msg))}
-	b := make([]byte, headerSize, headerSize+len(msg))
-	h.put(b)
-	b = append(b, msg...)
-	_, _, err := c.c.(*net.UnixConn).WriteMsgUnix(b, unix.UnixRights(fds...), nil)
-	e.mu.RUnlock()
-	if err != nil {
-		return fmt.Errorf("%w: sending shm hello: %w", ErrPeerClosed, err)
-	}
-	return nil
-}
-
-func (r *shmRxState) commit(g *Grant, h *header, m *Manifest) error {
-	return g.commit(h.epoch, &h.token, m, false, h.flags&flagNoCRC == 0)
-}
-
-// closed runs when the writer's control connection ended: grants it was
-// copying into, or had copied into without committing, fail. Their fences
-// wait for a bracket the writer is still in: a connection the receiver cut
-// says nothing about the writer's process. hungUp: the writer closed it.
-func (r *shmRxState) closed(cause error, hungUp bool) {
-	s := r.s
-	s.mu.Lock()
-	if w := s.writers[r.wid]; w != nil {
-		w.open, w.hungUp = false, hungUp
-	}
-	s.reapLocked()
-	s.mu.Unlock()
-	var abandoned []*Grant
-	s.e.mu.RLock()
-	for i, g := range s.owner {
-		if g == nil {
-			continue
-		}
-		sl := slotAt(s.table, i)
-		if sl.writer().Load() == r.wid || wordWriter(sl.state().Load()) == r.wid {
-			abandoned = append(abandoned, g)
-		}
-	}
-	s.e.mu.RUnlock()
-	for _, g := range abandoned {
-		g.terminate(fmt.Errorf("%w: the control connection of shm writer %d ended before its commit: %v", ErrPeerClosed, r.wid, cause))
-	}
-}
-
-// ----- writer -----
 
 // shmLink copies into a same-host peer's mapped regions.
 type shmLink struct {
@@ -912,6 +397,7 @@ func (l *shmLink) copyAll(ctx context.Context, op *writeOp) error {
 	writing := slotWord(slotWriting, l.wid, t.Epoch)
 
 	c := shmCursor{l: l, op: op, pieces: op.pieces}
+	var done uint64
 	for first := true; c.more(); first = false {
 		if err := ctx.Err(); err != nil {
 			return err
@@ -928,7 +414,11 @@ func (l *shmLink) copyAll(ctx context.Context, op *writeOp) error {
 			// this grant only (shmRxState.closed).
 			sl.writer().Store(l.wid)
 		}
+		if f := op.testHooks().writing; f != nil {
+			f(t, done)
+		}
 		n := c.step(shmBracket)
+		done += n
 		sl.copied().Add(n)
 		if !sl.state().CompareAndSwap(writing, open) {
 			// A fence asked this bracket to be the last: close the slot
@@ -981,6 +471,9 @@ func (c *shmCursor) step(budget int) uint64 {
 
 // commit sends the commit frame over the control socket and reads the verdict.
 func (l *shmLink) commit(ctx context.Context, op *writeOp) error {
+	if f := op.testHooks().commit; f != nil {
+		f(op.t)
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	m := len(op.manifest.Bytes)
@@ -1052,6 +545,9 @@ func (l *shmLink) exchangeLocked(ctx context.Context, b []byte) error {
 			return cerr
 		}
 		return fmt.Errorf("%w: shm commit to %s: %w", ErrPeerClosed, l.peer.Agent, err)
+	}
+	if f := l.e.testHooks().sent; f != nil {
+		f(sent.grant)
 	}
 	rh, msg, err := readReply(l.conn, l.rbuf[:])
 	if err != nil {
