@@ -18,6 +18,7 @@ import (
 
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/handoff-io/handoff/transfer/session"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // DecoderConfig configures a Decoder.
@@ -50,9 +51,9 @@ type DecoderConfig struct {
 
 func (c *DecoderConfig) validate() error {
 	if c.Prefix == "" {
-		c.Prefix = DefaultPrefix
+		c.Prefix = wire.DefaultPrefix
 	}
-	if !ValidToken(c.Instance) || !ValidToken(c.Namespace) || !ValidToken(c.Prefix) {
+	if !wire.ValidToken(c.Instance) || !wire.ValidToken(c.Namespace) || !wire.ValidToken(c.Prefix) {
 		return fmt.Errorf("%w: instance %q, namespace %q and prefix %q must be tokens of [A-Za-z0-9_-]", ErrInvalidConfig, c.Instance, c.Namespace, c.Prefix)
 	}
 	if c.Fingerprint == "" {
@@ -87,7 +88,7 @@ func (c *DecoderConfig) validate() error {
 type Request struct {
 	ID       uint64 // never 0 nor a padding sentinel
 	Tokens   []int32
-	Sampling Sampling
+	Sampling wire.Sampling
 	Deadline time.Time // zero: ctx's deadline, else now + DefaultTimeout
 	// Dest is where the cache lands: the request's KV runs and Mamba row in
 	// this decoder's registered regions (RankRegions.Resolve). The caller
@@ -150,7 +151,7 @@ type Decoder struct {
 	nc   *nats.Conn
 	pub  publisher
 	eng  receiverEngine
-	peer Peer // our descriptor, encoded once
+	peer wire.Peer // our descriptor, encoded once
 	reg  *Registry
 
 	inbox      string
@@ -231,16 +232,16 @@ func NewDecoder(ctx context.Context, cfg DecoderConfig, nc *nats.Conn, eng *rdma
 		return nil, err
 	}
 	d := &Decoder{
-		cfg: cfg, nc: nc, pub: nc, eng: eng, peer: PeerOf(eng.Descriptor()),
+		cfg: cfg, nc: nc, pub: nc, eng: eng, peer: wire.PeerOf(eng.Descriptor()),
 		inbox: nats.NewInbox(), calls: map[string]*call{}, done: make(chan struct{}),
-		maxPayload: nc.MaxPayload(), prefillSub: Subject(cfg.Prefix, cfg.Namespace, SubjectPrefill, ""),
+		maxPayload: nc.MaxPayload(), prefillSub: wire.Subject(cfg.Prefix, cfg.Namespace, wire.SubjectPrefill, ""),
 	}
 	sub, err := nc.Subscribe(d.inbox+".*", d.onReply)
 	if err != nil {
 		return nil, fmt.Errorf("transfer: decoder inbox: %w", err)
 	}
 	d.sub = sub
-	if d.resub, err = nc.Subscribe(Subject(cfg.Prefix, cfg.Namespace, SubjectInstanceReconnected, "*"), d.onReconnected); err != nil {
+	if d.resub, err = nc.Subscribe(wire.Subject(cfg.Prefix, cfg.Namespace, wire.SubjectInstanceReconnected, "*"), d.onReconnected); err != nil {
 		_ = sub.Unsubscribe()
 		return nil, fmt.Errorf("transfer: decoder reconnect notices: %w", err)
 	}
@@ -285,7 +286,7 @@ func (d *Decoder) watchReconnects() {
 func (d *Decoder) onReconnected(m *nats.Msg) {
 	// <prefix>.<ns>.inst.<id>.reconnected
 	parts := strings.Split(m.Subject, ".")
-	if len(parts) < 2 || !ValidToken(parts[len(parts)-2]) {
+	if len(parts) < 2 || !wire.ValidToken(parts[len(parts)-2]) {
 		return
 	}
 	d.controlLost(parts[len(parts)-2])
@@ -312,8 +313,8 @@ func (d *Decoder) startRegistry(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	reg.OnChange(func(inst Instance, gone bool) {
-		if inst.Role != RolePrefill {
+	reg.OnChange(func(inst wire.Instance, gone bool) {
+		if inst.Role != wire.RolePrefill {
 			return
 		}
 		d.mu.Lock()
@@ -328,9 +329,9 @@ func (d *Decoder) startRegistry(ctx context.Context) error {
 			d.incarnationDied(inst.ID, inst.Service)
 		}
 	})
-	self := func() Instance {
-		return Instance{ID: d.cfg.Instance, Role: RoleDecode, Fingerprint: d.cfg.Fingerprint, Peer: d.peer,
-			Capacity: Capacity{Inflight: int(d.inflight.Load())}}
+	self := func() wire.Instance {
+		return wire.Instance{ID: d.cfg.Instance, Role: wire.RoleDecode, Fingerprint: d.cfg.Fingerprint, Peer: d.peer,
+			Capacity: wire.Capacity{Inflight: int(d.inflight.Load())}}
 	}
 	// Close with a ctx of its own: ctx may be what ended the start, and the
 	// entry just announced must still be deleted.
@@ -343,7 +344,7 @@ func (d *Decoder) startRegistry(ctx context.Context) error {
 		closeReg()
 		return err
 	}
-	if err := reg.Watch(ctx, RolePrefill); err != nil {
+	if err := reg.Watch(ctx, wire.RolePrefill); err != nil {
 		closeReg()
 		return err
 	}
@@ -470,7 +471,7 @@ type handoff struct {
 	held <-chan struct{}
 
 	cause error // the most specific error behind a failure
-	ok    PrefillReply
+	ok    wire.PrefillReply
 }
 
 // Handoff runs one request's handoff and returns once it is delivered or
@@ -684,7 +685,7 @@ func (h *handoff) exec(a session.Action) (session.Event, bool) {
 	case session.ActOpenGrant:
 		// A re-grant after a dead peer: the old grant is revoked already, and
 		// what it carried (its end, an OK reply of its attempt) is dropped.
-		h.grant, h.doneCh, h.failCh, h.replied, h.ok = nil, nil, nil, false, PrefillReply{}
+		h.grant, h.doneCh, h.failCh, h.replied, h.ok = nil, nil, nil, false, wire.PrefillReply{}
 		exts := h.req.Dest.Extents()
 		g, err := h.d.eng.OpenGrant(rdma.GrantSpec{RequestID: h.req.ID, Extents: exts, Deadline: h.deadline})
 		if err != nil {
@@ -709,15 +710,15 @@ func (h *handoff) exec(a session.Action) (session.Event, bool) {
 		}
 		return session.Event{Kind: session.EvSent, Now: now(), Instance: target}, true
 	case session.ActPublishCancel:
-		subj := Subject(h.d.cfg.Prefix, h.d.cfg.Namespace, SubjectCancel, "")
+		subj := wire.Subject(h.d.cfg.Prefix, h.d.cfg.Namespace, wire.SubjectCancel, "")
 		if a.Instance != "" {
-			subj = Subject(h.d.cfg.Prefix, h.d.cfg.Namespace, SubjectInstanceCancel, a.Instance)
+			subj = wire.Subject(h.d.cfg.Prefix, h.d.cfg.Namespace, wire.SubjectInstanceCancel, a.Instance)
 		}
 		var grant uint64
 		if h.grant != nil {
 			grant = h.grant.Ticket().Grant
 		}
-		b, err := EncodeCancel(Cancel{RequestID: h.req.ID, Grant: grant, Code: a.Code, From: h.d.cfg.Instance})
+		b, err := wire.EncodeCancel(wire.Cancel{RequestID: h.req.ID, Grant: grant, Code: a.Code, From: h.d.cfg.Instance})
 		if err == nil {
 			err = h.d.pub.Publish(subj, b)
 			h.d.published.Add(1)
@@ -753,19 +754,19 @@ func (h *handoff) send(a session.Action) (string, error) {
 		return "", fmt.Errorf("%w: no other live prefill instance (excluded %v)", ErrPeerFailed, a.Exclude)
 	}
 	if target != "" {
-		subj = Subject(d.cfg.Prefix, d.cfg.Namespace, SubjectInstancePrefill, target)
+		subj = wire.Subject(d.cfg.Prefix, d.cfg.Namespace, wire.SubjectInstancePrefill, target)
 	}
 	d.mu.Lock()
 	h.c.target, h.c.svc = target, svc // "" after a fall-back to the queue group: pick stops counting it
 	d.mu.Unlock()
 	tk := h.grant.Ticket()
-	msg := PrefillRequest{
+	msg := wire.PrefillRequest{
 		RequestID: h.req.ID, From: d.cfg.Instance, Attempt: uint8(min(a.Attempt, 255)), Fingerprint: d.cfg.Fingerprint,
 		Tokens: h.req.Tokens, Sampling: h.req.Sampling, Deadline: h.deadline.UnixNano(), Budget: int64(time.Until(h.deadline)), Peer: d.peer,
-		Ticket: ticketOf(&tk), KVBytes: h.kvB, MambaBytes: h.mB, TP: wireTP(d.cfg.TP),
+		Ticket: wire.TicketOf(tk), KVBytes: h.kvB, MambaBytes: h.mB, TP: wireTP(d.cfg.TP),
 	}
 	buf := getMsgBuf()
-	b, err := appendPrefillRequest(*buf, &msg, d.maxPayload)
+	b, err := wire.AppendPrefillRequest(*buf, &msg, d.maxPayload)
 	if err != nil {
 		putMsgBuf(buf, *buf)
 		return "", err
@@ -795,10 +796,10 @@ func (h *handoff) send(a session.Action) (string, error) {
 // last heartbeat) plus the ones this decoder addressed to it since. Ties go
 // round-robin, so a burst between two heartbeats spreads out. It returns
 // the instance's registry entry, or the zero Instance when none will do.
-func (d *Decoder) pick(exclude []string) Instance {
-	insts := d.reg.Instances(RolePrefill, time.Now())
+func (d *Decoder) pick(exclude []string) wire.Instance {
+	insts := d.reg.Instances(wire.RolePrefill, time.Now())
 	if len(insts) == 0 {
-		return Instance{}
+		return wire.Instance{}
 	}
 	d.mu.Lock()
 	mine := make(map[string]int, len(insts))
@@ -812,7 +813,7 @@ func (d *Decoder) pick(exclude []string) Instance {
 		gone = maps.Clone(d.gone)
 	}
 	d.mu.Unlock()
-	var target Instance
+	var target wire.Instance
 	best := 0
 	off := int(d.picks.Add(1))
 	for i := range insts {
@@ -863,7 +864,7 @@ func (h *handoff) replyEvent(m *nats.Msg) session.Event {
 	if m.Header.Get("Status") == "503" {
 		return session.Event{Kind: session.EvNoResponders, Attempt: attempt}
 	}
-	r, err := DecodePrefillReply(m.Data)
+	r, err := wire.DecodePrefillReply(m.Data)
 	if err != nil || r.RequestID != h.req.ID {
 		if err == nil {
 			err = fmt.Errorf("%w: reply names request %d", ErrBadMessage, r.RequestID)

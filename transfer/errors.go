@@ -3,12 +3,9 @@ package transfer
 import (
 	"errors"
 	"fmt"
-	"math"
-	"reflect"
-
-	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/handoff-io/handoff/transfer/session"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // Sentinel errors. Every error a Decoder or Prefiller returns wraps exactly one
@@ -22,7 +19,7 @@ var (
 	ErrTimeout = errors.New("transfer: deadline exceeded")
 	// ErrPayloadTooLarge: an encoded control message exceeds the server's max
 	// payload. Checked before publishing; nothing was sent.
-	ErrPayloadTooLarge = errors.New("transfer: control message exceeds max payload")
+	ErrPayloadTooLarge = wire.ErrPayloadTooLarge
 	// ErrLayoutMismatch: the peers' cache layouts differ (fingerprint or byte
 	// counts). Refused before any byte moves.
 	ErrLayoutMismatch = errors.New("transfer: cache layout mismatch")
@@ -45,7 +42,7 @@ var (
 	ErrPrefillFailed = errors.New("transfer: prefill failed")
 	// ErrBadMessage: a control message could not be decoded, has an unknown
 	// version or is inconsistent.
-	ErrBadMessage = errors.New("transfer: bad control message")
+	ErrBadMessage = wire.ErrBadMessage
 	// ErrClosed: the Decoder or Prefiller was shut down.
 	ErrClosed = errors.New("transfer: closed")
 	// ErrInvalidConfig: a Config failed validation.
@@ -94,22 +91,6 @@ const (
 	CodeClosed          = session.CodeClosed
 	codeCount           = session.NumCodes
 )
-
-// A code on the wire is refused when it is too wide for a Code, which
-// msgpack's reflection would truncate into another, valid-looking one.
-func init() {
-	msgpack.Register(Code(0), nil, func(dec *msgpack.Decoder, v reflect.Value) error {
-		n, err := dec.DecodeUint64()
-		if err != nil {
-			return err
-		}
-		if n > math.MaxUint16 {
-			return fmt.Errorf("code %d out of range", n)
-		}
-		v.SetUint(n)
-		return nil
-	})
-}
 
 var codeErrors = [codeCount]error{
 	CodeOK:              nil,

@@ -18,6 +18,7 @@ import (
 
 	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // TestFaultSoak runs many handoffs between a decoder and two prefill
@@ -58,7 +59,7 @@ func TestFaultSoak(t *testing.T) {
 	f.prefiller("p2", f.fp, x2, withReg)
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst, c.Registry = false, true, reg })
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
+		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d prefill instances known", n)
 		}
 		return nil

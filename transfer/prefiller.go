@@ -18,6 +18,7 @@ import (
 
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/handoff-io/handoff/transfer/session"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // ServiceName is the NATS micro service name prefill workers register under
@@ -41,7 +42,7 @@ type PrefillerConfig struct {
 	Layerwise          Layerwise
 	LayerwiseMinTokens int
 	// Capacity reports the instance's room for the registry; optional.
-	Capacity func() Capacity
+	Capacity func() wire.Capacity
 	Registry RegistryConfig
 	// NoRegistry skips the instance registry (no announce, no watch of decode
 	// instances). For tools and tests.
@@ -54,9 +55,9 @@ type PrefillerConfig struct {
 
 func (c *PrefillerConfig) validate() error {
 	if c.Prefix == "" {
-		c.Prefix = DefaultPrefix
+		c.Prefix = wire.DefaultPrefix
 	}
-	if !ValidToken(c.Instance) || !ValidToken(c.Namespace) || !ValidToken(c.Prefix) {
+	if !wire.ValidToken(c.Instance) || !wire.ValidToken(c.Namespace) || !wire.ValidToken(c.Prefix) {
 		return fmt.Errorf("%w: instance %q, namespace %q and prefix %q must be tokens of [A-Za-z0-9_-]", ErrInvalidConfig, c.Instance, c.Namespace, c.Prefix)
 	}
 	if c.Fingerprint == "" {
@@ -85,7 +86,7 @@ func (c *PrefillerConfig) validate() error {
 type Job struct {
 	RequestID uint64
 	Tokens    []int32
-	Sampling  Sampling
+	Sampling  wire.Sampling
 	Deadline  time.Time
 	From      string // the requesting instance
 	// Span is the request's "prefill" span when it is traced, else nil: the
@@ -172,7 +173,7 @@ type Prefiller struct {
 	wg    sync.WaitGroup
 	work  chan taskStart // to an idle worker; unbuffered (see dispatchLocked)
 	quit  chan struct{}  // closed when intake stops: idle workers exit
-	peers peerCache      // the last requester's descriptor, see decodePrefillRequest
+	peers wire.PeerCache // the last requester's descriptor, see wire.PeerCache
 	free  sync.Pool      // *task, see freeTask
 
 	// Pre-connection to decode instances seen in the registry, so a first
@@ -234,7 +235,7 @@ func (p *Prefiller) Start(ctx context.Context) error {
 	// The registry runs outside p.mu: Watch delivers the decode instances that
 	// already exist to preconnect, which takes p.mu.
 	if reg != nil {
-		if err = reg.Watch(ctx, RoleDecode); err == nil {
+		if err = reg.Watch(ctx, wire.RoleDecode); err == nil {
 			err = reg.Announce(ctx, p.self)
 		}
 	}
@@ -378,15 +379,15 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 	in.svc = svc
 	p.svcID = svc.Info().ID // read by self, which the registry calls only after Start announced
 	h := micro.HandlerFunc(p.handle)
-	if err := svc.AddEndpoint("prefill", h, micro.WithEndpointSubject(Subject(c.Prefix, c.Namespace, SubjectPrefill, "")),
-		micro.WithEndpointQueueGroup(PrefillQueue)); err != nil {
+	if err := svc.AddEndpoint("prefill", h, micro.WithEndpointSubject(wire.Subject(c.Prefix, c.Namespace, wire.SubjectPrefill, "")),
+		micro.WithEndpointQueueGroup(wire.PrefillQueue)); err != nil {
 		return nil, fmt.Errorf("transfer: prefill endpoint: %w", err)
 	}
-	if err := svc.AddEndpoint("prefill-direct", h, micro.WithEndpointSubject(Subject(c.Prefix, c.Namespace, SubjectInstancePrefill, c.Instance)),
+	if err := svc.AddEndpoint("prefill-direct", h, micro.WithEndpointSubject(wire.Subject(c.Prefix, c.Namespace, wire.SubjectInstancePrefill, c.Instance)),
 		micro.WithEndpointQueueGroupDisabled()); err != nil {
 		return nil, fmt.Errorf("transfer: prefill endpoint: %w", err)
 	}
-	for _, subj := range []string{Subject(c.Prefix, c.Namespace, SubjectInstanceCancel, c.Instance), Subject(c.Prefix, c.Namespace, SubjectCancel, "")} {
+	for _, subj := range []string{wire.Subject(c.Prefix, c.Namespace, wire.SubjectInstanceCancel, c.Instance), wire.Subject(c.Prefix, c.Namespace, wire.SubjectCancel, "")} {
 		sub, err := p.nc.Subscribe(subj, p.onCancel)
 		if err != nil {
 			return nil, fmt.Errorf("transfer: cancel subscription: %w", err)
@@ -398,8 +399,8 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 		if reg, err = OpenRegistry(ctx, p.nc, c.Registry); err != nil {
 			return nil, err
 		}
-		reg.OnChange(func(inst Instance, gone bool) {
-			if inst.Role != RoleDecode {
+		reg.OnChange(func(inst wire.Instance, gone bool) {
+			if inst.Role != wire.RoleDecode {
 				return
 			}
 			if gone {
@@ -432,7 +433,7 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 // what they still await from this instance. Runs until status is closed.
 func (p *Prefiller) announceReconnects(status <-chan nats.Status) {
 	down := false
-	subj := Subject(p.cfg.Prefix, p.cfg.Namespace, SubjectInstanceReconnected, p.cfg.Instance)
+	subj := wire.Subject(p.cfg.Prefix, p.cfg.Namespace, wire.SubjectInstanceReconnected, p.cfg.Instance)
 	for st := range status {
 		switch st {
 		case nats.RECONNECTING:
@@ -453,7 +454,7 @@ func (p *Prefiller) announceReconnects(status <-chan nats.Status) {
 
 // preconnect connects the data plane to a decode instance when it appears (or
 // its agent changes), in the background, bounded by 10 s and by Shutdown.
-func (p *Prefiller) preconnect(inst Instance, gone bool) {
+func (p *Prefiller) preconnect(inst wire.Instance, gone bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if gone {
@@ -482,8 +483,8 @@ func (p *Prefiller) preconnect(inst Instance, gone bool) {
 	})
 }
 
-func (p *Prefiller) self() Instance {
-	inst := Instance{ID: p.cfg.Instance, Role: RolePrefill, Fingerprint: p.cfg.Fingerprint, Peer: PeerOf(p.eng.Descriptor()), Service: p.svcID}
+func (p *Prefiller) self() wire.Instance {
+	inst := wire.Instance{ID: p.cfg.Instance, Role: wire.RolePrefill, Fingerprint: p.cfg.Fingerprint, Peer: wire.PeerOf(p.eng.Descriptor()), Service: p.svcID}
 	if p.cfg.Capacity != nil {
 		inst.Capacity = p.cfg.Capacity()
 	}
@@ -579,7 +580,7 @@ func (p *Prefiller) stopIntakeLocked() intake {
 }
 
 func (p *Prefiller) onCancel(m *nats.Msg) {
-	c, err := DecodeCancel(m.Data)
+	c, err := wire.DecodeCancel(m.Data)
 	if err != nil {
 		p.cfg.Logger.Warn("bad cancel", "err", err)
 		return
@@ -614,7 +615,7 @@ type task struct {
 	p      *Prefiller
 	next   *task  // the next task of the same request id (under Prefiller.mu)
 	reply  string // reply subject
-	msg    PrefillRequest
+	msg    wire.PrefillRequest
 	peer   rdma.Descriptor // msg.Peer's
 	ticket rdma.Ticket
 	sess   session.SendSession
@@ -686,16 +687,16 @@ func (t *task) abort(code Code) {
 // either reply at once (refusals) or hand the request to a worker goroutine.
 func (p *Prefiller) handle(r micro.Request) {
 	p.received.Add(1)
-	m, peer, err := decodePrefillRequest(r.Data(), &p.peers)
+	m, peer, err := p.peers.DecodePrefillRequest(r.Data())
 	if err != nil {
 		p.refused.Add(1)
-		p.replyNow(r, PrefillReply{Code: CodeBadMessage, Msg: err.Error()})
+		p.replyNow(r, wire.PrefillReply{Code: CodeBadMessage, Msg: err.Error()})
 		return
 	}
 	tk, err := m.Ticket.RDMA()
 	if err != nil {
 		p.refused.Add(1)
-		p.replyNow(r, PrefillReply{RequestID: m.RequestID, Code: CodeBadMessage, Msg: err.Error()})
+		p.replyNow(r, wire.PrefillReply{RequestID: m.RequestID, Code: CodeBadMessage, Msg: err.Error()})
 		return
 	}
 	t := p.newTask()
@@ -835,10 +836,10 @@ func (p *Prefiller) refuseNotServing(r micro.Request, t *task, state int) {
 	endSpanCode(t.span, CodeCapacityRefused, t.cause)
 }
 
-func (p *Prefiller) replyNow(r micro.Request, rep PrefillReply) {
+func (p *Prefiller) replyNow(r micro.Request, rep wire.PrefillReply) {
 	rep.Instance = p.cfg.Instance
 	buf := getMsgBuf()
-	b, err := appendPrefillReply(*buf, &rep, p.maxPayload)
+	b, err := wire.AppendPrefillReply(*buf, &rep, p.maxPayload)
 	if err != nil {
 		putMsgBuf(buf, *buf)
 		p.cfg.Logger.Error("encode reply", "err", err)
@@ -856,12 +857,12 @@ func (p *Prefiller) replyNow(r micro.Request, rep PrefillReply) {
 	}
 }
 
-func (t *task) replyFor(code Code) PrefillReply {
-	rep := PrefillReply{RequestID: t.msg.RequestID, Code: code}
+func (t *task) replyFor(code Code) wire.PrefillReply {
+	rep := wire.PrefillReply{RequestID: t.msg.RequestID, Code: code}
 	if code == CodeOK {
 		rep.FirstToken, rep.Logprobs = t.out.FirstToken, t.out.Logprobs
 		rep.PrefillNanos, rep.WriteNanos = int64(t.pf), int64(t.wr)
-		rep.Manifest = ManifestOf(t.manifest)
+		rep.Manifest = wire.ManifestOf(t.manifest)
 	} else if t.cause != nil {
 		rep.Msg = t.cause.Error()
 	} else {
@@ -978,7 +979,7 @@ func (t *task) sendReply(code Code) {
 		t.span = nil
 	}
 	buf := getMsgBuf()
-	b, err := appendPrefillReply(*buf, &rep, p.maxPayload)
+	b, err := wire.AppendPrefillReply(*buf, &rep, p.maxPayload)
 	if err != nil {
 		putMsgBuf(buf, *buf)
 		p.cfg.Logger.Error("encode reply", "seq", rep.RequestID, "from", t.msg.From, "err", err)

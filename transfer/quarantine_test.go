@@ -25,6 +25,7 @@ import (
 	"github.com/handoff-io/handoff/kvcache"
 	"github.com/handoff-io/handoff/mambacache"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // writerJob is what the stoppable writer process is told: where to write.
@@ -92,9 +93,9 @@ func TestHandoffQuarantinedWhileWriterStopped(t *testing.T) {
 	ds := newSideOn(t, "dec", cfg, rdma.TransportSHM)
 	d := f.decoder("d1", ds, nil)
 	nc := natstest.Connect(t, f.srv)
-	reqs := make(chan PrefillRequest, 4)
-	sub, err := nc.Subscribe(Subject(DefaultPrefix, f.ns, SubjectPrefill, ""), func(m *nats.Msg) {
-		if r, err := DecodePrefillRequest(m.Data); err == nil {
+	reqs := make(chan wire.PrefillRequest, 4)
+	sub, err := nc.Subscribe(wire.Subject(wire.DefaultPrefix, f.ns, wire.SubjectPrefill, ""), func(m *nats.Msg) {
+		if r, err := wire.DecodePrefillRequest(m.Data); err == nil {
 			reqs <- r
 		}
 	})

@@ -13,6 +13,7 @@ import (
 
 	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // gatedExec is a PrefillExecutor over a side's pools whose n-th Prefill
@@ -101,7 +102,7 @@ func TestQueueGroupRetryDeathFailsOver(t *testing.T) {
 		}
 	})
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		insts := d.Registry().Instances(RolePrefill, time.Now())
+		insts := d.Registry().Instances(wire.RolePrefill, time.Now())
 		if len(insts) != 1 || insts[0].Service == "" {
 			return fmt.Errorf("prefill instances known: %+v", insts)
 		}

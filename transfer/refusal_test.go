@@ -18,6 +18,7 @@ import (
 	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/mambacache"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 func TestHandoffNoPrefillWorker(t *testing.T) {
@@ -61,7 +62,7 @@ func TestHandoffRetriesOnAnotherWorker(t *testing.T) {
 	f.prefiller("p2", f.fp, free, withRegistryP)
 	d := f.decoder("d1", ds, withRegistry)
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
+		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d prefill instances known", n)
 		}
 		return nil
@@ -121,7 +122,7 @@ func TestHandoffPayloadTooLarge(t *testing.T) {
 	d := f.decoder("d1", ds, nil)
 	f.prefiller("p1", f.fp, x, nil)
 	before := inMsgs(t, f.srv)
-	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(DefaultMaxPayload / 4)})
+	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(wire.DefaultMaxPayload / 4)})
 	require.ErrorIs(t, err, ErrPayloadTooLarge)
 	require.Equal(t, before, inMsgs(t, f.srv), "something was published")
 	require.Zero(t, x.admits.Load())
@@ -151,14 +152,16 @@ func TestDummiesNeverTransferred(t *testing.T) {
 	// The worker refuses a request naming a dummy id, whoever sent it.
 	nc := natstest.Connect(t, f.srv)
 	for _, id := range []uint64{0, math.MaxUint64 - 1} {
-		req := sampleRequest(4, 2)
-		req.RequestID, req.Ticket.RequestID, req.Fingerprint = id, id, f.fp
-		req.Deadline = time.Now().Add(time.Minute).UnixNano()
-		b, err := EncodePrefillRequest(req, 0)
+		req := wire.PrefillRequest{RequestID: id, Fingerprint: f.fp, Tokens: tokens(4),
+			Deadline: time.Now().Add(time.Minute).UnixNano(),
+			Ticket: wire.Ticket{Token: make([]byte, 16), RequestID: id,
+				Extents: wire.Extents{{Region: 1, Length: 4096}}, Bytes: 4096},
+			MambaBytes: 4096}
+		b, err := wire.EncodePrefillRequest(req, 0)
 		require.NoError(t, err)
-		m, err := nc.Request(Subject(DefaultPrefix, f.ns, SubjectPrefill, ""), b, 5*time.Second)
+		m, err := nc.Request(wire.Subject(wire.DefaultPrefix, f.ns, wire.SubjectPrefill, ""), b, 5*time.Second)
 		require.NoError(t, err)
-		rep, err := DecodePrefillReply(m.Data)
+		rep, err := wire.DecodePrefillReply(m.Data)
 		require.NoError(t, err)
 		require.Equal(t, CodeDummyRequest, rep.Code, "id %d", id)
 	}

@@ -12,6 +12,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // RegistryConfig configures a Registry.
@@ -29,9 +31,9 @@ type RegistryConfig struct {
 
 func (c *RegistryConfig) validate() error {
 	if c.Prefix == "" {
-		c.Prefix = DefaultPrefix
+		c.Prefix = wire.DefaultPrefix
 	}
-	if !ValidToken(c.Prefix) || !ValidToken(c.Namespace) {
+	if !wire.ValidToken(c.Prefix) || !wire.ValidToken(c.Namespace) {
 		return fmt.Errorf("%w: prefix %q and namespace %q must be tokens of [A-Za-z0-9_-]", ErrInvalidConfig, c.Prefix, c.Namespace)
 	}
 	if c.TTL == 0 {
@@ -65,12 +67,12 @@ type Registry struct {
 	mu      sync.Mutex
 	kv      jetstream.KeyValue // replaced when the bucket is recreated
 	closed  bool
-	entries map[string]Instance // by instance id
+	entries map[string]wire.Instance // by instance id
 	// seen is when each entry was last received, on this host's monotonic
 	// clock: liveness never compares the announcer's wall clock with ours.
 	seen     map[string]time.Time
 	revs     map[string]uint64 // bucket revision of each entry as received
-	onChange []func(inst Instance, gone bool)
+	onChange []func(inst wire.Instance, gone bool)
 
 	stop chan struct{}
 	// life bounds the watches' subscriptions: nats.go unsubscribes a KV
@@ -79,8 +81,8 @@ type Registry struct {
 	life     context.Context
 	lifeStop context.CancelFunc
 	wg       sync.WaitGroup
-	self     string          // key of the announced entry
-	selfFn   func() Instance // what Announce publishes
+	self     string               // key of the announced entry
+	selfFn   func() wire.Instance // what Announce publishes
 }
 
 // OpenRegistry creates or opens the namespace's bucket.
@@ -93,7 +95,7 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, cfg RegistryConfig) (*Regi
 		return nil, fmt.Errorf("transfer: registry: %w", err)
 	}
 	kcfg := jetstream.KeyValueConfig{
-		Bucket:         BucketName(cfg.Prefix, cfg.Namespace),
+		Bucket:         wire.BucketName(cfg.Prefix, cfg.Namespace),
 		Description:    "handoff instances: data-plane descriptor, layout fingerprint, capacity",
 		TTL:            cfg.TTL,
 		History:        1,
@@ -107,7 +109,7 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, cfg RegistryConfig) (*Regi
 			kcfg.Replicas = 3 // openWhenReady falls back to 1 where the cluster cannot
 		}
 	}
-	r := &Registry{cfg: cfg, js: js, kcfg: kcfg, entries: map[string]Instance{}, seen: map[string]time.Time{}, revs: map[string]uint64{}, stop: make(chan struct{})}
+	r := &Registry{cfg: cfg, js: js, kcfg: kcfg, entries: map[string]wire.Instance{}, seen: map[string]time.Time{}, revs: map[string]uint64{}, stop: make(chan struct{})}
 	if err := r.openWhenReady(ctx); err != nil {
 		return nil, err
 	}
@@ -218,13 +220,13 @@ func (r *Registry) bucket() jetstream.KeyValue {
 	return r.kv
 }
 
-func registryKey(role Role, id string) string { return string(role) + "." + id }
+func registryKey(role wire.Role, id string) string { return string(role) + "." + id }
 
 // Announce publishes self() now and every Heartbeat until Close, which deletes
 // the entry. It may be called once.
-func (r *Registry) Announce(ctx context.Context, self func() Instance) error {
+func (r *Registry) Announce(ctx context.Context, self func() wire.Instance) error {
 	inst := self()
-	if !ValidToken(inst.ID) {
+	if !wire.ValidToken(inst.ID) {
 		return fmt.Errorf("%w: instance id %q", ErrInvalidConfig, inst.ID)
 	}
 	key := registryKey(inst.Role, inst.ID)
@@ -272,7 +274,7 @@ func (r *Registry) Refresh(ctx context.Context) error {
 
 // heartbeat refreshes the entry. When that fails it reopens the bucket (the
 // server may have restarted without it) and tries once more.
-func (r *Registry) heartbeat(key string, self func() Instance) error {
+func (r *Registry) heartbeat(key string, self func() wire.Instance) error {
 	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.Heartbeat)
 	defer cancel()
 	err := r.put(ctx, key, self())
@@ -287,9 +289,9 @@ func (r *Registry) heartbeat(key string, self func() Instance) error {
 	return r.put(octx, key, self())
 }
 
-func (r *Registry) put(ctx context.Context, key string, inst Instance) error {
+func (r *Registry) put(ctx context.Context, key string, inst wire.Instance) error {
 	inst.Updated = time.Now().UnixNano()
-	b, err := EncodeInstance(inst)
+	b, err := wire.EncodeInstance(inst)
 	if err != nil {
 		return err
 	}
@@ -304,7 +306,7 @@ func (r *Registry) put(ctx context.Context, key string, inst Instance) error {
 // entry taken over by another incarnation (Instance.Service changed: the
 // instance restarted under the same id) is reported twice: the old one
 // gone, then the new one. fn must not block. Register before Watch.
-func (r *Registry) OnChange(fn func(inst Instance, gone bool)) {
+func (r *Registry) OnChange(fn func(inst wire.Instance, gone bool)) {
 	r.mu.Lock()
 	r.onChange = append(r.onChange, fn)
 	r.mu.Unlock()
@@ -314,7 +316,7 @@ func (r *Registry) OnChange(fn func(inst Instance, gone bool)) {
 // entries are loaded, or with ctx's error when ctx ends first (the watch then
 // keeps starting in the background until Close); ctx does not bound the watch
 // itself.
-func (r *Registry) Watch(ctx context.Context, role Role) error {
+func (r *Registry) Watch(ctx context.Context, role wire.Role) error {
 	loaded := make(chan error, 1)
 	r.mu.Lock()
 	if r.closed {
@@ -337,7 +339,7 @@ func (r *Registry) Watch(ctx context.Context, role Role) error {
 // watches is still the server's: a restarted server has lost it (memory
 // storage) and a watch on the old one hears nothing more, so the bucket is
 // then recreated if need be and watched again.
-func (r *Registry) watch(role Role, loaded chan<- error) {
+func (r *Registry) watch(role wire.Role, loaded chan<- error) {
 	w, born, err := r.startWatch(role)
 	if err != nil {
 		if r.life.Err() != nil {
@@ -417,7 +419,7 @@ func (r *Registry) watch(role Role, loaded chan<- error) {
 // entry it holds is overdue (not received for 1.5 heartbeats) while the
 // bucket has a newer revision of it. A stream's leader dying can leave a
 // watch's consumer silent for good while the bucket, replicated, carries on.
-func (r *Registry) watchStalled(role Role) bool {
+func (r *Registry) watchStalled(role wire.Role) bool {
 	now := time.Now()
 	r.mu.Lock()
 	var overdue []string
@@ -447,7 +449,7 @@ func (r *Registry) watchStalled(role Role) bool {
 
 // startWatch watches role's keys in the current bucket, and returns when that
 // bucket was created.
-func (r *Registry) startWatch(role Role) (jetstream.KeyWatcher, time.Time, error) {
+func (r *Registry) startWatch(role wire.Role) (jetstream.KeyWatcher, time.Time, error) {
 	kv := r.bucket()
 	ctx, cancel := context.WithTimeout(r.life, r.cfg.TTL)
 	defer cancel()
@@ -482,11 +484,11 @@ func (r *Registry) bucketReplaced(born time.Time) bool {
 
 func (r *Registry) apply(e jetstream.KeyValueEntry) {
 	_, id, _ := strings.Cut(e.Key(), ".")
-	var inst Instance
+	var inst wire.Instance
 	gone := e.Operation() != jetstream.KeyValuePut
 	if !gone {
 		var err error
-		if inst, err = DecodeInstance(e.Value()); err != nil {
+		if inst, err = wire.DecodeInstance(e.Value()); err != nil {
 			r.cfg.Logger.Warn("registry entry", "key", e.Key(), "err", err)
 			return
 		}
@@ -497,7 +499,7 @@ func (r *Registry) apply(e jetstream.KeyValueEntry) {
 	// the old one died, so it is reported gone before the new one appears.
 	// One process announces one service for its life, so a heartbeat never
 	// looks like this.
-	var prev Instance
+	var prev wire.Instance
 	replaced := false
 	r.mu.Lock()
 	if gone {
@@ -537,16 +539,16 @@ func (r *Registry) apply(e jetstream.KeyValueEntry) {
 // TTL, so an expiry is honoured even before the server's marker arrives.
 // The announcer's own timestamp (Updated) is not compared with now: hosts'
 // wall clocks may disagree by more than the TTL. Sorted by id.
-func (r *Registry) Instances(role Role, now time.Time) []Instance {
+func (r *Registry) Instances(role wire.Role, now time.Time) []wire.Instance {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	out := make([]Instance, 0, len(r.entries))
+	out := make([]wire.Instance, 0, len(r.entries))
 	for id, inst := range r.entries {
 		if inst.Role == role && now.Sub(r.seen[id]) < r.cfg.TTL {
 			out = append(out, inst)
 		}
 	}
-	slices.SortFunc(out, func(a, b Instance) int { return strings.Compare(a.ID, b.ID) })
+	slices.SortFunc(out, func(a, b wire.Instance) int { return strings.Compare(a.ID, b.ID) })
 	return out
 }
 

@@ -14,6 +14,7 @@ import (
 
 	"github.com/handoff-io/handoff/internal/leakcheck"
 	"github.com/handoff-io/handoff/internal/natstest"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // The registry's bucket lives in memory on the NATS server: a restarted
@@ -34,13 +35,13 @@ func TestRegistryRecoversAfterServerRestart(t *testing.T) {
 	watcher, err := OpenRegistry(ctx, natstest.Connect(t, srv, reconnect...), cfg)
 	require.NoError(t, err)
 	defer watcher.Close(ctx)
-	require.NoError(t, watcher.Watch(ctx, RolePrefill))
+	require.NoError(t, watcher.Watch(ctx, wire.RolePrefill))
 	live, err := OpenRegistry(ctx, natstest.Connect(t, srv, reconnect...), cfg)
 	require.NoError(t, err)
 	defer live.Close(ctx)
-	require.NoError(t, live.Announce(ctx, func() Instance { return Instance{ID: "p1", Role: RolePrefill, Fingerprint: "fp"} }))
+	require.NoError(t, live.Announce(ctx, func() wire.Instance { return wire.Instance{ID: "p1", Role: wire.RolePrefill, Fingerprint: "fp"} }))
 	seen := func() error {
-		if n := len(watcher.Instances(RolePrefill, time.Now())); n != 1 {
+		if n := len(watcher.Instances(wire.RolePrefill, time.Now())); n != 1 {
 			return fmt.Errorf("%d instances", n)
 		}
 		return nil
@@ -60,9 +61,9 @@ func TestRegistryRecoversAfterServerRestart(t *testing.T) {
 	late, err := OpenRegistry(ctx, natstest.Connect(t, srv, reconnect...), cfg)
 	require.NoError(t, err)
 	defer late.Close(ctx)
-	require.NoError(t, late.Announce(ctx, func() Instance { return Instance{ID: "p2", Role: RolePrefill, Fingerprint: "fp"} }))
+	require.NoError(t, late.Announce(ctx, func() wire.Instance { return wire.Instance{ID: "p2", Role: wire.RolePrefill, Fingerprint: "fp"} }))
 	natstest.CheckFor(t, 10*time.Second, 10*time.Millisecond, func() error {
-		if n := len(watcher.Instances(RolePrefill, time.Now())); n != 2 {
+		if n := len(watcher.Instances(wire.RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d instances", n)
 		}
 		return nil

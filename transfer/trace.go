@@ -11,6 +11,8 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // Tracing. A handoff is traced when the ctx given to Decoder.Handoff carries
@@ -155,7 +157,7 @@ func (h *handoff) publishRequest(subj, reply string, data []byte) error {
 
 // startSpan opens the "prefill" span of request m, received at start, under
 // the trace context of r's headers (a new trace when they carry none).
-func (p *Prefiller) startSpan(r micro.Request, m *PrefillRequest, start time.Time) trace.Span {
+func (p *Prefiller) startSpan(r micro.Request, m *wire.PrefillRequest, start time.Time) trace.Span {
 	ctx := ExtractHeader(context.Background(), nats.Header(r.Headers()))
 	_, span := p.tracer.Start(ctx, "prefill",
 		trace.WithSpanKind(trace.SpanKindServer), trace.WithTimestamp(start),

@@ -15,6 +15,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/handoff-io/handoff/internal/natstest"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // spansNamed waits until exp holds n spans and returns them by name.
@@ -48,7 +49,7 @@ func attrOf(s tracetest.SpanStub, k attribute.Key) attribute.Value {
 func spyPrefill(t *testing.T, f *fixture) <-chan nats.Header {
 	nc := natstest.Connect(t, f.srv)
 	got := make(chan nats.Header, 4)
-	_, err := nc.Subscribe(Subject(DefaultPrefix, f.ns, SubjectPrefill, ""), func(m *nats.Msg) { got <- m.Header })
+	_, err := nc.Subscribe(wire.Subject(wire.DefaultPrefix, f.ns, wire.SubjectPrefill, ""), func(m *nats.Msg) { got <- m.Header })
 	require.NoError(t, err)
 	require.NoError(t, nc.Flush())
 	return got

@@ -1,8 +1,7 @@
-package transfer
+package wire
 
 import (
 	"bytes"
-	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -11,6 +10,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
 )
 
 func sampleRequest(nTokens, nExtents int) PrefillRequest {
@@ -73,7 +73,7 @@ func TestWireRoundTrip(t *testing.T) {
 	require.Equal(t, rep, gotRep)
 	require.Equal(t, rep.Manifest, ManifestOf(gotRep.Manifest.RDMA()))
 
-	c := Cancel{RequestID: 42, Grant: 5, Code: CodeTimeout, From: "d1"}
+	c := Cancel{RequestID: 42, Grant: 5, Code: session.CodeTimeout, From: "d1"}
 	b, err = EncodeCancel(c)
 	require.NoError(t, err)
 	gotC, err := DecodeCancel(b)
@@ -161,7 +161,7 @@ type plainReply struct {
 	V            uint8         `msgpack:"v"`
 	RequestID    uint64        `msgpack:"id"`
 	Instance     string        `msgpack:"inst"`
-	Code         Code          `msgpack:"code"`
+	Code         session.Code  `msgpack:"code"`
 	Msg          string        `msgpack:"msg"`
 	FirstToken   int32         `msgpack:"tok"`
 	PrefillNanos int64         `msgpack:"pf"`
@@ -197,7 +197,7 @@ func TestWireHandCodecsMatchReflection(t *testing.T) {
 	require.Equal(t, req, got)
 
 	rep := sampleReply()
-	rep.V, rep.Code, rep.Msg = WireVersion, CodePrefillFailed, "boom"
+	rep.V, rep.Code, rep.Msg = WireVersion, session.CodePrefillFailed, "boom"
 	b, err = EncodePrefillReply(rep, 0)
 	require.NoError(t, err)
 	var pp plainReply
@@ -268,7 +268,7 @@ func TestWireHandCodecsSameBytesAsReflection(t *testing.T) {
 // A prefill worker's decode takes a peer it decoded before from its cache:
 // the same request and descriptor as a plain decode, for any peer.
 func TestWirePeerCache(t *testing.T) {
-	var c peerCache
+	var c PeerCache
 	a, b := sampleRequest(3, 2), sampleRequest(3, 2)
 	b.Peer.Agent, b.Peer.Regions = "other", nil
 	for i, req := range []PrefillRequest{a, a, b, a, b, b} {
@@ -375,7 +375,7 @@ func TestWireRepeatedStructKeys(t *testing.T) {
 	for name, b := range requests {
 		var p plainRequest
 		require.NoError(t, msgpack.Unmarshal(b, &p), name)
-		for _, peers := range []*peerCache{nil, new(peerCache)} {
+		for _, peers := range []*PeerCache{nil, new(PeerCache)} {
 			m, _, err := decodePrefillRequest(b, peers)
 			if err != nil {
 				require.ErrorIs(t, err, ErrBadMessage, name)
@@ -400,26 +400,7 @@ func TestWireIgnoresUnknownKeys(t *testing.T) {
 	require.NoError(t, err)
 	c, err := DecodeCancel(b)
 	require.NoError(t, err)
-	require.Equal(t, Cancel{V: 1, RequestID: 5, Code: CodeTimeout}, c)
-}
-
-func TestRemoteErrorMatchesSentinel(t *testing.T) {
-	for c := Code(1); c < codeCount; c++ {
-		err := fmt.Errorf("wrapped: %w", &RemoteError{Code: c, Msg: "m", Instance: "p1"})
-		require.ErrorIs(t, err, CodeErr(c), c.String())
-		require.Equal(t, c, CodeOf(err))
-		require.Equal(t, c, CodeOf(fmt.Errorf("x: %w", CodeErr(c))))
-		for o := Code(1); o < codeCount; o++ {
-			if o != c {
-				require.NotErrorIs(t, err, CodeErr(o))
-			}
-		}
-	}
-	require.Equal(t, CodeOK, CodeOf(nil))
-	require.Equal(t, CodePeerFailed, CodeOf(errors.New("other")))
-	require.Nil(t, CodeErr(CodeOK))
-	require.ErrorIs(t, CodeErr(Code(999)), ErrBadMessage)
-	require.Equal(t, "code(999)", Code(999).String())
+	require.Equal(t, Cancel{V: 1, RequestID: 5, Code: session.CodeTimeout}, c)
 }
 
 func TestSubjects(t *testing.T) {
@@ -489,7 +470,7 @@ func FuzzDecodeMatchesReflection(f *testing.F) {
 
 func FuzzDecodePrefillReply(f *testing.F) {
 	a, _ := EncodePrefillReply(sampleReply(), 0)
-	b, _ := EncodePrefillReply(PrefillReply{RequestID: 1, Code: CodeCapacityRefused, Msg: "full"}, 0)
+	b, _ := EncodePrefillReply(PrefillReply{RequestID: 1, Code: session.CodeCapacityRefused, Msg: "full"}, 0)
 	fuzzSeeds(f, a, b)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		m, err := DecodePrefillReply(data)
@@ -509,7 +490,7 @@ func FuzzDecodePrefillReply(f *testing.F) {
 }
 
 func FuzzDecodeCancel(f *testing.F) {
-	a, _ := EncodeCancel(Cancel{RequestID: 42, Grant: 5, Code: CodeTimeout})
+	a, _ := EncodeCancel(Cancel{RequestID: 42, Grant: 5, Code: session.CodeTimeout})
 	fuzzSeeds(f, a)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		m, err := DecodeCancel(data)
@@ -602,16 +583,16 @@ func TestDecodeRefusesTruncation(t *testing.T) {
 		{"request attempt", func(b []byte) error { _, err := DecodePrefillRequest(b); return err },
 			requestWith(t, "try", 256)},
 		{"cancel code", func(b []byte) error { _, err := DecodeCancel(b); return err },
-			msg("v", 1, "id", 7, "code", 1<<16+int(CodeCancelled))},
+			msg("v", 1, "id", 7, "code", 1<<16+int(session.CodeCancelled))},
 		{"cancel version", func(b []byte) error { _, err := DecodeCancel(b); return err },
-			msg("v", 257, "id", 7, "code", int(CodeCancelled))},
+			msg("v", 257, "id", 7, "code", int(session.CodeCancelled))},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			require.ErrorIs(t, tc.decode(tc.data), ErrBadMessage)
 		})
 	}
 	// The same messages in range decode.
-	_, err := DecodeCancel(msg("v", 1, "id", 7, "code", int(CodeCancelled)))
+	_, err := DecodeCancel(msg("v", 1, "id", 7, "code", int(session.CodeCancelled)))
 	require.NoError(t, err)
 	_, err = DecodePrefillRequest(requestWith(t, "try", 255))
 	require.NoError(t, err)

@@ -1,4 +1,4 @@
-package transfer
+package wire
 
 // The two messages on every handoff's path, PrefillRequest and PrefillReply,
 // encode and decode by hand, on bytes (msgp.go), instead of by reflection.
@@ -12,6 +12,8 @@ import (
 	"math"
 
 	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/handoff-io/handoff/transfer/session"
 )
 
 func (s Sampling) appendTo(b []byte) []byte {
@@ -468,7 +470,7 @@ func (m *PrefillReply) decode(r *reader) error {
 			m.Instance, err = r.str()
 		case "code":
 			v, err = r.uintMax(math.MaxUint16, "code")
-			m.Code = Code(v)
+			m.Code = session.Code(v)
 		case "msg":
 			m.Msg, err = r.str()
 		case "tok":

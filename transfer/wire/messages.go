@@ -1,4 +1,4 @@
-package transfer
+package wire
 
 // Every control-plane message of the protocol is declared in this file, with
 // its conversions to and from the rdma types. Messages are msgpack maps with
@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
 )
 
 // WireVersion is the version every message carries. A receiver refuses other
@@ -190,15 +191,15 @@ type PrefillRequest struct {
 // PrefillReply answers a PrefillRequest: success with the first token, or a
 // refusal/failure code. Success is sent only after the commit was accepted.
 type PrefillReply struct {
-	V            uint8    `msgpack:"v"`
-	RequestID    uint64   `msgpack:"id"`
-	Instance     string   `msgpack:"inst"`
-	Code         Code     `msgpack:"code"`
-	Msg          string   `msgpack:"msg"`
-	FirstToken   int32    `msgpack:"tok"`
-	PrefillNanos int64    `msgpack:"pf"`
-	WriteNanos   int64    `msgpack:"wr"`
-	Manifest     Manifest `msgpack:"man"`
+	V            uint8        `msgpack:"v"`
+	RequestID    uint64       `msgpack:"id"`
+	Instance     string       `msgpack:"inst"`
+	Code         session.Code `msgpack:"code"`
+	Msg          string       `msgpack:"msg"`
+	FirstToken   int32        `msgpack:"tok"`
+	PrefillNanos int64        `msgpack:"pf"`
+	WriteNanos   int64        `msgpack:"wr"`
+	Manifest     Manifest     `msgpack:"man"`
 	// Logprobs are the first token's logprobs when the request asked, in
 	// the worker's encoding (model.Logprobs.MarshalBinary); omitted when empty.
 	Logprobs []byte `msgpack:"lp,omitempty"`
@@ -207,10 +208,10 @@ type PrefillReply struct {
 // Cancel tells the worker that serves a request to stop and free it. Published
 // (no reply) on the instance's cancel subject or on the namespace's.
 type Cancel struct {
-	V         uint8  `msgpack:"v"`
-	RequestID uint64 `msgpack:"id"`
-	Grant     uint64 `msgpack:"g"` // the grant of the cancelled attempt; 0 cancels any
-	Code      Code   `msgpack:"code"`
+	V         uint8        `msgpack:"v"`
+	RequestID uint64       `msgpack:"id"`
+	Grant     uint64       `msgpack:"g"` // the grant of the cancelled attempt; 0 cancels any
+	Code      session.Code `msgpack:"code"`
 	// From is the decode instance that sent the request: request and grant
 	// ids are only unique per decoder. Empty (an older sender) matches any.
 	From string `msgpack:"from"`

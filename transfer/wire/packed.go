@@ -1,4 +1,4 @@
-package transfer
+package wire
 
 // Packed slices: a bulk field travels as one msgpack bin of fixed-size
 // little-endian items (nil as nil), never as a msgpack array. The integer
