@@ -763,7 +763,7 @@ func (h *handoff) send(a session.Action) (string, error) {
 	msg := wire.PrefillRequest{
 		RequestID: h.req.ID, From: d.cfg.Instance, Attempt: uint8(min(a.Attempt, 255)), Fingerprint: d.cfg.Fingerprint,
 		Tokens: h.req.Tokens, Sampling: h.req.Sampling, Deadline: h.deadline.UnixNano(), Budget: int64(time.Until(h.deadline)), Peer: d.peer,
-		Ticket: wire.TicketOf(tk), KVBytes: h.kvB, MambaBytes: h.mB, TP: wireTP(d.cfg.TP),
+		Ticket: tk, KVBytes: h.kvB, MambaBytes: h.mB, TP: wireTP(d.cfg.TP),
 	}
 	buf := getMsgBuf()
 	b, err := wire.AppendPrefillRequest(*buf, &msg, d.maxPayload)
@@ -878,7 +878,7 @@ func (h *handoff) replyEvent(m *nats.Msg) session.Event {
 	} else {
 		h.setCause(&RemoteError{Code: r.Code, Msg: r.Msg, Instance: r.Instance})
 	}
-	return session.Event{Kind: session.EvReply, Code: r.Code, Instance: r.Instance, Manifest: session.Manifest(r.Manifest.RDMA()), Attempt: attempt}
+	return session.Event{Kind: session.EvReply, Code: r.Code, Instance: r.Instance, Manifest: session.Manifest(r.Manifest), Attempt: attempt}
 }
 
 func (h *handoff) setCause(err error) { h.cause = err }

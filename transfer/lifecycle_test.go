@@ -196,7 +196,7 @@ func TestPrefillerNotServingRefusesAsCapacity(t *testing.T) {
 	defer g.Revoke()
 	b, err := wire.EncodePrefillRequest(wire.PrefillRequest{RequestID: 1, From: "d1", Fingerprint: f.fp, Tokens: tokens(9),
 		Deadline: deadline.UnixNano(), Peer: wire.PeerOf(ds.eng.Descriptor()),
-		Ticket: wire.TicketOf(g.Ticket()), KVBytes: kvb, MambaBytes: mb}, 0)
+		Ticket: g.Ticket(), KVBytes: kvb, MambaBytes: mb}, 0)
 	require.NoError(t, err)
 	r := &fakeRequest{data: b}
 	p.handle(r)

@@ -693,12 +693,7 @@ func (p *Prefiller) handle(r micro.Request) {
 		p.replyNow(r, wire.PrefillReply{Code: CodeBadMessage, Msg: err.Error()})
 		return
 	}
-	tk, err := m.Ticket.RDMA()
-	if err != nil {
-		p.refused.Add(1)
-		p.replyNow(r, wire.PrefillReply{RequestID: m.RequestID, Code: CodeBadMessage, Msg: err.Error()})
-		return
-	}
+	tk := m.Ticket
 	t := p.newTask()
 	t.start = time.Now()
 	if p.tracer != nil {
@@ -862,7 +857,7 @@ func (t *task) replyFor(code Code) wire.PrefillReply {
 	if code == CodeOK {
 		rep.FirstToken, rep.Logprobs = t.out.FirstToken, t.out.Logprobs
 		rep.PrefillNanos, rep.WriteNanos = int64(t.pf), int64(t.wr)
-		rep.Manifest = wire.ManifestOf(t.manifest)
+		rep.Manifest = t.manifest
 	} else if t.cause != nil {
 		rep.Msg = t.cause.Error()
 	} else {

@@ -111,9 +111,7 @@ func TestHandoffQuarantinedWhileWriterStopped(t *testing.T) {
 			done <- err
 		}()
 		r := <-reqs
-		tk, err := r.Ticket.RDMA()
-		require.NoError(t, err)
-		raw, err := json.Marshal(writerJob{Peer: ds.eng.Descriptor(), Ticket: tk})
+		raw, err := json.Marshal(writerJob{Peer: ds.eng.Descriptor(), Ticket: r.Ticket})
 		require.NoError(t, err)
 		cmd := exec.Command(os.Args[0], "-test.run=^TestHelperStoppableWriter$", "-test.v")
 		cmd.Env = append(os.Environ(), "TRANSFER_WRITER_JOB="+string(raw))
@@ -124,7 +122,7 @@ func TestHandoffQuarantinedWhileWriterStopped(t *testing.T) {
 		sc := bufio.NewScanner(out)
 		for sc.Scan() && !strings.HasPrefix(sc.Text(), "connected") {
 		}
-		first := ds.bytes(tk.Extents[0])
+		first := ds.bytes(r.Ticket.Extents[0])
 		landed := time.Now().Add(10 * time.Second)
 		for first[0] != 0x5A && time.Now().Before(landed) {
 			time.Sleep(20 * time.Microsecond)

@@ -153,9 +153,8 @@ func TestDummiesNeverTransferred(t *testing.T) {
 	nc := natstest.Connect(t, f.srv)
 	for _, id := range []uint64{0, math.MaxUint64 - 1} {
 		req := wire.PrefillRequest{RequestID: id, Fingerprint: f.fp, Tokens: tokens(4),
-			Deadline: time.Now().Add(time.Minute).UnixNano(),
-			Ticket: wire.Ticket{Token: make([]byte, 16), RequestID: id,
-				Extents: wire.Extents{{Region: 1, Length: 4096}}, Bytes: 4096},
+			Deadline:   time.Now().Add(time.Minute).UnixNano(),
+			Ticket:     rdma.Ticket{RequestID: id, Extents: []rdma.Extent{{Region: 1, Length: 4096}}, Bytes: 4096},
 			MambaBytes: 4096}
 		b, err := wire.EncodePrefillRequest(req, 0)
 		require.NoError(t, err)

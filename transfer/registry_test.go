@@ -220,7 +220,7 @@ func TestPrefillDeadlineIgnoresClockSkew(t *testing.T) {
 			kv, mb := dest.Bytes()
 			req := wire.PrefillRequest{RequestID: 7, From: "d1", Attempt: 1, Fingerprint: f.fp, Tokens: tokens(9),
 				Deadline: time.Now().Add(skew + 10*time.Second).UnixNano(), Budget: int64(10 * time.Second),
-				Peer: wire.PeerOf(ds.eng.Descriptor()), Ticket: wire.TicketOf(g.Ticket()), KVBytes: kv, MambaBytes: mb}
+				Peer: wire.PeerOf(ds.eng.Descriptor()), Ticket: g.Ticket(), KVBytes: kv, MambaBytes: mb}
 			b, err := wire.EncodePrefillRequest(req, 0)
 			require.NoError(t, err)
 			nc := natstest.Connect(t, f.srv)

@@ -92,9 +92,7 @@ func TestDeadlineSynctest(t *testing.T) {
 		// The worker finishes late: its write is refused, nothing lands.
 		req, err := wire.DecodePrefillRequest(rec.requests[0].Data)
 		require.NoError(t, err)
-		tk, err := req.Ticket.RDMA()
-		require.NoError(t, err)
-		_, err = send.Write(context.Background(), req.Peer.Descriptor(), tk, []rdma.Extent{src})
+		_, err = send.Write(context.Background(), req.Peer.Descriptor(), req.Ticket, []rdma.Extent{src})
 		require.Error(t, err)
 		require.Contains(t, []Code{CodeCancelled, CodeTimeout}, rdmaCode(err))
 	})
@@ -235,15 +233,11 @@ func TestControlLostResendSynctest(t *testing.T) {
 
 		// The first attempt's worker was alive after all: its write lands
 		// nothing, and its answer is dropped.
-		tk1, err := r1.Ticket.RDMA()
-		require.NoError(t, err)
-		_, err = send.Write(context.Background(), r1.Peer.Descriptor(), tk1, []rdma.Extent{src})
+		_, err = send.Write(context.Background(), r1.Peer.Descriptor(), r1.Ticket, []rdma.Extent{src})
 		require.Error(t, err)
-		tk2, err := r2.Ticket.RDMA()
+		m, err := send.Write(context.Background(), r2.Peer.Descriptor(), r2.Ticket, []rdma.Extent{src})
 		require.NoError(t, err)
-		m, err := send.Write(context.Background(), r2.Peer.Descriptor(), tk2, []rdma.Extent{src})
-		require.NoError(t, err)
-		b, err := wire.EncodePrefillReply(wire.PrefillReply{RequestID: 5, Instance: "p1", FirstToken: 42, Manifest: wire.ManifestOf(m)}, 0)
+		b, err := wire.EncodePrefillReply(wire.PrefillReply{RequestID: 5, Instance: "p1", FirstToken: 42, Manifest: m}, 0)
 		require.NoError(t, err)
 		d.onReply(&nats.Msg{Subject: second.Reply, Data: b})
 		o := <-done

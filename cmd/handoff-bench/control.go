@@ -302,8 +302,8 @@ func controlMessageSizes(decEng *rdma.Engine, prompt []int32, fp string) (int, i
 	req := wire.PrefillRequest{
 		RequestID: 1 << 40, From: "decode-0", Attempt: 1, Fingerprint: fp, Tokens: prompt,
 		Deadline: time.Now().UnixNano(), Peer: wire.PeerOf(decEng.Descriptor()),
-		Ticket: wire.Ticket{Agent: "bench-decode", Grant: 1 << 40, Epoch: 1 << 50, Token: make([]byte, 16), RequestID: 1 << 40,
-			Extents: wire.Extents{{Region: 1, Offset: 0, Length: 1}}, Bytes: 1, Deadline: time.Now().UnixNano()},
+		Ticket: rdma.Ticket{Agent: "bench-decode", Grant: 1 << 40, Epoch: 1 << 50, RequestID: 1 << 40,
+			Extents: []rdma.Extent{{Region: 1, Offset: 0, Length: 1}}, Bytes: 1, Deadline: time.Now()},
 		MambaBytes: 1,
 	}
 	rb, err := wire.EncodePrefillRequest(req, 0)
@@ -312,7 +312,7 @@ func controlMessageSizes(decEng *rdma.Engine, prompt []int32, fp string) (int, i
 	}
 	pb, err := wire.EncodePrefillReply(wire.PrefillReply{RequestID: 1 << 40, Instance: "prefill-0", FirstToken: 1,
 		PrefillNanos: 1 << 20, WriteNanos: 1 << 20,
-		Manifest: wire.Manifest{Bytes: wire.U64s{1}, CRC: wire.U32s{1 << 31}}}, 0)
+		Manifest: rdma.Manifest{Bytes: []uint64{1}, CRC: []uint32{1 << 31}}}, 0)
 	if err != nil {
 		return 0, 0, err
 	}

@@ -61,9 +61,6 @@ func (m *PrefillRequest) check() error {
 	if m.Ticket.RequestID != m.RequestID {
 		return fmt.Errorf("%w: ticket names request %d, message %d", ErrBadMessage, m.Ticket.RequestID, m.RequestID)
 	}
-	if len(m.Ticket.Token) != 16 {
-		return fmt.Errorf("%w: grant token of %d bytes", ErrBadMessage, len(m.Ticket.Token))
-	}
 	var sum uint64
 	for _, e := range m.Ticket.Extents {
 		sum += e.Length

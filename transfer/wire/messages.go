@@ -1,7 +1,8 @@
 package wire
 
 // Every control-plane message of the protocol is declared in this file, with
-// its conversions to and from the rdma types. Messages are msgpack maps with
+// the conversions of a Peer to and from an rdma.Descriptor; a grant's ticket
+// and a commit's manifest travel as the rdma types themselves. Messages are msgpack maps with
 // explicit short keys and a version field "v"; unknown keys are ignored so a
 // later minor revision may add fields. Bulk fields (tokens, extents,
 // manifests) travel as packed little-endian byte strings, never as msgpack
@@ -10,7 +11,6 @@ package wire
 // hand-written codecs of the messages on every handoff's path.
 
 import (
-	"fmt"
 	"slices"
 	"time"
 
@@ -106,60 +106,6 @@ func (p Peer) Descriptor() rdma.Descriptor {
 	return d
 }
 
-// Ticket is the wire form of an rdma.Ticket: what a writer needs to write into
-// a grant.
-type Ticket struct {
-	Agent     string  `msgpack:"a"`
-	Grant     uint64  `msgpack:"g"`
-	Epoch     uint64  `msgpack:"e"`
-	Token     []byte  `msgpack:"k"`
-	RequestID uint64  `msgpack:"id"`
-	Extents   Extents `msgpack:"x"`
-	Bytes     uint64  `msgpack:"b"`
-	Deadline  int64   `msgpack:"dl"` // unix nanoseconds, 0 for none
-}
-
-// TicketOf converts an rdma.Ticket to its wire form.
-func TicketOf(t rdma.Ticket) Ticket { return ticketOf(&t) }
-
-// ticketOf is TicketOf for a ticket the caller keeps: the result's Token
-// aliases t's.
-func ticketOf(t *rdma.Ticket) Ticket {
-	return Ticket{
-		Agent: string(t.Agent), Grant: t.Grant, Epoch: t.Epoch, Token: t.Token[:],
-		RequestID: t.RequestID, Extents: Extents(t.Extents), Bytes: t.Bytes, Deadline: unixNano(t.Deadline),
-	}
-}
-
-// RDMA converts w back to an rdma.Ticket. A token that is not 16 bytes is an
-// ErrBadMessage.
-func (w Ticket) RDMA() (rdma.Ticket, error) {
-	t := rdma.Ticket{
-		Agent: rdma.AgentID(w.Agent), Grant: w.Grant, Epoch: w.Epoch, RequestID: w.RequestID,
-		Extents: []rdma.Extent(w.Extents), Bytes: w.Bytes, Deadline: fromUnixNano(w.Deadline),
-	}
-	if len(w.Token) != len(t.Token) {
-		return rdma.Ticket{}, fmt.Errorf("%w: grant token of %d bytes", ErrBadMessage, len(w.Token))
-	}
-	copy(t.Token[:], w.Token)
-	return t, nil
-}
-
-// Manifest is the wire form of an rdma.Manifest: bytes and crc32c per
-// destination extent.
-type Manifest struct {
-	Bytes U64s `msgpack:"b"`
-	CRC   U32s `msgpack:"c"`
-}
-
-// ManifestOf converts an rdma.Manifest to its wire form.
-func ManifestOf(m rdma.Manifest) Manifest { return Manifest{Bytes: U64s(m.Bytes), CRC: U32s(m.CRC)} }
-
-// RDMA converts w back to an rdma.Manifest.
-func (w Manifest) RDMA() rdma.Manifest {
-	return rdma.Manifest{Bytes: []uint64(w.Bytes), CRC: []uint32(w.CRC)}
-}
-
 // PrefillRequest asks a prefill worker to prefill a prompt and write its cache
 // into the receiver's grant. Sent by the Decoder as a NATS request.
 type PrefillRequest struct {
@@ -172,9 +118,13 @@ type PrefillRequest struct {
 	Sampling    Sampling `msgpack:"smp"`
 	Deadline    int64    `msgpack:"dl"`   // unix nanoseconds, on the sender's clock
 	Peer        Peer     `msgpack:"peer"` // the receiver's data-plane descriptor
-	Ticket      Ticket   `msgpack:"tk"`
-	KVBytes     uint64   `msgpack:"kvb"` // bytes of the ticket's leading KV extents
-	MambaBytes  uint64   `msgpack:"mb"`  // bytes of the ticket's trailing Mamba extent
+	// Ticket is the receiver's grant, the rdma type itself: a map of the
+	// keys a (agent), g (grant), e (epoch), k (token, 16 bytes), id
+	// (request), x (extents, packed), b (bytes) and dl (deadline, unix
+	// nanoseconds, 0 for none).
+	Ticket     rdma.Ticket `msgpack:"tk"`
+	KVBytes    uint64      `msgpack:"kvb"` // bytes of the ticket's leading KV extents
+	MambaBytes uint64      `msgpack:"mb"`  // bytes of the ticket's trailing Mamba extent
 	// Budget is the time left until Deadline when the request was sent, in
 	// nanoseconds. The receiver's deadline is its own clock at receipt plus
 	// Budget: two hosts' wall clocks are never compared. 0 (a sender that
@@ -199,7 +149,9 @@ type PrefillReply struct {
 	FirstToken   int32        `msgpack:"tok"`
 	PrefillNanos int64        `msgpack:"pf"`
 	WriteNanos   int64        `msgpack:"wr"`
-	Manifest     Manifest     `msgpack:"man"`
+	// Manifest is the commit's manifest, the rdma type itself: a map of
+	// b (bytes per extent) and c (their crc32c), both packed.
+	Manifest rdma.Manifest `msgpack:"man"`
 	// Logprobs are the first token's logprobs when the request asked, in
 	// the worker's encoding (model.Logprobs.MarshalBinary); omitted when empty.
 	Logprobs []byte `msgpack:"lp,omitempty"`
