@@ -2,13 +2,14 @@ package wire
 
 // Every control-plane message of the protocol is declared in this file, with
 // the conversions of a Peer to and from an rdma.Descriptor; a grant's ticket
-// and a commit's manifest travel as the rdma types themselves. Messages are msgpack maps with
-// explicit short keys and a version field "v"; unknown keys are ignored so a
-// later minor revision may add fields. Bulk fields (tokens, extents,
-// manifests) travel as packed little-endian byte strings, never as msgpack
-// arrays (packed.go): reflection over thousands of array items costs ~20x
-// more. codec.go holds the Encode and Decode functions, msgcodec.go the
-// hand-written codecs of the messages on every handoff's path.
+// and a commit's manifest travel as the rdma types themselves. Messages are
+// msgpack maps with explicit short keys and a version field "v"; unknown
+// keys are ignored so a later minor revision may add fields. Bulk fields
+// (tokens, extents, manifests) travel as packed little-endian byte strings,
+// never as msgpack arrays (packed.go): reflection over thousands of array
+// items costs ~20x more. codec.go holds the Encode and Decode functions,
+// msgcodec.go the hand-written codecs of the messages on every handoff's
+// path.
 
 import (
 	"slices"
