@@ -613,12 +613,12 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 			ev = session.Event{Kind: session.EvTick}
 		case <-ctx.Done():
 			h.setCause(context.Cause(ctx))
-			ev = session.Event{Kind: session.EvCancel, Code: CodeCancelled}
+			ev = session.Event{Kind: session.EvCancel, Code: session.CodeCancelled}
 			if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-				ev.Code = CodeTimeout
+				ev.Code = session.CodeTimeout
 			}
 		case <-h.d.done:
-			ev = session.Event{Kind: session.EvCancel, Code: CodeClosed}
+			ev = session.Event{Kind: session.EvCancel, Code: session.CodeClosed}
 		}
 		ev.Now = h.now()
 		acts = append(append(queue[:0], early...), h.step(ev)...) // acts was drained
@@ -703,7 +703,7 @@ func (h *handoff) exec(a session.Action) (session.Event, bool) {
 		target, err := h.send(a)
 		if err != nil {
 			h.setCause(err)
-			return session.Event{Kind: session.EvSent, Now: now(), Code: CodeOf(err)}, true
+			return session.Event{Kind: session.EvSent, Now: now(), Code: codeOf(err)}, true
 		}
 		if a.Attempt > 1 {
 			h.d.retries.Add(1)
@@ -859,7 +859,7 @@ func (h *handoff) replyEvent(m *nats.Msg) session.Event {
 	if attempt != h.attempt {
 		// An answer to an earlier attempt: the session drops it, and
 		// nothing of it may stand as this attempt's reply or cause.
-		return session.Event{Kind: session.EvReply, Code: CodeBadMessage, Attempt: attempt}
+		return session.Event{Kind: session.EvReply, Code: session.CodeBadMessage, Attempt: attempt}
 	}
 	if m.Header.Get("Status") == "503" {
 		return session.Event{Kind: session.EvNoResponders, Attempt: attempt}
@@ -870,9 +870,9 @@ func (h *handoff) replyEvent(m *nats.Msg) session.Event {
 			err = fmt.Errorf("%w: reply names request %d", ErrBadMessage, r.RequestID)
 		}
 		h.setCause(err)
-		return session.Event{Kind: session.EvReply, Code: CodeBadMessage}
+		return session.Event{Kind: session.EvReply, Code: session.CodeBadMessage}
 	}
-	if r.Code == CodeOK && !h.sess.Ignores(r.Instance) {
+	if r.Code == session.CodeOK && !h.sess.Ignores(r.Instance) {
 		h.ok = r
 		h.replied = true
 	} else {
@@ -888,7 +888,7 @@ func (h *handoff) setCause(err error) { h.cause = err }
 // context's) unless that cause belongs to another class (say, an earlier
 // attempt's refusal behind a final no-responders): then it is only quoted,
 // so that the error matches exactly one of the package's sentinels.
-func (h *handoff) failure(code Code) error {
+func (h *handoff) failure(code session.Code) error {
 	err := h.failureErr(code)
 	if h.held != nil {
 		select {
@@ -900,41 +900,41 @@ func (h *handoff) failure(code Code) error {
 	return err
 }
 
-func (h *handoff) failureErr(code Code) error {
+func (h *handoff) failureErr(code session.Code) error {
 	if h.cause == nil {
-		return fmt.Errorf("transfer: request %d: %w", h.req.ID, CodeErr(code))
+		return fmt.Errorf("transfer: request %d: %w", h.req.ID, codeErr(code))
 	}
-	if errors.Is(h.cause, CodeErr(code)) {
+	if errors.Is(h.cause, codeErr(code)) {
 		return fmt.Errorf("transfer: request %d: %w", h.req.ID, h.cause)
 	}
-	for c := Code(1); c < codeCount; c++ {
-		if c != code && errors.Is(h.cause, CodeErr(c)) {
-			return fmt.Errorf("transfer: request %d: %w (after: %v)", h.req.ID, CodeErr(code), h.cause)
+	for c := session.Code(1); c < session.NumCodes; c++ {
+		if c != code && errors.Is(h.cause, codeErr(c)) {
+			return fmt.Errorf("transfer: request %d: %w (after: %v)", h.req.ID, codeErr(code), h.cause)
 		}
 	}
-	return fmt.Errorf("transfer: request %d: %w: %w", h.req.ID, CodeErr(code), h.cause)
+	return fmt.Errorf("transfer: request %d: %w: %w", h.req.ID, codeErr(code), h.cause)
 }
 
 // rdmaCode classifies a data-plane error.
-func rdmaCode(err error) Code {
+func rdmaCode(err error) session.Code {
 	switch {
 	case err == nil:
-		return CodeOK
+		return session.CodeOK
 	case errors.Is(err, rdma.ErrBadRequestID), errors.Is(err, rdma.ErrForbidden):
-		return CodeDummyRequest
+		return session.CodeDummyRequest
 	case errors.Is(err, rdma.ErrDeadline), errors.Is(err, context.DeadlineExceeded):
-		return CodeTimeout
+		return session.CodeTimeout
 	case errors.Is(err, rdma.ErrRevoked), errors.Is(err, rdma.ErrUnknownGrant),
 		errors.Is(err, rdma.ErrStaleEpoch), errors.Is(err, rdma.ErrBadToken), errors.Is(err, context.Canceled):
-		return CodeCancelled
+		return session.CodeCancelled
 	case errors.Is(err, rdma.ErrManifestMismatch):
-		return CodeIntegrity
+		return session.CodeIntegrity
 	case errors.Is(err, rdma.ErrOutOfRange):
-		return CodeLayoutMismatch
+		return session.CodeLayoutMismatch
 	case errors.Is(err, rdma.ErrClosed):
-		return CodeClosed
+		return session.CodeClosed
 	default:
-		return CodePeerFailed
+		return session.CodePeerFailed
 	}
 }
 

@@ -69,77 +69,56 @@ func (e *QuarantinedError) Unwrap() error { return e.Err }
 // Released is closed once no byte can land in the destination any more.
 func (e *QuarantinedError) Released() <-chan struct{} { return e.released }
 
-// Code is the wire form of a failure class (session.Code: the sessions
-// decide it). CodeOK means success. Codes are stable: they are part of the
-// wire format.
-type Code = session.Code
-
-// The codes, as the wire and the errors name them.
-const (
-	CodeOK              = session.CodeOK
-	CodeNoPrefillWorker = session.CodeNoPrefillWorker
-	CodeTimeout         = session.CodeTimeout
-	CodePayloadTooLarge = session.CodePayloadTooLarge
-	CodeLayoutMismatch  = session.CodeLayoutMismatch
-	CodeCapacityRefused = session.CodeCapacityRefused
-	CodePeerFailed      = session.CodePeerFailed
-	CodeCancelled       = session.CodeCancelled
-	CodeDummyRequest    = session.CodeDummyRequest
-	CodeIntegrity       = session.CodeIntegrity
-	CodePrefillFailed   = session.CodePrefillFailed
-	CodeBadMessage      = session.CodeBadMessage
-	CodeClosed          = session.CodeClosed
-	codeCount           = session.NumCodes
-)
-
-var codeErrors = [codeCount]error{
-	CodeOK:              nil,
-	CodeNoPrefillWorker: ErrNoPrefillWorker,
-	CodeTimeout:         ErrTimeout,
-	CodePayloadTooLarge: ErrPayloadTooLarge,
-	CodeLayoutMismatch:  ErrLayoutMismatch,
-	CodeCapacityRefused: ErrCapacityRefused,
-	CodePeerFailed:      ErrPeerFailed,
-	CodeCancelled:       ErrCancelled,
-	CodeDummyRequest:    ErrDummyRequest,
-	CodeIntegrity:       ErrIntegrity,
-	CodePrefillFailed:   ErrPrefillFailed,
-	CodeBadMessage:      ErrBadMessage,
-	CodeClosed:          ErrClosed,
+// codeErrors is the sentinel of each failure class: a session.Code, which
+// the sessions decide and replies and cancels carry.
+var codeErrors = [session.NumCodes]error{
+	session.CodeOK:              nil,
+	session.CodeNoPrefillWorker: ErrNoPrefillWorker,
+	session.CodeTimeout:         ErrTimeout,
+	session.CodePayloadTooLarge: ErrPayloadTooLarge,
+	session.CodeLayoutMismatch:  ErrLayoutMismatch,
+	session.CodeCapacityRefused: ErrCapacityRefused,
+	session.CodePeerFailed:      ErrPeerFailed,
+	session.CodeCancelled:       ErrCancelled,
+	session.CodeDummyRequest:    ErrDummyRequest,
+	session.CodeIntegrity:       ErrIntegrity,
+	session.CodePrefillFailed:   ErrPrefillFailed,
+	session.CodeBadMessage:      ErrBadMessage,
+	session.CodeClosed:          ErrClosed,
 }
 
-// CodeErr returns the sentinel of c (nil for CodeOK, ErrBadMessage for
+// codeErr returns the sentinel of c (nil for CodeOK, ErrBadMessage for
 // unknown codes).
-func CodeErr(c Code) error {
-	if c < codeCount {
+func codeErr(c session.Code) error {
+	if c < session.NumCodes {
 		return codeErrors[c]
 	}
 	return ErrBadMessage
 }
 
-// CodeOf classifies err: the code of the first sentinel it matches, CodeOK for
+// codeOf classifies err: the code of the first sentinel it matches, CodeOK for
 // nil, CodePeerFailed for anything unclassified.
-func CodeOf(err error) Code {
+func codeOf(err error) session.Code {
 	if err == nil {
-		return CodeOK
+		return session.CodeOK
 	}
 	var re *RemoteError
 	if errors.As(err, &re) {
 		return re.Code
 	}
-	for c := Code(1); c < codeCount; c++ {
+	for c := session.Code(1); c < session.NumCodes; c++ {
 		if errors.Is(err, codeErrors[c]) {
 			return c
 		}
 	}
-	return CodePeerFailed
+	return session.CodePeerFailed
 }
 
 // RemoteError is a failure reported by the peer over the control plane. Its Is
 // matches the sentinel of its code, so errors.Is(err, ErrCapacityRefused) holds
 // for a remote capacity refusal.
 type RemoteError struct {
-	Code     Code
+	Code     session.Code
 	Msg      string
 	Instance string // the peer instance that reported it, when known
 }
@@ -153,6 +132,6 @@ func (e *RemoteError) Error() string {
 
 // Is reports whether target is the sentinel of e's code.
 func (e *RemoteError) Is(target error) bool {
-	s := CodeErr(e.Code)
+	s := codeErr(e.Code)
 	return s != nil && s == target
 }

@@ -17,6 +17,7 @@ import (
 
 	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
 	"github.com/handoff-io/handoff/transfer/wire"
 )
 
@@ -177,7 +178,7 @@ func TestHandoffPrefillDeathRetried(t *testing.T) {
 	}
 	_, err = ps[dead].eng.Write(context.Background(), first.Peer.Descriptor(), old, src.Extents())
 	require.Error(t, err)
-	require.Equal(t, CodeCancelled, rdmaCode(err), "late write: %v", err) // revoked, unknown or stale grant
+	require.Equal(t, session.CodeCancelled, rdmaCode(err), "late write: %v", err) // revoked, unknown or stale grant
 	require.NoError(t, ps[dead].m.Free(99))
 	checkPattern()
 

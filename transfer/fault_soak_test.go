@@ -18,6 +18,7 @@ import (
 
 	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
 	"github.com/handoff-io/handoff/transfer/wire"
 )
 
@@ -119,9 +120,9 @@ func TestFaultSoak(t *testing.T) {
 			require.NoError(t, ds.m.Free(id))
 			outcomes[fmt.Sprintf("fault %d: ok, %d attempts", kind, res.Attempts)]++
 		} else {
-			var code Code
-			for _, c := range []Code{CodeTimeout, CodeCancelled, CodePeerFailed, CodeCapacityRefused} {
-				if errors.Is(err, CodeErr(c)) {
+			var code session.Code
+			for _, c := range []session.Code{session.CodeTimeout, session.CodeCancelled, session.CodePeerFailed, session.CodeCapacityRefused} {
+				if errors.Is(err, codeErr(c)) {
 					code = c
 				}
 			}

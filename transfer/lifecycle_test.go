@@ -16,6 +16,7 @@ import (
 	"github.com/handoff-io/handoff/internal/leakcheck"
 	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
 	"github.com/handoff-io/handoff/transfer/wire"
 )
 
@@ -202,7 +203,7 @@ func TestPrefillerNotServingRefusesAsCapacity(t *testing.T) {
 	p.handle(r)
 	rep, err := wire.DecodePrefillReply(r.reply)
 	require.NoError(t, err)
-	require.Equal(t, CodeCapacityRefused, rep.Code, rep.Msg)
+	require.Equal(t, session.CodeCapacityRefused, rep.Code, rep.Msg)
 	require.ErrorIs(t, &RemoteError{Code: rep.Code}, ErrCapacityRefused)
 	require.Zero(t, x.admits.Load())
 	ps.requireInitial(t)

@@ -404,7 +404,7 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 				return
 			}
 			if gone {
-				p.abortFrom(inst.ID, CodePeerFailed)
+				p.abortFrom(inst.ID, session.CodePeerFailed)
 			}
 			p.preconnect(inst, gone)
 		})
@@ -548,7 +548,7 @@ func (p *Prefiller) Shutdown(ctx context.Context) (err error) {
 		p.mu.Lock()
 		for _, t := range p.tasks {
 			for ; t != nil; t = t.next {
-				t.abort(CodeClosed)
+				t.abort(session.CodeClosed)
 			}
 		}
 		p.mu.Unlock()
@@ -586,8 +586,8 @@ func (p *Prefiller) onCancel(m *nats.Msg) {
 		return
 	}
 	code := c.Code
-	if code == CodeOK {
-		code = CodeCancelled
+	if code == session.CodeOK {
+		code = session.CodeCancelled
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -598,7 +598,7 @@ func (p *Prefiller) onCancel(m *nats.Msg) {
 	}
 }
 
-func (p *Prefiller) abortFrom(instance string, code Code) {
+func (p *Prefiller) abortFrom(instance string, code session.Code) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, t := range p.tasks {
@@ -677,7 +677,7 @@ func (p *Prefiller) removeTaskLocked(t *task) {
 // cost of time.Now (one clock read, not two).
 func (t *task) now() time.Time { return t.start.Add(time.Since(t.start)) }
 
-func (t *task) abort(code Code) {
+func (t *task) abort(code session.Code) {
 	if t.aborts.CompareAndSwap(0, uint32(code)) {
 		t.stop()
 	}
@@ -690,7 +690,7 @@ func (p *Prefiller) handle(r micro.Request) {
 	m, peer, err := p.peers.DecodePrefillRequest(r.Data())
 	if err != nil {
 		p.refused.Add(1)
-		p.replyNow(r, wire.PrefillReply{Code: CodeBadMessage, Msg: err.Error()})
+		p.replyNow(r, wire.PrefillReply{Code: session.CodeBadMessage, Msg: err.Error()})
 		return
 	}
 	tk := m.Ticket
@@ -732,15 +732,15 @@ func (p *Prefiller) handle(r micro.Request) {
 	}
 	p.mu.Unlock()
 	lease, err := p.exec.Admit(Job{RequestID: m.RequestID, Tokens: m.Tokens, Sampling: m.Sampling, Deadline: deadline, From: m.From, TP: max(int(m.TP), 1), Span: t.span})
-	code := CodeOK
+	code := session.CodeOK
 	if err != nil {
-		code = CodeOf(err)
-		if code == CodePeerFailed {
-			code = CodePrefillFailed
+		code = codeOf(err)
+		if code == session.CodePeerFailed {
+			code = session.CodePrefillFailed
 		}
 		t.cause = err
 	} else if lease == nil {
-		code, t.cause = CodePrefillFailed, errors.New("executor admitted without a lease")
+		code, t.cause = session.CodePrefillFailed, errors.New("executor admitted without a lease")
 	}
 	t.lease = lease
 	acts := t.sess.Step(session.Event{Kind: session.EvAdmitted, Code: code, Now: t.now()})
@@ -827,8 +827,8 @@ func (p *Prefiller) refuseNotServing(r micro.Request, t *task, state int) {
 	}
 	t.cause = fmt.Errorf("%w: prefiller %s", ErrCapacityRefused, why)
 	p.refused.Add(1)
-	p.replyNow(r, t.replyFor(CodeCapacityRefused))
-	endSpanCode(t.span, CodeCapacityRefused, t.cause)
+	p.replyNow(r, t.replyFor(session.CodeCapacityRefused))
+	endSpanCode(t.span, session.CodeCapacityRefused, t.cause)
 }
 
 func (p *Prefiller) replyNow(r micro.Request, rep wire.PrefillReply) {
@@ -841,7 +841,7 @@ func (p *Prefiller) replyNow(r micro.Request, rep wire.PrefillReply) {
 		return
 	}
 	p.published.Add(1)
-	if rep.Code == CodeOK {
+	if rep.Code == session.CodeOK {
 		err = r.Respond(b)
 	} else {
 		err = r.Error(strconv.Itoa(int(rep.Code)), rep.Code.String(), b)
@@ -852,16 +852,16 @@ func (p *Prefiller) replyNow(r micro.Request, rep wire.PrefillReply) {
 	}
 }
 
-func (t *task) replyFor(code Code) wire.PrefillReply {
+func (t *task) replyFor(code session.Code) wire.PrefillReply {
 	rep := wire.PrefillReply{RequestID: t.msg.RequestID, Code: code}
-	if code == CodeOK {
+	if code == session.CodeOK {
 		rep.FirstToken, rep.Logprobs = t.out.FirstToken, t.out.Logprobs
 		rep.PrefillNanos, rep.WriteNanos = int64(t.pf), int64(t.wr)
 		rep.Manifest = t.manifest
 	} else if t.cause != nil {
 		rep.Msg = t.cause.Error()
 	} else {
-		rep.Msg = CodeErr(code).Error()
+		rep.Msg = codeErr(code).Error()
 	}
 	return rep
 }
@@ -900,9 +900,9 @@ func (t *task) run(acts []session.Action) {
 			ev := session.Event{Kind: session.EvPrefilled}
 			if err != nil {
 				t.cause = err
-				ev.Code = CodeOf(err)
-				if ev.Code == CodePeerFailed {
-					ev.Code = CodePrefillFailed
+				ev.Code = codeOf(err)
+				if ev.Code == session.CodePeerFailed {
+					ev.Code = session.CodePrefillFailed
 				}
 			} else {
 				t.out = out
@@ -943,7 +943,7 @@ func (t *task) run(acts []session.Action) {
 		if outcome != nil {
 			// Interruptions that happened during the step come first, so the
 			// session sees the cancel or the deadline, not just a failed step.
-			if c := Code(t.aborts.Load()); c != CodeOK {
+			if c := session.Code(t.aborts.Load()); c != session.CodeOK {
 				acts = append(acts, t.sess.Step(session.Event{Kind: session.EvCancel, Code: c, Now: now})...)
 			}
 			acts = append(acts, t.sess.Step(session.Event{Kind: session.EvTick, Now: now})...)
@@ -953,16 +953,16 @@ func (t *task) run(acts []session.Action) {
 	}
 }
 
-func (t *task) sendReply(code Code) {
+func (t *task) sendReply(code session.Code) {
 	p := t.p
 	switch code {
-	case CodeOK:
+	case session.CodeOK:
 		kv, mamba := t.out.Source.Bytes()
 		p.kvBytes.Add(kv)
 		p.mambaBytes.Add(mamba)
 		p.streamed.Add(t.early)
 		p.served.Add(1)
-	case CodeCancelled, CodeClosed:
+	case session.CodeCancelled, session.CodeClosed:
 		p.cancelled.Add(1)
 	default:
 		p.failed.Add(1)

@@ -18,6 +18,7 @@ import (
 	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/mambacache"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
 	"github.com/handoff-io/handoff/transfer/wire"
 )
 
@@ -162,7 +163,7 @@ func TestDummiesNeverTransferred(t *testing.T) {
 		require.NoError(t, err)
 		rep, err := wire.DecodePrefillReply(m.Data)
 		require.NoError(t, err)
-		require.Equal(t, CodeDummyRequest, rep.Code, "id %d", id)
+		require.Equal(t, session.CodeDummyRequest, rep.Code, "id %d", id)
 	}
 	require.Zero(t, x.admits.Load())
 
@@ -182,7 +183,7 @@ func TestDummiesNeverTransferred(t *testing.T) {
 	}
 	_, err = ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 5, Extents: []rdma.Extent{{Region: mambaRegion, Offset: uint64(x0.Offset), Length: uint64(x0.Length)}}})
 	require.ErrorIs(t, err, rdma.ErrForbidden)
-	require.Equal(t, CodeDummyRequest, rdmaCode(err))
+	require.Equal(t, session.CodeDummyRequest, rdmaCode(err))
 	require.NoError(t, ds.m.Free(mambacache.ADPDummyID))
 	ds.requireInitial(t)
 }
@@ -218,22 +219,22 @@ func TestFailureMatchesOneSentinel(t *testing.T) {
 	h := &handoff{req: Request{ID: 5}}
 	cases := []struct {
 		cause error
-		code  Code
+		code  session.Code
 		also  error // a non-transfer error that must stay reachable
 	}{
-		{nil, CodeTimeout, nil},
-		{&RemoteError{Code: CodeCapacityRefused}, CodeCapacityRefused, nil},
-		{&RemoteError{Code: CodeCapacityRefused}, CodeNoPrefillWorker, nil},
-		{fmt.Errorf("grant: %w", rdma.ErrForbidden), CodeDummyRequest, rdma.ErrForbidden},
-		{context.Canceled, CodeCancelled, context.Canceled},
-		{context.DeadlineExceeded, CodeTimeout, context.DeadlineExceeded},
+		{nil, session.CodeTimeout, nil},
+		{&RemoteError{Code: session.CodeCapacityRefused}, session.CodeCapacityRefused, nil},
+		{&RemoteError{Code: session.CodeCapacityRefused}, session.CodeNoPrefillWorker, nil},
+		{fmt.Errorf("grant: %w", rdma.ErrForbidden), session.CodeDummyRequest, rdma.ErrForbidden},
+		{context.Canceled, session.CodeCancelled, context.Canceled},
+		{context.DeadlineExceeded, session.CodeTimeout, context.DeadlineExceeded},
 	}
 	for _, c := range cases {
 		h.cause = c.cause
 		err := h.failure(c.code)
-		require.Equal(t, c.code, CodeOf(err), "%v", err)
-		for o := Code(1); o < codeCount; o++ {
-			require.Equal(t, o == c.code, errors.Is(err, CodeErr(o)), "%v vs %s", err, o)
+		require.Equal(t, c.code, codeOf(err), "%v", err)
+		for o := session.Code(1); o < session.NumCodes; o++ {
+			require.Equal(t, o == c.code, errors.Is(err, codeErr(o)), "%v vs %s", err, o)
 		}
 		if c.also != nil {
 			require.ErrorIs(t, err, c.also)

@@ -14,6 +14,7 @@ import (
 
 	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
 	"github.com/handoff-io/handoff/transfer/wire"
 )
 
@@ -228,7 +229,7 @@ func TestPrefillDeadlineIgnoresClockSkew(t *testing.T) {
 			require.NoError(t, err)
 			rep, err := wire.DecodePrefillReply(m.Data)
 			require.NoError(t, err)
-			require.Equal(t, CodeOK, rep.Code, rep.Msg)
+			require.Equal(t, session.CodeOK, rep.Code, rep.Msg)
 			_, err = g.Wait(context.Background())
 			require.NoError(t, err)
 		})

@@ -87,14 +87,14 @@ func TestDeadlineSynctest(t *testing.T) {
 		require.Equal(t, 2*time.Second, time.Since(start), "ended exactly at the deadline")
 		require.Zero(t, recv.Stats().GrantsOpen, "the grant is revoked: the caller may free the destination")
 		require.Len(t, rec.requests, 1)
-		require.Equal(t, []wire.Cancel{{V: wire.WireVersion, RequestID: 7, Grant: rec.cancelGrant(t), Code: CodeTimeout, From: "d1"}}, rec.cancels)
+		require.Equal(t, []wire.Cancel{{V: wire.WireVersion, RequestID: 7, Grant: rec.cancelGrant(t), Code: session.CodeTimeout, From: "d1"}}, rec.cancels)
 
 		// The worker finishes late: its write is refused, nothing lands.
 		req, err := wire.DecodePrefillRequest(rec.requests[0].Data)
 		require.NoError(t, err)
 		_, err = send.Write(context.Background(), req.Peer.Descriptor(), req.Ticket, []rdma.Extent{src})
 		require.Error(t, err)
-		require.Contains(t, []Code{CodeCancelled, CodeTimeout}, rdmaCode(err))
+		require.Contains(t, []session.Code{session.CodeCancelled, session.CodeTimeout}, rdmaCode(err))
 	})
 }
 
@@ -116,7 +116,7 @@ func TestRetryBudgetSynctest(t *testing.T) {
 		refuse := func(m *nats.Msg, inst string) {
 			req, err := wire.DecodePrefillRequest(m.Data)
 			require.NoError(t, err)
-			b, err := wire.EncodePrefillReply(wire.PrefillReply{RequestID: req.RequestID, Instance: inst, Code: CodeCapacityRefused}, 0)
+			b, err := wire.EncodePrefillReply(wire.PrefillReply{RequestID: req.RequestID, Instance: inst, Code: session.CodeCapacityRefused}, 0)
 			require.NoError(t, err)
 			d.onReply(&nats.Msg{Subject: m.Reply, Data: b})
 		}
@@ -246,7 +246,7 @@ func TestControlLostResendSynctest(t *testing.T) {
 		require.Equal(t, 2, o.res.Attempts)
 		rec.mu.Lock()
 		require.Len(t, rec.cancels, 1, "the first attempt is cancelled")
-		require.Equal(t, CodeCancelled, rec.cancels[0].Code)
+		require.Equal(t, session.CodeCancelled, rec.cancels[0].Code)
 		rec.mu.Unlock()
 	})
 }
@@ -270,7 +270,7 @@ func TestPeerDeathAfterUnrelatedDeathSynctest(t *testing.T) {
 		m := <-rec.sent
 		req, err := wire.DecodePrefillRequest(m.Data)
 		require.NoError(t, err)
-		b, err := wire.EncodePrefillReply(wire.PrefillReply{RequestID: req.RequestID, Instance: "p2", Code: CodeOK}, 0)
+		b, err := wire.EncodePrefillReply(wire.PrefillReply{RequestID: req.RequestID, Instance: "p2", Code: session.CodeOK}, 0)
 		require.NoError(t, err)
 		d.onReply(&nats.Msg{Subject: m.Reply, Data: b}) // replied; the commit never comes
 		synctest.Wait()

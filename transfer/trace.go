@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/handoff-io/handoff/transfer/session"
 	"github.com/handoff-io/handoff/transfer/wire"
 )
 
@@ -106,7 +107,7 @@ func startHandoffSpan(ctx context.Context, req *Request) trace.Span {
 func endHandoffSpan(span trace.Span, res *Result, attempts int, err error) {
 	span.SetAttributes(AttrAttempts.Int(attempts))
 	if err != nil {
-		span.SetAttributes(AttrCode.String(CodeOf(err).String()))
+		span.SetAttributes(AttrCode.String(codeOf(err).String()))
 		span.RecordError(err)
 		span.SetStatus(codes.Error, err.Error())
 	} else {
@@ -117,11 +118,11 @@ func endHandoffSpan(span trace.Span, res *Result, attempts int, err error) {
 }
 
 // endSpanCode ends span (nil: not traced) with a protocol outcome.
-func endSpanCode(span trace.Span, code Code, cause error) {
+func endSpanCode(span trace.Span, code session.Code, cause error) {
 	if span == nil {
 		return
 	}
-	if code != CodeOK {
+	if code != session.CodeOK {
 		span.SetAttributes(AttrCode.String(code.String()))
 		msg := code.String()
 		if cause != nil {

@@ -15,6 +15,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/handoff-io/handoff/internal/natstest"
+	"github.com/handoff-io/handoff/transfer/session"
 	"github.com/handoff-io/handoff/transfer/wire"
 )
 
@@ -141,7 +142,7 @@ func TestHandoffTracedRefusal(t *testing.T) {
 	for _, name := range []string{"handoff", "prefill"} {
 		s := spans[name]
 		require.Equal(t, codes.Error, s.Status.Code, name)
-		require.Equal(t, CodeLayoutMismatch.String(), attrOf(s, AttrCode).AsString(), name)
+		require.Equal(t, session.CodeLayoutMismatch.String(), attrOf(s, AttrCode).AsString(), name)
 	}
 	require.Equal(t, spans["handoff"].SpanContext.SpanID(), spans["prefill"].Parent.SpanID())
 	ds.requireInitial(t)
