@@ -48,7 +48,7 @@ func TestMicroServiceListed(t *testing.T) {
 	ps := newSide(t, "pre", testHybrid(64, 8))
 	f.prefiller("p1", f.fp, newExec(ps), nil)
 	nc := natstest.Connect(t, f.srv)
-	m, err := nc.Request("$SRV.INFO."+ServiceName, nil, 5*time.Second)
+	m, err := nc.Request("$SRV.INFO."+wire.ServiceName, nil, 5*time.Second)
 	require.NoError(t, err)
 	s := string(m.Data)
 	require.Contains(t, s, `"name":"handoff-prefill"`)

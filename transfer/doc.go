@@ -142,7 +142,7 @@
 // service's ping is answered (metadata "draining"), so a data-path reset
 // during a rolling update takes no draining worker for dead. A cancel names its decoder: request
 // and grant ids are unique per decoder only. Prefill workers are also NATS
-// micro services (ServiceName), so `nats micro ls|info|stats` lists them.
+// micro services (wire.ServiceName), so `nats micro ls|info|stats` lists them.
 //
 // # Symmetry
 //

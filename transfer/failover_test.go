@@ -514,7 +514,7 @@ func TestDrainingWorkerSurvivesDataPathReset(t *testing.T) {
 	})
 	// The ping is answered, and says so.
 	nc := natstest.Connect(t, f.srv)
-	pingSubj, err := micro.ControlSubject(micro.PingVerb, ServiceName, p.svcID)
+	pingSubj, err := micro.ControlSubject(micro.PingVerb, wire.ServiceName, p.svcID)
 	require.NoError(t, err)
 	pong, err := nc.Request(pingSubj, nil, 5*time.Second)
 	require.NoError(t, err)

@@ -21,13 +21,6 @@ import (
 	"github.com/handoff-io/handoff/transfer/wire"
 )
 
-// ServiceName is the NATS micro service name prefill workers register under
-// (`nats micro ls` lists them).
-const ServiceName = "handoff-prefill"
-
-// ServiceVersion is the micro service version: the wire version as semver.
-const ServiceVersion = "1.0.0"
-
 // PrefillerConfig configures a Prefiller.
 type PrefillerConfig struct {
 	Instance       string // unique instance id, a token; required
@@ -369,7 +362,7 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 		}
 	}()
 	svc, err := micro.AddService(p.nc, micro.Config{
-		Name: ServiceName, Version: ServiceVersion,
+		Name: wire.ServiceName, Version: wire.ServiceVersion,
 		Description: "prefills prompts and writes their cache into the requester's grant",
 		Metadata:    map[string]string{"instance": c.Instance, "namespace": c.Namespace, "fingerprint": c.Fingerprint},
 	})

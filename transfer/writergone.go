@@ -144,7 +144,7 @@ func (d *Decoder) answers(ctx context.Context, entries []wire.Instance) (wire.In
 		if inst.Service == "" {
 			continue
 		}
-		subj, err := micro.ControlSubject(micro.PingVerb, ServiceName, inst.Service)
+		subj, err := micro.ControlSubject(micro.PingVerb, wire.ServiceName, inst.Service)
 		if err != nil {
 			continue // not a service id: the entry cannot vouch for it
 		}

@@ -28,7 +28,8 @@
 //     <prefix>.<ns>.prefill (queue group PrefillQueue: any free worker
 //     takes it), <prefix>.<ns>.inst.<id>.prefill (one instance, for
 //     targeted retries), <prefix>.<ns>.inst.<id>.cancel and
-//     <prefix>.<ns>.cancel (cancels), <prefix>.<ns>.inst.<id>.reconnected.
+//     <prefix>.<ns>.cancel (cancels), <prefix>.<ns>.inst.<id>.reconnected;
+//     ServiceName is the prefill workers' NATS micro service.
 //
 // testdata/golden pins every message's bytes: changing them means a new
 // WireVersion. Every decoder has a fuzz target.

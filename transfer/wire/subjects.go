@@ -12,6 +12,14 @@ const DefaultPrefix = "handoff"
 // endpoint in: NATS hands each request to exactly one member.
 const PrefillQueue = "prefill"
 
+// ServiceName is the NATS micro service name prefill workers register under
+// (`nats micro ls` lists them): a decoder pings a prefill instance at
+// $SRV.PING.<ServiceName>.<Instance.Service>.
+const ServiceName = "handoff-prefill"
+
+// ServiceVersion is the micro service version: the wire version as semver.
+const ServiceVersion = "1.0.0"
+
 // SubjectKind names one subject of the protocol.
 type SubjectKind uint8
 
