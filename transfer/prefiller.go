@@ -201,7 +201,7 @@ func NewPrefiller(cfg PrefillerConfig, nc *nats.Conn, eng *rdma.Engine, exec Pre
 		work: make(chan taskStart), quit: make(chan struct{}),
 		connected: map[string]string{}, maxPayload: nc.MaxPayload()}
 	if cfg.TracerProvider != nil {
-		p.tracer = cfg.TracerProvider.Tracer(TracerName)
+		p.tracer = cfg.TracerProvider.Tracer(tracerName)
 	}
 	p.connCtx, p.connCancel = context.WithCancel(context.Background())
 	return p, nil

@@ -91,10 +91,10 @@ func TestHandoffTraced(t *testing.T) {
 	require.Equal(t, trace.SpanKindClient, ho.SpanKind)
 	require.Equal(t, trace.SpanKindServer, pf.SpanKind)
 
-	require.Equal(t, int64(7), attrOf(ho, AttrRequestID).AsInt64())
-	require.Equal(t, "p1", attrOf(ho, AttrInstance).AsString())
+	require.Equal(t, int64(7), attrOf(ho, attrRequestID).AsInt64())
+	require.Equal(t, "p1", attrOf(ho, attrInstance).AsString())
 	require.Equal(t, int64(res.KVBytes), attrOf(ho, AttrKVBytes).AsInt64())
-	require.Equal(t, "d1", attrOf(pf, AttrFrom).AsString())
+	require.Equal(t, "d1", attrOf(pf, attrFrom).AsString())
 	require.Equal(t, int64(res.KVBytes), attrOf(wr, AttrKVBytes).AsInt64())
 	require.Equal(t, int64(res.MambaBytes), attrOf(wr, AttrMambaBytes).AsInt64())
 	require.NotEmpty(t, attrOf(wr, AttrTransport).AsString())
@@ -142,7 +142,7 @@ func TestHandoffTracedRefusal(t *testing.T) {
 	for _, name := range []string{"handoff", "prefill"} {
 		s := spans[name]
 		require.Equal(t, codes.Error, s.Status.Code, name)
-		require.Equal(t, session.CodeLayoutMismatch.String(), attrOf(s, AttrCode).AsString(), name)
+		require.Equal(t, session.CodeLayoutMismatch.String(), attrOf(s, attrCode).AsString(), name)
 	}
 	require.Equal(t, spans["handoff"].SpanContext.SpanID(), spans["prefill"].Parent.SpanID())
 	ds.requireInitial(t)
@@ -177,7 +177,7 @@ func TestHandoffTracedStreamed(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, ds.m.Free(uint64(n)))
 		wr := spansNamed(t, exp, 2)["write"]
-		got := attrOf(wr, AttrStreamedBytes)
+		got := attrOf(wr, attrStreamedBytes)
 		if n < 12 {
 			require.Equal(t, attribute.EMPTY, got.Type(), "a write after prefill carries no streamed bytes")
 			continue
