@@ -309,11 +309,11 @@ func (d *Decoder) controlLost(instance string) {
 }
 
 func (d *Decoder) startRegistry(ctx context.Context) error {
-	reg, err := OpenRegistry(ctx, d.nc, d.cfg.Registry)
+	reg, err := openRegistry(ctx, d.nc, d.cfg.Registry)
 	if err != nil {
 		return err
 	}
-	reg.OnChange(func(inst wire.Instance, gone bool) {
+	reg.onChange(func(inst wire.Instance, gone bool) {
 		if inst.Role != wire.RolePrefill {
 			return
 		}
@@ -337,14 +337,14 @@ func (d *Decoder) startRegistry(ctx context.Context) error {
 	// entry just announced must still be deleted.
 	closeReg := func() {
 		cctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		_ = reg.Close(cctx)
+		_ = reg.close(cctx)
 		cancel()
 	}
-	if err := reg.Announce(ctx, self); err != nil {
+	if err := reg.announce(ctx, self); err != nil {
 		closeReg()
 		return err
 	}
-	if err := reg.Watch(ctx, wire.RolePrefill); err != nil {
+	if err := reg.watch(ctx, wire.RolePrefill); err != nil {
 		closeReg()
 		return err
 	}
@@ -434,7 +434,7 @@ func (d *Decoder) Close() error {
 	}
 	if d.reg != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		err = errors.Join(err, d.reg.Close(ctx))
+		err = errors.Join(err, d.reg.close(ctx))
 		cancel()
 	}
 	return err

@@ -64,26 +64,26 @@ func TestRegistryExpiry(t *testing.T) {
 	nc := natstest.Connect(t, srv)
 	ctx := context.Background()
 	cfg := RegistryConfig{Namespace: "t1", TTL: time.Second}
-	watcher, err := OpenRegistry(ctx, nc, cfg)
+	watcher, err := openRegistry(ctx, nc, cfg)
 	require.NoError(t, err)
-	defer watcher.Close(ctx)
+	defer watcher.close(ctx)
 	gone := make(chan string, 4)
-	watcher.OnChange(func(inst wire.Instance, g bool) {
+	watcher.onChange(func(inst wire.Instance, g bool) {
 		if g {
 			gone <- inst.ID
 		}
 	})
-	require.NoError(t, watcher.Watch(ctx, wire.RolePrefill))
+	require.NoError(t, watcher.watch(ctx, wire.RolePrefill))
 
 	// A live instance, refreshed by heartbeats, and one that stops.
-	live, err := OpenRegistry(ctx, natstest.Connect(t, srv), RegistryConfig{Namespace: "t1", TTL: time.Second, Heartbeat: 200 * time.Millisecond})
+	live, err := openRegistry(ctx, natstest.Connect(t, srv), RegistryConfig{Namespace: "t1", TTL: time.Second, Heartbeat: 200 * time.Millisecond})
 	require.NoError(t, err)
-	defer live.Close(ctx)
-	require.NoError(t, live.Announce(ctx, func() wire.Instance { return wire.Instance{ID: "p-live", Role: wire.RolePrefill, Fingerprint: "fp"} }))
-	dead, err := OpenRegistry(ctx, natstest.Connect(t, srv), cfg)
+	defer live.close(ctx)
+	require.NoError(t, live.announce(ctx, func() wire.Instance { return wire.Instance{ID: "p-live", Role: wire.RolePrefill, Fingerprint: "fp"} }))
+	dead, err := openRegistry(ctx, natstest.Connect(t, srv), cfg)
 	require.NoError(t, err)
 	require.NoError(t, dead.put(ctx, registryKey(wire.RolePrefill, "p-dead"), wire.Instance{ID: "p-dead", Role: wire.RolePrefill, Fingerprint: "fp"}))
-	require.NoError(t, dead.Close(ctx))
+	require.NoError(t, dead.close(ctx))
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if n := len(watcher.Instances(wire.RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d instances", n)
@@ -105,24 +105,24 @@ func TestRegistryExpiry(t *testing.T) {
 }
 
 // nats.go ends a KV watch when the context it was created with ends, so the
-// registry must not create it with Watch's ctx, which only bounds the wait for
+// registry must not create it with watch's ctx, which only bounds the wait for
 // the initial entries.
 func TestRegistryWatchOutlivesItsContext(t *testing.T) {
 	leakcheck.Check(t)
 	srv := natstest.Run(t)
 	cfg := RegistryConfig{Namespace: "t1", TTL: 30 * time.Second}
-	watcher, err := OpenRegistry(context.Background(), natstest.Connect(t, srv), cfg)
+	watcher, err := openRegistry(context.Background(), natstest.Connect(t, srv), cfg)
 	require.NoError(t, err)
-	defer watcher.Close(context.Background())
+	defer watcher.close(context.Background())
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	require.NoError(t, watcher.Watch(ctx, wire.RolePrefill))
+	require.NoError(t, watcher.watch(ctx, wire.RolePrefill))
 	cancel()
 
 	time.Sleep(50 * time.Millisecond) // let a watch bound to ctx end
-	late, err := OpenRegistry(context.Background(), natstest.Connect(t, srv), cfg)
+	late, err := openRegistry(context.Background(), natstest.Connect(t, srv), cfg)
 	require.NoError(t, err)
-	defer late.Close(context.Background())
-	require.NoError(t, late.Announce(context.Background(), func() wire.Instance {
+	defer late.close(context.Background())
+	require.NoError(t, late.announce(context.Background(), func() wire.Instance {
 		return wire.Instance{ID: "p-late", Role: wire.RolePrefill, Fingerprint: "fp"}
 	}))
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {

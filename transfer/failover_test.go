@@ -39,7 +39,7 @@ func TestHandoffPrefillDeath(t *testing.T) {
 	go func() {
 		<-x.started
 		// What expiry of the worker's entry looks like to watchers.
-		require.NoError(t, p.Registry().kv.Delete(context.Background(), registryKey(wire.RolePrefill, "p1")))
+		require.NoError(t, p.registry().kv.Delete(context.Background(), registryKey(wire.RolePrefill, "p1")))
 	}()
 	start := time.Now()
 	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
@@ -63,7 +63,7 @@ func TestPrefillerStopsOnDecodeDeath(t *testing.T) {
 	p := f.prefiller("p1", f.fp, x, withRegistryP)
 	d := f.decoder("d1", ds, withRegistry)
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(p.Registry().Instances(wire.RoleDecode, time.Now())); n != 1 {
+		if n := len(p.registry().Instances(wire.RoleDecode, time.Now())); n != 1 {
 			return fmt.Errorf("%d decode instances known", n)
 		}
 		return nil
@@ -151,7 +151,7 @@ func TestHandoffPrefillDeathRetried(t *testing.T) {
 	first := <-sent
 	require.Equal(t, uint8(1), first.Attempt)
 	// What expiry of the worker's entry looks like to watchers.
-	require.NoError(t, pre[dead].Registry().kv.Delete(context.Background(), registryKey(wire.RolePrefill, dead)))
+	require.NoError(t, pre[dead].registry().kv.Delete(context.Background(), registryKey(wire.RolePrefill, dead)))
 	<-xs[live].started
 	second := <-sent
 	require.Equal(t, uint8(2), second.Attempt)

@@ -83,7 +83,7 @@ func TestConfigValidation(t *testing.T) {
 	}
 	_, err := NewPrefiller(PrefillerConfig{Instance: "a", Namespace: "n", Fingerprint: "f"}, nc, ds.eng, nil)
 	require.ErrorIs(t, err, ErrInvalidConfig)
-	_, err = OpenRegistry(context.Background(), nc, RegistryConfig{Namespace: "n", TTL: time.Second, Heartbeat: 2 * time.Second})
+	_, err = openRegistry(context.Background(), nc, RegistryConfig{Namespace: "n", TTL: time.Second, Heartbeat: 2 * time.Second})
 	require.ErrorIs(t, err, ErrInvalidConfig)
 	d, err := NewDecoder(context.Background(), DecoderConfig{Instance: "a", Namespace: "n", Fingerprint: "f", NoRegistry: true}, nc, ds.eng)
 	require.NoError(t, err)

@@ -225,11 +225,11 @@ func (p *Prefiller) Start(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	// The registry runs outside p.mu: Watch delivers the decode instances that
+	// The registry runs outside p.mu: watch delivers the decode instances that
 	// already exist to preconnect, which takes p.mu.
 	if reg != nil {
-		if err = reg.Watch(ctx, wire.RoleDecode); err == nil {
-			err = reg.Announce(ctx, p.self)
+		if err = reg.watch(ctx, wire.RoleDecode); err == nil {
+			err = reg.announce(ctx, p.self)
 		}
 	}
 	if err == nil {
@@ -244,7 +244,7 @@ func (p *Prefiller) Start(ctx context.Context) error {
 		_ = in.stop()
 		if reg != nil {
 			rctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			_ = reg.Close(rctx) // no more registry callbacks, so no new pre-connects
+			_ = reg.close(rctx) // no more registry callbacks, so no new pre-connects
 			cancel()
 		}
 		// Pre-connects the watch began; no request was served while starting.
@@ -389,10 +389,10 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 	}
 	in.nc, in.status = p.nc, p.nc.StatusChanged(nats.RECONNECTING, nats.CONNECTED)
 	if !c.NoRegistry {
-		if reg, err = OpenRegistry(ctx, p.nc, c.Registry); err != nil {
+		if reg, err = openRegistry(ctx, p.nc, c.Registry); err != nil {
 			return nil, err
 		}
-		reg.OnChange(func(inst wire.Instance, gone bool) {
+		reg.onChange(func(inst wire.Instance, gone bool) {
 			if inst.Role != wire.RoleDecode {
 				return
 			}
@@ -407,7 +407,7 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 		p.mu.Unlock()
 		if reg != nil {
 			rctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			_ = reg.Close(rctx)
+			_ = reg.close(rctx)
 			cancel()
 		}
 		return nil, fmt.Errorf("%w: prefiller shut down while starting", ErrClosed)
@@ -487,7 +487,7 @@ func (p *Prefiller) self() wire.Instance {
 }
 
 // Registry returns the prefiller's registry (nil with NoRegistry or before Start).
-func (p *Prefiller) Registry() *Registry {
+func (p *Prefiller) registry() *Registry {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.reg
@@ -527,7 +527,7 @@ func (p *Prefiller) Shutdown(ctx context.Context) (err error) {
 	if reg != nil && ctx.Err() == nil { // stay registered for the requests in flight, marked draining
 		p.draining.Store(true)
 		rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		if rerr := reg.Refresh(rctx); rerr != nil && !errors.Is(rerr, ErrClosed) {
+		if rerr := reg.refresh(rctx); rerr != nil && !errors.Is(rerr, ErrClosed) {
 			p.cfg.Logger.Warn("announce draining", "err", rerr)
 		}
 		cancel()
@@ -553,7 +553,7 @@ func (p *Prefiller) Shutdown(ctx context.Context) (err error) {
 		// not fail a handoff that was served.
 		_ = p.nc.FlushTimeout(2 * time.Second) // best effort: the connection may be gone
 		rctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		err = errors.Join(err, reg.Close(rctx))
+		err = errors.Join(err, reg.close(rctx))
 		cancel()
 	}
 	return err

@@ -25,10 +25,10 @@ func TestRegistryClockSkew(t *testing.T) {
 	s := natstest.Run(t)
 	nc := natstest.Connect(t, s)
 	ctx := context.Background()
-	reg, err := OpenRegistry(ctx, nc, RegistryConfig{Namespace: "skew", TTL: 2 * time.Second, Heartbeat: time.Second})
+	reg, err := openRegistry(ctx, nc, RegistryConfig{Namespace: "skew", TTL: 2 * time.Second, Heartbeat: time.Second})
 	require.NoError(t, err)
-	defer reg.Close(ctx)
-	require.NoError(t, reg.Watch(ctx, wire.RolePrefill))
+	defer reg.close(ctx)
+	require.NoError(t, reg.watch(ctx, wire.RolePrefill))
 	for _, skew := range []time.Duration{-time.Minute, time.Minute} {
 		id := fmt.Sprintf("skew%d", int(skew.Minutes())+1)
 		b, err := wire.EncodeInstance(wire.Instance{ID: id, Role: wire.RolePrefill, Fingerprint: "fp", Updated: time.Now().Add(skew).UnixNano()})
@@ -50,16 +50,16 @@ func TestRegistryReportsRestartUnderSameID(t *testing.T) {
 	s := natstest.Run(t)
 	nc := natstest.Connect(t, s)
 	ctx := context.Background()
-	reg, err := OpenRegistry(ctx, nc, RegistryConfig{Namespace: "restart"})
+	reg, err := openRegistry(ctx, nc, RegistryConfig{Namespace: "restart"})
 	require.NoError(t, err)
-	defer reg.Close(ctx)
+	defer reg.close(ctx)
 	type change struct {
 		svc  string
 		gone bool
 	}
 	changes := make(chan change, 16)
-	reg.OnChange(func(inst wire.Instance, gone bool) { changes <- change{inst.Service, gone} })
-	require.NoError(t, reg.Watch(ctx, wire.RolePrefill))
+	reg.onChange(func(inst wire.Instance, gone bool) { changes <- change{inst.Service, gone} })
+	require.NoError(t, reg.watch(ctx, wire.RolePrefill))
 	key := registryKey(wire.RolePrefill, "p1")
 	for _, svc := range []string{"svc-a", "svc-a", "svc-b"} {
 		require.NoError(t, reg.put(ctx, key, wire.Instance{ID: "p1", Role: wire.RolePrefill, Fingerprint: "fp", Service: svc}))
@@ -84,13 +84,13 @@ func TestRegistryReplicasStandalone(t *testing.T) {
 	s := natstest.Run(t)
 	nc := natstest.Connect(t, s)
 	ctx := context.Background()
-	reg, err := OpenRegistry(ctx, nc, RegistryConfig{Namespace: "r1"})
+	reg, err := openRegistry(ctx, nc, RegistryConfig{Namespace: "r1"})
 	require.NoError(t, err)
-	defer reg.Close(ctx)
+	defer reg.close(ctx)
 	require.Equal(t, 1, bucketReplicas(t, reg))
-	_, err = OpenRegistry(ctx, nc, RegistryConfig{Namespace: "r3", Replicas: 3})
+	_, err = openRegistry(ctx, nc, RegistryConfig{Namespace: "r3", Replicas: 3})
 	require.ErrorContains(t, err, "replicas")
-	_, err = OpenRegistry(ctx, nc, RegistryConfig{Namespace: "r9", Replicas: 9})
+	_, err = openRegistry(ctx, nc, RegistryConfig{Namespace: "r9", Replicas: 9})
 	require.ErrorIs(t, err, ErrInvalidConfig)
 }
 
@@ -155,16 +155,16 @@ func TestRegistryReplicatedOnCluster(t *testing.T) {
 		actx, acancel := context.WithTimeout(ctx, 2*time.Second)
 		defer acancel()
 		var err error
-		reg, err = OpenRegistry(actx, announcer, RegistryConfig{Namespace: "ha", TTL: 3 * time.Second, Heartbeat: 500 * time.Millisecond})
+		reg, err = openRegistry(actx, announcer, RegistryConfig{Namespace: "ha", TTL: 3 * time.Second, Heartbeat: 500 * time.Millisecond})
 		return err == nil
 	}, 20*time.Second, 200*time.Millisecond)
-	defer reg.Close(context.Background())
+	defer reg.close(context.Background())
 	require.Equal(t, 3, bucketReplicas(t, reg))
-	require.NoError(t, reg.Announce(ctx, func() wire.Instance { return wire.Instance{ID: "p1", Role: wire.RolePrefill, Fingerprint: "fp"} }))
-	w, err := OpenRegistry(ctx, watcher, RegistryConfig{Namespace: "ha", TTL: 3 * time.Second, Heartbeat: 500 * time.Millisecond})
+	require.NoError(t, reg.announce(ctx, func() wire.Instance { return wire.Instance{ID: "p1", Role: wire.RolePrefill, Fingerprint: "fp"} }))
+	w, err := openRegistry(ctx, watcher, RegistryConfig{Namespace: "ha", TTL: 3 * time.Second, Heartbeat: 500 * time.Millisecond})
 	require.NoError(t, err)
-	defer w.Close(context.Background())
-	require.NoError(t, w.Watch(ctx, wire.RolePrefill))
+	defer w.close(context.Background())
+	require.NoError(t, w.watch(ctx, wire.RolePrefill))
 	require.Eventually(t, func() bool { return len(w.Instances(wire.RolePrefill, time.Now())) == 1 }, 10*time.Second, 20*time.Millisecond)
 
 	// Stop the node that leads the bucket's stream (with one replica, the

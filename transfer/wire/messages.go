@@ -197,7 +197,7 @@ type Instance struct {
 	// decoder that lost every data-path connection from it pings it
 	// ($SRV.PING.<ServiceName>.<Service>) before taking it for dead. A
 	// process keeps one for its life, so it names the incarnation: another
-	// one under the same id is a restart (Registry.OnChange).
+	// one under the same id is a restart.
 	Service string `msgpack:"svc,omitempty"`
 }
 
