@@ -499,7 +499,7 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 	h := new(handoff)
 	h.mailbox.init()
 	h.d, h.req, h.start, h.deadline = d, req, start, deadline
-	h.kvB, h.mB = req.Dest.Bytes()
+	h.kvB, h.mB = req.Dest.bytes()
 	h.sess.Reset(session.RecvParams{
 		RequestID: req.ID, MaxDraftTokens: d.cfg.MaxDraftTokens, Deadline: deadline, MaxAttempts: d.cfg.MaxAttempts,
 		QuietWait: max(d.cfg.NoResponderWait, 0),
@@ -686,7 +686,7 @@ func (h *handoff) exec(a session.Action) (session.Event, bool) {
 		// A re-grant after a dead peer: the old grant is revoked already, and
 		// what it carried (its end, an OK reply of its attempt) is dropped.
 		h.grant, h.doneCh, h.failCh, h.replied, h.ok = nil, nil, nil, false, wire.PrefillReply{}
-		exts := h.req.Dest.Extents()
+		exts := h.req.Dest.extents()
 		g, err := h.d.eng.OpenGrant(rdma.GrantSpec{RequestID: h.req.ID, Extents: exts, Deadline: h.deadline})
 		if err != nil {
 			h.setCause(err)

@@ -174,7 +174,7 @@
 //  3. Prefill: implement PrefillExecutor (Admit must not block; AdmittedJob.Prefill
 //     must honour ctx and returns the source, RankRegions.Resolve of the
 //     resources it holds; Release is called once, after every use of the
-//     extents); NewPrefiller, Start (or Serve), Shutdown on exit.
+//     extents); NewPrefiller, Start, Shutdown on exit.
 //
 // Lock order: Prefiller.mu, Decoder.mu and Registry.mu are leaves: no IO and
 // no other lock is taken while one is held.

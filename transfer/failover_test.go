@@ -171,12 +171,12 @@ func TestHandoffPrefillDeathRetried(t *testing.T) {
 	old := first.Ticket
 	src, err := ps[dead].prepare(99, 9)
 	require.NoError(t, err)
-	for _, e := range src.Extents() {
+	for _, e := range src.extents() {
 		for j, b := 0, ps[dead].bytes(e); j < len(b); j++ {
 			b[j] = 0xEE
 		}
 	}
-	_, err = ps[dead].eng.Write(context.Background(), first.Peer.Descriptor(), old, src.Extents())
+	_, err = ps[dead].eng.Write(context.Background(), first.Peer.Descriptor(), old, src.extents())
 	require.Error(t, err)
 	require.Equal(t, session.CodeCancelled, rdmaCode(err), "late write: %v", err) // revoked, unknown or stale grant
 	require.NoError(t, ps[dead].m.Free(99))
@@ -293,7 +293,7 @@ func TestHandoffSurvivesLiveWriterDroppingItsConnection(t *testing.T) {
 	// the connection it used, its only one to the decoder.
 	dst, err := ds.prepare(5, 9)
 	require.NoError(t, err)
-	g, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 5, Extents: dst.Extents(), Deadline: time.Now().Add(time.Minute)})
+	g, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 5, Extents: dst.extents(), Deadline: time.Now().Add(time.Minute)})
 	require.NoError(t, err)
 	src, err := ps.prepare(5, 9)
 	require.NoError(t, err)
@@ -301,7 +301,7 @@ func TestHandoffSurvivesLiveWriterDroppingItsConnection(t *testing.T) {
 	cancel()
 	// Whether the bytes got out before the cancel took hold or not, a
 	// connection whose deadline the cancel may have moved is not reused.
-	_, _ = ps.eng.Write(cctx, ds.eng.Descriptor(), g.Ticket(), src.Extents())
+	_, _ = ps.eng.Write(cctx, ds.eng.Descriptor(), g.Ticket(), src.extents())
 	g.Revoke()
 	require.NoError(t, ds.m.Free(5))
 	require.NoError(t, ps.m.Free(5))

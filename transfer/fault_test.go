@@ -120,7 +120,7 @@ func drain(t *testing.T, proxy *faultnet.Proxy, writers ...*side) {
 func requirePattern(t *testing.T, ds *side, res Result, id uint64) {
 	t.Helper()
 	i := 0
-	for _, e := range ds.dest(id).Extents() {
+	for _, e := range ds.dest(id).extents() {
 		for _, b := range ds.bytes(e) {
 			if b != pattern(id, i) {
 				t.Fatalf("request %d byte %d: %#x, want %#x", id, i, b, pattern(id, i))

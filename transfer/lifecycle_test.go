@@ -190,9 +190,9 @@ func TestPrefillerNotServingRefusesAsCapacity(t *testing.T) {
 	dest, err := ds.prepare(1, 9)
 	require.NoError(t, err)
 	defer ds.m.Free(1)
-	kvb, mb := dest.Bytes()
+	kvb, mb := dest.bytes()
 	deadline := time.Now().Add(5 * time.Second)
-	g, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 1, Extents: dest.Extents(), Deadline: deadline})
+	g, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 1, Extents: dest.extents(), Deadline: deadline})
 	require.NoError(t, err)
 	defer g.Revoke()
 	b, err := wire.EncodePrefillRequest(wire.PrefillRequest{RequestID: 1, From: "d1", Fingerprint: f.fp, Tokens: tokens(9),

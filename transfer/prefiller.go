@@ -493,18 +493,6 @@ func (p *Prefiller) registry() *Registry {
 	return p.reg
 }
 
-// Serve starts and serves until ctx is done, then shuts down, draining
-// in-flight requests for up to drain.
-func (p *Prefiller) Serve(ctx context.Context, drain time.Duration) error {
-	if err := p.Start(ctx); err != nil {
-		return err
-	}
-	<-ctx.Done()
-	sctx, cancel := context.WithTimeout(context.Background(), drain)
-	defer cancel()
-	return p.Shutdown(sctx)
-}
-
 // Shutdown stops intake (in-flight requests keep running), waits for them
 // until ctx is done, then aborts the rest (each releases its lease and replies
 // ErrClosed) and waits for them to finish. Idempotent.
@@ -899,7 +887,7 @@ func (t *task) run(acts []session.Action) {
 				}
 			} else {
 				t.out = out
-				ev.KVBytes, ev.MambaBytes = out.Source.Bytes()
+				ev.KVBytes, ev.MambaBytes = out.Source.bytes()
 			}
 			outcome = &ev
 		case session.ActWrite:
@@ -950,7 +938,7 @@ func (t *task) sendReply(code session.Code) {
 	p := t.p
 	switch code {
 	case session.CodeOK:
-		kv, mamba := t.out.Source.Bytes()
+		kv, mamba := t.out.Source.bytes()
 		p.kvBytes.Add(kv)
 		p.mambaBytes.Add(mamba)
 		p.streamed.Add(t.early)

@@ -55,7 +55,7 @@ func (l *gatedLease) Prefill(ctx context.Context) (Prefilled, error) {
 		}
 	}
 	i := 0
-	for _, e := range l.d.Extents() {
+	for _, e := range l.d.extents() {
 		b := l.x.s.bytes(e)
 		for j := range b {
 			b[j] = pattern(l.job.RequestID, i)

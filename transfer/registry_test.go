@@ -216,9 +216,9 @@ func TestPrefillDeadlineIgnoresClockSkew(t *testing.T) {
 			dest, err := ds.prepare(7, 9)
 			require.NoError(t, err)
 			defer ds.m.Free(7)
-			g, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 7, Extents: dest.Extents(), Deadline: time.Now().Add(10 * time.Second)})
+			g, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 7, Extents: dest.extents(), Deadline: time.Now().Add(10 * time.Second)})
 			require.NoError(t, err)
-			kv, mb := dest.Bytes()
+			kv, mb := dest.bytes()
 			req := wire.PrefillRequest{RequestID: 7, From: "d1", Attempt: 1, Fingerprint: f.fp, Tokens: tokens(9),
 				Deadline: time.Now().Add(skew + 10*time.Second).UnixNano(), Budget: int64(10 * time.Second),
 				Peer: wire.PeerOf(ds.eng.Descriptor()), Ticket: g.Ticket(), KVBytes: kv, MambaBytes: mb}

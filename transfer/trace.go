@@ -176,7 +176,7 @@ func (t *task) startWriteSpan(start time.Time) trace.Span {
 	if t.span == nil {
 		return nil
 	}
-	kv, mamba := t.out.Source.Bytes()
+	kv, mamba := t.out.Source.bytes()
 	_, span := t.p.tracer.Start(trace.ContextWithSpan(context.Background(), t.span), "write",
 		trace.WithSpanKind(trace.SpanKindProducer), trace.WithTimestamp(start),
 		trace.WithAttributes(AttrKVBytes.Int64(int64(kv)), AttrMambaBytes.Int64(int64(mamba))))
