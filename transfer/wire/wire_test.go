@@ -474,6 +474,36 @@ func FuzzDecodeMatchesReflection(f *testing.F) {
 	})
 }
 
+// FuzzPeerCacheDecode: a prefill worker's cached decode makes of a request
+// what the plain one makes of it, whatever it decoded before (the cache
+// lives as long as the fuzzing process), and the descriptor of its peer.
+func FuzzPeerCacheDecode(f *testing.F) {
+	a, _ := EncodePrefillRequest(sampleRequest(16, 3), 0)
+	other := sampleRequest(0, 1)
+	other.Peer.Agent, other.Peer.Regions = "other", nil
+	b, _ := EncodePrefillRequest(other, 0)
+	fuzzSeeds(f, a, b)
+	var c PeerCache
+	f.Fuzz(func(t *testing.T, data []byte) {
+		want, err := DecodePrefillRequest(data)
+		for range 2 { // a miss, then a hit
+			got, desc, cerr := c.DecodePrefillRequest(data)
+			if err != nil {
+				require.ErrorIs(t, cerr, ErrBadMessage)
+				continue
+			}
+			require.NoError(t, cerr)
+			// Compared as bytes: a NaN temperature is not equal to itself.
+			wb, err := EncodePrefillRequest(want, 1<<30)
+			require.NoError(t, err)
+			gb, err := EncodePrefillRequest(got, 1<<30)
+			require.NoError(t, err)
+			require.Equal(t, wb, gb)
+			require.Equal(t, want.Peer.Descriptor(), desc)
+		}
+	})
+}
+
 func FuzzDecodePrefillReply(f *testing.F) {
 	a, _ := EncodePrefillReply(sampleReply(), 0)
 	b, _ := EncodePrefillReply(PrefillReply{RequestID: 1, Code: session.CodeCapacityRefused, Msg: "full"}, 0)
