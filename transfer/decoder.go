@@ -18,6 +18,7 @@ import (
 
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/handoff-io/handoff/transfer/session"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // DecoderConfig configures a Decoder.
@@ -50,9 +51,9 @@ type DecoderConfig struct {
 
 func (c *DecoderConfig) validate() error {
 	if c.Prefix == "" {
-		c.Prefix = DefaultPrefix
+		c.Prefix = wire.DefaultPrefix
 	}
-	if !ValidToken(c.Instance) || !ValidToken(c.Namespace) || !ValidToken(c.Prefix) {
+	if !wire.ValidToken(c.Instance) || !wire.ValidToken(c.Namespace) || !wire.ValidToken(c.Prefix) {
 		return fmt.Errorf("%w: instance %q, namespace %q and prefix %q must be tokens of [A-Za-z0-9_-]", ErrInvalidConfig, c.Instance, c.Namespace, c.Prefix)
 	}
 	if c.Fingerprint == "" {
@@ -87,7 +88,7 @@ func (c *DecoderConfig) validate() error {
 type Request struct {
 	ID       uint64 // never 0 nor a padding sentinel
 	Tokens   []int32
-	Sampling Sampling
+	Sampling wire.Sampling
 	Deadline time.Time // zero: ctx's deadline, else now + DefaultTimeout
 	// Dest is where the cache lands: the request's KV runs and Mamba row in
 	// this decoder's registered regions (RankRegions.Resolve). The caller
@@ -150,7 +151,7 @@ type Decoder struct {
 	nc   *nats.Conn
 	pub  publisher
 	eng  receiverEngine
-	peer Peer // our descriptor, encoded once
+	peer wire.Peer // our descriptor, encoded once
 	reg  *Registry
 
 	inbox      string
@@ -231,16 +232,16 @@ func NewDecoder(ctx context.Context, cfg DecoderConfig, nc *nats.Conn, eng *rdma
 		return nil, err
 	}
 	d := &Decoder{
-		cfg: cfg, nc: nc, pub: nc, eng: eng, peer: PeerOf(eng.Descriptor()),
+		cfg: cfg, nc: nc, pub: nc, eng: eng, peer: wire.PeerOf(eng.Descriptor()),
 		inbox: nats.NewInbox(), calls: map[string]*call{}, done: make(chan struct{}),
-		maxPayload: nc.MaxPayload(), prefillSub: Subject(cfg.Prefix, cfg.Namespace, SubjectPrefill, ""),
+		maxPayload: nc.MaxPayload(), prefillSub: wire.Subject(cfg.Prefix, cfg.Namespace, wire.SubjectPrefill, ""),
 	}
 	sub, err := nc.Subscribe(d.inbox+".*", d.onReply)
 	if err != nil {
 		return nil, fmt.Errorf("transfer: decoder inbox: %w", err)
 	}
 	d.sub = sub
-	if d.resub, err = nc.Subscribe(Subject(cfg.Prefix, cfg.Namespace, SubjectInstanceReconnected, "*"), d.onReconnected); err != nil {
+	if d.resub, err = nc.Subscribe(wire.Subject(cfg.Prefix, cfg.Namespace, wire.SubjectInstanceReconnected, "*"), d.onReconnected); err != nil {
 		_ = sub.Unsubscribe()
 		return nil, fmt.Errorf("transfer: decoder reconnect notices: %w", err)
 	}
@@ -285,7 +286,7 @@ func (d *Decoder) watchReconnects() {
 func (d *Decoder) onReconnected(m *nats.Msg) {
 	// <prefix>.<ns>.inst.<id>.reconnected
 	parts := strings.Split(m.Subject, ".")
-	if len(parts) < 2 || !ValidToken(parts[len(parts)-2]) {
+	if len(parts) < 2 || !wire.ValidToken(parts[len(parts)-2]) {
 		return
 	}
 	d.controlLost(parts[len(parts)-2])
@@ -308,12 +309,12 @@ func (d *Decoder) controlLost(instance string) {
 }
 
 func (d *Decoder) startRegistry(ctx context.Context) error {
-	reg, err := OpenRegistry(ctx, d.nc, d.cfg.Registry)
+	reg, err := openRegistry(ctx, d.nc, d.cfg.Registry)
 	if err != nil {
 		return err
 	}
-	reg.OnChange(func(inst Instance, gone bool) {
-		if inst.Role != RolePrefill {
+	reg.onChange(func(inst wire.Instance, gone bool) {
+		if inst.Role != wire.RolePrefill {
 			return
 		}
 		d.mu.Lock()
@@ -328,22 +329,22 @@ func (d *Decoder) startRegistry(ctx context.Context) error {
 			d.incarnationDied(inst.ID, inst.Service)
 		}
 	})
-	self := func() Instance {
-		return Instance{ID: d.cfg.Instance, Role: RoleDecode, Fingerprint: d.cfg.Fingerprint, Peer: d.peer,
-			Capacity: Capacity{Inflight: int(d.inflight.Load())}}
+	self := func() wire.Instance {
+		return wire.Instance{ID: d.cfg.Instance, Role: wire.RoleDecode, Fingerprint: d.cfg.Fingerprint, Peer: d.peer,
+			Capacity: wire.Capacity{Inflight: int(d.inflight.Load())}}
 	}
 	// Close with a ctx of its own: ctx may be what ended the start, and the
 	// entry just announced must still be deleted.
 	closeReg := func() {
 		cctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		_ = reg.Close(cctx)
+		_ = reg.close(cctx)
 		cancel()
 	}
-	if err := reg.Announce(ctx, self); err != nil {
+	if err := reg.announce(ctx, self); err != nil {
 		closeReg()
 		return err
 	}
-	if err := reg.Watch(ctx, RolePrefill); err != nil {
+	if err := reg.watch(ctx, wire.RolePrefill); err != nil {
 		closeReg()
 		return err
 	}
@@ -433,7 +434,7 @@ func (d *Decoder) Close() error {
 	}
 	if d.reg != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		err = errors.Join(err, d.reg.Close(ctx))
+		err = errors.Join(err, d.reg.close(ctx))
 		cancel()
 	}
 	return err
@@ -470,7 +471,7 @@ type handoff struct {
 	held <-chan struct{}
 
 	cause error // the most specific error behind a failure
-	ok    PrefillReply
+	ok    wire.PrefillReply
 }
 
 // Handoff runs one request's handoff and returns once it is delivered or
@@ -498,7 +499,7 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 	h := new(handoff)
 	h.mailbox.init()
 	h.d, h.req, h.start, h.deadline = d, req, start, deadline
-	h.kvB, h.mB = req.Dest.Bytes()
+	h.kvB, h.mB = req.Dest.bytes()
 	h.sess.Reset(session.RecvParams{
 		RequestID: req.ID, MaxDraftTokens: d.cfg.MaxDraftTokens, Deadline: deadline, MaxAttempts: d.cfg.MaxAttempts,
 		QuietWait: max(d.cfg.NoResponderWait, 0),
@@ -612,12 +613,12 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 			ev = session.Event{Kind: session.EvTick}
 		case <-ctx.Done():
 			h.setCause(context.Cause(ctx))
-			ev = session.Event{Kind: session.EvCancel, Code: CodeCancelled}
+			ev = session.Event{Kind: session.EvCancel, Code: session.CodeCancelled}
 			if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-				ev.Code = CodeTimeout
+				ev.Code = session.CodeTimeout
 			}
 		case <-h.d.done:
-			ev = session.Event{Kind: session.EvCancel, Code: CodeClosed}
+			ev = session.Event{Kind: session.EvCancel, Code: session.CodeClosed}
 		}
 		ev.Now = h.now()
 		acts = append(append(queue[:0], early...), h.step(ev)...) // acts was drained
@@ -681,8 +682,8 @@ func (h *handoff) exec(a session.Action) (session.Event, bool) {
 	case session.ActOpenGrant:
 		// A re-grant after a dead peer: the old grant is revoked already, and
 		// what it carried (its end, an OK reply of its attempt) is dropped.
-		h.grant, h.doneCh, h.failCh, h.replied, h.ok = nil, nil, nil, false, PrefillReply{}
-		exts := h.req.Dest.Extents()
+		h.grant, h.doneCh, h.failCh, h.replied, h.ok = nil, nil, nil, false, wire.PrefillReply{}
+		exts := h.req.Dest.extents()
 		g, err := h.d.eng.OpenGrant(rdma.GrantSpec{RequestID: h.req.ID, Extents: exts, Deadline: h.deadline})
 		if err != nil {
 			h.setCause(err)
@@ -699,22 +700,22 @@ func (h *handoff) exec(a session.Action) (session.Event, bool) {
 		target, err := h.send(a)
 		if err != nil {
 			h.setCause(err)
-			return session.Event{Kind: session.EvSent, Now: now(), Code: CodeOf(err)}, true
+			return session.Event{Kind: session.EvSent, Now: now(), Code: codeOf(err)}, true
 		}
 		if a.Attempt > 1 {
 			h.d.retries.Add(1)
 		}
 		return session.Event{Kind: session.EvSent, Now: now(), Instance: target}, true
 	case session.ActPublishCancel:
-		subj := Subject(h.d.cfg.Prefix, h.d.cfg.Namespace, SubjectCancel, "")
+		subj := wire.Subject(h.d.cfg.Prefix, h.d.cfg.Namespace, wire.SubjectCancel, "")
 		if a.Instance != "" {
-			subj = Subject(h.d.cfg.Prefix, h.d.cfg.Namespace, SubjectInstanceCancel, a.Instance)
+			subj = wire.Subject(h.d.cfg.Prefix, h.d.cfg.Namespace, wire.SubjectInstanceCancel, a.Instance)
 		}
 		var grant uint64
 		if h.grant != nil {
 			grant = h.grant.Ticket().Grant
 		}
-		b, err := EncodeCancel(Cancel{RequestID: h.req.ID, Grant: grant, Code: a.Code, From: h.d.cfg.Instance})
+		b, err := wire.EncodeCancel(wire.Cancel{RequestID: h.req.ID, Grant: grant, Code: a.Code, From: h.d.cfg.Instance})
 		if err == nil {
 			err = h.d.pub.Publish(subj, b)
 			h.d.published.Add(1)
@@ -750,19 +751,19 @@ func (h *handoff) send(a session.Action) (string, error) {
 		return "", fmt.Errorf("%w: no other live prefill instance (excluded %v)", ErrPeerFailed, a.Exclude)
 	}
 	if target != "" {
-		subj = Subject(d.cfg.Prefix, d.cfg.Namespace, SubjectInstancePrefill, target)
+		subj = wire.Subject(d.cfg.Prefix, d.cfg.Namespace, wire.SubjectInstancePrefill, target)
 	}
 	d.mu.Lock()
 	h.c.target, h.c.svc = target, svc // "" after a fall-back to the queue group: pick stops counting it
 	d.mu.Unlock()
 	tk := h.grant.Ticket()
-	msg := PrefillRequest{
+	msg := wire.PrefillRequest{
 		RequestID: h.req.ID, From: d.cfg.Instance, Attempt: uint8(min(a.Attempt, 255)), Fingerprint: d.cfg.Fingerprint,
 		Tokens: h.req.Tokens, Sampling: h.req.Sampling, Deadline: h.deadline.UnixNano(), Budget: int64(time.Until(h.deadline)), Peer: d.peer,
-		Ticket: ticketOf(&tk), KVBytes: h.kvB, MambaBytes: h.mB, TP: wireTP(d.cfg.TP),
+		Ticket: tk, KVBytes: h.kvB, MambaBytes: h.mB, TP: wireTP(d.cfg.TP),
 	}
 	buf := getMsgBuf()
-	b, err := appendPrefillRequest(*buf, &msg, d.maxPayload)
+	b, err := wire.AppendPrefillRequest(*buf, &msg, d.maxPayload)
 	if err != nil {
 		putMsgBuf(buf, *buf)
 		return "", err
@@ -792,10 +793,10 @@ func (h *handoff) send(a session.Action) (string, error) {
 // last heartbeat) plus the ones this decoder addressed to it since. Ties go
 // round-robin, so a burst between two heartbeats spreads out. It returns
 // the instance's registry entry, or the zero Instance when none will do.
-func (d *Decoder) pick(exclude []string) Instance {
-	insts := d.reg.Instances(RolePrefill, time.Now())
+func (d *Decoder) pick(exclude []string) wire.Instance {
+	insts := d.reg.Instances(wire.RolePrefill, time.Now())
 	if len(insts) == 0 {
-		return Instance{}
+		return wire.Instance{}
 	}
 	d.mu.Lock()
 	mine := make(map[string]int, len(insts))
@@ -809,7 +810,7 @@ func (d *Decoder) pick(exclude []string) Instance {
 		gone = maps.Clone(d.gone)
 	}
 	d.mu.Unlock()
-	var target Instance
+	var target wire.Instance
 	best := 0
 	off := int(d.picks.Add(1))
 	for i := range insts {
@@ -855,26 +856,26 @@ func (h *handoff) replyEvent(m *nats.Msg) session.Event {
 	if attempt != h.attempt {
 		// An answer to an earlier attempt: the session drops it, and
 		// nothing of it may stand as this attempt's reply or cause.
-		return session.Event{Kind: session.EvReply, Code: CodeBadMessage, Attempt: attempt}
+		return session.Event{Kind: session.EvReply, Code: session.CodeBadMessage, Attempt: attempt}
 	}
 	if m.Header.Get("Status") == "503" {
 		return session.Event{Kind: session.EvNoResponders, Attempt: attempt}
 	}
-	r, err := DecodePrefillReply(m.Data)
+	r, err := wire.DecodePrefillReply(m.Data)
 	if err != nil || r.RequestID != h.req.ID {
 		if err == nil {
 			err = fmt.Errorf("%w: reply names request %d", ErrBadMessage, r.RequestID)
 		}
 		h.setCause(err)
-		return session.Event{Kind: session.EvReply, Code: CodeBadMessage}
+		return session.Event{Kind: session.EvReply, Code: session.CodeBadMessage}
 	}
-	if r.Code == CodeOK && !h.sess.Ignores(r.Instance) {
+	if r.Code == session.CodeOK && !h.sess.Ignores(r.Instance) {
 		h.ok = r
 		h.replied = true
 	} else {
 		h.setCause(&RemoteError{Code: r.Code, Msg: r.Msg, Instance: r.Instance})
 	}
-	return session.Event{Kind: session.EvReply, Code: r.Code, Instance: r.Instance, Manifest: session.Manifest(r.Manifest.RDMA()), Attempt: attempt}
+	return session.Event{Kind: session.EvReply, Code: r.Code, Instance: r.Instance, Manifest: session.Manifest(r.Manifest), Attempt: attempt}
 }
 
 func (h *handoff) setCause(err error) { h.cause = err }
@@ -884,7 +885,7 @@ func (h *handoff) setCause(err error) { h.cause = err }
 // context's) unless that cause belongs to another class (say, an earlier
 // attempt's refusal behind a final no-responders): then it is only quoted,
 // so that the error matches exactly one of the package's sentinels.
-func (h *handoff) failure(code Code) error {
+func (h *handoff) failure(code session.Code) error {
 	err := h.failureErr(code)
 	if h.held != nil {
 		select {
@@ -896,41 +897,41 @@ func (h *handoff) failure(code Code) error {
 	return err
 }
 
-func (h *handoff) failureErr(code Code) error {
+func (h *handoff) failureErr(code session.Code) error {
 	if h.cause == nil {
-		return fmt.Errorf("transfer: request %d: %w", h.req.ID, CodeErr(code))
+		return fmt.Errorf("transfer: request %d: %w", h.req.ID, codeErr(code))
 	}
-	if errors.Is(h.cause, CodeErr(code)) {
+	if errors.Is(h.cause, codeErr(code)) {
 		return fmt.Errorf("transfer: request %d: %w", h.req.ID, h.cause)
 	}
-	for c := Code(1); c < codeCount; c++ {
-		if c != code && errors.Is(h.cause, CodeErr(c)) {
-			return fmt.Errorf("transfer: request %d: %w (after: %v)", h.req.ID, CodeErr(code), h.cause)
+	for c := session.Code(1); c < session.NumCodes; c++ {
+		if c != code && errors.Is(h.cause, codeErr(c)) {
+			return fmt.Errorf("transfer: request %d: %w (after: %v)", h.req.ID, codeErr(code), h.cause)
 		}
 	}
-	return fmt.Errorf("transfer: request %d: %w: %w", h.req.ID, CodeErr(code), h.cause)
+	return fmt.Errorf("transfer: request %d: %w: %w", h.req.ID, codeErr(code), h.cause)
 }
 
 // rdmaCode classifies a data-plane error.
-func rdmaCode(err error) Code {
+func rdmaCode(err error) session.Code {
 	switch {
 	case err == nil:
-		return CodeOK
+		return session.CodeOK
 	case errors.Is(err, rdma.ErrBadRequestID), errors.Is(err, rdma.ErrForbidden):
-		return CodeDummyRequest
+		return session.CodeDummyRequest
 	case errors.Is(err, rdma.ErrDeadline), errors.Is(err, context.DeadlineExceeded):
-		return CodeTimeout
+		return session.CodeTimeout
 	case errors.Is(err, rdma.ErrRevoked), errors.Is(err, rdma.ErrUnknownGrant),
 		errors.Is(err, rdma.ErrStaleEpoch), errors.Is(err, rdma.ErrBadToken), errors.Is(err, context.Canceled):
-		return CodeCancelled
+		return session.CodeCancelled
 	case errors.Is(err, rdma.ErrManifestMismatch):
-		return CodeIntegrity
+		return session.CodeIntegrity
 	case errors.Is(err, rdma.ErrOutOfRange):
-		return CodeLayoutMismatch
+		return session.CodeLayoutMismatch
 	case errors.Is(err, rdma.ErrClosed):
-		return CodeClosed
+		return session.CodeClosed
 	default:
-		return CodePeerFailed
+		return session.CodePeerFailed
 	}
 }
 

@@ -13,6 +13,7 @@ import (
 
 	"github.com/handoff-io/handoff/internal/leakcheck"
 	"github.com/handoff-io/handoff/internal/natstest"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // A prefill worker that is not there yet (restarting, or resubscribing
@@ -47,13 +48,13 @@ func TestMicroServiceListed(t *testing.T) {
 	ps := newSide(t, "pre", testHybrid(64, 8))
 	f.prefiller("p1", f.fp, newExec(ps), nil)
 	nc := natstest.Connect(t, f.srv)
-	m, err := nc.Request("$SRV.INFO."+ServiceName, nil, 5*time.Second)
+	m, err := nc.Request("$SRV.INFO."+wire.ServiceName, nil, 5*time.Second)
 	require.NoError(t, err)
 	s := string(m.Data)
 	require.Contains(t, s, `"name":"handoff-prefill"`)
-	require.Contains(t, s, Subject(DefaultPrefix, f.ns, SubjectPrefill, ""))
+	require.Contains(t, s, wire.Subject(wire.DefaultPrefix, f.ns, wire.SubjectPrefill, ""))
 	require.Contains(t, s, `"queue_group":"prefill"`)
-	require.Contains(t, s, Subject(DefaultPrefix, f.ns, SubjectInstancePrefill, "p1"))
+	require.Contains(t, s, wire.Subject(wire.DefaultPrefix, f.ns, wire.SubjectInstancePrefill, "p1"))
 	require.Contains(t, s, `"fingerprint":"fp-tiny"`)
 }
 
@@ -63,28 +64,28 @@ func TestRegistryExpiry(t *testing.T) {
 	nc := natstest.Connect(t, srv)
 	ctx := context.Background()
 	cfg := RegistryConfig{Namespace: "t1", TTL: time.Second}
-	watcher, err := OpenRegistry(ctx, nc, cfg)
+	watcher, err := openRegistry(ctx, nc, cfg)
 	require.NoError(t, err)
-	defer watcher.Close(ctx)
+	defer watcher.close(ctx)
 	gone := make(chan string, 4)
-	watcher.OnChange(func(inst Instance, g bool) {
+	watcher.onChange(func(inst wire.Instance, g bool) {
 		if g {
 			gone <- inst.ID
 		}
 	})
-	require.NoError(t, watcher.Watch(ctx, RolePrefill))
+	require.NoError(t, watcher.watch(ctx, wire.RolePrefill))
 
 	// A live instance, refreshed by heartbeats, and one that stops.
-	live, err := OpenRegistry(ctx, natstest.Connect(t, srv), RegistryConfig{Namespace: "t1", TTL: time.Second, Heartbeat: 200 * time.Millisecond})
+	live, err := openRegistry(ctx, natstest.Connect(t, srv), RegistryConfig{Namespace: "t1", TTL: time.Second, Heartbeat: 200 * time.Millisecond})
 	require.NoError(t, err)
-	defer live.Close(ctx)
-	require.NoError(t, live.Announce(ctx, func() Instance { return Instance{ID: "p-live", Role: RolePrefill, Fingerprint: "fp"} }))
-	dead, err := OpenRegistry(ctx, natstest.Connect(t, srv), cfg)
+	defer live.close(ctx)
+	require.NoError(t, live.announce(ctx, func() wire.Instance { return wire.Instance{ID: "p-live", Role: wire.RolePrefill, Fingerprint: "fp"} }))
+	dead, err := openRegistry(ctx, natstest.Connect(t, srv), cfg)
 	require.NoError(t, err)
-	require.NoError(t, dead.put(ctx, registryKey(RolePrefill, "p-dead"), Instance{ID: "p-dead", Role: RolePrefill, Fingerprint: "fp"}))
-	require.NoError(t, dead.Close(ctx))
+	require.NoError(t, dead.put(ctx, registryKey(wire.RolePrefill, "p-dead"), wire.Instance{ID: "p-dead", Role: wire.RolePrefill, Fingerprint: "fp"}))
+	require.NoError(t, dead.close(ctx))
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(watcher.Instances(RolePrefill, time.Now())); n != 2 {
+		if n := len(watcher.Instances(wire.RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d instances", n)
 		}
 		return nil
@@ -96,36 +97,36 @@ func TestRegistryExpiry(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("no expiry seen")
 	}
-	got := watcher.Instances(RolePrefill, time.Now())
+	got := watcher.Instances(wire.RolePrefill, time.Now())
 	require.Len(t, got, 1)
 	require.Equal(t, "p-live", got[0].ID)
-	require.Empty(t, watcher.Instances(RoleDecode, time.Now()))
-	require.Empty(t, watcher.Instances(RolePrefill, time.Now().Add(2*time.Second)), "local ttl check")
+	require.Empty(t, watcher.Instances(wire.RoleDecode, time.Now()))
+	require.Empty(t, watcher.Instances(wire.RolePrefill, time.Now().Add(2*time.Second)), "local ttl check")
 }
 
 // nats.go ends a KV watch when the context it was created with ends, so the
-// registry must not create it with Watch's ctx, which only bounds the wait for
+// registry must not create it with watch's ctx, which only bounds the wait for
 // the initial entries.
 func TestRegistryWatchOutlivesItsContext(t *testing.T) {
 	leakcheck.Check(t)
 	srv := natstest.Run(t)
 	cfg := RegistryConfig{Namespace: "t1", TTL: 30 * time.Second}
-	watcher, err := OpenRegistry(context.Background(), natstest.Connect(t, srv), cfg)
+	watcher, err := openRegistry(context.Background(), natstest.Connect(t, srv), cfg)
 	require.NoError(t, err)
-	defer watcher.Close(context.Background())
+	defer watcher.close(context.Background())
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	require.NoError(t, watcher.Watch(ctx, RolePrefill))
+	require.NoError(t, watcher.watch(ctx, wire.RolePrefill))
 	cancel()
 
 	time.Sleep(50 * time.Millisecond) // let a watch bound to ctx end
-	late, err := OpenRegistry(context.Background(), natstest.Connect(t, srv), cfg)
+	late, err := openRegistry(context.Background(), natstest.Connect(t, srv), cfg)
 	require.NoError(t, err)
-	defer late.Close(context.Background())
-	require.NoError(t, late.Announce(context.Background(), func() Instance {
-		return Instance{ID: "p-late", Role: RolePrefill, Fingerprint: "fp"}
+	defer late.close(context.Background())
+	require.NoError(t, late.announce(context.Background(), func() wire.Instance {
+		return wire.Instance{ID: "p-late", Role: wire.RolePrefill, Fingerprint: "fp"}
 	}))
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(watcher.Instances(RolePrefill, time.Now())); n != 1 {
+		if n := len(watcher.Instances(wire.RolePrefill, time.Now())); n != 1 {
 			return fmt.Errorf("%d instances, want the one announced after Watch's ctx ended", n)
 		}
 		return nil

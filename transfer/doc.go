@@ -5,18 +5,16 @@
 //
 // # Layers
 //
-//   - messages.go: every NATS message (msgpack maps, explicit keys, version
-//     "v"); packed.go: tokens/extents/manifests as packed little-endian
-//     bytes. codec.go: the Encode and Decode functions; encoders refuse a
-//     message over the server's max payload with ErrPayloadTooLarge before
-//     anything is published. msgcodec.go, on msgp.go's byte-level msgpack:
-//     the hand-written codecs the two messages of every handoff
-//     (PrefillRequest, PrefillReply) are written and read with, byte for
-//     byte the format reflection produces with compact ints.
-//   - subjects.go: Subject builds every subject:
+//   - package wire (transfer/wire): every NATS message (msgpack maps,
+//     explicit keys, version "v"; tokens, extents and manifests packed as
+//     little-endian bytes), its Encode and Decode functions (encoders refuse
+//     a message over the server's max payload with ErrPayloadTooLarge
+//     before anything is published, decoders a bad one with ErrBadMessage),
+//     and Subject, which builds every subject:
 //     <prefix>.<ns>.prefill (queue group "prefill": any free worker takes it),
 //     <prefix>.<ns>.inst.<id>.prefill (one instance, for targeted retries),
 //     <prefix>.<ns>.inst.<id>.cancel and <prefix>.<ns>.cancel (cancels).
+//     It does no IO: the drivers below send and receive its bytes.
 //   - package session (transfer/session): RecvSession and SendSession, pure
 //     state machines (events in, actions out, time passed in; no IO, no
 //     goroutines, held to it by its TestDeps). One terminal state per
@@ -33,9 +31,9 @@
 //     blocks and one real Mamba row and resolves them to a CacheExtents
 //     (RankRegions.Resolve). Decoder.Handoff refuses dummies (id 0, padding
 //     sentinels: session.IsDummyID), opens an rdma grant over exactly those
-//     extents and publishes a PrefillRequest (tokens, sampling, deadline,
-//     layout fingerprint, its rdma descriptor, the grant's ticket) to the
-//     queue group.
+//     extents and publishes a wire.PrefillRequest (tokens, sampling,
+//     deadline, layout fingerprint, its rdma descriptor, the grant's
+//     ticket) to the queue group.
 //  2. A Prefiller checks the request (dummy id, layout fingerprint, deadline:
 //     refused by name before any byte moves), admits it through the
 //     PrefillExecutor or refuses at once (ErrCapacityRefused), runs prefill,
@@ -100,9 +98,9 @@
 // has no responder for (workers restarting, or not yet resubscribed after a
 // reconnect) is sent again after 50 ms, doubling to 1 s, for up to
 // DecoderConfig.NoResponderWait (5 s) within its deadline. Deadlines travel
-// as the time left (PrefillRequest.Budget), and the prefiller turns them into
-// its own monotonic deadline on receipt: no two hosts' wall clocks are
-// compared. A grant the decoder revokes while a live shm writer is stopped
+// as the time left (wire.PrefillRequest.Budget), and the prefiller turns
+// them into its own monotonic deadline on receipt: no two hosts' wall
+// clocks are compared. A grant the decoder revokes while a live shm writer is stopped
 // inside a copy is quarantined (rdma.Grant.Quarantined): the handoff fails
 // at once with a *QuarantinedError, and the caller frees the destination
 // only when it is Released.
@@ -124,8 +122,8 @@
 // two). A watch whose consumer fell silent (a stream leader died) while the
 // bucket moved on is restarted. An instance restarted under the same id (a
 // pod keeps $POD_NAME) before its entry expired keeps its key, but its
-// entry names another micro service (Instance.Service, one per process):
-// watchers take that for the old incarnation's death, then see the new
+// entry names another micro service (wire.Instance.Service, one per
+// process): watchers take that for the old incarnation's death, then see the new
 // one, usable at once. A decoder tells the handoffs served by the old one
 // (a fenced retry, as for any death), not those it addressed to the new
 // one. Decoders watch
@@ -144,7 +142,7 @@
 // service's ping is answered (metadata "draining"), so a data-path reset
 // during a rolling update takes no draining worker for dead. A cancel names its decoder: request
 // and grant ids are unique per decoder only. Prefill workers are also NATS
-// micro services (ServiceName), so `nats micro ls|info|stats` lists them.
+// micro services (wire.ServiceName), so `nats micro ls|info|stats` lists them.
 //
 // # Symmetry
 //
@@ -156,8 +154,9 @@
 // roles swapped: the prefill side runs a RecvSession over a destination it
 // prepared and a grant, the decode side a SendSession over the request's
 // extents, with a
-// new request message on its own subject. The wire types (Peer, Ticket,
-// Manifest, Extents) and both machines are reused unchanged.
+// new request message on its own subject. The messages' parts (wire.Peer,
+// rdma's Ticket, Manifest and Extent) and both machines are reused
+// unchanged.
 //
 // # Caller duties
 //
@@ -175,7 +174,7 @@
 //  3. Prefill: implement PrefillExecutor (Admit must not block; AdmittedJob.Prefill
 //     must honour ctx and returns the source, RankRegions.Resolve of the
 //     resources it holds; Release is called once, after every use of the
-//     extents); NewPrefiller, Start (or Serve), Shutdown on exit.
+//     extents); NewPrefiller, Start, Shutdown on exit.
 //
 // Lock order: Prefiller.mu, Decoder.mu and Registry.mu are leaves: no IO and
 // no other lock is taken while one is held.

@@ -3,12 +3,9 @@ package transfer
 import (
 	"errors"
 	"fmt"
-	"math"
-	"reflect"
-
-	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/handoff-io/handoff/transfer/session"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // Sentinel errors. Every error a Decoder or Prefiller returns wraps exactly one
@@ -22,7 +19,7 @@ var (
 	ErrTimeout = errors.New("transfer: deadline exceeded")
 	// ErrPayloadTooLarge: an encoded control message exceeds the server's max
 	// payload. Checked before publishing; nothing was sent.
-	ErrPayloadTooLarge = errors.New("transfer: control message exceeds max payload")
+	ErrPayloadTooLarge = wire.ErrPayloadTooLarge
 	// ErrLayoutMismatch: the peers' cache layouts differ (fingerprint or byte
 	// counts). Refused before any byte moves.
 	ErrLayoutMismatch = errors.New("transfer: cache layout mismatch")
@@ -45,7 +42,7 @@ var (
 	ErrPrefillFailed = errors.New("transfer: prefill failed")
 	// ErrBadMessage: a control message could not be decoded, has an unknown
 	// version or is inconsistent.
-	ErrBadMessage = errors.New("transfer: bad control message")
+	ErrBadMessage = wire.ErrBadMessage
 	// ErrClosed: the Decoder or Prefiller was shut down.
 	ErrClosed = errors.New("transfer: closed")
 	// ErrInvalidConfig: a Config failed validation.
@@ -72,93 +69,56 @@ func (e *QuarantinedError) Unwrap() error { return e.Err }
 // Released is closed once no byte can land in the destination any more.
 func (e *QuarantinedError) Released() <-chan struct{} { return e.released }
 
-// Code is the wire form of a failure class (session.Code: the sessions
-// decide it). CodeOK means success. Codes are stable: they are part of the
-// wire format.
-type Code = session.Code
-
-// The codes, as the wire and the errors name them.
-const (
-	CodeOK              = session.CodeOK
-	CodeNoPrefillWorker = session.CodeNoPrefillWorker
-	CodeTimeout         = session.CodeTimeout
-	CodePayloadTooLarge = session.CodePayloadTooLarge
-	CodeLayoutMismatch  = session.CodeLayoutMismatch
-	CodeCapacityRefused = session.CodeCapacityRefused
-	CodePeerFailed      = session.CodePeerFailed
-	CodeCancelled       = session.CodeCancelled
-	CodeDummyRequest    = session.CodeDummyRequest
-	CodeIntegrity       = session.CodeIntegrity
-	CodePrefillFailed   = session.CodePrefillFailed
-	CodeBadMessage      = session.CodeBadMessage
-	CodeClosed          = session.CodeClosed
-	codeCount           = session.NumCodes
-)
-
-// A code on the wire is refused when it is too wide for a Code, which
-// msgpack's reflection would truncate into another, valid-looking one.
-func init() {
-	msgpack.Register(Code(0), nil, func(dec *msgpack.Decoder, v reflect.Value) error {
-		n, err := dec.DecodeUint64()
-		if err != nil {
-			return err
-		}
-		if n > math.MaxUint16 {
-			return fmt.Errorf("code %d out of range", n)
-		}
-		v.SetUint(n)
-		return nil
-	})
+// codeErrors is the sentinel of each failure class: a session.Code, which
+// the sessions decide and replies and cancels carry.
+var codeErrors = [session.NumCodes]error{
+	session.CodeOK:              nil,
+	session.CodeNoPrefillWorker: ErrNoPrefillWorker,
+	session.CodeTimeout:         ErrTimeout,
+	session.CodePayloadTooLarge: ErrPayloadTooLarge,
+	session.CodeLayoutMismatch:  ErrLayoutMismatch,
+	session.CodeCapacityRefused: ErrCapacityRefused,
+	session.CodePeerFailed:      ErrPeerFailed,
+	session.CodeCancelled:       ErrCancelled,
+	session.CodeDummyRequest:    ErrDummyRequest,
+	session.CodeIntegrity:       ErrIntegrity,
+	session.CodePrefillFailed:   ErrPrefillFailed,
+	session.CodeBadMessage:      ErrBadMessage,
+	session.CodeClosed:          ErrClosed,
 }
 
-var codeErrors = [codeCount]error{
-	CodeOK:              nil,
-	CodeNoPrefillWorker: ErrNoPrefillWorker,
-	CodeTimeout:         ErrTimeout,
-	CodePayloadTooLarge: ErrPayloadTooLarge,
-	CodeLayoutMismatch:  ErrLayoutMismatch,
-	CodeCapacityRefused: ErrCapacityRefused,
-	CodePeerFailed:      ErrPeerFailed,
-	CodeCancelled:       ErrCancelled,
-	CodeDummyRequest:    ErrDummyRequest,
-	CodeIntegrity:       ErrIntegrity,
-	CodePrefillFailed:   ErrPrefillFailed,
-	CodeBadMessage:      ErrBadMessage,
-	CodeClosed:          ErrClosed,
-}
-
-// CodeErr returns the sentinel of c (nil for CodeOK, ErrBadMessage for
+// codeErr returns the sentinel of c (nil for CodeOK, ErrBadMessage for
 // unknown codes).
-func CodeErr(c Code) error {
-	if c < codeCount {
+func codeErr(c session.Code) error {
+	if c < session.NumCodes {
 		return codeErrors[c]
 	}
 	return ErrBadMessage
 }
 
-// CodeOf classifies err: the code of the first sentinel it matches, CodeOK for
+// codeOf classifies err: the code of the first sentinel it matches, CodeOK for
 // nil, CodePeerFailed for anything unclassified.
-func CodeOf(err error) Code {
+func codeOf(err error) session.Code {
 	if err == nil {
-		return CodeOK
+		return session.CodeOK
 	}
 	var re *RemoteError
 	if errors.As(err, &re) {
 		return re.Code
 	}
-	for c := Code(1); c < codeCount; c++ {
+	for c := session.Code(1); c < session.NumCodes; c++ {
 		if errors.Is(err, codeErrors[c]) {
 			return c
 		}
 	}
-	return CodePeerFailed
+	return session.CodePeerFailed
 }
 
 // RemoteError is a failure reported by the peer over the control plane. Its Is
 // matches the sentinel of its code, so errors.Is(err, ErrCapacityRefused) holds
 // for a remote capacity refusal.
 type RemoteError struct {
-	Code     Code
+	Code     session.Code
 	Msg      string
 	Instance string // the peer instance that reported it, when known
 }
@@ -172,6 +132,6 @@ func (e *RemoteError) Error() string {
 
 // Is reports whether target is the sentinel of e's code.
 func (e *RemoteError) Is(target error) bool {
-	s := CodeErr(e.Code)
+	s := codeErr(e.Code)
 	return s != nil && s == target
 }

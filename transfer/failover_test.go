@@ -17,6 +17,8 @@ import (
 
 	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // TestHandoffPrefillDeath: the serving worker disappears from the registry
@@ -29,7 +31,7 @@ func TestHandoffPrefillDeath(t *testing.T) {
 	p := f.prefiller("p1", f.fp, x, withRegistryP)
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 1 {
+		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 1 {
 			return fmt.Errorf("%d prefill instances known", n)
 		}
 		return nil
@@ -37,7 +39,7 @@ func TestHandoffPrefillDeath(t *testing.T) {
 	go func() {
 		<-x.started
 		// What expiry of the worker's entry looks like to watchers.
-		require.NoError(t, p.Registry().kv.Delete(context.Background(), registryKey(RolePrefill, "p1")))
+		require.NoError(t, p.registry().kv.Delete(context.Background(), registryKey(wire.RolePrefill, "p1")))
 	}()
 	start := time.Now()
 	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
@@ -61,7 +63,7 @@ func TestPrefillerStopsOnDecodeDeath(t *testing.T) {
 	p := f.prefiller("p1", f.fp, x, withRegistryP)
 	d := f.decoder("d1", ds, withRegistry)
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(p.Registry().Instances(RoleDecode, time.Now())); n != 1 {
+		if n := len(p.registry().Instances(wire.RoleDecode, time.Now())); n != 1 {
 			return fmt.Errorf("%d decode instances known", n)
 		}
 		return nil
@@ -80,7 +82,7 @@ func TestPrefillerStopsOnDecodeDeath(t *testing.T) {
 		done <- err
 	}()
 	<-x.started
-	require.NoError(t, d.Registry().kv.Delete(context.Background(), registryKey(RoleDecode, "d1")))
+	require.NoError(t, d.Registry().kv.Delete(context.Background(), registryKey(wire.RoleDecode, "d1")))
 	require.ErrorIs(t, <-x.ctxErr, context.Canceled)
 	// The fenced retry reaches the same worker, which serves it.
 	require.Equal(t, uint64(3), <-x.started)
@@ -113,16 +115,16 @@ func TestHandoffPrefillDeathRetried(t *testing.T) {
 	}
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
+		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d prefill instances known", n)
 		}
 		return nil
 	})
 	// Every request addressed to an instance, as sent.
 	nc := natstest.Connect(t, f.srv)
-	sent := make(chan PrefillRequest, 8)
-	sub, err := nc.Subscribe(Subject(DefaultPrefix, f.ns, SubjectInstancePrefill, "*"), func(m *nats.Msg) {
-		if r, err := DecodePrefillRequest(m.Data); err == nil {
+	sent := make(chan wire.PrefillRequest, 8)
+	sub, err := nc.Subscribe(wire.Subject(wire.DefaultPrefix, f.ns, wire.SubjectInstancePrefill, "*"), func(m *nats.Msg) {
+		if r, err := wire.DecodePrefillRequest(m.Data); err == nil {
 			sent <- r
 		}
 	})
@@ -149,7 +151,7 @@ func TestHandoffPrefillDeathRetried(t *testing.T) {
 	first := <-sent
 	require.Equal(t, uint8(1), first.Attempt)
 	// What expiry of the worker's entry looks like to watchers.
-	require.NoError(t, pre[dead].Registry().kv.Delete(context.Background(), registryKey(RolePrefill, dead)))
+	require.NoError(t, pre[dead].registry().kv.Delete(context.Background(), registryKey(wire.RolePrefill, dead)))
 	<-xs[live].started
 	second := <-sent
 	require.Equal(t, uint8(2), second.Attempt)
@@ -166,18 +168,17 @@ func TestHandoffPrefillDeathRetried(t *testing.T) {
 	require.ErrorIs(t, <-xs[dead].ctxErr, context.Canceled)
 
 	// A late write with the dead worker's ticket is refused by the data plane.
-	old, err := first.Ticket.RDMA()
-	require.NoError(t, err)
+	old := first.Ticket
 	src, err := ps[dead].prepare(99, 9)
 	require.NoError(t, err)
-	for _, e := range src.Extents() {
+	for _, e := range src.extents() {
 		for j, b := 0, ps[dead].bytes(e); j < len(b); j++ {
 			b[j] = 0xEE
 		}
 	}
-	_, err = ps[dead].eng.Write(context.Background(), first.Peer.Descriptor(), old, src.Extents())
+	_, err = ps[dead].eng.Write(context.Background(), first.Peer.Descriptor(), old, src.extents())
 	require.Error(t, err)
-	require.Equal(t, CodeCancelled, rdmaCode(err), "late write: %v", err) // revoked, unknown or stale grant
+	require.Equal(t, session.CodeCancelled, rdmaCode(err), "late write: %v", err) // revoked, unknown or stale grant
 	require.NoError(t, ps[dead].m.Free(99))
 	checkPattern()
 
@@ -210,7 +211,7 @@ func TestHandoffWriterGoneRetried(t *testing.T) {
 	}
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
+		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d prefill instances known", n)
 		}
 		for name, p := range ps { // pre-connected at discovery
@@ -277,7 +278,7 @@ func TestHandoffSurvivesLiveWriterDroppingItsConnection(t *testing.T) {
 	defer stop()
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 1 {
+		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 1 {
 			return fmt.Errorf("%d prefill instances known", n)
 		}
 		if _, ok := ps.eng.TransportFor(ds.eng.Agent()); !ok {
@@ -292,7 +293,7 @@ func TestHandoffSurvivesLiveWriterDroppingItsConnection(t *testing.T) {
 	// the connection it used, its only one to the decoder.
 	dst, err := ds.prepare(5, 9)
 	require.NoError(t, err)
-	g, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 5, Extents: dst.Extents(), Deadline: time.Now().Add(time.Minute)})
+	g, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 5, Extents: dst.extents(), Deadline: time.Now().Add(time.Minute)})
 	require.NoError(t, err)
 	src, err := ps.prepare(5, 9)
 	require.NoError(t, err)
@@ -300,7 +301,7 @@ func TestHandoffSurvivesLiveWriterDroppingItsConnection(t *testing.T) {
 	cancel()
 	// Whether the bytes got out before the cancel took hold or not, a
 	// connection whose deadline the cancel may have moved is not reused.
-	_, _ = ps.eng.Write(cctx, ds.eng.Descriptor(), g.Ticket(), src.Extents())
+	_, _ = ps.eng.Write(cctx, ds.eng.Descriptor(), g.Ticket(), src.extents())
 	g.Revoke()
 	require.NoError(t, ds.m.Free(5))
 	require.NoError(t, ps.m.Free(5))
@@ -340,7 +341,7 @@ func TestHandoffSurvivesDataPathReset(t *testing.T) {
 	f.prefiller("p1", f.fp, x, withRegistryP)
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		insts := d.Registry().Instances(RolePrefill, time.Now())
+		insts := d.Registry().Instances(wire.RolePrefill, time.Now())
 		if len(insts) != 1 || insts[0].Service == "" {
 			return fmt.Errorf("prefill instances known: %+v", insts)
 		}
@@ -391,7 +392,7 @@ func TestHandoffPrefillRestartedUnderSameID(t *testing.T) {
 	pOld := f.prefiller("p1", f.fp, xOld, withRegistryP)
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
 	service := func(id string) string {
-		for _, inst := range d.Registry().Instances(RolePrefill, time.Now()) {
+		for _, inst := range d.Registry().Instances(wire.RolePrefill, time.Now()) {
 			if inst.ID == id {
 				return inst.Service
 			}
@@ -479,7 +480,7 @@ func TestDrainingWorkerSurvivesDataPathReset(t *testing.T) {
 	p := f.prefiller("p1", f.fp, x, withRegistryP)
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		insts := d.Registry().Instances(RolePrefill, time.Now())
+		insts := d.Registry().Instances(wire.RolePrefill, time.Now())
 		if len(insts) != 1 || insts[0].Service == "" {
 			return fmt.Errorf("prefill instances known: %+v", insts)
 		}
@@ -505,7 +506,7 @@ func TestDrainingWorkerSurvivesDataPathReset(t *testing.T) {
 		drained <- p.Shutdown(ctx)
 	}()
 	natstest.CheckFor(t, 5*time.Second, time.Millisecond, func() error {
-		insts := d.Registry().Instances(RolePrefill, time.Now())
+		insts := d.Registry().Instances(wire.RolePrefill, time.Now())
 		if len(insts) != 1 || !insts[0].Draining {
 			return fmt.Errorf("p1 not seen draining: %+v", insts)
 		}
@@ -513,7 +514,7 @@ func TestDrainingWorkerSurvivesDataPathReset(t *testing.T) {
 	})
 	// The ping is answered, and says so.
 	nc := natstest.Connect(t, f.srv)
-	pingSubj, err := micro.ControlSubject(micro.PingVerb, ServiceName, p.svcID)
+	pingSubj, err := micro.ControlSubject(micro.PingVerb, wire.ServiceName, p.svcID)
 	require.NoError(t, err)
 	pong, err := nc.Request(pingSubj, nil, 5*time.Second)
 	require.NoError(t, err)

@@ -18,6 +18,8 @@ import (
 
 	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // TestFaultSoak runs many handoffs between a decoder and two prefill
@@ -58,7 +60,7 @@ func TestFaultSoak(t *testing.T) {
 	f.prefiller("p2", f.fp, x2, withReg)
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst, c.Registry = false, true, reg })
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
+		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d prefill instances known", n)
 		}
 		return nil
@@ -118,9 +120,9 @@ func TestFaultSoak(t *testing.T) {
 			require.NoError(t, ds.m.Free(id))
 			outcomes[fmt.Sprintf("fault %d: ok, %d attempts", kind, res.Attempts)]++
 		} else {
-			var code Code
-			for _, c := range []Code{CodeTimeout, CodeCancelled, CodePeerFailed, CodeCapacityRefused} {
-				if errors.Is(err, CodeErr(c)) {
+			var code session.Code
+			for _, c := range []session.Code{session.CodeTimeout, session.CodeCancelled, session.CodePeerFailed, session.CodeCapacityRefused} {
+				if errors.Is(err, codeErr(c)) {
 					code = c
 				}
 			}

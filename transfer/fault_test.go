@@ -15,6 +15,7 @@ import (
 	"github.com/handoff-io/handoff/internal/faultnet"
 	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // Data-path faults between real prefill and decode workers: the decoder's
@@ -119,7 +120,7 @@ func drain(t *testing.T, proxy *faultnet.Proxy, writers ...*side) {
 func requirePattern(t *testing.T, ds *side, res Result, id uint64) {
 	t.Helper()
 	i := 0
-	for _, e := range ds.dest(id).Extents() {
+	for _, e := range ds.dest(id).extents() {
 		for _, b := range ds.bytes(e) {
 			if b != pattern(id, i) {
 				t.Fatalf("request %d byte %d: %#x, want %#x", id, i, b, pattern(id, i))
@@ -172,7 +173,7 @@ func TestFaultHandoffResetMidFrame(t *testing.T) {
 	f.prefiller("p2", f.fp, x2, withRegistryP)
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
+		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d prefill instances known", n)
 		}
 		return nil
@@ -218,7 +219,7 @@ func TestFaultHandoffResetWriterFirst(t *testing.T) {
 	f.prefiller("p2", f.fp, newExec(ps2), withRegistryP)
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
+		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d prefill instances known", n)
 		}
 		return nil

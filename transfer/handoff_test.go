@@ -33,12 +33,12 @@ func TestHandoffHappy(t *testing.T) {
 		require.Equal(t, int32(id), res.FirstToken)
 		require.Equal(t, "p1", res.Instance)
 		require.Equal(t, 1, res.Attempts)
-		kvb, mb := ds.dest(id).Bytes()
+		kvb, mb := ds.dest(id).bytes()
 		require.Equal(t, kvb, res.KVBytes)
 		require.Equal(t, mb, res.MambaBytes)
 		require.Equal(t, uint64(kvcache.Config(testHybrid(1, 1).KV).BlocksFor(n))*uint64(testHybrid(1, 1).KV.BlockBytes()), kvb)
 		i := 0
-		for _, e := range ds.dest(id).Extents() {
+		for _, e := range ds.dest(id).extents() {
 			for _, b := range ds.bytes(e) {
 				require.Equal(t, pattern(id, i), b, "request %d byte %d", id, i)
 				i++
@@ -77,7 +77,7 @@ func TestHandoffConcurrent(t *testing.T) {
 		require.Equal(t, int32(id), res.FirstToken, "request %d got another's reply", id)
 		// Every byte of its destination is its own prefill's.
 		i := 0
-		for _, x := range ds.dest(id).Extents() {
+		for _, x := range ds.dest(id).extents() {
 			for j, b := range ds.bytes(x) {
 				require.Equal(t, pattern(id, i), b, "request %d: byte %d of extent %v", id, j, x)
 				i++

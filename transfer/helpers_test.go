@@ -158,7 +158,7 @@ func (s *side) handoffAsync(d *Decoder, req Request) <-chan handoffOut {
 func (s *side) requirePattern(t *testing.T, id uint64) {
 	t.Helper()
 	i := 0
-	for _, e := range s.dest(id).Extents() {
+	for _, e := range s.dest(id).extents() {
 		for _, b := range s.bytes(e) {
 			require.Equal(t, pattern(id, i), b, "byte %d", i)
 			i++
@@ -215,7 +215,7 @@ func (l *testLease) Prefill(ctx context.Context) (Prefilled, error) {
 		}
 	}
 	i := 0
-	for _, e := range l.d.Extents() {
+	for _, e := range l.d.extents() {
 		b := l.x.s.bytes(e)
 		for j := range b {
 			b[j] = pattern(l.job.RequestID, i)

@@ -72,7 +72,7 @@ func (l *streamJob) Prefill(ctx context.Context) (Prefilled, error) {
 	id := l.job.RequestID
 	var ps []Piece
 	var at uint64
-	for _, e := range l.d.Extents() {
+	for _, e := range l.d.extents() {
 		for off := uint64(0); off < e.Length; off += uint64(l.x.piece) {
 			n := min(uint64(l.x.piece), e.Length-off)
 			ps = append(ps, Piece{At: at + off, Src: rdma.Extent{Region: e.Region, Offset: e.Offset + off, Length: n}})
@@ -185,13 +185,13 @@ func TestLayerwiseHandoff(t *testing.T) {
 					o := <-done
 					require.NoError(t, o.err)
 					i := 0
-					for _, e := range ds.dest(id).Extents() {
+					for _, e := range ds.dest(id).extents() {
 						for _, b := range ds.bytes(e) {
 							require.Equal(t, pattern(id, i), b, "request %d byte %d", id, i)
 							i++
 						}
 					}
-					kv, m := ds.dest(id).Bytes()
+					kv, m := ds.dest(id).bytes()
 					require.Equal(t, before+kv+m, ps.eng.Stats().BytesWritten, "every byte written once")
 					if streamed := p.Stats().StreamedBytes - streamedBefore; streams {
 						require.Positive(t, streamed, "request %d: streamed bytes not counted", id)
@@ -291,7 +291,7 @@ func TestLayerwiseRefusedPieceGoesOn(t *testing.T) {
 			_, err := ds.handoff(context.Background(), d, Request{ID: 1, Tokens: tokens(30), Deadline: time.Now().Add(10 * time.Second)})
 			require.NoError(t, err)
 			ds.requirePattern(t, 1)
-			kv, m := ds.dest(1).Bytes()
+			kv, m := ds.dest(1).bytes()
 			require.Equal(t, before+kv+m, ps.eng.Stats().BytesWritten, "every byte written once")
 			require.Positive(t, p.Stats().StreamedBytes, "nothing streamed after the refused piece")
 			require.NoError(t, ds.m.Free(1))

@@ -16,6 +16,8 @@ import (
 	"github.com/handoff-io/handoff/internal/leakcheck"
 	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 func TestPrefillerShutdownAbortsInFlight(t *testing.T) {
@@ -81,7 +83,7 @@ func TestConfigValidation(t *testing.T) {
 	}
 	_, err := NewPrefiller(PrefillerConfig{Instance: "a", Namespace: "n", Fingerprint: "f"}, nc, ds.eng, nil)
 	require.ErrorIs(t, err, ErrInvalidConfig)
-	_, err = OpenRegistry(context.Background(), nc, RegistryConfig{Namespace: "n", TTL: time.Second, Heartbeat: 2 * time.Second})
+	_, err = openRegistry(context.Background(), nc, RegistryConfig{Namespace: "n", TTL: time.Second, Heartbeat: 2 * time.Second})
 	require.ErrorIs(t, err, ErrInvalidConfig)
 	d, err := NewDecoder(context.Background(), DecoderConfig{Instance: "a", Namespace: "n", Fingerprint: "f", NoRegistry: true}, nc, ds.eng)
 	require.NoError(t, err)
@@ -188,20 +190,20 @@ func TestPrefillerNotServingRefusesAsCapacity(t *testing.T) {
 	dest, err := ds.prepare(1, 9)
 	require.NoError(t, err)
 	defer ds.m.Free(1)
-	kvb, mb := dest.Bytes()
+	kvb, mb := dest.bytes()
 	deadline := time.Now().Add(5 * time.Second)
-	g, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 1, Extents: dest.Extents(), Deadline: deadline})
+	g, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 1, Extents: dest.extents(), Deadline: deadline})
 	require.NoError(t, err)
 	defer g.Revoke()
-	b, err := EncodePrefillRequest(PrefillRequest{RequestID: 1, From: "d1", Fingerprint: f.fp, Tokens: tokens(9),
-		Deadline: deadline.UnixNano(), Peer: PeerOf(ds.eng.Descriptor()),
-		Ticket: TicketOf(g.Ticket()), KVBytes: kvb, MambaBytes: mb}, 0)
+	b, err := wire.EncodePrefillRequest(wire.PrefillRequest{RequestID: 1, From: "d1", Fingerprint: f.fp, Tokens: tokens(9),
+		Deadline: deadline.UnixNano(), Peer: wire.PeerOf(ds.eng.Descriptor()),
+		Ticket: g.Ticket(), KVBytes: kvb, MambaBytes: mb}, 0)
 	require.NoError(t, err)
 	r := &fakeRequest{data: b}
 	p.handle(r)
-	rep, err := DecodePrefillReply(r.reply)
+	rep, err := wire.DecodePrefillReply(r.reply)
 	require.NoError(t, err)
-	require.Equal(t, CodeCapacityRefused, rep.Code, rep.Msg)
+	require.Equal(t, session.CodeCapacityRefused, rep.Code, rep.Msg)
 	require.ErrorIs(t, &RemoteError{Code: rep.Code}, ErrCapacityRefused)
 	require.Zero(t, x.admits.Load())
 	ps.requireInitial(t)
@@ -250,7 +252,7 @@ func TestDrainingPrefillerNotAddressed(t *testing.T) {
 	p1 := f.prefiller("p1", f.fp, x1, withRegistryP)
 	f.prefiller("p2", f.fp, x2, withRegistryP)
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
+		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d prefill instances", n)
 		}
 		return nil
@@ -279,7 +281,7 @@ func TestDrainingPrefillerNotAddressed(t *testing.T) {
 	shut := make(chan error, 1)
 	go func() { shut <- p1.Shutdown(context.Background()) }() // drains its blocked request
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		for _, inst := range d.Registry().Instances(RolePrefill, time.Now()) {
+		for _, inst := range d.Registry().Instances(wire.RolePrefill, time.Now()) {
 			if inst.ID == "p1" && inst.Draining {
 				return nil
 			}

@@ -3,6 +3,8 @@ package transfer
 import (
 	"maps"
 	"time"
+
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // PrefillLoad is what a decoder knows of the prefill instances it may
@@ -24,7 +26,7 @@ type PrefillLoad struct {
 // registry and this decoder's calls in flight. It asks no peer: it is
 // cheap enough to call per request.
 func (d *Decoder) PrefillLoad(now time.Time) PrefillLoad {
-	insts := d.reg.Instances(RolePrefill, now)
+	insts := d.reg.Instances(wire.RolePrefill, now)
 	if len(insts) == 0 {
 		return PrefillLoad{}
 	}

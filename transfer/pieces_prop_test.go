@@ -44,7 +44,7 @@ func TestPiecesProperty(t *testing.T) {
 		n := 1 + rng.IntN(40)
 		chunk := 1 + rng.IntN(n)
 		name := fmt.Sprintf("iter%d kv%+v m%+v p%d d%d n%d chunk%d", iter, kv, m, p, d, n, chunk)
-		rs, err := NewResharder(kv, m, p, d)
+		rs, err := newResharder(kv, m, p, d)
 		require.NoError(t, err, name)
 		kc, err := reshard.KVShard(kv, p)
 		require.NoError(t, err)
@@ -54,7 +54,7 @@ func TestPiecesProperty(t *testing.T) {
 		kc.Blocks = nb + 5
 		mc.MaxBatchSize = 2
 		arena := map[rdma.RegionID][]byte{}
-		var src []ShardSource
+		var src []shardSource
 		for s := range p {
 			k, mm := rdma.RegionID(10+2*s), rdma.RegionID(11+2*s)
 			arena[k], arena[mm] = make([]byte, kc.ArenaBytes()), make([]byte, mc.ArenaBytes())
@@ -64,7 +64,7 @@ func TestPiecesProperty(t *testing.T) {
 			for i := range arena[mm] {
 				arena[mm][i] = byte(rng.Uint32())
 			}
-			src = append(src, ShardSource{KV: k, Mamba: mm, KVConfig: kc, MambaConfig: mc})
+			src = append(src, shardSource{KV: k, Mamba: mm, KVConfig: kc, MambaConfig: mc})
 		}
 		blocks := make([]kvcache.BlockID, nb)
 		perm := rng.Perm(kc.Blocks)
@@ -72,12 +72,12 @@ func TestPiecesProperty(t *testing.T) {
 			blocks[i] = kvcache.BlockID(perm[i])
 		}
 		row := mambacache.Row(rng.IntN(2))
-		kvb, mb := rs.Bytes(nb)
+		kvb, mb := rs.bytes(nb)
 		whole := kvb + mb
 		got, seen := make([]byte, whole), make([]int, whole)
 		var pieces []Piece
 		apply := func(f Finished) {
-			pieces, err = rs.Pieces(pieces[:0], src, f, blocks, row)
+			pieces, err = rs.pieces(pieces[:0], src, f, blocks, row)
 			require.NoError(t, err, name)
 			for _, pc := range pieces {
 				require.NotZero(t, pc.Src.Length, name)
@@ -99,7 +99,7 @@ func TestPiecesProperty(t *testing.T) {
 				}
 			}
 		}
-		kx, mx, err := rs.Source(src, blocks, row)
+		kx, mx, err := rs.source(src, blocks, row)
 		require.NoError(t, err, name)
 		var want []byte
 		for _, x := range append(kx, mx...) {

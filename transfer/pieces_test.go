@@ -58,7 +58,7 @@ func checkPiecesTile(t *testing.T, name string, e model.Executor, tpb, n, chunk,
 	kv, mc := sh.KV, sh.Mamba
 	kv.Blocks, mc.MaxBatchSize = 40, 3
 	arena := map[rdma.RegionID][]byte{}
-	var src []ShardSource
+	var src []shardSource
 	var more []model.ShardPools
 	for s := range p {
 		k, m := rdma.RegionID(10+2*s), rdma.RegionID(11+2*s)
@@ -66,14 +66,14 @@ func checkPiecesTile(t *testing.T, name string, e model.Executor, tpb, n, chunk,
 		for i := range arena[k] {
 			arena[k][i] = 0x77 // what an earlier request left
 		}
-		src = append(src, ShardSource{KV: k, Mamba: m, KVConfig: kv, MambaConfig: mc})
+		src = append(src, shardSource{KV: k, Mamba: m, KVConfig: kv, MambaConfig: mc})
 		if s > 0 {
 			more = append(more, model.ShardPools{KVArena: arena[k], KV: kv, MambaArena: arena[m], Mamba: mc})
 		}
 	}
 	ex, err := model.Sharded(e, more)
 	require.NoError(t, err, name)
-	rs, err := NewResharder(spec.KV, spec.Mamba, p, d)
+	rs, err := newResharder(spec.KV, spec.Mamba, p, d)
 	require.NoError(t, err, name)
 	blocks := make([]kvcache.BlockID, kv.BlocksFor(n))
 	for i := range blocks {
@@ -85,7 +85,7 @@ func checkPiecesTile(t *testing.T, name string, e model.Executor, tpb, n, chunk,
 	for i := range toks {
 		toks[i] = int32(i*7+3) % 200
 	}
-	kvb, mb := rs.Bytes(len(blocks))
+	kvb, mb := rs.bytes(len(blocks))
 	whole := kvb + mb
 	got, seen := make([]byte, whole), make([]int, whole)
 	var pieces []Piece
@@ -99,7 +99,7 @@ func checkPiecesTile(t *testing.T, name string, e model.Executor, tpb, n, chunk,
 			if !ok {
 				return
 			}
-			pieces, err = rs.Pieces(pieces[:0], src, f, blocks, row)
+			pieces, err = rs.pieces(pieces[:0], src, f, blocks, row)
 			require.NoError(t, err, "%s: %v", name, part)
 			for _, pc := range pieces {
 				require.LessOrEqual(t, pc.At+pc.Src.Length, whole, "%s: %v", name, part)
@@ -111,7 +111,7 @@ func checkPiecesTile(t *testing.T, name string, e model.Executor, tpb, n, chunk,
 		})
 		require.NoError(t, err, name)
 	}
-	kx, mx, err := rs.Source(src, blocks, row)
+	kx, mx, err := rs.source(src, blocks, row)
 	require.NoError(t, err, name)
 	var want []byte
 	for _, x := range append(kx, mx...) {
@@ -129,22 +129,22 @@ func TestPiecesRefuseOutOfRange(t *testing.T) {
 	e, err := model.Lookup(model.TinyHybrid)
 	require.NoError(t, err)
 	spec := e.Spec()
-	rs, err := NewResharder(spec.KV, spec.Mamba, 2, 1)
+	rs, err := newResharder(spec.KV, spec.Mamba, 2, 1)
 	require.NoError(t, err)
 	sh, err := model.ShardSpec(spec, 2)
 	require.NoError(t, err)
 	kv, mc := sh.KV, sh.Mamba
 	kv.Blocks, mc.MaxBatchSize = 4, 2
-	src := []ShardSource{{KV: 1, Mamba: 2, KVConfig: kv, MambaConfig: mc}, {KV: 3, Mamba: 4, KVConfig: kv, MambaConfig: mc}}
+	src := []shardSource{{KV: 1, Mamba: 2, KVConfig: kv, MambaConfig: mc}, {KV: 3, Mamba: 4, KVConfig: kv, MambaConfig: mc}}
 	for _, f := range []Finished{
 		{Mamba: true, Layer: spec.Mamba.Layers},
 		{Mamba: true, Layer: -1},
 		{Layer: spec.KV.Layers, To: 1},
 		{Layer: 0, From: 3, To: 2},
 	} {
-		_, err := rs.Pieces(nil, src, f, []kvcache.BlockID{0}, 1)
+		_, err := rs.pieces(nil, src, f, []kvcache.BlockID{0}, 1)
 		require.ErrorIs(t, err, rdma.ErrOutOfRange, "%+v", f)
 	}
-	_, err = rs.Pieces(nil, src[:1], Finished{Mamba: true}, []kvcache.BlockID{0}, 1)
+	_, err = rs.pieces(nil, src[:1], Finished{Mamba: true}, []kvcache.BlockID{0}, 1)
 	require.ErrorIs(t, err, ErrInvalidConfig)
 }

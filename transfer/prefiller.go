@@ -18,14 +18,8 @@ import (
 
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/handoff-io/handoff/transfer/session"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
-
-// ServiceName is the NATS micro service name prefill workers register under
-// (`nats micro ls` lists them).
-const ServiceName = "handoff-prefill"
-
-// ServiceVersion is the micro service version: the wire version as semver.
-const ServiceVersion = "1.0.0"
 
 // PrefillerConfig configures a Prefiller.
 type PrefillerConfig struct {
@@ -41,7 +35,7 @@ type PrefillerConfig struct {
 	Layerwise          Layerwise
 	LayerwiseMinTokens int
 	// Capacity reports the instance's room for the registry; optional.
-	Capacity func() Capacity
+	Capacity func() wire.Capacity
 	Registry RegistryConfig
 	// NoRegistry skips the instance registry (no announce, no watch of decode
 	// instances). For tools and tests.
@@ -54,9 +48,9 @@ type PrefillerConfig struct {
 
 func (c *PrefillerConfig) validate() error {
 	if c.Prefix == "" {
-		c.Prefix = DefaultPrefix
+		c.Prefix = wire.DefaultPrefix
 	}
-	if !ValidToken(c.Instance) || !ValidToken(c.Namespace) || !ValidToken(c.Prefix) {
+	if !wire.ValidToken(c.Instance) || !wire.ValidToken(c.Namespace) || !wire.ValidToken(c.Prefix) {
 		return fmt.Errorf("%w: instance %q, namespace %q and prefix %q must be tokens of [A-Za-z0-9_-]", ErrInvalidConfig, c.Instance, c.Namespace, c.Prefix)
 	}
 	if c.Fingerprint == "" {
@@ -85,7 +79,7 @@ func (c *PrefillerConfig) validate() error {
 type Job struct {
 	RequestID uint64
 	Tokens    []int32
-	Sampling  Sampling
+	Sampling  wire.Sampling
 	Deadline  time.Time
 	From      string // the requesting instance
 	// Span is the request's "prefill" span when it is traced, else nil: the
@@ -172,7 +166,7 @@ type Prefiller struct {
 	wg    sync.WaitGroup
 	work  chan taskStart // to an idle worker; unbuffered (see dispatchLocked)
 	quit  chan struct{}  // closed when intake stops: idle workers exit
-	peers peerCache      // the last requester's descriptor, see decodePrefillRequest
+	peers wire.PeerCache // the last requester's descriptor, see wire.PeerCache
 	free  sync.Pool      // *task, see freeTask
 
 	// Pre-connection to decode instances seen in the registry, so a first
@@ -207,7 +201,7 @@ func NewPrefiller(cfg PrefillerConfig, nc *nats.Conn, eng *rdma.Engine, exec Pre
 		work: make(chan taskStart), quit: make(chan struct{}),
 		connected: map[string]string{}, maxPayload: nc.MaxPayload()}
 	if cfg.TracerProvider != nil {
-		p.tracer = cfg.TracerProvider.Tracer(TracerName)
+		p.tracer = cfg.TracerProvider.Tracer(tracerName)
 	}
 	p.connCtx, p.connCancel = context.WithCancel(context.Background())
 	return p, nil
@@ -231,11 +225,11 @@ func (p *Prefiller) Start(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	// The registry runs outside p.mu: Watch delivers the decode instances that
+	// The registry runs outside p.mu: watch delivers the decode instances that
 	// already exist to preconnect, which takes p.mu.
 	if reg != nil {
-		if err = reg.Watch(ctx, RoleDecode); err == nil {
-			err = reg.Announce(ctx, p.self)
+		if err = reg.watch(ctx, wire.RoleDecode); err == nil {
+			err = reg.announce(ctx, p.self)
 		}
 	}
 	if err == nil {
@@ -250,7 +244,7 @@ func (p *Prefiller) Start(ctx context.Context) error {
 		_ = in.stop()
 		if reg != nil {
 			rctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			_ = reg.Close(rctx) // no more registry callbacks, so no new pre-connects
+			_ = reg.close(rctx) // no more registry callbacks, so no new pre-connects
 			cancel()
 		}
 		// Pre-connects the watch began; no request was served while starting.
@@ -368,7 +362,7 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 		}
 	}()
 	svc, err := micro.AddService(p.nc, micro.Config{
-		Name: ServiceName, Version: ServiceVersion,
+		Name: wire.ServiceName, Version: wire.ServiceVersion,
 		Description: "prefills prompts and writes their cache into the requester's grant",
 		Metadata:    map[string]string{"instance": c.Instance, "namespace": c.Namespace, "fingerprint": c.Fingerprint},
 	})
@@ -378,15 +372,15 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 	in.svc = svc
 	p.svcID = svc.Info().ID // read by self, which the registry calls only after Start announced
 	h := micro.HandlerFunc(p.handle)
-	if err := svc.AddEndpoint("prefill", h, micro.WithEndpointSubject(Subject(c.Prefix, c.Namespace, SubjectPrefill, "")),
-		micro.WithEndpointQueueGroup(PrefillQueue)); err != nil {
+	if err := svc.AddEndpoint("prefill", h, micro.WithEndpointSubject(wire.Subject(c.Prefix, c.Namespace, wire.SubjectPrefill, "")),
+		micro.WithEndpointQueueGroup(wire.PrefillQueue)); err != nil {
 		return nil, fmt.Errorf("transfer: prefill endpoint: %w", err)
 	}
-	if err := svc.AddEndpoint("prefill-direct", h, micro.WithEndpointSubject(Subject(c.Prefix, c.Namespace, SubjectInstancePrefill, c.Instance)),
+	if err := svc.AddEndpoint("prefill-direct", h, micro.WithEndpointSubject(wire.Subject(c.Prefix, c.Namespace, wire.SubjectInstancePrefill, c.Instance)),
 		micro.WithEndpointQueueGroupDisabled()); err != nil {
 		return nil, fmt.Errorf("transfer: prefill endpoint: %w", err)
 	}
-	for _, subj := range []string{Subject(c.Prefix, c.Namespace, SubjectInstanceCancel, c.Instance), Subject(c.Prefix, c.Namespace, SubjectCancel, "")} {
+	for _, subj := range []string{wire.Subject(c.Prefix, c.Namespace, wire.SubjectInstanceCancel, c.Instance), wire.Subject(c.Prefix, c.Namespace, wire.SubjectCancel, "")} {
 		sub, err := p.nc.Subscribe(subj, p.onCancel)
 		if err != nil {
 			return nil, fmt.Errorf("transfer: cancel subscription: %w", err)
@@ -395,15 +389,15 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 	}
 	in.nc, in.status = p.nc, p.nc.StatusChanged(nats.RECONNECTING, nats.CONNECTED)
 	if !c.NoRegistry {
-		if reg, err = OpenRegistry(ctx, p.nc, c.Registry); err != nil {
+		if reg, err = openRegistry(ctx, p.nc, c.Registry); err != nil {
 			return nil, err
 		}
-		reg.OnChange(func(inst Instance, gone bool) {
-			if inst.Role != RoleDecode {
+		reg.onChange(func(inst wire.Instance, gone bool) {
+			if inst.Role != wire.RoleDecode {
 				return
 			}
 			if gone {
-				p.abortFrom(inst.ID, CodePeerFailed)
+				p.abortFrom(inst.ID, session.CodePeerFailed)
 			}
 			p.preconnect(inst, gone)
 		})
@@ -413,7 +407,7 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 		p.mu.Unlock()
 		if reg != nil {
 			rctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			_ = reg.Close(rctx)
+			_ = reg.close(rctx)
 			cancel()
 		}
 		return nil, fmt.Errorf("%w: prefiller shut down while starting", ErrClosed)
@@ -432,7 +426,7 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 // what they still await from this instance. Runs until status is closed.
 func (p *Prefiller) announceReconnects(status <-chan nats.Status) {
 	down := false
-	subj := Subject(p.cfg.Prefix, p.cfg.Namespace, SubjectInstanceReconnected, p.cfg.Instance)
+	subj := wire.Subject(p.cfg.Prefix, p.cfg.Namespace, wire.SubjectInstanceReconnected, p.cfg.Instance)
 	for st := range status {
 		switch st {
 		case nats.RECONNECTING:
@@ -453,7 +447,7 @@ func (p *Prefiller) announceReconnects(status <-chan nats.Status) {
 
 // preconnect connects the data plane to a decode instance when it appears (or
 // its agent changes), in the background, bounded by 10 s and by Shutdown.
-func (p *Prefiller) preconnect(inst Instance, gone bool) {
+func (p *Prefiller) preconnect(inst wire.Instance, gone bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if gone {
@@ -482,8 +476,8 @@ func (p *Prefiller) preconnect(inst Instance, gone bool) {
 	})
 }
 
-func (p *Prefiller) self() Instance {
-	inst := Instance{ID: p.cfg.Instance, Role: RolePrefill, Fingerprint: p.cfg.Fingerprint, Peer: PeerOf(p.eng.Descriptor()), Service: p.svcID}
+func (p *Prefiller) self() wire.Instance {
+	inst := wire.Instance{ID: p.cfg.Instance, Role: wire.RolePrefill, Fingerprint: p.cfg.Fingerprint, Peer: wire.PeerOf(p.eng.Descriptor()), Service: p.svcID}
 	if p.cfg.Capacity != nil {
 		inst.Capacity = p.cfg.Capacity()
 	}
@@ -493,22 +487,10 @@ func (p *Prefiller) self() Instance {
 }
 
 // Registry returns the prefiller's registry (nil with NoRegistry or before Start).
-func (p *Prefiller) Registry() *Registry {
+func (p *Prefiller) registry() *Registry {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.reg
-}
-
-// Serve starts and serves until ctx is done, then shuts down, draining
-// in-flight requests for up to drain.
-func (p *Prefiller) Serve(ctx context.Context, drain time.Duration) error {
-	if err := p.Start(ctx); err != nil {
-		return err
-	}
-	<-ctx.Done()
-	sctx, cancel := context.WithTimeout(context.Background(), drain)
-	defer cancel()
-	return p.Shutdown(sctx)
 }
 
 // Shutdown stops intake (in-flight requests keep running), waits for them
@@ -533,7 +515,7 @@ func (p *Prefiller) Shutdown(ctx context.Context) (err error) {
 	if reg != nil && ctx.Err() == nil { // stay registered for the requests in flight, marked draining
 		p.draining.Store(true)
 		rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		if rerr := reg.Refresh(rctx); rerr != nil && !errors.Is(rerr, ErrClosed) {
+		if rerr := reg.refresh(rctx); rerr != nil && !errors.Is(rerr, ErrClosed) {
 			p.cfg.Logger.Warn("announce draining", "err", rerr)
 		}
 		cancel()
@@ -547,7 +529,7 @@ func (p *Prefiller) Shutdown(ctx context.Context) (err error) {
 		p.mu.Lock()
 		for _, t := range p.tasks {
 			for ; t != nil; t = t.next {
-				t.abort(CodeClosed)
+				t.abort(session.CodeClosed)
 			}
 		}
 		p.mu.Unlock()
@@ -559,7 +541,7 @@ func (p *Prefiller) Shutdown(ctx context.Context) (err error) {
 		// not fail a handoff that was served.
 		_ = p.nc.FlushTimeout(2 * time.Second) // best effort: the connection may be gone
 		rctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		err = errors.Join(err, reg.Close(rctx))
+		err = errors.Join(err, reg.close(rctx))
 		cancel()
 	}
 	return err
@@ -579,14 +561,14 @@ func (p *Prefiller) stopIntakeLocked() intake {
 }
 
 func (p *Prefiller) onCancel(m *nats.Msg) {
-	c, err := DecodeCancel(m.Data)
+	c, err := wire.DecodeCancel(m.Data)
 	if err != nil {
 		p.cfg.Logger.Warn("bad cancel", "err", err)
 		return
 	}
 	code := c.Code
-	if code == CodeOK {
-		code = CodeCancelled
+	if code == session.CodeOK {
+		code = session.CodeCancelled
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -597,7 +579,7 @@ func (p *Prefiller) onCancel(m *nats.Msg) {
 	}
 }
 
-func (p *Prefiller) abortFrom(instance string, code Code) {
+func (p *Prefiller) abortFrom(instance string, code session.Code) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, t := range p.tasks {
@@ -614,7 +596,7 @@ type task struct {
 	p      *Prefiller
 	next   *task  // the next task of the same request id (under Prefiller.mu)
 	reply  string // reply subject
-	msg    PrefillRequest
+	msg    wire.PrefillRequest
 	peer   rdma.Descriptor // msg.Peer's
 	ticket rdma.Ticket
 	sess   session.SendSession
@@ -676,7 +658,7 @@ func (p *Prefiller) removeTaskLocked(t *task) {
 // cost of time.Now (one clock read, not two).
 func (t *task) now() time.Time { return t.start.Add(time.Since(t.start)) }
 
-func (t *task) abort(code Code) {
+func (t *task) abort(code session.Code) {
 	if t.aborts.CompareAndSwap(0, uint32(code)) {
 		t.stop()
 	}
@@ -686,18 +668,13 @@ func (t *task) abort(code Code) {
 // either reply at once (refusals) or hand the request to a worker goroutine.
 func (p *Prefiller) handle(r micro.Request) {
 	p.received.Add(1)
-	m, peer, err := decodePrefillRequest(r.Data(), &p.peers)
+	m, peer, err := p.peers.DecodePrefillRequest(r.Data())
 	if err != nil {
 		p.refused.Add(1)
-		p.replyNow(r, PrefillReply{Code: CodeBadMessage, Msg: err.Error()})
+		p.replyNow(r, wire.PrefillReply{Code: session.CodeBadMessage, Msg: err.Error()})
 		return
 	}
-	tk, err := m.Ticket.RDMA()
-	if err != nil {
-		p.refused.Add(1)
-		p.replyNow(r, PrefillReply{RequestID: m.RequestID, Code: CodeBadMessage, Msg: err.Error()})
-		return
-	}
+	tk := m.Ticket
 	t := p.newTask()
 	t.start = time.Now()
 	if p.tracer != nil {
@@ -736,15 +713,15 @@ func (p *Prefiller) handle(r micro.Request) {
 	}
 	p.mu.Unlock()
 	lease, err := p.exec.Admit(Job{RequestID: m.RequestID, Tokens: m.Tokens, Sampling: m.Sampling, Deadline: deadline, From: m.From, TP: max(int(m.TP), 1), Span: t.span})
-	code := CodeOK
+	code := session.CodeOK
 	if err != nil {
-		code = CodeOf(err)
-		if code == CodePeerFailed {
-			code = CodePrefillFailed
+		code = codeOf(err)
+		if code == session.CodePeerFailed {
+			code = session.CodePrefillFailed
 		}
 		t.cause = err
 	} else if lease == nil {
-		code, t.cause = CodePrefillFailed, errors.New("executor admitted without a lease")
+		code, t.cause = session.CodePrefillFailed, errors.New("executor admitted without a lease")
 	}
 	t.lease = lease
 	acts := t.sess.Step(session.Event{Kind: session.EvAdmitted, Code: code, Now: t.now()})
@@ -831,21 +808,21 @@ func (p *Prefiller) refuseNotServing(r micro.Request, t *task, state int) {
 	}
 	t.cause = fmt.Errorf("%w: prefiller %s", ErrCapacityRefused, why)
 	p.refused.Add(1)
-	p.replyNow(r, t.replyFor(CodeCapacityRefused))
-	endSpanCode(t.span, CodeCapacityRefused, t.cause)
+	p.replyNow(r, t.replyFor(session.CodeCapacityRefused))
+	endSpanCode(t.span, session.CodeCapacityRefused, t.cause)
 }
 
-func (p *Prefiller) replyNow(r micro.Request, rep PrefillReply) {
+func (p *Prefiller) replyNow(r micro.Request, rep wire.PrefillReply) {
 	rep.Instance = p.cfg.Instance
 	buf := getMsgBuf()
-	b, err := appendPrefillReply(*buf, &rep, p.maxPayload)
+	b, err := wire.AppendPrefillReply(*buf, &rep, p.maxPayload)
 	if err != nil {
 		putMsgBuf(buf, *buf)
 		p.cfg.Logger.Error("encode reply", "err", err)
 		return
 	}
 	p.published.Add(1)
-	if rep.Code == CodeOK {
+	if rep.Code == session.CodeOK {
 		err = r.Respond(b)
 	} else {
 		err = r.Error(strconv.Itoa(int(rep.Code)), rep.Code.String(), b)
@@ -856,16 +833,16 @@ func (p *Prefiller) replyNow(r micro.Request, rep PrefillReply) {
 	}
 }
 
-func (t *task) replyFor(code Code) PrefillReply {
-	rep := PrefillReply{RequestID: t.msg.RequestID, Code: code}
-	if code == CodeOK {
+func (t *task) replyFor(code session.Code) wire.PrefillReply {
+	rep := wire.PrefillReply{RequestID: t.msg.RequestID, Code: code}
+	if code == session.CodeOK {
 		rep.FirstToken, rep.Logprobs = t.out.FirstToken, t.out.Logprobs
 		rep.PrefillNanos, rep.WriteNanos = int64(t.pf), int64(t.wr)
-		rep.Manifest = ManifestOf(t.manifest)
+		rep.Manifest = t.manifest
 	} else if t.cause != nil {
 		rep.Msg = t.cause.Error()
 	} else {
-		rep.Msg = CodeErr(code).Error()
+		rep.Msg = codeErr(code).Error()
 	}
 	return rep
 }
@@ -904,13 +881,13 @@ func (t *task) run(acts []session.Action) {
 			ev := session.Event{Kind: session.EvPrefilled}
 			if err != nil {
 				t.cause = err
-				ev.Code = CodeOf(err)
-				if ev.Code == CodePeerFailed {
-					ev.Code = CodePrefillFailed
+				ev.Code = codeOf(err)
+				if ev.Code == session.CodePeerFailed {
+					ev.Code = session.CodePrefillFailed
 				}
 			} else {
 				t.out = out
-				ev.KVBytes, ev.MambaBytes = out.Source.Bytes()
+				ev.KVBytes, ev.MambaBytes = out.Source.bytes()
 			}
 			outcome = &ev
 		case session.ActWrite:
@@ -947,7 +924,7 @@ func (t *task) run(acts []session.Action) {
 		if outcome != nil {
 			// Interruptions that happened during the step come first, so the
 			// session sees the cancel or the deadline, not just a failed step.
-			if c := Code(t.aborts.Load()); c != CodeOK {
+			if c := session.Code(t.aborts.Load()); c != session.CodeOK {
 				acts = append(acts, t.sess.Step(session.Event{Kind: session.EvCancel, Code: c, Now: now})...)
 			}
 			acts = append(acts, t.sess.Step(session.Event{Kind: session.EvTick, Now: now})...)
@@ -957,16 +934,16 @@ func (t *task) run(acts []session.Action) {
 	}
 }
 
-func (t *task) sendReply(code Code) {
+func (t *task) sendReply(code session.Code) {
 	p := t.p
 	switch code {
-	case CodeOK:
-		kv, mamba := t.out.Source.Bytes()
+	case session.CodeOK:
+		kv, mamba := t.out.Source.bytes()
 		p.kvBytes.Add(kv)
 		p.mambaBytes.Add(mamba)
 		p.streamed.Add(t.early)
 		p.served.Add(1)
-	case CodeCancelled, CodeClosed:
+	case session.CodeCancelled, session.CodeClosed:
 		p.cancelled.Add(1)
 	default:
 		p.failed.Add(1)
@@ -978,7 +955,7 @@ func (t *task) sendReply(code Code) {
 		t.span = nil
 	}
 	buf := getMsgBuf()
-	b, err := appendPrefillReply(*buf, &rep, p.maxPayload)
+	b, err := wire.AppendPrefillReply(*buf, &rep, p.maxPayload)
 	if err != nil {
 		putMsgBuf(buf, *buf)
 		p.cfg.Logger.Error("encode reply", "seq", rep.RequestID, "from", t.msg.From, "err", err)

@@ -25,6 +25,7 @@ import (
 	"github.com/handoff-io/handoff/kvcache"
 	"github.com/handoff-io/handoff/mambacache"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // writerJob is what the stoppable writer process is told: where to write.
@@ -92,9 +93,9 @@ func TestHandoffQuarantinedWhileWriterStopped(t *testing.T) {
 	ds := newSideOn(t, "dec", cfg, rdma.TransportSHM)
 	d := f.decoder("d1", ds, nil)
 	nc := natstest.Connect(t, f.srv)
-	reqs := make(chan PrefillRequest, 4)
-	sub, err := nc.Subscribe(Subject(DefaultPrefix, f.ns, SubjectPrefill, ""), func(m *nats.Msg) {
-		if r, err := DecodePrefillRequest(m.Data); err == nil {
+	reqs := make(chan wire.PrefillRequest, 4)
+	sub, err := nc.Subscribe(wire.Subject(wire.DefaultPrefix, f.ns, wire.SubjectPrefill, ""), func(m *nats.Msg) {
+		if r, err := wire.DecodePrefillRequest(m.Data); err == nil {
 			reqs <- r
 		}
 	})
@@ -110,9 +111,7 @@ func TestHandoffQuarantinedWhileWriterStopped(t *testing.T) {
 			done <- err
 		}()
 		r := <-reqs
-		tk, err := r.Ticket.RDMA()
-		require.NoError(t, err)
-		raw, err := json.Marshal(writerJob{Peer: ds.eng.Descriptor(), Ticket: tk})
+		raw, err := json.Marshal(writerJob{Peer: ds.eng.Descriptor(), Ticket: r.Ticket})
 		require.NoError(t, err)
 		cmd := exec.Command(os.Args[0], "-test.run=^TestHelperStoppableWriter$", "-test.v")
 		cmd.Env = append(os.Environ(), "TRANSFER_WRITER_JOB="+string(raw))
@@ -123,7 +122,7 @@ func TestHandoffQuarantinedWhileWriterStopped(t *testing.T) {
 		sc := bufio.NewScanner(out)
 		for sc.Scan() && !strings.HasPrefix(sc.Text(), "connected") {
 		}
-		first := ds.bytes(tk.Extents[0])
+		first := ds.bytes(r.Ticket.Extents[0])
 		landed := time.Now().Add(10 * time.Second)
 		for first[0] != 0x5A && time.Now().Before(landed) {
 			time.Sleep(20 * time.Microsecond)

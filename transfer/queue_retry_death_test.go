@@ -13,6 +13,7 @@ import (
 
 	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // gatedExec is a PrefillExecutor over a side's pools whose n-th Prefill
@@ -54,7 +55,7 @@ func (l *gatedLease) Prefill(ctx context.Context) (Prefilled, error) {
 		}
 	}
 	i := 0
-	for _, e := range l.d.Extents() {
+	for _, e := range l.d.extents() {
 		b := l.x.s.bytes(e)
 		for j := range b {
 			b[j] = pattern(l.job.RequestID, i)
@@ -101,7 +102,7 @@ func TestQueueGroupRetryDeathFailsOver(t *testing.T) {
 		}
 	})
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		insts := d.Registry().Instances(RolePrefill, time.Now())
+		insts := d.Registry().Instances(wire.RolePrefill, time.Now())
 		if len(insts) != 1 || insts[0].Service == "" {
 			return fmt.Errorf("prefill instances known: %+v", insts)
 		}

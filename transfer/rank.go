@@ -15,24 +15,24 @@ import (
 // On a tensor-parallel rank (NewTPRankRegions) KV holds the runs of every
 // shard, shard after shard, Mamba the row of shard 0 and MambaMore the rows
 // of shards 1..; a resharded source lists, in the same order, the pieces of
-// its own shards that fill them (Resharder.Source).
+// its own shards that fill them (Resharder.source).
 type CacheExtents struct {
 	KV        []rdma.Extent
 	Mamba     rdma.Extent
 	MambaMore []rdma.Extent
 }
 
-// Extents returns the KV extents followed by the Mamba extents: the order
+// extents returns the KV extents followed by the Mamba extents: the order
 // in which a handoff's bytes are granted and written.
-func (d CacheExtents) Extents() []rdma.Extent {
+func (d CacheExtents) extents() []rdma.Extent {
 	out := make([]rdma.Extent, 0, len(d.KV)+1+len(d.MambaMore))
 	out = append(out, d.KV...)
 	out = append(out, d.Mamba)
 	return append(out, d.MambaMore...)
 }
 
-// Bytes returns the KV and Mamba byte counts.
-func (d CacheExtents) Bytes() (kv, mamba uint64) {
+// bytes returns the KV and Mamba byte counts.
+func (d CacheExtents) bytes() (kv, mamba uint64) {
 	for _, e := range d.KV {
 		kv += e.Length
 	}
@@ -73,9 +73,6 @@ func NewRankRegions(m *hybrid.Manager, kv, mamba *rdma.Region) (*RankRegions, er
 	}
 	return &RankRegions{m: m, kv: kv, mamba: mamba, tp: newTPRegions(kcfg, mcfg, []Shard{{kv, mamba, kcfg, mcfg}})}, nil
 }
-
-// Manager returns the rank's manager.
-func (r *RankRegions) Manager() *hybrid.Manager { return r.m }
 
 // Resolve maps resources a request holds to extents of the rank's regions: a
 // receiver's destination or a sender's source. A reserved row is refused

@@ -18,6 +18,8 @@ import (
 	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/mambacache"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 func TestHandoffNoPrefillWorker(t *testing.T) {
@@ -61,7 +63,7 @@ func TestHandoffRetriesOnAnotherWorker(t *testing.T) {
 	f.prefiller("p2", f.fp, free, withRegistryP)
 	d := f.decoder("d1", ds, withRegistry)
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(RolePrefill, time.Now())); n != 2 {
+		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d prefill instances known", n)
 		}
 		return nil
@@ -121,7 +123,7 @@ func TestHandoffPayloadTooLarge(t *testing.T) {
 	d := f.decoder("d1", ds, nil)
 	f.prefiller("p1", f.fp, x, nil)
 	before := inMsgs(t, f.srv)
-	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(DefaultMaxPayload / 4)})
+	_, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(wire.DefaultMaxPayload / 4)})
 	require.ErrorIs(t, err, ErrPayloadTooLarge)
 	require.Equal(t, before, inMsgs(t, f.srv), "something was published")
 	require.Zero(t, x.admits.Load())
@@ -151,16 +153,17 @@ func TestDummiesNeverTransferred(t *testing.T) {
 	// The worker refuses a request naming a dummy id, whoever sent it.
 	nc := natstest.Connect(t, f.srv)
 	for _, id := range []uint64{0, math.MaxUint64 - 1} {
-		req := sampleRequest(4, 2)
-		req.RequestID, req.Ticket.RequestID, req.Fingerprint = id, id, f.fp
-		req.Deadline = time.Now().Add(time.Minute).UnixNano()
-		b, err := EncodePrefillRequest(req, 0)
+		req := wire.PrefillRequest{RequestID: id, Fingerprint: f.fp, Tokens: tokens(4),
+			Deadline:   time.Now().Add(time.Minute).UnixNano(),
+			Ticket:     rdma.Ticket{RequestID: id, Extents: []rdma.Extent{{Region: 1, Length: 4096}}, Bytes: 4096},
+			MambaBytes: 4096}
+		b, err := wire.EncodePrefillRequest(req, 0)
 		require.NoError(t, err)
-		m, err := nc.Request(Subject(DefaultPrefix, f.ns, SubjectPrefill, ""), b, 5*time.Second)
+		m, err := nc.Request(wire.Subject(wire.DefaultPrefix, f.ns, wire.SubjectPrefill, ""), b, 5*time.Second)
 		require.NoError(t, err)
-		rep, err := DecodePrefillReply(m.Data)
+		rep, err := wire.DecodePrefillReply(m.Data)
 		require.NoError(t, err)
-		require.Equal(t, CodeDummyRequest, rep.Code, "id %d", id)
+		require.Equal(t, session.CodeDummyRequest, rep.Code, "id %d", id)
 	}
 	require.Zero(t, x.admits.Load())
 
@@ -180,7 +183,7 @@ func TestDummiesNeverTransferred(t *testing.T) {
 	}
 	_, err = ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 5, Extents: []rdma.Extent{{Region: mambaRegion, Offset: uint64(x0.Offset), Length: uint64(x0.Length)}}})
 	require.ErrorIs(t, err, rdma.ErrForbidden)
-	require.Equal(t, CodeDummyRequest, rdmaCode(err))
+	require.Equal(t, session.CodeDummyRequest, rdmaCode(err))
 	require.NoError(t, ds.m.Free(mambacache.ADPDummyID))
 	ds.requireInitial(t)
 }
@@ -216,22 +219,22 @@ func TestFailureMatchesOneSentinel(t *testing.T) {
 	h := &handoff{req: Request{ID: 5}}
 	cases := []struct {
 		cause error
-		code  Code
+		code  session.Code
 		also  error // a non-transfer error that must stay reachable
 	}{
-		{nil, CodeTimeout, nil},
-		{&RemoteError{Code: CodeCapacityRefused}, CodeCapacityRefused, nil},
-		{&RemoteError{Code: CodeCapacityRefused}, CodeNoPrefillWorker, nil},
-		{fmt.Errorf("grant: %w", rdma.ErrForbidden), CodeDummyRequest, rdma.ErrForbidden},
-		{context.Canceled, CodeCancelled, context.Canceled},
-		{context.DeadlineExceeded, CodeTimeout, context.DeadlineExceeded},
+		{nil, session.CodeTimeout, nil},
+		{&RemoteError{Code: session.CodeCapacityRefused}, session.CodeCapacityRefused, nil},
+		{&RemoteError{Code: session.CodeCapacityRefused}, session.CodeNoPrefillWorker, nil},
+		{fmt.Errorf("grant: %w", rdma.ErrForbidden), session.CodeDummyRequest, rdma.ErrForbidden},
+		{context.Canceled, session.CodeCancelled, context.Canceled},
+		{context.DeadlineExceeded, session.CodeTimeout, context.DeadlineExceeded},
 	}
 	for _, c := range cases {
 		h.cause = c.cause
 		err := h.failure(c.code)
-		require.Equal(t, c.code, CodeOf(err), "%v", err)
-		for o := Code(1); o < codeCount; o++ {
-			require.Equal(t, o == c.code, errors.Is(err, CodeErr(o)), "%v vs %s", err, o)
+		require.Equal(t, c.code, codeOf(err), "%v", err)
+		for o := session.Code(1); o < session.NumCodes; o++ {
+			require.Equal(t, o == c.code, errors.Is(err, codeErr(o)), "%v vs %s", err, o)
 		}
 		if c.also != nil {
 			require.ErrorIs(t, err, c.also)

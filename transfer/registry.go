@@ -12,6 +12,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // RegistryConfig configures a Registry.
@@ -19,7 +21,7 @@ type RegistryConfig struct {
 	Prefix    string        // default DefaultPrefix
 	Namespace string        // required, a valid token
 	TTL       time.Duration // how long an entry lives without a heartbeat; default 6s
-	Heartbeat time.Duration // how often Announce refreshes the entry; default TTL/3
+	Heartbeat time.Duration // how often announce refreshes the entry; default TTL/3
 	// Replicas is the bucket's replication: 0 picks 3 on a clustered server
 	// (falling back to 1 where the cluster cannot place 3), else 1. A
 	// replicated bucket keeps discovery alive when a node holding it dies.
@@ -29,9 +31,9 @@ type RegistryConfig struct {
 
 func (c *RegistryConfig) validate() error {
 	if c.Prefix == "" {
-		c.Prefix = DefaultPrefix
+		c.Prefix = wire.DefaultPrefix
 	}
-	if !ValidToken(c.Prefix) || !ValidToken(c.Namespace) {
+	if !wire.ValidToken(c.Prefix) || !wire.ValidToken(c.Namespace) {
 		return fmt.Errorf("%w: prefix %q and namespace %q must be tokens of [A-Za-z0-9_-]", ErrInvalidConfig, c.Prefix, c.Namespace)
 	}
 	if c.TTL == 0 {
@@ -54,9 +56,10 @@ func (c *RegistryConfig) validate() error {
 
 // Registry is the namespace's instance directory: a JetStream KV bucket whose
 // entries (one per instance, key "<role>.<id>") expire after TTL unless
-// refreshed. Announce keeps this process's entry alive; Watch mirrors the
-// entries of one role into memory and drops them when they are deleted or
-// expire. Its goroutines stop on Close.
+// refreshed. The Decoder or Prefiller that opened it keeps its own entry
+// alive (announce) and mirrors the entries of the role it talks to into
+// memory (watch), dropping them when they are deleted or expire; Instances
+// reads that mirror. Its goroutines stop when its driver closes.
 type Registry struct {
 	cfg  RegistryConfig
 	js   jetstream.JetStream
@@ -65,26 +68,26 @@ type Registry struct {
 	mu      sync.Mutex
 	kv      jetstream.KeyValue // replaced when the bucket is recreated
 	closed  bool
-	entries map[string]Instance // by instance id
+	entries map[string]wire.Instance // by instance id
 	// seen is when each entry was last received, on this host's monotonic
 	// clock: liveness never compares the announcer's wall clock with ours.
-	seen     map[string]time.Time
-	revs     map[string]uint64 // bucket revision of each entry as received
-	onChange []func(inst Instance, gone bool)
+	seen      map[string]time.Time
+	revs      map[string]uint64 // bucket revision of each entry as received
+	onChanges []func(inst wire.Instance, gone bool)
 
 	stop chan struct{}
 	// life bounds the watches' subscriptions: nats.go unsubscribes a KV
 	// watcher when the context it was created with ends, so it must not be
-	// the caller's. Cancelled by Close.
+	// the caller's. Cancelled by close.
 	life     context.Context
 	lifeStop context.CancelFunc
 	wg       sync.WaitGroup
-	self     string          // key of the announced entry
-	selfFn   func() Instance // what Announce publishes
+	self     string               // key of the announced entry
+	selfFn   func() wire.Instance // what announce publishes
 }
 
-// OpenRegistry creates or opens the namespace's bucket.
-func OpenRegistry(ctx context.Context, nc *nats.Conn, cfg RegistryConfig) (*Registry, error) {
+// openRegistry creates or opens the namespace's bucket.
+func openRegistry(ctx context.Context, nc *nats.Conn, cfg RegistryConfig) (*Registry, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
@@ -93,7 +96,7 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, cfg RegistryConfig) (*Regi
 		return nil, fmt.Errorf("transfer: registry: %w", err)
 	}
 	kcfg := jetstream.KeyValueConfig{
-		Bucket:         BucketName(cfg.Prefix, cfg.Namespace),
+		Bucket:         wire.BucketName(cfg.Prefix, cfg.Namespace),
 		Description:    "handoff instances: data-plane descriptor, layout fingerprint, capacity",
 		TTL:            cfg.TTL,
 		History:        1,
@@ -107,7 +110,7 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, cfg RegistryConfig) (*Regi
 			kcfg.Replicas = 3 // openWhenReady falls back to 1 where the cluster cannot
 		}
 	}
-	r := &Registry{cfg: cfg, js: js, kcfg: kcfg, entries: map[string]Instance{}, seen: map[string]time.Time{}, revs: map[string]uint64{}, stop: make(chan struct{})}
+	r := &Registry{cfg: cfg, js: js, kcfg: kcfg, entries: map[string]wire.Instance{}, seen: map[string]time.Time{}, revs: map[string]uint64{}, stop: make(chan struct{})}
 	if err := r.openWhenReady(ctx); err != nil {
 		return nil, err
 	}
@@ -218,13 +221,13 @@ func (r *Registry) bucket() jetstream.KeyValue {
 	return r.kv
 }
 
-func registryKey(role Role, id string) string { return string(role) + "." + id }
+func registryKey(role wire.Role, id string) string { return string(role) + "." + id }
 
-// Announce publishes self() now and every Heartbeat until Close, which deletes
+// announce publishes self() now and every Heartbeat until close, which deletes
 // the entry. It may be called once.
-func (r *Registry) Announce(ctx context.Context, self func() Instance) error {
+func (r *Registry) announce(ctx context.Context, self func() wire.Instance) error {
 	inst := self()
-	if !ValidToken(inst.ID) {
+	if !wire.ValidToken(inst.ID) {
 		return fmt.Errorf("%w: instance id %q", ErrInvalidConfig, inst.ID)
 	}
 	key := registryKey(inst.Role, inst.ID)
@@ -257,10 +260,10 @@ func (r *Registry) Announce(ctx context.Context, self func() Instance) error {
 	return nil
 }
 
-// Refresh publishes the announced entry now, ahead of its next heartbeat
+// refresh publishes the announced entry now, ahead of its next heartbeat
 // (after a change peers should see at once). It returns ErrClosed when
 // nothing is announced.
-func (r *Registry) Refresh(ctx context.Context) error {
+func (r *Registry) refresh(ctx context.Context) error {
 	r.mu.Lock()
 	key, self, closed := r.self, r.selfFn, r.closed
 	r.mu.Unlock()
@@ -272,7 +275,7 @@ func (r *Registry) Refresh(ctx context.Context) error {
 
 // heartbeat refreshes the entry. When that fails it reopens the bucket (the
 // server may have restarted without it) and tries once more.
-func (r *Registry) heartbeat(key string, self func() Instance) error {
+func (r *Registry) heartbeat(key string, self func() wire.Instance) error {
 	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.Heartbeat)
 	defer cancel()
 	err := r.put(ctx, key, self())
@@ -287,9 +290,9 @@ func (r *Registry) heartbeat(key string, self func() Instance) error {
 	return r.put(octx, key, self())
 }
 
-func (r *Registry) put(ctx context.Context, key string, inst Instance) error {
+func (r *Registry) put(ctx context.Context, key string, inst wire.Instance) error {
 	inst.Updated = time.Now().UnixNano()
-	b, err := EncodeInstance(inst)
+	b, err := wire.EncodeInstance(inst)
 	if err != nil {
 		return err
 	}
@@ -299,29 +302,29 @@ func (r *Registry) put(ctx context.Context, key string, inst Instance) error {
 	return nil
 }
 
-// OnChange registers fn, called from the watch goroutine for every entry that
+// onChange registers fn, called from the watch goroutine for every entry that
 // appears, changes (gone false) or is deleted or expires (gone true). An
 // entry taken over by another incarnation (Instance.Service changed: the
 // instance restarted under the same id) is reported twice: the old one
-// gone, then the new one. fn must not block. Register before Watch.
-func (r *Registry) OnChange(fn func(inst Instance, gone bool)) {
+// gone, then the new one. fn must not block. Register before watching.
+func (r *Registry) onChange(fn func(inst wire.Instance, gone bool)) {
 	r.mu.Lock()
-	r.onChange = append(r.onChange, fn)
+	r.onChanges = append(r.onChanges, fn)
 	r.mu.Unlock()
 }
 
-// Watch mirrors the entries of role until Close. It returns once the current
+// watch mirrors the entries of role until close. It returns once the current
 // entries are loaded, or with ctx's error when ctx ends first (the watch then
-// keeps starting in the background until Close); ctx does not bound the watch
+// keeps starting in the background until close); ctx does not bound the watch
 // itself.
-func (r *Registry) Watch(ctx context.Context, role Role) error {
+func (r *Registry) watch(ctx context.Context, role wire.Role) error {
 	loaded := make(chan error, 1)
 	r.mu.Lock()
 	if r.closed {
 		r.mu.Unlock()
 		return ErrClosed
 	}
-	r.wg.Go(func() { r.watch(role, loaded) })
+	r.wg.Go(func() { r.watchLoop(role, loaded) })
 	r.mu.Unlock()
 	select {
 	case err := <-loaded:
@@ -331,13 +334,13 @@ func (r *Registry) Watch(ctx context.Context, role Role) error {
 	}
 }
 
-// watch runs one watch until Close, reporting on loaded (once) when its
+// watchLoop runs one watch until close, reporting on loaded (once) when its
 // initial entries are applied or it failed to start. Every TTL/2 (one bucket
 // info request, whatever the number of entries) it checks that the bucket it
 // watches is still the server's: a restarted server has lost it (memory
 // storage) and a watch on the old one hears nothing more, so the bucket is
 // then recreated if need be and watched again.
-func (r *Registry) watch(role Role, loaded chan<- error) {
+func (r *Registry) watchLoop(role wire.Role, loaded chan<- error) {
 	w, born, err := r.startWatch(role)
 	if err != nil {
 		if r.life.Err() != nil {
@@ -386,7 +389,7 @@ func (r *Registry) watch(role Role, loaded chan<- error) {
 		case e, ok := <-updates:
 			if !ok {
 				select {
-				case <-r.stop: // Close ended it
+				case <-r.stop: // close ended it
 					if initial {
 						loaded <- ErrClosed
 					}
@@ -417,7 +420,7 @@ func (r *Registry) watch(role Role, loaded chan<- error) {
 // entry it holds is overdue (not received for 1.5 heartbeats) while the
 // bucket has a newer revision of it. A stream's leader dying can leave a
 // watch's consumer silent for good while the bucket, replicated, carries on.
-func (r *Registry) watchStalled(role Role) bool {
+func (r *Registry) watchStalled(role wire.Role) bool {
 	now := time.Now()
 	r.mu.Lock()
 	var overdue []string
@@ -447,7 +450,7 @@ func (r *Registry) watchStalled(role Role) bool {
 
 // startWatch watches role's keys in the current bucket, and returns when that
 // bucket was created.
-func (r *Registry) startWatch(role Role) (jetstream.KeyWatcher, time.Time, error) {
+func (r *Registry) startWatch(role wire.Role) (jetstream.KeyWatcher, time.Time, error) {
 	kv := r.bucket()
 	ctx, cancel := context.WithTimeout(r.life, r.cfg.TTL)
 	defer cancel()
@@ -482,11 +485,11 @@ func (r *Registry) bucketReplaced(born time.Time) bool {
 
 func (r *Registry) apply(e jetstream.KeyValueEntry) {
 	_, id, _ := strings.Cut(e.Key(), ".")
-	var inst Instance
+	var inst wire.Instance
 	gone := e.Operation() != jetstream.KeyValuePut
 	if !gone {
 		var err error
-		if inst, err = DecodeInstance(e.Value()); err != nil {
+		if inst, err = wire.DecodeInstance(e.Value()); err != nil {
 			r.cfg.Logger.Warn("registry entry", "key", e.Key(), "err", err)
 			return
 		}
@@ -497,7 +500,7 @@ func (r *Registry) apply(e jetstream.KeyValueEntry) {
 	// the old one died, so it is reported gone before the new one appears.
 	// One process announces one service for its life, so a heartbeat never
 	// looks like this.
-	var prev Instance
+	var prev wire.Instance
 	replaced := false
 	r.mu.Lock()
 	if gone {
@@ -518,7 +521,7 @@ func (r *Registry) apply(e jetstream.KeyValueEntry) {
 		r.seen[inst.ID] = time.Now()
 		r.revs[inst.ID] = e.Revision()
 	}
-	fns := slices.Clone(r.onChange)
+	fns := slices.Clone(r.onChanges)
 	r.mu.Unlock()
 	if replaced {
 		r.cfg.Logger.Info("registry entry taken over by a new incarnation (restarted under the same id): the old one is gone",
@@ -537,22 +540,22 @@ func (r *Registry) apply(e jetstream.KeyValueEntry) {
 // TTL, so an expiry is honoured even before the server's marker arrives.
 // The announcer's own timestamp (Updated) is not compared with now: hosts'
 // wall clocks may disagree by more than the TTL. Sorted by id.
-func (r *Registry) Instances(role Role, now time.Time) []Instance {
+func (r *Registry) Instances(role wire.Role, now time.Time) []wire.Instance {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	out := make([]Instance, 0, len(r.entries))
+	out := make([]wire.Instance, 0, len(r.entries))
 	for id, inst := range r.entries {
 		if inst.Role == role && now.Sub(r.seen[id]) < r.cfg.TTL {
 			out = append(out, inst)
 		}
 	}
-	slices.SortFunc(out, func(a, b Instance) int { return strings.Compare(a.ID, b.ID) })
+	slices.SortFunc(out, func(a, b wire.Instance) int { return strings.Compare(a.ID, b.ID) })
 	return out
 }
 
-// Close stops the goroutines and deletes the announced entry (bounded by ctx).
+// close stops the goroutines and deletes the announced entry (bounded by ctx).
 // Idempotent.
-func (r *Registry) Close(ctx context.Context) error {
+func (r *Registry) close(ctx context.Context) error {
 	r.mu.Lock()
 	if r.closed {
 		r.mu.Unlock()

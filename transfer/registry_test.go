@@ -14,6 +14,8 @@ import (
 
 	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // An announcer whose wall clock is a minute off ours (either way) is live
@@ -23,21 +25,21 @@ func TestRegistryClockSkew(t *testing.T) {
 	s := natstest.Run(t)
 	nc := natstest.Connect(t, s)
 	ctx := context.Background()
-	reg, err := OpenRegistry(ctx, nc, RegistryConfig{Namespace: "skew", TTL: 2 * time.Second, Heartbeat: time.Second})
+	reg, err := openRegistry(ctx, nc, RegistryConfig{Namespace: "skew", TTL: 2 * time.Second, Heartbeat: time.Second})
 	require.NoError(t, err)
-	defer reg.Close(ctx)
-	require.NoError(t, reg.Watch(ctx, RolePrefill))
+	defer reg.close(ctx)
+	require.NoError(t, reg.watch(ctx, wire.RolePrefill))
 	for _, skew := range []time.Duration{-time.Minute, time.Minute} {
 		id := fmt.Sprintf("skew%d", int(skew.Minutes())+1)
-		b, err := EncodeInstance(Instance{ID: id, Role: RolePrefill, Fingerprint: "fp", Updated: time.Now().Add(skew).UnixNano()})
+		b, err := wire.EncodeInstance(wire.Instance{ID: id, Role: wire.RolePrefill, Fingerprint: "fp", Updated: time.Now().Add(skew).UnixNano()})
 		require.NoError(t, err)
-		_, err = reg.bucket().Put(ctx, registryKey(RolePrefill, id), b)
+		_, err = reg.bucket().Put(ctx, registryKey(wire.RolePrefill, id), b)
 		require.NoError(t, err)
 	}
-	require.Eventually(t, func() bool { return len(reg.Instances(RolePrefill, time.Now())) == 2 }, 5*time.Second, 10*time.Millisecond,
+	require.Eventually(t, func() bool { return len(reg.Instances(wire.RolePrefill, time.Now())) == 2 }, 5*time.Second, 10*time.Millisecond,
 		"an announcer a minute off this host's clock is hidden")
 	// Not refreshed: gone after the TTL, whatever its timestamps say.
-	require.Eventually(t, func() bool { return len(reg.Instances(RolePrefill, time.Now())) == 0 }, 10*time.Second, 50*time.Millisecond)
+	require.Eventually(t, func() bool { return len(reg.Instances(wire.RolePrefill, time.Now())) == 0 }, 10*time.Second, 50*time.Millisecond)
 }
 
 // An entry put under an id by another micro service than the one it
@@ -48,19 +50,19 @@ func TestRegistryReportsRestartUnderSameID(t *testing.T) {
 	s := natstest.Run(t)
 	nc := natstest.Connect(t, s)
 	ctx := context.Background()
-	reg, err := OpenRegistry(ctx, nc, RegistryConfig{Namespace: "restart"})
+	reg, err := openRegistry(ctx, nc, RegistryConfig{Namespace: "restart"})
 	require.NoError(t, err)
-	defer reg.Close(ctx)
+	defer reg.close(ctx)
 	type change struct {
 		svc  string
 		gone bool
 	}
 	changes := make(chan change, 16)
-	reg.OnChange(func(inst Instance, gone bool) { changes <- change{inst.Service, gone} })
-	require.NoError(t, reg.Watch(ctx, RolePrefill))
-	key := registryKey(RolePrefill, "p1")
+	reg.onChange(func(inst wire.Instance, gone bool) { changes <- change{inst.Service, gone} })
+	require.NoError(t, reg.watch(ctx, wire.RolePrefill))
+	key := registryKey(wire.RolePrefill, "p1")
 	for _, svc := range []string{"svc-a", "svc-a", "svc-b"} {
-		require.NoError(t, reg.put(ctx, key, Instance{ID: "p1", Role: RolePrefill, Fingerprint: "fp", Service: svc}))
+		require.NoError(t, reg.put(ctx, key, wire.Instance{ID: "p1", Role: wire.RolePrefill, Fingerprint: "fp", Service: svc}))
 	}
 	want := []change{{"svc-a", false}, {"svc-a", false}, {"svc-a", true}, {"svc-b", false}}
 	for i, w := range want {
@@ -71,7 +73,7 @@ func TestRegistryReportsRestartUnderSameID(t *testing.T) {
 			t.Fatalf("change %d (%+v) not reported", i, w)
 		}
 	}
-	insts := reg.Instances(RolePrefill, time.Now())
+	insts := reg.Instances(wire.RolePrefill, time.Now())
 	require.Len(t, insts, 1)
 	require.Equal(t, "svc-b", insts[0].Service)
 }
@@ -82,13 +84,13 @@ func TestRegistryReplicasStandalone(t *testing.T) {
 	s := natstest.Run(t)
 	nc := natstest.Connect(t, s)
 	ctx := context.Background()
-	reg, err := OpenRegistry(ctx, nc, RegistryConfig{Namespace: "r1"})
+	reg, err := openRegistry(ctx, nc, RegistryConfig{Namespace: "r1"})
 	require.NoError(t, err)
-	defer reg.Close(ctx)
+	defer reg.close(ctx)
 	require.Equal(t, 1, bucketReplicas(t, reg))
-	_, err = OpenRegistry(ctx, nc, RegistryConfig{Namespace: "r3", Replicas: 3})
+	_, err = openRegistry(ctx, nc, RegistryConfig{Namespace: "r3", Replicas: 3})
 	require.ErrorContains(t, err, "replicas")
-	_, err = OpenRegistry(ctx, nc, RegistryConfig{Namespace: "r9", Replicas: 9})
+	_, err = openRegistry(ctx, nc, RegistryConfig{Namespace: "r9", Replicas: 9})
 	require.ErrorIs(t, err, ErrInvalidConfig)
 }
 
@@ -153,17 +155,17 @@ func TestRegistryReplicatedOnCluster(t *testing.T) {
 		actx, acancel := context.WithTimeout(ctx, 2*time.Second)
 		defer acancel()
 		var err error
-		reg, err = OpenRegistry(actx, announcer, RegistryConfig{Namespace: "ha", TTL: 3 * time.Second, Heartbeat: 500 * time.Millisecond})
+		reg, err = openRegistry(actx, announcer, RegistryConfig{Namespace: "ha", TTL: 3 * time.Second, Heartbeat: 500 * time.Millisecond})
 		return err == nil
 	}, 20*time.Second, 200*time.Millisecond)
-	defer reg.Close(context.Background())
+	defer reg.close(context.Background())
 	require.Equal(t, 3, bucketReplicas(t, reg))
-	require.NoError(t, reg.Announce(ctx, func() Instance { return Instance{ID: "p1", Role: RolePrefill, Fingerprint: "fp"} }))
-	w, err := OpenRegistry(ctx, watcher, RegistryConfig{Namespace: "ha", TTL: 3 * time.Second, Heartbeat: 500 * time.Millisecond})
+	require.NoError(t, reg.announce(ctx, func() wire.Instance { return wire.Instance{ID: "p1", Role: wire.RolePrefill, Fingerprint: "fp"} }))
+	w, err := openRegistry(ctx, watcher, RegistryConfig{Namespace: "ha", TTL: 3 * time.Second, Heartbeat: 500 * time.Millisecond})
 	require.NoError(t, err)
-	defer w.Close(context.Background())
-	require.NoError(t, w.Watch(ctx, RolePrefill))
-	require.Eventually(t, func() bool { return len(w.Instances(RolePrefill, time.Now())) == 1 }, 10*time.Second, 20*time.Millisecond)
+	defer w.close(context.Background())
+	require.NoError(t, w.watch(ctx, wire.RolePrefill))
+	require.Eventually(t, func() bool { return len(w.Instances(wire.RolePrefill, time.Now())) == 1 }, 10*time.Second, 20*time.Millisecond)
 
 	// Stop the node that leads the bucket's stream (with one replica, the
 	// only one holding it).
@@ -183,7 +185,7 @@ func TestRegistryReplicatedOnCluster(t *testing.T) {
 	var lost time.Duration
 	var lostAt time.Time
 	for end := time.Now().Add(8 * time.Second); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
-		n := len(w.Instances(RolePrefill, time.Now()))
+		n := len(w.Instances(wire.RolePrefill, time.Now()))
 		switch {
 		case n == 0 && lostAt.IsZero():
 			lostAt = time.Now()
@@ -214,20 +216,20 @@ func TestPrefillDeadlineIgnoresClockSkew(t *testing.T) {
 			dest, err := ds.prepare(7, 9)
 			require.NoError(t, err)
 			defer ds.m.Free(7)
-			g, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 7, Extents: dest.Extents(), Deadline: time.Now().Add(10 * time.Second)})
+			g, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 7, Extents: dest.extents(), Deadline: time.Now().Add(10 * time.Second)})
 			require.NoError(t, err)
-			kv, mb := dest.Bytes()
-			req := PrefillRequest{RequestID: 7, From: "d1", Attempt: 1, Fingerprint: f.fp, Tokens: tokens(9),
+			kv, mb := dest.bytes()
+			req := wire.PrefillRequest{RequestID: 7, From: "d1", Attempt: 1, Fingerprint: f.fp, Tokens: tokens(9),
 				Deadline: time.Now().Add(skew + 10*time.Second).UnixNano(), Budget: int64(10 * time.Second),
-				Peer: PeerOf(ds.eng.Descriptor()), Ticket: TicketOf(g.Ticket()), KVBytes: kv, MambaBytes: mb}
-			b, err := EncodePrefillRequest(req, 0)
+				Peer: wire.PeerOf(ds.eng.Descriptor()), Ticket: g.Ticket(), KVBytes: kv, MambaBytes: mb}
+			b, err := wire.EncodePrefillRequest(req, 0)
 			require.NoError(t, err)
 			nc := natstest.Connect(t, f.srv)
-			m, err := nc.Request(Subject(DefaultPrefix, f.ns, SubjectPrefill, ""), b, 10*time.Second)
+			m, err := nc.Request(wire.Subject(wire.DefaultPrefix, f.ns, wire.SubjectPrefill, ""), b, 10*time.Second)
 			require.NoError(t, err)
-			rep, err := DecodePrefillReply(m.Data)
+			rep, err := wire.DecodePrefillReply(m.Data)
 			require.NoError(t, err)
-			require.Equal(t, CodeOK, rep.Code, rep.Msg)
+			require.Equal(t, session.CodeOK, rep.Code, rep.Msg)
 			_, err = g.Wait(context.Background())
 			require.NoError(t, err)
 		})

@@ -19,24 +19,26 @@ import (
 // sender holds the request on P shards of its own and writes the whole
 // grant with one rdma write: its source extents are the pieces of its
 // shards' blocks and rows that fill the receiver's extents in their byte
-// order (Resharder.Source), each destination byte from its one planned
+// order (Resharder.source), each destination byte from its one planned
 // writer (reshard.Plan.Order). So the control cost stays one NATS
 // request-reply, the ticket stays O(runs × D) extents whatever P is, and
 // the grant's manifest (bytes and crc32c per destination extent) checks
 // every shard's destination: disjoint extents whose sizes add up to D
 // shards' blocks and rows tile them, each written exactly once.
 
-// ShardSource is one tensor-parallel shard of a sender: the registered
+// shardSource is one tensor-parallel shard of a sender: the registered
 // regions of its KV and Mamba pools and their configs (the shard's own
 // shapes, reshard.KVShard and reshard.MambaShard of the model's).
-type ShardSource struct {
+type shardSource struct {
 	KV, Mamba   rdma.RegionID
 	KVConfig    kvcache.Config
 	MambaConfig mambacache.Config
 }
 
 // Resharder moves requests from a TP-From sender to a TP-To receiver. It
-// is immutable and safe for concurrent use.
+// is immutable and safe for concurrent use. RankRegions.Resharder returns
+// one, or refuses a TP size the model does not split over; the Prefiller
+// uses its plans.
 type Resharder struct {
 	from, to      int
 	tpb           int           // tokens per KV block
@@ -44,11 +46,11 @@ type Resharder struct {
 	kvOrd, mamOrd [][]reshard.Sourced
 }
 
-// NewResharder computes the plans for a model whose TP-1 cache shapes are
+// newResharder computes the plans for a model whose TP-1 cache shapes are
 // kv and m (both sides with kv's TokensPerBlock). A shape that does not
 // split over either size is refused with an error wrapping
 // ErrLayoutMismatch and the reshard sentinel, naming the dimension.
-func NewResharder(kv kvcache.Config, m mambacache.Config, from, to int) (*Resharder, error) {
+func newResharder(kv kvcache.Config, m mambacache.Config, from, to int) (*Resharder, error) {
 	r := &Resharder{from: from, to: to, tpb: kv.TokensPerBlock}
 	var err error
 	if kv.Layers > 0 {
@@ -70,15 +72,9 @@ func NewResharder(kv kvcache.Config, m mambacache.Config, from, to int) (*Reshar
 	return r, nil
 }
 
-// From and To are the two TP sizes.
-func (r *Resharder) From() int { return r.from }
-
-// To is the receiver's TP size.
-func (r *Resharder) To() int { return r.to }
-
-// Bytes returns what a receiver's ticket holds for a request of blocks KV
+// bytes returns what a receiver's ticket holds for a request of blocks KV
 // blocks: the KV bytes of its To shards and the bytes of their Mamba rows.
-func (r *Resharder) Bytes(blocks int) (kv, mamba uint64) {
+func (r *Resharder) bytes(blocks int) (kv, mamba uint64) {
 	if r.kv != nil {
 		kv = uint64(r.to) * uint64(blocks) * uint64(r.kv.DstBytes)
 	}
@@ -88,13 +84,13 @@ func (r *Resharder) Bytes(blocks int) (kv, mamba uint64) {
 	return kv, mamba
 }
 
-// Source returns the sender's source extents for one request, in the
+// source returns the sender's source extents for one request, in the
 // order of the receiver's ticket: first the pieces that fill the KV runs of
 // receiver shards 0..To-1, then those that fill their Mamba rows. blocks
 // are the request's KV blocks in token order and row its Mamba row, the
 // same ids on every one of the From shards. Pieces that continue each
 // other in one region are merged, so a 1→1 move is its runs and its row.
-func (r *Resharder) Source(shards []ShardSource, blocks []kvcache.BlockID, row mambacache.Row) (kv, mamba []rdma.Extent, err error) {
+func (r *Resharder) source(shards []shardSource, blocks []kvcache.BlockID, row mambacache.Row) (kv, mamba []rdma.Extent, err error) {
 	if len(shards) != r.from {
 		return nil, nil, fmt.Errorf("%w: %d source shards for a TP-%d sender", ErrInvalidConfig, len(shards), r.from)
 	}
@@ -141,7 +137,7 @@ type Finished struct {
 	End      bool
 }
 
-// Pieces appends to dst the pieces of a request's cache that f names,
+// pieces appends to dst the pieces of a request's cache that f names,
 // numbered as the whole write to the receiver sends them (Source's order:
 // the KV of receiver shards 0..To-1, then their Mamba rows), each read from
 // the source shard that writes it. blocks and row are the request's, as for
@@ -152,7 +148,7 @@ type Finished struct {
 // head), cut to them: O(blocks × To × source shards) pieces, times the
 // heads for the blocks f cuts, from the same plan as Source, so streamed
 // pieces and the write after prefill agree to the byte.
-func (r *Resharder) Pieces(dst []Piece, shards []ShardSource, f Finished, blocks []kvcache.BlockID, row mambacache.Row) ([]Piece, error) {
+func (r *Resharder) pieces(dst []Piece, shards []shardSource, f Finished, blocks []kvcache.BlockID, row mambacache.Row) ([]Piece, error) {
 	if len(shards) != r.from {
 		return dst, fmt.Errorf("%w: %d source shards for a TP-%d sender", ErrInvalidConfig, len(shards), r.from)
 	}
@@ -247,7 +243,7 @@ type tpRegions struct {
 	kv     kvcache.Config    // the model's TP-1 shapes
 	mamba  mambacache.Config //
 	shards []Shard
-	src    []ShardSource
+	src    []shardSource
 
 	mu    sync.Mutex // guards plans; a leaf
 	plans map[int]*Resharder
@@ -256,7 +252,7 @@ type tpRegions struct {
 func newTPRegions(kv kvcache.Config, m mambacache.Config, shards []Shard) *tpRegions {
 	t := &tpRegions{kv: kv, mamba: m, shards: shards, plans: map[int]*Resharder{}}
 	for _, s := range shards {
-		t.src = append(t.src, ShardSource{KV: s.KV.ID(), Mamba: s.Mamba.ID(), KVConfig: s.KVConfig, MambaConfig: s.MambaConfig})
+		t.src = append(t.src, shardSource{KV: s.KV.ID(), Mamba: s.Mamba.ID(), KVConfig: s.KVConfig, MambaConfig: s.MambaConfig})
 	}
 	return t
 }
@@ -306,20 +302,17 @@ func NewTPRankRegions(m *hybrid.Manager, kv kvcache.Config, mamba mambacache.Con
 	return r, nil
 }
 
-// TP is the rank's tensor-parallel size.
-func (r *RankRegions) TP() int { return len(r.tp.shards) }
-
 // Resharder returns the plans from this rank's shards to a TP-to
 // receiver's (computed once per size). A size the model does not split
 // over is refused with ErrLayoutMismatch, naming the dimension.
 func (r *RankRegions) Resharder(to int) (*Resharder, error) { return r.tp.resharder(to) }
 
 // Source returns the source extents of resources res held on this rank for
-// a TP-to receiver, in the order of its ticket (see Resharder.Source). For
+// a TP-to receiver, in the order of its ticket (see Resharder.source). For
 // a TP-1 rank and receiver it is Resolve. A reserved row is refused with
 // ErrDummyRequest.
 func (r *RankRegions) Source(res hybrid.Resources, to int) (CacheExtents, error) {
-	if to <= 1 && r.TP() == 1 {
+	if to <= 1 && len(r.tp.shards) == 1 {
 		return r.resolve(res)
 	}
 	if r.m.Mamba().IsReserved(res.Row) {
@@ -335,7 +328,7 @@ func (r *RankRegions) Source(res hybrid.Resources, to int) (CacheExtents, error)
 			blocks = append(blocks, run.Start+kvcache.BlockID(i))
 		}
 	}
-	kv, mamba, err := rs.Source(r.tp.src, blocks, res.Row)
+	kv, mamba, err := rs.source(r.tp.src, blocks, res.Row)
 	if err != nil {
 		return CacheExtents{}, err
 	}
@@ -359,7 +352,7 @@ func (r *RankRegions) Pieces(dst []Piece, f Finished, blocks []kvcache.BlockID, 
 	if err != nil {
 		return dst, err
 	}
-	return rs.Pieces(dst, r.tp.src, f, blocks, row)
+	return rs.pieces(dst, r.tp.src, f, blocks, row)
 }
 
 func (t *tpRegions) resharder(to int) (*Resharder, error) {
@@ -368,7 +361,7 @@ func (t *tpRegions) resharder(to int) (*Resharder, error) {
 	if p, ok := t.plans[to]; ok {
 		return p, nil
 	}
-	p, err := NewResharder(t.kv, t.mamba, len(t.shards), to)
+	p, err := newResharder(t.kv, t.mamba, len(t.shards), to)
 	if err != nil {
 		return nil, err
 	}

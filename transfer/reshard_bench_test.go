@@ -44,7 +44,7 @@ func newTPPair(b *testing.B, spec model.Spec, from, to int, tr rdma.Transport, t
 	require.NoError(b, err)
 	p.source, err = p.src.rank.Source(res, to)
 	require.NoError(b, err)
-	kb, mb := p.dest.Bytes()
+	kb, mb := p.dest.bytes()
 	p.bytes = int64(kb + mb)
 	_, err = p.src.eng.Connect(context.Background(), p.dst.eng.Descriptor())
 	require.NoError(b, err)
@@ -54,9 +54,9 @@ func newTPPair(b *testing.B, spec model.Spec, from, to int, tr rdma.Transport, t
 // move grants, writes and waits for the commit of one request.
 func (p *tpPair) move(b *testing.B) time.Duration {
 	t0 := time.Now()
-	g, err := p.dst.eng.OpenGrant(rdma.GrantSpec{RequestID: 9, Extents: p.dest.Extents()})
+	g, err := p.dst.eng.OpenGrant(rdma.GrantSpec{RequestID: 9, Extents: p.dest.extents()})
 	require.NoError(b, err)
-	_, err = p.src.eng.Write(context.Background(), p.dst.eng.Descriptor(), g.Ticket(), p.source.Extents())
+	_, err = p.src.eng.Write(context.Background(), p.dst.eng.Descriptor(), g.Ticket(), p.source.extents())
 	require.NoError(b, err)
 	_, err = g.Wait(context.Background())
 	require.NoError(b, err)
@@ -101,8 +101,8 @@ func BenchmarkTPHandoff(b *testing.B) {
 				b.ReportMetric(rate(p.bytes, tp), "resharded-MB/s")
 				b.ReportMetric(rate(base.bytes, tb), "1to1-MB/s")
 				b.ReportMetric(rate(p.bytes, tp)/rate(base.bytes, tb), "x-1to1")
-				b.ReportMetric(float64(len(p.source.Extents())), "src-extents")
-				b.ReportMetric(float64(len(p.dest.Extents())), "ticket-extents")
+				b.ReportMetric(float64(len(p.source.extents())), "src-extents")
+				b.ReportMetric(float64(len(p.dest.extents())), "ticket-extents")
 				b.ReportMetric(0, "ns/op")
 			})
 		}

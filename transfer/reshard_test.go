@@ -46,7 +46,7 @@ func TestResharderSource(t *testing.T) {
 		for _, pr := range sh.pairs {
 			from, to := pr[0], pr[1]
 			t.Run(fmt.Sprintf("%d→%d/kvheads%d", from, to, sh.kv.KVHeads), func(t *testing.T) {
-				r, err := NewResharder(sh.kv, sh.m, from, to)
+				r, err := newResharder(sh.kv, sh.m, from, to)
 				require.NoError(t, err)
 				const nb, pool = 5, 9
 				blocks := []kvcache.BlockID{7, 2, 3, 4, 0} // token order, two runs and strays
@@ -71,7 +71,7 @@ func TestResharderSource(t *testing.T) {
 					fullRow[j] = byte(rng.Uint32())
 				}
 				regions := map[rdma.RegionID][]byte{}
-				shards := make([]ShardSource, from)
+				shards := make([]shardSource, from)
 				for s := range from {
 					kc, err := reshard.KVShard(sh.kv, from)
 					require.NoError(t, err)
@@ -79,7 +79,7 @@ func TestResharderSource(t *testing.T) {
 					mc, err := reshard.MambaShard(sh.m, from)
 					require.NoError(t, err)
 					mc.MaxBatchSize = 2
-					shards[s] = ShardSource{KV: rdma.RegionID(10 + 2*s), Mamba: rdma.RegionID(11 + 2*s), KVConfig: kc, MambaConfig: mc}
+					shards[s] = shardSource{KV: rdma.RegionID(10 + 2*s), Mamba: rdma.RegionID(11 + 2*s), KVConfig: kc, MambaConfig: mc}
 					kvMem, mMem := make([]byte, kc.ArenaBytes()), make([]byte, mc.ArenaBytes())
 					for i, b := range blocks {
 						x := kc.BlockExtent(b)
@@ -89,7 +89,7 @@ func TestResharderSource(t *testing.T) {
 					reshard.Apply(mMem[x.Offset:x.Offset+x.Length], fullRow, mP.Copies(0, s))
 					regions[shards[s].KV], regions[shards[s].Mamba] = kvMem, mMem
 				}
-				kv, mamba, err := r.Source(shards, blocks, row)
+				kv, mamba, err := r.source(shards, blocks, row)
 				require.NoError(t, err)
 				var got []byte
 				for _, e := range append(kv, mamba...) {
@@ -109,7 +109,7 @@ func TestResharderSource(t *testing.T) {
 					want = append(want, u...)
 				}
 				require.Equal(t, want, got)
-				kb, mb := r.Bytes(nb)
+				kb, mb := r.bytes(nb)
 				require.Equal(t, uint64(len(want)), kb+mb)
 				if from == to {
 					// Same sizes: each shard's blocks go whole; runs stay merged.
@@ -126,11 +126,11 @@ func TestResharderSource(t *testing.T) {
 func TestResharderRefusesIndivisible(t *testing.T) {
 	kv := kvcache.Config{Layers: 2, KVHeads: 2, HeadDim: 16, ElemSize: 4, TokensPerBlock: 16}
 	m := mambacache.Config{Layers: 3, DState: 16, DConv: 4, Heads: 4, HeadDim: 16, NGroups: 2, ConvElemSize: 4, SSMElemSize: 4}
-	_, err := NewResharder(kv, m, 3, 1)
+	_, err := newResharder(kv, m, 3, 1)
 	require.ErrorIs(t, err, ErrLayoutMismatch)
 	require.ErrorIs(t, err, reshard.ErrIndivisible)
 	require.ErrorContains(t, err, "source: ")
-	_, err = NewResharder(kv, m, 1, 8)
+	_, err = newResharder(kv, m, 1, 8)
 	require.ErrorIs(t, err, reshard.ErrIndivisible)
 	require.ErrorContains(t, err, "4 mamba heads over TP 8")
 }
@@ -205,16 +205,16 @@ func TestTPRankRegionsWrite(t *testing.T) {
 				require.NoError(t, err)
 				dest, err := dst.rank.Resolve(dres)
 				require.NoError(t, err)
-				g, err := dst.eng.OpenGrant(rdma.GrantSpec{RequestID: 9, Extents: dest.Extents()})
+				g, err := dst.eng.OpenGrant(rdma.GrantSpec{RequestID: 9, Extents: dest.extents()})
 				require.NoError(t, err)
 				source, err := src.rank.Source(res, to)
 				require.NoError(t, err)
-				kb, mb := source.Bytes()
-				dkb, dmb := dest.Bytes()
+				kb, mb := source.bytes()
+				dkb, dmb := dest.bytes()
 				require.Equal(t, [2]uint64{dkb, dmb}, [2]uint64{kb, mb})
 				_, err = src.eng.Connect(context.Background(), dst.eng.Descriptor())
 				require.NoError(t, err)
-				_, err = src.eng.Write(context.Background(), dst.eng.Descriptor(), g.Ticket(), source.Extents())
+				_, err = src.eng.Write(context.Background(), dst.eng.Descriptor(), g.Ticket(), source.extents())
 				require.NoError(t, err)
 				_, err = g.Wait(context.Background())
 				require.NoError(t, err)

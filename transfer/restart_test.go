@@ -14,6 +14,7 @@ import (
 
 	"github.com/handoff-io/handoff/internal/leakcheck"
 	"github.com/handoff-io/handoff/internal/natstest"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // The registry's bucket lives in memory on the NATS server: a restarted
@@ -31,16 +32,16 @@ func TestRegistryRecoversAfterServerRestart(t *testing.T) {
 	var logs syncBuffer // the worker's logger carries its role and instance
 	cfg := RegistryConfig{Namespace: "t1", TTL: 2 * time.Second, Heartbeat: 200 * time.Millisecond,
 		Logger: slog.New(slog.NewJSONHandler(&logs, nil)).With("role", "decode", "instance", "d1")}
-	watcher, err := OpenRegistry(ctx, natstest.Connect(t, srv, reconnect...), cfg)
+	watcher, err := openRegistry(ctx, natstest.Connect(t, srv, reconnect...), cfg)
 	require.NoError(t, err)
-	defer watcher.Close(ctx)
-	require.NoError(t, watcher.Watch(ctx, RolePrefill))
-	live, err := OpenRegistry(ctx, natstest.Connect(t, srv, reconnect...), cfg)
+	defer watcher.close(ctx)
+	require.NoError(t, watcher.watch(ctx, wire.RolePrefill))
+	live, err := openRegistry(ctx, natstest.Connect(t, srv, reconnect...), cfg)
 	require.NoError(t, err)
-	defer live.Close(ctx)
-	require.NoError(t, live.Announce(ctx, func() Instance { return Instance{ID: "p1", Role: RolePrefill, Fingerprint: "fp"} }))
+	defer live.close(ctx)
+	require.NoError(t, live.announce(ctx, func() wire.Instance { return wire.Instance{ID: "p1", Role: wire.RolePrefill, Fingerprint: "fp"} }))
 	seen := func() error {
-		if n := len(watcher.Instances(RolePrefill, time.Now())); n != 1 {
+		if n := len(watcher.Instances(wire.RolePrefill, time.Now())); n != 1 {
 			return fmt.Errorf("%d instances", n)
 		}
 		return nil
@@ -57,12 +58,12 @@ func TestRegistryRecoversAfterServerRestart(t *testing.T) {
 	natstest.CheckFor(t, 10*time.Second, 10*time.Millisecond, seen)
 
 	// And the watch follows the new bucket: an instance announced now is seen.
-	late, err := OpenRegistry(ctx, natstest.Connect(t, srv, reconnect...), cfg)
+	late, err := openRegistry(ctx, natstest.Connect(t, srv, reconnect...), cfg)
 	require.NoError(t, err)
-	defer late.Close(ctx)
-	require.NoError(t, late.Announce(ctx, func() Instance { return Instance{ID: "p2", Role: RolePrefill, Fingerprint: "fp"} }))
+	defer late.close(ctx)
+	require.NoError(t, late.announce(ctx, func() wire.Instance { return wire.Instance{ID: "p2", Role: wire.RolePrefill, Fingerprint: "fp"} }))
 	natstest.CheckFor(t, 10*time.Second, 10*time.Millisecond, func() error {
-		if n := len(watcher.Instances(RolePrefill, time.Now())); n != 2 {
+		if n := len(watcher.Instances(wire.RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d instances", n)
 		}
 		return nil

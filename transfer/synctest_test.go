@@ -15,6 +15,7 @@ import (
 
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/handoff-io/handoff/transfer/session"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // recorder is a publisher that keeps what the decoder publishes; the test
@@ -22,7 +23,7 @@ import (
 type recorder struct {
 	mu       sync.Mutex
 	requests []*nats.Msg
-	cancels  []Cancel
+	cancels  []wire.Cancel
 	sent     chan *nats.Msg
 }
 
@@ -36,7 +37,7 @@ func (r *recorder) PublishRequest(subj, reply string, data []byte) error {
 }
 
 func (r *recorder) Publish(subj string, data []byte) error {
-	c, err := DecodeCancel(data)
+	c, err := wire.DecodeCancel(data)
 	if err != nil {
 		return err
 	}
@@ -51,9 +52,9 @@ func bubbleDecoder(t *testing.T, eng *rdma.Engine, attempts int) (*Decoder, *rec
 	cfg := DecoderConfig{Instance: "d1", Namespace: "t", Fingerprint: "fp", NoRegistry: true, MaxAttempts: attempts}
 	require.NoError(t, cfg.validate())
 	rec := &recorder{sent: make(chan *nats.Msg, 8)}
-	d := &Decoder{cfg: cfg, pub: rec, eng: eng, peer: PeerOf(eng.Descriptor()), inbox: "_INBOX.test",
-		calls: map[string]*call{}, done: make(chan struct{}), maxPayload: DefaultMaxPayload,
-		prefillSub: Subject(DefaultPrefix, "t", SubjectPrefill, "")}
+	d := &Decoder{cfg: cfg, pub: rec, eng: eng, peer: wire.PeerOf(eng.Descriptor()), inbox: "_INBOX.test",
+		calls: map[string]*call{}, done: make(chan struct{}), maxPayload: wire.DefaultMaxPayload,
+		prefillSub: wire.Subject(wire.DefaultPrefix, "t", wire.SubjectPrefill, "")}
 	return d, rec
 }
 
@@ -86,21 +87,19 @@ func TestDeadlineSynctest(t *testing.T) {
 		require.Equal(t, 2*time.Second, time.Since(start), "ended exactly at the deadline")
 		require.Zero(t, recv.Stats().GrantsOpen, "the grant is revoked: the caller may free the destination")
 		require.Len(t, rec.requests, 1)
-		require.Equal(t, []Cancel{{V: WireVersion, RequestID: 7, Grant: rec.cancelGrant(t), Code: CodeTimeout, From: "d1"}}, rec.cancels)
+		require.Equal(t, []wire.Cancel{{V: wire.WireVersion, RequestID: 7, Grant: rec.cancelGrant(t), Code: session.CodeTimeout, From: "d1"}}, rec.cancels)
 
 		// The worker finishes late: its write is refused, nothing lands.
-		req, err := DecodePrefillRequest(rec.requests[0].Data)
+		req, err := wire.DecodePrefillRequest(rec.requests[0].Data)
 		require.NoError(t, err)
-		tk, err := req.Ticket.RDMA()
-		require.NoError(t, err)
-		_, err = send.Write(context.Background(), req.Peer.Descriptor(), tk, []rdma.Extent{src})
+		_, err = send.Write(context.Background(), req.Peer.Descriptor(), req.Ticket, []rdma.Extent{src})
 		require.Error(t, err)
-		require.Contains(t, []Code{CodeCancelled, CodeTimeout}, rdmaCode(err))
+		require.Contains(t, []session.Code{session.CodeCancelled, session.CodeTimeout}, rdmaCode(err))
 	})
 }
 
 func (r *recorder) cancelGrant(t *testing.T) uint64 {
-	req, err := DecodePrefillRequest(r.requests[0].Data)
+	req, err := wire.DecodePrefillRequest(r.requests[0].Data)
 	require.NoError(t, err)
 	return req.Ticket.Grant
 }
@@ -115,9 +114,9 @@ func TestRetryBudgetSynctest(t *testing.T) {
 		d, rec := bubbleDecoder(t, recv, 5)
 		dest := CacheExtents{Mamba: dst}
 		refuse := func(m *nats.Msg, inst string) {
-			req, err := DecodePrefillRequest(m.Data)
+			req, err := wire.DecodePrefillRequest(m.Data)
 			require.NoError(t, err)
-			b, err := EncodePrefillReply(PrefillReply{RequestID: req.RequestID, Instance: inst, Code: CodeCapacityRefused}, 0)
+			b, err := wire.EncodePrefillReply(wire.PrefillReply{RequestID: req.RequestID, Instance: inst, Code: session.CodeCapacityRefused}, 0)
 			require.NoError(t, err)
 			d.onReply(&nats.Msg{Subject: m.Reply, Data: b})
 		}
@@ -141,7 +140,7 @@ func TestRetryBudgetSynctest(t *testing.T) {
 		synctest.Wait()
 		require.Zero(t, recv.Stats().GrantsOpen, "the grant is revoked: the caller may free the destination")
 		require.Len(t, rec.requests, 2)
-		req, err := DecodePrefillRequest(rec.requests[1].Data)
+		req, err := wire.DecodePrefillRequest(rec.requests[1].Data)
 		require.NoError(t, err)
 		require.Equal(t, uint8(2), req.Attempt)
 	})
@@ -224,9 +223,9 @@ func TestControlLostResendSynctest(t *testing.T) {
 		d.controlLost("") // what watchReconnects does on a reconnect
 		second := <-rec.sent
 		require.Equal(t, time.Second, time.Since(start), "resent as soon as the connection was back")
-		r1, err := DecodePrefillRequest(first.Data)
+		r1, err := wire.DecodePrefillRequest(first.Data)
 		require.NoError(t, err)
-		r2, err := DecodePrefillRequest(second.Data)
+		r2, err := wire.DecodePrefillRequest(second.Data)
 		require.NoError(t, err)
 		require.Equal(t, uint8(2), r2.Attempt)
 		require.NotEqual(t, r1.Ticket.Grant, r2.Ticket.Grant, "the resend writes into a fresh grant")
@@ -234,15 +233,11 @@ func TestControlLostResendSynctest(t *testing.T) {
 
 		// The first attempt's worker was alive after all: its write lands
 		// nothing, and its answer is dropped.
-		tk1, err := r1.Ticket.RDMA()
-		require.NoError(t, err)
-		_, err = send.Write(context.Background(), r1.Peer.Descriptor(), tk1, []rdma.Extent{src})
+		_, err = send.Write(context.Background(), r1.Peer.Descriptor(), r1.Ticket, []rdma.Extent{src})
 		require.Error(t, err)
-		tk2, err := r2.Ticket.RDMA()
+		m, err := send.Write(context.Background(), r2.Peer.Descriptor(), r2.Ticket, []rdma.Extent{src})
 		require.NoError(t, err)
-		m, err := send.Write(context.Background(), r2.Peer.Descriptor(), tk2, []rdma.Extent{src})
-		require.NoError(t, err)
-		b, err := EncodePrefillReply(PrefillReply{RequestID: 5, Instance: "p1", FirstToken: 42, Manifest: ManifestOf(m)}, 0)
+		b, err := wire.EncodePrefillReply(wire.PrefillReply{RequestID: 5, Instance: "p1", FirstToken: 42, Manifest: m}, 0)
 		require.NoError(t, err)
 		d.onReply(&nats.Msg{Subject: second.Reply, Data: b})
 		o := <-done
@@ -251,7 +246,7 @@ func TestControlLostResendSynctest(t *testing.T) {
 		require.Equal(t, 2, o.res.Attempts)
 		rec.mu.Lock()
 		require.Len(t, rec.cancels, 1, "the first attempt is cancelled")
-		require.Equal(t, CodeCancelled, rec.cancels[0].Code)
+		require.Equal(t, session.CodeCancelled, rec.cancels[0].Code)
 		rec.mu.Unlock()
 	})
 }
@@ -273,9 +268,9 @@ func TestPeerDeathAfterUnrelatedDeathSynctest(t *testing.T) {
 			done <- err
 		}()
 		m := <-rec.sent
-		req, err := DecodePrefillRequest(m.Data)
+		req, err := wire.DecodePrefillRequest(m.Data)
 		require.NoError(t, err)
-		b, err := EncodePrefillReply(PrefillReply{RequestID: req.RequestID, Instance: "p2", Code: CodeOK}, 0)
+		b, err := wire.EncodePrefillReply(wire.PrefillReply{RequestID: req.RequestID, Instance: "p2", Code: session.CodeOK}, 0)
 		require.NoError(t, err)
 		d.onReply(&nats.Msg{Subject: m.Reply, Data: b}) // replied; the commit never comes
 		synctest.Wait()
@@ -301,9 +296,9 @@ func TestLateNoRespondersOfAbandonedAttempt(t *testing.T) {
 				defer send.Close()
 				d, rec := bubbleDecoder(t, recv, 3)
 				d.cfg.DirectFirst = true
-				reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]Instance{}, seen: map[string]time.Time{}}
+				reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]wire.Instance{}, seen: map[string]time.Time{}}
 				for _, id := range []string{"p1", "p2", "p3"}[:n] {
-					reg.entries[id] = Instance{ID: id, Role: RolePrefill, Fingerprint: "fp", Updated: time.Now().UnixNano()}
+					reg.entries[id] = wire.Instance{ID: id, Role: wire.RolePrefill, Fingerprint: "fp", Updated: time.Now().UnixNano()}
 					reg.seen[id] = time.Now()
 				}
 				d.reg = reg
@@ -321,7 +316,7 @@ func TestLateNoRespondersOfAbandonedAttempt(t *testing.T) {
 				dead := m1.Subject[len(m1.Subject)-len("p1.prefill"):][:2]
 				d.peerDied(dead) // its writer's connection went: a fenced retry
 				m2 := <-rec.sent
-				r2, err := DecodePrefillRequest(m2.Data)
+				r2, err := wire.DecodePrefillRequest(m2.Data)
 				require.NoError(t, err)
 				require.NotEqual(t, m1.Reply, m2.Reply, "each attempt has its own reply subject")
 				// The server's no-responders for attempt 1 arrives now.
@@ -349,10 +344,10 @@ func TestLateNoRespondersOfAbandonedAttempt(t *testing.T) {
 // sent to it would spend an attempt on a no-responders.
 func TestPickPassesOverWriterGone(t *testing.T) {
 	d := &Decoder{cfg: DecoderConfig{Fingerprint: "fp"}, calls: map[string]*call{}}
-	reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]Instance{}, seen: map[string]time.Time{}}
+	reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]wire.Instance{}, seen: map[string]time.Time{}}
 	now := time.Now().UnixNano()
 	for _, id := range []string{"p1", "p2"} {
-		reg.entries[id] = Instance{ID: id, Role: RolePrefill, Fingerprint: "fp", Updated: now}
+		reg.entries[id] = wire.Instance{ID: id, Role: wire.RolePrefill, Fingerprint: "fp", Updated: now}
 		reg.seen[id] = time.Now()
 	}
 	d.reg = reg
@@ -379,10 +374,10 @@ func TestPickPassesOverWriterGone(t *testing.T) {
 // handoff already addressed to it is not told of the old one's death.
 func TestWriterGoneSparesNewIncarnation(t *testing.T) {
 	d := &Decoder{cfg: DecoderConfig{Fingerprint: "fp"}, calls: map[string]*call{}}
-	reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]Instance{}, seen: map[string]time.Time{}}
+	reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]wire.Instance{}, seen: map[string]time.Time{}}
 	d.reg = reg
 	put := func(svc string) {
-		reg.entries["p1"] = Instance{ID: "p1", Role: RolePrefill, Fingerprint: "fp", Updated: time.Now().UnixNano(), Service: svc}
+		reg.entries["p1"] = wire.Instance{ID: "p1", Role: wire.RolePrefill, Fingerprint: "fp", Updated: time.Now().UnixNano(), Service: svc}
 		reg.seen["p1"] = time.Now()
 	}
 	put("svc-a")

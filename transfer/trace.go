@@ -11,6 +11,9 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/handoff-io/handoff/transfer/session"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // Tracing. A handoff is traced when the ctx given to Decoder.Handoff carries
@@ -22,23 +25,25 @@ import (
 // around the data-path write (bytes, transport). With neither, nothing is
 // traced, no header is sent and nothing is allocated for it.
 
-// TracerName is the instrumentation scope of this package's spans.
-const TracerName = "github.com/handoff-io/handoff/transfer"
+// tracerName is the instrumentation scope of this package's spans.
+const tracerName = "github.com/handoff-io/handoff/transfer"
 
-// Span attribute keys of this package's spans.
+// Span attribute keys of this package's spans: the exported ones are those
+// the workers' tests check.
 const (
-	AttrRequestID  = attribute.Key("handoff.request_id")
-	AttrInstance   = attribute.Key("handoff.instance")    // the prefill instance that served it
-	AttrFrom       = attribute.Key("handoff.from")        // the requesting decode instance
-	AttrAttempts   = attribute.Key("handoff.attempts")    // prefill requests sent
 	AttrKVBytes    = attribute.Key("handoff.kv_bytes")    // KV bytes moved
 	AttrMambaBytes = attribute.Key("handoff.mamba_bytes") // Mamba row bytes moved
-	// AttrStreamedBytes (write): of those, the bytes that left layer by
-	// layer as prefill finished them (layer-wise streaming).
-	AttrStreamedBytes = attribute.Key("handoff.streamed_bytes")
-	AttrTransport     = attribute.Key("handoff.transport") // the data path: tcp, shm, inproc
-	AttrCode          = attribute.Key("handoff.code")      // the outcome code, when not ok
-	AttrTokens        = attribute.Key("handoff.prompt_tokens")
+	AttrTransport  = attribute.Key("handoff.transport")   // the data path: tcp, shm, inproc
+
+	attrRequestID = attribute.Key("handoff.request_id")
+	attrInstance  = attribute.Key("handoff.instance") // the prefill instance that served it
+	attrFrom      = attribute.Key("handoff.from")     // the requesting decode instance
+	attrAttempts  = attribute.Key("handoff.attempts") // prefill requests sent
+	// attrStreamedBytes (write): of the bytes moved, those that left layer
+	// by layer as prefill finished them (layer-wise streaming).
+	attrStreamedBytes = attribute.Key("handoff.streamed_bytes")
+	attrCode          = attribute.Key("handoff.code") // the outcome code, when not ok
+	attrTokens        = attribute.Key("handoff.prompt_tokens")
 )
 
 // traceContext is the propagator of the control messages: W3C trace context.
@@ -74,13 +79,13 @@ func (c headerCarrier) Keys() []string {
 	return keys
 }
 
-// InjectHeader writes span's context into h as W3C trace context.
-func InjectHeader(span trace.Span, h nats.Header) {
+// injectHeader writes span's context into h as W3C trace context.
+func injectHeader(span trace.Span, h nats.Header) {
 	traceContext.Inject(trace.ContextWithSpan(context.Background(), span), headerCarrier(h))
 }
 
-// ExtractHeader returns ctx with the remote span context h carries, if any.
-func ExtractHeader(ctx context.Context, h nats.Header) context.Context {
+// extractHeader returns ctx with the remote span context h carries, if any.
+func extractHeader(ctx context.Context, h nats.Header) context.Context {
 	if len(h) == 0 {
 		return ctx
 	}
@@ -94,33 +99,33 @@ func startHandoffSpan(ctx context.Context, req *Request) trace.Span {
 	if !parent.IsRecording() {
 		return nil
 	}
-	_, span := parent.TracerProvider().Tracer(TracerName).Start(ctx, "handoff",
+	_, span := parent.TracerProvider().Tracer(tracerName).Start(ctx, "handoff",
 		trace.WithSpanKind(trace.SpanKindClient),
-		trace.WithAttributes(AttrRequestID.Int64(int64(req.ID)), AttrTokens.Int(len(req.Tokens))))
+		trace.WithAttributes(attrRequestID.Int64(int64(req.ID)), attrTokens.Int(len(req.Tokens))))
 	return span
 }
 
 // endHandoffSpan ends a handoff's span with its outcome.
 func endHandoffSpan(span trace.Span, res *Result, attempts int, err error) {
-	span.SetAttributes(AttrAttempts.Int(attempts))
+	span.SetAttributes(attrAttempts.Int(attempts))
 	if err != nil {
-		span.SetAttributes(AttrCode.String(CodeOf(err).String()))
+		span.SetAttributes(attrCode.String(codeOf(err).String()))
 		span.RecordError(err)
 		span.SetStatus(codes.Error, err.Error())
 	} else {
-		span.SetAttributes(AttrInstance.String(res.Instance),
+		span.SetAttributes(attrInstance.String(res.Instance),
 			AttrKVBytes.Int64(int64(res.KVBytes)), AttrMambaBytes.Int64(int64(res.MambaBytes)))
 	}
 	span.End()
 }
 
 // endSpanCode ends span (nil: not traced) with a protocol outcome.
-func endSpanCode(span trace.Span, code Code, cause error) {
+func endSpanCode(span trace.Span, code session.Code, cause error) {
 	if span == nil {
 		return
 	}
-	if code != CodeOK {
-		span.SetAttributes(AttrCode.String(code.String()))
+	if code != session.CodeOK {
+		span.SetAttributes(attrCode.String(code.String()))
 		msg := code.String()
 		if cause != nil {
 			span.RecordError(cause)
@@ -147,21 +152,21 @@ func (h *handoff) publishRequest(subj, reply string, data []byte) error {
 		return h.d.pub.PublishRequest(subj, reply, data)
 	}
 	m := &nats.Msg{Subject: subj, Reply: reply, Data: data, Header: make(nats.Header, 2)}
-	InjectHeader(h.span, m.Header)
+	injectHeader(h.span, m.Header)
 	h.span.AddEvent("prefill request sent", trace.WithAttributes(
-		AttrAttempts.Int(h.attempt), attribute.String("messaging.destination.name", subj)))
+		attrAttempts.Int(h.attempt), attribute.String("messaging.destination.name", subj)))
 	return mp.PublishMsg(m)
 }
 
 // startSpan opens the "prefill" span of request m, received at start, under
 // the trace context of r's headers (a new trace when they carry none).
-func (p *Prefiller) startSpan(r micro.Request, m *PrefillRequest, start time.Time) trace.Span {
-	ctx := ExtractHeader(context.Background(), nats.Header(r.Headers()))
+func (p *Prefiller) startSpan(r micro.Request, m *wire.PrefillRequest, start time.Time) trace.Span {
+	ctx := extractHeader(context.Background(), nats.Header(r.Headers()))
 	_, span := p.tracer.Start(ctx, "prefill",
 		trace.WithSpanKind(trace.SpanKindServer), trace.WithTimestamp(start),
-		trace.WithAttributes(AttrRequestID.Int64(int64(m.RequestID)), AttrFrom.String(m.From),
-			AttrInstance.String(p.cfg.Instance), AttrTokens.Int(len(m.Tokens)),
-			AttrAttempts.Int(int(m.Attempt))))
+		trace.WithAttributes(attrRequestID.Int64(int64(m.RequestID)), attrFrom.String(m.From),
+			attrInstance.String(p.cfg.Instance), attrTokens.Int(len(m.Tokens)),
+			attrAttempts.Int(int(m.Attempt))))
 	return span
 }
 
@@ -171,7 +176,7 @@ func (t *task) startWriteSpan(start time.Time) trace.Span {
 	if t.span == nil {
 		return nil
 	}
-	kv, mamba := t.out.Source.Bytes()
+	kv, mamba := t.out.Source.bytes()
 	_, span := t.p.tracer.Start(trace.ContextWithSpan(context.Background(), t.span), "write",
 		trace.WithSpanKind(trace.SpanKindProducer), trace.WithTimestamp(start),
 		trace.WithAttributes(AttrKVBytes.Int64(int64(kv)), AttrMambaBytes.Int64(int64(mamba))))
@@ -188,7 +193,7 @@ func (t *task) endWriteSpan(span trace.Span, end time.Time, err error) {
 		span.SetAttributes(AttrTransport.String(string(tr)))
 	}
 	if t.lw != nil {
-		span.SetAttributes(AttrStreamedBytes.Int64(int64(t.early)))
+		span.SetAttributes(attrStreamedBytes.Int64(int64(t.early)))
 	}
 	if err != nil {
 		span.RecordError(err)

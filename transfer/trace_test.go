@@ -15,6 +15,8 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/handoff-io/handoff/internal/natstest"
+	"github.com/handoff-io/handoff/transfer/session"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // spansNamed waits until exp holds n spans and returns them by name.
@@ -48,7 +50,7 @@ func attrOf(s tracetest.SpanStub, k attribute.Key) attribute.Value {
 func spyPrefill(t *testing.T, f *fixture) <-chan nats.Header {
 	nc := natstest.Connect(t, f.srv)
 	got := make(chan nats.Header, 4)
-	_, err := nc.Subscribe(Subject(DefaultPrefix, f.ns, SubjectPrefill, ""), func(m *nats.Msg) { got <- m.Header })
+	_, err := nc.Subscribe(wire.Subject(wire.DefaultPrefix, f.ns, wire.SubjectPrefill, ""), func(m *nats.Msg) { got <- m.Header })
 	require.NoError(t, err)
 	require.NoError(t, nc.Flush())
 	return got
@@ -89,10 +91,10 @@ func TestHandoffTraced(t *testing.T) {
 	require.Equal(t, trace.SpanKindClient, ho.SpanKind)
 	require.Equal(t, trace.SpanKindServer, pf.SpanKind)
 
-	require.Equal(t, int64(7), attrOf(ho, AttrRequestID).AsInt64())
-	require.Equal(t, "p1", attrOf(ho, AttrInstance).AsString())
+	require.Equal(t, int64(7), attrOf(ho, attrRequestID).AsInt64())
+	require.Equal(t, "p1", attrOf(ho, attrInstance).AsString())
 	require.Equal(t, int64(res.KVBytes), attrOf(ho, AttrKVBytes).AsInt64())
-	require.Equal(t, "d1", attrOf(pf, AttrFrom).AsString())
+	require.Equal(t, "d1", attrOf(pf, attrFrom).AsString())
 	require.Equal(t, int64(res.KVBytes), attrOf(wr, AttrKVBytes).AsInt64())
 	require.Equal(t, int64(res.MambaBytes), attrOf(wr, AttrMambaBytes).AsInt64())
 	require.NotEmpty(t, attrOf(wr, AttrTransport).AsString())
@@ -140,7 +142,7 @@ func TestHandoffTracedRefusal(t *testing.T) {
 	for _, name := range []string{"handoff", "prefill"} {
 		s := spans[name]
 		require.Equal(t, codes.Error, s.Status.Code, name)
-		require.Equal(t, CodeLayoutMismatch.String(), attrOf(s, AttrCode).AsString(), name)
+		require.Equal(t, session.CodeLayoutMismatch.String(), attrOf(s, attrCode).AsString(), name)
 	}
 	require.Equal(t, spans["handoff"].SpanContext.SpanID(), spans["prefill"].Parent.SpanID())
 	ds.requireInitial(t)
@@ -175,7 +177,7 @@ func TestHandoffTracedStreamed(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, ds.m.Free(uint64(n)))
 		wr := spansNamed(t, exp, 2)["write"]
-		got := attrOf(wr, AttrStreamedBytes)
+		got := attrOf(wr, attrStreamedBytes)
 		if n < 12 {
 			require.Equal(t, attribute.EMPTY, got.Type(), "a write after prefill carries no streamed bytes")
 			continue

@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go/micro"
 
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // writerProbe bounds the control-plane check of a writer the data plane
@@ -100,7 +101,7 @@ const writerWatch = 200 * time.Millisecond
 // true when none answered (the writer is to be taken for dead), false when
 // it connected again, left the registry (whose own news covers it) or ctx
 // ended.
-func (d *Decoder) watchWriter(ctx context.Context, agent rdma.AgentID) ([]Instance, bool) {
+func (d *Decoder) watchWriter(ctx context.Context, agent rdma.AgentID) ([]wire.Instance, bool) {
 	t := time.NewTicker(writerWatch)
 	defer t.Stop()
 	for {
@@ -123,12 +124,12 @@ func (d *Decoder) watchWriter(ctx context.Context, agent rdma.AgentID) ([]Instan
 }
 
 // entriesOf returns the registry's prefill entries that name agent.
-func (d *Decoder) entriesOf(agent string) []Instance {
+func (d *Decoder) entriesOf(agent string) []wire.Instance {
 	if d.reg == nil {
 		return nil
 	}
-	var out []Instance
-	for _, inst := range d.reg.Instances(RolePrefill, time.Now()) {
+	var out []wire.Instance
+	for _, inst := range d.reg.Instances(wire.RolePrefill, time.Now()) {
 		if inst.Peer.Agent == agent || inst.ID == agent {
 			out = append(out, inst)
 		}
@@ -138,12 +139,12 @@ func (d *Decoder) entriesOf(agent string) []Instance {
 
 // answers pings the micro service of each entry that names one and returns
 // the first that answers within writerProbe (and before ctx ends).
-func (d *Decoder) answers(ctx context.Context, entries []Instance) (Instance, bool) {
+func (d *Decoder) answers(ctx context.Context, entries []wire.Instance) (wire.Instance, bool) {
 	for _, inst := range entries {
 		if inst.Service == "" {
 			continue
 		}
-		subj, err := micro.ControlSubject(micro.PingVerb, ServiceName, inst.Service)
+		subj, err := micro.ControlSubject(micro.PingVerb, wire.ServiceName, inst.Service)
 		if err != nil {
 			continue // not a service id: the entry cannot vouch for it
 		}
@@ -154,13 +155,13 @@ func (d *Decoder) answers(ctx context.Context, entries []Instance) (Instance, bo
 			return inst, true
 		}
 		if ctx.Err() != nil {
-			return Instance{}, false
+			return wire.Instance{}, false
 		}
 		if !errors.Is(err, nats.ErrNoResponders) && !errors.Is(err, context.DeadlineExceeded) {
 			d.cfg.Logger.Warn("ping of a prefill instance", "peer", inst.ID, "err", err)
 		}
 	}
-	return Instance{}, false
+	return wire.Instance{}, false
 }
 
 // writerGone takes agent's instance for dead: pinged are the registry's
@@ -170,13 +171,13 @@ func (d *Decoder) answers(ctx context.Context, entries []Instance) (Instance, bo
 // during the ping (a quick restart): it is not recorded as gone, and the
 // handoffs addressed to it are not told; the registry reports the old
 // incarnation's end in any case.
-func (d *Decoder) writerGone(agent string, pinged, now []Instance) {
+func (d *Decoder) writerGone(agent string, pinged, now []wire.Instance) {
 	d.mu.Lock()
 	if d.gone == nil {
 		d.gone = make(map[string]int64)
 	}
 	for _, inst := range now {
-		if slices.ContainsFunc(pinged, func(p Instance) bool { return p.ID == inst.ID && p.Service == inst.Service }) {
+		if slices.ContainsFunc(pinged, func(p wire.Instance) bool { return p.ID == inst.ID && p.Service == inst.Service }) {
 			d.gone[inst.ID] = inst.Updated
 		}
 	}

@@ -18,6 +18,7 @@ import (
 
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/handoff-io/handoff/transfer"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 const controlUsage = `usage: handoff-bench control [flags]
@@ -298,20 +299,20 @@ func measureControl(ctx context.Context, o controlOptions) (controlReport, error
 // controlMessageSizes encodes a handoff's request and reply as the protocol
 // would for this prompt, to size the raw baseline's messages.
 func controlMessageSizes(decEng *rdma.Engine, prompt []int32, fp string) (int, int, error) {
-	req := transfer.PrefillRequest{
+	req := wire.PrefillRequest{
 		RequestID: 1 << 40, From: "decode-0", Attempt: 1, Fingerprint: fp, Tokens: prompt,
-		Deadline: time.Now().UnixNano(), Peer: transfer.PeerOf(decEng.Descriptor()),
-		Ticket: transfer.Ticket{Agent: "bench-decode", Grant: 1 << 40, Epoch: 1 << 50, Token: make([]byte, 16), RequestID: 1 << 40,
-			Extents: transfer.Extents{{Region: 1, Offset: 0, Length: 1}}, Bytes: 1, Deadline: time.Now().UnixNano()},
+		Deadline: time.Now().UnixNano(), Peer: wire.PeerOf(decEng.Descriptor()),
+		Ticket: rdma.Ticket{Agent: "bench-decode", Grant: 1 << 40, Epoch: 1 << 50, RequestID: 1 << 40,
+			Extents: []rdma.Extent{{Region: 1, Offset: 0, Length: 1}}, Bytes: 1, Deadline: time.Now()},
 		MambaBytes: 1,
 	}
-	rb, err := transfer.EncodePrefillRequest(req, 0)
+	rb, err := wire.EncodePrefillRequest(req, 0)
 	if err != nil {
 		return 0, 0, err
 	}
-	pb, err := transfer.EncodePrefillReply(transfer.PrefillReply{RequestID: 1 << 40, Instance: "prefill-0", FirstToken: 1,
+	pb, err := wire.EncodePrefillReply(wire.PrefillReply{RequestID: 1 << 40, Instance: "prefill-0", FirstToken: 1,
 		PrefillNanos: 1 << 20, WriteNanos: 1 << 20,
-		Manifest: transfer.Manifest{Bytes: transfer.U64s{1}, CRC: transfer.U32s{1 << 31}}}, 0)
+		Manifest: rdma.Manifest{Bytes: []uint64{1}, CRC: []uint32{1 << 31}}}, 0)
 	if err != nil {
 		return 0, 0, err
 	}

@@ -364,11 +364,11 @@ func parseLevel(s string) (slog.Level, error) {
 	return 0, fmt.Errorf("%w: --log-level %q: want debug, info, warn or error", ErrInvalid, s)
 }
 
-// maxTokenLen is the longest namespace or instance id transfer.ValidToken
+// maxTokenLen is the longest namespace or instance id wire.ValidToken
 // accepts.
 const maxTokenLen = 64
 
-// validToken is transfer.ValidToken (1-64 characters of [A-Za-z0-9_-]),
+// validToken is wire.ValidToken (1-64 characters of [A-Za-z0-9_-]),
 // written again so that config does not import the data path: the manifest
 // tests of deploy/k8s build config into a binary that links kustomize's
 // plugin loader, which binds every symbol at start-up, and go-nvml's are

@@ -11,7 +11,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/handoff-io/handoff/transfer"
+	"github.com/handoff-io/handoff/transfer/wire"
 	"github.com/handoff-io/handoff/worker"
 )
 
@@ -129,8 +129,8 @@ func TestInvalid(t *testing.T) {
 // long pod name still makes a valid default instance id.
 func TestTokenLength(t *testing.T) {
 	at, over := strings.Repeat("p", maxTokenLen), strings.Repeat("p", maxTokenLen+1)
-	require.True(t, transfer.ValidToken(at))
-	require.False(t, transfer.ValidToken(over))
+	require.True(t, wire.ValidToken(at))
+	require.False(t, wire.ValidToken(over))
 
 	c, err := Parse(worker.RolePrefill, []string{"--instance-id", at, "--namespace", at}, envOf(nil), &bytes.Buffer{})
 	require.NoError(t, err)
@@ -152,7 +152,7 @@ func TestTokenLength(t *testing.T) {
 	b, err := Parse(worker.RoleDecode, nil, envOf(map[string]string{"POD_NAME": long + "m4v9z"}), &bytes.Buffer{})
 	require.NoError(t, err)
 	require.Len(t, a.InstanceID, maxTokenLen)
-	require.True(t, transfer.ValidToken(a.InstanceID))
+	require.True(t, wire.ValidToken(a.InstanceID))
 	require.True(t, strings.HasPrefix(a.InstanceID, "decode-statefulset-"))
 	require.NotEqual(t, a.InstanceID, b.InstanceID)
 
@@ -170,7 +170,7 @@ func TestValidTokenMatchesTransfer(t *testing.T) {
 		strings.Repeat("x", maxTokenLen-1), strings.Repeat("x", maxTokenLen),
 		strings.Repeat("x", maxTokenLen+1), strings.Repeat("x", 253),
 	} {
-		require.Equal(t, transfer.ValidToken(s), validToken(s), "%q", s)
+		require.Equal(t, wire.ValidToken(s), validToken(s), "%q", s)
 	}
 }
 

@@ -13,6 +13,7 @@ import (
 
 	"github.com/handoff-io/handoff/model"
 	"github.com/handoff-io/handoff/transfer"
+	"github.com/handoff-io/handoff/transfer/wire"
 	"github.com/handoff-io/handoff/worker"
 	"github.com/handoff-io/handoff/worker/api"
 	"github.com/handoff-io/handoff/worker/config"
@@ -104,7 +105,7 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 			presence := &prefillPresence{grace: cfg.PrefillGrace}
 			adm.AddCheck("prefill_instances", func() error {
 				now := time.Now()
-				insts := dec.Registry().Instances(transfer.RolePrefill, now)
+				insts := dec.Registry().Instances(wire.RolePrefill, now)
 				usable := 0
 				for _, in := range insts {
 					if in.Fingerprint == n.fingerprint && !in.Draining {
@@ -226,8 +227,8 @@ func (s *transferSource) Fetch(ctx context.Context, f worker.FetchRequest) (work
 }
 
 // wireSampling is the transfer form of a request's sampling.
-func wireSampling(s worker.Sampling) transfer.Sampling {
-	w := transfer.Sampling{Temperature: s.Temperature, Seed: s.Seed}
+func wireSampling(s worker.Sampling) wire.Sampling {
+	w := wire.Sampling{Temperature: s.Temperature, Seed: s.Seed}
 	if s.TopP > 0 && s.TopP < 1 {
 		w.TopP = s.TopP
 	}
@@ -238,7 +239,7 @@ func wireSampling(s worker.Sampling) transfer.Sampling {
 }
 
 // samplingOf is the worker form of a request's wire sampling.
-func samplingOf(w transfer.Sampling) worker.Sampling {
+func samplingOf(w wire.Sampling) worker.Sampling {
 	s := worker.Sampling{Temperature: w.Temperature, TopP: w.TopP, Seed: w.Seed}
 	if w.Logprobs > 0 {
 		s.Logprobs, s.TopLogprobs = true, int(w.Logprobs)-1

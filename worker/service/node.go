@@ -23,6 +23,7 @@ import (
 	"github.com/handoff-io/handoff/model"
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/handoff-io/handoff/transfer"
+	"github.com/handoff-io/handoff/transfer/wire"
 	"github.com/handoff-io/handoff/worker"
 	"github.com/handoff-io/handoff/worker/admin"
 	"github.com/handoff-io/handoff/worker/config"
@@ -235,8 +236,8 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool, openCUDA func()
 }
 
 // capacity is the node's room, for the instance registry.
-func (n *node) capacity() transfer.Capacity {
-	c := transfer.Capacity{Ranks: len(n.ranks)}
+func (n *node) capacity() wire.Capacity {
+	c := wire.Capacity{Ranks: len(n.ranks)}
 	for _, r := range n.ranks {
 		rows, blocks := r.Manager().Capacity()
 		s := r.Manager().Stats()

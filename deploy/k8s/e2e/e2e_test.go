@@ -26,7 +26,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/handoff-io/handoff/transfer"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // ns is the test's namespace; nothing else of the cluster is touched.
@@ -353,7 +353,7 @@ func openRegistry(ctx context.Context, t *testing.T, url string) jetstream.KeyVa
 	if err != nil {
 		t.Fatal(err)
 	}
-	bucket := transfer.BucketName(transfer.DefaultPrefix, "default")
+	bucket := wire.BucketName(wire.DefaultPrefix, "default")
 	var kv jetstream.KeyValue
 	if err := waitFor(ctx, "registry bucket "+bucket, 2*time.Minute, nil, func() error {
 		kv, err = js.KeyValue(ctx, bucket)
@@ -379,7 +379,7 @@ func registered(ctx context.Context, kv jetstream.KeyValue, role string) ([]stri
 		if err != nil {
 			continue // deleted meanwhile
 		}
-		inst, err := transfer.DecodeInstance(e.Value())
+		inst, err := wire.DecodeInstance(e.Value())
 		if err != nil {
 			return nil, fmt.Errorf("registry entry %s: %w", k, err)
 		}

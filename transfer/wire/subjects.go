@@ -1,4 +1,4 @@
-package transfer
+package wire
 
 import (
 	"fmt"
@@ -11,6 +11,14 @@ const DefaultPrefix = "handoff"
 // PrefillQueue is the queue group prefill workers serve the shared prefill
 // endpoint in: NATS hands each request to exactly one member.
 const PrefillQueue = "prefill"
+
+// ServiceName is the NATS micro service name prefill workers register under
+// (`nats micro ls` lists them): a decoder pings a prefill instance at
+// $SRV.PING.<ServiceName>.<Instance.Service>.
+const ServiceName = "handoff-prefill"
+
+// ServiceVersion is the micro service version: the wire version as semver.
+const ServiceVersion = "1.0.0"
 
 // SubjectKind names one subject of the protocol.
 type SubjectKind uint8

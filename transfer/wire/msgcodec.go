@@ -1,4 +1,4 @@
-package transfer
+package wire
 
 // The two messages on every handoff's path, PrefillRequest and PrefillReply,
 // encode and decode by hand, on bytes (msgp.go), instead of by reflection.
@@ -8,10 +8,14 @@ package transfer
 // where they are nested in other messages.
 
 import (
+	"errors"
 	"fmt"
 	"math"
 
 	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
 )
 
 func (s Sampling) appendTo(b []byte) []byte {
@@ -243,20 +247,27 @@ func decodeRegions(r *reader) ([]RegionInfo, error) {
 	return out, nil
 }
 
-func (t *Ticket) appendTo(b []byte) []byte {
+// ticket is an rdma.Ticket's wire form: a map of the keys PrefillRequest's
+// Ticket names, in that order.
+type ticket rdma.Ticket
+
+func (t *ticket) appendTo(b []byte) []byte {
 	b = appendMapLen(b, 8)
-	b = appendStr(appendStr(b, "a"), t.Agent)
+	b = appendStr(appendStr(b, "a"), string(t.Agent))
 	b = appendUint(appendStr(b, "g"), t.Grant)
 	b = appendUint(appendStr(b, "e"), t.Epoch)
-	b = appendBin(appendStr(b, "k"), t.Token)
+	b = appendBin(appendStr(b, "k"), t.Token[:])
 	b = appendUint(appendStr(b, "id"), t.RequestID)
-	b = t.Extents.appendTo(appendStr(b, "x"))
+	b = extents(t.Extents).appendTo(appendStr(b, "x"))
 	b = appendUint(appendStr(b, "b"), t.Bytes)
-	return appendInt(appendStr(b, "dl"), t.Deadline)
+	return appendInt(appendStr(b, "dl"), unixNano(t.Deadline))
 }
 
-func (t *Ticket) decode(r *reader) error {
-	*t = Ticket{}
+// decode reads a ticket; one whose token is not 16 bytes (or absent) is
+// refused.
+func (t *ticket) decode(r *reader) error {
+	*t = ticket{}
+	token := -1 // the last token's length; -1: none or nil
 	n, err := r.mapLen()
 	for ; err == nil && n > 0; n-- {
 		var key []byte
@@ -265,7 +276,9 @@ func (t *Ticket) decode(r *reader) error {
 		}
 		switch string(key) {
 		case "a":
-			t.Agent, err = r.str()
+			var a string
+			a, err = r.str()
+			t.Agent = rdma.AgentID(a)
 		case "g":
 			t.Grant, err = r.uint()
 		case "e":
@@ -273,40 +286,44 @@ func (t *Ticket) decode(r *reader) error {
 		case "k":
 			var b []byte
 			var ok bool
-			if b, ok, err = r.packed(1, "token"); ok {
-				t.Token = append(make([]byte, 0, len(b)), b...)
-			} else {
-				t.Token = nil
+			b, ok, err = r.packed(1, "token")
+			token = -1
+			if ok {
+				token = len(b)
+				copy(t.Token[:], b)
 			}
 		case "id":
 			t.RequestID, err = r.uint()
 		case "x":
-			err = t.Extents.decode(r)
+			err = (*extents)(&t.Extents).decode(r)
 		case "b":
 			t.Bytes, err = r.uint()
 		case "dl":
-			t.Deadline, err = r.int()
+			var dl int64
+			dl, err = r.int()
+			t.Deadline = fromUnixNano(dl)
 		default:
 			err = r.skip()
 		}
 	}
+	if err == nil && token != len(t.Token) {
+		err = fmt.Errorf("grant token of %d bytes", max(token, 0))
+	}
 	return err
 }
 
-// EncodeMsgpack implements msgpack.CustomEncoder.
-func (t Ticket) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(enc, t.appendTo) }
+// manifest is an rdma.Manifest's wire form: a map of the keys
+// PrefillReply's Manifest names.
+type manifest rdma.Manifest
 
-// DecodeMsgpack implements msgpack.CustomDecoder.
-func (t *Ticket) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, t.decode) }
-
-func (m *Manifest) appendTo(b []byte) []byte {
+func (m *manifest) appendTo(b []byte) []byte {
 	b = appendMapLen(b, 2)
-	b = m.Bytes.appendTo(appendStr(b, "b"))
-	return m.CRC.appendTo(appendStr(b, "c"))
+	b = u64s(m.Bytes).appendTo(appendStr(b, "b"))
+	return u32s(m.CRC).appendTo(appendStr(b, "c"))
 }
 
-func (m *Manifest) decode(r *reader) error {
-	*m = Manifest{}
+func (m *manifest) decode(r *reader) error {
+	*m = manifest{}
 	n, err := r.mapLen()
 	for ; err == nil && n > 0; n-- {
 		var key []byte
@@ -315,21 +332,15 @@ func (m *Manifest) decode(r *reader) error {
 		}
 		switch string(key) {
 		case "b":
-			err = m.Bytes.decode(r)
+			err = (*u64s)(&m.Bytes).decode(r)
 		case "c":
-			err = m.CRC.decode(r)
+			err = (*u32s)(&m.CRC).decode(r)
 		default:
 			err = r.skip()
 		}
 	}
 	return err
 }
-
-// EncodeMsgpack implements msgpack.CustomEncoder.
-func (m Manifest) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(enc, m.appendTo) }
-
-// DecodeMsgpack implements msgpack.CustomDecoder.
-func (m *Manifest) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, m.decode) }
 
 func (m *PrefillRequest) appendTo(b []byte) []byte {
 	n := 13
@@ -346,7 +357,7 @@ func (m *PrefillRequest) appendTo(b []byte) []byte {
 	b = m.Sampling.appendTo(appendStr(b, "smp"))
 	b = appendInt(appendStr(b, "dl"), m.Deadline)
 	b = m.Peer.appendTo(appendStr(b, "peer"))
-	b = m.Ticket.appendTo(appendStr(b, "tk"))
+	b = (*ticket)(&m.Ticket).appendTo(appendStr(b, "tk"))
 	b = appendUint(appendStr(b, "kvb"), m.KVBytes)
 	b = appendUint(appendStr(b, "mb"), m.MambaBytes)
 	b = appendInt(appendStr(b, "rem"), m.Budget)
@@ -398,7 +409,7 @@ func (m *PrefillRequest) decode(r *reader) error {
 			}
 		case "tk":
 			if err = once(&seen, 4, "tk"); err == nil {
-				err = m.Ticket.decode(r)
+				err = (*ticket)(&m.Ticket).decode(r)
 			}
 		case "kvb":
 			m.KVBytes, err = r.uint()
@@ -412,6 +423,9 @@ func (m *PrefillRequest) decode(r *reader) error {
 		default:
 			err = r.skip()
 		}
+	}
+	if err == nil && seen&4 == 0 {
+		err = errors.New("request without a ticket")
 	}
 	return err
 }
@@ -440,7 +454,7 @@ func (m *PrefillReply) appendTo(b []byte) []byte {
 	b = appendInt(appendStr(b, "tok"), int64(m.FirstToken))
 	b = appendInt(appendStr(b, "pf"), m.PrefillNanos)
 	b = appendInt(appendStr(b, "wr"), m.WriteNanos)
-	b = m.Manifest.appendTo(appendStr(b, "man"))
+	b = (*manifest)(&m.Manifest).appendTo(appendStr(b, "man"))
 	if len(m.Logprobs) > 0 {
 		b = appendBin(appendStr(b, "lp"), m.Logprobs)
 	}
@@ -468,7 +482,7 @@ func (m *PrefillReply) decode(r *reader) error {
 			m.Instance, err = r.str()
 		case "code":
 			v, err = r.uintMax(math.MaxUint16, "code")
-			m.Code = Code(v)
+			m.Code = session.Code(v)
 		case "msg":
 			m.Msg, err = r.str()
 		case "tok":
@@ -480,7 +494,7 @@ func (m *PrefillReply) decode(r *reader) error {
 			m.WriteNanos, err = r.int()
 		case "man":
 			if err = once(&seen, 1, "man"); err == nil {
-				err = m.Manifest.decode(r)
+				err = (*manifest)(&m.Manifest).decode(r)
 			}
 		case "lp":
 			var p []byte

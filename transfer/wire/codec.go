@@ -1,4 +1,4 @@
-package transfer
+package wire
 
 // Encode and Decode for each message: PrefillRequest and PrefillReply go
 // through their hand-written codecs (msgcodec.go), Cancel and Instance
@@ -11,17 +11,18 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
 )
 
 // EncodePrefillRequest encodes m (stamping the version) and fails with
 // ErrPayloadTooLarge when the result exceeds maxPayload (<= 0: DefaultMaxPayload).
 func EncodePrefillRequest(m PrefillRequest, maxPayload int64) ([]byte, error) {
-	return appendPrefillRequest(make([]byte, 0, 512+4*len(m.Tokens)+extentSize*len(m.Ticket.Extents)), &m, maxPayload)
+	return AppendPrefillRequest(make([]byte, 0, 512+4*len(m.Tokens)+extentSize*len(m.Ticket.Extents)), &m, maxPayload)
 }
 
-// appendPrefillRequest appends m to dst (stamping m's version) and checks
-// the size against maxPayload.
-func appendPrefillRequest(dst []byte, m *PrefillRequest, maxPayload int64) ([]byte, error) {
+// AppendPrefillRequest is EncodePrefillRequest appending to dst (a buffer
+// the caller reuses); it stamps m's version.
+func AppendPrefillRequest(dst []byte, m *PrefillRequest, maxPayload int64) ([]byte, error) {
 	m.V = WireVersion
 	return checkPayload(m.appendTo(dst), len(dst), maxPayload)
 }
@@ -36,7 +37,7 @@ func DecodePrefillRequest(b []byte) (PrefillRequest, error) {
 // the peer's descriptor too: a prefill worker hears from the same decoders
 // over and over, and a peer whose wire bytes are those of the last one is
 // not decoded again.
-func decodePrefillRequest(b []byte, peers *peerCache) (PrefillRequest, rdma.Descriptor, error) {
+func decodePrefillRequest(b []byte, peers *PeerCache) (PrefillRequest, rdma.Descriptor, error) {
 	var m PrefillRequest
 	r := reader{b: b, peers: peers}
 	if err := checkDecoded(m.decode(&r), m.V); err != nil {
@@ -60,9 +61,6 @@ func (m *PrefillRequest) check() error {
 	if m.Ticket.RequestID != m.RequestID {
 		return fmt.Errorf("%w: ticket names request %d, message %d", ErrBadMessage, m.Ticket.RequestID, m.RequestID)
 	}
-	if len(m.Ticket.Token) != 16 {
-		return fmt.Errorf("%w: grant token of %d bytes", ErrBadMessage, len(m.Ticket.Token))
-	}
 	var sum uint64
 	for _, e := range m.Ticket.Extents {
 		sum += e.Length
@@ -76,12 +74,12 @@ func (m *PrefillRequest) check() error {
 
 // EncodePrefillReply encodes m (stamping the version).
 func EncodePrefillReply(m PrefillReply, maxPayload int64) ([]byte, error) {
-	return appendPrefillReply(make([]byte, 0, 192+len(m.Msg)+12*len(m.Manifest.Bytes)), &m, maxPayload)
+	return AppendPrefillReply(make([]byte, 0, 192+len(m.Msg)+12*len(m.Manifest.Bytes)), &m, maxPayload)
 }
 
-// appendPrefillReply appends m to dst (stamping m's version) and checks the
-// size against maxPayload.
-func appendPrefillReply(dst []byte, m *PrefillReply, maxPayload int64) ([]byte, error) {
+// AppendPrefillReply is EncodePrefillReply appending to dst (a buffer the
+// caller reuses); it stamps m's version.
+func AppendPrefillReply(dst []byte, m *PrefillReply, maxPayload int64) ([]byte, error) {
 	m.V = WireVersion
 	return checkPayload(m.appendTo(dst), len(dst), maxPayload)
 }
@@ -92,7 +90,7 @@ func DecodePrefillReply(b []byte) (PrefillReply, error) {
 	if err := checkDecoded(m.decode(&reader{b: b}), m.V); err != nil {
 		return PrefillReply{}, err
 	}
-	if m.Code >= codeCount {
+	if m.Code >= session.NumCodes {
 		return PrefillReply{}, fmt.Errorf("%w: unknown code %d", ErrBadMessage, m.Code)
 	}
 	if len(m.Manifest.Bytes) != len(m.Manifest.CRC) {
@@ -135,7 +133,7 @@ func DecodeCancel(b []byte) (Cancel, error) {
 	if err := decode(b, &m, &m.V); err != nil {
 		return Cancel{}, err
 	}
-	if m.Code >= codeCount {
+	if m.Code >= session.NumCodes {
 		return Cancel{}, fmt.Errorf("%w: unknown code %d", ErrBadMessage, m.Code)
 	}
 	return m, nil

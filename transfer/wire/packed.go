@@ -1,9 +1,9 @@
-package transfer
+package wire
 
 // Packed slices: a bulk field travels as one msgpack bin of fixed-size
 // little-endian items (nil as nil), never as a msgpack array. The integer
 // slices share one codec, appendWords and decodeWords, compiled for each
-// word type (no call per item); Extents packs a struct per item.
+// word type (no call per item); extents packs a struct per item.
 
 import (
 	"encoding/binary"
@@ -95,10 +95,10 @@ func (t *Tokens) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(d
 // extentSize is the packed size of one rdma.Extent: region u32, offset u64, length u64.
 const extentSize = 20
 
-// Extents is a list of data-plane extents, packed 20 bytes each on the wire.
-type Extents []rdma.Extent
+// extents is a list of data-plane extents, packed 20 bytes each on the wire.
+type extents []rdma.Extent
 
-func (x Extents) appendTo(b []byte) []byte {
+func (x extents) appendTo(b []byte) []byte {
 	if x == nil {
 		return appendNil(b)
 	}
@@ -111,13 +111,13 @@ func (x Extents) appendTo(b []byte) []byte {
 	return b
 }
 
-func (x *Extents) decode(r *reader) error {
+func (x *extents) decode(r *reader) error {
 	b, ok, err := r.packed(extentSize, "extents")
 	if err != nil || !ok {
 		*x = nil
 		return err
 	}
-	out := make(Extents, len(b)/extentSize)
+	out := make(extents, len(b)/extentSize)
 	for i := range out {
 		o := b[extentSize*i:]
 		out[i] = rdma.Extent{
@@ -131,39 +131,39 @@ func (x *Extents) decode(r *reader) error {
 }
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
-func (x Extents) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(enc, x.appendTo) }
+func (x extents) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(enc, x.appendTo) }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
-func (x *Extents) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, x.decode) }
+func (x *extents) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, x.decode) }
 
-// U64s is a list of uint64, packed little-endian on the wire.
-type U64s []uint64
+// u64s is a list of uint64, packed little-endian on the wire.
+type u64s []uint64
 
-func (u U64s) appendTo(b []byte) []byte { return appendWords(b, u) }
+func (u u64s) appendTo(b []byte) []byte { return appendWords(b, u) }
 
-func (u *U64s) decode(r *reader) (err error) {
-	*u, err = decodeWords[U64s](r, "u64s")
+func (u *u64s) decode(r *reader) (err error) {
+	*u, err = decodeWords[u64s](r, "u64s")
 	return err
 }
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
-func (u U64s) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(enc, u.appendTo) }
+func (u u64s) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(enc, u.appendTo) }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
-func (u *U64s) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, u.decode) }
+func (u *u64s) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, u.decode) }
 
-// U32s is a list of uint32, packed little-endian on the wire.
-type U32s []uint32
+// u32s is a list of uint32, packed little-endian on the wire.
+type u32s []uint32
 
-func (u U32s) appendTo(b []byte) []byte { return appendWords(b, u) }
+func (u u32s) appendTo(b []byte) []byte { return appendWords(b, u) }
 
-func (u *U32s) decode(r *reader) (err error) {
-	*u, err = decodeWords[U32s](r, "u32s")
+func (u *u32s) decode(r *reader) (err error) {
+	*u, err = decodeWords[u32s](r, "u32s")
 	return err
 }
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
-func (u U32s) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(enc, u.appendTo) }
+func (u u32s) EncodeMsgpack(enc *msgpack.Encoder) error { return encodeWith(enc, u.appendTo) }
 
 // DecodeMsgpack implements msgpack.CustomDecoder.
-func (u *U32s) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, u.decode) }
+func (u *u32s) DecodeMsgpack(dec *msgpack.Decoder) error { return decodeWith(dec, u.decode) }

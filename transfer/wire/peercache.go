@@ -1,4 +1,4 @@
-package transfer
+package wire
 
 import (
 	"bytes"
@@ -7,19 +7,28 @@ import (
 	"github.com/handoff-io/handoff/rdma"
 )
 
-// peerCache keeps the last Peer a prefill worker decoded, by its wire bytes,
+// PeerCache keeps the last Peer a prefill worker decoded, by its wire bytes,
 // with its descriptor. Both are shared, read-only, by every request that
-// names the same peer.
-type peerCache struct {
+// names the same peer. The zero value is ready; it is safe for concurrent
+// use.
+type PeerCache struct {
 	mu   sync.Mutex
 	raw  []byte
 	peer Peer
 	desc *rdma.Descriptor
 }
 
+// DecodePrefillRequest is DecodePrefillRequest returning the peer's
+// descriptor too: a prefill worker hears from the same decoders over and
+// over, and a peer whose wire bytes are those of the last one is not decoded
+// again.
+func (c *PeerCache) DecodePrefillRequest(b []byte) (PrefillRequest, rdma.Descriptor, error) {
+	return decodePrefillRequest(b, c)
+}
+
 // decode reads a Peer into p, from the cache when its bytes are the last
 // ones, and sets r.desc.
-func (c *peerCache) decode(r *reader, p *Peer) error {
+func (c *PeerCache) decode(r *reader, p *Peer) error {
 	start := r.b
 	if err := r.skip(); err != nil {
 		return err

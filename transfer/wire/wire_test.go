@@ -1,8 +1,7 @@
-package transfer
+package wire
 
 import (
 	"bytes"
-	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -11,6 +10,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
 )
 
 func sampleRequest(nTokens, nExtents int) PrefillRequest {
@@ -18,7 +18,7 @@ func sampleRequest(nTokens, nExtents int) PrefillRequest {
 	for i := range toks {
 		toks[i] = int32(i*7 - 3)
 	}
-	exts := make(Extents, nExtents)
+	exts := make([]rdma.Extent, nExtents)
 	var sum uint64
 	for i := range exts {
 		exts[i] = rdma.Extent{Region: rdma.RegionID(1 + i%2), Offset: uint64(i) << 20, Length: 4096}
@@ -35,15 +35,15 @@ func sampleRequest(nTokens, nExtents int) PrefillRequest {
 		Peer: PeerOf(rdma.Descriptor{Agent: "decode-0", Host: "h1", TCPAddr: "127.0.0.1:7000",
 			Transports: []rdma.Transport{rdma.TransportInproc, rdma.TransportTCP},
 			Regions:    []rdma.RegionDesc{{ID: 1, Name: "kv", Length: 1 << 30}, {ID: 2, Name: "mamba", Length: 1 << 20}}}),
-		Ticket: Ticket{Agent: "decode-0", Grant: 5, Epoch: 3, Token: make([]byte, 16), RequestID: 42,
-			Extents: exts, Bytes: sum, Deadline: 1},
+		Ticket: rdma.Ticket{Agent: "decode-0", Grant: 5, Epoch: 3, RequestID: 42,
+			Extents: exts, Bytes: sum, Deadline: time.Unix(0, 1)},
 		KVBytes: kv, MambaBytes: sum - kv,
 	}
 }
 
 func sampleReply() PrefillReply {
 	return PrefillReply{RequestID: 42, Instance: "prefill-1", FirstToken: 17, PrefillNanos: 1234, WriteNanos: 567,
-		Manifest: Manifest{Bytes: U64s{4096, 4096, 4096}, CRC: U32s{1, 2, 3}}}
+		Manifest: rdma.Manifest{Bytes: []uint64{4096, 4096, 4096}, CRC: []uint32{1, 2, 3}}}
 }
 
 func sampleInstance() Instance {
@@ -59,9 +59,6 @@ func TestWireRoundTrip(t *testing.T) {
 	require.NoError(t, err)
 	req.V = WireVersion
 	require.Equal(t, req, got)
-	tk, err := got.Ticket.RDMA()
-	require.NoError(t, err)
-	require.Equal(t, TicketOf(tk), got.Ticket)
 	require.Equal(t, req.Peer, PeerOf(got.Peer.Descriptor()))
 
 	rep := sampleReply()
@@ -71,9 +68,8 @@ func TestWireRoundTrip(t *testing.T) {
 	require.NoError(t, err)
 	rep.V = WireVersion
 	require.Equal(t, rep, gotRep)
-	require.Equal(t, rep.Manifest, ManifestOf(gotRep.Manifest.RDMA()))
 
-	c := Cancel{RequestID: 42, Grant: 5, Code: CodeTimeout, From: "d1"}
+	c := Cancel{RequestID: 42, Grant: 5, Code: session.CodeTimeout, From: "d1"}
 	b, err = EncodeCancel(c)
 	require.NoError(t, err)
 	gotC, err := DecodeCancel(b)
@@ -130,7 +126,7 @@ type plainTicket struct {
 	Epoch     uint64  `msgpack:"e"`
 	Token     []byte  `msgpack:"k"`
 	RequestID uint64  `msgpack:"id"`
-	Extents   Extents `msgpack:"x"`
+	Extents   extents `msgpack:"x"`
 	Bytes     uint64  `msgpack:"b"`
 	Deadline  int64   `msgpack:"dl"`
 }
@@ -153,15 +149,15 @@ type plainRequest struct {
 }
 
 type plainManifest struct {
-	Bytes U64s `msgpack:"b"`
-	CRC   U32s `msgpack:"c"`
+	Bytes u64s `msgpack:"b"`
+	CRC   u32s `msgpack:"c"`
 }
 
 type plainReply struct {
 	V            uint8         `msgpack:"v"`
 	RequestID    uint64        `msgpack:"id"`
 	Instance     string        `msgpack:"inst"`
-	Code         Code          `msgpack:"code"`
+	Code         session.Code  `msgpack:"code"`
 	Msg          string        `msgpack:"msg"`
 	FirstToken   int32         `msgpack:"tok"`
 	PrefillNanos int64         `msgpack:"pf"`
@@ -173,13 +169,18 @@ type plainReply struct {
 func plainOfRequest(m PrefillRequest) plainRequest {
 	return plainRequest{V: m.V, RequestID: m.RequestID, From: m.From, Attempt: m.Attempt, Fingerprint: m.Fingerprint,
 		Tokens: m.Tokens, Sampling: plainSampling(m.Sampling), Deadline: m.Deadline, Peer: plainPeer(m.Peer),
-		Ticket: plainTicket(m.Ticket), KVBytes: m.KVBytes, MambaBytes: m.MambaBytes, Budget: m.Budget, TP: m.TP}
+		Ticket: plainOfTicket(m.Ticket), KVBytes: m.KVBytes, MambaBytes: m.MambaBytes, Budget: m.Budget, TP: m.TP}
 }
 
 func plainOfReply(m PrefillReply) plainReply {
 	return plainReply{V: m.V, RequestID: m.RequestID, Instance: m.Instance, Code: m.Code, Msg: m.Msg,
 		FirstToken: m.FirstToken, PrefillNanos: m.PrefillNanos, WriteNanos: m.WriteNanos,
-		Manifest: plainManifest(m.Manifest), Logprobs: m.Logprobs}
+		Manifest: plainManifest{Bytes: m.Manifest.Bytes, CRC: m.Manifest.CRC}, Logprobs: m.Logprobs}
+}
+
+func plainOfTicket(t rdma.Ticket) plainTicket {
+	return plainTicket{Agent: string(t.Agent), Grant: t.Grant, Epoch: t.Epoch, Token: t.Token[:], RequestID: t.RequestID,
+		Extents: t.Extents, Bytes: t.Bytes, Deadline: unixNano(t.Deadline)}
 }
 
 func TestWireHandCodecsMatchReflection(t *testing.T) {
@@ -197,7 +198,7 @@ func TestWireHandCodecsMatchReflection(t *testing.T) {
 	require.Equal(t, req, got)
 
 	rep := sampleReply()
-	rep.V, rep.Code, rep.Msg = WireVersion, CodePrefillFailed, "boom"
+	rep.V, rep.Code, rep.Msg = WireVersion, session.CodePrefillFailed, "boom"
 	b, err = EncodePrefillReply(rep, 0)
 	require.NoError(t, err)
 	var pp plainReply
@@ -234,14 +235,14 @@ func TestWireHandCodecsSameBytesAsReflection(t *testing.T) {
 		req := sampleRequest(i, 1+i%3)
 		req.V = WireVersion
 		req.RequestID, req.Ticket.RequestID = uint64(n), uint64(n)
-		req.Deadline, req.Ticket.Deadline, req.Budget = n, -n, n/3
+		req.Deadline, req.Ticket.Deadline, req.Budget = n, fromUnixNano(-n), n/3
 		if i%2 == 1 { // the optional fields, present and absent
 			req.Sampling.TopP, req.Sampling.Logprobs = 0.9, uint8(i)
 			req.TP = uint16(n)
 		}
 		req.From = strs[i%len(strs)]
 		if i%4 == 0 {
-			req.Peer.Transports, req.Peer.Regions, req.Ticket.Token = nil, nil, nil
+			req.Peer.Transports, req.Peer.Regions, req.Ticket.Extents = nil, nil, nil
 		}
 		b, err := EncodePrefillRequest(req, 1<<30)
 		require.NoError(t, err)
@@ -252,7 +253,7 @@ func TestWireHandCodecsSameBytesAsReflection(t *testing.T) {
 		rep := sampleReply()
 		rep.V, rep.RequestID, rep.PrefillNanos, rep.FirstToken, rep.Msg = WireVersion, uint64(n), n, int32(n), strs[(i+3)%len(strs)]
 		if i%3 == 0 {
-			rep.Manifest = Manifest{}
+			rep.Manifest = rdma.Manifest{}
 		}
 		if i%2 == 1 {
 			rep.Logprobs = []byte(strs[i%len(strs)] + "lp")
@@ -268,7 +269,7 @@ func TestWireHandCodecsSameBytesAsReflection(t *testing.T) {
 // A prefill worker's decode takes a peer it decoded before from its cache:
 // the same request and descriptor as a plain decode, for any peer.
 func TestWirePeerCache(t *testing.T) {
-	var c peerCache
+	var c PeerCache
 	a, b := sampleRequest(3, 2), sampleRequest(3, 2)
 	b.Peer.Agent, b.Peer.Regions = "other", nil
 	for i, req := range []PrefillRequest{a, a, b, a, b, b} {
@@ -306,8 +307,10 @@ func TestWireRefusesBadMessages(t *testing.T) {
 	}
 	wrongVersion := sampleRequest(3, 2)
 	wrongVersion.V = 2
-	badToken := sampleRequest(3, 2)
+	badToken := plainOfRequest(sampleRequest(3, 2))
 	badToken.V, badToken.Ticket.Token = WireVersion, []byte{1, 2}
+	nilToken := plainOfRequest(sampleRequest(3, 2))
+	nilToken.V, nilToken.Ticket.Token = WireVersion, nil
 	badSum := sampleRequest(3, 2)
 	badSum.V, badSum.Ticket.Bytes = WireVersion, 1
 	badSplit := sampleRequest(3, 2)
@@ -321,6 +324,9 @@ func TestWireRefusesBadMessages(t *testing.T) {
 		"wrong version":   enc(&wrongVersion),
 		"no version":      enc(&noVersion),
 		"short token":     enc(&badToken),
+		"nil token":       enc(&nilToken),
+		"no token":        enc(map[string]any{"v": 1, "id": 42, "tk": map[string]any{"id": 42}}),
+		"no ticket":       enc(map[string]any{"v": 1}),
 		"ticket sum":      enc(&badSum),
 		"kv/mamba split":  enc(&badSplit),
 		"ticket other id": enc(&otherID),
@@ -375,7 +381,7 @@ func TestWireRepeatedStructKeys(t *testing.T) {
 	for name, b := range requests {
 		var p plainRequest
 		require.NoError(t, msgpack.Unmarshal(b, &p), name)
-		for _, peers := range []*peerCache{nil, new(peerCache)} {
+		for _, peers := range []*PeerCache{nil, new(PeerCache)} {
 			m, _, err := decodePrefillRequest(b, peers)
 			if err != nil {
 				require.ErrorIs(t, err, ErrBadMessage, name)
@@ -400,26 +406,7 @@ func TestWireIgnoresUnknownKeys(t *testing.T) {
 	require.NoError(t, err)
 	c, err := DecodeCancel(b)
 	require.NoError(t, err)
-	require.Equal(t, Cancel{V: 1, RequestID: 5, Code: CodeTimeout}, c)
-}
-
-func TestRemoteErrorMatchesSentinel(t *testing.T) {
-	for c := Code(1); c < codeCount; c++ {
-		err := fmt.Errorf("wrapped: %w", &RemoteError{Code: c, Msg: "m", Instance: "p1"})
-		require.ErrorIs(t, err, CodeErr(c), c.String())
-		require.Equal(t, c, CodeOf(err))
-		require.Equal(t, c, CodeOf(fmt.Errorf("x: %w", CodeErr(c))))
-		for o := Code(1); o < codeCount; o++ {
-			if o != c {
-				require.NotErrorIs(t, err, CodeErr(o))
-			}
-		}
-	}
-	require.Equal(t, CodeOK, CodeOf(nil))
-	require.Equal(t, CodePeerFailed, CodeOf(errors.New("other")))
-	require.Nil(t, CodeErr(CodeOK))
-	require.ErrorIs(t, CodeErr(Code(999)), ErrBadMessage)
-	require.Equal(t, "code(999)", Code(999).String())
+	require.Equal(t, Cancel{V: 1, RequestID: 5, Code: session.CodeTimeout}, c)
 }
 
 func TestSubjects(t *testing.T) {
@@ -487,9 +474,39 @@ func FuzzDecodeMatchesReflection(f *testing.F) {
 	})
 }
 
+// FuzzPeerCacheDecode: a prefill worker's cached decode makes of a request
+// what the plain one makes of it, whatever it decoded before (the cache
+// lives as long as the fuzzing process), and the descriptor of its peer.
+func FuzzPeerCacheDecode(f *testing.F) {
+	a, _ := EncodePrefillRequest(sampleRequest(16, 3), 0)
+	other := sampleRequest(0, 1)
+	other.Peer.Agent, other.Peer.Regions = "other", nil
+	b, _ := EncodePrefillRequest(other, 0)
+	fuzzSeeds(f, a, b)
+	var c PeerCache
+	f.Fuzz(func(t *testing.T, data []byte) {
+		want, err := DecodePrefillRequest(data)
+		for range 2 { // a miss, then a hit
+			got, desc, cerr := c.DecodePrefillRequest(data)
+			if err != nil {
+				require.ErrorIs(t, cerr, ErrBadMessage)
+				continue
+			}
+			require.NoError(t, cerr)
+			// Compared as bytes: a NaN temperature is not equal to itself.
+			wb, err := EncodePrefillRequest(want, 1<<30)
+			require.NoError(t, err)
+			gb, err := EncodePrefillRequest(got, 1<<30)
+			require.NoError(t, err)
+			require.Equal(t, wb, gb)
+			require.Equal(t, want.Peer.Descriptor(), desc)
+		}
+	})
+}
+
 func FuzzDecodePrefillReply(f *testing.F) {
 	a, _ := EncodePrefillReply(sampleReply(), 0)
-	b, _ := EncodePrefillReply(PrefillReply{RequestID: 1, Code: CodeCapacityRefused, Msg: "full"}, 0)
+	b, _ := EncodePrefillReply(PrefillReply{RequestID: 1, Code: session.CodeCapacityRefused, Msg: "full"}, 0)
 	fuzzSeeds(f, a, b)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		m, err := DecodePrefillReply(data)
@@ -509,7 +526,7 @@ func FuzzDecodePrefillReply(f *testing.F) {
 }
 
 func FuzzDecodeCancel(f *testing.F) {
-	a, _ := EncodeCancel(Cancel{RequestID: 42, Grant: 5, Code: CodeTimeout})
+	a, _ := EncodeCancel(Cancel{RequestID: 42, Grant: 5, Code: session.CodeTimeout})
 	fuzzSeeds(f, a)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		m, err := DecodeCancel(data)
@@ -602,16 +619,16 @@ func TestDecodeRefusesTruncation(t *testing.T) {
 		{"request attempt", func(b []byte) error { _, err := DecodePrefillRequest(b); return err },
 			requestWith(t, "try", 256)},
 		{"cancel code", func(b []byte) error { _, err := DecodeCancel(b); return err },
-			msg("v", 1, "id", 7, "code", 1<<16+int(CodeCancelled))},
+			msg("v", 1, "id", 7, "code", 1<<16+int(session.CodeCancelled))},
 		{"cancel version", func(b []byte) error { _, err := DecodeCancel(b); return err },
-			msg("v", 257, "id", 7, "code", int(CodeCancelled))},
+			msg("v", 257, "id", 7, "code", int(session.CodeCancelled))},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			require.ErrorIs(t, tc.decode(tc.data), ErrBadMessage)
 		})
 	}
 	// The same messages in range decode.
-	_, err := DecodeCancel(msg("v", 1, "id", 7, "code", int(CodeCancelled)))
+	_, err := DecodeCancel(msg("v", 1, "id", 7, "code", int(session.CodeCancelled)))
 	require.NoError(t, err)
 	_, err = DecodePrefillRequest(requestWith(t, "try", 255))
 	require.NoError(t, err)

@@ -1,4 +1,4 @@
-package transfer
+package wire
 
 // Byte-level msgpack: the appenders write exactly what msgpack/v5's Encoder
 // writes for the same values (compact integers, fixstr/str8/16/32, bin8/16/32,
@@ -119,7 +119,7 @@ type reader struct {
 	depth int
 	// peers, when set, decodes a PrefillRequest's peer (see
 	// decodePrefillRequest), and desc is that peer's descriptor.
-	peers *peerCache
+	peers *PeerCache
 	desc  *rdma.Descriptor
 }
 

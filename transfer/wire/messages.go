@@ -1,20 +1,22 @@
-package transfer
+package wire
 
 // Every control-plane message of the protocol is declared in this file, with
-// its conversions to and from the rdma types. Messages are msgpack maps with
-// explicit short keys and a version field "v"; unknown keys are ignored so a
-// later minor revision may add fields. Bulk fields (tokens, extents,
-// manifests) travel as packed little-endian byte strings, never as msgpack
-// arrays (packed.go): reflection over thousands of array items costs ~20x
-// more. codec.go holds the Encode and Decode functions, msgcodec.go the
-// hand-written codecs of the messages on every handoff's path.
+// the conversions of a Peer to and from an rdma.Descriptor; a grant's ticket
+// and a commit's manifest travel as the rdma types themselves. Messages are
+// msgpack maps with explicit short keys and a version field "v"; unknown
+// keys are ignored so a later minor revision may add fields. Bulk fields
+// (tokens, extents, manifests) travel as packed little-endian byte strings,
+// never as msgpack arrays (packed.go): reflection over thousands of array
+// items costs ~20x more. codec.go holds the Encode and Decode functions,
+// msgcodec.go the hand-written codecs of the messages on every handoff's
+// path.
 
 import (
-	"fmt"
 	"slices"
 	"time"
 
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
 )
 
 // WireVersion is the version every message carries. A receiver refuses other
@@ -105,60 +107,6 @@ func (p Peer) Descriptor() rdma.Descriptor {
 	return d
 }
 
-// Ticket is the wire form of an rdma.Ticket: what a writer needs to write into
-// a grant.
-type Ticket struct {
-	Agent     string  `msgpack:"a"`
-	Grant     uint64  `msgpack:"g"`
-	Epoch     uint64  `msgpack:"e"`
-	Token     []byte  `msgpack:"k"`
-	RequestID uint64  `msgpack:"id"`
-	Extents   Extents `msgpack:"x"`
-	Bytes     uint64  `msgpack:"b"`
-	Deadline  int64   `msgpack:"dl"` // unix nanoseconds, 0 for none
-}
-
-// TicketOf converts an rdma.Ticket to its wire form.
-func TicketOf(t rdma.Ticket) Ticket { return ticketOf(&t) }
-
-// ticketOf is TicketOf for a ticket the caller keeps: the result's Token
-// aliases t's.
-func ticketOf(t *rdma.Ticket) Ticket {
-	return Ticket{
-		Agent: string(t.Agent), Grant: t.Grant, Epoch: t.Epoch, Token: t.Token[:],
-		RequestID: t.RequestID, Extents: Extents(t.Extents), Bytes: t.Bytes, Deadline: unixNano(t.Deadline),
-	}
-}
-
-// RDMA converts w back to an rdma.Ticket. A token that is not 16 bytes is an
-// ErrBadMessage.
-func (w Ticket) RDMA() (rdma.Ticket, error) {
-	t := rdma.Ticket{
-		Agent: rdma.AgentID(w.Agent), Grant: w.Grant, Epoch: w.Epoch, RequestID: w.RequestID,
-		Extents: []rdma.Extent(w.Extents), Bytes: w.Bytes, Deadline: fromUnixNano(w.Deadline),
-	}
-	if len(w.Token) != len(t.Token) {
-		return rdma.Ticket{}, fmt.Errorf("%w: grant token of %d bytes", ErrBadMessage, len(w.Token))
-	}
-	copy(t.Token[:], w.Token)
-	return t, nil
-}
-
-// Manifest is the wire form of an rdma.Manifest: bytes and crc32c per
-// destination extent.
-type Manifest struct {
-	Bytes U64s `msgpack:"b"`
-	CRC   U32s `msgpack:"c"`
-}
-
-// ManifestOf converts an rdma.Manifest to its wire form.
-func ManifestOf(m rdma.Manifest) Manifest { return Manifest{Bytes: U64s(m.Bytes), CRC: U32s(m.CRC)} }
-
-// RDMA converts w back to an rdma.Manifest.
-func (w Manifest) RDMA() rdma.Manifest {
-	return rdma.Manifest{Bytes: []uint64(w.Bytes), CRC: []uint32(w.CRC)}
-}
-
 // PrefillRequest asks a prefill worker to prefill a prompt and write its cache
 // into the receiver's grant. Sent by the Decoder as a NATS request.
 type PrefillRequest struct {
@@ -171,9 +119,13 @@ type PrefillRequest struct {
 	Sampling    Sampling `msgpack:"smp"`
 	Deadline    int64    `msgpack:"dl"`   // unix nanoseconds, on the sender's clock
 	Peer        Peer     `msgpack:"peer"` // the receiver's data-plane descriptor
-	Ticket      Ticket   `msgpack:"tk"`
-	KVBytes     uint64   `msgpack:"kvb"` // bytes of the ticket's leading KV extents
-	MambaBytes  uint64   `msgpack:"mb"`  // bytes of the ticket's trailing Mamba extent
+	// Ticket is the receiver's grant, the rdma type itself: a map of the
+	// keys a (agent), g (grant), e (epoch), k (token, 16 bytes), id
+	// (request), x (extents, packed), b (bytes) and dl (deadline, unix
+	// nanoseconds, 0 for none).
+	Ticket     rdma.Ticket `msgpack:"tk"`
+	KVBytes    uint64      `msgpack:"kvb"` // bytes of the ticket's leading KV extents
+	MambaBytes uint64      `msgpack:"mb"`  // bytes of the ticket's trailing Mamba extent
 	// Budget is the time left until Deadline when the request was sent, in
 	// nanoseconds. The receiver's deadline is its own clock at receipt plus
 	// Budget: two hosts' wall clocks are never compared. 0 (a sender that
@@ -190,15 +142,17 @@ type PrefillRequest struct {
 // PrefillReply answers a PrefillRequest: success with the first token, or a
 // refusal/failure code. Success is sent only after the commit was accepted.
 type PrefillReply struct {
-	V            uint8    `msgpack:"v"`
-	RequestID    uint64   `msgpack:"id"`
-	Instance     string   `msgpack:"inst"`
-	Code         Code     `msgpack:"code"`
-	Msg          string   `msgpack:"msg"`
-	FirstToken   int32    `msgpack:"tok"`
-	PrefillNanos int64    `msgpack:"pf"`
-	WriteNanos   int64    `msgpack:"wr"`
-	Manifest     Manifest `msgpack:"man"`
+	V            uint8        `msgpack:"v"`
+	RequestID    uint64       `msgpack:"id"`
+	Instance     string       `msgpack:"inst"`
+	Code         session.Code `msgpack:"code"`
+	Msg          string       `msgpack:"msg"`
+	FirstToken   int32        `msgpack:"tok"`
+	PrefillNanos int64        `msgpack:"pf"`
+	WriteNanos   int64        `msgpack:"wr"`
+	// Manifest is the commit's manifest, the rdma type itself: a map of
+	// b (bytes per extent) and c (their crc32c), both packed.
+	Manifest rdma.Manifest `msgpack:"man"`
 	// Logprobs are the first token's logprobs when the request asked, in
 	// the worker's encoding (model.Logprobs.MarshalBinary); omitted when empty.
 	Logprobs []byte `msgpack:"lp,omitempty"`
@@ -207,10 +161,10 @@ type PrefillReply struct {
 // Cancel tells the worker that serves a request to stop and free it. Published
 // (no reply) on the instance's cancel subject or on the namespace's.
 type Cancel struct {
-	V         uint8  `msgpack:"v"`
-	RequestID uint64 `msgpack:"id"`
-	Grant     uint64 `msgpack:"g"` // the grant of the cancelled attempt; 0 cancels any
-	Code      Code   `msgpack:"code"`
+	V         uint8        `msgpack:"v"`
+	RequestID uint64       `msgpack:"id"`
+	Grant     uint64       `msgpack:"g"` // the grant of the cancelled attempt; 0 cancels any
+	Code      session.Code `msgpack:"code"`
 	// From is the decode instance that sent the request: request and grant
 	// ids are only unique per decoder. Empty (an older sender) matches any.
 	From string `msgpack:"from"`
@@ -243,7 +197,7 @@ type Instance struct {
 	// decoder that lost every data-path connection from it pings it
 	// ($SRV.PING.<ServiceName>.<Service>) before taking it for dead. A
 	// process keeps one for its life, so it names the incarnation: another
-	// one under the same id is a restart (Registry.OnChange).
+	// one under the same id is a restart.
 	Service string `msgpack:"svc,omitempty"`
 }
 
