@@ -43,7 +43,10 @@ func (c Code) String() string {
 
 // Manifest is what a commit reports of the bytes written: per extent, in
 // grant order, its length and crc32c. It has the shape of rdma.Manifest, which
-// a driver converts to it.
+// a driver converts to it (a struct conversion: no copy). It is declared
+// here, not taken from rdma, because the session imports nothing but the
+// standard library (TestDeps): the one Manifest on the wire and the data
+// path is rdma's; this is the pure core's view of it.
 type Manifest struct {
 	Bytes []uint64
 	CRC   []uint32
