@@ -19,11 +19,24 @@
 //     state machines (events in, actions out, time passed in; no IO, no
 //     goroutines, held to it by its TestDeps). One terminal state per
 //     session; events after it are ignored, so cleanup is idempotent.
-//   - decoder.go, prefiller.go: the drivers that execute actions on NATS and
-//     rdma. registry.go: the instance directory in a JetStream KV bucket.
+//   - the drivers, which execute the sessions' actions on NATS and rdma:
+//     decoder.go (the Decoder's lifecycle: its inbox, reconnect notices,
+//     registry watch, reply routing) and decoder_handoff.go (one Handoff's
+//     driver: its session, grant, sends and wake-ups); writergone.go (a
+//     writer whose data path closed is checked on the control plane);
+//     load.go (the decoder's view of each prefill instance's load);
+//     prefiller.go (the Prefiller's lifecycle: intake, cancels, drain),
+//     prefiller_task.go (one request's driver) and prefiller_executor.go
+//     (the seam to the worker that computes: PrefillExecutor);
+//     layerwise.go (a prefill streamed layer by layer); msgbuf.go (the
+//     message buffers the drivers reuse); trace.go (OpenTelemetry spans and
+//     header propagation); errors.go (the sentinels and their codes).
+//   - registry.go: the instance directory in a JetStream KV bucket.
 //   - rank.go: CacheExtents, where one request's cache lives in registered
 //     memory, and RankRegions, which resolves the resources a request holds
-//     in a rank's hybrid.Manager to extents of its two registered regions.
+//     in a rank's hybrid.Manager to extents of its two registered regions;
+//     reshard.go: the pieces a write is cut into when the two sides' TP
+//     sizes differ.
 //
 // # One handoff (happy path: one NATS request and its reply)
 //
@@ -60,34 +73,47 @@
 // its Code. On any failure the decoder publishes a cancel if a request is
 // outstanding, revokes the grant (after Revoke returns no byte lands, so a
 // late write or commit is refused by the data plane) and returns: the caller
-// frees the blocks and row then. It retries on another worker only when nothing can have been
-// written (no responders, capacity refused) and the deadline and MaxAttempts
-// allow, or when the instance serving the request is reported dead before a
-// commit was accepted (its registry entry expired or was taken over by a new
-// incarnation, see Registry; or, at once, every one of
-// its data-path connections to this decoder closed: rdma.Engine.OnWriterGone,
-// which a killed worker's kernel triggers, and its micro service did not
-// answer a ping: a reset of every connection between live hosts reports the
-// same, see watchWriters; one that answered is pinged every 200 ms until it
-// connects again, so its death in that window is known as fast), or when
-// the grant fails because
-// the writer's connection closed mid-write and the serving instance is known
-// (a request sent to the queue group names it only in its reply), or that
-// instance replies peer_failed first (its own write failed so; the receiver's
-// end may learn of the cut later, or never): that instance may only be
-// partitioned, so the retry is fenced. The decoder publishes it a cancel,
-// revokes the grant (its late writes and commit are refused from then on),
-// opens a fresh grant over the same blocks and row, and sends the next
-// attempt to another instance where it knows one. An instance reported
-// dead also has its replies ignored and is never asked again through the
-// queue group (which could route back to it): with no other live instance
-// known the request fails with ErrPeerFailed. One whose write merely failed
-// (a reset connection) may take the retry from the queue group when it is
-// the only one. A request outstanding at the queue group names no instance,
-// so any prefill instance reported dead may be the one serving it: it is
-// retried fenced as above (an attempt spent when another worker was serving
-// it), never left waiting for its deadline. Sends that found no responder
-// spend no attempt of MaxAttempts; NoResponderWait bounds them.
+// frees the blocks and row then. A retry happens only within the deadline
+// and DecoderConfig.MaxAttempts, and is one of two kinds. Each rule below
+// names the session scripts (transfer/session/testdata) that pin it.
+//
+//   - Plain resend, when nothing can have been written: a capacity refusal
+//     (recv_capacity_refused_then_served) or no responder. Sends that found
+//     no responder spend no attempt; they are bounded by NoResponderWait
+//     (recv_quiet_then_served, recv_quiet_past_wait,
+//     recv_quiet_then_write_failure_retried, recv_no_responders_*).
+//   - Fenced retry, when the serving instance may have written: the
+//     decoder publishes it a cancel, revokes the grant (its late writes and
+//     commit are refused from then on), opens a fresh grant over the same
+//     blocks and row, and sends the next attempt to another instance where
+//     it knows one. The cases follow.
+//   - Fenced, on a death: the serving instance is reported dead before a
+//     commit was accepted:
+//     its registry entry expired or was taken over by a new incarnation
+//     (see Registry), or, at once, every one of its data-path connections
+//     to this decoder closed (rdma.Engine.OnWriterGone, which a killed
+//     worker's kernel triggers) and its micro service did not answer a
+//     ping; one that answered is pinged every 200 ms until it connects
+//     again, so its death in that window is known as fast (watchWriters).
+//     An instance reported dead has its replies ignored and is never asked
+//     again through the queue group (which could route back to it): with
+//     no other live instance known the request fails with ErrPeerFailed
+//     (recv_peer_death_*, recv_peer_gone_after_commit_*).
+//   - Fenced, on a failed write: the grant fails because the writer's
+//     connection closed mid-write, or
+//     the serving instance replies peer_failed first (its own write failed
+//     so; the receiver's end may learn of the cut later, or never): it may
+//     only be partitioned, so it is excluded but not taken for dead, and
+//     may take the retry from the queue group when it is the only one
+//     (recv_peer_failed_reply_*, recv_peer_death_data_path*).
+//   - Fenced, at the queue group: a request outstanding there names no
+//     instance until its
+//     reply, so any prefill instance reported dead may be the one serving
+//     it: it is retried fenced as above (an attempt spent when another
+//     worker was serving it), never left waiting for its deadline
+//     (recv_queue_group_death*).
+//   - Fenced, after a lost control connection: see below
+//     (recv_control_lost_*).
 //
 // A NATS connection that drops loses what it carried: a request routed to a
 // worker, or a reply published while the decoder was away. The decoder notes

@@ -1,0 +1,527 @@
+package transfer
+
+// The decoder's per-request driver: a handoff runs one request's RecvSession.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
+	"github.com/handoff-io/handoff/transfer/wire"
+)
+
+// handoff is the driver state of one Handoff: the session plus the IO handles
+// its actions need. Owned by the Handoff goroutine.
+type handoff struct {
+	d        *Decoder
+	req      Request
+	start    time.Time // Handoff's start: a monotonic reading, see now
+	deadline time.Time
+	sess     session.RecvSession
+	reply    string // the reply subject of attempt 1: the inbox and tok
+	tok      string // the call's token, a suffix of reply
+	attempt  int    // the attempt last sent
+	c        *call
+	mailbox  call       // what c points to: one allocation for the handoff
+	span     trace.Span // the handoff's span when traced (see trace.go), else nil
+
+	kvB    uint64
+	mB     uint64
+	grant  *rdma.Grant
+	doneCh <-chan struct{} // the grant's Done while it is watched, else nil
+	// failCh is the grant's Failed while it is watched, else nil. Until an
+	// OK reply arrives the handoff waits on failCh, not doneCh: a commit
+	// alone decides nothing (the reply must agree), so it need not wake the
+	// handoff; a grant that fails still does.
+	failCh  <-chan struct{}
+	replied bool // an OK reply arrived: the commit is what is awaited now
+	// held is the Done of a revoked grant left quarantined (a live writer
+	// still inside a copy into the destination), nil otherwise: the
+	// destination stays out of use until it closes.
+	held <-chan struct{}
+
+	cause error // the most specific error behind a failure
+	ok    wire.PrefillReply
+}
+
+// Handoff runs one request's handoff and returns once it is delivered or
+// failed. On failure the grant is revoked before it returns, so no byte lands
+// in req.Dest any more and the caller may free it, except when the error is
+// a *QuarantinedError (a live writer may still copy into it: free it once
+// Released is closed). The error wraps one of the package sentinels; a
+// remote refusal is a *RemoteError.
+func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
+	start := time.Now()
+	if req.Dest.Mamba.Length == 0 || len(req.Tokens) == 0 {
+		return Result{}, fmt.Errorf("%w: request %d without destination or tokens", ErrInvalidConfig, req.ID)
+	}
+	deadline := req.Deadline
+	if dl, ok := ctx.Deadline(); ok && (deadline.IsZero() || dl.Before(deadline)) {
+		deadline = dl
+	}
+	if deadline.IsZero() {
+		deadline = start.Add(d.cfg.DefaultTimeout)
+	} else {
+		// On the monotonic clock from here on, as every time this handoff
+		// compares against it (a wall-clock step must not move it).
+		deadline = start.Add(deadline.Sub(start))
+	}
+	h := new(handoff)
+	h.mailbox.init()
+	h.d, h.req, h.start, h.deadline = d, req, start, deadline
+	h.kvB, h.mB = req.Dest.bytes()
+	h.sess.Reset(session.RecvParams{
+		RequestID: req.ID, MaxDraftTokens: d.cfg.MaxDraftTokens, Deadline: deadline, MaxAttempts: d.cfg.MaxAttempts,
+		QuietWait: max(d.cfg.NoResponderWait, 0),
+	})
+	var sb [64]byte
+	h.reply = string(strconv.AppendUint(append(append(sb[:0], d.inbox...), '.'), d.seq.Add(1), 36))
+	h.tok = h.reply[len(d.inbox)+1:]
+	h.c = &h.mailbox
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		return Result{}, ErrClosed
+	}
+	d.calls[h.tok] = h.c
+	d.wg.Add(1)
+	d.mu.Unlock()
+	d.started.Add(1)
+	d.inflight.Add(1)
+	defer func() {
+		d.mu.Lock()
+		delete(d.calls, h.tok)
+		d.mu.Unlock()
+		d.inflight.Add(-1)
+		d.wg.Done()
+	}()
+
+	h.span = startHandoffSpan(ctx, &req)
+	res, err := h.run(ctx, start)
+	if h.span != nil {
+		endHandoffSpan(h.span, &res, h.sess.Attempts(), err)
+	}
+	if err != nil {
+		d.failed.Add(1)
+		return Result{}, err
+	}
+	d.delivered.Add(1)
+	return res, nil
+}
+
+func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
+	timer := time.NewTimer(h.deadline.Sub(start))
+	defer timer.Stop()
+	// The queue of actions to execute; a Step's actions are copied in at once
+	// (the session reuses its slice).
+	var queue [8]session.Action
+	acts := append(queue[:0], h.step(session.Event{Kind: session.EvStart, Now: start})...)
+	armed := h.deadline // what timer fires at
+	for {
+		for len(acts) > 0 {
+			a := acts[0]
+			acts = acts[1:]
+			switch a.Kind {
+			case session.ActDeliver:
+				if log := h.d.cfg.Logger; log.Enabled(ctx, slog.LevelDebug) {
+					log.Debug("handoff delivered", "seq", h.req.ID, "peer", h.sess.Instance())
+				}
+				return Result{
+					FirstToken: h.ok.FirstToken, Logprobs: h.ok.Logprobs, Instance: h.ok.Instance, Attempts: h.sess.Attempts(),
+					Prefill: time.Duration(h.ok.PrefillNanos), Transfer: time.Duration(h.ok.WriteNanos),
+					Total: time.Since(start), KVBytes: h.kvB, MambaBytes: h.mB,
+				}, nil
+			case session.ActFail:
+				err := h.failure(a.Code)
+				if log := h.d.cfg.Logger; log.Enabled(ctx, slog.LevelDebug) {
+					log.Debug("handoff failed", "seq", h.req.ID, "err", err)
+				}
+				return Result{}, err
+			default:
+				if ev, ok := h.exec(a); ok {
+					acts = append(acts, h.step(ev)...)
+				}
+			}
+		}
+		var ev session.Event
+		var early []session.Action // outcomes of events taken along with ev
+		grantCh := h.failCh
+		if h.replied {
+			grantCh = h.doneCh
+			// The writer commits before it replies, so the grant is usually
+			// done once the reply is in: take it without the full select.
+			select {
+			case <-grantCh: // nil once taken: never ready
+				ev = h.grantEvent()
+				ev.Now = h.now()
+				acts = append(queue[:0], h.step(ev)...) // acts was drained
+				continue
+			default:
+			}
+		}
+		select {
+		case m := <-h.c.replies:
+			ev = h.replyEvent(m)
+		case <-grantCh:
+			ev = h.grantEvent()
+		case <-h.c.died:
+			notes := h.d.takeNotes(h.c)
+			if len(notes) == 0 {
+				continue // taken with an earlier signal
+			}
+			// A reply or commit already delivered came before the death or
+			// loss was seen (a draining worker replies, then leaves the
+			// registry): apply it first, or a handoff that succeeded would
+			// fail.
+			early = h.delivered()
+			for _, n := range notes[:len(notes)-1] {
+				n.Now = h.now()
+				early = append(early, h.step(n)...)
+			}
+			ev = notes[len(notes)-1]
+		case <-timer.C:
+			ev = session.Event{Kind: session.EvTick}
+		case <-ctx.Done():
+			h.setCause(context.Cause(ctx))
+			ev = session.Event{Kind: session.EvCancel, Code: session.CodeCancelled}
+			if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+				ev.Code = session.CodeTimeout
+			}
+		case <-h.d.done:
+			ev = session.Event{Kind: session.EvCancel, Code: session.CodeClosed}
+		}
+		ev.Now = h.now()
+		acts = append(append(queue[:0], early...), h.step(ev)...) // acts was drained
+		// Tick when the session wants it; re-arm after a tick that came
+		// early.
+		want := h.sess.WakeAt()
+		if (!want.Equal(armed) || ev.Kind == session.EvTick) && !h.sess.State().Terminal() {
+			timer.Reset(time.Until(want))
+			armed = want
+		}
+	}
+}
+
+// now reads the clock as the monotonic time since the handoff's start: half
+// the cost of time.Now (one clock read, not two), and as good for the
+// deadline checks, which compare monotonic readings.
+func (h *handoff) now() time.Time { return h.start.Add(time.Since(h.start)) }
+
+// grantEvent is the event of the grant's end (h.doneCh or h.failCh closed).
+func (h *handoff) grantEvent() session.Event {
+	h.doneCh, h.failCh = nil, nil
+	if err := h.grant.Err(); err != nil { // failed: Done may wait on a quarantine
+		h.setCause(err)
+		return session.Event{Kind: session.EvGrantFailed, Code: rdmaCode(err)}
+	}
+	m, err := h.grant.Wait(context.Background()) // committed: returns at once
+	if err != nil {
+		h.setCause(err)
+		return session.Event{Kind: session.EvGrantFailed, Code: rdmaCode(err)}
+	}
+	return session.Event{Kind: session.EvCommitted, Manifest: session.Manifest(m)}
+}
+
+// delivered steps the replies and the grant's end that are already there,
+// without waiting, and returns the actions.
+func (h *handoff) delivered() []session.Action {
+	var acts []session.Action
+	for {
+		select {
+		case m := <-h.c.replies:
+			ev := h.replyEvent(m)
+			ev.Now = time.Now()
+			acts = append(acts, h.step(ev)...)
+			continue
+		case <-h.doneCh: // nil once taken: never ready
+			ev := h.grantEvent()
+			ev.Now = time.Now()
+			acts = append(acts, h.step(ev)...)
+			continue
+		default:
+		}
+		return acts
+	}
+}
+
+// exec performs a non-terminal action. It returns the outcome event of
+// synchronous actions.
+func (h *handoff) exec(a session.Action) (session.Event, bool) {
+	now := h.now
+	switch a.Kind {
+	case session.ActOpenGrant:
+		// A re-grant after a dead peer: the old grant is revoked already, and
+		// what it carried (its end, an OK reply of its attempt) is dropped.
+		h.grant, h.doneCh, h.failCh, h.replied, h.ok = nil, nil, nil, false, wire.PrefillReply{}
+		exts := h.req.Dest.extents()
+		g, err := h.d.eng.OpenGrant(rdma.GrantSpec{RequestID: h.req.ID, Extents: exts, Deadline: h.deadline})
+		if err != nil {
+			h.setCause(err)
+			return session.Event{Kind: session.EvGranted, Now: now(), Code: rdmaCode(err)}, true
+		}
+		h.grant = g
+		expected := make([]uint64, len(exts))
+		for i, e := range exts {
+			expected[i] = e.Length
+		}
+		h.doneCh, h.failCh = g.Done(), g.Failed()
+		return session.Event{Kind: session.EvGranted, Now: now(), Expected: expected}, true
+	case session.ActSendRequest:
+		target, err := h.send(a)
+		if err != nil {
+			h.setCause(err)
+			return session.Event{Kind: session.EvSent, Now: now(), Code: codeOf(err)}, true
+		}
+		if a.Attempt > 1 {
+			h.d.retries.Add(1)
+		}
+		return session.Event{Kind: session.EvSent, Now: now(), Instance: target}, true
+	case session.ActPublishCancel:
+		subj := wire.Subject(h.d.cfg.Prefix, h.d.cfg.Namespace, wire.SubjectCancel, "")
+		if a.Instance != "" {
+			subj = wire.Subject(h.d.cfg.Prefix, h.d.cfg.Namespace, wire.SubjectInstanceCancel, a.Instance)
+		}
+		var grant uint64
+		if h.grant != nil {
+			grant = h.grant.Ticket().Grant
+		}
+		b, err := wire.EncodeCancel(wire.Cancel{RequestID: h.req.ID, Grant: grant, Code: a.Code, From: h.d.cfg.Instance})
+		if err == nil {
+			err = h.d.pub.Publish(subj, b)
+			h.d.published.Add(1)
+		}
+		if err != nil { // best effort: the revoke that follows is the fence
+			h.d.cfg.Logger.Warn("publish cancel", "seq", h.req.ID, "err", err)
+		}
+	case session.ActRevoke:
+		if h.grant != nil {
+			h.grant.Revoke()
+			if h.grant.Quarantined() {
+				h.held = h.grant.Done()
+			}
+		}
+	}
+	return session.Event{}, false
+}
+
+// send publishes the prefill request for attempt a. Retries go to a live
+// prefill instance that has not refused this request, when the registry knows
+// one; otherwise to the queue group.
+func (h *handoff) send(a session.Action) (string, error) {
+	d := h.d
+	subj := d.prefillSub
+	target, svc := a.Instance, anyIncarnation // the session names no incarnation
+	if target == "" && (a.Attempt > 1 || d.cfg.DirectFirst || a.Live) && d.reg != nil {
+		inst := d.pick(a.Exclude)
+		target, svc = inst.ID, inst.Service
+	}
+	if target == "" && a.Live {
+		// The queue group could hand the request back to the instance reported
+		// dead (it may only be partitioned): only a known live one will do.
+		return "", fmt.Errorf("%w: no other live prefill instance (excluded %v)", ErrPeerFailed, a.Exclude)
+	}
+	if target != "" {
+		subj = wire.Subject(d.cfg.Prefix, d.cfg.Namespace, wire.SubjectInstancePrefill, target)
+	}
+	d.mu.Lock()
+	h.c.target, h.c.svc = target, svc // "" after a fall-back to the queue group: pick stops counting it
+	d.mu.Unlock()
+	tk := h.grant.Ticket()
+	msg := wire.PrefillRequest{
+		RequestID: h.req.ID, From: d.cfg.Instance, Attempt: uint8(min(a.Attempt, 255)), Fingerprint: d.cfg.Fingerprint,
+		Tokens: h.req.Tokens, Sampling: h.req.Sampling, Deadline: h.deadline.UnixNano(), Budget: int64(time.Until(h.deadline)), Peer: d.peer,
+		Ticket: tk, KVBytes: h.kvB, MambaBytes: h.mB, TP: wireTP(d.cfg.TP),
+	}
+	buf := getMsgBuf()
+	b, err := wire.AppendPrefillRequest(*buf, &msg, d.maxPayload)
+	if err != nil {
+		putMsgBuf(buf, *buf)
+		return "", err
+	}
+	d.published.Add(1)
+	h.attempt = a.Attempt
+	reply := h.reply
+	if a.Attempt > 1 {
+		// Each retry has a reply subject of its own, so that an answer is
+		// told apart from the earlier attempts' (replyToken): a
+		// no-responders names nothing else.
+		reply += "-" + strconv.Itoa(a.Attempt)
+	}
+	err = h.publishRequest(subj, reply, b)
+	putMsgBuf(buf, b) // the publisher copied it
+	if err != nil {
+		if errors.Is(err, nats.ErrMaxPayload) {
+			return "", fmt.Errorf("%w: %w", ErrPayloadTooLarge, err)
+		}
+		return "", fmt.Errorf("%w: publish: %w", ErrClosed, err)
+	}
+	return target, nil
+}
+
+// pick chooses the live prefill instance with the same layout, not draining
+// and not in exclude, with the least load: the requests it announced in flight (as of its
+// last heartbeat) plus the ones this decoder addressed to it since. Ties go
+// round-robin, so a burst between two heartbeats spreads out. It returns
+// the instance's registry entry, or the zero Instance when none will do.
+func (d *Decoder) pick(exclude []string) wire.Instance {
+	insts := d.reg.Instances(wire.RolePrefill, time.Now())
+	if len(insts) == 0 {
+		return wire.Instance{}
+	}
+	d.mu.Lock()
+	mine := make(map[string]int, len(insts))
+	for _, c := range d.calls {
+		if c.target != "" {
+			mine[c.target]++
+		}
+	}
+	var gone map[string]int64
+	if len(d.gone) > 0 {
+		gone = maps.Clone(d.gone)
+	}
+	d.mu.Unlock()
+	var target wire.Instance
+	best := 0
+	off := int(d.picks.Add(1))
+	for i := range insts {
+		inst := insts[(off+i)%len(insts)]
+		if inst.Fingerprint != d.cfg.Fingerprint || inst.Draining || containsStr(exclude, inst.ID) {
+			continue
+		}
+		if at, ok := gone[inst.ID]; ok && inst.Updated == at {
+			continue // reported gone, no heartbeat since
+		}
+		if load := inst.Capacity.Inflight + mine[inst.ID]; target.ID == "" || load < best {
+			target, best = inst, load
+		}
+	}
+	return target
+}
+
+func containsStr(xs []string, s string) bool {
+	for _, x := range xs {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}
+
+// replyToken splits the last token of a reply subject into the call's
+// token and the attempt it answers: "tok" is attempt 1, "tok-N" attempt N.
+func replyToken(s string) (tok string, attempt int) {
+	i := strings.LastIndexByte(s, '-')
+	if i < 0 {
+		return s, 1
+	}
+	n, err := strconv.Atoi(s[i+1:])
+	if err != nil || n < 2 {
+		return s, -1 // not a subject this decoder made: no call has this token
+	}
+	return s[:i], n
+}
+
+func (h *handoff) replyEvent(m *nats.Msg) session.Event {
+	_, attempt := replyToken(m.Subject[len(h.d.inbox)+1:])
+	if attempt != h.attempt {
+		// An answer to an earlier attempt: the session drops it, and
+		// nothing of it may stand as this attempt's reply or cause.
+		return session.Event{Kind: session.EvReply, Code: session.CodeBadMessage, Attempt: attempt}
+	}
+	if m.Header.Get("Status") == "503" {
+		return session.Event{Kind: session.EvNoResponders, Attempt: attempt}
+	}
+	r, err := wire.DecodePrefillReply(m.Data)
+	if err != nil || r.RequestID != h.req.ID {
+		if err == nil {
+			err = fmt.Errorf("%w: reply names request %d", ErrBadMessage, r.RequestID)
+		}
+		h.setCause(err)
+		return session.Event{Kind: session.EvReply, Code: session.CodeBadMessage}
+	}
+	if r.Code == session.CodeOK && !h.sess.Ignores(r.Instance) {
+		h.ok = r
+		h.replied = true
+	} else {
+		h.setCause(&RemoteError{Code: r.Code, Msg: r.Msg, Instance: r.Instance})
+	}
+	return session.Event{Kind: session.EvReply, Code: r.Code, Instance: r.Instance, Manifest: session.Manifest(r.Manifest), Attempt: attempt}
+}
+
+func (h *handoff) setCause(err error) { h.cause = err }
+
+// failure builds the error Handoff returns for code. It wraps the most
+// specific cause seen (a remote refusal, a data-plane or pool error, the
+// context's) unless that cause belongs to another class (say, an earlier
+// attempt's refusal behind a final no-responders): then it is only quoted,
+// so that the error matches exactly one of the package's sentinels.
+func (h *handoff) failure(code session.Code) error {
+	err := h.failureErr(code)
+	if h.held != nil {
+		select {
+		case <-h.held:
+		default:
+			return &QuarantinedError{Err: err, released: h.held}
+		}
+	}
+	return err
+}
+
+func (h *handoff) failureErr(code session.Code) error {
+	if h.cause == nil {
+		return fmt.Errorf("transfer: request %d: %w", h.req.ID, codeErr(code))
+	}
+	if errors.Is(h.cause, codeErr(code)) {
+		return fmt.Errorf("transfer: request %d: %w", h.req.ID, h.cause)
+	}
+	for c := session.Code(1); c < session.NumCodes; c++ {
+		if c != code && errors.Is(h.cause, codeErr(c)) {
+			return fmt.Errorf("transfer: request %d: %w (after: %v)", h.req.ID, codeErr(code), h.cause)
+		}
+	}
+	return fmt.Errorf("transfer: request %d: %w: %w", h.req.ID, codeErr(code), h.cause)
+}
+
+// rdmaCode classifies a data-plane error.
+func rdmaCode(err error) session.Code {
+	switch {
+	case err == nil:
+		return session.CodeOK
+	case errors.Is(err, rdma.ErrBadRequestID), errors.Is(err, rdma.ErrForbidden):
+		return session.CodeDummyRequest
+	case errors.Is(err, rdma.ErrDeadline), errors.Is(err, context.DeadlineExceeded):
+		return session.CodeTimeout
+	case errors.Is(err, rdma.ErrRevoked), errors.Is(err, rdma.ErrUnknownGrant),
+		errors.Is(err, rdma.ErrStaleEpoch), errors.Is(err, rdma.ErrBadToken), errors.Is(err, context.Canceled):
+		return session.CodeCancelled
+	case errors.Is(err, rdma.ErrManifestMismatch):
+		return session.CodeIntegrity
+	case errors.Is(err, rdma.ErrOutOfRange):
+		return session.CodeLayoutMismatch
+	case errors.Is(err, rdma.ErrClosed):
+		return session.CodeClosed
+	default:
+		return session.CodePeerFailed
+	}
+}
+
+// step applies ev to the session and returns its actions; at debug level
+// it logs the transition (the request's trace through its session).
+func (h *handoff) step(ev session.Event) []session.Action {
+	acts := h.sess.Step(ev)
+	if log := h.d.cfg.Logger; log.Enabled(context.Background(), slog.LevelDebug) {
+		log.Debug("handoff step", "seq", h.req.ID, "event", ev.Kind.String(), "code", ev.Code.String(),
+			"peer", ev.Instance, "attempt", ev.Attempt, "state", h.sess.State().String(), "actions", fmt.Sprint(acts))
+	}
+	return acts
+}
