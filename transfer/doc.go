@@ -15,7 +15,7 @@
 //     <prefix>.<ns>.inst.<id>.prefill (one instance, for targeted retries),
 //     <prefix>.<ns>.inst.<id>.cancel and <prefix>.<ns>.cancel (cancels).
 //     It does no IO: the drivers below send and receive its bytes.
-//   - package session (transfer/session): RecvSession and SendSession, pure
+//   - package session (transfer/session): RecvSession and WriteSession, pure
 //     state machines (events in, actions out, time passed in; no IO, no
 //     goroutines, held to it by its TestDeps). One terminal state per
 //     session; events after it are ignored, so cleanup is idempotent.
@@ -173,12 +173,12 @@
 // # Symmetry
 //
 // The sessions are named by data-path role, not by serving role:
-// session.RecvSession opens a grant and accepts a commit, session.SendSession
+// session.RecvSession opens a grant and accepts a commit, session.WriteSession
 // writes into a grant. Handing
 // a finished conversation's state back from decode to a prefill worker
 // (multi-turn continuation without recompute) is the same exchange with the
 // roles swapped: the prefill side runs a RecvSession over a destination it
-// prepared and a grant, the decode side a SendSession over the request's
+// prepared and a grant, the decode side a WriteSession over the request's
 // extents, with a
 // new request message on its own subject. The messages' parts (wire.Peer,
 // rdma's Ticket, Manifest and Extent) and both machines are reused

@@ -120,7 +120,7 @@ type streamer struct {
 
 // startStreamer opens a stream of t into peer and starts its goroutine,
 // which ends once stop or finish is called.
-func startStreamer(ctx context.Context, eng senderEngine, peer rdma.Descriptor, t rdma.Ticket, log *slog.Logger, seq uint64) (*streamer, error) {
+func startStreamer(ctx context.Context, eng writerEngine, peer rdma.Descriptor, t rdma.Ticket, log *slog.Logger, seq uint64) (*streamer, error) {
 	s, err := eng.OpenStream(ctx, peer, t)
 	if err != nil {
 		return nil, err

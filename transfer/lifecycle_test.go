@@ -113,10 +113,10 @@ func TestPrefillerStartsAfterDecoderAnnounced(t *testing.T) {
 	require.NoError(t, ds.m.Free(1))
 }
 
-// slowConnect is a sender engine whose pre-connects block until cancelled;
+// slowConnect is a writer engine whose pre-connects block until cancelled;
 // its first pre-connect also cancels the ctx of the Start that triggered it.
 type slowConnect struct {
-	senderEngine
+	writerEngine
 	cancelStart context.CancelFunc
 	connecting  chan struct{}
 	returned    chan struct{}
@@ -127,7 +127,7 @@ func (s *slowConnect) Descriptor() rdma.Descriptor {
 	case <-s.connecting:
 	case <-time.After(5 * time.Second):
 	}
-	return s.senderEngine.Descriptor()
+	return s.writerEngine.Descriptor()
 }
 
 func (s *slowConnect) Connect(ctx context.Context, _ rdma.Descriptor) (rdma.Transport, error) {
@@ -149,7 +149,7 @@ func TestPrefillerFailedStartStopsPreconnect(t *testing.T) {
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	eng := &slowConnect{senderEngine: ps.eng, cancelStart: cancel, connecting: make(chan struct{}), returned: make(chan struct{})}
+	eng := &slowConnect{writerEngine: ps.eng, cancelStart: cancel, connecting: make(chan struct{}), returned: make(chan struct{})}
 	p.eng = eng
 	require.Error(t, p.Start(ctx))
 	select {

@@ -74,8 +74,8 @@ func (c *PrefillerConfig) validate() error {
 	return nil
 }
 
-// senderEngine is what a Prefiller needs from the data plane.
-type senderEngine interface {
+// writerEngine is what a Prefiller needs from the data plane.
+type writerEngine interface {
 	Write(ctx context.Context, peer rdma.Descriptor, t rdma.Ticket, src []rdma.Extent) (rdma.Manifest, error)
 	Connect(ctx context.Context, peer rdma.Descriptor) (rdma.Transport, error)
 	TransportFor(agent rdma.AgentID) (rdma.Transport, bool)
@@ -83,7 +83,7 @@ type senderEngine interface {
 	OpenStream(ctx context.Context, peer rdma.Descriptor, t rdma.Ticket) (*rdma.Stream, error)
 }
 
-var _ senderEngine = (*rdma.Engine)(nil)
+var _ writerEngine = (*rdma.Engine)(nil)
 
 // PrefillerStats are cumulative counters.
 type PrefillerStats struct {
@@ -106,7 +106,7 @@ type PrefillerStats struct {
 type Prefiller struct {
 	cfg  PrefillerConfig
 	nc   *nats.Conn
-	eng  senderEngine
+	eng  writerEngine
 	exec PrefillExecutor
 	// tracer is cfg.TracerProvider's, nil when requests are not traced.
 	tracer trace.Tracer

@@ -1,6 +1,6 @@
 package transfer
 
-// The prefiller's per-request driver: a task runs one request's SendSession.
+// The prefiller's per-request driver: a task runs one request's WriteSession.
 
 import (
 	"context"
@@ -26,7 +26,7 @@ type task struct {
 	msg    wire.PrefillRequest
 	peer   rdma.Descriptor // msg.Peer's
 	ticket rdma.Ticket
-	sess   session.SendSession
+	sess   session.WriteSession
 	lease  AdmittedJob
 	lw     *streamer // the cache's stream while prefill computes (layerwise), else nil
 	early  uint64    // bytes lw's pieces wrote: the parts prefill finished while computing
@@ -109,7 +109,7 @@ func (p *Prefiller) handle(r micro.Request) {
 	}
 	// The deadline as a monotonic reading from here on, as
 	// context.WithDeadline would arm it: later checks read one clock. It is
-	// the time the sender had left (Budget) from this receipt, so a clock
+	// the time the decoder had left (Budget) from this receipt, so a clock
 	// skew between the hosts neither shortens nor stretches it; the
 	// request's transit time is not counted, so it errs late by that.
 	deadline := t.start.Add(time.Unix(0, m.Deadline).Sub(t.start))
@@ -120,7 +120,7 @@ func (p *Prefiller) handle(r micro.Request) {
 	// it against its own, so it gets the local equivalent.
 	tk.Deadline = deadline
 	t.p, t.reply, t.msg, t.peer, t.ticket = p, r.Reply(), m, peer, tk
-	t.sess.Reset(session.SendParams{
+	t.sess.Reset(session.WriteParams{
 		RequestID: m.RequestID, MaxDraftTokens: p.cfg.MaxDraftTokens, Deadline: deadline,
 		Fingerprint: m.Fingerprint, Local: p.cfg.Fingerprint, KVBytes: m.KVBytes, MambaBytes: m.MambaBytes,
 	})

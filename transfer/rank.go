@@ -10,7 +10,7 @@ import (
 
 // CacheExtents is where one request's cache lives in registered memory: its
 // prompt's KV runs (token order) in the KV region and its Mamba row in the
-// Mamba region: a receiver's destination or a sender's source.
+// Mamba region: a receiver's destination or a writer's source.
 //
 // On a tensor-parallel rank (NewTPRankRegions) KV holds the runs of every
 // shard, shard after shard, Mamba the row of shard 0 and MambaMore the rows
@@ -75,7 +75,7 @@ func NewRankRegions(m *hybrid.Manager, kv, mamba *rdma.Region) (*RankRegions, er
 }
 
 // Resolve maps resources a request holds to extents of the rank's regions: a
-// receiver's destination or a sender's source. A reserved row is refused
+// receiver's destination or a writer's source. A reserved row is refused
 // with ErrDummyRequest.
 func (r *RankRegions) Resolve(res hybrid.Resources) (CacheExtents, error) {
 	return r.resolve(res)

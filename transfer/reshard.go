@@ -26,7 +26,7 @@ import (
 // every shard's destination: disjoint extents whose sizes add up to D
 // shards' blocks and rows tile them, each written exactly once.
 
-// shardSource is one tensor-parallel shard of a sender: the registered
+// shardSource is one tensor-parallel shard of a writer: the registered
 // regions of its KV and Mamba pools and their configs (the shard's own
 // shapes, reshard.KVShard and reshard.MambaShard of the model's).
 type shardSource struct {
@@ -35,7 +35,7 @@ type shardSource struct {
 	MambaConfig mambacache.Config
 }
 
-// Resharder moves requests from a TP-From sender to a TP-To receiver. It
+// Resharder moves requests from a TP-From writer to a TP-To receiver. It
 // is immutable and safe for concurrent use. RankRegions.Resharder returns
 // one, or refuses a TP size the model does not split over; the Prefiller
 // uses its plans.
@@ -84,7 +84,7 @@ func (r *Resharder) bytes(blocks int) (kv, mamba uint64) {
 	return kv, mamba
 }
 
-// source returns the sender's source extents for one request, in the
+// source returns the writer's source extents for one request, in the
 // order of the receiver's ticket: first the pieces that fill the KV runs of
 // receiver shards 0..To-1, then those that fill their Mamba rows. blocks
 // are the request's KV blocks in token order and row its Mamba row, the
@@ -92,7 +92,7 @@ func (r *Resharder) bytes(blocks int) (kv, mamba uint64) {
 // other in one region are merged, so a 1→1 move is its runs and its row.
 func (r *Resharder) source(shards []shardSource, blocks []kvcache.BlockID, row mambacache.Row) (kv, mamba []rdma.Extent, err error) {
 	if len(shards) != r.from {
-		return nil, nil, fmt.Errorf("%w: %d source shards for a TP-%d sender", ErrInvalidConfig, len(shards), r.from)
+		return nil, nil, fmt.Errorf("%w: %d source shards for a TP-%d writer", ErrInvalidConfig, len(shards), r.from)
 	}
 	for i, s := range shards {
 		if r.kv != nil && s.KVConfig.BlockBytes() != r.kv.SrcBytes {
@@ -150,7 +150,7 @@ type Finished struct {
 // pieces and the write after prefill agree to the byte.
 func (r *Resharder) pieces(dst []Piece, shards []shardSource, f Finished, blocks []kvcache.BlockID, row mambacache.Row) ([]Piece, error) {
 	if len(shards) != r.from {
-		return dst, fmt.Errorf("%w: %d source shards for a TP-%d sender", ErrInvalidConfig, len(shards), r.from)
+		return dst, fmt.Errorf("%w: %d source shards for a TP-%d writer", ErrInvalidConfig, len(shards), r.from)
 	}
 	nb := uint64(len(blocks))
 	var kvBytes uint64 // one receiver shard's KV for the request
@@ -263,7 +263,7 @@ func newTPRegions(kv kvcache.Config, m mambacache.Config, shards []Shard) *tpReg
 // pools are shard 0's, and every other shard keeps the request at the same
 // block and row ids in its own regions, laid out by its own configs. The
 // reserved rows are forbidden on every shard. As an Allocator it grants
-// every shard's extents (CacheExtents); as a sender, Source reshards.
+// every shard's extents (CacheExtents); as a writer, Source reshards.
 func NewTPRankRegions(m *hybrid.Manager, kv kvcache.Config, mamba mambacache.Config, shards []Shard) (*RankRegions, error) {
 	if len(shards) == 0 {
 		return nil, fmt.Errorf("%w: a rank of no shards", ErrInvalidConfig)

@@ -12,8 +12,8 @@ import (
 	"github.com/handoff-io/handoff/rdma"
 )
 
-// tpPair is a sender and a receiver rank holding one request, ready to
-// move it: the receiver's extents (every shard's) and the sender's
+// tpPair is a writer and a receiver rank holding one request, ready to
+// move it: the receiver's extents (every shard's) and the writer's
 // resharded source.
 type tpPair struct {
 	src, dst *tpSide

@@ -172,7 +172,7 @@ func newTPSide(t testing.TB, agent string, kv kvcache.Config, mc mambacache.Conf
 
 // TestTPRankRegionsWrite moves one request from a TP-P rank to a TP-D rank
 // through a real data plane (inproc and tcp): the receiver grants
-// Resolve's extents (every shard's), the sender writes Source's, the commit
+// Resolve's extents (every shard's), the writer writes Source's, the commit
 // verifies the manifest, and every receiver shard then holds exactly the
 // model's TP-1 bytes sharded to D. Garbage around the request must stay.
 func TestTPRankRegionsWrite(t *testing.T) {
@@ -197,7 +197,7 @@ func TestTPRankRegionsWrite(t *testing.T) {
 				}
 				res, err := src.m.Prepare(7, tokens)
 				require.NoError(t, err)
-				// The TP-1 cache, sharded into the sender's shards.
+				// The TP-1 cache, sharded into the writer's shards.
 				full := KVorRow{}
 				full.fill(rng, kv, mc, 3)
 				full.shard(t, kv, mc, src.shards, res)

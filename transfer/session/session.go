@@ -24,7 +24,7 @@ const (
 	ActRevoke                              // revoke/close the grant; on return no byte lands
 	ActDeliver                             // terminal success: hand the request to the scheduler
 	ActFail                                // terminal failure with Code
-	// Sender actions.
+	// Writer actions.
 	ActAdmit   // admit within capacity or refuse; feed EvAdmitted
 	ActPrefill // run prefill; feed EvPrefilled
 	ActWrite   // write KV runs and the Mamba row, commit; feed EvWritten
@@ -99,7 +99,7 @@ const (
 	EvReply                             // the prefill reply (Code, Instance, Manifest)
 	EvCommitted                         // the grant's commit was accepted (Manifest)
 	EvGrantFailed                       // the grant ended without a commit (Code)
-	// Sender events.
+	// Writer events.
 	EvRequest  // a prefill request arrived
 	EvAdmitted // outcome of ActAdmit (Code)
 	EvPrefilled

@@ -186,7 +186,7 @@ func TestSessionsRandom(t *testing.T) {
 		}
 		require.LessOrEqual(t, terminal, 1, "seed %d", seed)
 
-		send := NewSendSession(SendParams{RequestID: 9, Deadline: epoch.Add(100 * time.Millisecond), Fingerprint: "fp", Local: "fp", KVBytes: 1, MambaBytes: 1})
+		send := NewWriteSession(WriteParams{RequestID: 9, Deadline: epoch.Add(100 * time.Millisecond), Fingerprint: "fp", Local: "fp", KVBytes: 1, MambaBytes: 1})
 		leased, released, replies, busy := false, 0, 0, false
 		now = epoch
 		for i := 0; i < 12; i++ {

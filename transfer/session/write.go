@@ -2,21 +2,21 @@ package session
 
 import "time"
 
-// SendParams configure a SendSession from the request as received.
-type SendParams struct {
+// WriteParams configure a WriteSession from the request as received.
+type WriteParams struct {
 	RequestID      uint64
 	MaxDraftTokens int
 	Deadline       time.Time
 	Fingerprint    string // the request's
-	Local          string // the sender's own layout fingerprint
+	Local          string // the writer's own layout fingerprint
 	KVBytes        uint64 // the destination's KV bytes
 	MambaBytes     uint64 // the destination's Mamba bytes
 }
 
-// SendSession is the sender's per-request state machine. Not safe for
+// WriteSession is the writer's per-request state machine. Not safe for
 // concurrent use; one driver owns it.
-type SendSession struct {
-	p       SendParams
+type WriteSession struct {
+	p       WriteParams
 	state   State
 	code    Code
 	busy    bool // ActAdmit, ActPrefill or ActWrite outstanding
@@ -26,21 +26,21 @@ type SendSession struct {
 	out [2]Action // what Step returns, reused by the next Step
 }
 
-// NewSendSession returns a session in StateNew.
-func NewSendSession(p SendParams) *SendSession { return &SendSession{p: p} }
+// NewWriteSession returns a session in StateNew.
+func NewWriteSession(p WriteParams) *WriteSession { return &WriteSession{p: p} }
 
-// Reset sets s up as NewSendSession does, in place.
-func (s *SendSession) Reset(p SendParams) { *s = SendSession{p: p} }
+// Reset sets s up as NewWriteSession does, in place.
+func (s *WriteSession) Reset(p WriteParams) { *s = WriteSession{p: p} }
 
 // State returns the current phase.
-func (s *SendSession) State() State { return s.state }
+func (s *WriteSession) State() State { return s.state }
 
 // Code returns the code of the reply sent (CodeOK on success or while running).
-func (s *SendSession) Code() Code { return s.code }
+func (s *WriteSession) Code() Code { return s.code }
 
 // Step applies ev and returns the actions to execute, in order. The slice is
 // the session's own: it is valid until the next Step.
-func (s *SendSession) Step(ev Event) []Action {
+func (s *WriteSession) Step(ev Event) []Action {
 	if s.state.Terminal() {
 		return nil
 	}
@@ -127,7 +127,7 @@ func (s *SendSession) Step(ev Event) []Action {
 // fail ends the session with code. While a step is in flight it aborts the
 // step and waits for its outcome, so nothing is released under a running
 // prefill or write.
-func (s *SendSession) fail(code Code) []Action {
+func (s *WriteSession) fail(code Code) []Action {
 	if s.busy {
 		if s.pending != CodeOK {
 			return nil
@@ -139,7 +139,7 @@ func (s *SendSession) fail(code Code) []Action {
 	return s.finish(code)
 }
 
-func (s *SendSession) finish(code Code) []Action {
+func (s *WriteSession) finish(code Code) []Action {
 	s.code = code
 	acts := s.acts(Action{Kind: ActReply, Code: code})
 	if s.leased {
@@ -150,4 +150,4 @@ func (s *SendSession) finish(code Code) []Action {
 }
 
 // acts returns as, in the session's own buffer.
-func (s *SendSession) acts(as ...Action) []Action { return append(s.out[:0], as...) }
+func (s *WriteSession) acts(as ...Action) []Action { return append(s.out[:0], as...) }
