@@ -1,6 +1,8 @@
 // Package rdma is handoff's data path: registered memory regions, grants
 // fenced by epochs, and one-sided writes from a writer's regions into a
-// receiver's regions, over three transports behind one small interface.
+// receiver's regions, over several transports (tcp, shm, in-process,
+// cuda-ipc) behind two small seams: the writer's link and the receiver's
+// fence.
 //
 // # Model
 //
@@ -142,15 +144,14 @@
 // receiver also trusts. shm: the writer copies into the mapped destination with
 // crc32c.CopyUpdate, which sums the bytes from the registers that store
 // them (one pass over memory, as fast as the copy alone), so the manifest
-// certifies what landed. One goroutine copies: the copy is bound by memory
-// bandwidth, and a second one measured slower. Writers add the bytes they
+// certifies what landed. One goroutine copies (the copy is bound by memory
+// bandwidth; docs/scaling.md has the figures). Writers add the bytes they
 // copied to the grant's slot, and the receiver checks that count at commit.
 // It takes the writer's sums as they are: a shm writer maps the receiver's
 // whole regions (same user only: the control socket is mode 0600), so a
 // second pass on the receiver would guard only against a faulty writer, at
 // the price of reading every byte again, cold; Config.VerifySHM turns that
-// pass on. Even folded, crc32c costs about half a memcpy pass, so on a
-// 2-core host it is the largest item after the copies. A commit
+// pass on (its cost: docs/scaling.md). A commit
 // also fails if any extent did not receive exactly its length. Config.SkipCRC (writer and receiver must both set it)
 // leaves the crc out when the bandwidth matters more than end-to-end
 // integrity; fencing and byte counts still apply. Engine.Stats counts
