@@ -115,6 +115,11 @@
 //     would PUT into the address in the receiver's RTR.
 //   - UCX_TCP_PUT_ENABLE=n: tcp loses its PUT capability, so no tcp lane
 //     ever writes where a peer says.
+//   - UCX_ZCOPY_THRESH=inf: UCX's tcp transport completes a zero-copy send
+//     twice when the peer resets the connection mid-send (an assertion that
+//     aborts the sending process in Debian's build; see Defaults), so sends
+//     copy through UCX's buffers: about 30 % of tcp's loopback throughput,
+//     nothing where the receiver GETs.
 //   - UCX_WARN_UNUSED_ENV_VARS=n: variables for transports a deployment
 //     does not use (UCX_CMA_* under UCX_TLS=tcp) would each log a warning.
 //   - UCX_ERROR_SIGNALS is not needed: see Build.

@@ -14,6 +14,7 @@ func TestSettingsOperatorWins(t *testing.T) {
 		{"NET_DEVICES", "lo"},   // an option, named either way
 		{"RNDV_SCHEME", "auto"}, // an option replaces a default
 		{"WARN_UNUSED_ENV_VARS", "n"},
+		{"ZCOPY_THRESH", "inf"},
 		// TLS: the environment's
 	}
 	if !reflect.DeepEqual(modify, want) {
@@ -25,7 +26,7 @@ func TestSettingsOperatorWins(t *testing.T) {
 	env["UCX_TCP_PUT_ENABLE"] = "y"
 	env["UCX_WARN_UNUSED_ENV_VARS"] = "y"
 	modify, setenv = settings(nil, lookup)
-	if want := [][2]string{{"RNDV_SCHEME", "get_zcopy"}}; !reflect.DeepEqual(modify, want) || len(setenv) != 0 {
+	if want := [][2]string{{"RNDV_SCHEME", "get_zcopy"}, {"ZCOPY_THRESH", "inf"}}; !reflect.DeepEqual(modify, want) || len(setenv) != 0 {
 		t.Errorf("with the environment set: modify %v, env %v; want %v and nothing", modify, setenv, want)
 	}
 }

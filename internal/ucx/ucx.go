@@ -172,6 +172,19 @@ func Defaults() map[string]string {
 		// Drops tcp's PUT capability, so no tcp lane ever lets a peer write
 		// to an address of its choosing (a transport setting: see envKeys).
 		"TCP_PUT_ENABLE": "n",
+		// Sends copy into UCX's buffers instead of handing the socket the
+		// caller's memory: UCX's tcp transport (1.13 up to master)
+		// completes a zero-copy send twice when the peer resets the
+		// connection while the send is part-way through the socket
+		// (uct_tcp_ep_sendv calls uct_tcp_ep_handle_send_err, whose purge
+		// completes the send, then completes it again), an assertion
+		// failure that aborts the process in Debian's build (seen in 1 of
+		// 60 -race runs of TestCloseIsClean, none in 270 with this) and a
+		// use-after-free without assertions. It costs tcp about 30 % of
+		// its loopback throughput and nothing where the receiver GETs
+		// (cma, rc, dc): rendezvous payloads then never go by AM
+		// fragments.
+		"ZCOPY_THRESH": "inf",
 		// The UCX_* variables a deployment sets for one transport (for
 		// example UCX_CMA_MEMORY_INVALIDATE under UCX_TLS=tcp) would each
 		// log a warning at worker creation.
