@@ -100,7 +100,7 @@ type Worker struct {
 	groups   map[Token]*group
 	later    []func() // completions, delivered outside UCX's callbacks
 	failed   []epFailure
-	cutting  map[C.ucp_ep_h]bool // peers' endpoints being force-closed
+	cutting  map[C.ucp_ep_h]bool // endpoints cut: true once UCX completed the close
 	panicked any
 	leaked   int // receives still in flight when Close gave up
 }
@@ -501,7 +501,8 @@ func (w *Worker) closedEP(e *endpoint, st C.int) {
 		e.err = Status(st)
 	}
 	if e.id == 0 {
-		delete(w.cutting, e.h)
+		w.cutting[e.h] = true
+		w.forgetCut(e.h)
 	} else {
 		delete(w.eps, e.id)
 		if e.failed != nil {
@@ -512,11 +513,16 @@ func (w *Worker) closedEP(e *endpoint, st C.int) {
 }
 
 // cut force-closes the endpoint a receive came by: one of ours, or one UCX
-// made for the peer. UCX then completes every request on it (receives
-// still copying fragments end with ErrCanceled), and the peer's endpoint
-// fails. The pointer is valid: a receive in flight holds its endpoint.
+// made for the peer. UCX then completes the requests on it (receives still
+// copying fragments end with ErrCanceled), and the peer's endpoint fails.
+// The pointer is valid: a receive in flight holds its endpoint. It stays
+// in w.cutting (closing it twice is an error) until its close completed
+// and no receive refers to it, after which UCX may reuse the address.
 func (w *Worker) cut(h C.ucp_ep_h) {
-	if h == nil || w.cutting[h] {
+	if h == nil {
+		return
+	}
+	if _, ok := w.cutting[h]; ok {
 		return
 	}
 	for _, e := range w.eps {
@@ -527,8 +533,20 @@ func (w *Worker) cut(h C.ucp_ep_h) {
 			return
 		}
 	}
-	w.cutting[h] = true
+	w.cutting[h] = false
 	w.closeEP(&endpoint{h: h, closed: make(chan struct{})}, true)
+}
+
+func (w *Worker) forgetCut(h C.ucp_ep_h) {
+	if done, ok := w.cutting[h]; !ok || !done {
+		return
+	}
+	for _, r := range w.recvs {
+		if r.reply == h {
+			return
+		}
+	}
+	delete(w.cutting, h)
 }
 
 // Abort ends the receives filed under tok that are still in flight, for a
@@ -815,6 +833,9 @@ func (w *Worker) admit(m Message) (adm Admission, err error) {
 // endRecv ends a receive on the owner, outside UCX's callbacks.
 func (w *Worker) endRecv(r *recv, err error) {
 	r.pin.Unpin()
+	if r.reply != nil {
+		w.forgetCut(r.reply)
+	}
 	if err == nil {
 		w.st.received.Add(1)
 	} else {
