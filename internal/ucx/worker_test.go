@@ -929,26 +929,54 @@ func TestAbortEndsStalledReceive(t *testing.T) {
 	}
 }
 
-// BenchmarkAMRendezvous sends 1 MiB messages one at a time, in process.
+// BenchmarkAMRendezvous sends 1 MiB messages in process, one at a time
+// (serial: each pays the RTS, the pull and the ATS, with the owners'
+// wakeups) and eight in flight (window8).
 func BenchmarkAMRendezvous(b *testing.B) {
 	for _, tr := range transports {
-		b.Run(tr.name, func(b *testing.B) {
-			const n = 1 << 20
-			dst := region(b, n)
-			admit := func(m ucx.Message) (ucx.Admission, error) {
-				return ucx.Admission{Dest: dst}, nil
+		for _, window := range []int{1, 8} {
+			name := tr.name + "/serial"
+			if window > 1 {
+				name = fmt.Sprintf("%s/window%d", tr.name, window)
 			}
-			snd, _, ep := pair(b, tr.opts, admit)
-			src := region(b, n)
-			fill(src, 1)
-			ctx := context.Background()
-			b.SetBytes(n)
-			b.ReportAllocs()
-			for b.Loop() {
-				if err := snd.Send(ctx, ep, []byte("bench"), src); err != nil {
-					b.Fatal(err)
+			b.Run(name, func(b *testing.B) {
+				const n = 1 << 20
+				dst := region(b, n*window)
+				var next atomic.Uint64
+				admit := func(m ucx.Message) (ucx.Admission, error) {
+					i := int(next.Add(1)) % window
+					return ucx.Admission{Dest: dst[i*n : (i+1)*n]}, nil
 				}
-			}
-		})
+				snd, _, ep := pair(b, tr.opts, admit)
+				src := region(b, n*window)
+				fill(src, 1)
+				ctx := context.Background()
+				ops := make([]*ucx.Op, window)
+				b.SetBytes(n)
+				b.ReportAllocs()
+				i := 0
+				for b.Loop() {
+					k := i % window
+					if ops[k] != nil {
+						if err := ops[k].Wait(ctx); err != nil {
+							b.Fatal(err)
+						}
+					}
+					op, err := snd.Post(ep, []byte("bench"), src[k*n:(k+1)*n])
+					if err != nil {
+						b.Fatal(err)
+					}
+					ops[k] = op
+					i++
+				}
+				for _, op := range ops {
+					if op != nil {
+						if err := op.Wait(ctx); err != nil {
+							b.Fatal(err)
+						}
+					}
+				}
+			})
+		}
 	}
 }
