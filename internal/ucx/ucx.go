@@ -1,6 +1,7 @@
 package ucx
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sort"
@@ -259,4 +260,31 @@ const (
 	// reused meanwhile reaches it mixed, which the receiver's checksum
 	// catches. The peer sees the endpoint fail.
 	CloseForce
+)
+
+// workerAPI and opAPI are the Worker's and Op's methods, the same in every
+// build: the compiler checks that the stub keeps up with the binding.
+type workerAPI interface {
+	Address() []byte
+	MaxHeader() int
+	Stats() Stats
+	Connect(ctx context.Context, addr []byte) (EndpointID, error)
+	EndpointInfo(ctx context.Context, ep EndpointID) (string, error)
+	CloseEndpoint(ctx context.Context, ep EndpointID, mode CloseMode) error
+	Post(ep EndpointID, header, payload []byte) (*Op, error)
+	Send(ctx context.Context, ep EndpointID, header, payload []byte) error
+	Fence(ctx context.Context, tok Token) error
+	Abort(ctx context.Context, tok Token) error
+	Close() error
+}
+
+type opAPI interface {
+	Done() <-chan struct{}
+	Err() error
+	Wait(ctx context.Context) error
+}
+
+var (
+	_ workerAPI = (*Worker)(nil)
+	_ opAPI     = (*Op)(nil)
 )

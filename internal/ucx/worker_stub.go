@@ -37,6 +37,8 @@ func (*Worker) Send(context.Context, EndpointID, []byte, []byte) error { return 
 
 func (*Worker) Fence(context.Context, Token) error { return nil }
 
+func (*Worker) Abort(context.Context, Token) error { return ErrUnavailable }
+
 func (*Op) Done() <-chan struct{}      { return nil }
 func (*Op) Err() error                 { return ErrUnavailable }
 func (*Op) Wait(context.Context) error { return ErrUnavailable }

@@ -339,9 +339,17 @@ func (w *Worker) Stats() Stats {
 	}
 }
 
-// onOwner reports whether the caller runs on the owner goroutine (its
-// thread is locked, so the thread names it).
-func (w *Worker) onOwner() bool { return unix.Gettid() == w.tid }
+// onOwner reports whether the caller runs on the owner goroutine: its
+// thread is locked, so while it runs its thread id names it (once it has
+// ended, the id may come back for another thread).
+func (w *Worker) onOwner() bool {
+	select {
+	case <-w.done:
+		return false
+	default:
+		return unix.Gettid() == w.tid
+	}
+}
 
 // submit queues f for the owner and wakes it. f runs with closing false,
 // or with closing true (do nothing but fail) once the worker is torn down.
