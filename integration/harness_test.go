@@ -11,7 +11,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -30,6 +29,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/handoff-io/handoff/internal/natstest"
+	"github.com/handoff-io/handoff/internal/testport"
 )
 
 // binDir holds the binaries built once by TestMain.
@@ -62,60 +62,9 @@ func TestMain(m *testing.M) {
 // (proc.listening), the proxy's from its Listen after Start. reservePort is
 // for the rest.
 
-// reservePort returns a loopback port reserved until the test ends, for a
-// server that must be told its port before it starts: an in-process NATS
-// server, which a test may stop and start again on the same port (its
-// clients know that URL), and whose cluster routes are configured before
-// any node starts (JetStream clustering needs them); and a worker's data
-// port behind a proxy, which the proxy forwards to.
-//
-// The reservation is a socket bound to 127.0.0.1:port with SO_REUSEADDR,
-// not listening. Linux keeps a port so bound out of its ephemeral picks
-// (an outgoing connection's local port, a bind to port 0) and refuses it to
-// a bind without SO_REUSEADDR; a listener that sets SO_REUSEADDR, as every
-// Go listener does, binds the same address while it is reserved. So the
-// server gets the port whenever it starts, and nothing else is handed it
-// while the server is down. The socket accepts nothing: a connection to the
-// port while no server listens there is refused, as on a free port.
-func reservePort(t *testing.T) int {
-	t.Helper()
-	// Close-on-exec before any child can be started with it.
-	syscall.ForkLock.RLock()
-	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
-	if err == nil {
-		syscall.CloseOnExec(fd)
-	}
-	syscall.ForkLock.RUnlock()
-	require.NoError(t, err, "reserve a port: socket")
-	t.Cleanup(func() { _ = syscall.Close(fd) })
-	require.NoError(t, syscall.SetsockoptInt(fd, syscall.SOL_SOCKET, syscall.SO_REUSEADDR, 1), "reserve a port: SO_REUSEADDR")
-	require.NoError(t, syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}), "reserve a port: bind")
-	sa, err := syscall.Getsockname(fd)
-	require.NoError(t, err, "reserve a port: getsockname")
-	return sa.(*syscall.SockaddrInet4).Port
-}
-
-// What the harness relies on reservePort for: the port refuses connections
-// while no server listens, a server binds it, and again after a stop; a
-// bind without SO_REUSEADDR (not a Go listener's) is refused.
-func TestReservePort(t *testing.T) {
-	port := reservePort(t)
-	addr := fmt.Sprintf("127.0.0.1:%d", port)
-	_, err := net.Dial("tcp", addr)
-	require.ErrorIs(t, err, syscall.ECONNREFUSED)
-	for range 2 { // a start and a restart
-		ln, err := net.Listen("tcp", addr)
-		require.NoError(t, err, "a server binds the reserved port")
-		c, err := net.Dial("tcp", addr)
-		require.NoError(t, err)
-		c.Close()
-		ln.Close()
-	}
-	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
-	require.NoError(t, err)
-	defer syscall.Close(fd)
-	require.ErrorIs(t, syscall.Bind(fd, &syscall.SockaddrInet4{Port: port, Addr: [4]byte{127, 0, 0, 1}}), syscall.EADDRINUSE)
-}
+// reservePort reserves a loopback port until the test ends
+// (testport.Reserve).
+func reservePort(t *testing.T) int { return testport.Reserve(t) }
 
 // natsServer is a real nats-server (the same code as the nats-server binary)
 // that a test can stop and start again on the same port.

@@ -24,6 +24,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
+	"github.com/handoff-io/handoff/internal/testport"
+
 	"github.com/handoff-io/handoff/internal/leakcheck"
 )
 
@@ -222,13 +224,10 @@ func TestVersion(t *testing.T) {
 	require.Equal(t, 1, run(context.Background(), []string{"version", "x"}, envOf(nil), &out, io.Discard))
 }
 
-func freePort(t *testing.T) int {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
+// freePort reserves a loopback port until the test ends (testport.Reserve):
+// a server stopped and started again on it, or told it before it starts,
+// gets it, and nothing else is handed it meanwhile.
+func freePort(t *testing.T) int { return testport.Reserve(t) }
 
 // TestProcessSIGTERM runs the real main in a child process, waits until the
 // healthcheck passes, sends SIGTERM and expects a clean exit with status 0.

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/http"
 	"os"
 	"strings"
@@ -13,6 +12,8 @@ import (
 
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/internal/testport"
 
 	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/worker"
@@ -51,13 +52,10 @@ func TestNATSAuth(t *testing.T) {
 	require.Equal(t, http.StatusOK, resp.StatusCode)
 }
 
-func freePort(t *testing.T) int {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
+// freePort reserves a loopback port until the test ends (testport.Reserve):
+// a server stopped and started again on it, or told it before it starts,
+// gets it, and nothing else is handed it meanwhile.
+func freePort(t *testing.T) int { return testport.Reserve(t) }
 
 func readyz(t *testing.T, admin string) int {
 	t.Helper()
