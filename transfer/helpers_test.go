@@ -214,15 +214,21 @@ func (l *testLease) Prefill(ctx context.Context) (Prefilled, error) {
 			return Prefilled{}, ctx.Err()
 		}
 	}
+	return l.x.s.prefilled(l.job.RequestID, l.d), nil
+}
+
+// prefilled fills d, a source on s, with request id's pattern and returns
+// the prefill's outcome over it, as every test executor's Prefill does.
+func (s *side) prefilled(id uint64, d CacheExtents) Prefilled {
 	i := 0
-	for _, e := range l.d.extents() {
-		b := l.x.s.bytes(e)
+	for _, e := range d.extents() {
+		b := s.bytes(e)
 		for j := range b {
-			b[j] = pattern(l.job.RequestID, i)
+			b[j] = pattern(id, i)
 			i++
 		}
 	}
-	return Prefilled{FirstToken: int32(l.job.RequestID % 1000), Source: l.d}, nil
+	return Prefilled{FirstToken: int32(id % 1000), Source: d}
 }
 
 func (l *testLease) Release() {

@@ -54,15 +54,7 @@ func (l *gatedLease) Prefill(ctx context.Context) (Prefilled, error) {
 			return Prefilled{}, ctx.Err()
 		}
 	}
-	i := 0
-	for _, e := range l.d.extents() {
-		b := l.x.s.bytes(e)
-		for j := range b {
-			b[j] = pattern(l.job.RequestID, i)
-			i++
-		}
-	}
-	return Prefilled{FirstToken: int32(l.job.RequestID % 1000), Source: l.d}, nil
+	return l.x.s.prefilled(l.job.RequestID, l.d), nil
 }
 
 func (l *gatedLease) Release() {
