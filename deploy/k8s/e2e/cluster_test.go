@@ -28,6 +28,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/handoff-io/handoff/internal/testport"
 )
 
 // The cluster's fixed addresses. 198.18.0.0/15 is reserved for benchmarking
@@ -244,16 +246,12 @@ func waitFor(ctx context.Context, what string, timeout time.Duration, p *proc, f
 	}
 }
 
-// freePort asks the kernel for a free loopback port. The component is
-// started with it right away.
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
-}
+// freePort reserves a loopback port until the test ends
+// (testport.Reserve): a component is told its ports before it starts, and
+// a port only free a moment ago may be handed to an outgoing connection
+// meanwhile. The components are Go programs, whose listeners set
+// SO_REUSEADDR, so each binds the port its reservation holds.
+func (c *cluster) freePort() (int, error) { return testport.Reserve(c.t), nil }
 
 func run(name string, args ...string) error {
 	out, err := exec.Command(name, args...).CombinedOutput()
@@ -291,13 +289,13 @@ func (c *cluster) pki() error {
 		return err
 	}
 	var err error
-	if c.etcdPort, err = freePort(); err != nil {
+	if c.etcdPort, err = c.freePort(); err != nil {
 		return err
 	}
-	if c.apiPort, err = freePort(); err != nil {
+	if c.apiPort, err = c.freePort(); err != nil {
 		return err
 	}
-	if c.kubeletPort, err = freePort(); err != nil {
+	if c.kubeletPort, err = c.freePort(); err != nil {
 		return err
 	}
 	caKey, caCert, err := newCA()
@@ -464,7 +462,7 @@ func writePEM(path, typ string, der []byte) error {
 }
 
 func (c *cluster) startEtcd(ctx context.Context) error {
-	peer, err := freePort()
+	peer, err := c.freePort()
 	if err != nil {
 		return err
 	}
@@ -519,11 +517,11 @@ func (c *cluster) startAPIServer(ctx context.Context) error {
 
 func (c *cluster) startControllers() error {
 	pki := func(f string) string { return c.path("pki", f) }
-	cmPort, err := freePort()
+	cmPort, err := c.freePort()
 	if err != nil {
 		return err
 	}
-	schedPort, err := freePort()
+	schedPort, err := c.freePort()
 	if err != nil {
 		return err
 	}
@@ -684,7 +682,7 @@ func (c *cluster) startKubelet(ctx context.Context) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
-	healthz, err := freePort()
+	healthz, err := c.freePort()
 	if err != nil {
 		return err
 	}
@@ -760,11 +758,11 @@ func (c *cluster) resolvConf() string {
 
 func (c *cluster) startProxyAndDNS(ctx context.Context) error {
 	pki := func(f string) string { return c.path("pki", f) }
-	healthz, err := freePort()
+	healthz, err := c.freePort()
 	if err != nil {
 		return err
 	}
-	metrics, err := freePort()
+	metrics, err := c.freePort()
 	if err != nil {
 		return err
 	}
@@ -794,7 +792,7 @@ conntrack: {maxPerCore: 0, min: 0}
 	}); err != nil {
 		return err
 	}
-	ready, err := freePort()
+	ready, err := c.freePort()
 	if err != nil {
 		return err
 	}
