@@ -107,11 +107,12 @@
 //     may take the retry from the queue group when it is the only one
 //     (recv_peer_failed_reply_*, recv_peer_death_data_path*).
 //   - Fenced, at the queue group: a request outstanding there names no
-//     instance until its
-//     reply, so any prefill instance reported dead may be the one serving
-//     it: it is retried fenced as above (an attempt spent when another
-//     worker was serving it), never left waiting for its deadline
-//     (recv_queue_group_death*).
+//     instance until its reply. After a failed write on the only instance
+//     the retry goes there and may come back to that instance, so the
+//     death of an instance the request excluded is taken as the serving
+//     one's: it is retried fenced as above, not left waiting for its
+//     deadline. Other deaths leave it alone: one death must not re-grant
+//     every request at the group (recv_queue_group_death*).
 //   - Fenced, after a lost control connection: see below
 //     (recv_control_lost_*).
 //

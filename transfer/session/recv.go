@@ -302,16 +302,18 @@ func (s *RecvSession) Step(ev Event) []Action {
 		if s.state != StateWaiting || ev.Instance == "" {
 			return nil
 		}
-		// A request sent to the queue group names no instance: whichever
-		// worker took it is unknown until it replies, and may be the one
-		// that died (after a failed write on the only instance, the retry
-		// goes to the group and comes back to it). Dropping the news would
-		// leave the request waiting out its deadline, holding its blocks
-		// and row. It is taken as the serving instance's death: the retry
-		// is fenced like any other (the old grant is revoked before a new
-		// one opens), so when another worker was serving it, an attempt is
-		// spent and nothing else is lost.
-		serving := s.outstanding && (s.target == ev.Instance || s.target == "")
+		// A request sent to the queue group names no instance until its
+		// reply. After a failed write on the only instance, the fenced
+		// retry goes to the group, which may hand it back to that very
+		// instance (excluded, not dead): when it then dies, dropping the
+		// news would leave the request waiting out its deadline, holding
+		// its blocks and row. So the death of an instance this request
+		// excluded is taken as the serving instance's: the retry is fenced
+		// like any other. Any other instance's death is not: the group
+		// serves most first attempts, and one death must not re-grant
+		// every request in flight at it.
+		serving := s.outstanding && (s.target == ev.Instance ||
+			s.target == "" && slices.Contains(s.refused, ev.Instance) && !slices.Contains(s.dead, ev.Instance))
 		if serving && s.committed && s.replyBy.IsZero() {
 			// Its bytes are all here; its reply may be on the way still.
 			s.replyBy, s.graceFor = ev.Now.Add(lateReplyGrace), ev.Instance
@@ -365,6 +367,7 @@ func (s *RecvSession) regrantOr(now time.Time, failed string, gone bool) []Actio
 	if s.spent() >= s.p.MaxAttempts || !now.Before(s.p.Deadline) {
 		return s.fail(CodePeerFailed)
 	}
+	s.replyBy, s.graceFor = time.Time{}, "" // a grace is the old attempt's
 	acts := s.out[:0]
 	if s.outstanding {
 		acts = append(acts, Action{Kind: ActPublishCancel, Instance: s.target, Code: CodePeerFailed})
@@ -394,6 +397,7 @@ func (s *RecvSession) resend(now time.Time) []Action {
 	if s.spent() >= s.p.MaxAttempts || !now.Before(s.p.Deadline) {
 		return nil
 	}
+	s.replyBy, s.graceFor = time.Time{}, "" // a grace is the old attempt's
 	acts := append(s.out[:0], Action{Kind: ActPublishCancel, Instance: s.target, Code: CodeCancelled})
 	s.outstanding = false
 	s.replied, s.replyInstance, s.replyManifest = false, "", Manifest{}
