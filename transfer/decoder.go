@@ -168,10 +168,12 @@ type Decoder struct {
 	// heartbeats again, or a new incarnation took the id over) or expires.
 	// Only an incarnation found dead is recorded (writerGone), so one that
 	// restarted under the id is usable at once.
-	gone   map[string]int64
-	closed bool
-	done   chan struct{}
-	wg     sync.WaitGroup
+	gone map[string]int64
+	// watching holds the writers watchWriter pings (under mu).
+	watching map[rdma.AgentID]bool
+	closed   bool
+	done     chan struct{}
+	wg       sync.WaitGroup
 
 	maxPayload int64
 	started    atomic.Uint64

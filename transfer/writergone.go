@@ -87,8 +87,14 @@ func (d *Decoder) writerLost(agent string) {
 }
 
 // writerWatch is how often a writer whose data path was lost, but that
-// answered on the control plane, is pinged again until it connects again.
-const writerWatch = 200 * time.Millisecond
+// answered on the control plane, is pinged again until it connects again;
+// writerWatchMisses is how many pings in a row its service must be
+// definitely absent (no responders, on a connected NATS connection) for it
+// to be taken for dead.
+const (
+	writerWatch       = 200 * time.Millisecond
+	writerWatchMisses = 2
+)
 
 // watchWriter keeps a writer that answered after losing every data-path
 // connection under watch: until it connects again (its next write dials;
@@ -97,30 +103,99 @@ const writerWatch = 200 * time.Millisecond
 // would report its death before the registry's TTL: a retry of a request
 // whose write the reset cut goes to it (through the queue group, when it is
 // the only instance), and if it is then killed, the decoder must learn it
-// in milliseconds, not seconds. watchWriter returns the entries pinged and
-// true when none answered (the writer is to be taken for dead), false when
-// it connected again, left the registry (whose own news covers it) or ctx
-// ended.
+// in milliseconds, not seconds.
+//
+// Only a definite absence counts: a no-responders while this decoder's own
+// connection is up, writerWatchMisses times in a row. A ping that times
+// out (a busy worker, a NATS blip) proves nothing and the watch goes on.
+// One watch runs per writer, and for at most the registry's TTL: past it a
+// dead writer's entry has expired, and the registry reports it.
+// watchWriter returns the entries pinged and true when the writer is to be
+// taken for dead; false when it connected again, left the registry, the
+// watch ran its course, another watch covers it, or ctx ended.
 func (d *Decoder) watchWriter(ctx context.Context, agent rdma.AgentID) ([]wire.Instance, bool) {
+	d.mu.Lock()
+	if d.watching[agent] {
+		d.mu.Unlock()
+		return nil, false
+	}
+	if d.watching == nil {
+		d.watching = make(map[rdma.AgentID]bool)
+	}
+	d.watching[agent] = true
+	d.mu.Unlock()
+	defer func() {
+		d.mu.Lock()
+		delete(d.watching, agent)
+		d.mu.Unlock()
+	}()
+	ttl := d.cfg.Registry.TTL
+	if ttl <= 0 {
+		ttl = 6 * time.Second
+	}
+	until := time.Now().Add(ttl)
 	t := time.NewTicker(writerWatch)
 	defer t.Stop()
+	misses := 0
 	for {
 		select {
 		case <-ctx.Done():
 			return nil, false
 		case <-t.C:
 		}
-		if d.eng.WriterConnected(agent) {
+		if d.eng.WriterConnected(agent) || time.Now().After(until) {
 			return nil, false
 		}
 		entries := d.entriesOf(string(agent))
 		if len(entries) == 0 {
 			return nil, false
 		}
-		if _, ok := d.answers(ctx, entries); !ok {
-			return entries, ctx.Err() == nil
+		switch d.probe(ctx, entries) {
+		case probeAnswered:
+			misses = 0
+		case probeAbsent:
+			if misses++; misses >= writerWatchMisses {
+				return entries, ctx.Err() == nil
+			}
 		}
 	}
+}
+
+// A probe's verdict on a writer's entries.
+const (
+	probeUnknown  = iota // no definite answer: a timeout, this side's connection down
+	probeAnswered        // a service answered
+	probeAbsent          // every service that entries name has no subscriber
+)
+
+// probe pings the micro service of each entry that names one, as answers
+// does, and says whether one answered, all were definitely absent, or
+// neither.
+func (d *Decoder) probe(ctx context.Context, entries []wire.Instance) int {
+	absent, asked := 0, 0
+	for _, inst := range entries {
+		if inst.Service == "" {
+			continue
+		}
+		subj, err := micro.ControlSubject(micro.PingVerb, wire.ServiceName, inst.Service)
+		if err != nil {
+			continue
+		}
+		asked++
+		pctx, cancel := context.WithTimeout(ctx, writerProbe)
+		_, err = d.nc.RequestWithContext(pctx, subj, nil)
+		cancel()
+		switch {
+		case err == nil:
+			return probeAnswered
+		case errors.Is(err, nats.ErrNoResponders) && d.nc.IsConnected():
+			absent++
+		}
+	}
+	if asked > 0 && absent == asked {
+		return probeAbsent
+	}
+	return probeUnknown
 }
 
 // entriesOf returns the registry's prefill entries that name agent.
