@@ -83,6 +83,7 @@ type Registry struct {
 	lifeStop context.CancelFunc
 	wg       sync.WaitGroup
 	self     string               // key of the announced entry
+	selfRev  uint64               // bucket revision of this process's last put of it
 	selfFn   func() wire.Instance // what announce publishes
 }
 
@@ -290,15 +291,21 @@ func (r *Registry) heartbeat(key string, self func() wire.Instance) error {
 	return r.put(octx, key, self())
 }
 
+// put publishes inst under key and records the revision, the last put of
+// this process's own entry, that close may delete.
 func (r *Registry) put(ctx context.Context, key string, inst wire.Instance) error {
 	inst.Updated = time.Now().UnixNano()
 	b, err := wire.EncodeInstance(inst)
 	if err != nil {
 		return err
 	}
-	if _, err := r.bucket().Put(ctx, key, b); err != nil {
+	rev, err := r.bucket().Put(ctx, key, b)
+	if err != nil {
 		return fmt.Errorf("transfer: registry put %s: %w", key, err)
 	}
+	r.mu.Lock()
+	r.selfRev = rev
+	r.mu.Unlock()
 	return nil
 }
 
@@ -562,15 +569,30 @@ func (r *Registry) close(ctx context.Context) error {
 		return nil
 	}
 	r.closed = true
-	self := r.self
+	self, rev := r.self, r.selfRev
 	r.mu.Unlock()
 	close(r.stop)
 	r.lifeStop() // aborts a bucket request in flight in the watch goroutines
 	r.wg.Wait()
 	if self != "" {
-		if err := r.bucket().Delete(ctx, self); err != nil {
+		// Only the entry this process put: an instance restarted under
+		// the same id may have announced itself meanwhile, and deleting
+		// its entry would make decoders take it for gone.
+		var opts []jetstream.KVDeleteOpt
+		if rev != 0 {
+			opts = append(opts, jetstream.LastRevision(rev))
+		}
+		if err := r.bucket().Delete(ctx, self, opts...); err != nil && !wrongRevision(err) {
 			return fmt.Errorf("transfer: registry delete %s: %w", self, err)
 		}
 	}
 	return nil
+}
+
+// wrongRevision reports whether err is a KV write refused because the key
+// moved past the revision it named.
+func wrongRevision(err error) bool {
+	var api *jetstream.APIError
+	return errors.As(err, &api) && (api.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence ||
+		api.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequenceConstant)
 }

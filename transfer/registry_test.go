@@ -78,6 +78,31 @@ func TestRegistryReportsRestartUnderSameID(t *testing.T) {
 	require.Equal(t, "svc-b", insts[0].Service)
 }
 
+// An old incarnation that finishes its drain after a new one announced
+// itself under the same id deletes only its own entry: the new one's stays.
+func TestRegistryCloseSparesNewIncarnation(t *testing.T) {
+	s := natstest.Run(t)
+	ctx := context.Background()
+	open := func() *Registry {
+		reg, err := openRegistry(ctx, natstest.Connect(t, s), RegistryConfig{Namespace: "incarnations"})
+		require.NoError(t, err)
+		return reg
+	}
+	self := func(svc string) func() wire.Instance {
+		return func() wire.Instance { return wire.Instance{ID: "p1", Role: wire.RolePrefill, Fingerprint: "fp", Service: svc} }
+	}
+	old, fresh := open(), open()
+	defer fresh.close(ctx)
+	require.NoError(t, old.announce(ctx, self("svc-old")))
+	require.NoError(t, fresh.announce(ctx, self("svc-new")))
+	require.NoError(t, old.close(ctx))
+	e, err := fresh.bucket().Get(ctx, registryKey(wire.RolePrefill, "p1"))
+	require.NoError(t, err, "the old incarnation's close deleted the new one's entry")
+	inst, err := wire.DecodeInstance(e.Value())
+	require.NoError(t, err)
+	require.Equal(t, "svc-new", inst.Service)
+}
+
 // On a single server the bucket has one replica (auto), and asking for
 // more is refused by name.
 func TestRegistryReplicasStandalone(t *testing.T) {
