@@ -25,6 +25,7 @@ import (
 	"github.com/handoff-io/handoff/kvcache"
 	"github.com/handoff-io/handoff/mambacache"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/session"
 	"github.com/handoff-io/handoff/transfer/wire"
 )
 
@@ -79,6 +80,30 @@ func procState(pid int) byte {
 // row stay allocated while the stopped writer could still store into them;
 // once it resumed and ended its copy, Released closes and they are freed.
 func TestHandoffQuarantinedWhileWriterStopped(t *testing.T) {
+	quarantineRun(t, func(_ *nats.Msg, _ wire.PrefillRequest, cancel func()) { cancel() }, ErrCancelled)
+}
+
+// As above, but the handoff is retried rather than cancelled: the serving
+// instance replies peer_failed, so the session revokes its grant and opens
+// a fresh one over the same destination. With the revoked grant
+// quarantined, a writer stopped inside a copy could still store into the
+// new attempt's bytes after their commit was verified. The data plane
+// refuses the fresh grant (it overlaps the quarantined grant, still open),
+// so the handoff fails instead, quarantined, and no second attempt is sent.
+func TestHandoffQuarantinedNotRetried(t *testing.T) {
+	quarantineRun(t, func(m *nats.Msg, r wire.PrefillRequest, _ func()) {
+		b, err := wire.EncodePrefillReply(wire.PrefillReply{V: wire.WireVersion, RequestID: r.RequestID, Instance: "p1",
+			Code: session.CodePeerFailed, Msg: "write failed"}, 1<<20)
+		require.NoError(t, err)
+		require.NoError(t, m.Respond(b))
+	}, ErrPeerFailed)
+}
+
+// quarantineRun stops a writer process inside a shm copy into a handoff's
+// destination, ends the handoff's attempt with end (given the request's
+// message), and checks the handoff fails with want, quarantined, until the
+// writer resumed.
+func quarantineRun(t *testing.T, end func(m *nats.Msg, r wire.PrefillRequest, cancel func()), want error) {
 	if testing.Short() {
 		t.Skip("spawns processes")
 	}
@@ -93,10 +118,14 @@ func TestHandoffQuarantinedWhileWriterStopped(t *testing.T) {
 	ds := newSideOn(t, "dec", cfg, rdma.TransportSHM)
 	d := f.decoder("d1", ds, nil)
 	nc := natstest.Connect(t, f.srv)
-	reqs := make(chan wire.PrefillRequest, 4)
+	type received struct {
+		m *nats.Msg
+		r wire.PrefillRequest
+	}
+	reqs := make(chan received, 4)
 	sub, err := nc.Subscribe(wire.Subject(wire.DefaultPrefix, f.ns, wire.SubjectPrefill, ""), func(m *nats.Msg) {
 		if r, err := wire.DecodePrefillRequest(m.Data); err == nil {
-			reqs <- r
+			reqs <- received{m, r}
 		}
 	})
 	require.NoError(t, err)
@@ -110,7 +139,8 @@ func TestHandoffQuarantinedWhileWriterStopped(t *testing.T) {
 			_, err := ds.handoff(ctx, d, Request{ID: attempt, Tokens: tokens(8192), Deadline: time.Now().Add(time.Minute)})
 			done <- err
 		}()
-		r := <-reqs
+		in := <-reqs
+		r := in.r
 		raw, err := json.Marshal(writerJob{Peer: ds.eng.Descriptor(), Ticket: r.Ticket})
 		require.NoError(t, err)
 		cmd := exec.Command(os.Args[0], "-test.run=^TestHelperStoppableWriter$", "-test.v")
@@ -135,15 +165,28 @@ func TestHandoffQuarantinedWhileWriterStopped(t *testing.T) {
 		}
 
 		start := time.Now()
-		cancel()
+		q0 := ds.eng.Stats().GrantsQuarantined
+		end(in.m, r, cancel)
 		var herr error
 		select {
 		case herr = <-done:
+		case again := <-reqs:
+			// Retried: only right when the revoked grant was not
+			// quarantined (the writer stopped between two copies).
+			require.Equal(t, q0, ds.eng.Stats().GrantsQuarantined,
+				"attempt %d was sent over a quarantined destination", again.r.Attempt)
+			cancel()
+			herr = <-done
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+			ds.requireInitial(t)
+			continue
 		case <-time.After(5 * time.Second):
 			t.Fatal("the handoff waited for a stopped writer")
 		}
 		t.Logf("attempt %d: the handoff returned after %s: %v", attempt, time.Since(start), herr)
-		require.ErrorIs(t, herr, ErrCancelled)
+		cancel()
+		require.ErrorIs(t, herr, want)
 		var qe *QuarantinedError
 		if !errors.As(herr, &qe) {
 			// Stopped between two copies: nothing to quarantine.
@@ -152,7 +195,11 @@ func TestHandoffQuarantinedWhileWriterStopped(t *testing.T) {
 			ds.requireInitial(t)
 			continue
 		}
-		time.Sleep(50 * time.Millisecond)
+		select {
+		case again := <-reqs:
+			t.Fatalf("attempt %d was sent over the quarantined destination", again.r.Attempt)
+		case <-time.After(50 * time.Millisecond):
+		}
 		require.NotEqual(t, ds.initial, ds.m.Stats(), "the quarantined blocks and row went back to the pools")
 		select {
 		case <-qe.Released():

@@ -89,7 +89,9 @@ func TestRegistryCloseSparesNewIncarnation(t *testing.T) {
 		return reg
 	}
 	self := func(svc string) func() wire.Instance {
-		return func() wire.Instance { return wire.Instance{ID: "p1", Role: wire.RolePrefill, Fingerprint: "fp", Service: svc} }
+		return func() wire.Instance {
+			return wire.Instance{ID: "p1", Role: wire.RolePrefill, Fingerprint: "fp", Service: svc}
+		}
 	}
 	old, fresh := open(), open()
 	defer fresh.close(ctx)
