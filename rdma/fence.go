@@ -66,7 +66,9 @@ type slotted interface {
 // (Grant.cutLandings) is the whole fence; it never quarantines. The
 // landings of one grant are one count, whichever transport they came by,
 // so the first such fence to run waits for them all and the others find
-// none.
+// none. It takes no wait: once its landers are cut (a read deadline in the
+// past, a receive aborted), what is left are the receiver's own stores in
+// progress (a memcpy, a device copy), which end without any peer's help.
 type landings struct{}
 
 func (landings) open(*Grant) {}
