@@ -27,7 +27,7 @@ func testTransports() []Transport {
 	if shmSupported {
 		ts = append(ts, TransportSHM)
 	}
-	return ts
+	return append(ts, ucxTestTransports()...)
 }
 
 func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }

@@ -4,6 +4,7 @@ package rdma
 // the link kept for it.
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -46,7 +47,7 @@ func (e *Engine) Connect(ctx context.Context, peer Descriptor) (Transport, error
 }
 
 func sameEndpoint(a, b Descriptor) bool {
-	return a.Agent == b.Agent && a.Host == b.Host && a.TCPAddr == b.TCPAddr && a.ShmAddr == b.ShmAddr && slices.Equal(a.Transports, b.Transports)
+	return a.Agent == b.Agent && a.Host == b.Host && a.TCPAddr == b.TCPAddr && a.ShmAddr == b.ShmAddr && bytes.Equal(a.UCXAddr, b.UCXAddr) && slices.Equal(a.Transports, b.Transports)
 }
 
 func (e *Engine) peerFor(ctx context.Context, peer Descriptor) (*peerState, error) {
@@ -128,6 +129,11 @@ func (e *Engine) dial(ctx context.Context, peer Descriptor) (link, error) {
 	// shm maps memfds: device memory on either side goes by cuda-ipc or tcp.
 	if both(TransportSHM) && peer.Host == e.cfg.Host && peer.ShmAddr != "" && !e.devs.any() && !hasDeviceRegions(peer) {
 		cands = append(cands, candidate{TransportSHM, "peer is on this host", func() (link, error) { return dialSHM(ctx, e, peer) }})
+	}
+	// ucx is served only where the operator asked for it (it is never in
+	// the default Transports), so when both serve it, it is what they want.
+	if both(TransportUCX) && len(peer.UCXAddr) > 0 && !e.devs.any() && !hasDeviceRegions(peer) {
+		cands = append(cands, candidate{TransportUCX, "both serve ucx", func() (link, error) { return dialUCX(ctx, e, peer) }})
 	}
 	if both(TransportTCP) && peer.TCPAddr != "" {
 		reason := "peer is on another host"

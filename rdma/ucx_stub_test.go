@@ -1,0 +1,5 @@
+//go:build !(linux && cgo && ucx)
+
+package rdma
+
+func ucxTestTransports() []Transport { return nil }
