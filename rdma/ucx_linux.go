@@ -218,37 +218,57 @@ func (s *ucxServer) admit(m ucx.Message) (ucx.Admission, error) {
 type ucxLander struct {
 	s   *ucxServer
 	r   *ucxRx
+	g   *Grant
 	tok ucx.Token
+}
+
+// ucxCutGrace is how long a fence lets a UCX receive in flight end on its
+// own before it cuts it: well inside Config.FenceWait's default 100 ms.
+const ucxCutGrace = 20 * time.Millisecond
+
+func landingInFlight(g *Grant) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.inflight > 0
 }
 
 func (l *ucxLander) abortLanding() {
 	l.s.spawn(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), ucxCallTimeout)
-		defer cancel()
-		_ = l.s.w.Abort(ctx, l.tok)
-		h := header{typ: frameReply, index: codeOf(ErrRevoked), grant: uint64(l.tok)}
-		msg := ucxHeader(&h, l.r.id, 0)
-		if o, err := l.s.w.Post(l.r.ep, msg, nil); err == nil {
-			// A header-only send on a live endpoint completes in
-			// microseconds; on one the cut closed, never.
-			wctx, wcancel := context.WithTimeout(ctx, 50*time.Millisecond)
-			err = o.Wait(wctx)
-			wcancel()
-			if err == nil {
+		// A receive from a live, progressing writer ends within
+		// microseconds to milliseconds: let it, and cut only one that is
+		// stalled (a frozen writer). Cutting costs both sides their
+		// endpoints (UCX shares one tcp socket between a pair of workers'
+		// endpoints, so the cut also silences the endpoint back to the
+		// writer until it connects again).
+		for until := time.Now().Add(ucxCutGrace); time.Now().Before(until); {
+			if !landingInFlight(l.g) {
 				return
 			}
+			time.Sleep(time.Millisecond)
 		}
-		// UCX matched the endpoint back to the writer with the one the
-		// cut closed: say it through a fresh one.
-		ep, err := l.s.w.Connect(ctx, l.r.addr)
-		if err != nil {
+		if !landingInFlight(l.g) {
 			return
 		}
-		if o, err := l.s.w.Post(ep, msg, nil); err == nil {
-			_ = o.Wait(ctx)
-		}
-		_ = l.s.w.CloseEndpoint(ctx, ep, ucx.CloseFlush)
+		ctx, cancel := context.WithTimeout(context.Background(), ucxCallTimeout)
+		defer cancel()
+		// Not Worker.Abort: force-closing the endpoints on this side
+		// makes UCX 1.13 abort the process (ucp_am.c:1296, assertion in
+		// ucp_am_handler_reply) when the live writer's next message names
+		// the endpoint it closed, which a writer that did not hear of the
+		// cut yet always sends. The writer closes its own side instead,
+		// which ends the receive (tcp: the connection resets).
+		l.s.notifyCut(ctx, l.r, uint64(l.tok))
 	})
+}
+
+// notifyCut tells writer link r that the receiver gave up on what it sends
+// (a reply with sequence 0): the writer closes its endpoint, ending its
+// sends in flight and the exchanges waiting for an answer.
+func (s *ucxServer) notifyCut(ctx context.Context, r *ucxRx, grant uint64) {
+	h := header{typ: frameReply, index: codeOf(ErrRevoked), grant: grant}
+	if o, err := s.w.Post(r.ep, ucxHeader(&h, r.id, 0), nil); err == nil {
+		_ = o.Wait(ctx)
+	}
 }
 
 // cutNotice takes a receiver's word that it cut link lid's endpoint.
@@ -279,8 +299,8 @@ func (s *ucxServer) admitData(h *header, lid uint64, m ucx.Message) (ucx.Admissi
 		s.e.stats.framesRefused.Add(1)
 		return ucx.Admission{}, ucx.ErrRejected
 	}
-	ab := &ucxLander{s: s, r: r, tok: ucx.Token(h.grant)}
 	g, err := s.e.lookupGrant(h.grant)
+	ab := &ucxLander{s: s, r: r, g: g, tok: ucx.Token(h.grant)}
 	var ld landing
 	fail := false
 	if err == nil {
@@ -474,9 +494,9 @@ func (s *ucxServer) bye(lid uint64) {
 		return
 	}
 	s.gone(r, ErrPeerClosed)
-	ctx, cancel := context.WithTimeout(context.Background(), ucxCallTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
-	_ = s.w.CloseEndpoint(ctx, r.ep, ucx.CloseForce)
+	_ = s.w.CloseEndpoint(ctx, r.ep, ucx.CloseFlush)
 }
 
 // gone fails what r landed without committing and reports its writer.

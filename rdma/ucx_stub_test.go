@@ -3,3 +3,5 @@
 package rdma
 
 func ucxTestTransports() []Transport { return nil }
+
+func cutUCXWriters(*Engine) int { return 0 }
