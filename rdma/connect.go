@@ -30,7 +30,8 @@ func (e *Engine) TransportFor(agent AgentID) (Transport, bool) {
 
 // Connect pre-connects to a peer and returns the transport chosen. The
 // choice is the first of inproc (the peer engine lives in this process), shm
-// (same Host) and tcp that both engines serve and that connects; it is always
+// (same Host), ucx (opt-in: served only where configured) and tcp that both
+// engines serve and that connects; it is always
 // logged, and a transport skipped because it failed to connect is logged as
 // a warning with the reason. Connecting again to the same descriptor is a
 // no-op; a changed descriptor replaces the old connection.

@@ -69,6 +69,9 @@ const (
 	// ucxCallTimeout bounds control exchanges made on the engine's own
 	// behalf (hello, goodbye, a connect back to a writer).
 	ucxCallTimeout = 10 * time.Second
+	// ucxReplyTimeout bounds the wait for a reply when the caller's
+	// context has no deadline.
+	ucxReplyTimeout = time.Minute
 )
 
 // ucxServer is an engine's UCX worker, serving both roles: it admits the
@@ -705,11 +708,19 @@ func (l *ucxLink) reset(ep ucx.EndpointID) {
 
 // exchange posts one header-only message (or one with payload) and waits
 // for the receiver's reply naming it.
+// It is the hello of an endpoint being connected (l.mu held): a cut one
+// is dropped directly, not through reset.
 func (l *ucxLink) exchange(ctx context.Context, ep ucx.EndpointID, h *header, tail []byte, more []byte) (ucxReply, error) {
-	return l.exchangePayload(ctx, ep, h, nil, tail, more)
+	return l.exchangeOn(ctx, ep, l.drop, h, nil, tail, more)
 }
 
 func (l *ucxLink) exchangePayload(ctx context.Context, ep ucx.EndpointID, h *header, payload []byte, tail ...[]byte) (ucxReply, error) {
+	return l.exchangeOn(ctx, ep, l.reset, h, payload, tail...)
+}
+
+// exchangeOn posts one message and waits for its reply; cut ends ep when
+// the wait is given up, so that the send in flight ends too.
+func (l *ucxLink) exchangeOn(ctx context.Context, ep ucx.EndpointID, cut func(ucx.EndpointID), h *header, payload []byte, tail ...[]byte) (ucxReply, error) {
 	seq := l.seq.Add(1)
 	ch := make(chan ucxReply, 1)
 	l.wmu.Lock()
@@ -725,8 +736,23 @@ func (l *ucxLink) exchangePayload(ctx context.Context, ep ucx.EndpointID, h *hea
 		return ucxReply{}, fmt.Errorf("%w: %w", ErrPeerClosed, err)
 	}
 	opDone := op.Done()
+	// A receiver that forgot this link (its endpoint back to us failed)
+	// drops what the link sends without an answer: bound the wait when
+	// the caller did not, and start afresh (hello) on the next write.
+	var silence <-chan time.Time
+	if _, ok := ctx.Deadline(); !ok {
+		tm := time.NewTimer(ucxReplyTimeout)
+		defer tm.Stop()
+		silence = tm.C
+	}
 	for {
 		select {
+		case <-silence:
+			cut(ep)
+			if opDone != nil {
+				<-opDone
+			}
+			return ucxReply{}, fmt.Errorf("%w: no reply from %s over ucx in %s", ErrPeerClosed, l.peer.Agent, ucxReplyTimeout)
 		case rep := <-ch:
 			if rep.err != nil {
 				return rep, rep.err
@@ -742,7 +768,7 @@ func (l *ucxLink) exchangePayload(ctx context.Context, ep ucx.EndpointID, h *hea
 			}
 		case <-ctx.Done():
 			if opDone != nil {
-				l.reset(ep)
+				cut(ep)
 				<-opDone
 			}
 			return ucxReply{}, fmt.Errorf("rdma: exchange with %s: %w", l.peer.Agent, ctx.Err())
