@@ -10,6 +10,8 @@ import (
 	"os"
 	"strings"
 	"time"
+
+	"github.com/handoff-io/handoff/internal/ucx"
 )
 
 // Config configures an Engine. Only Agent is required.
@@ -54,7 +56,11 @@ type Config struct {
 	// certificate the CA signed is a worker, so give that CA to workers
 	// only. shm and inproc never leave the host and are unaffected. Off by
 	// default.
-	TLS    *tls.Config
+	TLS *tls.Config
+	// UCX are UCX settings for the ucx transport, named without the UCX_
+	// prefix ("TLS": "tcp"); the process environment (UCX_TLS=...) wins
+	// over them, and they over internal/ucx's Defaults.
+	UCX    map[string]string
 	Logger *slog.Logger // default slog.Default()
 }
 
@@ -77,6 +83,10 @@ func (c *Config) validate() error {
 		case TransportSHM:
 			if !shmSupported {
 				return fmt.Errorf("%w: transport shm needs linux", ErrUnsupported)
+			}
+		case TransportUCX:
+			if !ucxSupported {
+				return fmt.Errorf("%w: transport ucx: this build has no UCX (build with -tags ucx, on linux with cgo and libucx-dev): %w", ErrUnsupported, ucx.ErrUnavailable)
 			}
 		default:
 			return fmt.Errorf("%w: transport %q", ErrUnsupported, t)

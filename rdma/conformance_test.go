@@ -27,7 +27,7 @@ func testTransports() []Transport {
 	if shmSupported {
 		ts = append(ts, TransportSHM)
 	}
-	return ts
+	return append(ts, ucxTestTransports()...)
 }
 
 func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
@@ -698,7 +698,7 @@ func TestConformanceRandomLayouts(t *testing.T) {
 // closes its connections, and not while the writer lives (tcp with several
 // pooled connections, shm with its control socket).
 func TestWriterGone(t *testing.T) {
-	for _, tr := range []Transport{TransportTCP, TransportSHM} {
+	for _, tr := range append([]Transport{TransportTCP, TransportSHM}, ucxTestTransports()...) {
 		if tr == TransportSHM && !shmSupported {
 			continue
 		}
@@ -763,6 +763,10 @@ func TestWriterGone(t *testing.T) {
 // breaks on a cancelled write (it connects again before letting it go), not
 // when the receiver fences a landing and cuts the connection, not when shm
 // reconnects to map a region registered later.
+//
+// Not on ucx yet: a write cut by its context closes the writer's endpoint
+// by force (its sends in flight must end), and the receiver's endpoint back
+// to the writer then fails, which it takes for the writer gone.
 func TestWriterGoneNotReportedForLiveWriter(t *testing.T) {
 	for _, tr := range []Transport{TransportTCP, TransportSHM} {
 		if tr == TransportSHM && !shmSupported {

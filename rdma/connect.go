@@ -4,6 +4,7 @@ package rdma
 // the link kept for it.
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -29,7 +30,8 @@ func (e *Engine) TransportFor(agent AgentID) (Transport, bool) {
 
 // Connect pre-connects to a peer and returns the transport chosen. The
 // choice is the first of inproc (the peer engine lives in this process), shm
-// (same Host) and tcp that both engines serve and that connects; it is always
+// (same Host), ucx (opt-in: served only where configured) and tcp that both
+// engines serve and that connects; it is always
 // logged, and a transport skipped because it failed to connect is logged as
 // a warning with the reason. Connecting again to the same descriptor is a
 // no-op; a changed descriptor replaces the old connection.
@@ -46,7 +48,7 @@ func (e *Engine) Connect(ctx context.Context, peer Descriptor) (Transport, error
 }
 
 func sameEndpoint(a, b Descriptor) bool {
-	return a.Agent == b.Agent && a.Host == b.Host && a.TCPAddr == b.TCPAddr && a.ShmAddr == b.ShmAddr && slices.Equal(a.Transports, b.Transports)
+	return a.Agent == b.Agent && a.Host == b.Host && a.TCPAddr == b.TCPAddr && a.ShmAddr == b.ShmAddr && bytes.Equal(a.UCXAddr, b.UCXAddr) && slices.Equal(a.Transports, b.Transports)
 }
 
 func (e *Engine) peerFor(ctx context.Context, peer Descriptor) (*peerState, error) {
@@ -128,6 +130,11 @@ func (e *Engine) dial(ctx context.Context, peer Descriptor) (link, error) {
 	// shm maps memfds: device memory on either side goes by cuda-ipc or tcp.
 	if both(TransportSHM) && peer.Host == e.cfg.Host && peer.ShmAddr != "" && !e.devs.any() && !hasDeviceRegions(peer) {
 		cands = append(cands, candidate{TransportSHM, "peer is on this host", func() (link, error) { return dialSHM(ctx, e, peer) }})
+	}
+	// ucx is served only where the operator asked for it (it is never in
+	// the default Transports), so when both serve it, it is what they want.
+	if both(TransportUCX) && len(peer.UCXAddr) > 0 && !e.devs.any() && !hasDeviceRegions(peer) {
+		cands = append(cands, candidate{TransportUCX, "both serve ucx", func() (link, error) { return dialUCX(ctx, e, peer) }})
 	}
 	if both(TransportTCP) && peer.TCPAddr != "" {
 		reason := "peer is on another host"

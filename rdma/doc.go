@@ -107,10 +107,13 @@
 // its fence is landings, which cuts the landings in flight and waits for
 // them. tcp, cuda-ipc and inproc do that (inproc registers no lander: a
 // piece's memcpy is waited for), and so does a receiver-driven transport
-// such as UCX active messages: it admits each incoming message against the
-// grant table, pulls the payload into the destination as one landing, lets
-// the fence cancel the receive, and so Revoke returns once every receive
-// filed under the grant completed.
+// such as UCX active messages (ucx_linux.go): it admits each incoming
+// message against the grant table, pulls the payload into the destination
+// as one landing, and so Revoke returns once every receive filed under the
+// grant completed. UCX cannot cancel a receive, so its lander's abort gives
+// a receive 20 ms to end and then tells the writer to close its endpoint,
+// which ends it (a writer frozen mid-transfer over UCX's tcp therefore
+// holds the fence until it resumes or dies).
 //
 // # Progressive writes
 //
@@ -169,7 +172,19 @@
 // answers once its frames have landed, and the last lane commits after
 // every flush was answered; an extent two lanes share is summed piece by
 // piece on each side and the sums joined in order, crc32c.Combine), restricted
-// to what both engines serve. The choice is logged with slog and reported by
+// to what both engines serve, with ucx (UCX active messages, ucx_linux.go)
+// before tcp when both serve it. ucx is opt-in: only builds with -tags ucx
+// (linux, cgo, libucx) have it (others refuse it with ErrUnsupported
+// wrapping ucx.ErrUnavailable), and it is never in the default Transports,
+// so an engine serves it only where the operator named it; auto never
+// picks it. Its writer sends each piece as messages of up to 8 MiB, eight
+// in flight, whose headers are data frame headers; the receiver admits
+// each as a landing (the checks of a tcp data frame) and UCX pulls the
+// payload into the destination itself (cma: process_vm_readv by the
+// receiver; tcp: fragments the receiver copies out), so its fence is
+// landings; commits, flushes and hellos are header-only messages answered
+// by a reply message to the writer's own worker. Descriptor.UCXAddr
+// carries the worker address. The choice is logged with slog and reported by
 // Engine.TransportFor; a transport that fails to connect is logged as a
 // warning with the reason before the next is tried.
 //

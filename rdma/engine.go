@@ -42,6 +42,7 @@ type Engine struct {
 	ops      sync.WaitGroup
 	tcp      *tcpServer
 	shm      *shmServer
+	ucx      *ucxServer
 	served   []Transport
 	// fences are the served transports' receiving sides, which every
 	// grant is opened on and fenced through (fence.go); set by New.
@@ -95,6 +96,8 @@ func New(cfg Config) (*Engine, error) {
 			}
 		case TransportSHM:
 			e.shm, err = startSHM(e, cfg.ShmSocket)
+		case TransportUCX:
+			e.ucx, err = startUCX(e)
 		}
 		if err != nil {
 			e.Close()
@@ -110,6 +113,9 @@ func New(cfg Config) (*Engine, error) {
 	}
 	if e.serves(TransportInproc) {
 		e.fences = append(e.fences, inprocRx{})
+	}
+	if e.ucx != nil {
+		e.fences = append(e.fences, e.ucx)
 	}
 	if e.shm != nil {
 		e.fences = append(e.fences, e.shm)
@@ -188,6 +194,9 @@ func (e *Engine) Descriptor() Descriptor {
 	if e.shm != nil {
 		d.ShmAddr = e.shm.path
 	}
+	if e.ucx != nil {
+		d.UCXAddr = slices.Clone(e.ucx.addr)
+	}
 	for _, r := range e.regions {
 		rd := RegionDesc{ID: r.id, Name: r.name, Length: r.size}
 		if r.dev != nil {
@@ -237,6 +246,10 @@ func (e *Engine) Close() error {
 		delete(e.peers, a)
 	}
 	e.peerMu.Unlock()
+	if e.ucx != nil {
+		// After the links: they use its worker to say goodbye.
+		e.ucx.close()
+	}
 	e.ops.Wait()
 	e.devs.close()
 

@@ -91,7 +91,7 @@ func cutWriters(e *Engine) int {
 		}
 		e.tcp.mu.Unlock()
 	}
-	return n + cutSHMWriters(e)
+	return n + cutSHMWriters(e) + cutUCXWriters(e)
 }
 
 // hold stops a data path at a hook (hooks.go) until let: the goroutine
@@ -382,7 +382,10 @@ func TestConformanceFenceVersusReuse(t *testing.T) {
 				switch at {
 				case "copying", "commit":
 					reach(t, fmt.Sprintf("round %d: the writer is held (%s)", i, at), h.reached)
-					if at == "copying" && tr != TransportSHM {
+					// ucx: UCX moves a message's payload on the receiver's
+					// worker, whatever the writer's goroutine does, so a
+					// held writer holds no landing open.
+					if at == "copying" && tr != TransportSHM && tr != TransportUCX {
 						waitFor(t, "the receiver lands the held writer's data", func() bool { return landingIn(g1) })
 					}
 					revoke()

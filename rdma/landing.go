@@ -122,16 +122,27 @@ func (g *Grant) beginLand(epoch uint64, token *[16]byte, idx uint32, off, n uint
 // beginLandAt is beginLand with the deadline checked against now, for a
 // writer that lands many small pieces and reads the clock once per batch.
 func (g *Grant) beginLandAt(now time.Time, epoch uint64, token *[16]byte, idx uint32, off, n uint64, ab lander) (landing, error) {
+	l, fail, err := g.admitLand(now, epoch, token, idx, off, n, ab)
+	if fail {
+		g.terminate(err)
+	}
+	return l, err
+}
+
+// admitLand is beginLandAt without failing the grant: fail reports that
+// the frame must fail it (expired, or out of range with the right token),
+// which the caller does with g.terminate where it may block. A receiver
+// whose admission runs where it must not block (the UCX worker's own
+// goroutine, which the fence waits on) fails the grant from elsewhere.
+func (g *Grant) admitLand(now time.Time, epoch uint64, token *[16]byte, idx uint32, off, n uint64, ab lander) (l landing, fail bool, err error) {
 	g.mu.Lock()
 	if err := g.checkLocked(epoch, token); err != nil {
 		g.mu.Unlock()
-		return landing{}, err
+		return landing{}, false, err
 	}
 	if g.expired(now) {
 		g.mu.Unlock()
-		err := g.deadlineErr()
-		g.terminate(err)
-		return landing{}, err
+		return landing{}, true, g.deadlineErr()
 	}
 	if int(idx) >= len(g.dst) || off > g.ticket.Extents[idx].Length || n > g.ticket.Extents[idx].Length-off || n == 0 {
 		g.mu.Unlock()
@@ -141,10 +152,9 @@ func (g *Grant) beginLandAt(now time.Time, epoch uint64, token *[16]byte, idx ui
 		} else {
 			err = fmt.Errorf("%w: [%d, +%d) outside extent %d of %d bytes (grant %d)", ErrOutOfRange, off, n, idx, g.ticket.Extents[idx].Length, g.id)
 		}
-		g.terminate(err)
-		return landing{}, err
+		return landing{}, true, err
 	}
-	l := landing{idx: idx, off: off, n: n}
+	l = landing{idx: idx, off: off, n: n}
 	if g.dev != nil && g.dev[idx].a != nil {
 		l.dev = devSpan{a: g.dev[idx].a, off: g.dev[idx].off + off}
 	} else {
@@ -166,7 +176,7 @@ func (g *Grant) beginLandAt(now time.Time, epoch uint64, token *[16]byte, idx ui
 		g.landers = append(g.landers, ab)
 	}
 	g.mu.Unlock()
-	return l, nil
+	return l, false, nil
 }
 
 // cutLandings aborts the landings in flight (each lander's blocked read or
@@ -182,6 +192,17 @@ func (g *Grant) cutLandings() {
 	if f := g.e.testHooks().fenceWaits; f != nil && g.inflight > 0 {
 		f(g)
 	}
+	for g.inflight > 0 {
+		g.quiet.Wait()
+	}
+	g.mu.Unlock()
+}
+
+// waitLandings waits until no landing of g is in flight: every frame
+// admitted so far has landed or failed (a UCX flush: the writer's earlier
+// messages were all admitted before it).
+func (g *Grant) waitLandings() {
+	g.mu.Lock()
 	for g.inflight > 0 {
 		g.quiet.Wait()
 	}

@@ -15,6 +15,10 @@ const (
 	TransportCUDAIPC Transport = "cuda-ipc" // same host, device regions: the receiver copies device to device through CUDA IPC
 	TransportSHM     Transport = "shm"      // same host: the writer copies into the receiver's mapped memfd
 	TransportTCP     Transport = "tcp"      // anywhere: framed writes over pooled TCP connections
+	// TransportUCX: UCX active messages, the receiver pulling each one
+	// (tcp, cma; verbs where UCX has it). Opt-in: only in builds with
+	// -tags ucx (internal/ucx), never in the default Transports.
+	TransportUCX Transport = "ucx"
 )
 
 // AgentID names an engine; unique per process.
@@ -56,6 +60,9 @@ type Descriptor struct {
 	// for an agent without device regions.
 	IPCNamespace string   `json:"ipc_ns,omitempty"`
 	CUDADevices  []string `json:"cuda_devices,omitempty"`
+	// UCXAddr is the UCX worker address writers connect to (ucx); empty
+	// when ucx is not served.
+	UCXAddr []byte `json:"ucx_addr,omitempty"`
 }
 
 // GrantSpec describes a grant to open on the receiver.

@@ -86,7 +86,7 @@ func parseDatapathFlags(args []string, stderr io.Writer) (datapathOptions, error
 	var o datapathOptions
 	fs := flag.NewFlagSet("datapath", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	transports := fs.String("transport", "tcp", "transports to measure: tcp, shm, inproc (comma-separated)")
+	transports := fs.String("transport", "tcp", "transports to measure: tcp, shm, inproc, ucx (comma-separated; ucx needs a build with -tags ucx)")
 	extents := fs.String("extent", "1MiB", "extent sizes, e.g. 4KiB,1MiB (comma-separated)")
 	grant := fs.String("grant-bytes", "8MiB", "bytes per grant (one request); rounded down to whole extents, at least one")
 	fs.DurationVar(&o.duration, "duration", 5*time.Second, "measuring time per run")
@@ -123,9 +123,9 @@ func parseDatapathFlags(args []string, stderr io.Writer) (datapathOptions, error
 	for _, s := range strings.Split(*transports, ",") {
 		t := rdma.Transport(strings.TrimSpace(s))
 		switch t {
-		case rdma.TransportTCP, rdma.TransportSHM, rdma.TransportInproc:
+		case rdma.TransportTCP, rdma.TransportSHM, rdma.TransportInproc, rdma.TransportUCX:
 		default:
-			return o, fmt.Errorf("datapath: --transport %q: want tcp, shm or inproc", s)
+			return o, fmt.Errorf("datapath: --transport %q: want tcp, shm, inproc or ucx", s)
 		}
 		if !slices.Contains(o.transports, t) {
 			o.transports = append(o.transports, t)

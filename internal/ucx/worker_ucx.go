@@ -785,6 +785,13 @@ func (w *Worker) onMessage(hdr unsafe.Pointer, hdrLen int, data unsafe.Pointer, 
 	}
 	if err != nil {
 		w.st.refused.Add(1)
+		if !rndv {
+			// An eager message is dropped: its sender completed already,
+			// and an error returned for one fails an assertion that
+			// aborts the process in UCX 1.13 (ucp_am.c:1296,
+			// ucp_am_handler and ucp_am_handler_reply).
+			return C.UCS_OK
+		}
 		if s := Status(0); errors.As(err, &s) && s < 0 {
 			return C.int(s)
 		}

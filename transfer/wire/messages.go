@@ -63,6 +63,9 @@ type Peer struct {
 	// open (cuda-ipc); empty without device regions (and then not encoded).
 	IPCNamespace string   `msgpack:"ipc,omitempty"`
 	CUDADevices  []string `msgpack:"cd,omitempty"`
+	// UCXAddr is the agent's UCX worker address (ucx); empty when ucx is
+	// not served (and then not encoded).
+	UCXAddr []byte `msgpack:"ucx,omitempty"`
 }
 
 // PeerOf converts a descriptor to its wire form.
@@ -70,6 +73,9 @@ func PeerOf(d rdma.Descriptor) Peer {
 	p := Peer{Agent: string(d.Agent), Host: d.Host, TCPAddr: d.TCPAddr, ShmAddr: d.ShmAddr, IPCNamespace: d.IPCNamespace}
 	if len(d.CUDADevices) > 0 {
 		p.CUDADevices = slices.Clone(d.CUDADevices)
+	}
+	if len(d.UCXAddr) > 0 {
+		p.UCXAddr = slices.Clone(d.UCXAddr)
 	}
 	if len(d.Transports) > 0 {
 		p.Transports = make([]string, len(d.Transports))
@@ -91,6 +97,9 @@ func (p Peer) Descriptor() rdma.Descriptor {
 	d := rdma.Descriptor{Agent: rdma.AgentID(p.Agent), Host: p.Host, TCPAddr: p.TCPAddr, ShmAddr: p.ShmAddr, IPCNamespace: p.IPCNamespace}
 	if len(p.CUDADevices) > 0 {
 		d.CUDADevices = slices.Clone(p.CUDADevices)
+	}
+	if len(p.UCXAddr) > 0 {
+		d.UCXAddr = slices.Clone(p.UCXAddr)
 	}
 	if len(p.Transports) > 0 {
 		d.Transports = make([]rdma.Transport, len(p.Transports))

@@ -8,6 +8,8 @@ package wire
 // where they are nested in other messages.
 
 import (
+	"slices"
+
 	"errors"
 	"fmt"
 	"math"
@@ -78,7 +80,13 @@ func (p *Peer) appendTo(b []byte) []byte {
 	if len(p.CUDADevices) > 0 {
 		n++
 	}
+	if len(p.UCXAddr) > 0 {
+		n++
+	}
 	b = appendMapLen(b, n)
+	if len(p.UCXAddr) > 0 {
+		b = appendBin(appendStr(b, "ucx"), p.UCXAddr)
+	}
 	if p.IPCNamespace != "" {
 		b = appendStr(appendStr(b, "ipc"), p.IPCNamespace)
 	}
@@ -167,6 +175,11 @@ func (p *Peer) decode(r *reader) error {
 			p.IPCNamespace, err = r.str()
 		case "cd":
 			p.CUDADevices, err = decodeStrings(r)
+		case "ucx":
+			var v []byte
+			if v, err = r.bytes(); err == nil {
+				p.UCXAddr = slices.Clone(v)
+			}
 		case "r":
 			if err = once(&seen, 1, "r"); err == nil {
 				p.Regions, err = decodeRegions(r)

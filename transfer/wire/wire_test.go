@@ -118,6 +118,7 @@ type plainPeer struct {
 
 	IPCNamespace string   `msgpack:"ipc,omitempty"`
 	CUDADevices  []string `msgpack:"cd,omitempty"`
+	UCXAddr      []byte   `msgpack:"ucx,omitempty"`
 }
 
 type plainTicket struct {
@@ -647,4 +648,23 @@ func requestWith(t *testing.T, key string, v uint64) []byte {
 		out = append(appendStr(out, k), raw...)
 	}
 	return out
+}
+
+// TestPeerUCXAddrRoundTrip: a descriptor's UCX worker address survives the
+// wire, and one without leaves the bytes as before (omitted).
+func TestPeerUCXAddrRoundTrip(t *testing.T) {
+	d := rdma.Descriptor{Agent: "decode-0", Host: "h", Transports: []rdma.Transport{rdma.TransportUCX}, UCXAddr: []byte{0, 1, 2, 0xff}}
+	b, err := msgpack.Marshal(PeerOf(d))
+	require.NoError(t, err)
+	var p Peer
+	require.NoError(t, msgpack.Unmarshal(b, &p))
+	require.Equal(t, d.UCXAddr, p.Descriptor().UCXAddr)
+	var plain plainPeer
+	require.NoError(t, msgpack.Unmarshal(b, &plain))
+	require.Equal(t, d.UCXAddr, plain.UCXAddr)
+
+	d.UCXAddr = nil
+	without, err := msgpack.Marshal(PeerOf(d))
+	require.NoError(t, err)
+	require.NotContains(t, string(without), "ucx\xc4")
 }

@@ -161,7 +161,7 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	num(&c.RegistryReplicas, "registry-replicas", "HANDOFF_REGISTRY_REPLICAS", 0, "replicas of the instance registry bucket (0: 3 on a NATS cluster that can hold them, else 1)")
 	str(&c.DataAddr, "data-addr", "HANDOFF_DATA_ADDR", DefaultDataAddr, "data-plane TCP listen address", false)
 	str(&c.DataAdvertise, "data-advertise", "HANDOFF_DATA_ADVERTISE", "", "data-plane address peers dial (default $POD_IP:<port> when POD_IP is set; else, with --memory cuda and a wildcard --data-addr, the GPU's NIC:<port>; else the listener's)", false)
-	str(&c.Transport, "transport", "HANDOFF_TRANSPORT", "auto", "data-plane transport: auto, tcp, shm, inproc or cuda-ipc", false)
+	str(&c.Transport, "transport", "HANDOFF_TRANSPORT", "auto", "data-plane transport: auto, tcp, shm, inproc, cuda-ipc or ucx (UCX active messages; needs a build with -tags ucx; auto never picks it)", false)
 	str(&c.Memory, "memory", "HANDOFF_MEMORY", "host", "where the caches live: host, or cuda (GPU memory through libcuda.so.1, loaded at run time)", false)
 	str(&c.CUDADevice, "cuda-device", "HANDOFF_CUDA_DEVICE", "0", "with --memory cuda: the GPU, by CUDA ordinal or UUID (GPU-...)", false)
 	num(&c.TCPLanes, "tcp-lanes", "HANDOFF_TCP_LANES", 4, "tcp connections one large cache write is striped over (1: one)")
@@ -263,9 +263,9 @@ func (c *Config) Validate() error {
 		bad("--prefill-chunk-tokens %d: want ≥ 0", c.PrefillChunkTokens)
 	}
 	switch c.Transport {
-	case "auto", "tcp", "shm", "inproc", "cuda-ipc":
+	case "auto", "tcp", "shm", "inproc", "cuda-ipc", "ucx":
 	default:
-		bad("--transport %q: want auto, tcp, shm, inproc or cuda-ipc", c.Transport)
+		bad("--transport %q: want auto, tcp, shm, inproc, cuda-ipc or ucx", c.Transport)
 	}
 	if m, err := cuda.ParseMemory(c.Memory); err != nil {
 		bad("--memory %q: want host or cuda", c.Memory)

@@ -20,6 +20,7 @@ import (
 	"github.com/handoff-io/handoff/hybrid"
 	"github.com/handoff-io/handoff/internal/cuda"
 	"github.com/handoff-io/handoff/internal/topology"
+	"github.com/handoff-io/handoff/internal/ucx"
 	"github.com/handoff-io/handoff/model"
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/handoff-io/handoff/transfer"
@@ -144,6 +145,9 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool, openCUDA func()
 	}
 	if remote {
 		rc := rdma.Config{Agent: rdma.AgentID(cfg.InstanceID), TCPAddr: cfg.DataAddr, Advertise: cfg.DataAdvertise, TCPLanes: cfg.TCPLanes, Logger: log}
+		if cfg.Transport == string(rdma.TransportUCX) && !ucx.Available {
+			return nil, errors.New("--transport ucx: this build has no UCX: build with -tags ucx (linux, cgo, libucx-dev; scripts/install-ucx)")
+		}
 		if cfg.Transport != "auto" {
 			rc.Transports = []rdma.Transport{rdma.Transport(cfg.Transport)}
 			if cfg.Transport != "tcp" {

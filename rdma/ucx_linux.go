@@ -1,0 +1,908 @@
+//go:build linux && cgo && ucx
+
+package rdma
+
+// The ucx transport: UCX active messages (internal/ucx), receiver-driven.
+//
+// A writer sends each contiguous source run of a write as one active
+// message (at most ucxChunk bytes) whose header is a data frame's header
+// (grant, epoch, token, extent index, offset, length); the receiver's
+// admission (ucxServer.admit, on the UCX worker's goroutine) checks it
+// against the grant exactly as a tcp data frame is checked, through
+// Grant.admitLand, and answers with the destination bytes in its own
+// region. UCX then pulls the payload there itself: a GET by this process
+// (cma: process_vm_readv; verbs: an RDMA READ) or fragments this process
+// copies out (tcp). The receive is the landing; it ends in its Done
+// callback, which sums what landed and ends the landing. A commit is a
+// header-only message carrying the manifest (or the manifest as payload when
+// the header cannot hold it), answered, like a hello or a flush, by a reply
+// message to the writer's own worker: a UCX send completion is never taken
+// for delivery, only the receiver's checked verdict.
+//
+// Why nothing lands after Revoke, on every UCX transport (tcp, cma/shm and
+// verbs alike): bytes reach a destination only through receives this
+// receiver admitted itself and posted into the slice it chose; a writer
+// never learns a destination address or key (no rkey ever leaves this
+// engine), so there is no one-sided store to stop. Every admitted receive is
+// a landing counted in flight on its grant until its Done ran, and UCX
+// calls Done only once the receive request completed, whatever its status,
+// after which UCX moves no byte of it (internal/ucx: the one fence that
+// holds on every transport; cancelling a receive does not exist and neither
+// unmapping memory nor closing an endpoint stops a GET in flight). Revoke
+// moves the grant out of its epoch first, so admission refuses every later
+// message, then cuts the landings in flight (the lander's abort
+// force-closes the endpoints they came by, ending a stalled tcp receive at
+// once; a cma GET in progress runs to its end) and waits until their count
+// is zero: only then does it return. The fence is therefore landings, as
+// for tcp.
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/handoff-io/handoff/internal/ucx"
+)
+
+const ucxSupported = true
+
+const (
+	// ucxChunk bounds one message's payload, so that a receive in flight
+	// (what a fence may have to wait out: a cma GET runs to its end) stays
+	// short.
+	ucxChunk = 8 << 20
+	// ucxWindow is how many data messages a write keeps in flight: one
+	// rendezvous round trip is ~250 µs, so a serial writer would idle.
+	ucxWindow = 8
+	// ucxTail is what follows the frame header in every message: the
+	// writer's link id and the exchange's sequence number, which a reply
+	// names so that no answer is taken for another.
+	ucxTail = 16
+	// frameBye: a writer's link closing (not a frame of the tcp protocol).
+	frameBye = 0x80
+	// ucxCallTimeout bounds control exchanges made on the engine's own
+	// behalf (hello, goodbye, a connect back to a writer).
+	ucxCallTimeout = 10 * time.Second
+	// ucxReplyTimeout bounds the wait for a reply when the caller's
+	// context has no deadline.
+	ucxReplyTimeout = time.Minute
+)
+
+// ucxServer is an engine's UCX worker, serving both roles: it admits the
+// messages of writers' links (receiver) and carries this engine's own links
+// and their replies (writer).
+type ucxServer struct {
+	landings
+	e    *Engine
+	w    *ucx.Worker
+	addr []byte
+
+	mu     sync.Mutex
+	closed bool
+	rx     map[uint64]*ucxRx // writers' links, by link id
+	rxByEP map[ucx.EndpointID]*ucxRx
+	tx     map[uint64]*ucxLink // our links, by link id
+	txByEP map[ucx.EndpointID]*ucxLink
+	wg     sync.WaitGroup // goroutines spawned from the worker's callbacks
+}
+
+var _ fence = (*ucxServer)(nil)
+
+// ucxRx is the receiving end of one writer's link: the endpoint back to the
+// writer's worker (replies go there, and its failure says the writer is
+// gone), and what the link landed in since its last commit.
+type ucxRx struct {
+	id      uint64
+	agent   AgentID
+	addr    []byte // the writer's worker
+	ep      ucx.EndpointID
+	touched map[uint64]*Grant
+	refused map[uint64]error
+}
+
+func startUCX(e *Engine) (*ucxServer, error) {
+	s := &ucxServer{e: e, rx: map[uint64]*ucxRx{}, rxByEP: map[ucx.EndpointID]*ucxRx{},
+		tx: map[uint64]*ucxLink{}, txByEP: map[ucx.EndpointID]*ucxLink{}}
+	w, err := ucx.New(ucx.Config{Name: string(e.cfg.Agent), Admit: s.admit, OnPeerError: s.peerError, Options: e.cfg.UCX})
+	if err != nil {
+		return nil, fmt.Errorf("rdma: ucx: %w", err)
+	}
+	s.w, s.addr = w, w.Address()
+	return s, nil
+}
+
+// close ends the worker: every receive in flight ends (its Done runs), and
+// UCX touches no memory it was given afterwards.
+func (s *ucxServer) close() {
+	s.mu.Lock()
+	s.closed = true
+	rxs := make([]*ucxRx, 0, len(s.rx))
+	for _, r := range s.rx {
+		rxs = append(rxs, r)
+	}
+	clear(s.rx)
+	clear(s.rxByEP)
+	s.mu.Unlock()
+	_ = s.w.Close()
+	s.wg.Wait()
+	for _, r := range rxs {
+		s.e.writerDown(r.agent, false)
+	}
+}
+
+// spawn runs f on a goroutine of its own: the worker's callbacks must not
+// block, and a commit or a fence waits for landings that end on the worker.
+func (s *ucxServer) spawn(f func()) {
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		f()
+	}()
+}
+
+// ucxHeader builds a message header: frame header h, then link id and seq,
+// then tail.
+func ucxHeader(h *header, link, seq uint64, tail ...[]byte) []byte {
+	n := headerSize + ucxTail
+	for _, t := range tail {
+		n += len(t)
+	}
+	b := make([]byte, headerSize+ucxTail, n)
+	h.put(b)
+	binary.LittleEndian.PutUint64(b[headerSize:], link)
+	binary.LittleEndian.PutUint64(b[headerSize+8:], seq)
+	for _, t := range tail {
+		b = append(b, t...)
+	}
+	return b
+}
+
+// admit decides an arriving message, on the worker's goroutine: it must
+// not block (no Grant.terminate, no commit; those are spawned).
+func (s *ucxServer) admit(m ucx.Message) (ucx.Admission, error) {
+	b := m.Header
+	if len(b) < headerSize+ucxTail {
+		return ucx.Admission{}, ucx.ErrRejected
+	}
+	lid := binary.LittleEndian.Uint64(b[headerSize:])
+	seq := binary.LittleEndian.Uint64(b[headerSize+8:])
+	tail := b[headerSize+ucxTail:]
+	if b[4] == frameBye {
+		s.spawn(func() { s.bye(lid) })
+		return ucx.Admission{}, nil
+	}
+	h, err := decodeHeader(b[:headerSize])
+	if err != nil {
+		return ucx.Admission{}, ucx.ErrRejected
+	}
+	if h.typ == frameData {
+		return s.admitData(&h, lid, m)
+	}
+	if h.typ == frameCommit {
+		return s.admitCommit(&h, lid, seq, tail, m)
+	}
+	if m.Length != 0 {
+		return ucx.Admission{}, ucx.ErrRejected
+	}
+	tail = append([]byte(nil), tail...)
+	switch h.typ {
+	case frameHello:
+		s.spawn(func() { s.hello(&h, lid, seq, tail) })
+	case frameFlush:
+		s.spawn(func() { s.flush(&h, lid, seq) })
+	case frameReply:
+		if seq == 0 {
+			s.spawn(func() { s.cutNotice(lid) })
+			break
+		}
+		s.deliver(lid, seq, ucxReply{h: h, msg: string(tail)})
+	default:
+		return ucx.Admission{}, ucx.ErrRejected
+	}
+	return ucx.Admission{}, nil
+}
+
+// ucxLander is one UCX receive's abort: a fence force-closes the endpoints
+// the grant's receives came by (internal/ucx Worker.Abort), on a goroutine
+// of its own since the fence holds the grant's lock and the worker may be
+// about to take it (a Done).
+//
+// UCX tells the writer late that its endpoint was cut (its tcp lane noticed
+// only at the keepalive, 20 s), so the receiver also sends the writer's link
+// a cut notice (a reply with sequence 0): the writer closes its endpoint by
+// force, which ends its sends in flight, and connects again for its next
+// write.
+type ucxLander struct {
+	s   *ucxServer
+	r   *ucxRx
+	g   *Grant
+	tok ucx.Token
+}
+
+// ucxCutGrace is how long a fence lets a UCX receive in flight end on its
+// own before it cuts it: well inside Config.FenceWait's default 100 ms.
+const ucxCutGrace = 20 * time.Millisecond
+
+func landingInFlight(g *Grant) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.inflight > 0
+}
+
+func (l *ucxLander) abortLanding() {
+	l.s.spawn(func() {
+		// A receive from a live, progressing writer ends within
+		// microseconds to milliseconds: let it, and cut only one that is
+		// stalled (a frozen writer). Cutting costs both sides their
+		// endpoints (UCX shares one tcp socket between a pair of workers'
+		// endpoints, so the cut also silences the endpoint back to the
+		// writer until it connects again).
+		for until := time.Now().Add(ucxCutGrace); time.Now().Before(until); {
+			if !landingInFlight(l.g) {
+				return
+			}
+			time.Sleep(time.Millisecond)
+		}
+		if !landingInFlight(l.g) {
+			return
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), ucxCallTimeout)
+		defer cancel()
+		// Not Worker.Abort: force-closing the endpoints on this side
+		// makes UCX 1.13 abort the process (ucp_am.c:1296, assertion in
+		// ucp_am_handler_reply) when the live writer's next message names
+		// the endpoint it closed, which a writer that did not hear of the
+		// cut yet always sends. The writer closes its own side instead,
+		// which ends the receive (tcp: the connection resets).
+		l.s.notifyCut(ctx, l.r, uint64(l.tok))
+	})
+}
+
+// notifyCut tells writer link r that the receiver gave up on what it sends
+// (a reply with sequence 0): the writer closes its endpoint, ending its
+// sends in flight and the exchanges waiting for an answer.
+func (s *ucxServer) notifyCut(ctx context.Context, r *ucxRx, grant uint64) {
+	h := header{typ: frameReply, index: codeOf(ErrRevoked), grant: grant}
+	if o, err := s.w.Post(r.ep, ucxHeader(&h, r.id, 0), nil); err == nil {
+		_ = o.Wait(ctx)
+	}
+}
+
+// cutNotice takes a receiver's word that it cut link lid's endpoint.
+func (s *ucxServer) cutNotice(lid uint64) {
+	s.mu.Lock()
+	l := s.tx[lid]
+	s.mu.Unlock()
+	if l != nil {
+		l.mu.Lock()
+		ep := l.ep
+		l.mu.Unlock()
+		l.reset(ep)
+	}
+}
+
+func (s *ucxServer) link(lid uint64) *ucxRx {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.rx[lid]
+}
+
+// admitData admits a data message as a landing, as a tcp data frame is
+// admitted (token, epoch, state, deadline, extent bounds), and lets UCX
+// pull its payload into the destination.
+func (s *ucxServer) admitData(h *header, lid uint64, m ucx.Message) (ucx.Admission, error) {
+	r := s.link(lid)
+	if r == nil || uint64(m.Length) != h.length {
+		s.e.stats.framesRefused.Add(1)
+		return ucx.Admission{}, ucx.ErrRejected
+	}
+	g, err := s.e.lookupGrant(h.grant)
+	ab := &ucxLander{s: s, r: r, g: g, tok: ucx.Token(h.grant)}
+	var ld landing
+	fail := false
+	if err == nil {
+		ld, fail, err = g.admitLand(time.Now(), h.epoch, &h.token, h.index, h.offset, h.length, ab)
+		if err == nil && ld.dst == nil {
+			g.endLand(&ld, false, ab)
+			err = fmt.Errorf("%w: ucx into device memory", ErrUnsupported)
+		}
+	}
+	s.mu.Lock()
+	if err != nil {
+		if _, ok := r.refused[h.grant]; !ok && len(r.refused) < maxRefusals {
+			r.refused[h.grant] = err
+		}
+	} else {
+		r.touched[g.id] = g
+	}
+	s.mu.Unlock()
+	if err != nil {
+		s.e.stats.framesRefused.Add(1)
+		if fail {
+			s.spawn(func() { g.terminate(err) })
+		}
+		return ucx.Admission{}, ucx.ErrRejected
+	}
+	return ucx.Admission{Dest: ld.dst, Token: ucx.Token(g.id), Done: func(rerr error) {
+		s.spawn(func() {
+			if rerr == nil {
+				for off := 0; off < len(ld.dst); off += landChunk {
+					ld.fill(ld.dst[off:min(off+landChunk, len(ld.dst))])
+				}
+			}
+			g.endLand(&ld, rerr == nil, ab)
+			if rerr != nil {
+				g.terminate(fmt.Errorf("%w: ucx receive from %s: %w", ErrPeerClosed, r.agent, rerr))
+			}
+		})
+	}}, nil
+}
+
+// admitCommit takes a commit: its manifest is in the header, or (for many
+// extents) its payload, received only for a commit whose token and epoch
+// match an open grant.
+func (s *ucxServer) admitCommit(h *header, lid, seq uint64, tail []byte, m ucx.Message) (ucx.Admission, error) {
+	r := s.link(lid)
+	if r == nil {
+		return ucx.Admission{}, ucx.ErrRejected
+	}
+	if m.Length == 0 {
+		mb := append([]byte(nil), tail...)
+		s.spawn(func() { s.commit(r, h, seq, mb) })
+		return ucx.Admission{}, nil
+	}
+	g, err := s.e.lookupGrant(h.grant)
+	if err == nil {
+		g.mu.Lock()
+		err = g.checkLocked(h.epoch, &h.token)
+		g.mu.Unlock()
+	}
+	if err == nil && uint64(m.Length) != h.length {
+		err = malformed("commit payload %d bytes, want %d", m.Length, h.length)
+	}
+	if err != nil {
+		hh := *h
+		s.spawn(func() { s.settle(r, hh.grant); s.reply(r, seq, hh.grant, hh.epoch, err) })
+		return ucx.Admission{}, ucx.ErrRejected
+	}
+	buf := make([]byte, m.Length)
+	hh := *h
+	return ucx.Admission{Dest: buf, Done: func(rerr error) {
+		s.spawn(func() {
+			if rerr != nil {
+				s.settle(r, hh.grant)
+				s.reply(r, seq, hh.grant, hh.epoch, fmt.Errorf("%w: receiving a manifest: %w", ErrPeerClosed, rerr))
+				return
+			}
+			s.commit(r, &hh, seq, buf)
+		})
+	}}, nil
+}
+
+// commit verifies a commit against what landed and replies.
+func (s *ucxServer) commit(r *ucxRx, h *header, seq uint64, mb []byte) {
+	s.mu.Lock()
+	err := r.refused[h.grant]
+	s.mu.Unlock()
+	var g *Grant
+	if err == nil {
+		g, err = s.e.lookupGrant(h.grant)
+	}
+	var man Manifest
+	if err == nil {
+		err = decodeManifest(mb, int(h.index), &man)
+	}
+	if err == nil {
+		err = g.commit(h.epoch, &h.token, &man, true, h.flags&flagNoCRC == 0)
+	}
+	if err != nil {
+		s.e.log.Debug("rdma: commit refused", "peer", string(r.agent), "grant", h.grant, "err", err)
+	}
+	s.settle(r, h.grant)
+	s.reply(r, seq, h.grant, h.epoch, err)
+}
+
+// settle forgets what link r landed in and had refused for grant.
+func (s *ucxServer) settle(r *ucxRx, grant uint64) {
+	s.mu.Lock()
+	delete(r.touched, grant)
+	delete(r.refused, grant)
+	s.mu.Unlock()
+}
+
+// flush answers the end of a streamed write: the writer sent it after every
+// data message of the write completed at its end, so each was admitted
+// before; once the grant's landings are over they have all landed, or the
+// reply says why not.
+func (s *ucxServer) flush(h *header, lid, seq uint64) {
+	r := s.link(lid)
+	if r == nil {
+		return
+	}
+	s.mu.Lock()
+	err := r.refused[h.grant]
+	s.mu.Unlock()
+	if err == nil {
+		var g *Grant
+		if g, err = s.e.lookupGrant(h.grant); err == nil {
+			g.waitLandings()
+			g.mu.Lock()
+			err = g.checkLocked(h.epoch, &h.token)
+			g.mu.Unlock()
+		}
+	}
+	s.settle(r, h.grant)
+	s.reply(r, seq, h.grant, h.epoch, err)
+}
+
+// hello takes a writer's link: it connects back to the writer's worker
+// (replies go there, and its failure tells the writer gone) and counts the
+// writer (writerUp).
+func (s *ucxServer) hello(h *header, lid, seq uint64, tail []byte) {
+	if uint64(len(tail)) < h.length {
+		return
+	}
+	from, to, _ := strings.Cut(string(tail[:h.length]), "\n")
+	addr := tail[h.length:]
+	ctx, cancel := context.WithTimeout(s.e.ctx, ucxCallTimeout)
+	defer cancel()
+	ep, err := s.w.Connect(ctx, addr)
+	if err != nil {
+		s.e.log.Warn("rdma: ucx: cannot connect back to a writer", "writer", from, "err", err)
+		return
+	}
+	r := &ucxRx{id: lid, agent: AgentID(from), addr: addr, ep: ep, touched: map[uint64]*Grant{}, refused: map[uint64]error{}}
+	if AgentID(to) != s.e.cfg.Agent {
+		s.reply(r, seq, 0, 0, fmt.Errorf("%w: writer %s asked for agent %q, this is %q", ErrWrongPeer, from, to, s.e.cfg.Agent))
+		_ = s.w.CloseEndpoint(ctx, ep, ucx.CloseFlush)
+		return
+	}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return
+	}
+	old := s.rx[lid]
+	s.rx[lid] = r
+	s.rxByEP[ep] = r
+	if old != nil {
+		delete(s.rxByEP, old.ep)
+	}
+	s.mu.Unlock()
+	s.e.writerUp(r.agent)
+	if old != nil {
+		s.e.writerDown(old.agent, false)
+	}
+	s.reply(r, seq, 0, 0, nil)
+}
+
+// bye ends a writer's link that its writer closed: like the last tcp
+// connection of a writer closing, the writer is reported gone when it held
+// no other link, and what the link landed without committing fails.
+func (s *ucxServer) bye(lid uint64) {
+	s.mu.Lock()
+	r := s.rx[lid]
+	if r != nil {
+		delete(s.rx, lid)
+		delete(s.rxByEP, r.ep)
+	}
+	s.mu.Unlock()
+	if r == nil {
+		return
+	}
+	s.gone(r, ErrPeerClosed)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	_ = s.w.CloseEndpoint(ctx, r.ep, ucx.CloseFlush)
+}
+
+// gone fails what r landed without committing and reports its writer.
+func (s *ucxServer) gone(r *ucxRx, cause error) {
+	s.mu.Lock()
+	touched := make([]*Grant, 0, len(r.touched))
+	for _, g := range r.touched {
+		touched = append(touched, g)
+	}
+	clear(r.touched)
+	s.mu.Unlock()
+	for _, g := range touched {
+		g.terminate(fmt.Errorf("ucx link from %s closed before commit: %w", r.agent, cause))
+	}
+	s.e.writerDown(r.agent, true)
+}
+
+// peerError is the worker's report that an endpoint failed (on its
+// goroutine): a writer's worker that died or reset (the endpoint back to
+// it), or a receiver's (one of our links).
+func (s *ucxServer) peerError(ep ucx.EndpointID, err error) {
+	s.mu.Lock()
+	r := s.rxByEP[ep]
+	if r != nil {
+		delete(s.rxByEP, ep)
+		delete(s.rx, r.id)
+	}
+	l := s.txByEP[ep]
+	delete(s.txByEP, ep)
+	s.mu.Unlock()
+	if r != nil {
+		s.spawn(func() { s.gone(r, fmt.Errorf("%w: %w", ErrPeerClosed, err)) })
+	}
+	if l != nil {
+		l.broke(ep, err)
+	}
+}
+
+// reply answers exchange seq of link r.
+func (s *ucxServer) reply(r *ucxRx, seq, grant, epoch uint64, err error) {
+	var msg string
+	if err != nil {
+		msg = err.Error()
+		if len(msg) > maxMsgLen {
+			msg = msg[:maxMsgLen]
+		}
+	}
+	h := header{typ: frameReply, index: codeOf(err), grant: grant, epoch: epoch, length: uint64(len(msg))}
+	if _, perr := s.w.Post(r.ep, ucxHeader(&h, r.id, seq, []byte(msg)), nil); perr != nil && !errors.Is(perr, ucx.ErrClosed) {
+		s.e.log.Warn("rdma: ucx: cannot answer a writer", "writer", string(r.agent), "err", perr)
+	}
+}
+
+// ucxReply is a receiver's answer, or err when none can come.
+type ucxReply struct {
+	h   header
+	msg string
+	err error
+}
+
+// deliver hands a reply to the exchange waiting for it (worker goroutine).
+func (s *ucxServer) deliver(lid, seq uint64, rep ucxReply) {
+	s.mu.Lock()
+	l := s.tx[lid]
+	s.mu.Unlock()
+	if l == nil {
+		return
+	}
+	l.wmu.Lock()
+	ch := l.waits[seq]
+	delete(l.waits, seq)
+	l.wmu.Unlock()
+	if ch != nil {
+		ch <- rep
+	}
+}
+
+// ucxLink is the writer side of ucx to one peer: one endpoint to its
+// worker, replaced once it failed.
+type ucxLink struct {
+	s    *ucxServer
+	peer Descriptor
+	id   uint64
+	seq  atomic.Uint64
+
+	mu     sync.Mutex // held while (re)connecting
+	ep     ucx.EndpointID
+	up     bool
+	closed bool
+
+	wmu   sync.Mutex
+	waits map[uint64]chan ucxReply
+}
+
+func dialUCX(ctx context.Context, e *Engine, peer Descriptor) (link, error) {
+	var id [8]byte
+	_, _ = rand.Read(id[:])
+	l := &ucxLink{s: e.ucx, peer: peer, id: binary.LittleEndian.Uint64(id[:]), waits: map[uint64]chan ucxReply{}}
+	l.s.mu.Lock()
+	if l.s.closed {
+		l.s.mu.Unlock()
+		return nil, ErrClosed
+	}
+	l.s.tx[l.id] = l
+	l.s.mu.Unlock()
+	if _, err := l.endpoint(ctx); err != nil {
+		l.close()
+		return nil, err
+	}
+	return l, nil
+}
+
+func (l *ucxLink) transport() Transport { return TransportUCX }
+
+// endpoint returns the link's endpoint, connecting (and saying hello) when
+// it has none.
+func (l *ucxLink) endpoint(ctx context.Context) (ucx.EndpointID, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return 0, ErrClosed
+	}
+	if l.up {
+		return l.ep, nil
+	}
+	ep, err := l.s.w.Connect(ctx, l.peer.UCXAddr)
+	if err != nil {
+		return 0, fmt.Errorf("rdma: ucx connect to %s: %w", l.peer.Agent, err)
+	}
+	l.s.mu.Lock()
+	l.s.txByEP[ep] = l
+	l.s.mu.Unlock()
+	hello := string(l.s.e.cfg.Agent) + "\n" + string(l.peer.Agent)
+	h := header{typ: frameHello, index: protocolVersion, length: uint64(len(hello))}
+	hctx, cancel := context.WithTimeout(ctx, helloTimeout)
+	defer cancel()
+	rep, err := l.exchange(hctx, ep, &h, []byte(hello), l.s.addr)
+	if err == nil && rep.h.index != codeOK {
+		err = &RemoteError{Agent: l.peer.Agent, Code: rep.h.index, Msg: rep.msg}
+	}
+	if err != nil {
+		l.drop(ep)
+		return 0, fmt.Errorf("hello to %s over ucx: %w", l.peer.Agent, err)
+	}
+	l.ep, l.up = ep, true
+	return ep, nil
+}
+
+// drop closes ep by force (its operations fail at once) and forgets it.
+func (l *ucxLink) drop(ep ucx.EndpointID) {
+	l.s.mu.Lock()
+	delete(l.s.txByEP, ep)
+	l.s.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), ucxCallTimeout)
+	defer cancel()
+	_ = l.s.w.CloseEndpoint(ctx, ep, ucx.CloseForce)
+}
+
+// broke marks ep failed (worker goroutine: must not block) and ends the
+// exchanges waiting on it.
+func (l *ucxLink) broke(ep ucx.EndpointID, err error) {
+	if l.mu.TryLock() {
+		if l.ep == ep {
+			l.up = false
+		}
+		l.mu.Unlock()
+	} else {
+		// A (re)connect holds mu; its exchange fails below and it drops
+		// the endpoint itself.
+		l.s.spawn(func() {
+			l.mu.Lock()
+			if l.ep == ep {
+				l.up = false
+			}
+			l.mu.Unlock()
+		})
+	}
+	l.failWaits(fmt.Errorf("%w: ucx endpoint to %s failed: %w", ErrPeerClosed, l.peer.Agent, err))
+}
+
+// failWaits ends every exchange waiting for a reply with err: the endpoint
+// it went by is gone, so no reply comes.
+func (l *ucxLink) failWaits(err error) {
+	l.wmu.Lock()
+	waits := l.waits
+	l.waits = map[uint64]chan ucxReply{}
+	l.wmu.Unlock()
+	for _, ch := range waits {
+		ch <- ucxReply{err: err}
+	}
+}
+
+// reset forgets an endpoint whose exchange was cut, so the next write
+// connects again.
+func (l *ucxLink) reset(ep ucx.EndpointID) {
+	l.mu.Lock()
+	if l.ep == ep && l.up {
+		l.up = false
+		l.mu.Unlock()
+		l.drop(ep)
+		l.failWaits(fmt.Errorf("%w: ucx endpoint to %s was cut", ErrPeerClosed, l.peer.Agent))
+		return
+	}
+	l.mu.Unlock()
+}
+
+// exchange posts one header-only message (or one with payload) and waits
+// for the receiver's reply naming it.
+// It is the hello of an endpoint being connected (l.mu held): a cut one
+// is dropped directly, not through reset.
+func (l *ucxLink) exchange(ctx context.Context, ep ucx.EndpointID, h *header, tail []byte, more []byte) (ucxReply, error) {
+	return l.exchangeOn(ctx, ep, l.drop, h, nil, tail, more)
+}
+
+func (l *ucxLink) exchangePayload(ctx context.Context, ep ucx.EndpointID, h *header, payload []byte, tail ...[]byte) (ucxReply, error) {
+	return l.exchangeOn(ctx, ep, l.reset, h, payload, tail...)
+}
+
+// exchangeOn posts one message and waits for its reply; cut ends ep when
+// the wait is given up, so that the send in flight ends too.
+func (l *ucxLink) exchangeOn(ctx context.Context, ep ucx.EndpointID, cut func(ucx.EndpointID), h *header, payload []byte, tail ...[]byte) (ucxReply, error) {
+	seq := l.seq.Add(1)
+	ch := make(chan ucxReply, 1)
+	l.wmu.Lock()
+	l.waits[seq] = ch
+	l.wmu.Unlock()
+	defer func() {
+		l.wmu.Lock()
+		delete(l.waits, seq)
+		l.wmu.Unlock()
+	}()
+	op, err := l.s.w.Post(ep, ucxHeader(h, l.id, seq, tail...), payload)
+	if err != nil {
+		return ucxReply{}, fmt.Errorf("%w: %w", ErrPeerClosed, err)
+	}
+	opDone := op.Done()
+	// A receiver that forgot this link (its endpoint back to us failed)
+	// drops what the link sends without an answer: bound the wait when
+	// the caller did not, and start afresh (hello) on the next write.
+	var silence <-chan time.Time
+	if _, ok := ctx.Deadline(); !ok {
+		tm := time.NewTimer(ucxReplyTimeout)
+		defer tm.Stop()
+		silence = tm.C
+	}
+	for {
+		select {
+		case <-silence:
+			cut(ep)
+			if opDone != nil {
+				<-opDone
+			}
+			return ucxReply{}, fmt.Errorf("%w: no reply from %s over ucx in %s", ErrPeerClosed, l.peer.Agent, ucxReplyTimeout)
+		case rep := <-ch:
+			if rep.err != nil {
+				return rep, rep.err
+			}
+			if opDone != nil {
+				<-opDone // the payload is in use until then
+			}
+			return rep, nil
+		case <-opDone:
+			opDone = nil
+			if err := op.Err(); err != nil && !errors.Is(err, ucx.ErrRejected) {
+				return ucxReply{}, fmt.Errorf("%w: ucx send to %s: %w", ErrPeerClosed, l.peer.Agent, err)
+			}
+		case <-ctx.Done():
+			if opDone != nil {
+				cut(ep)
+				<-opDone
+			}
+			return ucxReply{}, fmt.Errorf("rdma: exchange with %s: %w", l.peer.Agent, ctx.Err())
+		}
+	}
+}
+
+// write posts each piece as messages of up to ucxChunk bytes, at most
+// ucxWindow in flight, summing each chunk while UCX moves it; then the
+// commit (or, for one write of a stream, a flush), whose reply is the
+// verdict.
+func (l *ucxLink) write(ctx context.Context, op *writeOp) error {
+	if op.dev {
+		return fmt.Errorf("%w: ucx from device memory", ErrUnsupported)
+	}
+	ep, err := l.endpoint(ctx)
+	if err != nil {
+		return err
+	}
+	hk := op.testHooks()
+	var inflight []*ucx.Op
+	rejected := false
+	var fatal error
+	wait := func(o *ucx.Op) {
+		if err := o.Wait(ctx); err != nil {
+			switch {
+			case ctx.Err() != nil:
+				if fatal == nil {
+					fatal = fmt.Errorf("rdma: write to %s: %w", l.peer.Agent, ctx.Err())
+				}
+				l.reset(ep) // ends the operations in flight (ErrCanceled)
+				<-o.Done()
+			case errors.Is(err, ucx.ErrRejected):
+				rejected = true
+			case fatal == nil:
+				fatal = fmt.Errorf("%w: ucx send to %s: %w", ErrPeerClosed, l.peer.Agent, err)
+			}
+		}
+	}
+	h := header{typ: frameData, grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token}
+	var carried uint64
+	for i := 0; i < len(op.pieces) && fatal == nil && !rejected; i++ {
+		p := &op.pieces[i]
+		for off := 0; off < len(p.src) && fatal == nil && !rejected; {
+			n := min(len(p.src)-off, ucxChunk)
+			chunk := p.src[off : off+n]
+			h.index, h.offset, h.length = p.ext, p.off+uint64(off), uint64(n)
+			if hk.writing != nil {
+				hk.writing(op.t, carried)
+			}
+			o, err := l.s.w.Post(ep, ucxHeader(&h, l.id, 0), chunk)
+			if err != nil {
+				fatal = fmt.Errorf("%w: ucx send to %s: %w", ErrPeerClosed, l.peer.Agent, err)
+				break
+			}
+			inflight = append(inflight, o)
+			op.sum(p, chunk)
+			off += n
+			carried += uint64(n)
+			if len(inflight) >= ucxWindow {
+				wait(inflight[0])
+				inflight = inflight[1:]
+			}
+		}
+	}
+	for _, o := range inflight {
+		wait(o)
+	}
+	if fatal != nil {
+		return fatal
+	}
+	var rep ucxReply
+	if op.partial {
+		h = header{typ: frameFlush, grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token}
+		rep, err = l.exchangePayload(ctx, ep, &h, nil)
+	} else {
+		m := len(op.manifest.Bytes)
+		mb := make([]byte, m*manifestEntrySize)
+		putManifest(mb, op.manifest)
+		h = header{typ: frameCommit, flags: op.commitFlags(), grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token, index: uint32(m), length: uint64(len(mb))}
+		if hk.commit != nil {
+			hk.commit(op.t)
+		}
+		if hk.sent != nil {
+			defer hk.sent(op.t.Grant)
+		}
+		if headerSize+ucxTail+len(mb) <= l.s.w.MaxHeader() {
+			rep, err = l.exchangePayload(ctx, ep, &h, nil, mb)
+		} else {
+			rep, err = l.exchangePayload(ctx, ep, &h, mb)
+		}
+	}
+	if err != nil {
+		return err
+	}
+	if rep.h.grant != op.t.Grant || rep.h.epoch != op.t.Epoch {
+		return malformed("ucx reply for grant %d epoch %d answers grant %d epoch %d", rep.h.grant, rep.h.epoch, op.t.Grant, op.t.Epoch)
+	}
+	if rep.h.index != codeOK {
+		return &RemoteError{Agent: l.peer.Agent, Code: rep.h.index, Msg: rep.msg}
+	}
+	if rejected {
+		return fmt.Errorf("%w: %s refused data of grant %d", ErrPeerClosed, l.peer.Agent, op.t.Grant)
+	}
+	return nil
+}
+
+// close says goodbye (the receiver reports the writer gone once its last
+// link went, as for tcp) and closes the endpoint.
+func (l *ucxLink) close() {
+	l.mu.Lock()
+	l.closed = true
+	ep, up := l.ep, l.up
+	l.up = false
+	l.mu.Unlock()
+	if up {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		h := header{typ: frameBye}
+		b := ucxHeader(&h, l.id, 0)
+		b[4] = frameBye
+		if o, err := l.s.w.Post(ep, b, nil); err == nil {
+			_ = o.Wait(ctx)
+		}
+		cancel()
+		l.s.mu.Lock()
+		delete(l.s.txByEP, ep)
+		l.s.mu.Unlock()
+		ctx, cancel = context.WithTimeout(context.Background(), time.Second)
+		if err := l.s.w.CloseEndpoint(ctx, ep, ucx.CloseFlush); err != nil {
+			_ = l.s.w.CloseEndpoint(ctx, ep, ucx.CloseForce)
+		}
+		cancel()
+	}
+	l.s.mu.Lock()
+	delete(l.s.tx, l.id)
+	l.s.mu.Unlock()
+}

@@ -1,0 +1,37 @@
+//go:build linux && cgo && ucx
+
+package rdma
+
+import (
+	"context"
+	"errors"
+)
+
+// ucxTestTransports adds ucx to the conformance suite in builds that have
+// it. UCX picks its transports from the environment: run the suite with
+// UCX_TLS=tcp, and with UCX_TLS=cma,tcp UCX_CMA_MEMORY_INVALIDATE=y for
+// same-host GETs (scripts/test does both).
+func ucxTestTransports() []Transport { return []Transport{TransportUCX} }
+
+// cutUCXWriters cuts every writer link e's ucx receiver holds, as a
+// receiver that gave up on its writers would: what they landed without
+// committing fails (and is fenced), and their endpoints are closed.
+func cutUCXWriters(e *Engine) int {
+	s := e.ucx
+	if s == nil {
+		return 0
+	}
+	s.mu.Lock()
+	rxs := make([]*ucxRx, 0, len(s.rx))
+	for id, r := range s.rx {
+		rxs = append(rxs, r)
+		delete(s.rx, id)
+		delete(s.rxByEP, r.ep)
+	}
+	s.mu.Unlock()
+	for _, r := range rxs {
+		s.notifyCut(context.Background(), r, 0)
+		s.gone(r, errors.New("cut by the test"))
+	}
+	return len(rxs)
+}
