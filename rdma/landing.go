@@ -198,17 +198,6 @@ func (g *Grant) cutLandings() {
 	g.mu.Unlock()
 }
 
-// waitLandings waits until no landing of g is in flight: every frame
-// admitted so far has landed or failed (a UCX flush: the writer's earlier
-// messages were all admitted before it).
-func (g *Grant) waitLandings() {
-	g.mu.Lock()
-	for g.inflight > 0 {
-		g.quiet.Wait()
-	}
-	g.mu.Unlock()
-}
-
 // endLand ends a landing started by beginLand; ok reports whether all of dst
 // was filled.
 func (g *Grant) endLand(l *landing, ok bool, ab lander) {

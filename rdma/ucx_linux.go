@@ -906,3 +906,14 @@ func (l *ucxLink) close() {
 	delete(l.s.tx, l.id)
 	l.s.mu.Unlock()
 }
+
+// waitLandings waits until no landing of g is in flight: every frame
+// admitted so far has landed or failed (a UCX flush: the writer's earlier
+// messages were all admitted before it).
+func (g *Grant) waitLandings() {
+	g.mu.Lock()
+	for g.inflight > 0 {
+		g.quiet.Wait()
+	}
+	g.mu.Unlock()
+}

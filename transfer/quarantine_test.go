@@ -176,7 +176,7 @@ func quarantineRun(t *testing.T, end func(m *nats.Msg, r wire.PrefillRequest, ca
 			require.Equal(t, q0, ds.eng.Stats().GrantsQuarantined,
 				"attempt %d was sent over a quarantined destination", again.r.Attempt)
 			cancel()
-			herr = <-done
+			<-done
 			_ = cmd.Process.Kill()
 			_ = cmd.Wait()
 			ds.requireInitial(t)
