@@ -179,6 +179,7 @@ type testExec struct {
 	ctxErr   chan error    // receives the ctx error of a blocked prefill
 	admits   atomic.Int64
 	releases atomic.Int64
+	keys     atomic.Uint64 // admission keys: see Admit
 }
 
 func newExec(s *side) *testExec {
@@ -190,16 +191,24 @@ func (x *testExec) Admit(job Job) (AdmittedJob, error) {
 	if x.refuse.Load() {
 		return nil, fmt.Errorf("%w: test executor full", ErrCapacityRefused)
 	}
-	d, err := x.s.prepare(job.RequestID, len(job.Tokens))
+	// Each admission holds its resources under a key of its own, as the
+	// real worker's scheduler does: two attempts of one request may be
+	// admitted on one worker at once (a fenced retry handed back to it
+	// while the old attempt still winds down), and a pool keyed by the
+	// request id would let the first release free the second's resources
+	// (Prepare of a held id grows it).
+	key := 1<<40 + x.keys.Add(1)
+	d, err := x.s.prepare(key, len(job.Tokens))
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrCapacityRefused, err)
 	}
-	return &testLease{x: x, job: job, d: d}, nil
+	return &testLease{x: x, job: job, key: key, d: d}, nil
 }
 
 type testLease struct {
 	x        *testExec
 	job      Job
+	key      uint64 // the admission's key in x.s's pools
 	d        CacheExtents
 	released atomic.Bool
 }
@@ -236,7 +245,7 @@ func (l *testLease) Release() {
 		panic("lease released twice")
 	}
 	l.x.releases.Add(1)
-	if err := l.x.s.m.Free(l.job.RequestID); err != nil {
+	if err := l.x.s.m.Free(l.key); err != nil {
 		panic(err)
 	}
 }
