@@ -1,0 +1,349 @@
+//go:build linux && cgo && ucx
+
+package rdma
+
+// The ucx transport's writer side: a link to one peer's UCX worker
+// (ucx_linux.go has the receiver and the protocol).
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/handoff-io/handoff/internal/ucx"
+)
+
+// ucxLink is the writer side of ucx to one peer: one endpoint to its
+// worker, replaced once it failed.
+type ucxLink struct {
+	s    *ucxServer
+	peer Descriptor
+	id   uint64
+	seq  atomic.Uint64
+
+	mu     sync.Mutex // held while (re)connecting
+	ep     ucx.EndpointID
+	up     bool
+	closed bool
+
+	wmu   sync.Mutex
+	waits map[uint64]chan ucxReply
+}
+
+func dialUCX(ctx context.Context, e *Engine, peer Descriptor) (link, error) {
+	var id [8]byte
+	_, _ = rand.Read(id[:])
+	l := &ucxLink{s: e.ucx, peer: peer, id: binary.LittleEndian.Uint64(id[:]), waits: map[uint64]chan ucxReply{}}
+	l.s.mu.Lock()
+	if l.s.closed {
+		l.s.mu.Unlock()
+		return nil, ErrClosed
+	}
+	l.s.tx[l.id] = l
+	l.s.mu.Unlock()
+	if _, err := l.endpoint(ctx); err != nil {
+		l.close()
+		return nil, err
+	}
+	return l, nil
+}
+
+func (l *ucxLink) transport() Transport { return TransportUCX }
+
+// endpoint returns the link's endpoint, connecting (and saying hello) when
+// it has none.
+func (l *ucxLink) endpoint(ctx context.Context) (ucx.EndpointID, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return 0, ErrClosed
+	}
+	if l.up {
+		return l.ep, nil
+	}
+	ep, err := l.s.w.Connect(ctx, l.peer.UCXAddr)
+	if err != nil {
+		return 0, fmt.Errorf("rdma: ucx connect to %s: %w", l.peer.Agent, err)
+	}
+	l.s.mu.Lock()
+	l.s.txByEP[ep] = l
+	l.s.mu.Unlock()
+	hello := string(l.s.e.cfg.Agent) + "\n" + string(l.peer.Agent)
+	h := header{typ: frameHello, index: protocolVersion, length: uint64(len(hello))}
+	hctx, cancel := context.WithTimeout(ctx, helloTimeout)
+	defer cancel()
+	rep, err := l.exchange(hctx, ep, &h, []byte(hello), l.s.addr)
+	if err == nil && rep.h.index != codeOK {
+		err = &RemoteError{Agent: l.peer.Agent, Code: rep.h.index, Msg: rep.msg}
+	}
+	if err != nil {
+		l.drop(ep)
+		return 0, fmt.Errorf("hello to %s over ucx: %w", l.peer.Agent, err)
+	}
+	l.ep, l.up = ep, true
+	return ep, nil
+}
+
+// drop closes ep by force (its operations fail at once) and forgets it.
+func (l *ucxLink) drop(ep ucx.EndpointID) {
+	l.s.mu.Lock()
+	delete(l.s.txByEP, ep)
+	l.s.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), ucxCallTimeout)
+	defer cancel()
+	_ = l.s.w.CloseEndpoint(ctx, ep, ucx.CloseForce)
+}
+
+// broke marks ep failed (worker goroutine: must not block) and ends the
+// exchanges waiting on it.
+func (l *ucxLink) broke(ep ucx.EndpointID, err error) {
+	if l.mu.TryLock() {
+		if l.ep == ep {
+			l.up = false
+		}
+		l.mu.Unlock()
+	} else {
+		// A (re)connect holds mu; its exchange fails below and it drops
+		// the endpoint itself.
+		l.s.spawn(func() {
+			l.mu.Lock()
+			if l.ep == ep {
+				l.up = false
+			}
+			l.mu.Unlock()
+		})
+	}
+	l.failWaits(fmt.Errorf("%w: ucx endpoint to %s failed: %w", ErrPeerClosed, l.peer.Agent, err))
+}
+
+// failWaits ends every exchange waiting for a reply with err: the endpoint
+// it went by is gone, so no reply comes.
+func (l *ucxLink) failWaits(err error) {
+	l.wmu.Lock()
+	waits := l.waits
+	l.waits = map[uint64]chan ucxReply{}
+	l.wmu.Unlock()
+	for _, ch := range waits {
+		ch <- ucxReply{err: err}
+	}
+}
+
+// reset forgets an endpoint whose exchange was cut, so the next write
+// connects again.
+func (l *ucxLink) reset(ep ucx.EndpointID) {
+	l.mu.Lock()
+	if l.ep == ep && l.up {
+		l.up = false
+		l.mu.Unlock()
+		l.drop(ep)
+		l.failWaits(fmt.Errorf("%w: ucx endpoint to %s was cut", ErrPeerClosed, l.peer.Agent))
+		return
+	}
+	l.mu.Unlock()
+}
+
+// exchange posts one header-only message (or one with payload) and waits
+// for the receiver's reply naming it.
+// It is the hello of an endpoint being connected (l.mu held): a cut one
+// is dropped directly, not through reset.
+func (l *ucxLink) exchange(ctx context.Context, ep ucx.EndpointID, h *header, tail []byte, more []byte) (ucxReply, error) {
+	return l.exchangeOn(ctx, ep, l.drop, h, nil, tail, more)
+}
+
+func (l *ucxLink) exchangePayload(ctx context.Context, ep ucx.EndpointID, h *header, payload []byte, tail ...[]byte) (ucxReply, error) {
+	return l.exchangeOn(ctx, ep, l.reset, h, payload, tail...)
+}
+
+// exchangeOn posts one message and waits for its reply; cut ends ep when
+// the wait is given up, so that the send in flight ends too.
+func (l *ucxLink) exchangeOn(ctx context.Context, ep ucx.EndpointID, cut func(ucx.EndpointID), h *header, payload []byte, tail ...[]byte) (ucxReply, error) {
+	seq := l.seq.Add(1)
+	ch := make(chan ucxReply, 1)
+	l.wmu.Lock()
+	l.waits[seq] = ch
+	l.wmu.Unlock()
+	defer func() {
+		l.wmu.Lock()
+		delete(l.waits, seq)
+		l.wmu.Unlock()
+	}()
+	op, err := l.s.w.Post(ep, ucxHeader(h, l.id, seq, tail...), payload)
+	if err != nil {
+		return ucxReply{}, fmt.Errorf("%w: %w", ErrPeerClosed, err)
+	}
+	opDone := op.Done()
+	// A receiver that forgot this link (its endpoint back to us failed)
+	// drops what the link sends without an answer: bound the wait when
+	// the caller did not, and start afresh (hello) on the next write.
+	var silence <-chan time.Time
+	if _, ok := ctx.Deadline(); !ok {
+		tm := time.NewTimer(ucxReplyTimeout)
+		defer tm.Stop()
+		silence = tm.C
+	}
+	for {
+		select {
+		case <-silence:
+			cut(ep)
+			if opDone != nil {
+				<-opDone
+			}
+			return ucxReply{}, fmt.Errorf("%w: no reply from %s over ucx in %s", ErrPeerClosed, l.peer.Agent, ucxReplyTimeout)
+		case rep := <-ch:
+			if rep.err != nil {
+				return rep, rep.err
+			}
+			if opDone != nil {
+				<-opDone // the payload is in use until then
+			}
+			return rep, nil
+		case <-opDone:
+			opDone = nil
+			if err := op.Err(); err != nil && !errors.Is(err, ucx.ErrRejected) {
+				return ucxReply{}, fmt.Errorf("%w: ucx send to %s: %w", ErrPeerClosed, l.peer.Agent, err)
+			}
+		case <-ctx.Done():
+			if opDone != nil {
+				cut(ep)
+				<-opDone
+			}
+			return ucxReply{}, fmt.Errorf("rdma: exchange with %s: %w", l.peer.Agent, ctx.Err())
+		}
+	}
+}
+
+// write posts each piece as messages of up to ucxChunk bytes, at most
+// ucxWindow in flight, summing each chunk while UCX moves it; then the
+// commit (or, for one write of a stream, a flush), whose reply is the
+// verdict.
+func (l *ucxLink) write(ctx context.Context, op *writeOp) error {
+	if op.dev {
+		return fmt.Errorf("%w: ucx from device memory", ErrUnsupported)
+	}
+	ep, err := l.endpoint(ctx)
+	if err != nil {
+		return err
+	}
+	hk := op.testHooks()
+	var inflight []*ucx.Op
+	rejected := false
+	var fatal error
+	wait := func(o *ucx.Op) {
+		if err := o.Wait(ctx); err != nil {
+			switch {
+			case ctx.Err() != nil:
+				if fatal == nil {
+					fatal = fmt.Errorf("rdma: write to %s: %w", l.peer.Agent, ctx.Err())
+				}
+				l.reset(ep) // ends the operations in flight (ErrCanceled)
+				<-o.Done()
+			case errors.Is(err, ucx.ErrRejected):
+				rejected = true
+			case fatal == nil:
+				fatal = fmt.Errorf("%w: ucx send to %s: %w", ErrPeerClosed, l.peer.Agent, err)
+			}
+		}
+	}
+	h := header{typ: frameData, grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token}
+	var carried uint64
+	for i := 0; i < len(op.pieces) && fatal == nil && !rejected; i++ {
+		p := &op.pieces[i]
+		for off := 0; off < len(p.src) && fatal == nil && !rejected; {
+			n := min(len(p.src)-off, ucxChunk)
+			chunk := p.src[off : off+n]
+			h.index, h.offset, h.length = p.ext, p.off+uint64(off), uint64(n)
+			if hk.writing != nil {
+				hk.writing(op.t, carried)
+			}
+			o, err := l.s.w.Post(ep, ucxHeader(&h, l.id, 0), chunk)
+			if err != nil {
+				fatal = fmt.Errorf("%w: ucx send to %s: %w", ErrPeerClosed, l.peer.Agent, err)
+				break
+			}
+			inflight = append(inflight, o)
+			op.sum(p, chunk)
+			off += n
+			carried += uint64(n)
+			if len(inflight) >= ucxWindow {
+				wait(inflight[0])
+				inflight = inflight[1:]
+			}
+		}
+	}
+	for _, o := range inflight {
+		wait(o)
+	}
+	if fatal != nil {
+		return fatal
+	}
+	var rep ucxReply
+	if op.partial {
+		h = header{typ: frameFlush, grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token}
+		rep, err = l.exchangePayload(ctx, ep, &h, nil)
+	} else {
+		m := len(op.manifest.Bytes)
+		mb := make([]byte, m*manifestEntrySize)
+		putManifest(mb, op.manifest)
+		h = header{typ: frameCommit, flags: op.commitFlags(), grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token, index: uint32(m), length: uint64(len(mb))}
+		if hk.commit != nil {
+			hk.commit(op.t)
+		}
+		if hk.sent != nil {
+			defer hk.sent(op.t.Grant)
+		}
+		if headerSize+ucxTail+len(mb) <= l.s.w.MaxHeader() {
+			rep, err = l.exchangePayload(ctx, ep, &h, nil, mb)
+		} else {
+			rep, err = l.exchangePayload(ctx, ep, &h, mb)
+		}
+	}
+	if err != nil {
+		return err
+	}
+	if rep.h.grant != op.t.Grant || rep.h.epoch != op.t.Epoch {
+		return malformed("ucx reply for grant %d epoch %d answers grant %d epoch %d", rep.h.grant, rep.h.epoch, op.t.Grant, op.t.Epoch)
+	}
+	if rep.h.index != codeOK {
+		return &RemoteError{Agent: l.peer.Agent, Code: rep.h.index, Msg: rep.msg}
+	}
+	if rejected {
+		return fmt.Errorf("%w: %s refused data of grant %d", ErrPeerClosed, l.peer.Agent, op.t.Grant)
+	}
+	return nil
+}
+
+// close says goodbye (the receiver reports the writer gone once its last
+// link went, as for tcp) and closes the endpoint.
+func (l *ucxLink) close() {
+	l.mu.Lock()
+	l.closed = true
+	ep, up := l.ep, l.up
+	l.up = false
+	l.mu.Unlock()
+	if up {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		h := header{typ: frameBye}
+		b := ucxHeader(&h, l.id, 0)
+		b[4] = frameBye
+		if o, err := l.s.w.Post(ep, b, nil); err == nil {
+			_ = o.Wait(ctx)
+		}
+		cancel()
+		l.s.mu.Lock()
+		delete(l.s.txByEP, ep)
+		l.s.mu.Unlock()
+		ctx, cancel = context.WithTimeout(context.Background(), time.Second)
+		if err := l.s.w.CloseEndpoint(ctx, ep, ucx.CloseFlush); err != nil {
+			_ = l.s.w.CloseEndpoint(ctx, ep, ucx.CloseForce)
+		}
+		cancel()
+	}
+	l.s.mu.Lock()
+	delete(l.s.tx, l.id)
+	l.s.mu.Unlock()
+}
