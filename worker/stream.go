@@ -20,6 +20,10 @@ type Output struct {
 	Err      error  // set on a failed final event
 	Finish   string // on a successful final event: "stop" (EOS or a stop sequence) or "length"
 	Tokens   int    // on the final event: tokens generated (EOS not counted)
+	// Cached is, on the final event, how many prompt tokens were served
+	// from a prefix cache (here or on the prefill worker) instead of
+	// being computed: OpenAI's usage.prompt_tokens_details.cached_tokens.
+	Cached int
 	Timing   Timing // set on the final event
 }
 
