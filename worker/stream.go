@@ -24,7 +24,7 @@ type Output struct {
 	// from a prefix cache (here or on the prefill worker) instead of
 	// being computed: OpenAI's usage.prompt_tokens_details.cached_tokens.
 	Cached int
-	Timing   Timing // set on the final event
+	Timing Timing // set on the final event
 }
 
 // Stream delivers a request's tokens, then exactly one final event. The
