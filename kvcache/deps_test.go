@@ -10,7 +10,7 @@ import (
 // standard library's pure parts, nothing that does IO, reads the clock or
 // escapes the type system.
 var allowedImports = map[string]bool{
-	"errors": true, "fmt": true, "math": true, "math/bits": true, "sync": true,
+	"errors": true, "fmt": true, "math": true, "math/bits": true, "slices": true, "sync": true,
 }
 
 // TestDeps fails when the package imports something outside the standard

@@ -7,7 +7,9 @@ import (
 
 // checkInvariants verifies the pool's internal consistency. It checks that:
 //   - runs are non-empty, inside the pool, and not adjacent within a request;
-//   - no block belongs to two requests, and no held block is free;
+//   - no block belongs to two requests unless it is cached, a cached block
+//     counts exactly its holders and is on the LRU list exactly when it
+//     has none, and no held or cached block is free;
 //   - the free extents are maximal, tagged at both ends, listed in the right
 //     size class exactly once, and cover exactly the blocks nobody holds;
 //   - the counters agree with the sets.
@@ -18,6 +20,7 @@ func (p *Pool) checkInvariants() error {
 	// state[b]: 0 not yet seen, 1 held, 2 free.
 	const unseen, held, free = 0, 1, 2
 	state := make([]uint8, n)
+	holders := make([]int32, n)
 	usedBlocks := 0
 	liveSlab := make(map[int32]bool, len(p.reqs))
 	for id, si := range p.reqs {
@@ -35,8 +38,12 @@ func (p *Pool) checkInvariants() error {
 				return fmt.Errorf("id %d: adjacent runs %+v %+v not merged", id, r.runs[k-1], run)
 			}
 			for b := run.Start; b < run.End(); b++ {
-				if state[b] != unseen {
+				holders[b]++
+				if state[b] != unseen && !p.cache.meta[b].cached {
 					return fmt.Errorf("block %d held twice (second holder %d)", b, id)
+				}
+				if state[b] == unseen {
+					usedBlocks++
 				}
 				state[b] = held
 			}
@@ -48,7 +55,16 @@ func (p *Pool) checkInvariants() error {
 		if want := p.cfg.BlocksFor(r.tokens); r.blocks < want {
 			return fmt.Errorf("id %d: %d blocks for %d tokens", id, r.blocks, r.tokens)
 		}
-		usedBlocks += count
+	}
+	// The cache: names, holder counts, the LRU list.
+	if err := p.checkCache(holders); err != nil {
+		return err
+	}
+	for b := range n {
+		if m := p.cache.meta[b]; m.cached && state[b] == unseen {
+			state[b] = held
+			usedBlocks++
+		}
 	}
 	for _, si := range p.freeSlab {
 		if liveSlab[si] {
@@ -101,6 +117,64 @@ func (p *Pool) checkInvariants() error {
 	}
 	if freeBlocks != p.idx.free || extents != p.idx.extents || freeBlocks+usedBlocks != n {
 		return fmt.Errorf("counts: free %d/%d extents %d/%d used %d total %d", freeBlocks, p.idx.free, extents, p.idx.extents, usedBlocks, n)
+	}
+	return nil
+}
+
+func (p *Pool) checkCache(holders []int32) error {
+	c := &p.cache
+	cached := 0
+	for b, m := range c.meta {
+		if !m.cached {
+			if m.ref != 0 || len(m.tokens) != 0 {
+				return fmt.Errorf("uncached block %d: ref %d, %d tokens", b, m.ref, len(m.tokens))
+			}
+			continue
+		}
+		cached++
+		if m.ref != holders[b] {
+			return fmt.Errorf("cached block %d: ref %d, %d holders", b, m.ref, holders[b])
+		}
+		if got, ok := c.byHash[m.hash]; !ok || got != int32(b) {
+			return fmt.Errorf("cached block %d not indexed by its name", b)
+		}
+		if len(m.tokens) != p.tpb {
+			return fmt.Errorf("cached block %d holds %d tokens", b, len(m.tokens))
+		}
+		if m.parent != noBlock && !c.meta[m.parent].cached {
+			// A parent may be evicted before its child: the child is then
+			// unreachable, which is allowed; but it must not point at itself.
+			if m.parent == int32(b) {
+				return fmt.Errorf("cached block %d continues itself", b)
+			}
+		}
+	}
+	if cached != len(c.byHash) {
+		return fmt.Errorf("%d cached blocks, %d names", cached, len(c.byHash))
+	}
+	listed, prev := 0, noBlock
+	for b := c.head; b != noBlock; b = c.meta[b].next {
+		m := c.meta[b]
+		if !m.cached || m.ref != 0 || m.prev != prev {
+			return fmt.Errorf("lru: block %d cached %v ref %d prev %d (want %d)", b, m.cached, m.ref, m.prev, prev)
+		}
+		prev = b
+		listed++
+		if listed > len(c.meta) {
+			return fmt.Errorf("lru: cycle")
+		}
+	}
+	if prev != c.tail || listed != c.evictable {
+		return fmt.Errorf("lru: %d listed, %d evictable, tail %d/%d", listed, c.evictable, prev, c.tail)
+	}
+	unheld := 0
+	for _, m := range c.meta {
+		if m.cached && m.ref == 0 {
+			unheld++
+		}
+	}
+	if unheld != listed {
+		return fmt.Errorf("lru: %d unheld cached blocks, %d listed", unheld, listed)
 	}
 	return nil
 }

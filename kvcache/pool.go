@@ -18,6 +18,8 @@ type Pool struct {
 	reqs     map[uint64]int32 // request id -> index into slab
 	slab     []request
 	freeSlab []int32 // recycled slab entries, so steady state does not allocate
+	cache    blockCache
+	scratch  []int32
 }
 
 // request is one id's holding. runs are in token order.
@@ -39,7 +41,8 @@ func New(cfg Config) (*Pool, error) {
 		cfg:  cfg,
 		tpb:  cfg.TokensPerBlock,
 		idx:  newFreeIndex(uint32(n)),
-		reqs: make(map[uint64]int32),
+		reqs:  make(map[uint64]int32),
+		cache: newBlockCache(n),
 	}, nil
 }
 
@@ -101,8 +104,8 @@ func (p *Pool) allocate(id uint64, tokens, headroom int, dummy bool) error {
 		return fmt.Errorf("%w: id %d", ErrAlreadyExists, id)
 	}
 	need := p.cfg.BlocksFor(tokens)
-	if need > p.idx.free-headroom { // need+headroom could overflow
-		return fmt.Errorf("%w: id %d needs %d blocks (+%d headroom), %d free", ErrNoFreeBlocks, id, need, headroom, p.idx.free)
+	if err := p.makeRoom(need, headroom); err != nil {
+		return fmt.Errorf("%w: id %d", err, id)
 	}
 	i := p.newRequest()
 	r := &p.slab[i]
@@ -139,8 +142,8 @@ func (p *Pool) GrowWithHeadroom(id uint64, tokens, headroom int) error {
 	r := &p.slab[i]
 	need := p.cfg.BlocksFor(tokens) - r.blocks
 	if need > 0 {
-		if need > p.idx.free-headroom { // need+headroom could overflow
-			return fmt.Errorf("%w: grow %d by %d blocks (+%d headroom), %d free", ErrNoFreeBlocks, id, need, headroom, p.idx.free)
+		if err := p.makeRoom(need, headroom); err != nil {
+			return fmt.Errorf("%w: grow %d", err, id)
 		}
 		p.take(r, need)
 	}
@@ -201,12 +204,31 @@ func (p *Pool) Free(id uint64) error {
 	}
 	r := &p.slab[i]
 	for _, run := range r.runs {
-		p.idx.release(run)
+		p.release(run)
 	}
 	*r = request{runs: r.runs[:0]}
 	delete(p.reqs, id)
 	p.freeSlab = append(p.freeSlab, i)
 	return nil
+}
+
+// release lets go of a run of a request: its cached blocks lose a holder,
+// the others return to the free set.
+func (p *Pool) release(run Run) {
+	from := run.Start
+	for b := run.Start; b < run.End(); b++ {
+		if !p.cache.meta[b].cached {
+			continue
+		}
+		if b > from {
+			p.idx.release(Run{Start: from, Len: uint32(b - from)})
+		}
+		p.unhold(int32(b))
+		from = b + 1
+	}
+	if from < run.End() {
+		p.idx.release(Run{Start: from, Len: uint32(run.End() - from)})
+	}
 }
 
 // Runs appends request id's runs, in token order, to dst and returns it.
@@ -266,7 +288,8 @@ func (p *Pool) FreeBlocks() int {
 	return p.idx.free
 }
 
-// UsedBlocks returns the number of blocks held by requests.
+// UsedBlocks returns the number of blocks that are not free: held by
+// requests or cached.
 func (p *Pool) UsedBlocks() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
