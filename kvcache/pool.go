@@ -38,9 +38,9 @@ func New(cfg Config) (*Pool, error) {
 	}
 	n := cfg.NumBlocks()
 	return &Pool{
-		cfg:  cfg,
-		tpb:  cfg.TokensPerBlock,
-		idx:  newFreeIndex(uint32(n)),
+		cfg:   cfg,
+		tpb:   cfg.TokensPerBlock,
+		idx:   newFreeIndex(uint32(n)),
 		reqs:  make(map[uint64]int32),
 		cache: newBlockCache(n),
 	}, nil
