@@ -100,6 +100,10 @@ type Config struct {
 	PPSize         int // 0 means 1
 	AttentionDP    bool
 	MaxDraftTokens int // width of the padding sentinel id range [2^64-1-MaxDraftTokens, 2^64-1]
+	// CheckpointRows is the number of checkpoint rows of the prefix cache
+	// (checkpoint.go): rows TotalRows .. ArenaRows-1, outside the real
+	// capacity and the reserved rows. 0 turns state checkpoints off.
+	CheckpointRows int
 }
 
 // Validate reports whether c describes a usable pool. The error wraps
@@ -140,14 +144,18 @@ func (c Config) Validate() error {
 	if c.PPSize < 0 || c.PPSize > maxDim {
 		return bad("PPSize = %d, want 0 (meaning 1) or 1..%d", c.PPSize, maxDim)
 	}
+	if c.CheckpointRows < 0 || c.CheckpointRows > maxDim {
+		return bad("CheckpointRows = %d, want 0..%d", c.CheckpointRows, maxDim)
+	}
 	if c.MaxDraftTokens < 0 || c.MaxDraftTokens > maxDim {
 		return bad("MaxDraftTokens = %d, want 0..%d", c.MaxDraftTokens, maxDim)
 	}
-	if rows := int64(c.MaxBatchSize)*int64(c.pp()) + 2; rows > MaxRows {
-		return bad("%d rows (MaxBatchSize %d x PPSize %d + reserved), want at most %d", rows, c.MaxBatchSize, c.pp(), MaxRows)
+	if rows := int64(c.MaxBatchSize)*int64(c.pp()) + 2 + int64(c.CheckpointRows); rows > MaxRows {
+		return bad("%d rows (MaxBatchSize %d x PPSize %d + reserved + %d checkpoint), want at most %d",
+			rows, c.MaxBatchSize, c.pp(), c.CheckpointRows, MaxRows)
 	}
 	lb, ok := c.layerBytesChecked()
-	if !ok || lb > math.MaxInt64/int64(c.Layers) || lb*int64(c.Layers) > math.MaxInt64/int64(c.TotalRows()) {
+	if !ok || lb > math.MaxInt64/int64(c.Layers) || lb*int64(c.Layers) > math.MaxInt64/int64(c.ArenaRows()) {
 		return bad("arena size overflows int64")
 	}
 	return nil
@@ -245,8 +253,17 @@ func (c Config) LayerBytes() int64 { return c.ConvBytes() + c.SSMBytes() }
 func (c Config) RowBytes() int64 { return int64(c.Layers) * c.LayerBytes() }
 
 // ArenaBytes is the size of the arena the caller must hold:
-// TotalRows * RowBytes (reserved rows included).
-func (c Config) ArenaBytes() int64 { return int64(c.TotalRows()) * c.RowBytes() }
+// ArenaRows * RowBytes (reserved and checkpoint rows included).
+func (c Config) ArenaBytes() int64 { return int64(c.ArenaRows()) * c.RowBytes() }
+
+// ArenaRows is TotalRows + CheckpointRows: every row of the arena.
+func (c Config) ArenaRows() int { return c.TotalRows() + c.CheckpointRows }
+
+// IsCheckpointRow reports whether r is one of the checkpoint rows. Like a
+// reserved row it is never a request's: no transfer may name it.
+func (c Config) IsCheckpointRow(r Row) bool {
+	return int64(r) >= int64(c.TotalRows()) && int64(r) < int64(c.ArenaRows())
+}
 
 // RowExtent returns the bytes of row r, one contiguous extent. It panics on
 // an out-of-range row.
@@ -300,8 +317,8 @@ func (c Config) IsDummyID(id uint64) bool {
 }
 
 func (c Config) checkRow(r Row) {
-	if int64(r) >= int64(c.TotalRows()) {
-		panic(fmt.Sprintf("mambacache: row %d outside a pool of %d rows", r, c.TotalRows()))
+	if int64(r) >= int64(c.ArenaRows()) {
+		panic(fmt.Sprintf("mambacache: row %d outside a pool of %d rows", r, c.ArenaRows()))
 	}
 }
 

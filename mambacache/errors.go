@@ -19,4 +19,11 @@ var (
 	// dummy id when attention DP is on, or a padding sentinel id): those ids
 	// live on reserved rows and must go through AddDummy.
 	ErrDummyID = errors.New("mambacache: dummy request id used for a real request")
+	// ErrNoCheckpointRow is returned by NewCheckpoint when every checkpoint
+	// row is being filled or pinned (or there are none): the checkpoint is
+	// skipped, nothing waits for one.
+	ErrNoCheckpointRow = errors.New("mambacache: no checkpoint row to take")
+	// ErrNotCheckpoint is returned for a checkpoint operation on a row that
+	// is not a checkpoint row in the state the operation needs.
+	ErrNotCheckpoint = errors.New("mambacache: not a checkpoint row in that state")
 )

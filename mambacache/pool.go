@@ -22,6 +22,7 @@ type Pool struct {
 	adp     Row
 	hasADP  bool
 	used    int // real rows held
+	cks     checkpoints
 }
 
 // New builds the pool: rows 0..TotalRows-1 on the free stack, then pops
@@ -37,6 +38,7 @@ func New(cfg Config) (*Pool, error) {
 		cfg:   cfg,
 		free:  make([]Row, total),
 		index: make(map[uint64]Row, total),
+		cks:   newCheckpoints(cfg.CheckpointRows),
 	}
 	for i := range p.free {
 		p.free[i] = Row(i)
