@@ -29,15 +29,19 @@ func Example() {
 
 	// While it is in transfer the rank is idle and pads: the dummy still fits.
 	fmt.Println("pad:", m.AddDummy(mambacache.ADPDummyID))
-	fmt.Printf("%+v\n", m.Stats())
+	s := m.Stats()
+	fmt.Printf("rows free %d used %d reserved %d, blocks free %d used %d headroom %d, requests %d\n",
+		s.RowsFree, s.RowsUsed, s.RowsReserved, s.BlocksFree, s.BlocksUsed, s.BlocksHeadroom, s.Requests)
 	_ = m.Free(mambacache.ADPDummyID)
 	_ = m.Free(100)
-	fmt.Printf("%+v\n", m.Stats())
+	s = m.Stats()
+	fmt.Printf("rows free %d used %d reserved %d, blocks free %d used %d headroom %d, requests %d\n",
+		s.RowsFree, s.RowsUsed, s.RowsReserved, s.BlocksFree, s.BlocksUsed, s.BlocksHeadroom, s.Requests)
 	// Output:
 	// capacity 1 rows 7 blocks
 	// admit 112 tokens: true 128 tokens: false
 	// 0 [{0 7}] <nil>
 	// pad: <nil>
-	// {RowsFree:0 RowsUsed:1 RowsReserved:2 BlocksFree:0 BlocksUsed:8 BlocksHeadroom:0 Requests:2}
-	// {RowsFree:1 RowsUsed:0 RowsReserved:2 BlocksFree:8 BlocksUsed:0 BlocksHeadroom:1 Requests:0}
+	// rows free 0 used 1 reserved 2, blocks free 0 used 8 headroom 0, requests 2
+	// rows free 1 used 0 reserved 2, blocks free 8 used 0 headroom 1, requests 0
 }

@@ -47,6 +47,13 @@ type Stats struct {
 	BlocksHeadroom int
 	// Requests counts ids holding resources, dummies included.
 	Requests int
+	// The prefix cache. BlocksCached counts cached blocks (held or not),
+	// BlocksAvailable what an allocation may take (free, evictable, and
+	// the tails of evictable checkpoints; the headroom included),
+	// BlocksEvicted and CheckpointsEvicted the evictions since New.
+	BlocksCached, BlocksAvailable     int
+	BlocksEvicted, CheckpointsEvicted uint64
+	Checkpoints                       mambacache.CheckpointState
 }
 
 // admitProbeID stands for "some real request" in headroom questions: any id
@@ -64,6 +71,8 @@ type Manager struct {
 	kv    *kvcache.Pool
 	mamba *mambacache.Pool
 	adp   bool
+	// copying maps a request to the checkpoint it copies from (pinned).
+	copying map[uint64]mambacache.Row
 }
 
 // New builds both pools. Errors wrap the pools' ErrInvalidConfig.
@@ -126,6 +135,7 @@ func (m *Manager) PrepareTo(id uint64, tokens int, dst []kvcache.Run) (Resources
 	if err != nil {
 		return Resources{}, fmt.Errorf("hybrid: prepare %d: %w", id, err)
 	}
+	m.makeKVRoom(m.kv.Config().BlocksFor(tokens)-m.kv.OwnBlocks(id), m.headroomFor(id))
 	if held, _ := m.kv.Has(id); held {
 		err = m.kv.GrowWithHeadroom(id, tokens, m.headroomFor(id))
 	} else {
@@ -157,6 +167,11 @@ func (m *Manager) mustFreeRow(id uint64) {
 func (m *Manager) Grow(id uint64, tokens int) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	if t, err := m.kv.Tokens(id); err == nil && tokens > t {
+		// Room for the blocks beyond those it holds (a shared prefix included).
+		held, _ := m.kv.Blocks(id, nil)
+		m.makeKVRoom(m.kv.Config().BlocksFor(tokens)-len(held), m.headroomFor(id))
+	}
 	if err := m.kv.GrowWithHeadroom(id, tokens, m.headroomFor(id)); err != nil {
 		return fmt.Errorf("hybrid: grow %d: %w", id, err)
 	}
@@ -176,6 +191,9 @@ func (m *Manager) AddDummy(id uint64) error {
 	if _, err := m.mamba.AddDummy(id); err != nil {
 		return fmt.Errorf("hybrid: dummy %d: %w", id, err)
 	}
+	if held, _ := m.kv.Has(id); !held {
+		m.makeKVRoom(1, m.headroomFor(id))
+	}
 	if err := m.kv.AllocateDummyWithHeadroom(id, m.headroomFor(id)); err != nil {
 		if !hadRow {
 			m.mustFreeRow(id)
@@ -192,6 +210,7 @@ func (m *Manager) AddDummy(id uint64) error {
 func (m *Manager) Free(id uint64) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	m.unpinLocked(id)
 	kerr := m.kv.Free(id)
 	merr := m.mamba.Free(id)
 	if kerr != nil && merr != nil {
@@ -210,7 +229,7 @@ func (m *Manager) CanAdmit(tokens int) bool {
 		return false
 	}
 	return m.mamba.FreeRows() > 0 &&
-		m.kv.FreeBlocks()-m.headroomFor(admitProbeID) >= m.kv.Config().BlocksFor(tokens)
+		m.availableLocked()-m.headroomFor(admitProbeID) >= m.kv.Config().BlocksFor(tokens)
 }
 
 // Capacity returns what the scheduler may plan with: the real rows, and the
@@ -235,5 +254,11 @@ func (m *Manager) Stats() Stats {
 		BlocksUsed:     m.kv.UsedBlocks(),
 		BlocksHeadroom: m.headroomFor(admitProbeID),
 		Requests:       m.mamba.Requests(),
+
+		BlocksCached:       m.kv.CachedBlocks(),
+		BlocksAvailable:    m.availableLocked(),
+		BlocksEvicted:      m.kv.Evictions(),
+		CheckpointsEvicted: m.mamba.CheckpointEvictions(),
+		Checkpoints:        m.mamba.Checkpoints(),
 	}
 }

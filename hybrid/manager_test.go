@@ -55,12 +55,12 @@ func TestPrepareGrowFree(t *testing.T) {
 	require.NoError(t, m.Grow(1, 14))
 	require.ErrorIs(t, m.Grow(2, 1), kvcache.ErrUnknownRequest)
 
-	require.Equal(t, Stats{RowsFree: 1, RowsUsed: 1, RowsReserved: 1, BlocksFree: 4, BlocksUsed: 4, Requests: 1}, m.Stats())
+	require.Equal(t, Stats{RowsFree: 1, RowsUsed: 1, RowsReserved: 1, BlocksFree: 4, BlocksAvailable: 4, BlocksUsed: 4, Requests: 1}, m.Stats())
 	require.NoError(t, m.Free(1))
 	err = m.Free(1)
 	require.ErrorIs(t, err, kvcache.ErrUnknownRequest)
 	require.ErrorIs(t, err, mambacache.ErrUnknownRequest)
-	require.Equal(t, Stats{RowsFree: 2, RowsReserved: 1, BlocksFree: 8}, m.Stats())
+	require.Equal(t, Stats{RowsFree: 2, RowsReserved: 1, BlocksFree: 8, BlocksAvailable: 8}, m.Stats())
 }
 
 func TestPrepareAllOrNothing(t *testing.T) {
@@ -115,7 +115,7 @@ func TestADPDummyAlwaysPlaced(t *testing.T) {
 		require.Empty(t, m.Mamba().FreeList(nil))
 	}
 	require.NoError(t, m.Free(100))
-	require.Equal(t, Stats{RowsFree: 1, RowsReserved: 2, BlocksFree: 4, BlocksHeadroom: 1}, m.Stats())
+	require.Equal(t, Stats{RowsFree: 1, RowsReserved: 2, BlocksFree: 4, BlocksAvailable: 4, BlocksHeadroom: 1}, m.Stats())
 }
 
 func TestAddDummyRollback(t *testing.T) {
@@ -173,5 +173,5 @@ func TestDummyIDs(t *testing.T) {
 	for _, id := range []uint64{mambacache.ADPDummyID, math.MaxUint64, math.MaxUint64 - 1, math.MaxUint64 - 2, 5} {
 		require.NoError(t, m.Free(id))
 	}
-	require.Equal(t, Stats{RowsFree: 2, RowsReserved: 2, BlocksFree: 8, BlocksHeadroom: 1}, m.Stats())
+	require.Equal(t, Stats{RowsFree: 2, RowsReserved: 2, BlocksFree: 8, BlocksAvailable: 8, BlocksHeadroom: 1}, m.Stats())
 }

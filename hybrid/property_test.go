@@ -196,7 +196,7 @@ func (h *harness) checkInvariants(probeTokens int) error {
 	want := Stats{
 		RowsFree: h.rowsFree, RowsUsed: h.c.Mamba.RealRows() - h.rowsFree, RowsReserved: h.c.Mamba.ReservedRows(),
 		BlocksFree: h.blocksFree, BlocksUsed: h.c.KV.NumBlocks() - h.blocksFree, BlocksHeadroom: hr,
-		Requests: len(h.model),
+		Requests: len(h.model), BlocksAvailable: h.blocksFree,
 	}
 	if s != want {
 		return fmt.Errorf("stats %+v, model %+v", s, want)

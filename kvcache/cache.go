@@ -162,7 +162,7 @@ func (p *Pool) AllocateShared(id uint64, chain []BlockHash, tokens []int32, shar
 			r.runs = append(r.runs, Run{Start: BlockID(b), Len: 1})
 		}
 	}
-	r.blocks = shared
+	r.blocks, r.shared = shared, shared
 	if need > 0 {
 		p.take(r, need)
 	}

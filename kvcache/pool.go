@@ -26,6 +26,7 @@ type Pool struct {
 type request struct {
 	runs   []Run
 	blocks int
+	shared int // leading blocks held from the cache (AllocateShared)
 	tokens int
 	dummy  bool
 }
@@ -268,6 +269,19 @@ func (p *Pool) Tokens(id uint64) (int, error) {
 		return 0, fmt.Errorf("%w: tokens of %d", ErrUnknownRequest, id)
 	}
 	return p.slab[i].tokens, nil
+}
+
+// OwnBlocks returns how many blocks request id took for itself: all but
+// the cached ones AllocateShared gave it (blocks it published since stay
+// its own). 0 for an unknown id.
+func (p *Pool) OwnBlocks(id uint64) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	i, ok := p.reqs[id]
+	if !ok {
+		return 0
+	}
+	return p.slab[i].blocks - p.slab[i].shared
 }
 
 // Has reports whether id holds blocks, and whether it holds them as a dummy.
