@@ -58,10 +58,23 @@ type server struct {
 	gen  Generator
 	log  *slog.Logger
 	base string // model name without options
+	// events is how a generation's stream is read: the stream itself
+	// (tests put a fake between the two).
+	events func(*worker.Stream) events
+}
+
+// events is what an endpoint reads a generation from: a *worker.Stream.
+type events interface {
+	Next(ctx context.Context) (worker.Output, error)
 }
 
 // New returns the API's handler.
 func New(cfg Config, gen Generator) http.Handler {
+	return build(cfg, gen).handler()
+}
+
+// build returns the server of New, its config completed.
+func build(cfg Config, gen Generator) *server {
 	if cfg.DefaultMaxTokens <= 0 {
 		cfg.DefaultMaxTokens = 16
 	}
@@ -78,7 +91,13 @@ func New(cfg Config, gen Generator) http.Handler {
 		cfg.WriteTimeout = 30 * time.Second
 	}
 	base, _, _ := strings.Cut(cfg.Model, "?")
-	s := &server{cfg: cfg, gen: gen, log: cfg.Logger, base: base}
+	return &server{cfg: cfg, gen: gen, log: cfg.Logger, base: base,
+		events: func(st *worker.Stream) events { return st }}
+}
+
+// handler routes the API's paths to s.
+func (s *server) handler() http.Handler {
+	cfg := s.cfg
 	mux := http.NewServeMux()
 	mux.HandleFunc("/v1/completions", s.completions)
 	mux.HandleFunc("/v1/chat/completions", s.chatCompletions)
@@ -238,7 +257,7 @@ func requestID(r *http.Request, prefix string) string {
 type admitted struct {
 	id      string
 	log     *slog.Logger
-	stream  *worker.Stream
+	stream  events
 	out     *writer
 	created int64
 }
@@ -270,6 +289,9 @@ func (s *server) start(w http.ResponseWriter, r *http.Request, prefix string,
 	if g.user != "" {
 		a.log = a.log.With("user", g.user)
 	}
+	if g.cacheKey != "" {
+		a.log = a.log.With("prompt_cache_key", g.cacheKey)
+	}
 	stream, err := s.gen.Generate(r.Context(), worker.GenerateRequest{
 		Prompt: g.prompt, MaxTokens: g.maxTokens, Sampling: g.smp, Stop: g.stop, LogID: a.id,
 	})
@@ -277,7 +299,7 @@ func (s *server) start(w http.ResponseWriter, r *http.Request, prefix string,
 		s.refuseErr(w, a.log, err)
 		return a, false
 	}
-	a.stream = stream
+	a.stream = s.events(stream)
 	a.out = &writer{w: w, rc: http.NewResponseController(w), idle: s.cfg.WriteTimeout}
 	a.created = s.cfg.Now().Unix()
 	return a, true
@@ -333,7 +355,7 @@ func (s *server) completions(w http.ResponseWriter, r *http.Request) {
 			"choices": []any{map[string]any{
 				"text": text.String(), "index": 0, "logprobs": lpOut, "finish_reason": ev.Finish,
 			}},
-			"usage": usage(len(c.prompt), ev.Tokens),
+			"usage": usage(len(c.prompt), ev, false),
 		})
 		return
 	}
@@ -444,8 +466,35 @@ func (o *writer) send(v any) bool {
 	return o.event(b)
 }
 
-func usage(prompt, completion int) map[string]int {
-	return map[string]int{"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+// usageObject is OpenAI's usage object (CompletionUsage). The details of
+// the completion tokens (reasoning, audio, predictions) are left out: none
+// exist here, and clients take the object without them.
+type usageObject struct {
+	PromptTokens        int           `json:"prompt_tokens"`
+	CompletionTokens    int           `json:"completion_tokens"`
+	TotalTokens         int           `json:"total_tokens"`
+	PromptTokensDetails promptDetails `json:"prompt_tokens_details"`
+}
+
+// promptDetails splits the prompt tokens: CachedTokens were served by a
+// prefix cache instead of computed. Chat completions report AudioTokens 0
+// beside it, as OpenAI's do; completions only the cached tokens.
+type promptDetails struct {
+	CachedTokens int  `json:"cached_tokens"`
+	AudioTokens  *int `json:"audio_tokens,omitempty"`
+}
+
+// usage is the usage of a generation of prompt tokens that ended with the
+// final event ev. The cached tokens are the worker's (ev.Cached), kept
+// within [0, prompt] so that the object stays consistent whatever a worker
+// reports.
+func usage(prompt int, ev worker.Output, chat bool) usageObject {
+	u := usageObject{PromptTokens: prompt, CompletionTokens: ev.Tokens, TotalTokens: prompt + ev.Tokens,
+		PromptTokensDetails: promptDetails{CachedTokens: min(max(ev.Cached, 0), prompt)}}
+	if chat {
+		u.PromptTokensDetails.AudioTokens = new(int)
+	}
+	return u
 }
 
 func setTiming(h http.Header, t worker.Timing) {
@@ -496,7 +545,7 @@ func schedulerError(err error) (int, *apiError) {
 
 // streamCompletion writes the stream as server-sent events.
 func (s *server) streamCompletion(r *http.Request, out *writer, log *slog.Logger, id string, created int64,
-	c completionReq, stream *worker.Stream) {
+	c completionReq, stream events) {
 	h := out.w.Header()
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("Cache-Control", "no-cache")
@@ -562,7 +611,7 @@ func (s *server) streamCompletion(r *http.Request, out *writer, log *slog.Logger
 			return
 		}
 		final := chunk(utf.flush(), lp, ev.Finish)
-		u := usage(len(c.prompt), ev.Tokens)
+		u := usage(len(c.prompt), ev, false)
 		final["usage"] = u
 		if !out.send(final) {
 			return

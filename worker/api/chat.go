@@ -47,7 +47,6 @@ var chatFields = withFields(map[string]field{
 	"service_tier":        oneOf(`"auto"`, `"default"`),
 	"store":               oneOf(`false`),
 	"metadata":            mustBeEmpty("metadata is only stored with store=true, which is not supported."),
-	"prompt_cache_key":    typeOnly("a string", func() any { return new(string) }), // a cache hint; nothing is cached across requests
 	"safety_identifier":   strField(func(p *params) *string { return &p.user }),
 })
 
@@ -388,7 +387,7 @@ func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 				"logprobs":      lpOut,
 				"finish_reason": ev.Finish,
 			}},
-			"usage": usage(len(c.prompt), ev.Tokens),
+			"usage": usage(len(c.prompt), ev, true),
 		})
 		return
 	}
@@ -405,7 +404,7 @@ func nonNil(l []chatLogprob) []chatLogprob {
 // deltas (never splitting a character), then the finish reason, then (with
 // include_usage) a last chunk with the usage and no choice.
 func (s *server) streamChat(r *http.Request, out *writer, log *slog.Logger, id string, created int64,
-	c chatReq, stream *worker.Stream) {
+	c chatReq, stream events) {
 	h := out.w.Header()
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("Cache-Control", "no-cache")
@@ -471,7 +470,7 @@ func (s *server) streamChat(r *http.Request, out *writer, log *slog.Logger, id s
 		}
 		if c.includeUsage {
 			m := chunk(nil, nil, nil)
-			m["choices"], m["usage"] = []any{}, usage(len(c.prompt), ev.Tokens)
+			m["choices"], m["usage"] = []any{}, usage(len(c.prompt), ev, true)
 			out.send(m)
 		}
 		out.event([]byte("[DONE]"))

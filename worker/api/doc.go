@@ -18,6 +18,16 @@
 //	stream, stream_options  SSE; include_usage adds a last chunk with the usage
 //	n, best_of              1 only; presence_penalty, frequency_penalty: 0 only;
 //	logit_bias              empty only; suffix: empty only; user: logged
+//	prompt_cache_key        a string of at most 64 characters naming the
+//	                        requests that share a prefix: logged (the prefix
+//	                        cache matches tokens, whatever the key)
+//
+// The usage (in a plain response, in a completion stream's final chunk and
+// in the usage chunk of include_usage) is OpenAI's: prompt_tokens,
+// completion_tokens, total_tokens and prompt_tokens_details.cached_tokens,
+// the prompt tokens a prefix cache served instead of computing them
+// (worker.Output.Cached); chat completions add audio_tokens 0 there, as
+// OpenAI's do. completion_tokens_details is left out (nothing to detail).
 //
 // Chat completions share every parameter above but prompt, echo, best_of,
 // suffix and logprobs, and add:
@@ -34,9 +44,9 @@
 // and refuse tools, functions, tool/function messages, non-text parts,
 // response_format other than text, audio, prediction, reasoning_effort,
 // verbosity, web_search_options, store=true and metadata by name; the
-// tool_choice/function_call "none"/"auto", parallel_tool_calls,
-// service_tier auto/default and prompt_cache_key change nothing and are
-// taken. The chat template (chatPrompt) renders each message as
+// tool_choice/function_call "none"/"auto", parallel_tool_calls and
+// service_tier auto/default change nothing and are taken; safety_identifier
+// is logged as user. The chat template (chatPrompt) renders each message as
 //
 //	<|role|>\n{content}\n          (<|role:name|> with a name)
 //

@@ -3,6 +3,7 @@ package api
 import (
 	"encoding/json"
 	"testing"
+	"unicode/utf8"
 
 	"github.com/handoff-io/handoff/model"
 )
@@ -23,6 +24,8 @@ func FuzzParse(f *testing.F) {
 		`{"model":"tiny-hybrid","prompt":[104,105],"best_of":1,"suffix":"","logit_bias":{},"user":"x"}`,
 		`{"model":"tiny-hybrid","prompt":"a"} `, `{"model":"tiny-hybrid","prompt":"a"}}`, `{"MODEL":"tiny-hybrid","prompt":"a"}`,
 		`{"model":"tiny-hybrid","prompt":"a","prompt":"b"}`,
+		`{"model":"tiny-hybrid","prompt":"a","prompt_cache_key":"conv-1","user":"u"}`,
+		`{"model":"tiny-hybrid","prompt":"a","prompt_cache_key":7}`,
 		`{`, `null`, `[]`, `""`, `{"model":"tiny-hybrid","prompt":"\ud800"}`,
 	} {
 		f.Add([]byte(seed))
@@ -40,7 +43,7 @@ func FuzzParse(f *testing.F) {
 		if status != 0 || len(p.prompt) == 0 || p.maxTokens < 1 || len(p.prompt)+p.maxTokens > maxCtx ||
 			!(p.smp.Temperature >= 0 && p.smp.Temperature <= 2) || !(p.smp.TopP >= 0 && p.smp.TopP < 1) ||
 			len(p.stop) > maxStops || p.logprobs > maxLogprobs || (p.echo && p.logprobs >= 0) ||
-			(p.includeUsage && !p.stream) {
+			(p.includeUsage && !p.stream) || utf8.RuneCountInString(p.cacheKey) > maxCacheKeyLen {
 			t.Fatalf("accepted a bad request: %+v", p)
 		}
 		for _, st := range p.stop {
@@ -75,6 +78,7 @@ func FuzzParseChat(f *testing.F) {
 		`{"model":"tiny-hybrid","messages":[{"role":"user","content":"x"}]} {}`,
 		`{"model":"tiny-hybrid","messages":[{"ROLE":"user","content":"x"}]}`,
 		`{"model":"tiny-hybrid","messages":[{"role":"user","content":"x"}],"max_tokens":2,"max_completion_tokens":3}`,
+		`{"model":"tiny-hybrid","messages":[{"role":"user","content":"x"}],"prompt_cache_key":"k","safety_identifier":"s"}`,
 		`{`, `null`, `[]`,
 	} {
 		f.Add([]byte(seed))
@@ -91,7 +95,8 @@ func FuzzParseChat(f *testing.F) {
 		}
 		if status != 0 || len(c.prompt) == 0 || c.maxTokens < 1 || len(c.prompt)+c.maxTokens > maxCtx ||
 			!(c.smp.Temperature >= 0 && c.smp.Temperature <= 2) || c.logprobs > maxTopLogprobs ||
-			(c.smp.Logprobs != (c.logprobs >= 0)) || (c.includeUsage && !c.stream) {
+			(c.smp.Logprobs != (c.logprobs >= 0)) || (c.includeUsage && !c.stream) ||
+			utf8.RuneCountInString(c.cacheKey) > maxCacheKeyLen {
 			t.Fatalf("accepted a bad request: %+v", c)
 		}
 		var obj map[string]json.RawMessage

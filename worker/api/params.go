@@ -9,6 +9,7 @@ import (
 	mrand "math/rand/v2"
 	"net/http"
 	"strconv"
+	"unicode/utf8"
 
 	"github.com/handoff-io/handoff/model"
 	"github.com/handoff-io/handoff/worker"
@@ -41,6 +42,7 @@ type params struct {
 	logprobs      *int64 // completions: alternatives per token; chat: 0 or 1 (bool)
 	topLogprobs   *int64 // chat
 	user          string
+	cacheKey      string // prompt_cache_key
 }
 
 // fieldOf decodes the value of key name into v.
@@ -61,6 +63,7 @@ var commonFields = map[string]field{
 	"stop":              stopField,
 	"n":                 mustEqual(1, "Only n=1 is supported."),
 	"user":              strField(func(p *params) *string { return &p.user }),
+	"prompt_cache_key":  promptCacheKeyField,
 	"presence_penalty":  mustEqual(0, "presence_penalty is not supported; only 0 is accepted."),
 	"frequency_penalty": mustEqual(0, "frequency_penalty is not supported; only 0 is accepted."),
 	"logit_bias":        logitBiasField,
@@ -306,6 +309,29 @@ func streamOptionsField(name string, raw json.RawMessage, p *params) *apiError {
 	return nil
 }
 
+// maxCacheKeyLen is the longest prompt_cache_key taken, in characters:
+// OpenAI's bound.
+const maxCacheKeyLen = 64
+
+// promptCacheKeyField takes prompt_cache_key: a string of at most
+// maxCacheKeyLen characters that names the prompts sharing a prefix (a
+// conversation, a user's agent). It only groups requests (for the logs now,
+// and for routing to the instance holding the prefix later); the prefix
+// cache itself matches tokens, whatever the key.
+func promptCacheKeyField(name string, raw json.RawMessage, p *params) *apiError {
+	if isNull(raw) {
+		return nil
+	}
+	if e := unmarshal(name, raw, &p.cacheKey, "a string"); e != nil {
+		return e
+	}
+	if n := utf8.RuneCountInString(p.cacheKey); n > maxCacheKeyLen {
+		return invalidValue(name, "Invalid '%s': string too long. Expected a string with maximum length %d, "+
+			"but got a string with length %d instead.", name, maxCacheKeyLen, n)
+	}
+	return nil
+}
+
 func stopField(_ string, raw json.RawMessage, p *params) *apiError {
 	if isNull(raw) {
 		return nil
@@ -382,12 +408,14 @@ type generation struct {
 	stream       bool
 	includeUsage bool
 	user         string // the end user's id, for the logs
+	cacheKey     string // prompt_cache_key, for the logs
 }
 
 // sampling validates the parameters every endpoint shares, given the
 // prompt's tokens; the status is 400 unless said otherwise.
 func (s *server) sampling(p params, prompt []int32) (generation, int, *apiError) {
-	g := generation{prompt: prompt, maxTokens: s.cfg.DefaultMaxTokens, stream: p.stream, stop: p.stop, user: p.user}
+	g := generation{prompt: prompt, maxTokens: s.cfg.DefaultMaxTokens, stream: p.stream, stop: p.stop, user: p.user,
+		cacheKey: p.cacheKey}
 	g.smp.Temperature = 1
 	maxCtx := s.gen.MaxContext()
 	if p.maxTokens != nil {
