@@ -110,12 +110,29 @@ const Done = "[DONE]"
 type Usage struct {
 	PromptTokens     int `json:"prompt_tokens"`
 	CompletionTokens int `json:"completion_tokens"`
+	// PromptTokensDetails holds cached_tokens: the prompt tokens a prefix
+	// cache served. nil when the server does not say.
+	PromptTokensDetails *PromptTokensDetails `json:"prompt_tokens_details"`
+}
+
+// PromptTokensDetails is OpenAI's usage.prompt_tokens_details.
+type PromptTokensDetails struct {
+	CachedTokens int `json:"cached_tokens"`
+}
+
+// Cached returns the cached prompt tokens, 0 when the server does not say.
+func (u *Usage) Cached() int {
+	if u == nil || u.PromptTokensDetails == nil {
+		return 0
+	}
+	return u.PromptTokensDetails.CachedTokens
 }
 
 // Chunk is what the benchmark reads from one streamed completion chunk.
 type Chunk struct {
 	HasChoices   bool   // the chunk has a non-empty choices array
-	Text         string // choices[0].text
+	Chat         bool   // choices[0] has a delta: a chat completion chunk
+	Text         string // choices[0].text, or a chat chunk's delta.content
 	FinishReason string // choices[0].finish_reason, "" when null
 	Usage        *Usage // present in the last chunk with stream_options.include_usage
 	Err          string // the message of an "error" member, if any
@@ -125,15 +142,20 @@ type Chunk struct {
 // for TTFT, ITL and E2EL. vLLM counts every chunk with choices; a chunk with
 // empty text that carries a finish_reason is, in handoff and some other
 // servers, the end marker sent after the last token, so it is not counted.
+// A chat chunk counts only with content, as in vLLM's chat benchmark: the
+// first one carries the role alone.
 func (c Chunk) Token() bool {
-	return c.HasChoices && !(c.Text == "" && c.FinishReason != "")
+	return c.HasChoices && !(c.Text == "" && (c.FinishReason != "" || c.Chat))
 }
 
 // ParseChunk decodes the JSON data of one event.
 func ParseChunk(data []byte) (Chunk, error) {
 	var raw struct {
 		Choices []struct {
-			Text         string  `json:"text"`
+			Text  string `json:"text"`
+			Delta *struct {
+				Content *string `json:"content"`
+			} `json:"delta"`
 			FinishReason *string `json:"finish_reason"`
 		} `json:"choices"`
 		Usage *Usage          `json:"usage"`
@@ -146,6 +168,12 @@ func ParseChunk(data []byte) (Chunk, error) {
 	if len(raw.Choices) > 0 {
 		c.HasChoices = true
 		c.Text = raw.Choices[0].Text
+		if d := raw.Choices[0].Delta; d != nil {
+			c.Chat = true
+			if d.Content != nil {
+				c.Text = *d.Content
+			}
+		}
 		if f := raw.Choices[0].FinishReason; f != nil {
 			c.FinishReason = *f
 		}
