@@ -212,9 +212,12 @@ func (p *Pool) evict(b int32) {
 // prompt's prefix.Chain) and holding tokens: block i of the request gets
 // chain[i] once its tokens are computed and final. Blocks the request
 // shares are cached already. It stops at the first name another block
-// holds (the same prefix computed twice; the request's copy stays its own)
-// and at the request's last block. It returns how many of the request's
-// blocks are now cached. Errors: ErrUnknownRequest.
+// holds with other tokens or another parent (a collision), and at the
+// request's last block. A block whose prefix is cached already (the same
+// prefix computed twice: a prompt that shares a cached prefix it could not
+// resume from) stays the request's own, and the blocks after it continue
+// the cached one. It returns how many of the request's leading blocks are
+// now named in the cache. Errors: ErrUnknownRequest.
 func (p *Pool) Publish(id uint64, chain []BlockHash, tokens []int32) (int, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -231,8 +234,17 @@ func (p *Pool) Publish(id uint64, chain []BlockHash, tokens []int32) (int, error
 			}
 			m := &p.cache.meta[b]
 			if !m.cached {
-				if _, dup := p.cache.byHash[chain[n]]; dup {
-					return n, nil
+				if d, dup := p.cache.byHash[chain[n]]; dup {
+					// The same prefix computed twice: the cached copy
+					// stays the name's block and this one the request's
+					// own, and the chain goes on from the cached one.
+					dm := &p.cache.meta[d]
+					if dm.parent != parent || !slices.Equal(dm.tokens, tokens[n*p.tpb:(n+1)*p.tpb]) {
+						return n, nil // a collision: the rest is not cacheable
+					}
+					parent = d
+					n++
+					continue
 				}
 				m.cached, m.ref, m.parent, m.hash = true, 1, parent, chain[n]
 				m.tokens = append(m.tokens[:0], tokens[n*p.tpb:(n+1)*p.tpb]...)

@@ -210,3 +210,30 @@ func TestCacheProperty(t *testing.T) {
 	require.Equal(t, 1, p.FreeExtents())
 	require.NoError(t, p.checkInvariants())
 }
+
+// TestCachePublishContinuesAComputedTwicePrefix: a request that computed a
+// prefix someone else cached (it could not share it: no state to resume
+// from) keeps its copy as its own, and its later blocks are cached as the
+// continuation of the cached prefix, so the next turn of its conversation
+// matches them all.
+func TestCachePublishContinuesAComputedTwicePrefix(t *testing.T) {
+	p := newPool(t, 8)
+	a := []int32{1, 2, 3, 4, 5, 6}
+	require.NoError(t, p.Allocate(1, len(a)))
+	_, err := p.Publish(1, chainOf(a, 4), a)
+	require.NoError(t, err)
+	b := []int32{1, 2, 3, 4, 9, 9, 9, 9, 7}
+	require.NoError(t, p.Allocate(2, len(b)))
+	n, err := p.Publish(2, chainOf(b, 4), b)
+	require.NoError(t, err)
+	require.Equal(t, 2, n)
+	mine, _ := p.Blocks(2, nil)
+	require.False(t, p.IsCached(mine[0]), "the second copy of a cached block stays the request's own")
+	require.True(t, p.IsCached(mine[1]))
+	require.Equal(t, 2, p.Match(chainOf(b, 4), b))
+	require.NoError(t, p.checkInvariants())
+	require.NoError(t, p.Free(1))
+	require.NoError(t, p.Free(2))
+	require.NoError(t, p.checkInvariants())
+	require.Equal(t, 8, p.AvailableBlocks())
+}
