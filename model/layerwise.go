@@ -156,3 +156,20 @@ func partsOf(pattern string) []Part {
 	}
 	return parts
 }
+
+// CachedParts returns the Parts of a prompt's first cached positions
+// [0, cached) that a prefill resumed from a prefix-cache hit never
+// computes: every attention layer's K and V of those positions, final
+// already (the shared blocks are read-only and the copied tail is done).
+// The Mamba state is not among them: the prefill rewrites it, and reports
+// it when the prompt ends.
+func CachedParts(spec Spec, cached int) []Part {
+	var out []Part
+	for _, p := range partsOf(spec.LayerPattern) {
+		if p.Kind == '*' && cached > 0 {
+			p.From, p.To = 0, cached
+			out = append(out, p)
+		}
+	}
+	return out
+}

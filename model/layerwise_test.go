@@ -158,15 +158,19 @@ func TestPrefillChunkParts(t *testing.T) {
 }
 
 // TestPrefillChunkWholeOnly: an executor that prefills whole prompts only
-// (a simulated GPU) takes no chunk, and reports every part at the end.
+// (one over caches in device memory) takes no chunk, and reports every
+// part at the end. A simulated GPU chunks as its model does: the worker
+// sleeps each chunk's simulated time.
 func TestPrefillChunkWholeOnly(t *testing.T) {
-	e := lookup(t, model.NemotronH8B+"?gpu=h200")
-	require.False(t, model.Chunked(e))
+	require.True(t, model.Chunked(lookup(t, model.NemotronH8B+"?gpu=h200")))
 	require.True(t, model.Chunked(lookup(t, model.NemotronH8B)))
 	require.True(t, model.Chunked(lookup(t, model.TinyHybrid+"?delay=1us")))
-	spec := e.Spec()
+	inner := lookup(t, model.NemotronH8B)
+	spec := inner.Spec()
 	spec.KV.TokensPerBlock = 32
 	a := newArenas(t, spec, 2, 1)
+	e := model.OnDevice(inner, &memory{b: make([]byte, len(a.kvMem))}, &memory{b: make([]byte, len(a.mMem))})
+	require.False(t, model.Chunked(e))
 	c := a.cache(0, 0, 1)
 	toks := prompt(40, 1)
 	_, err := model.PrefillChunk(context.Background(), e, c, toks, 0, 20, nil)

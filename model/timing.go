@@ -1,6 +1,7 @@
 package model
 
 import (
+	"context"
 	"fmt"
 	"math"
 	"time"
@@ -57,12 +58,17 @@ import (
 
 // StepTimer is implemented by executors that simulate a GPU's compute time.
 // Before each engine step on a rank the worker asks it for the time of the
-// step's prefills (their prompt lengths, decodes nil) and of its decodes
-// (their context lengths, prefills nil), so StepTime must add up: the time
-// of both together is the sum of the two.
+// step's prefills (the positions each computes, decodes nil) and of its
+// decodes (their context lengths, prefills nil), so StepTime must add up:
+// the time of both together is the sum of the two.
 type StepTimer interface {
-	StepTime(prefills, decodes []int) time.Duration
+	StepTime(prefills []Span, decodes []int) time.Duration
 }
+
+// Span is the positions [From, To) of a prompt that a prefill step
+// computes; [0, From) are cached already (a prefix-cache hit, or the
+// chunks before).
+type Span struct{ From, To int }
 
 // GPU is an accelerator's published peak figures.
 type GPU struct {
@@ -156,18 +162,23 @@ func (t Timing) weightRead(b int) float64 {
 }
 
 // PrefillTime returns the time to prefill a prompt of n tokens alone.
-func (t Timing) PrefillTime(n int) time.Duration {
-	if n <= 0 {
+func (t Timing) PrefillTime(n int) time.Duration { return t.SpanTime(Span{0, n}) }
+
+// SpanTime returns the time to prefill positions [s.From, s.To) of a prompt
+// whose first s.From positions are cached: the weights and MLPs see only
+// the new positions, attention reads every earlier one.
+func (t Timing) SpanTime(s Span) time.Duration {
+	if s.To <= s.From || s.From < 0 {
 		return 0
 	}
 	peak := t.GPU.BF16FLOPS
 	if t.c.fp8 {
 		peak = t.GPU.FP8FLOPS
 	}
-	fn := float64(n)
-	flops := 2*t.c.activeParams*fn + 2*t.attn*fn*fn
+	fn, from, to := float64(s.To-s.From), float64(s.From), float64(s.To)
+	flops := 2*t.c.activeParams*fn + 2*t.attn*(to*to-from*from)
 	compute := flops / (t.MFU * peak)
-	memory := t.weightRead(n) / (t.MBU * t.GPU.MemBW)
+	memory := t.weightRead(s.To-s.From) / (t.MBU * t.GPU.MemBW)
 	return seconds(max(compute, memory))
 }
 
@@ -184,12 +195,12 @@ func (t Timing) DecodeStepTime(contexts []int) time.Duration {
 	return seconds(bytes / (t.MBU * t.GPU.MemBW))
 }
 
-// StepTime is the time of an engine step that prefills prompts of the given
-// lengths and decodes requests with the given contexts.
-func (t Timing) StepTime(prefills, decodes []int) time.Duration {
+// StepTime is the time of an engine step that prefills the given spans
+// and decodes requests with the given contexts.
+func (t Timing) StepTime(prefills []Span, decodes []int) time.Duration {
 	var d time.Duration
-	for _, n := range prefills {
-		d += t.PrefillTime(n)
+	for _, s := range prefills {
+		d += t.SpanTime(s)
 	}
 	return d + t.DecodeStepTime(decodes)
 }
@@ -201,4 +212,17 @@ type timed struct {
 	Timing
 }
 
-var _ StepTimer = timed{}
+var (
+	_ StepTimer = timed{}
+	_ chunker   = timed{}
+)
+
+// prefillChunk chunks as the inner executor does; the step's simulated
+// time (StepTime over the chunk's Span) is the worker's to sleep.
+func (t timed) prefillChunk(ctx context.Context, c Cache, tokens []int32, from, to int, done func(layer int) error) ([]float32, error) {
+	ch, ok := t.Executor.(chunker)
+	if !ok {
+		return nil, fmt.Errorf("%w: %s prefills whole prompts only", ErrInvalidOption, t.Spec().Name)
+	}
+	return ch.prefillChunk(ctx, c, tokens, from, to, done)
+}

@@ -29,7 +29,7 @@ func TestLookupGPU(t *testing.T) {
 	require.Equal(t, plain.Spec().Fingerprint(), e.Spec().Fingerprint(), "the simulation is not part of the layout")
 	require.Equal(t, 0.4, e.(timed).MFU)
 	require.Equal(t, 0.8, e.(timed).MBU)
-	require.Positive(t, st.StepTime([]int{100}, nil))
+	require.Positive(t, st.StepTime([]Span{{0, 100}}, nil))
 	_, isTimer := plain.(StepTimer)
 	require.False(t, isTimer)
 
@@ -94,7 +94,7 @@ func TestTimingShape(t *testing.T) {
 		require.Zero(t, tm.PrefillTime(0))
 		// a mixed step (aggregated serving) costs its prefills and its decode step
 		require.Equal(t, tm.PrefillTime(500)+tm.PrefillTime(700)+tm.DecodeStepTime(batch),
-			tm.StepTime([]int{500, 700}, batch), name)
+			tm.StepTime([]Span{{0, 500}, {0, 700}}, batch), name)
 		require.False(t, math.IsNaN(tm.PrefillTime(1).Seconds()))
 	}
 	// Nemotron-H-8B at batch 1: a few milliseconds per token, tens for a 1k prompt.
