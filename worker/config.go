@@ -36,6 +36,17 @@ type Config struct {
 	// them (executors that prefill whole prompts only take them whole); 0
 	// prefills each prompt in one step.
 	PrefillChunkTokens int
+	// PrefixCache reuses cached prompt prefixes on the ranks that keep a
+	// prefix cache (PoolParams.StateCheckpoints > 0 and an executor that
+	// resumes prefills): see prefix.go. Off, every prompt is computed
+	// from its first token, as without a cache.
+	PrefixCache bool
+	// CheckpointInterval, with PrefixCache, also takes a state checkpoint
+	// every this many tokens of a prompt (its chunks end there), so a
+	// shared prefix such as a system prompt is reusable by prompts that
+	// continue it differently; 0 takes them only at the end of prompts and
+	// generations.
+	CheckpointInterval int
 }
 
 func (c *Config) validate(ranks []*Rank) error {
@@ -56,6 +67,9 @@ func (c *Config) validate(ranks []*Rank) error {
 	}
 	if c.PrefillChunkTokens < 0 {
 		return fmt.Errorf("%w: prefill chunk of %d tokens", ErrInvalidConfig, c.PrefillChunkTokens)
+	}
+	if c.CheckpointInterval < 0 {
+		return fmt.Errorf("%w: state checkpoint interval of %d tokens", ErrInvalidConfig, c.CheckpointInterval)
 	}
 	if c.QueueSize == 0 {
 		c.QueueSize = DefaultQueueSize

@@ -22,10 +22,8 @@ type Part struct {
 // chunks. It returns the logits once the prompt is done, nil before, and
 // reports each finished part of the cache to q.parts.
 func (s *Scheduler) prefillChunk(r *Rank, q *request, c model.Cache) ([]float32, error) {
-	from, to := q.pos, len(q.prompt)
-	if k := s.cfg.PrefillChunkTokens; k > 0 && model.Chunked(r.exec) {
-		to = min(to, from+k)
-	}
+	sp := s.span(r, q)
+	from, to := sp.From, sp.To
 	var ready func(model.Part)
 	if q.parts != nil {
 		ready = func(p model.Part) { q.parts(Part{Rank: r.index, Blocks: c.Blocks, Row: c.Row, Part: p}) }
@@ -34,9 +32,27 @@ func (s *Scheduler) prefillChunk(r *Rank, q *request, c model.Cache) ([]float32,
 	if err != nil {
 		return nil, err
 	}
+	s.m.PromptComputed.WithLabelValues(string(s.cfg.Role), rankLabel(r)).Add(float64(to - from))
 	if to < len(q.prompt) {
 		q.pos = to
+		if to == s.nextCheckpoint(r, q, from) {
+			s.keep(r, q, c, to) // an interval checkpoint
+		}
 		return nil, nil
 	}
 	return logits, nil
+}
+
+// span is the positions q's next prefill step on r computes.
+func (s *Scheduler) span(r *Rank, q *request) model.Span {
+	return q.chunk(s.chunkTokens(r), s.nextCheckpoint(r, q, q.pos))
+}
+
+// chunkTokens is the chunk size of r's prefills: PrefillChunkTokens where
+// its executor prefills in chunks, 0 (whole prompts) otherwise.
+func (s *Scheduler) chunkTokens(r *Rank) int {
+	if model.Chunked(r.exec) {
+		return s.cfg.PrefillChunkTokens
+	}
+	return 0
 }

@@ -51,6 +51,14 @@ type Metrics struct {
 	Queued           *prometheus.GaugeVec     // handoff_queued_requests{role}
 	TransportInfo    *prometheus.GaugeVec     // handoff_transport_info{transport}
 	PrefillRoutes    *prometheus.CounterVec   // handoff_prefill_routes_total{role,route,reason}
+
+	// The prefix cache.
+	PrefixLookups   *prometheus.CounterVec // handoff_prefix_lookups_total{role,rank,result}
+	PrefixHitTokens *prometheus.CounterVec // handoff_prefix_hit_tokens_total{role,rank}
+	PromptComputed  *prometheus.CounterVec // handoff_prompt_tokens_computed_total{role,rank}
+	PrefixBlocks    *prometheus.GaugeVec   // handoff_prefix_cached_blocks{role,rank}
+	CheckpointRows  *prometheus.GaugeVec   // handoff_state_checkpoint_rows{role,rank,state}
+	PrefixEvictions *prometheus.CounterVec // handoff_prefix_evictions_total{role,rank,kind}
 }
 
 // NewMetrics creates the collectors and registers them on reg (a private
@@ -123,10 +131,35 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Decode with --prefill auto: admitted requests by where their prefill ran (local, remote) and why " +
 				"(short_prompt, prefill_busy, no_prefill, long_prompt).",
 		}, []string{"role", "route", "reason"}),
+		PrefixLookups: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_prefix_lookups_total",
+			Help: "Prompts looked up in the prefix cache where they were placed, by result (hit, miss).",
+		}, []string{"role", "rank", "result"}),
+		PrefixHitTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_prefix_hit_tokens_total",
+			Help: "Prompt tokens served from the prefix cache instead of computed.",
+		}, []string{"role", "rank"}),
+		PromptComputed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_prompt_tokens_computed_total",
+			Help: "Prompt tokens computed by this worker's prefills (hits excluded).",
+		}, []string{"role", "rank"}),
+		PrefixBlocks: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "handoff_prefix_cached_blocks",
+			Help: "KV blocks in the prefix cache (read-only, shared or evictable), per rank.",
+		}, []string{"role", "rank"}),
+		CheckpointRows: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "handoff_state_checkpoint_rows",
+			Help: "Mamba state checkpoint rows per rank, by state (free, filling, ready, pinned).",
+		}, []string{"role", "rank", "state"}),
+		PrefixEvictions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_prefix_evictions_total",
+			Help: "Prefix cache evictions to make room, by kind (block, checkpoint).",
+		}, []string{"role", "rank", "kind"}),
 	}
 	reg.MustRegister(m.Requests, m.Transfers, m.TransferBytes, m.StreamedBytes, m.TransferDuration,
 		m.QueueDuration, m.PrefillDuration, m.FirstToken,
-		m.Dummies, m.MambaRows, m.KVBlocks, m.Sessions, m.Queued, m.TransportInfo, m.PrefillRoutes)
+		m.Dummies, m.MambaRows, m.KVBlocks, m.Sessions, m.Queued, m.TransportInfo, m.PrefillRoutes,
+		m.PrefixLookups, m.PrefixHitTokens, m.PromptComputed, m.PrefixBlocks, m.CheckpointRows, m.PrefixEvictions)
 	return m
 }
 
@@ -152,15 +185,38 @@ func (m *Metrics) init(role Role) {
 	m.Queued.WithLabelValues(r)
 }
 
-// setPools publishes one rank's pool counts.
-func (m *Metrics) setPools(role Role, rank int, s hybrid.Stats) {
+// setPools publishes one rank's pool counts; last holds the eviction
+// counts it published before, and is updated.
+func (m *Metrics) setPools(role Role, rank int, s hybrid.Stats, last *hybrid.Stats) {
 	r, k := string(role), strconv.Itoa(rank)
+	m.PrefixBlocks.WithLabelValues(r, k).Set(float64(s.BlocksCached))
+	c := s.Checkpoints
+	m.CheckpointRows.WithLabelValues(r, k, "free").Set(float64(c.Free))
+	m.CheckpointRows.WithLabelValues(r, k, "filling").Set(float64(c.Filling))
+	m.CheckpointRows.WithLabelValues(r, k, "ready").Set(float64(c.Ready))
+	m.CheckpointRows.WithLabelValues(r, k, "pinned").Set(float64(c.Pinned))
+	m.PrefixEvictions.WithLabelValues(r, k, "block").Add(float64(s.BlocksEvicted - last.BlocksEvicted))
+	m.PrefixEvictions.WithLabelValues(r, k, "checkpoint").Add(float64(s.CheckpointsEvicted - last.CheckpointsEvicted))
+	last.BlocksEvicted, last.CheckpointsEvicted = s.BlocksEvicted, s.CheckpointsEvicted
 	m.MambaRows.WithLabelValues(r, k, "free").Set(float64(s.RowsFree))
 	m.MambaRows.WithLabelValues(r, k, "used").Set(float64(s.RowsUsed))
 	m.MambaRows.WithLabelValues(r, k, "reserved").Set(float64(s.RowsReserved))
 	m.KVBlocks.WithLabelValues(r, k, "free").Set(float64(s.BlocksFree))
 	m.KVBlocks.WithLabelValues(r, k, "used").Set(float64(s.BlocksUsed))
 }
+
+// initPrefix creates, at 0, a prefix-caching rank's counters.
+func (m *Metrics) initPrefix(role Role, rank int) {
+	r, k := string(role), strconv.Itoa(rank)
+	m.PrefixLookups.WithLabelValues(r, k, "hit")
+	m.PrefixLookups.WithLabelValues(r, k, "miss")
+	m.PrefixHitTokens.WithLabelValues(r, k)
+	m.PromptComputed.WithLabelValues(r, k)
+	m.PrefixEvictions.WithLabelValues(r, k, "block")
+	m.PrefixEvictions.WithLabelValues(r, k, "checkpoint")
+}
+
+func rankLabel(r *Rank) string { return strconv.Itoa(r.index) }
 
 // initRoutes creates, at 0, the route series a Router can produce.
 func (m *Metrics) initRoutes(role Role) {

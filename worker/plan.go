@@ -119,21 +119,25 @@ type RankRoom struct {
 	Blocks int
 	// Held is the number of requests the rank holds (used to spread load).
 	Held int
+	// Hit is the request's longest prefix-cache hit on the rank, in tokens.
+	Hit int
 }
 
 // PickRank returns the rank that takes a request needing blocks KV blocks
 // over its whole life, or -1 when none can take it now. It never
 // over-commits: a rank qualifies only with a free row and enough unpromised
-// blocks. Among those it prefers the least loaded, then the one with the most
-// free blocks, then the lowest index.
+// blocks. Among those it prefers the longest prefix-cache hit (attention
+// DP: the rank that holds the most of the request's prompt), then the
+// least loaded, then the one with the most free blocks, then the lowest
+// index.
 func PickRank(rooms []RankRoom, blocks int) int {
 	best := -1
 	for i, r := range rooms {
 		if r.Rows < 1 || r.Blocks < blocks {
 			continue
 		}
-		if best < 0 || r.Held < rooms[best].Held ||
-			(r.Held == rooms[best].Held && r.Blocks > rooms[best].Blocks) {
+		if best < 0 || r.Hit > rooms[best].Hit || r.Hit == rooms[best].Hit && (r.Held < rooms[best].Held ||
+			(r.Held == rooms[best].Held && r.Blocks > rooms[best].Blocks)) {
 			best = i
 		}
 	}

@@ -7,6 +7,7 @@ import (
 	"github.com/handoff-io/handoff/kvcache"
 	"github.com/handoff-io/handoff/mambacache"
 	"github.com/handoff-io/handoff/model"
+	"github.com/handoff-io/handoff/prefix"
 )
 
 // PoolParams sizes one rank's pools.
@@ -21,6 +22,10 @@ type PoolParams struct {
 	// KVBlocks is the KV pool size; 0 picks enough for MaxBatchSize requests
 	// of the model's full context, capped at DefaultKVBytes.
 	KVBlocks int
+	// StateCheckpoints is the number of Mamba state checkpoint rows of the
+	// prefix cache (mambacache.Config.CheckpointRows), beyond the real and
+	// reserved rows; 0 keeps no states, and so no prefix cache.
+	StateCheckpoints int
 }
 
 // DefaultKVBytes caps the KV arena a rank gets when KVBlocks is 0, so the
@@ -56,6 +61,7 @@ func PoolConfig(spec model.Spec, p PoolParams) (hybrid.Config, error) {
 	m.MaxBatchSize = p.MaxBatchSize
 	m.AttentionDP = p.AttentionDP
 	m.PPSize = 1
+	m.CheckpointRows = p.StateCheckpoints
 	cfg := hybrid.Config{KV: kv, Mamba: m}
 	if err := cfg.Validate(); err != nil {
 		return hybrid.Config{}, fmt.Errorf("worker: %w", err)
@@ -79,10 +85,15 @@ type Rank struct {
 	mCfg       mambacache.Config
 	budget     int // blocks real requests may be promised
 	rows       int // rows real requests may hold
+	// prefix: the rank keeps a prefix cache (it has checkpoint rows and its
+	// executor resumes prefills); root is the root of its block names.
+	prefix bool
+	root   prefix.Hash
 
 	// Owned by the scheduler loop.
-	promised int
-	held     []*request
+	promised  int
+	held      []*request
+	published hybrid.Stats // the eviction counts last published
 }
 
 // NewRank builds a rank over arenas of at least the pools' ArenaBytes. The
@@ -98,11 +109,16 @@ func NewRank(index int, mgr *hybrid.Manager, exec model.Executor, kvArena, mamba
 			index, len(mambaArena), mCfg.ArenaBytes(), ErrInvalidConfig)
 	}
 	rows, blocks := mgr.Capacity()
-	return &Rank{
+	r := &Rank{
 		index: index, mgr: mgr, exec: exec,
 		kvArena: kvArena, mambaArena: mambaArena,
 		kvCfg: kvCfg, mCfg: mCfg, budget: blocks, rows: rows,
-	}, nil
+		prefix: mCfg.CheckpointRows > 0 && model.Chunked(exec),
+	}
+	if r.prefix {
+		r.root = prefixRoot(r)
+	}
+	return r, nil
 }
 
 // Index is the rank's position in the worker.

@@ -7,6 +7,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/handoff-io/handoff/hybrid"
 	"github.com/handoff-io/handoff/kvcache"
 	"github.com/handoff-io/handoff/model"
 )
@@ -55,6 +56,26 @@ type request struct {
 
 	accepted, admitted, firstAt time.Time
 	timing                      Timing
+
+	// The prefix cache (prefix.go).
+	hit    hybrid.Hit          // taken at placement, until its first step copied it
+	cached int                 // prompt tokens the cache served
+	seq    []int32             // the tokens its cache holds: the prompt, then those it absorbed
+	chain  []kvcache.BlockHash // the names of seq's full blocks, as far as computed
+}
+
+// chunk is the span q's next prefill step computes: from where its hit
+// or earlier chunks left it to the end of the prompt, or of a chunk of
+// chunk tokens (0: none), ending early at a checkpoint (ckAt).
+func (q *request) chunk(chunk, ckAt int) model.Span {
+	to := len(q.prompt)
+	if chunk > 0 {
+		to = min(to, q.pos+chunk)
+	}
+	if ckAt > q.pos {
+		to = min(to, ckAt)
+	}
+	return model.Span{From: q.pos, To: to}
 }
 
 // accept takes the token sampled at step q.generated (with its logprobs

@@ -88,6 +88,11 @@ func NewScheduler(cfg Config, ranks []*Rank) (*Scheduler, error) {
 		wake: make(chan struct{}, 1), idle: make(chan struct{}), nextID: 1, quit: make(chan struct{}),
 	}
 	s.m.init(cfg.Role)
+	for _, r := range ranks {
+		if r.prefix && cfg.PrefixCache {
+			s.m.initPrefix(cfg.Role, r.index)
+		}
+	}
 	if cfg.Router != nil {
 		s.m.initRoutes(cfg.Role)
 	}
@@ -247,6 +252,7 @@ func (s *Scheduler) unqueue(q *request) bool {
 // admit moves queued requests onto ranks, in order, while the head fits.
 func (s *Scheduler) admit() {
 	rooms := make([]RankRoom, len(s.ranks))
+	hits := make([]hybrid.Hit, len(s.ranks))
 	popped, admitted := 0, 0
 	for {
 		s.mu.Lock()
@@ -256,10 +262,12 @@ func (s *Scheduler) admit() {
 			return
 		}
 		q := s.queue[0]
+		extra := s.lookup(q, hits)
 		for i, r := range s.ranks {
 			rooms[i] = r.room()
+			rooms[i].Hit = hits[i].Tokens
 		}
-		idx := PickRank(rooms, q.promise)
+		idx := PickRank(rooms, q.promise+extra)
 		if idx < 0 {
 			s.noteAdmittedLocked(popped, admitted, time.Now())
 			s.mu.Unlock()
@@ -274,16 +282,19 @@ func (s *Scheduler) admit() {
 		if q.ctx.Err() == nil { // a request whose client left ends at once: no sample
 			admitted++
 		}
-		s.place(q, s.ranks[idx])
+		s.place(q, s.ranks[idx], hits[idx])
 	}
 }
 
-func (s *Scheduler) place(q *request, r *Rank) {
+func (s *Scheduler) place(q *request, r *Rank, h hybrid.Hit) {
 	if q.ctx.Err() != nil {
 		s.finish(q, context.Cause(q.ctx))
 		return
 	}
-	res, err := r.mgr.Prepare(q.id, len(q.prompt))
+	res, err := s.prepare(q, r, h)
+	if q.hit.HasTail {
+		q.promise++ // the pinned tail, until q ends (see prefix.go)
+	}
 	if err != nil {
 		// Admission checked rows and blocks; this is a bug, not load.
 		s.finish(q, fmt.Errorf("worker: admit on rank %d: %w", r.index, err))
@@ -330,6 +341,9 @@ func (s *Scheduler) collect() {
 		err := q.stepErr
 		if err != nil && q.ctx.Err() != nil {
 			err = context.Cause(q.ctx)
+		}
+		if err == nil && !q.prefillOnly {
+			s.keepGenerated(q)
 		}
 		s.end(q, err)
 	}
@@ -403,7 +417,7 @@ func (s *Scheduler) finish(q *request, err error) {
 	}
 	s.m.Requests.WithLabelValues(string(s.cfg.Role), result).Inc()
 	if q.out != nil {
-		ev := Output{Done: true, Err: err, Timing: q.timing, Tokens: q.tokens}
+		ev := Output{Done: true, Err: err, Timing: q.timing, Tokens: q.tokens, Cached: q.cached}
 		if err == nil {
 			ev.Finish = q.reason
 			for _, h := range q.stop.flush(q.emit[:0]) {
@@ -443,7 +457,7 @@ func (s *Scheduler) publish() {
 	s.mu.Unlock()
 	s.m.Queued.WithLabelValues(string(s.cfg.Role)).Set(float64(queued))
 	for _, r := range s.ranks {
-		s.m.setPools(s.cfg.Role, r.index, r.mgr.Stats())
+		s.m.setPools(s.cfg.Role, r.index, r.mgr.Stats(), &r.published)
 	}
 }
 

@@ -10,7 +10,9 @@ import (
 // simulateStep runs the simulated compute of the step a rank is about to
 // run, when its executor simulates a GPU (model.StepTimer, a model looked up
 // with "?gpu=h200"). The prompt of each request the step prefills and the
-// context of each it decodes go to StepTime, in two parts:
+// context of each it decodes go to StepTime, in two parts (a prefill
+// counts the positions its step computes, span: from where a prefix-cache
+// hit or its earlier chunks left it to the end of its prompt or chunk):
 //
 //   - the prefills' time is slept (never spun) here, before the step: a
 //     prefill's result (its first token, or the lease a remote decode
@@ -26,15 +28,16 @@ import (
 // that share its step, as on a GPU that runs them together. A dummy-only
 // step (ADP padding) costs one decode at context 0. Both waits end early
 // when ctx ends.
-func simulateStep(ctx context.Context, st model.StepTimer, held []*request, dummy bool) (wait func()) {
-	var prefills, decodes []int
+func simulateStep(ctx context.Context, st model.StepTimer, held []*request, dummy bool, span func(*request) model.Span) (wait func()) {
+	var prefills []model.Span
+	var decodes []int
 	if dummy {
 		decodes = append(decodes, 0)
 	}
 	for _, q := range held {
 		switch q.phase {
 		case PhaseContext:
-			prefills = append(prefills, len(q.prompt))
+			prefills = append(prefills, span(q))
 		case PhaseGenerate:
 			decodes = append(decodes, q.pos)
 		}

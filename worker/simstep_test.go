@@ -22,9 +22,19 @@ type stepRecorder struct {
 	steps [][2][]int
 }
 
-func (s *stepRecorder) StepTime(prefills, decodes []int) time.Duration {
+// StepTime records a prefill span as its end when it starts at 0 (a whole
+// prompt of 100 is 100) and as -(From<<16 | To) otherwise.
+func (s *stepRecorder) StepTime(prefills []model.Span, decodes []int) time.Duration {
+	var ps []int
+	for _, sp := range prefills {
+		if sp.From == 0 {
+			ps = append(ps, sp.To)
+		} else {
+			ps = append(ps, -(sp.From<<16 | sp.To))
+		}
+	}
 	s.mu.Lock()
-	s.steps = append(s.steps, [2][]int{append([]int(nil), prefills...), append([]int(nil), decodes...)})
+	s.steps = append(s.steps, [2][]int{ps, append([]int(nil), decodes...)})
 	s.mu.Unlock()
 	d := time.Duration(len(prefills)) * s.prefill
 	if len(decodes) > 0 {
@@ -32,6 +42,8 @@ func (s *stepRecorder) StepTime(prefills, decodes []int) time.Duration {
 	}
 	return d
 }
+
+func wholePrompt(q *request) model.Span { return q.chunk(0, 0) }
 
 // A step costs what the StepTimer says for the requests it runs (their
 // prompts for those in prefill, their positions for those decoding, a
@@ -48,7 +60,7 @@ func TestSimulateStep(t *testing.T) {
 			{phase: PhaseGenerate, pos: 9},
 		}
 		start := time.Now()
-		wait := simulateStep(t.Context(), st, held, false)
+		wait := simulateStep(t.Context(), st, held, false, wholePrompt)
 		require.Equal(t, 30*time.Millisecond, time.Since(start), "the prefill is done before the step runs")
 		time.Sleep(3 * time.Millisecond) // the step's own work, shorter than its decode
 		wait()
@@ -56,21 +68,21 @@ func TestSimulateStep(t *testing.T) {
 		require.Equal(t, [][2][]int{{{100}, nil}, {nil, {42, 9}}}, st.steps)
 
 		start = time.Now()
-		wait = simulateStep(t.Context(), st, held, false)
+		wait = simulateStep(t.Context(), st, held, false, wholePrompt)
 		time.Sleep(50 * time.Millisecond) // work longer than the simulated decode
 		wait()
 		require.Equal(t, 80*time.Millisecond, time.Since(start))
 
 		st.steps = nil
 		start = time.Now()
-		simulateStep(t.Context(), st, nil, true)()
+		simulateStep(t.Context(), st, nil, true, wholePrompt)()
 		require.Equal(t, 5*time.Millisecond, time.Since(start))
 		require.Equal(t, [][2][]int{{nil, {0}}}, st.steps, "the ADP dummy: one decode at context 0")
 
 		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Millisecond)
 		defer cancel()
 		start = time.Now()
-		simulateStep(ctx, st, held, false)()
+		simulateStep(ctx, st, held, false, wholePrompt)()
 		require.Equal(t, 10*time.Millisecond, time.Since(start), "the waits end with the context")
 	})
 }

@@ -34,7 +34,8 @@ func hasWork(r *Rank) bool {
 
 func (s *Scheduler) stepRank(ctx context.Context, r *Rank, dummy bool) {
 	if st, ok := r.exec.(model.StepTimer); ok {
-		defer simulateStep(ctx, st, r.held, dummy)() // the step lasts its simulated time
+		span := func(q *request) model.Span { return s.span(r, q) }
+		defer simulateStep(ctx, st, r.held, dummy, span)() // the step lasts its simulated time
 	}
 	if dummy {
 		s.padDummy(ctx, r)
@@ -79,6 +80,12 @@ func (s *Scheduler) prefillStep(r *Rank, q *request) {
 		return
 	}
 	q.blocks = c.Blocks
+	if q.hit.Tokens > 0 {
+		if err := s.copyHit(r, q, c); err != nil {
+			q.stepErr = err
+			return
+		}
+	}
 	logits, err := s.prefillChunk(r, q, c)
 	if err != nil {
 		q.stepErr = err
@@ -94,6 +101,9 @@ func (s *Scheduler) prefillStep(r *Rank, q *request) {
 	q.traceCompute(start)
 	s.m.PrefillDuration.WithLabelValues(string(s.cfg.Role)).Observe(q.timing.Prefill.Seconds())
 	q.pos = len(q.prompt)
+	if r.prefix && s.reusesCache(q) {
+		s.keep(r, q, c, q.pos)
+	}
 	if q.prefillOnly {
 		q.generated, q.last = 1, tok
 		runs, err := r.mgr.KV().Runs(q.id, nil)
@@ -106,7 +116,7 @@ func (s *Scheduler) prefillStep(r *Rank, q *request) {
 		s.setPhase(q, PhasePush)
 		q.leaseOut = true
 		q.lease <- leaseResult{lease: &Lease{
-			Rank: r.index, ID: q.id, Resources: hybrid.Resources{Row: c.Row, Runs: runs}, Tokens: len(q.prompt),
+			Rank: r.index, ID: q.id, Resources: hybrid.Resources{Row: c.Row, Runs: runs}, Tokens: len(q.prompt), Cached: q.cached,
 			First: tok, FirstLogprobs: lp, Compute: q.timing.Prefill, s: s, q: q,
 		}}
 		return
@@ -134,6 +144,9 @@ func (s *Scheduler) decodeStep(r *Rank, q *request) {
 	if err != nil {
 		q.stepErr = err
 		return
+	}
+	if q.seq != nil {
+		q.seq = append(q.seq, q.last) // absorbed at q.pos
 	}
 	tok, lp := q.sample(logits)
 	q.pos++

@@ -64,6 +64,7 @@ type Lease struct {
 	// Resources are the request's Mamba row and KV runs on the rank.
 	hybrid.Resources
 	Tokens int   // prompt tokens the runs hold
+	Cached int   // of them, those the prefix cache served (not computed)
 	First  int32 // first token, sampled at step 0
 	// FirstLogprobs are the first token's logprobs, when the job asked.
 	FirstLogprobs *model.Logprobs

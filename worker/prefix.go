@@ -1,0 +1,200 @@
+package worker
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/handoff-io/handoff/hybrid"
+	"github.com/handoff-io/handoff/model"
+	"github.com/handoff-io/handoff/prefix"
+)
+
+// The prefix cache in the scheduler (hybrid's Lookup, PrepareHit,
+// Publish and checkpoints, driven per request).
+//
+// A request reuses the cache when it computes its prompt here (a prefill
+// job, or a decode request of an aggregated worker) on a rank whose
+// executor resumes a prefill from a cached state (model.Chunked) and
+// whose pool has checkpoint rows. Admission looks its prompt up on every
+// rank and prefers the rank with the longest hit (PickRank); placement
+// takes the hit (PrepareHit: the full blocks shared, the checkpoint
+// pinned), and the request starts at the hit's length. Its first step
+// copies the checkpoint row and tail block into its own (HitCopied) and
+// computes the rest. Once the prompt is computed, its full blocks are
+// published and a checkpoint is taken at its end (and, with
+// CheckpointInterval, at every multiple of it the prompt passes, where
+// its chunks then end); a decode request that finishes also leaves its
+// blocks and a checkpoint at the last token it absorbed, for the next turn
+// of its conversation. Every copy is made on the rank's own goroutine
+// between two allocations of its manager, as BeginCheckpoint asks.
+//
+// Admission stays exact: a request is promised every block its life may
+// take, the shared ones included (a shared block is held by some request
+// that was promised it), plus one for the pinned tail of its hit until it
+// ends, since a pinned tail is the only cached block no allocation can
+// evict.
+
+// prefixRoot is the root of a rank's block names: everything that changes
+// what its blocks and rows hold.
+func prefixRoot(r *Rank) prefix.Hash {
+	k, m := r.kvCfg, r.mCfg
+	return prefix.Salt(fmt.Sprintf("%s|kv %d layers %d heads %d dim %d bytes %d tokens|mamba %d layers %d heads %d groups",
+		r.exec.Spec().Fingerprint(), k.Layers, k.KVHeads, k.HeadDim, k.ElemSize, k.TokensPerBlock, m.Layers, m.Heads, m.NGroups))
+}
+
+// reusesCache reports whether q computes its prompt here with the prefix
+// cache: a prefill job, or a decode request of a worker without a cache
+// source.
+func (s *Scheduler) reusesCache(q *request) bool {
+	return s.cfg.PrefixCache && (q.prefillOnly || s.cfg.Source == nil)
+}
+
+// lookup fills hits with q's longest hit on each rank (zero where the rank
+// keeps no cache) and returns the blocks to promise beyond q's own: one
+// when a hit would pin a tail.
+func (s *Scheduler) lookup(q *request, hits []hybrid.Hit) int {
+	clear(hits)
+	if !s.reusesCache(q) {
+		return 0
+	}
+	extra := 0
+	for i, r := range s.ranks {
+		if !r.prefix {
+			continue
+		}
+		hits[i] = r.mgr.Lookup(q.cachePrompt(r))
+		if hits[i].HasTail {
+			extra = 1
+		}
+	}
+	return extra
+}
+
+// cachePrompt names q's tokens (the prompt, and while it generates the
+// tokens it absorbed) for r's cache, once: every rank of a worker has the
+// same root.
+func (q *request) cachePrompt(r *Rank) hybrid.Prompt {
+	if q.seq == nil {
+		q.seq = q.prompt[:len(q.prompt):len(q.prompt)]
+	}
+	tpb := r.kvCfg.TokensPerBlock
+	if want := len(q.seq) / tpb; len(q.chain) < want {
+		parent := prefix.Parent(r.root, q.chain, len(q.chain))
+		q.chain = prefix.Chain(q.chain, parent, q.seq[len(q.chain)*tpb:], tpb)
+	}
+	return hybrid.Prompt{Tokens: q.seq, Root: r.root, Chain: q.chain}
+}
+
+// prepare gives q its resources on r: through its hit h when it has one
+// still, else from nothing.
+func (s *Scheduler) prepare(q *request, r *Rank, h hybrid.Hit) (hybrid.Resources, error) {
+	if h.Tokens > 0 {
+		res, err := r.mgr.PrepareHit(q.id, q.cachePrompt(r), len(q.prompt), h, nil)
+		if err == nil {
+			q.hit, q.pos, q.cached = h, h.Tokens, h.Tokens
+			s.m.PrefixLookups.WithLabelValues(string(s.cfg.Role), rankLabel(r), "hit").Inc()
+			s.m.PrefixHitTokens.WithLabelValues(string(s.cfg.Role), rankLabel(r)).Add(float64(h.Tokens))
+			return res, nil
+		}
+		if !errors.Is(err, hybrid.ErrStaleHit) {
+			return hybrid.Resources{}, err
+		}
+		// The cache changed since admission looked (it cannot today:
+		// both run on the loop goroutine with no step between them); the
+		// request goes on as a miss.
+		q.log.Debug("prefix hit gone before placement", "err", err)
+	}
+	if s.reusesCache(q) && r.prefix {
+		s.m.PrefixLookups.WithLabelValues(string(s.cfg.Role), rankLabel(r), "miss").Inc()
+	}
+	return r.mgr.Prepare(q.id, len(q.prompt))
+}
+
+// copyHit copies q's hit (its checkpoint row, and its tail block into the
+// request's block at the hit's first unshared position) into q's cache c,
+// lets go of the checkpoint's pin, and reports the positions [0, hit) as
+// finished parts to a layer-wise stream: they are final, and no chunk
+// computes them.
+func (s *Scheduler) copyHit(r *Rank, q *request, c model.Cache) error {
+	h := q.hit
+	cp := model.StateCopy{FromRow: h.Row, ToRow: c.Row}
+	if h.HasTail {
+		cp.Block, cp.FromBlock, cp.ToBlock = true, h.Tail, c.Blocks[h.Shared]
+	}
+	err := model.CopyState(r.exec, c, cp)
+	r.mgr.HitCopied(q.id)
+	q.hit = hybrid.Hit{}
+	if err != nil {
+		return err
+	}
+	if q.parts != nil {
+		for _, p := range model.CachedParts(r.exec.Spec(), h.Tokens) {
+			q.parts(Part{Rank: r.index, Blocks: c.Blocks, Row: c.Row, Part: p})
+		}
+	}
+	return nil
+}
+
+// keep leaves what q's cache c holds after n tokens of q.seq in r's
+// cache: its full blocks, and a checkpoint at n (its state row, and the
+// block holding the tokens past the last full one) unless one exists. A
+// failure to keep is no failure of the request: the cache is an
+// optimisation, and its rows and blocks may all be busy.
+func (s *Scheduler) keep(r *Rank, q *request, c model.Cache, n int) {
+	p := q.cachePrompt(r)
+	p.Tokens = p.Tokens[:n]
+	p.Chain = p.Chain[:min(len(p.Chain), n/r.kvCfg.TokensPerBlock)]
+	if _, err := r.mgr.Publish(q.id, p); err != nil {
+		q.log.Warn("prefix cache: blocks not published", "err", err)
+		return
+	}
+	if r.mgr.HasCheckpoint(p, n) {
+		return
+	}
+	tpb := r.kvCfg.TokensPerBlock
+	ck, err := r.mgr.BeginCheckpoint(n%tpb != 0)
+	if err != nil {
+		q.log.Debug("prefix cache: no checkpoint taken", "tokens", n, "err", err)
+		return
+	}
+	cp := model.StateCopy{FromRow: c.Row, ToRow: ck.Row}
+	if ck.HasTail {
+		cp.Block, cp.FromBlock, cp.ToBlock = true, c.Blocks[n/tpb], ck.Tail
+	}
+	if err := model.CopyState(r.exec, c, cp); err != nil {
+		r.mgr.AbortCheckpoint(ck)
+		q.log.Warn("prefix cache: checkpoint copy", "err", err)
+		return
+	}
+	if err := r.mgr.EndCheckpoint(ck, p, n); err != nil {
+		q.log.Warn("prefix cache: checkpoint", "err", err)
+	}
+}
+
+// nextCheckpoint returns where q's chunk starting at from must end so
+// that a checkpoint can be taken there: the next multiple of the interval
+// before the prompt's end, or the prompt's end.
+func (s *Scheduler) nextCheckpoint(r *Rank, q *request, from int) int {
+	n := len(q.prompt)
+	if k := s.cfg.CheckpointInterval; k > 0 && r.prefix && s.reusesCache(q) {
+		if next := (from/k + 1) * k; next < n {
+			return next
+		}
+	}
+	return n
+}
+
+// keepGenerated is keep for a decode request that finished: what its
+// cache holds after the last token it absorbed, for the next turn.
+func (s *Scheduler) keepGenerated(q *request) {
+	r := q.rank
+	if r == nil || !r.prefix || !s.reusesCache(q) || q.pos < 1 {
+		return
+	}
+	c, err := r.cache(q.id, q.blocks)
+	if err != nil {
+		q.log.Warn("prefix cache: cache of a finished request", "err", err)
+		return
+	}
+	s.keep(r, q, c, q.pos)
+}
