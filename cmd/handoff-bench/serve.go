@@ -43,6 +43,20 @@ goodput: the highest rate at which at least --attainment-target of the
 requests meet both the TTFT and the TPOT objective of --goodput, with a PNG
 plot of p90 TTFT, p90 TPOT and attainment against rate.
 
+--dataset-name multi-turn sends conversations instead: --conversations of
+--turns turns that open with one shared system prompt; each turn is the
+whole conversation so far (every earlier user message and the reply the
+server gave) plus a new user message, after a think time. Conversations
+arrive at --request-rate; a chat endpoint gets the messages, a completions
+endpoint their rendering in handoff's chat template. The report gives TTFT
+p50/p90 of turn 1 and of turns >= 2, prompt, cached and computed tokens
+(usage.prompt_tokens_details.cached_tokens), the ideal hit tokens (what a
+perfect prefix cache would serve: each prompt's longest prefix seen in an
+earlier prompt and reply) and the hit rate against them, with a plot of
+TTFT per turn. With --spawn-model the workers run in this process, once
+per --prefix-cache value (on,off: the same workload with the cache on and
+off, and the ratio of turn >= 2 TTFT p50).
+
 Ctrl-C stops the run: requests in flight are cancelled, and the report of
 what finished is printed marked partial (exit status 1).
 
@@ -77,6 +91,8 @@ type serveOptions struct {
 	temperature    float64 // NaN: not sent
 	timeout        time.Duration
 	progress       string
+	dataset        string // random or multi-turn
+	mt             multiTurnOptions
 }
 
 // multiValueFlags take vLLM's space-separated values (argparse nargs="+"):
@@ -138,6 +154,9 @@ func parseServeFlags(args []string, stderr io.Writer) (serveOptions, error) {
 	fs.StringVar(&temp, "temperature", "", "sampling temperature to send; empty: the server's default")
 	fs.DurationVar(&o.timeout, "request-timeout", 6*time.Hour, "a request running longer fails (vLLM: 6h)")
 	fs.StringVar(&o.progress, "progress", "auto", "auto (a bar on a terminal, lines otherwise), bar, lines or none; on stderr")
+	fs.StringVar(&o.dataset, "dataset-name", "random", "random (vLLM's random dataset) or multi-turn (conversations sharing a system prompt, each turn appending the reply and a new user message; see --conversations)")
+	var prefixCache, workerArgs string
+	addMultiTurnFlags(fs, &o.mt, &prefixCache, &workerArgs)
 	fs.Usage = func() {
 		fmt.Fprint(stderr, serveUsage)
 		fs.VisitAll(func(f *flag.Flag) {
@@ -220,6 +239,14 @@ func parseServeFlags(args []string, stderr io.Writer) (serveOptions, error) {
 	case !(o.target > 0 && o.target <= 1):
 		return o, fmt.Errorf("serve: --attainment-target must be in (0, 1], not %v", o.target)
 	}
+	if o.dataset != "random" && o.dataset != "multi-turn" {
+		return o, fmt.Errorf("serve: --dataset-name must be random or multi-turn, not %q", o.dataset)
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if err := checkMultiTurn(&o, prefixCache, workerArgs, set); err != nil {
+		return o, err
+	}
 	if len(o.sweepRates) > 0 {
 		_, ttft := o.slo["ttft"]
 		_, tpot := o.slo["tpot"]
@@ -259,6 +286,9 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	if err != nil {
 		return err
+	}
+	if o.dataset == "multi-turn" {
+		return serveMultiTurn(ctx, o, stdout, stderr, isTerminal(stderr))
 	}
 	c := newServeClient(o, nil)
 	defer c.http.CloseIdleConnections()

@@ -118,9 +118,14 @@ const probePrompt = "handoff-bench probe: how many tokens does this prompt have?
 // UnitBytes when the server counts its bytes as its prompt tokens, as a
 // byte-level tokenizer does, and UnitWords otherwise.
 func (c *serveClient) probeUnit(ctx context.Context, model string) (serving.Unit, error) {
+	return c.probeUnitAt(ctx, model, c.url)
+}
+
+// probeUnitAt is probeUnit through the completions endpoint at url.
+func (c *serveClient) probeUnitAt(ctx context.Context, model, url string) (serving.Unit, error) {
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
-	req, err := c.newRequest(ctx, http.MethodPost, c.url, map[string]any{
+	req, err := c.newRequest(ctx, http.MethodPost, url, map[string]any{
 		"model": model, "prompt": probePrompt, "max_tokens": 1, "stream": false})
 	if err != nil {
 		return "", fmt.Errorf("serve: probe: %w", err)

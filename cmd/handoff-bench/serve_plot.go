@@ -118,3 +118,90 @@ func writeColumnPNG(path string, plots [][]*plot.Plot) error {
 	}
 	return nil
 }
+
+// writeMultiTurnPlot draws a multi-turn workload's runs against the turn
+// index: TTFT p50 (solid) and p90 (dashed) per turn, then the prompt tokens
+// computed per turn (mean; prompt_tokens − cached_tokens) beside what a
+// perfect cache would compute, one color per run (cache on, off), and
+// writes them to path as a PNG.
+func writeMultiTurnPlot(path string, runs []multiTurnRun, partial bool) error {
+	colors := []color.RGBA{{R: 0x1f, G: 0x77, B: 0xb4, A: 0xff}, {R: 0xff, G: 0x7f, B: 0x0e, A: 0xff},
+		{R: 0x2c, G: 0xa0, B: 0x2c, A: 0xff}}
+	title := "handoff-bench serve: multi-turn, TTFT per turn"
+	if partial {
+		title += " (PARTIAL: interrupted)"
+	}
+	ttft, comp := plot.New(), plot.New()
+	ttft.Title.Text = title
+	ttft.Y.Label.Text = "TTFT (ms)"
+	comp.Y.Label.Text = "computed prompt tokens (mean)"
+	var ticks plot.ConstantTicks
+	for _, p := range []*plot.Plot{ttft, comp} {
+		p.X.Label.Text = "turn"
+		p.Y.Min = 0
+		p.Add(plotter.NewGrid())
+		p.Legend.Top, p.Legend.Left = true, true
+	}
+	name := func(r multiTurnRun) string {
+		if r.PrefixCache == "" {
+			return "run"
+		}
+		return "cache " + r.PrefixCache
+	}
+	var ideal plotter.XYs
+	for i, r := range runs {
+		c := colors[i%len(colors)]
+		var p50, p90, cp plotter.XYs
+		for t, s := range r.PerTurn {
+			if s.Turns == 0 {
+				continue
+			}
+			x := float64(t + 1)
+			p50 = append(p50, plotter.XY{X: x, Y: s.TTFTp50})
+			p90 = append(p90, plotter.XY{X: x, Y: s.TTFTp90})
+			cp = append(cp, plotter.XY{X: x, Y: float64(s.ComputedTokens) / float64(s.Turns)})
+			if i == 0 {
+				ideal = append(ideal, plotter.XY{X: x, Y: float64(s.PromptTokens-s.IdealHit) / float64(s.Turns)})
+				ticks = append(ticks, plot.Tick{Value: x, Label: strconv.Itoa(t + 1)})
+			}
+		}
+		if len(p50) == 0 {
+			continue
+		}
+		for _, l := range []struct {
+			p      *plot.Plot
+			xy     plotter.XYs
+			dashed bool
+			legend string
+		}{{ttft, p50, false, name(r) + " p50"}, {ttft, p90, true, name(r) + " p90"}, {comp, cp, false, name(r)}} {
+			line, dots, err := plotter.NewLinePoints(l.xy)
+			if err != nil {
+				return fmt.Errorf("serve: plot: %w", err)
+			}
+			line.Color, dots.Color = c, c
+			if l.dashed {
+				line.Dashes = []vg.Length{vg.Points(4), vg.Points(3)}
+			}
+			l.p.Add(line, dots)
+			l.p.Legend.Add(l.legend, line, dots)
+		}
+	}
+	if len(ideal) > 0 {
+		line, err := plotter.NewLine(ideal)
+		if err != nil {
+			return fmt.Errorf("serve: plot: %w", err)
+		}
+		line.Color = color.RGBA{R: 0x7f, G: 0x7f, B: 0x7f, A: 0xff}
+		line.Dashes = []vg.Length{vg.Points(2), vg.Points(2)}
+		comp.Add(line)
+		comp.Legend.Add("a perfect cache", line)
+	}
+	for _, p := range []*plot.Plot{ttft, comp} {
+		p.X.Tick.Marker = ticks
+		p.Y.Max *= 1.3 // room for the legend
+	}
+	if err := writeColumnPNG(path, [][]*plot.Plot{{ttft}, {comp}}); err != nil {
+		return fmt.Errorf("serve: %w", err)
+	}
+	return nil
+}

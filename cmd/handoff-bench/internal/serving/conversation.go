@@ -122,21 +122,22 @@ func Tokens(unit Unit, text string) []string {
 
 func isSpace(c byte) bool { return c == ' ' || c == '\n' || c == '\t' || c == '\r' }
 
-// Seen is one request of a run for the ideal-hit count: its prompt and its
-// reply, in units (Tokens), sent at Sent and finished at Done (offsets from
-// one origin). A request that failed (Failed) adds nothing: the server may
-// never have computed it.
+// Seen is one request of a run for the ideal-hit count, sent at Sent and
+// finished at Done (offsets from one origin): its prompt, and its prompt
+// followed by its reply (Seq), in units (Tokens; the two are split apart,
+// since a word may run from the prompt into the reply). A request that
+// failed (Failed) adds nothing: the server may never have computed it.
 type Seen struct {
 	Sent, Done time.Duration
 	Prompt     []string
-	Reply      []string
+	Seq        []string
 	Failed     bool
 }
 
 // IdealHits returns, for each request, the tokens of its prompt that a
 // perfect prefix cache would have served: the longest prefix of the prompt
-// that is also a prefix of the prompt followed by the reply of a request
-// that finished before it was sent (a conversation's earlier turns, another
+// that is also a prefix of the prompt and reply (Seq) of a request that
+// finished before it was sent (a conversation's earlier turns, another
 // conversation sharing the system prompt), capped at one token less than
 // the prompt (the last prompt token is always computed: its logits give the
 // first output token).
@@ -179,11 +180,9 @@ func IdealHits(reqs []Seen) []int {
 				continue
 			}
 			h := hashSeed
-			for _, seq := range [][]string{r.Prompt, r.Reply} {
-				for _, tok := range seq {
-					h = hashToken(h, tok)
-					seen[h] = struct{}{}
-				}
+			for _, tok := range r.Seq {
+				h = hashToken(h, tok)
+				seen[h] = struct{}{}
 			}
 			continue
 		}

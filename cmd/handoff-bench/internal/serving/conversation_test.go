@@ -91,53 +91,57 @@ func TestIdealHits(t *testing.T) {
 		reqs []Seen
 		want []int
 	}{
-		{"one request sees nothing", []Seen{{Sent: 0, Done: ms(5), Prompt: b("sys u1"), Reply: b(" r1")}}, []int{0}},
+		{"one request sees nothing", []Seen{{Sent: 0, Done: ms(5), Prompt: b("sys u1"), Seq: b("sys u1" + " r1")}}, []int{0}},
 		{"the next turn sees the prompt and the reply", []Seen{
-			{Sent: 0, Done: ms(5), Prompt: b("sys u1"), Reply: b(" r1")},
-			{Sent: ms(9), Done: ms(15), Prompt: b("sys u1 r1 u2"), Reply: b(" r2")},
-			{Sent: ms(20), Done: ms(25), Prompt: b("sys u1 r1 u2 r2 u3"), Reply: b("x")},
+			{Sent: 0, Done: ms(5), Prompt: b("sys u1"), Seq: b("sys u1" + " r1")},
+			{Sent: ms(9), Done: ms(15), Prompt: b("sys u1 r1 u2"), Seq: b("sys u1 r1 u2" + " r2")},
+			{Sent: ms(20), Done: ms(25), Prompt: b("sys u1 r1 u2 r2 u3"), Seq: b("sys u1 r1 u2 r2 u3" + "x")},
 		}, []int{0, len("sys u1 r1"), len("sys u1 r1 u2 r2")}},
 		{"a reply the client changed is seen up to the change", []Seen{
-			{Sent: 0, Done: ms(5), Prompt: b("sys u1"), Reply: b(" r1!")},
-			{Sent: ms(9), Done: ms(15), Prompt: b("sys u1 r1? u2"), Reply: b("")},
+			{Sent: 0, Done: ms(5), Prompt: b("sys u1"), Seq: b("sys u1" + " r1!")},
+			{Sent: ms(9), Done: ms(15), Prompt: b("sys u1 r1? u2"), Seq: b("sys u1 r1? u2" + "")},
 		}, []int{0, len("sys u1 r1")}},
 		{"in flight together: nothing seen", []Seen{
-			{Sent: 0, Done: ms(10), Prompt: b("system a"), Reply: b("x")},
-			{Sent: ms(1), Done: ms(11), Prompt: b("system b"), Reply: b("y")},
+			{Sent: 0, Done: ms(10), Prompt: b("system a"), Seq: b("system a" + "x")},
+			{Sent: ms(1), Done: ms(11), Prompt: b("system b"), Seq: b("system b" + "y")},
 		}, []int{0, 0}},
 		{"conversations share the system prompt", []Seen{
-			{Sent: 0, Done: ms(10), Prompt: b("system a"), Reply: b("x")},
-			{Sent: ms(10), Done: ms(20), Prompt: b("system b"), Reply: b("y")},
-			{Sent: ms(30), Done: ms(40), Prompt: b("system ax more"), Reply: b("z")},
+			{Sent: 0, Done: ms(10), Prompt: b("system a"), Seq: b("system a" + "x")},
+			{Sent: ms(10), Done: ms(20), Prompt: b("system b"), Seq: b("system b" + "y")},
+			{Sent: ms(30), Done: ms(40), Prompt: b("system ax more"), Seq: b("system ax more" + "z")},
 		}, []int{0, len("system "), len("system ax")}},
 		{"the longest of several matches", []Seen{
-			{Sent: 0, Done: ms(1), Prompt: b("abc"), Reply: b("d")},
-			{Sent: ms(2), Done: ms(3), Prompt: b("abx"), Reply: b("yz")},
-			{Sent: ms(4), Done: ms(5), Prompt: b("abxyq"), Reply: b("")},
+			{Sent: 0, Done: ms(1), Prompt: b("abc"), Seq: b("abc" + "d")},
+			{Sent: ms(2), Done: ms(3), Prompt: b("abx"), Seq: b("abx" + "yz")},
+			{Sent: ms(4), Done: ms(5), Prompt: b("abxyq"), Seq: b("abxyq" + "")},
 		}, []int{0, 2, 4}},
 		{"a prompt seen whole computes its last token", []Seen{
-			{Sent: 0, Done: ms(1), Prompt: b("abcdef"), Reply: b("gh")},
-			{Sent: ms(2), Done: ms(3), Prompt: b("abcdef"), Reply: b("gh")},
-			{Sent: ms(4), Done: ms(5), Prompt: b("abcdefgh"), Reply: b("")},
-			{Sent: ms(6), Done: ms(7), Prompt: b("abc"), Reply: b("")},
+			{Sent: 0, Done: ms(1), Prompt: b("abcdef"), Seq: b("abcdef" + "gh")},
+			{Sent: ms(2), Done: ms(3), Prompt: b("abcdef"), Seq: b("abcdef" + "gh")},
+			{Sent: ms(4), Done: ms(5), Prompt: b("abcdefgh"), Seq: b("abcdefgh" + "")},
+			{Sent: ms(6), Done: ms(7), Prompt: b("abc"), Seq: b("abc" + "")},
 		}, []int{0, 5, 7, 2}},
 		{"a failed request adds nothing", []Seen{
-			{Sent: 0, Done: ms(1), Prompt: b("abcdef"), Reply: b(""), Failed: true},
-			{Sent: ms(2), Done: ms(3), Prompt: b("abcdef"), Reply: b("")},
+			{Sent: 0, Done: ms(1), Prompt: b("abcdef"), Seq: b("abcdef" + ""), Failed: true},
+			{Sent: ms(2), Done: ms(3), Prompt: b("abcdef"), Seq: b("abcdef" + "")},
 		}, []int{0, 0}},
 		{"done at the instant of the next send counts", []Seen{
-			{Sent: 0, Done: ms(5), Prompt: b("abcd"), Reply: b("e")},
-			{Sent: ms(5), Done: ms(9), Prompt: b("abcdef"), Reply: b("")},
+			{Sent: 0, Done: ms(5), Prompt: b("abcd"), Seq: b("abcd" + "e")},
+			{Sent: ms(5), Done: ms(9), Prompt: b("abcdef"), Seq: b("abcdef" + "")},
 		}, []int{0, 5}},
 		{"order of the slice does not matter, times do", []Seen{
-			{Sent: ms(5), Done: ms(9), Prompt: b("abcdef"), Reply: b("")},
-			{Sent: 0, Done: ms(5), Prompt: b("abcd"), Reply: b("e")},
+			{Sent: ms(5), Done: ms(9), Prompt: b("abcdef"), Seq: b("abcdef" + "")},
+			{Sent: 0, Done: ms(5), Prompt: b("abcd"), Seq: b("abcd" + "e")},
 		}, []int{5, 0}},
 		{"token boundaries count, not bytes", []Seen{
-			{Sent: 0, Done: ms(1), Prompt: []string{"ab", "c"}, Reply: nil},
-			{Sent: ms(2), Done: ms(3), Prompt: []string{"a", "bc", "d"}, Reply: nil},
-			{Sent: ms(4), Done: ms(5), Prompt: []string{"ab", "c", "d"}, Reply: nil},
+			{Sent: 0, Done: ms(1), Prompt: []string{"ab", "c"}, Seq: []string{"ab", "c"}},
+			{Sent: ms(2), Done: ms(3), Prompt: []string{"a", "bc", "d"}, Seq: []string{"a", "bc", "d"}},
+			{Sent: ms(4), Done: ms(5), Prompt: []string{"ab", "c", "d"}, Seq: []string{"ab", "c", "d"}},
 		}, []int{0, 0, 2}},
+		{"words: a word running from the prompt into the reply", []Seen{
+			{Sent: 0, Done: ms(1), Prompt: Tokens(UnitWords, "sys\n"), Seq: Tokens(UnitWords, "sys\nhi there")},
+			{Sent: ms(2), Done: ms(3), Prompt: Tokens(UnitWords, "sys\nhi there\nmore"), Seq: nil},
+		}, []int{0, 3}},
 		{"an empty prompt", []Seen{{Sent: 0, Done: ms(1)}, {Sent: ms(2), Done: ms(3)}}, []int{0, 0}},
 	}
 	for _, tt := range tests {
@@ -162,7 +166,7 @@ func TestIdealHitsOfAWorkload(t *testing.T) {
 		for tt := range spec.Turns {
 			p := RenderChat(Turn(sys, c.Users, replies, tt))
 			reply := strings.Repeat("r", c.MaxTokens[tt])
-			reqs = append(reqs, Seen{Sent: now, Done: now + 1, Prompt: Tokens(UnitBytes, p), Reply: Tokens(UnitBytes, reply)})
+			reqs = append(reqs, Seen{Sent: now, Done: now + 1, Prompt: Tokens(UnitBytes, p), Seq: Tokens(UnitBytes, p+reply)})
 			prompts = append(prompts, p)
 			replies = append(replies, reply)
 			now += 2
@@ -174,7 +178,7 @@ func TestIdealHitsOfAWorkload(t *testing.T) {
 		switch {
 		case turn > 0:
 			prev := reqs[i-1]
-			require.Equal(t, len(prev.Prompt)+len(prev.Reply), h, "conversation %d turn %d", conv, turn)
+			require.Equal(t, len(prev.Seq), h, "conversation %d turn %d", conv, turn)
 		case conv > 0:
 			require.Equal(t, len("<|system|>\n"+sys+"\n<|user|>\n"), h, "conversation %d: the shared header", conv)
 		default:
