@@ -8,22 +8,15 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/http"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/handoff-io/handoff/model"
 	"github.com/handoff-io/handoff/worker"
-	"github.com/handoff-io/handoff/worker/config"
-	"github.com/handoff-io/handoff/worker/service"
 )
 
 // layerwiseOptions are the flags of the layerwise subcommand.
@@ -141,12 +134,6 @@ func runLayerwise(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	return w.Flush()
 }
 
-// benchWorker is a worker running in this process.
-type benchWorker struct {
-	api  string // decode: the API's base URL
-	done chan error
-}
-
 func measureLayerwise(ctx context.Context, o layerwiseOptions) (layerwiseReport, error) {
 	exec, err := model.Lookup(o.model)
 	if err != nil {
@@ -157,59 +144,20 @@ func measureLayerwise(ctx context.Context, o layerwiseOptions) (layerwiseReport,
 	if maxTokens >= spec.MaxContext {
 		return layerwiseReport{}, fmt.Errorf("layerwise: %d prompt tokens do not fit %s's context of %d", maxTokens, spec.Name, spec.MaxContext)
 	}
-	dir, err := os.MkdirTemp("", "handoff-bench-layerwise-")
+	cl, err := newBenchCluster(ctx)
 	if err != nil {
-		return layerwiseReport{}, err
+		return layerwiseReport{}, fmt.Errorf("layerwise: %w", err)
 	}
-	defer os.RemoveAll(dir)
-	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true, JetStream: true, StoreDir: dir})
-	if err != nil {
-		return layerwiseReport{}, fmt.Errorf("layerwise: nats server: %w", err)
-	}
-	go srv.Start()
-	defer func() { srv.Shutdown(); srv.WaitForShutdown() }()
-	if !srv.ReadyForConnections(10 * time.Second) {
-		return layerwiseReport{}, errors.New("layerwise: nats server not ready")
-	}
-
-	wctx, stop := context.WithCancel(ctx)
-	var workers []*benchWorker
-	defer func() {
-		stop()
-		for _, w := range workers {
-			<-w.done
-		}
-	}()
+	defer cl.close()
 	kvCfg := spec.KV
 	blocks := 2 * kvCfg.BlocksFor(maxTokens+1) // one request and room to spare
 	start := func(role worker.Role, args ...string) (*benchWorker, error) {
-		args = append([]string{"--nats-url", srv.ClientURL(), "--model", o.model, "--admin-addr", "",
-			"--max-batch-size", "1", "--kv-blocks", strconv.Itoa(blocks), "--request-timeout", "2m",
-			"--data-addr", "127.0.0.1:0", "--log-level", "error"}, args...)
-		cfg, err := config.Parse(role, args, func(string) string { return "" }, io.Discard)
+		w, err := cl.start(role, append([]string{"--model", o.model, "--max-batch-size", "1",
+			"--kv-blocks", strconv.Itoa(blocks), "--request-timeout", "2m"}, args...)...)
 		if err != nil {
-			return nil, err
+			return nil, fmt.Errorf("layerwise: %w", err)
 		}
-		w := &benchWorker{done: make(chan error, 1)}
-		ready := make(chan service.Endpoints, 1)
-		opts := service.Options{Logger: slog.New(slog.DiscardHandler), Registry: prometheus.NewRegistry(),
-			Ready: func(ep service.Endpoints) { ready <- ep }, Stdout: io.Discard, Stderr: io.Discard}
-		run := service.RunPrefill
-		if role == worker.RoleDecode {
-			run = service.RunDecode
-		}
-		go func() { w.done <- run(wctx, cfg, opts) }()
-		workers = append(workers, w)
-		select {
-		case ep := <-ready:
-			w.api = "http://" + ep.HTTP
-			return w, nil
-		case err := <-w.done:
-			w.done <- err
-			return nil, fmt.Errorf("layerwise: %s %v: %w", role, args, err)
-		case <-time.After(time.Minute):
-			return nil, fmt.Errorf("layerwise: %s %v not ready within a minute", role, args)
-		}
+		return w, nil
 	}
 	chunk := strconv.Itoa(o.chunk)
 	// The baseline prefills on a group of the remote prefill's TP size, so

@@ -18,6 +18,12 @@ import (
 	"github.com/handoff-io/handoff/worker/service"
 )
 
+// benchWorker is a worker running in this process.
+type benchWorker struct {
+	api  string // decode: the API's base URL
+	done chan error
+}
+
 // benchCluster runs real workers (NATS, the data path, the pools) in this
 // process, on an embedded NATS server of its own.
 type benchCluster struct {
