@@ -26,7 +26,8 @@ type helperJob struct {
 	Ticket    Ticket     `json:"ticket"`
 	// StopMidWrite: the writer stops itself (SIGSTOP) once, in the middle
 	// of its write (hooks.writing after the first step: shm inside a copy
-	// bracket, tcp inside a frame the receiver is landing).
+	// bracket, tcp inside a frame the receiver is landing; ucx later,
+	// ucxStopAt).
 	StopMidWrite bool `json:"stop_mid_write,omitempty"`
 }
 
@@ -51,7 +52,7 @@ func TestHelperWriter(t *testing.T) {
 	if job.StopMidWrite {
 		var once sync.Once
 		e.hooks.Store(&hooks{writing: func(_ *Ticket, n uint64) {
-			if n > 0 {
+			if n > 0 && n >= ucxStopAt(job.Transport) {
 				once.Do(func() { _ = syscall.Kill(os.Getpid(), syscall.SIGSTOP) })
 			}
 		}})
@@ -93,10 +94,11 @@ func startWriter(t *testing.T, job helperJob) (*exec.Cmd, *bufio.Scanner) {
 }
 
 func crossTransports() []Transport {
+	ts := []Transport{TransportTCP}
 	if shmSupported {
-		return []Transport{TransportTCP, TransportSHM}
+		ts = append(ts, TransportSHM)
 	}
-	return []Transport{TransportTCP}
+	return append(ts, ucxTestTransports()...)
 }
 
 func TestCrossProcessWrite(t *testing.T) {

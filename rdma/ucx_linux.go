@@ -9,32 +9,32 @@ package rdma
 // (grant, epoch, token, extent index, offset, length); the receiver's
 // admission (ucxServer.admit, on the UCX worker's goroutine) checks it
 // against the grant exactly as a tcp data frame is checked, through
-// Grant.admitLand, and answers with the destination bytes in its own
-// region. UCX then pulls the payload there itself: a GET by this process
-// (cma: process_vm_readv; verbs: an RDMA READ) or fragments this process
-// copies out (tcp). The receive is the landing; it ends in its Done
-// callback, which sums what landed and ends the landing. A commit is a
-// header-only message carrying the manifest (or the manifest as payload when
-// the header cannot hold it), answered, like a hello or a flush, by a reply
-// message to the writer's own worker: a UCX send completion is never taken
-// for delivery, only the receiver's checked verdict.
+// Grant.admitLand, and answers with a staging buffer of its own. UCX then
+// pulls the payload there itself: a GET by this process (cma:
+// process_vm_readv; verbs: an RDMA READ) or fragments this process copies
+// out (tcp). Once the receive completed, its Done copies the bytes into the
+// destination and sums them in one pass, and ends the landing. A commit is
+// a header-only message carrying the manifest (or the manifest as payload
+// when the header cannot hold it), answered, like a hello or a flush, by a
+// reply message to the writer's own worker: a UCX send completion is never
+// taken for delivery, only the receiver's checked verdict.
 //
 // Why nothing lands after Revoke, on every UCX transport (tcp, cma/shm and
-// verbs alike): bytes reach a destination only through receives this
-// receiver admitted itself and posted into the slice it chose; a writer
-// never learns a destination address or key (no rkey ever leaves this
-// engine), so there is no one-sided store to stop. Every admitted receive is
-// a landing counted in flight on its grant until its Done ran, and UCX
-// calls Done only once the receive request completed, whatever its status,
-// after which UCX moves no byte of it (internal/ucx: the one fence that
-// holds on every transport; cancelling a receive does not exist and neither
-// unmapping memory nor closing an endpoint stops a GET in flight). Revoke
-// moves the grant out of its epoch first, so admission refuses every later
-// message, then cuts the landings in flight (the lander's abort
-// force-closes the endpoints they came by, ending a stalled tcp receive at
-// once; a cma GET in progress runs to its end) and waits until their count
-// is zero: only then does it return. The fence is therefore landings, as
-// for tcp.
+// verbs alike): bytes reach a destination only through this process's own
+// copy out of a staging buffer, made under a landing that admission counted
+// in flight on the grant; a writer never learns a destination address or
+// key (no rkey ever leaves this engine, and no UCX receive is ever posted
+// into a destination), so there is no one-sided store to stop and no
+// receive into it to wait out. Revoke moves the grant out of its epoch
+// first, so admission refuses every later message, then cuts the landings
+// in flight: one whose receive is still under way is abandoned at once
+// (ucxLander: UCX cannot cancel it, but it only fills the staging buffer,
+// which stays out of use until it ends), one being copied in is waited
+// for, and that copy ends without any peer's help. So Revoke returns at
+// once even when the writer is stopped mid-message (SIGSTOP, a frozen
+// cgroup: its tcp fragments stop coming and the receive would otherwise
+// stay open until it resumes or dies), and no byte lands after it. The
+// fence is therefore landings, as for tcp, and never quarantines.
 
 import (
 	"context"
@@ -43,6 +43,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/handoff-io/handoff/internal/ucx"
@@ -80,6 +81,10 @@ type ucxServer struct {
 	e    *Engine
 	w    *ucx.Worker
 	addr []byte
+	// ready is closed once w and addr are set: the worker's callbacks,
+	// which may run before (a peer that already had our address from a
+	// previous life), wait for it, and it orders those fields before them.
+	ready chan struct{}
 
 	mu     sync.Mutex
 	closed bool
@@ -106,12 +111,13 @@ type ucxRx struct {
 
 func startUCX(e *Engine) (*ucxServer, error) {
 	s := &ucxServer{e: e, rx: map[uint64]*ucxRx{}, rxByEP: map[ucx.EndpointID]*ucxRx{},
-		tx: map[uint64]*ucxLink{}, txByEP: map[ucx.EndpointID]*ucxLink{}}
+		tx: map[uint64]*ucxLink{}, txByEP: map[ucx.EndpointID]*ucxLink{}, ready: make(chan struct{})}
 	w, err := ucx.New(ucx.Config{Name: string(e.cfg.Agent), Admit: s.admit, OnPeerError: s.peerError, Options: e.cfg.UCX})
 	if err != nil {
 		return nil, fmt.Errorf("rdma: ucx: %w", err)
 	}
 	s.w, s.addr = w, w.Address()
+	close(s.ready)
 	return s, nil
 }
 
@@ -164,6 +170,7 @@ func ucxHeader(h *header, link, seq uint64, tail ...[]byte) []byte {
 // admit decides an arriving message, on the worker's goroutine: it must
 // not block (no Grant.terminate, no commit; those are spawned).
 func (s *ucxServer) admit(m ucx.Message) (ucx.Admission, error) {
+	<-s.ready
 	b := m.Header
 	if len(b) < headerSize+ucxTail {
 		return ucx.Admission{}, ucx.ErrRejected
@@ -206,60 +213,102 @@ func (s *ucxServer) admit(m ucx.Message) (ucx.Admission, error) {
 	return ucx.Admission{}, nil
 }
 
-// ucxLander is one UCX receive's abort: a fence force-closes the endpoints
-// the grant's receives came by (internal/ucx Worker.Abort), on a goroutine
-// of its own since the fence holds the grant's lock and the worker may be
-// about to take it (a Done).
+// ucxLander is one admitted data message: its landing, the staging
+// buffer UCX receives its payload into, and who ends the landing.
 //
-// UCX tells the writer late that its endpoint was cut (its tcp lane noticed
-// only at the keepalive, 20 s), so the receiver also sends the writer's link
-// a cut notice (a reply with sequence 0): the writer closes its endpoint by
-// force, which ends its sends in flight, and connects again for its next
-// write.
+// UCX cannot cancel a receive (ucx.md §0.3: ucp_request_cancel does
+// nothing to an AM rendezvous receive) and nothing else bounds what one
+// stores (§0.4: a force-closed endpoint's cma GET runs on; over tcp the
+// fragments of a writer that is stopped, but alive, simply stop coming, and
+// the receive stays in flight until the writer resumes or dies, with no
+// bound). A receive posted into the destination would therefore hold
+// Revoke for as long as a frozen writer stays frozen, or leave it storing
+// into a destination that was handed on. So UCX never receives into a
+// destination: each message's payload goes into a staging buffer the
+// receiver owns, and only the receiver's own copy, made after the receive
+// completed and under the landing, stores into the destination (copying
+// and summing in one pass, crc32c.CopyUpdate).
+//
+// The landing is one of two things that end it, whichever comes first (the
+// state word decides): the receive's Done (the copy, then endLand), or the
+// fence's abort, which abandons the receive at once: endLand, no copy. An
+// abandoned receive goes on into its staging buffer, which nothing else
+// uses until its Done ran, and whatever it completes with is dropped.
+// Revoke therefore returns at once whatever the writer does (frozen,
+// dead, live), and nothing lands after it: the destination's only writer
+// is this process, under a landing the fence waited for. That holds on
+// every UCX transport alike, tcp fragments, a cma GET, an RDMA READ, since
+// none of them ever names the destination. The price is one extra copy per
+// byte on the receiver (measured in docs/operating.md) and up to a window
+// of staging buffers per writer, held while a stopped writer keeps its
+// receives open.
 type ucxLander struct {
-	s   *ucxServer
-	r   *ucxRx
-	g   *Grant
-	tok ucx.Token
+	s     *ucxServer
+	g     *Grant
+	mu    sync.Mutex // held by admitData until ld and stage are set
+	ld    landing
+	stage []byte
+	state atomic.Int32 // ucxReceiving, then ucxCopying or ucxAbandoned
 }
 
-// ucxCutGrace is how long a fence lets a UCX receive in flight end on its
-// own before it cuts it: well inside Config.FenceWait's default 100 ms.
-const ucxCutGrace = 20 * time.Millisecond
+const (
+	ucxReceiving = iota
+	ucxCopying   // the receive completed; its bytes are being copied in
+	ucxAbandoned // a fence ended the landing; the receive's bytes are dropped
+)
 
-func landingInFlight(g *Grant) bool {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	return g.inflight > 0
+// ucxStages holds staging buffers of ucxChunk bytes (a writer's message is
+// never larger; a larger one gets a buffer of its own).
+var ucxStages = sync.Pool{New: func() any { return new([ucxChunk]byte) }}
+
+func ucxStage(n int) []byte {
+	if n > ucxChunk {
+		return make([]byte, n)
+	}
+	return ucxStages.Get().(*[ucxChunk]byte)[:n:n]
 }
 
+// freeStage returns a staging buffer once no receive uses it any more.
+func freeStage(b []byte) {
+	if cap(b) == ucxChunk {
+		ucxStages.Put((*[ucxChunk]byte)(b[:ucxChunk]))
+	}
+}
+
+// abortLanding abandons the receive, unless its bytes are being copied in
+// already (the fence then waits for that copy, this process's own store,
+// which ends by itself). On a goroutine of its own: the fence calls it with
+// the grant's lock held, which endLand takes.
 func (l *ucxLander) abortLanding() {
 	l.s.spawn(func() {
-		// A receive from a live, progressing writer ends within
-		// microseconds to milliseconds: let it, and cut only one that is
-		// stalled (a frozen writer). Cutting costs both sides their
-		// endpoints (UCX shares one tcp socket between a pair of workers'
-		// endpoints, so the cut also silences the endpoint back to the
-		// writer until it connects again).
-		for until := time.Now().Add(ucxCutGrace); time.Now().Before(until); {
-			if !landingInFlight(l.g) {
-				return
-			}
-			time.Sleep(time.Millisecond)
-		}
-		if !landingInFlight(l.g) {
+		if !l.state.CompareAndSwap(ucxReceiving, ucxAbandoned) {
 			return
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), ucxCallTimeout)
-		defer cancel()
-		// Not Worker.Abort: force-closing the endpoints on this side
-		// makes UCX 1.13 abort the process (ucp_am.c:1296, assertion in
-		// ucp_am_handler_reply) when the live writer's next message names
-		// the endpoint it closed, which a writer that did not hear of the
-		// cut yet always sends. The writer closes its own side instead,
-		// which ends the receive (tcp: the connection resets).
-		l.s.notifyCut(ctx, l.r, uint64(l.tok))
+		l.mu.Lock()
+		ld := l.ld
+		l.mu.Unlock()
+		l.g.endLand(&ld, false, l)
 	})
+}
+
+// received ends the landing once UCX completed the receive (rerr nil: all
+// of it is in the staging buffer), and frees the buffer.
+func (l *ucxLander) received(r *ucxRx, rerr error) {
+	defer freeStage(l.stage)
+	if !l.state.CompareAndSwap(ucxReceiving, ucxCopying) {
+		return // abandoned by a fence: the grant is out of its epoch
+	}
+	ld := &l.ld
+	if rerr == nil {
+		for off := 0; off < len(ld.dst); off += landChunk {
+			end := min(off+landChunk, len(ld.dst))
+			ld.copyFill(ld.dst[off:end], l.stage[off:end])
+		}
+	}
+	l.g.endLand(ld, rerr == nil, l)
+	if rerr != nil {
+		l.g.terminate(fmt.Errorf("%w: ucx receive from %s: %w", ErrPeerClosed, r.agent, rerr))
+	}
 }
 
 // notifyCut tells writer link r that the receiver gave up on what it sends
@@ -301,15 +350,21 @@ func (s *ucxServer) admitData(h *header, lid uint64, m ucx.Message) (ucx.Admissi
 		return ucx.Admission{}, ucx.ErrRejected
 	}
 	g, err := s.e.lookupGrant(h.grant)
-	ab := &ucxLander{s: s, r: r, g: g, tok: ucx.Token(h.grant)}
+	ab := &ucxLander{s: s, g: g}
 	var ld landing
 	fail := false
 	if err == nil {
+		ab.mu.Lock()
 		ld, fail, err = g.admitLand(time.Now(), h.epoch, &h.token, h.index, h.offset, h.length, ab)
 		if err == nil && ld.dst == nil {
+			ab.state.Store(ucxAbandoned)
 			g.endLand(&ld, false, ab)
 			err = fmt.Errorf("%w: ucx into device memory", ErrUnsupported)
 		}
+		if err == nil {
+			ab.ld, ab.stage = ld, ucxStage(len(ld.dst))
+		}
+		ab.mu.Unlock()
 	}
 	s.mu.Lock()
 	if err != nil {
@@ -327,18 +382,8 @@ func (s *ucxServer) admitData(h *header, lid uint64, m ucx.Message) (ucx.Admissi
 		}
 		return ucx.Admission{}, ucx.ErrRejected
 	}
-	return ucx.Admission{Dest: ld.dst, Token: ucx.Token(g.id), Done: func(rerr error) {
-		s.spawn(func() {
-			if rerr == nil {
-				for off := 0; off < len(ld.dst); off += landChunk {
-					ld.fill(ld.dst[off:min(off+landChunk, len(ld.dst))])
-				}
-			}
-			g.endLand(&ld, rerr == nil, ab)
-			if rerr != nil {
-				g.terminate(fmt.Errorf("%w: ucx receive from %s: %w", ErrPeerClosed, r.agent, rerr))
-			}
-		})
+	return ucx.Admission{Dest: ab.stage, Token: ucx.Token(g.id), Done: func(rerr error) {
+		s.spawn(func() { ab.received(r, rerr) })
 	}}, nil
 }
 
@@ -519,6 +564,7 @@ func (s *ucxServer) gone(r *ucxRx, cause error) {
 // goroutine): a writer's worker that died or reset (the endpoint back to
 // it), or a receiver's (one of our links).
 func (s *ucxServer) peerError(ep ucx.EndpointID, err error) {
+	<-s.ready
 	s.mu.Lock()
 	r := s.rxByEP[ep]
 	if r != nil {

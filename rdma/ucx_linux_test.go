@@ -35,3 +35,25 @@ func cutUCXWriters(e *Engine) int {
 	}
 	return len(rxs)
 }
+
+// ucxStopAt is where a helper writer over ucx stops itself (StopMidWrite):
+// once a window's worth of messages went out and the first completed, so
+// that the receiver holds receives of it in flight. Posting a message only
+// queues it for the writer's worker, which a stop right after the first
+// one could freeze before its rendezvous request left.
+func ucxStopAt(tr Transport) uint64 {
+	if tr != TransportUCX {
+		return 0
+	}
+	return (ucxWindow + 2) * ucxChunk
+}
+
+// ucxConns counts the writer links e's ucx receiver holds.
+func ucxConns(e *Engine) int {
+	if e.ucx == nil {
+		return 0
+	}
+	e.ucx.mu.Lock()
+	defer e.ucx.mu.Unlock()
+	return len(e.ucx.rx)
+}
