@@ -55,8 +55,17 @@ type RankRegions struct {
 	tp    *tpRegions // every shard, shard 0 (kv, mamba) first
 }
 
+// neverTransferred reports whether row r of pool p may never be named by
+// a grant: a reserved row (the padding and ADP dummies') or a state
+// checkpoint row of the prefix cache, which only the rank's own requests
+// copy from.
+func neverTransferred(p *mambacache.Pool, r mambacache.Row) bool {
+	return p.IsReserved(r) || p.Config().IsCheckpointRow(r)
+}
+
 // NewRankRegions checks that the regions hold the manager's arenas and forbids every
-// reserved Mamba row at the data plane, so no grant can ever name one.
+// reserved Mamba row and state checkpoint row at the data plane, so no grant can
+// ever name one.
 func NewRankRegions(m *hybrid.Manager, kv, mamba *rdma.Region) (*RankRegions, error) {
 	kcfg, mcfg := m.KV().Config(), m.Mamba().Config()
 	if kv.Len() < kcfg.ArenaBytes() || mamba.Len() < mcfg.ArenaBytes() {
@@ -64,9 +73,9 @@ func NewRankRegions(m *hybrid.Manager, kv, mamba *rdma.Region) (*RankRegions, er
 			ErrInvalidConfig, kv.Len(), mamba.Len(), kcfg.ArenaBytes(), mcfg.ArenaBytes())
 	}
 	mp := m.Mamba()
-	for r := 0; r < mcfg.TotalRows(); r++ {
+	for r := 0; r < mcfg.ArenaRows(); r++ {
 		row := mambacache.Row(r)
-		if mp.IsReserved(row) {
+		if neverTransferred(mp, row) {
 			x := mcfg.RowExtent(row)
 			mamba.Forbid(uint64(x.Offset), uint64(x.Length))
 		}
@@ -82,8 +91,8 @@ func (r *RankRegions) Resolve(res hybrid.Resources) (CacheExtents, error) {
 }
 
 func (r *RankRegions) resolve(res hybrid.Resources) (CacheExtents, error) {
-	if r.m.Mamba().IsReserved(res.Row) {
-		return CacheExtents{}, fmt.Errorf("%w: row %d is reserved", ErrDummyRequest, res.Row)
+	if neverTransferred(r.m.Mamba(), res.Row) {
+		return CacheExtents{}, fmt.Errorf("%w: row %d is reserved or a state checkpoint", ErrDummyRequest, res.Row)
 	}
 	kcfg, mcfg := r.m.KV().Config(), r.m.Mamba().Config()
 	d := CacheExtents{KV: make([]rdma.Extent, len(res.Runs))}

@@ -241,3 +241,28 @@ func TestFailureMatchesOneSentinel(t *testing.T) {
 		}
 	}
 }
+
+// TestHandoffRefusesCheckpointRowGrant: a state checkpoint row of the
+// prefix cache is never a grant's destination nor a source: Resolve
+// refuses it and the data plane forbids its bytes, as for reserved rows.
+func TestHandoffRefusesCheckpointRowGrant(t *testing.T) {
+	f := newFixture(t)
+	cfg := testHybrid(64, 8)
+	cfg.Mamba.CheckpointRows = 2
+	ds := newSide(t, "dec", cfg)
+	mc := ds.m.Mamba().Config()
+	for _, row := range []mambacache.Row{mambacache.Row(mc.TotalRows()), mambacache.Row(mc.ArenaRows() - 1)} {
+		require.True(t, mc.IsCheckpointRow(row))
+		_, err := ds.rank.Resolve(hybrid.Resources{Row: row})
+		require.ErrorIs(t, err, ErrDummyRequest, "row %d", row)
+		_, err = ds.rank.Source(hybrid.Resources{Row: row}, 2)
+		require.ErrorIs(t, err, ErrDummyRequest, "row %d", row)
+	}
+	d := f.decoder("d1", ds, nil)
+	dest := badRowDest(ds)
+	x := mc.RowExtent(mambacache.Row(mc.TotalRows()))
+	dest.Mamba.Offset, dest.Mamba.Length = uint64(x.Offset), uint64(x.Length)
+	_, err := d.Handoff(context.Background(), Request{ID: 9, Tokens: tokens(4), Dest: dest})
+	require.ErrorIs(t, err, ErrDummyRequest)
+	require.ErrorIs(t, err, rdma.ErrForbidden)
+}

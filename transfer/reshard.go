@@ -286,8 +286,8 @@ func NewTPRankRegions(m *hybrid.Manager, kv kvcache.Config, mamba mambacache.Con
 			return nil, fmt.Errorf("%w: shard %d: regions of %d and %d bytes for arenas of %d and %d",
 				ErrInvalidConfig, i+1, s.KV.Len(), s.Mamba.Len(), sk.ArenaBytes(), sm.ArenaBytes())
 		}
-		for row := range mc.TotalRows() {
-			if m.Mamba().IsReserved(mambacache.Row(row)) {
+		for row := range mc.ArenaRows() {
+			if neverTransferred(m.Mamba(), mambacache.Row(row)) {
 				x := sm.RowExtent(mambacache.Row(row))
 				s.Mamba.Forbid(uint64(x.Offset), uint64(x.Length))
 			}
@@ -315,8 +315,8 @@ func (r *RankRegions) Source(res hybrid.Resources, to int) (CacheExtents, error)
 	if to <= 1 && len(r.tp.shards) == 1 {
 		return r.resolve(res)
 	}
-	if r.m.Mamba().IsReserved(res.Row) {
-		return CacheExtents{}, fmt.Errorf("%w: row %d is reserved", ErrDummyRequest, res.Row)
+	if neverTransferred(r.m.Mamba(), res.Row) {
+		return CacheExtents{}, fmt.Errorf("%w: row %d is reserved or a state checkpoint", ErrDummyRequest, res.Row)
 	}
 	rs, err := r.tp.resharder(max(to, 1))
 	if err != nil {
@@ -345,8 +345,8 @@ func (r *RankRegions) Source(res hybrid.Resources, to int) (CacheExtents, error)
 // (Source), for a stream while prefill computes. A reserved row is refused
 // with ErrDummyRequest, as by Source.
 func (r *RankRegions) Pieces(dst []Piece, f Finished, blocks []kvcache.BlockID, row mambacache.Row, to int) ([]Piece, error) {
-	if r.m.Mamba().IsReserved(row) {
-		return dst, fmt.Errorf("%w: row %d is reserved", ErrDummyRequest, row)
+	if neverTransferred(r.m.Mamba(), row) {
+		return dst, fmt.Errorf("%w: row %d is reserved or a state checkpoint", ErrDummyRequest, row)
 	}
 	rs, err := r.tp.resharder(max(to, 1))
 	if err != nil {
