@@ -32,6 +32,31 @@ type PoolParams struct {
 // synthetic presets of large models stay runnable on a laptop.
 const DefaultKVBytes = 512 << 20
 
+// DefaultCheckpointBytes caps the state checkpoint rows a rank gets by
+// default (DefaultStateCheckpoints), as DefaultKVBytes caps its KV.
+const DefaultCheckpointBytes = 1 << 30
+
+// DefaultCheckpointInterval is the default Config.CheckpointInterval: a
+// prompt's state is kept every 1024 tokens besides its end. A checkpoint
+// costs a row copy (49 MiB for nemotron-h-8b, a few milliseconds) and a
+// checkpoint row until evicted; a prompt that shares a longer prefix than
+// its nearest checkpoint recomputes fewer than 1024 tokens, a few percent
+// of a long shared system prompt's prefill.
+const DefaultCheckpointInterval = 1024
+
+// DefaultStateCheckpoints is the checkpoint rows a rank of maxBatch real
+// rows of rowBytes each gets by default: four per real row (the end of a
+// request's prompt and of its generation, for a turn or two of each
+// conversation it serves, and interval checkpoints), within
+// DefaultCheckpointBytes, and at least one.
+func DefaultStateCheckpoints(maxBatch int, rowBytes int64) int {
+	n := 4 * maxBatch
+	if rowBytes > 0 {
+		n = min(n, int(DefaultCheckpointBytes/rowBytes))
+	}
+	return max(n, 1)
+}
+
 // PoolConfig returns the pool configuration of one rank for spec.
 func PoolConfig(spec model.Spec, p PoolParams) (hybrid.Config, error) {
 	if p.MaxBatchSize < 1 {

@@ -85,6 +85,14 @@ type Config struct {
 	// PrefillChunkTokens splits each prompt's prefill into chunks of at
 	// most this many tokens, one per scheduler step (0: whole prompts).
 	PrefillChunkTokens int
+	// PrefixCache reuses cached prompt prefixes and conversation state
+	// (worker.Config.PrefixCache): on or off. StateCheckpoints is the
+	// Mamba state checkpoint rows per rank (-1: DefaultStateCheckpoints);
+	// StateCheckpointInterval takes a checkpoint every this many tokens
+	// of a prompt too (0: only at the ends of prompts and generations).
+	PrefixCache             string
+	StateCheckpoints        int
+	StateCheckpointInterval int
 
 	// Decode only.
 	HTTPAddr   string
@@ -158,6 +166,9 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	str(&c.Layerwise, "layerwise", "HANDOFF_LAYERWISE", "auto", "stream each request's cache layer by layer while prefill computes it: on, off, or auto (prompts of --layerwise-min-tokens or more); decode receives either way (with --standalone: for its prefill worker)", false)
 	num(&c.LayerwiseMinTokens, "layerwise-min-tokens", "HANDOFF_LAYERWISE_MIN_TOKENS", transfer.DefaultLayerwiseMinTokens, "--layerwise auto: shorter prompts go in one write after prefill")
 	num(&c.PrefillChunkTokens, "prefill-chunk-tokens", "HANDOFF_PREFILL_CHUNK_TOKENS", 0, "prefill each prompt in chunks of at most this many tokens, one per step, so other requests' steps run between them (0: whole prompts)")
+	str(&c.PrefixCache, "prefix-cache", "HANDOFF_PREFIX_CACHE", "on", "reuse cached prompt prefixes: KV blocks by content and Mamba states at exact token counts (on or off; off computes every prompt from its first token)", false)
+	num(&c.StateCheckpoints, "state-checkpoints", "HANDOFF_STATE_CHECKPOINTS", -1, "Mamba state checkpoint rows per rank for the prefix cache, beyond the real and reserved rows (-1: 4 per --max-batch-size, within 1 GiB of rows)")
+	num(&c.StateCheckpointInterval, "state-checkpoint-interval", "HANDOFF_STATE_CHECKPOINT_INTERVAL", worker.DefaultCheckpointInterval, "also checkpoint the state every this many tokens of a prompt, so a shared prefix (a system prompt) serves prompts that continue it differently (0: only at the ends of prompts and generations)")
 	num(&c.RegistryReplicas, "registry-replicas", "HANDOFF_REGISTRY_REPLICAS", 0, "replicas of the instance registry bucket (0: 3 on a NATS cluster that can hold them, else 1)")
 	str(&c.DataAddr, "data-addr", "HANDOFF_DATA_ADDR", DefaultDataAddr, "data-plane TCP listen address", false)
 	str(&c.DataAdvertise, "data-advertise", "HANDOFF_DATA_ADVERTISE", "", "data-plane address peers dial (default $POD_IP:<port> when POD_IP is set; else, with --memory cuda and a wildcard --data-addr, the GPU's NIC:<port>; else the listener's)", false)
@@ -261,6 +272,15 @@ func (c *Config) Validate() error {
 	}
 	if c.PrefillChunkTokens < 0 {
 		bad("--prefill-chunk-tokens %d: want ≥ 0", c.PrefillChunkTokens)
+	}
+	if c.PrefixCache != "on" && c.PrefixCache != "off" {
+		bad("--prefix-cache %q: want on or off", c.PrefixCache)
+	}
+	if c.StateCheckpoints < -1 {
+		bad("--state-checkpoints %d: want ≥ 0, or -1 for the default", c.StateCheckpoints)
+	}
+	if c.StateCheckpointInterval < 0 {
+		bad("--state-checkpoint-interval %d: want ≥ 0", c.StateCheckpointInterval)
 	}
 	switch c.Transport {
 	case "auto", "tcp", "shm", "inproc", "cuda-ipc", "ucx":

@@ -125,6 +125,7 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 	}
 	sched, err := worker.NewScheduler(worker.Config{
 		Role: worker.RoleDecode, AttentionDP: cfg.AttentionDP, QueueSize: cfg.QueueSize, PrefillChunkTokens: cfg.PrefillChunkTokens,
+		PrefixCache: cfg.PrefixCache == "on", CheckpointInterval: cfg.StateCheckpointInterval,
 		Source: source, Router: router, Logger: log, Metrics: o.Metrics,
 	}, n.ranks)
 	if err != nil {

@@ -132,9 +132,16 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool, openCUDA func()
 	if err != nil {
 		return nil, err
 	}
+	cks := cfg.StateCheckpoints
+	if cks < 0 {
+		cks = worker.DefaultStateCheckpoints(cfg.MaxBatchSize, poolSpec.Mamba.RowBytes())
+	}
+	if cfg.PrefixCache == "off" {
+		cks = 0 // off behaves exactly as before: no rows for it either
+	}
 	pools, err := worker.PoolConfig(poolSpec, worker.PoolParams{
 		MaxBatchSize: cfg.MaxBatchSize, AttentionDP: cfg.AttentionDP,
-		TokensPerBlock: cfg.TokensPerBlock, KVBlocks: cfg.KVBlocks,
+		TokensPerBlock: cfg.TokensPerBlock, KVBlocks: cfg.KVBlocks, StateCheckpoints: cks,
 	})
 	if err != nil {
 		return nil, err
@@ -235,7 +242,11 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool, openCUDA func()
 	log.Info("ranks ready", "model", spec.Name, "fingerprint", n.fingerprint, "dp_size", cfg.DPSize, "tp_size", cfg.TPSize,
 		"attention_dp", cfg.AttentionDP, "max_batch_size", cfg.MaxBatchSize, "kv_blocks", pools.KV.Blocks,
 		"tokens_per_block", pools.KV.TokensPerBlock, "kv_arena_bytes", pools.KV.ArenaBytes(),
-		"mamba_rows", pools.Mamba.TotalRows(), "mamba_arena_bytes", pools.Mamba.ArenaBytes())
+		"mamba_rows", pools.Mamba.TotalRows(), "mamba_arena_bytes", pools.Mamba.ArenaBytes(),
+		"prefix_cache", cfg.PrefixCache, "state_checkpoints", pools.Mamba.CheckpointRows)
+	if cks > 0 && !model.Chunked(n.ranks[0].Executor()) {
+		log.Warn("prefix cache off: this executor cannot resume a prefill from a cached state (caches in device memory)")
+	}
 	return n, nil
 }
 

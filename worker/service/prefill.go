@@ -66,6 +66,7 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 
 	sched, err := worker.NewScheduler(worker.Config{
 		Role: worker.RolePrefill, AttentionDP: cfg.AttentionDP, QueueSize: cfg.QueueSize, PrefillChunkTokens: cfg.PrefillChunkTokens,
+		PrefixCache: cfg.PrefixCache == "on", CheckpointInterval: cfg.StateCheckpointInterval,
 		Logger: log, Metrics: o.Metrics,
 	}, n.ranks)
 	if err != nil {
