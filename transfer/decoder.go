@@ -100,6 +100,7 @@ type Request struct {
 type Result struct {
 	FirstToken int32
 	Logprobs   []byte        // the first token's logprobs, when asked (PrefillReply.Logprobs)
+	Cached     int           // prompt tokens the prefill worker's prefix cache served
 	Instance   string        // the prefill instance that served it
 	Attempts   int           // prefill requests sent
 	Prefill    time.Duration // prefill compute time, measured by the prefill worker

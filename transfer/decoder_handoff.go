@@ -137,7 +137,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 					log.Debug("handoff delivered", "seq", h.req.ID, "peer", h.sess.Instance())
 				}
 				return Result{
-					FirstToken: h.ok.FirstToken, Logprobs: h.ok.Logprobs, Instance: h.ok.Instance, Attempts: h.sess.Attempts(),
+					FirstToken: h.ok.FirstToken, Logprobs: h.ok.Logprobs, Cached: int(h.ok.Cached), Instance: h.ok.Instance, Attempts: h.sess.Attempts(),
 					Prefill: time.Duration(h.ok.PrefillNanos), Transfer: time.Duration(h.ok.WriteNanos),
 					Total: time.Since(start), KVBytes: h.kvB, MambaBytes: h.mB,
 				}, nil

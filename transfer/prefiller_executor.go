@@ -34,6 +34,7 @@ type Job struct {
 type Prefilled struct {
 	FirstToken int32
 	Logprobs   []byte // the first token's logprobs, when asked (PrefillReply.Logprobs)
+	Cached     int    // prompt tokens the prefix cache served (PrefillReply.Cached)
 	Source     CacheExtents
 }
 

@@ -263,7 +263,7 @@ func (p *Prefiller) replyNow(r micro.Request, rep wire.PrefillReply) {
 func (t *task) replyFor(code session.Code) wire.PrefillReply {
 	rep := wire.PrefillReply{RequestID: t.msg.RequestID, Code: code}
 	if code == session.CodeOK {
-		rep.FirstToken, rep.Logprobs = t.out.FirstToken, t.out.Logprobs
+		rep.FirstToken, rep.Logprobs, rep.Cached = t.out.FirstToken, t.out.Logprobs, uint32(max(t.out.Cached, 0))
 		rep.PrefillNanos, rep.WriteNanos = int64(t.pf), int64(t.wr)
 		rep.Manifest = t.manifest
 	} else if t.cause != nil {

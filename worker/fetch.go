@@ -56,6 +56,7 @@ type FetchResult struct {
 	First int32 // the first generated token, sampled at step 0
 	// FirstLogprobs are the first token's logprobs, when asked for.
 	FirstLogprobs *model.Logprobs
+	Cached        int           // prompt tokens the remote worker's prefix cache served
 	Compute       time.Duration // prefill compute on the remote worker
 	Transfer      time.Duration // data-plane write and commit, as measured by the writer
 	KVBytes       int64
@@ -112,6 +113,7 @@ func (s *Scheduler) fetched(q *request, res FetchResult, err error) {
 	s.m.PrefillDuration.WithLabelValues(role).Observe(res.Compute.Seconds())
 	q.timing.Transfer = res.Transfer
 	q.timing.Handoff = time.Since(q.admitted)
+	q.cached = res.Cached
 	q.pos = len(q.prompt)
 	if q.accept(res.First, res.FirstLogprobs) {
 		s.finish(q, nil)

@@ -165,6 +165,10 @@ type PrefillReply struct {
 	// Logprobs are the first token's logprobs when the request asked, in
 	// the worker's encoding (model.Logprobs.MarshalBinary); omitted when empty.
 	Logprobs []byte `msgpack:"lp,omitempty"`
+	// Cached is how many prompt tokens the prefill worker's prefix cache
+	// served instead of computing them (OpenAI's cached_tokens); omitted
+	// when 0.
+	Cached uint32 `msgpack:"cached,omitempty"`
 }
 
 // Cancel tells the worker that serves a request to stop and free it. Published

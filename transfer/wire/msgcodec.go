@@ -458,6 +458,9 @@ func (m *PrefillReply) appendTo(b []byte) []byte {
 	if len(m.Logprobs) > 0 {
 		n++
 	}
+	if m.Cached > 0 {
+		n++
+	}
 	b = appendMapLen(b, n)
 	b = appendUint(appendStr(b, "v"), uint64(m.V))
 	b = appendUint(appendStr(b, "id"), m.RequestID)
@@ -470,6 +473,9 @@ func (m *PrefillReply) appendTo(b []byte) []byte {
 	b = (*manifest)(&m.Manifest).appendTo(appendStr(b, "man"))
 	if len(m.Logprobs) > 0 {
 		b = appendBin(appendStr(b, "lp"), m.Logprobs)
+	}
+	if m.Cached > 0 {
+		b = appendUint(appendStr(b, "cached"), uint64(m.Cached))
 	}
 	return b
 }
@@ -514,6 +520,9 @@ func (m *PrefillReply) decode(r *reader) error {
 			if p, err = r.bytes(); err == nil && len(p) > 0 {
 				m.Logprobs = append([]byte(nil), p...)
 			}
+		case "cached":
+			v, err = r.uintMax(math.MaxUint32, "cached tokens")
+			m.Cached = uint32(v)
 		default:
 			err = r.skip()
 		}

@@ -68,6 +68,13 @@ func TestWireRoundTrip(t *testing.T) {
 	require.NoError(t, err)
 	rep.V = WireVersion
 	require.Equal(t, rep, gotRep)
+	rep.Cached = 96 // the prefix cache's count travels, and only when set
+	b2, err := EncodePrefillReply(rep, 0)
+	require.NoError(t, err)
+	require.Greater(t, len(b2), len(b))
+	gotRep, err = DecodePrefillReply(b2)
+	require.NoError(t, err)
+	require.Equal(t, rep, gotRep)
 
 	c := Cancel{RequestID: 42, Grant: 5, Code: session.CodeTimeout, From: "d1"}
 	b, err = EncodeCancel(c)

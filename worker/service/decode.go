@@ -214,7 +214,7 @@ func (s *transferSource) Fetch(ctx context.Context, f worker.FetchRequest) (work
 	}
 	s.n.transportInfo(s.m, res.Instance)
 	out := worker.FetchResult{
-		First: res.FirstToken, Compute: res.Prefill, Transfer: res.Transfer,
+		First: res.FirstToken, Cached: res.Cached, Compute: res.Prefill, Transfer: res.Transfer,
 		KVBytes: int64(res.KVBytes), MambaBytes: int64(res.MambaBytes),
 	}
 	if f.Logprobs {

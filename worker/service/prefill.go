@@ -227,7 +227,7 @@ func (l *prefillLease) Prefill(ctx context.Context) (transfer.Prefilled, error) 
 	if err != nil {
 		return transfer.Prefilled{}, err
 	}
-	out := transfer.Prefilled{FirstToken: lease.First, Source: src}
+	out := transfer.Prefilled{FirstToken: lease.First, Cached: lease.Cached, Source: src}
 	if lease.FirstLogprobs != nil {
 		if out.Logprobs, err = lease.FirstLogprobs.MarshalBinary(); err != nil {
 			return transfer.Prefilled{}, err
