@@ -112,7 +112,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, []string{"role", "rank", "state"}),
 		KVBlocks: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "handoff_kv_blocks",
-			Help: "KV cache blocks per rank, by state (free, used).",
+			Help: "KV cache blocks per rank, by state: free, used (held by requests), cached (in the prefix cache, held by none: evictable).",
 		}, []string{"role", "rank", "state"}),
 		Sessions: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "handoff_sessions_inflight",
@@ -201,8 +201,10 @@ func (m *Metrics) setPools(role Role, rank int, s hybrid.Stats, last *hybrid.Sta
 	m.MambaRows.WithLabelValues(r, k, "free").Set(float64(s.RowsFree))
 	m.MambaRows.WithLabelValues(r, k, "used").Set(float64(s.RowsUsed))
 	m.MambaRows.WithLabelValues(r, k, "reserved").Set(float64(s.RowsReserved))
+	evictable := s.BlocksAvailable - s.BlocksFree
 	m.KVBlocks.WithLabelValues(r, k, "free").Set(float64(s.BlocksFree))
-	m.KVBlocks.WithLabelValues(r, k, "used").Set(float64(s.BlocksUsed))
+	m.KVBlocks.WithLabelValues(r, k, "used").Set(float64(s.BlocksUsed - evictable))
+	m.KVBlocks.WithLabelValues(r, k, "cached").Set(float64(evictable))
 }
 
 // initPrefix creates, at 0, a prefix-caching rank's counters.

@@ -1,0 +1,197 @@
+//go:build integration
+
+package integration
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+type chatMessage struct {
+	Role    string `json:"role"`
+	Content string `json:"content"`
+}
+
+type chatReply struct {
+	Status  int
+	Content string
+	Cached  int
+	Err     string
+}
+
+// chat sends one chat completion and returns the reply and its usage's
+// cached_tokens.
+func chat(ctx context.Context, api, model string, msgs []chatMessage, maxTokens int, temp float64, seed uint64) (chatReply, error) {
+	body, _ := json.Marshal(map[string]any{
+		"model": model, "messages": msgs, "max_completion_tokens": maxTokens, "temperature": temp, "seed": seed,
+	})
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, api+"/v1/chat/completions", bytes.NewReader(body))
+	if err != nil {
+		return chatReply{}, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return chatReply{}, err
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return chatReply{}, err
+	}
+	var out struct {
+		Choices []struct {
+			Message chatMessage `json:"message"`
+		} `json:"choices"`
+		Usage struct {
+			Details struct {
+				Cached int `json:"cached_tokens"`
+			} `json:"prompt_tokens_details"`
+		} `json:"usage"`
+		Error *struct {
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	if err := json.Unmarshal(raw, &out); err != nil {
+		return chatReply{Status: resp.StatusCode}, fmt.Errorf("status %d, body %q: %w", resp.StatusCode, raw, err)
+	}
+	r := chatReply{Status: resp.StatusCode, Cached: out.Usage.Details.Cached}
+	if len(out.Choices) > 0 {
+		r.Content = out.Choices[0].Message.Content
+	}
+	if out.Error != nil {
+		r.Err = out.Error.Message
+	}
+	return r, nil
+}
+
+// TestPrefixCacheOracle is the prefix cache's oracle over the real
+// binaries: multi-turn conversations (each turn appends the reply and a
+// new user message), conversations that share a system prompt, a branch
+// (two continuations of one turn) and a resent conversation get, from
+// workers with the prefix cache, exactly the replies of an aggregated
+// worker without it: aggregated, disaggregated with and without
+// layer-wise streaming, a TP-2 prefill group, and pools so small that
+// they evict. The later turns are served mostly from the cache.
+func TestPrefixCacheOracle(t *testing.T) {
+	ns := startNATS(t, nil)
+	oracle := startProc(t, "decode", "--prefill", "local", "--prefix-cache", "off", "--nats-url", ns.url(), "--namespace", "px-oracle")
+	type target struct {
+		name  string
+		api   *proc
+		procs []*proc
+		roomy bool // every later turn must hit
+	}
+	var targets []*target
+	add := func(name string, roomy bool, pre []string, dec []string) {
+		space := "px-" + name
+		common := []string{"--nats-url", ns.url(), "--namespace", space, "--prefix-cache", "on"}
+		tg := &target{name: name, roomy: roomy}
+		if pre != nil {
+			tg.procs = append(tg.procs, startProc(t, "prefill", append(common, pre...)...))
+		}
+		tg.api = startProc(t, "decode", append(common, dec...)...)
+		tg.procs = append(tg.procs, tg.api)
+		targets = append(targets, tg)
+	}
+	add("aggregated", true, nil, []string{"--prefill", "local", "--state-checkpoint-interval", "64"})
+	add("disaggregated", true, []string{"--layerwise", "off"}, []string{"--prefill", "remote"})
+	add("layerwise-chunked", true, []string{"--layerwise", "on", "--prefill-chunk-tokens", "48", "--state-checkpoint-interval", "64"}, []string{"--prefill", "remote"})
+	add("tp2-layerwise", true, []string{"--layerwise", "on", "--tp-size", "2"}, []string{"--prefill", "remote"})
+	add("tiny-pools", false, []string{"--max-batch-size", "2", "--kv-blocks", "160", "--state-checkpoints", "2", "--layerwise", "on"},
+		[]string{"--prefill", "remote", "--max-batch-size", "2"})
+	oracle.waitReady(readyWithin)
+	for _, tg := range targets {
+		for _, p := range tg.procs {
+			p.waitReady(readyWithin)
+		}
+	}
+	name := modelName(t, oracle.api)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	for _, tg := range targets {
+		warmUp(ctx, t, tg.api.api, name)
+	}
+
+	system := chatMessage{Role: "system", Content: "You are a terse assistant. " + strings.Repeat("Answer in few words. ", 6)}
+	users := [][]string{
+		{"What is a hybrid model?", "And a Mamba layer?", "Why keep a state row?", "How big is it?", "Thanks, bye."},
+		{"Tell me about KV caches.", "Paged how?", "What is a block?", "ok"},
+		{"Hello!", "Say more.", "More.", "Even more, at length please: " + strings.Repeat("why ", 10), "done"},
+	}
+	type conv struct {
+		msgs []chatMessage // as the oracle answered
+		temp float64
+	}
+	convs := make([]*conv, len(users))
+	for i := range convs {
+		convs[i] = &conv{msgs: []chatMessage{system}}
+		if i == 2 {
+			convs[i].temp = 0.8 // sampled, seeded: the same draw with or without the cache
+		}
+	}
+	cached := map[string]int{}
+	ask := func(what string, msgs []chatMessage, temp float64, seed uint64, later bool) string {
+		want, err := chat(ctx, oracle.api, name, msgs, 12, temp, seed)
+		require.NoError(t, err)
+		require.Equal(t, http.StatusOK, want.Status, "oracle %s: %s", what, want.Err)
+		require.Zero(t, want.Cached, "the oracle has no cache")
+		var wg sync.WaitGroup
+		got := make([]chatReply, len(targets))
+		errs := make([]error, len(targets))
+		for i, tg := range targets {
+			wg.Go(func() { got[i], errs[i] = chat(ctx, tg.api.api, name, msgs, 12, temp, seed) })
+		}
+		wg.Wait()
+		for i, tg := range targets {
+			require.NoError(t, errs[i], "%s %s", tg.name, what)
+			require.Equal(t, http.StatusOK, got[i].Status, "%s %s: %s", tg.name, what, got[i].Err)
+			require.Equal(t, want.Content, got[i].Content, "%s %s: the reply differs from the cache-off one", tg.name, what)
+			cached[tg.name] += got[i].Cached
+			if later && tg.roomy {
+				require.Positive(t, got[i].Cached, "%s %s: a later turn computed its whole prompt", tg.name, what)
+			}
+		}
+		return want.Content
+	}
+	for turn := range 5 {
+		for i, c := range convs {
+			if turn >= len(users[i]) {
+				continue
+			}
+			c.msgs = append(c.msgs, chatMessage{Role: "user", Content: users[i][turn]})
+			reply := ask(fmt.Sprintf("conversation %d turn %d", i, turn+1), c.msgs, c.temp, uint64(10+i), turn > 0)
+			c.msgs = append(c.msgs, chatMessage{Role: "assistant", Content: reply})
+		}
+		if turn == 2 {
+			// A branch: another continuation of conversation 0's second turn.
+			branch := append(append([]chatMessage(nil), convs[0].msgs[:5]...), chatMessage{Role: "user", Content: "Something else."})
+			ask("branch of conversation 0", branch, 0, 1, true)
+		}
+	}
+	// A resent conversation: the same prompt as an earlier turn.
+	ask("resent conversation 1", convs[1].msgs[:len(convs[1].msgs)-1], 0, 11, true)
+
+	for _, tg := range targets {
+		t.Logf("%s: %d prompt tokens served from the prefix cache", tg.name, cached[tg.name])
+		require.Positive(t, cached[tg.name], tg.name)
+		for _, p := range tg.procs {
+			requireIdle(t, p, p.name)
+		}
+	}
+	hits := 0.0
+	for _, tg := range targets[1:] {
+		hits += sum(tg.procs[0].metrics(), "handoff_prefix_hit_tokens_total", map[string]string{"role": "prefill"})
+	}
+	require.Positive(t, hits, "the prefill workers' metrics count their hits")
+}
