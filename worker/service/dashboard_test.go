@@ -55,6 +55,8 @@ func TestDashboardNamesExistingMetrics(t *testing.T) {
 		"handoff_prefill_duration_seconds_bucket", "handoff_transfer_duration_seconds_bucket",
 		"handoff_transfer_bytes_total", "handoff_mamba_rows", "handoff_kv_blocks", "handoff_dummy_requests_total",
 		"handoff_retries_total", "handoff_quarantined_bytes", "handoff_sessions_inflight", "handoff_queued_requests",
+		"handoff_prefix_hit_tokens_total", "handoff_prompt_tokens_computed_total", "handoff_prefix_cached_blocks",
+		"handoff_state_checkpoint_rows", "handoff_prefix_evictions_total",
 	} {
 		require.Contains(t, named, want, "the dashboard has no panel on %s", want)
 	}
