@@ -763,25 +763,25 @@ func TestWriterGone(t *testing.T) {
 // breaks on a cancelled write (it connects again before letting it go), not
 // when the receiver fences a landing and cuts the connection, not when shm
 // reconnects to map a region registered later.
-//
-// Not on ucx yet: a write cut by its context closes the writer's endpoint
-// by force (its sends in flight must end), and the receiver's endpoint back
-// to the writer then fails, which it takes for the writer gone.
 func TestWriterGoneNotReportedForLiveWriter(t *testing.T) {
-	for _, tr := range []Transport{TransportTCP, TransportSHM} {
+	for _, tr := range append([]Transport{TransportTCP, TransportSHM}, ucxTestTransports()...) {
 		if tr == TransportSHM && !shmSupported {
 			continue
 		}
 		t.Run(string(tr), func(t *testing.T) {
 			const size = 32 << 20
-			rx, err := New(Config{Agent: "live-rx", Transports: []Transport{tr}, Logger: quietLogger()})
+			// ucx: a keepalive every 100 ms (20 s by default) makes the
+			// receiver learn within the test that a connection of the
+			// writer's went down.
+			opts := map[string]string{"KEEPALIVE_INTERVAL": "100ms"}
+			rx, err := New(Config{Agent: "live-rx", Transports: []Transport{tr}, Logger: quietLogger(), UCX: opts})
 			require.NoError(t, err)
 			defer rx.Close()
 			gone := make(chan AgentID, 4)
 			rx.OnWriterGone(func(a AgentID) { gone <- a })
 			_, err = rx.Register("dst", size)
 			require.NoError(t, err)
-			tx, err := New(Config{Agent: "live-tx", Transports: []Transport{tr}, Logger: quietLogger(), TCPLanes: 1})
+			tx, err := New(Config{Agent: "live-tx", Transports: []Transport{tr}, Logger: quietLogger(), TCPLanes: 1, UCX: opts})
 			require.NoError(t, err)
 			defer tx.Close()
 			src, err := tx.Register("src", size)
@@ -803,10 +803,21 @@ func TestWriterGoneNotReportedForLiveWriter(t *testing.T) {
 				return g, err
 			}
 			// A write cancelled while it sends.
+			failed := ucxPeerErrors(rx)
 			ctx, cancel := context.WithCancel(context.Background())
 			time.AfterFunc(time.Millisecond, cancel)
 			g, _ := write(ctx, 1)
 			g.Revoke()
+			if tr == TransportUCX {
+				// The writer closed its endpoint by force to end its sends;
+				// the receiver learns it when its endpoint back to the
+				// writer fails (at the next keepalive), and must not take
+				// that for the writer gone.
+				for until := time.Now().Add(3 * time.Second); ucxPeerErrors(rx) == failed && time.Now().Before(until); {
+					time.Sleep(time.Millisecond)
+				}
+				t.Logf("endpoint failures the receiver saw: %d", ucxPeerErrors(rx)-failed)
+			}
 			quiet("a cancelled write")
 			// A landing fenced by the receiver.
 			g, err = rx.OpenGrant(GrantSpec{RequestID: 2, Extents: []Extent{{1, 0, size}}})

@@ -57,3 +57,11 @@ func ucxConns(e *Engine) int {
 	defer e.ucx.mu.Unlock()
 	return len(e.ucx.rx)
 }
+
+// ucxPeerErrors counts the endpoint failures e's ucx worker saw.
+func ucxPeerErrors(e *Engine) uint64 {
+	if e.ucx == nil {
+		return 0
+	}
+	return e.ucx.w.Stats().PeerErrors
+}

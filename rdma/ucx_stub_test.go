@@ -9,3 +9,5 @@ func cutUCXWriters(*Engine) int { return 0 }
 func ucxStopAt(Transport) uint64 { return 0 }
 
 func ucxConns(*Engine) int { return 0 }
+
+func ucxPeerErrors(*Engine) uint64 { return 0 }

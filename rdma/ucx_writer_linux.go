@@ -66,6 +66,12 @@ func (l *ucxLink) endpoint(ctx context.Context) (ucx.EndpointID, error) {
 	if l.up {
 		return l.ep, nil
 	}
+	return l.connectLocked(ctx)
+}
+
+// connectLocked makes a new endpoint to the peer and says hello on it;
+// l.mu is held.
+func (l *ucxLink) connectLocked(ctx context.Context) (ucx.EndpointID, error) {
 	ep, err := l.s.w.Connect(ctx, l.peer.UCXAddr)
 	if err != nil {
 		return 0, fmt.Errorf("rdma: ucx connect to %s: %w", l.peer.Agent, err)
@@ -133,19 +139,37 @@ func (l *ucxLink) failWaits(err error) {
 	}
 }
 
-// reset forgets an endpoint whose exchange was cut, so the next write
-// connects again.
+// reset replaces an endpoint whose operations must end now (a write or an
+// exchange cut by its context, a receiver's cut notice): it closes ep by
+// force, which ends its sends in flight and the exchanges waiting on it.
+//
+// It says hello on a new endpoint first. The receiver takes the failure of
+// its endpoint back to this worker, which UCX brings down with ep (the two
+// share a tcp connection), for this writer gone (Engine.OnWriterGone); the
+// hello moves the link to a new endpoint pair before that, as a tcp writer
+// connects again before it lets its last connection go. A hello that fails
+// within ucxReconnectWait leaves the link down (the next write connects)
+// and the receiver free to count the writer gone: it did not answer.
 func (l *ucxLink) reset(ep ucx.EndpointID) {
 	l.mu.Lock()
-	if l.ep == ep && l.up {
-		l.up = false
+	if l.ep != ep || !l.up {
 		l.mu.Unlock()
-		l.drop(ep)
-		l.failWaits(fmt.Errorf("%w: ucx endpoint to %s was cut", ErrPeerClosed, l.peer.Agent))
 		return
 	}
+	l.up = false
+	l.failWaits(fmt.Errorf("%w: ucx endpoint to %s was cut", ErrPeerClosed, l.peer.Agent))
+	if !l.closed {
+		ctx, cancel := context.WithTimeout(l.s.e.ctx, ucxReconnectWait)
+		_, _ = l.connectLocked(ctx) // up again on success
+		cancel()
+	}
 	l.mu.Unlock()
+	l.drop(ep)
 }
+
+// ucxReconnectWait bounds the hello that reset says before it cuts an
+// endpoint: the caller (a cancelled write) waits for it.
+const ucxReconnectWait = time.Second
 
 // exchange posts one header-only message (or one with payload) and waits
 // for the receiver's reply naming it.
