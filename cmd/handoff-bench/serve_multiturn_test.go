@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -11,6 +12,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -263,4 +265,37 @@ func TestMultiTurnReportOnOff(t *testing.T) {
 	png, err := os.ReadFile(path)
 	require.NoError(t, err)
 	require.True(t, bytes.HasPrefix(png, []byte("\x89PNG")))
+}
+
+// Ctrl-C: the turns in flight are cancelled and the report of what finished
+// is written, marked partial; the cancelled turns count as not sent.
+func TestServeMultiTurnInterrupted(t *testing.T) {
+	f := &perfectCacheServer{}
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	var calls atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if calls.Add(1) == 3 { // the test turn, turn 1, then turn 2 hangs until Ctrl-C
+			_, _ = io.Copy(io.Discard, r.Body) // the server sees the client leave once the body is read
+			cancel()
+			<-r.Context().Done()
+			return
+		}
+		f.ServeHTTP(w, r)
+	}))
+	defer srv.Close()
+	o, err := parseServeFlags([]string{"--base-url", srv.URL, "--dataset-name", "multi-turn", "--model", "m",
+		"--token-unit", "bytes", "--progress", "none", "--output", "json", "--plot", "", "--conversations", "1",
+		"--turns", "4", "--system-prompt-tokens", "20", "--turn-tokens", "5", "--random-output-len", "4",
+		"--think-time", "0"}, io.Discard)
+	require.NoError(t, err)
+	var out bytes.Buffer
+	require.NoError(t, serveMultiTurn(ctx, o, &out, io.Discard, false))
+	var rep multiTurnReport
+	require.NoError(t, json.Unmarshal(out.Bytes(), &rep), out.String())
+	run := rep.Runs[0]
+	require.True(t, run.Partial)
+	require.Equal(t, 1, run.All.Turns)
+	require.Zero(t, run.All.Failed, "cut short, not failed")
+	require.Equal(t, 3, run.NotSent)
 }
