@@ -1,0 +1,145 @@
+//go:build integration && ucx
+
+package integration
+
+// The ucx transport between the real binaries: the oracle (disaggregated
+// output equals aggregated output, token for token) and a prefill worker
+// killed while it serves, with both workers on --transport ucx. Run with
+// -tags 'integration ucx' where UCX is installed (scripts/install-ucx);
+// UCX picks its transports from the environment (UCX_TLS=tcp, or
+// UCX_TLS=cma,tcp with UCX_CMA_MEMORY_INVALIDATE=y), which the workers
+// inherit.
+
+import (
+	"context"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// ucxBins holds the binaries built with -tags ucx, once, in a folder under
+// binDir (TestMain removes it with binDir).
+var ucxBins struct {
+	once sync.Once
+	dir  string
+	err  error
+	out  []byte
+}
+
+// useUCXBinaries makes startProc run the ucx build of prefill and decode
+// for the rest of t. The tests of this package run one at a time (none is
+// parallel), so swapping binDir is safe.
+func useUCXBinaries(t *testing.T) {
+	t.Helper()
+	ucxBins.once.Do(func() {
+		ucxBins.dir = filepath.Join(binDir, "ucx")
+		cmd := exec.Command("go", "build", "-tags", "ucx", "-o", ucxBins.dir+"/", "../cmd/prefill", "../cmd/decode")
+		ucxBins.out, ucxBins.err = cmd.CombinedOutput()
+	})
+	require.NoError(t, ucxBins.err, "building prefill and decode with -tags ucx (needs cgo and libucx-dev: scripts/install-ucx):\n%s", ucxBins.out)
+	old := binDir
+	binDir = ucxBins.dir
+	t.Cleanup(func() { binDir = old })
+}
+
+// requireUCX asserts that a worker runs the ucx transport.
+func requireUCX(t *testing.T, p *proc) {
+	t.Helper()
+	require.Equal(t, float64(1), sum(p.metrics(), "handoff_transport_info", map[string]string{"transport": "ucx"}),
+		"%s does not say it runs ucx", p.name)
+}
+
+// TestUCXRemoteEqualsLocal is the oracle over ucx: a prefill and a decode
+// process that move every KV block and Mamba row through UCX answer as an
+// aggregated worker does, greedy and seeded sampling alike.
+func TestUCXRemoteEqualsLocal(t *testing.T) {
+	useUCXBinaries(t)
+	ns := startNATS(t, nil)
+	common := []string{"--nats-url", ns.url(), "--namespace", "ucx-oracle", "--transport", "ucx"}
+	pre := startProc(t, "prefill", common...)
+	remote := startProc(t, "decode", append(common, "--prefill", "remote")...)
+	local := startProc(t, "decode", "--prefill", "local", "--nats-url", ns.url(), "--namespace", "ucx-oracle-local")
+	pre.waitReady(readyWithin)
+	remote.waitReady(readyWithin)
+	local.waitReady(readyWithin)
+	name := modelName(t, remote.api)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	warmUp(ctx, t, remote.api, name)
+	requireUCX(t, pre) // set once a worker met its peer
+	requireUCX(t, remote)
+	before := sum(remote.metrics(), "handoff_transfers_total", map[string]string{"role": "decode", "result": "ok"})
+	prompts := randomPrompts(24, 29)
+	requireSameAnswers(ctx, t, remote.api, local.api, name, prompts, 12, "ucx remote and local")
+	mf := remote.metrics()
+	require.Equal(t, float64(len(prompts)), sum(mf, "handoff_transfers_total", map[string]string{"role": "decode", "result": "ok"})-before)
+	require.Positive(t, sum(mf, "handoff_transfer_bytes_total", map[string]string{"role": "decode", "kind": "kv"}))
+	require.Positive(t, sum(mf, "handoff_transfer_bytes_total", map[string]string{"role": "decode", "kind": "mamba"}))
+	requireIdle(t, remote, "decode")
+	requireIdle(t, pre, "prefill")
+}
+
+// TestUCXPrefillKilledMidTransfer kills one of two prefill workers with
+// SIGKILL while it serves, over ucx: every request ends well within its
+// deadline and is served (one the dead worker held is retried on the
+// survivor, fenced: its grant revoked, nothing of the dead writer's landing
+// after), and both survivors' pools return to idle.
+func TestUCXPrefillKilledMidTransfer(t *testing.T) {
+	useUCXBinaries(t)
+	ns := startNATS(t, nil)
+	common := []string{"--nats-url", ns.url(), "--namespace", "ucx-kill", "--transport", "ucx", "--model", "tiny-hybrid?prefill_delay=3ms"}
+	p1 := startProc(t, "prefill", common...)
+	p2 := startProc(t, "prefill", common...)
+	dec := startProc(t, "decode", append(common, "--prefill", "remote")...)
+	p1.waitReady(readyWithin)
+	p2.waitReady(readyWithin)
+	dec.waitReady(readyWithin)
+	name := modelName(t, dec.api)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	warmUp(ctx, t, dec.api, name)
+	requireUCX(t, dec)
+	const n = 24
+	var wg sync.WaitGroup
+	results := make([]completion, n)
+	errs := make([]error, n)
+	took := make([]time.Duration, n)
+	prompts := randomPrompts(n, 31)
+	for i := 0; i < n; i++ {
+		wg.Go(func() {
+			start := time.Now()
+			results[i], errs[i] = complete(ctx, dec.api, completionRequest{Model: name, Prompt: prompts[i] + " " + strings.Repeat("long ", 40), MaxTokens: 4})
+			took[i] = time.Since(start)
+		})
+		if i == n/3 {
+			require.Eventually(t, func() bool {
+				return sum(p1.metrics(), "handoff_sessions_inflight", map[string]string{"role": "prefill"}) > 0
+			}, 10*time.Second, time.Millisecond, "p1 never had a session in flight")
+			p1.kill()
+		}
+	}
+	wg.Wait()
+	for i := range results {
+		require.NoError(t, errs[i], "request %d got no HTTP answer", i)
+		require.Less(t, took[i], 60*time.Second, "request %d outlived any sane deadline", i)
+		require.Equal(t, http.StatusOK, results[i].Status, "request %d was not served by the survivor: %s", i, results[i].Err)
+	}
+	retried := sum(dec.metrics(), "handoff_retries_total", map[string]string{"role": "decode"})
+	t.Logf("%d requests succeeded across the SIGKILL over ucx (UCX_TLS=%q); slowest took %v; %v handoffs retried", n, os.Getenv("UCX_TLS"), slices.Max(took), retried)
+	require.Positive(t, retried, "no handoff failed over: the kill did not land mid-transfer")
+	requireIdle(t, dec, "decode")
+	c, err := complete(ctx, dec.api, completionRequest{Model: name, Prompt: "after the fault", MaxTokens: 4})
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, c.Status, c.Err)
+	requireIdle(t, p2, "prefill")
+}
