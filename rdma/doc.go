@@ -108,12 +108,13 @@
 // them. tcp, cuda-ipc and inproc do that (inproc registers no lander: a
 // piece's memcpy is waited for), and so does a receiver-driven transport
 // such as UCX active messages (ucx_linux.go): it admits each incoming
-// message against the grant table, pulls the payload into the destination
-// as one landing, and so Revoke returns once every receive filed under the
-// grant completed. UCX cannot cancel a receive, so its lander's abort gives
-// a receive 20 ms to end and then tells the writer to close its endpoint,
-// which ends it (a writer frozen mid-transfer over UCX's tcp therefore
-// holds the fence until it resumes or dies).
+// message against the grant table as one landing, has UCX receive the
+// payload into a staging buffer of its own, and copies it into the
+// destination once the receive completed. UCX cannot cancel a receive, so
+// its lander's abort abandons a receive still under way (it finishes into
+// its staging buffer, which stays out of use until then) and Revoke
+// returns at once, even with a writer frozen mid-transfer; the only store
+// into the destination is the receiver's copy, which the fence waits for.
 //
 // # Progressive writes
 //
@@ -180,9 +181,9 @@
 // picks it. Its writer sends each piece as messages of up to 8 MiB, eight
 // in flight, whose headers are data frame headers; the receiver admits
 // each as a landing (the checks of a tcp data frame) and UCX pulls the
-// payload into the destination itself (cma: process_vm_readv by the
-// receiver; tcp: fragments the receiver copies out), so its fence is
-// landings; commits, flushes and hellos are header-only messages answered
+// payload into a staging buffer itself (cma: process_vm_readv by the
+// receiver; tcp: fragments the receiver copies out), which the receiver
+// copies into the destination, so its fence is landings; commits, flushes and hellos are header-only messages answered
 // by a reply message to the writer's own worker. Descriptor.UCXAddr
 // carries the worker address. The choice is logged with slog and reported by
 // Engine.TransportFor; a transport that fails to connect is logged as a
