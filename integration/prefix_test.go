@@ -81,8 +81,10 @@ func chat(ctx context.Context, api, model string, msgs []chatMessage, maxTokens 
 // (two continuations of one turn) and a resent conversation get, from
 // workers with the prefix cache, exactly the replies of an aggregated
 // worker without it: aggregated, disaggregated with and without
-// layer-wise streaming, a TP-2 prefill group, and pools so small that
-// they evict. The later turns are served mostly from the cache.
+// layer-wise streaming, --prefill auto (a conversation's next turn
+// continues on the decode that holds its state), a TP-2 prefill group,
+// and pools so small that they evict. The later turns are served mostly
+// from the cache.
 func TestPrefixCacheOracle(t *testing.T) {
 	ns := startNATS(t, nil)
 	oracle := startProc(t, "decode", "--prefill", "local", "--prefix-cache", "off", "--nats-url", ns.url(), "--namespace", "px-oracle")
@@ -107,6 +109,7 @@ func TestPrefixCacheOracle(t *testing.T) {
 	add("aggregated", true, nil, []string{"--prefill", "local", "--state-checkpoint-interval", "64"})
 	add("disaggregated", true, []string{"--layerwise", "off"}, []string{"--prefill", "remote"})
 	add("layerwise-chunked", true, []string{"--layerwise", "on", "--prefill-chunk-tokens", "48", "--state-checkpoint-interval", "64"}, []string{"--prefill", "remote"})
+	add("auto", true, []string{"--layerwise", "on"}, []string{"--prefill", "auto", "--prefill-auto-min-tokens", "96"})
 	add("tp2-layerwise", true, []string{"--layerwise", "on", "--tp-size", "2"}, []string{"--prefill", "remote"})
 	add("tiny-pools", false, []string{"--max-batch-size", "2", "--kv-blocks", "160", "--state-checkpoints", "2", "--layerwise", "on"},
 		[]string{"--prefill", "remote", "--max-batch-size", "2"})

@@ -63,19 +63,21 @@ type FetchResult struct {
 	MambaBytes    int64
 }
 
-// routeRemote reports whether q's prefill runs at the Source: always
-// without a Router, else as it decides, counted by route and reason.
-func (s *Scheduler) routeRemote(q *request) bool {
+// routeRemote reports whether q's prefill runs at the Source, placed on
+// rank r whose prefix cache holds the first cached tokens of its prompt:
+// always without a Router, else as it decides for the tokens a local
+// prefill would compute, counted by route and reason.
+func (s *Scheduler) routeRemote(q *request, r *Rank, cached int) bool {
 	if s.cfg.Router == nil {
 		return true
 	}
-	local := LocalLoad{Rows: q.rank.rows}
-	for _, o := range q.rank.held {
+	local := LocalLoad{Rows: r.rows}
+	for _, o := range r.held {
 		if o != q && (o.phase == PhaseContext || o.phase == PhaseGenerate) {
 			local.Running++
 		}
 	}
-	d := s.cfg.Router.Route(len(q.prompt), local)
+	d := s.cfg.Router.Route(len(q.prompt)-cached, local)
 	s.m.PrefillRoutes.WithLabelValues(string(s.cfg.Role), d.Route(), d.Reason).Inc()
 	q.log.Debug("prefill routed", "route", d.Route(), "reason", d.Reason)
 	return d.Remote

@@ -42,11 +42,13 @@ func prefixRoot(r *Rank) prefix.Hash {
 		r.exec.Spec().Fingerprint(), k.Layers, k.KVHeads, k.HeadDim, k.ElemSize, k.TokensPerBlock, m.Layers, m.Heads, m.NGroups))
 }
 
-// reusesCache reports whether q computes its prompt here with the prefix
-// cache: a prefill job, or a decode request of a worker without a cache
-// source.
+// reusesCache reports whether q may compute its prompt here with the
+// prefix cache: a prefill job, or a decode request of a worker without a
+// cache source or with a Router (--prefill auto), which prefills here
+// what its rank's cache makes short (local continuation: the next turn
+// of a conversation on the rank that served the last one moves nothing).
 func (s *Scheduler) reusesCache(q *request) bool {
-	return s.cfg.PrefixCache && (q.prefillOnly || s.cfg.Source == nil)
+	return s.cfg.PrefixCache && (q.prefillOnly || s.cfg.Source == nil || s.cfg.Router != nil)
 }
 
 // lookup fills hits with q's longest hit on each rank (zero where the rank

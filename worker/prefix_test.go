@@ -40,6 +40,11 @@ func cacheRanks(t testing.TB, o rankOpts, cks int) []*Rank {
 func runCached(t testing.TB, cfg Config, ranks []*Rank) *Scheduler {
 	t.Helper()
 	cfg.Role = RoleDecode
+	return runCachedRole(t, cfg, ranks)
+}
+
+func runCachedRole(t testing.TB, cfg Config, ranks []*Rank) *Scheduler {
+	t.Helper()
 	sched, err := NewScheduler(cfg, ranks)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -273,4 +278,55 @@ func TestPrefixCacheOffIsUnchanged(t *testing.T) {
 	st := ranks[0].mgr.Stats()
 	require.Zero(t, st.BlocksCached)
 	require.Equal(t, 4, st.Checkpoints.Free)
+}
+
+// TestPrefixCacheLocalContinuation: with --prefill auto, a conversation's
+// first turn (a long prompt) is prefilled remotely, and its decode keeps
+// the state at the end of the reply; the next turn, as long but nearly all
+// cached on that rank, is prefilled here from the cached state with no
+// transfer at all, and every reply is the cache-off one. The prefill
+// worker's own hits reach the decode's cached_tokens when a turn does go
+// remote.
+func TestPrefixCacheLocalContinuation(t *testing.T) {
+	o := rankOpts{ranks: 1, batch: 2}
+	pre := runCachedRole(t, Config{Role: RolePrefill, PrefixCache: true, CheckpointInterval: 32}, cacheRanks(t, o, 8))
+	dranks := cacheRanks(t, o, 8)
+	src := &countingSource{gateSource: gateSource{pre: pre, dst: dranks}}
+	router := AutoRouter{
+		Policy: AutoPolicy{MinRemoteTokens: 64, MaxPrefillQueue: 100},
+		Load:   func() PrefillLoad { return PrefillLoad{Instances: 1, Rows: 2} },
+	}
+	dec := runCached(t, Config{Source: src, Router: router, PrefixCache: true}, dranks)
+	off := runCached(t, Config{}, cacheRanks(t, o, 8))
+
+	p := model.Encode(systemPrompt + "<|user|>Tell me a long story about caches.\n<|assistant|>")
+	var fetches []int32
+	for turn := range 4 {
+		want, _ := generate(t, off, p)
+		got, ev := generate(t, dec, p)
+		require.Equal(t, want, got, "turn %d", turn+1)
+		fetches = append(fetches, src.fetches.Load())
+		if turn > 0 {
+			require.Greater(t, ev.Cached, len(p)-64, "turn %d: the rank's cached state serves all but the new message", turn+1)
+			require.Zero(t, ev.Timing.Handoff, "turn %d was prefilled here", turn+1)
+		}
+		p = slices.Concat(p, got, model.Encode(fmt.Sprintf("\n<|user|>go on %d\n<|assistant|>", turn)))
+	}
+	require.Equal(t, []int32{1, 1, 1, 1}, fetches, "only the first turn was fetched")
+
+	// Another conversation under the same system prompt goes remote, and
+	// the prefill worker's hit on the system prompt travels back.
+	_, ev := generate(t, dec, model.Encode(systemPrompt+"<|user|>Something else entirely, and at some length.\n<|assistant|>"))
+	require.Equal(t, int32(2), src.fetches.Load())
+	require.Positive(t, ev.Cached, "the prefill worker's hit on the system prompt")
+	require.Positive(t, ev.Timing.Handoff)
+}
+
+func generate(t *testing.T, s *Scheduler, p []int32) ([]int32, Output) {
+	t.Helper()
+	st, err := s.Generate(context.Background(), GenerateRequest{Prompt: p, MaxTokens: 12})
+	require.NoError(t, err)
+	toks, ev := drainStream(t, st)
+	require.NoError(t, ev.Err)
+	return toks, ev
 }

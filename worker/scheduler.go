@@ -291,6 +291,14 @@ func (s *Scheduler) place(q *request, r *Rank, h hybrid.Hit) {
 		s.finish(q, context.Cause(q.ctx))
 		return
 	}
+	// Where the prefill runs is decided first: a prefill here computes only
+	// what the rank's cache lacks (a conversation's next turn, on the rank
+	// that served its last one), while a remote one writes every byte and
+	// takes no hit.
+	remote := !q.prefillOnly && s.cfg.Source != nil && s.routeRemote(q, r, h.Tokens)
+	if remote {
+		h = hybrid.Hit{}
+	}
 	res, err := s.prepare(q, r, h)
 	if q.hit.HasTail {
 		q.promise++ // the pinned tail, until q ends (see prefix.go)
@@ -308,7 +316,7 @@ func (s *Scheduler) place(q *request, r *Rank, h hybrid.Hit) {
 	q.log = q.log.With("rank", r.index)
 	r.held = append(r.held, q)
 	r.promised += q.promise
-	if q.prefillOnly || s.cfg.Source == nil || !s.routeRemote(q) {
+	if !remote {
 		s.setPhase(q, PhaseContext)
 		q.log.Debug("request admitted", "row", res.Row, "runs", len(res.Runs))
 		return

@@ -265,7 +265,7 @@ func loopbackFetch(ctx context.Context, pre *Scheduler, dst []*Rank, f FetchRequ
 	}
 	sx, dx := src.mCfg.RowExtent(l.Row), d.mCfg.RowExtent(f.Row)
 	copy(d.mambaArena[dx.Offset:dx.Offset+dx.Length], src.mambaArena[sx.Offset:sx.Offset+sx.Length])
-	return FetchResult{First: l.First, FirstLogprobs: l.FirstLogprobs, Compute: l.Compute, KVBytes: kvBytes, MambaBytes: dx.Length}, nil
+	return FetchResult{First: l.First, FirstLogprobs: l.FirstLogprobs, Cached: l.Cached, Compute: l.Compute, KVBytes: kvBytes, MambaBytes: dx.Length}, nil
 }
 
 func TestSchedulerRemoteMatchesLocal(t *testing.T) {
