@@ -51,7 +51,11 @@ type Stats struct {
 	// BlocksAvailable what an allocation may take (free, evictable, and
 	// the tails of evictable checkpoints; the headroom included),
 	// BlocksEvicted and CheckpointsEvicted the evictions since New.
-	BlocksCached, BlocksAvailable     int
+	BlocksCached, BlocksAvailable int
+	// BlocksSharedOnly counts cached blocks held only by requests that
+	// share them (kvcache.Pool.SharedOnlyBlocks): in use, yet no request
+	// took them as its own.
+	BlocksSharedOnly                  int
 	BlocksEvicted, CheckpointsEvicted uint64
 	Checkpoints                       mambacache.CheckpointState
 }
@@ -256,6 +260,7 @@ func (m *Manager) Stats() Stats {
 		Requests:       m.mamba.Requests(),
 
 		BlocksCached:       m.kv.CachedBlocks(),
+		BlocksSharedOnly:   m.kv.SharedOnlyBlocks(),
 		BlocksAvailable:    m.availableLocked(),
 		BlocksEvicted:      m.kv.Evictions(),
 		CheckpointsEvicted: m.mamba.CheckpointEvictions(),

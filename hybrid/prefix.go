@@ -46,8 +46,10 @@ func prefixParent(p Prompt, full int) mambacache.PrefixHash {
 type Hit struct {
 	// Tokens is L, the prompt tokens the request does not compute (0: a miss).
 	Tokens int
-	// Shared is the number of full cached blocks the request shares.
-	Shared int
+	// Shared is the number of full cached blocks the request shares;
+	// Unheld of them no request holds now (sharing them makes them
+	// unevictable: see Stats.BlocksSharedOnly).
+	Shared, Unheld int
 	// Row is the checkpoint row holding the state after L tokens.
 	Row mambacache.Row
 	// Tail, when HasTail, is the block holding tokens [Shared*T, L): the
@@ -90,7 +92,7 @@ func (m *Manager) lookup(p Prompt) Hit {
 		if !ok {
 			continue
 		}
-		h := Hit{Tokens: j*tpb + partial, Shared: j, Row: row}
+		h := Hit{Tokens: j*tpb + partial, Shared: j, Unheld: m.kv.Unheld(p.Chain, p.Tokens, j), Row: row}
 		if j*tpb+partial == 0 {
 			return Hit{} // the empty prefix: nothing to reuse
 		}

@@ -59,7 +59,7 @@ func TestPrefixHitSharesBlocksAndCopiesTheRest(t *testing.T) {
 
 	p2 := prompt(append(seq(1, 10), seq(50, 5)...)...)
 	h := m.Lookup(p2)
-	require.Equal(t, Hit{Tokens: 10, Shared: 2, Row: ck.Row, Tail: ck.Tail, HasTail: true}, h)
+	require.Equal(t, Hit{Tokens: 10, Shared: 2, Unheld: 2, Row: ck.Row, Tail: ck.Tail, HasTail: true}, h)
 	res2, err := m.PrepareHit(2, p2, 15, h, nil)
 	require.NoError(t, err)
 	b1 := blocksOf(res1.Runs)
@@ -92,9 +92,9 @@ func TestPrefixPromptEqualToCachedPrefixComputesItsLastToken(t *testing.T) {
 	// the same prompt again is a miss while no earlier checkpoint exists.
 	require.Equal(t, Hit{}, m.Lookup(p))
 	ck8 := checkpointAt(t, m, p, 8)
-	require.Equal(t, Hit{Tokens: 8, Shared: 2, Row: ck8.Row}, m.Lookup(p))
+	require.Equal(t, Hit{Tokens: 8, Shared: 2, Unheld: 2, Row: ck8.Row}, m.Lookup(p))
 	ck9 := checkpointAt(t, m, p, 9)
-	require.Equal(t, Hit{Tokens: 9, Shared: 2, Row: ck9.Row, Tail: ck9.Tail, HasTail: true}, m.Lookup(p))
+	require.Equal(t, Hit{Tokens: 9, Shared: 2, Unheld: 2, Row: ck9.Row, Tail: ck9.Tail, HasTail: true}, m.Lookup(p))
 	require.True(t, m.HasCheckpoint(p, 9))
 	require.False(t, m.HasCheckpoint(p, 7))
 }

@@ -28,6 +28,7 @@ const noBlock = int32(-1)
 // cacheMeta is the cache's record of one block.
 type cacheMeta struct {
 	cached     bool
+	owned      bool  // its publisher holds it still (as one of its own blocks)
 	ref        int32 // holders of a cached block
 	parent     int32 // cached block this one continues, noBlock for a first block
 	hash       BlockHash
@@ -42,6 +43,7 @@ type blockCache struct {
 	head      int32 // least recently released unheld cached block
 	tail      int32
 	evictable int // cached blocks no request holds
+	unowned   int // cached blocks held only by requests that share them
 	evictions uint64
 }
 
@@ -86,6 +88,7 @@ func (c *blockCache) hold(b int32) {
 	m := &c.meta[b]
 	if m.ref == 0 {
 		c.unlink(b)
+		c.unowned++ // unheld, it had no publisher holding it
 	}
 	m.ref++
 }
@@ -98,6 +101,23 @@ func (p *Pool) Match(chain []BlockHash, tokens []int32) int {
 	defer p.mu.Unlock()
 	k, _ := p.match(chain, tokens, nil)
 	return k
+}
+
+// Unheld returns how many of the first k blocks Match found for tokens
+// no request holds now: the blocks that sharing them would take out of
+// the evictable ones.
+func (p *Pool) Unheld(chain []BlockHash, tokens []int32, k int) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	_, blocks := p.match(chain[:min(k, len(chain))], tokens, p.scratch[:0])
+	n := 0
+	for _, b := range blocks {
+		if p.cache.meta[b].ref == 0 {
+			n++
+		}
+	}
+	p.scratch = blocks[:0]
+	return n
 }
 
 func (p *Pool) match(chain []BlockHash, tokens []int32, dst []int32) (int, []int32) {
@@ -177,7 +197,29 @@ func (p *Pool) unhold(b int32) {
 	m.ref--
 	if m.ref == 0 {
 		p.cache.pushBack(b)
+		p.cache.unowned--
 	}
+}
+
+// disown marks cached block b as no longer held by its publisher, which is
+// letting go of it (unhold follows).
+func (p *Pool) disown(b int32) {
+	m := &p.cache.meta[b]
+	if m.owned {
+		m.owned = false
+		p.cache.unowned++
+	}
+}
+
+// SharedOnlyBlocks returns the cached blocks that requests hold only as
+// shared blocks (AllocateShared), their publisher gone: the blocks in use
+// that no request took as its own. A scheduler that promises each request
+// its own blocks only (shared blocks counted once) adds them to its
+// promises to know what is still free to promise.
+func (p *Pool) SharedOnlyBlocks() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.cache.unowned
 }
 
 // makeRoom evicts unheld cached blocks, oldest first, until need blocks
@@ -203,7 +245,7 @@ func (p *Pool) evict(b int32) {
 	c.unlink(b)
 	m := &c.meta[b]
 	delete(c.byHash, m.hash)
-	m.cached, m.parent, m.hash, m.tokens = false, noBlock, BlockHash{}, m.tokens[:0]
+	m.cached, m.owned, m.parent, m.hash, m.tokens = false, false, noBlock, BlockHash{}, m.tokens[:0]
 	c.evictions++
 	p.idx.release(Run{Start: BlockID(b), Len: 1})
 }
@@ -246,7 +288,7 @@ func (p *Pool) Publish(id uint64, chain []BlockHash, tokens []int32) (int, error
 					n++
 					continue
 				}
-				m.cached, m.ref, m.parent, m.hash = true, 1, parent, chain[n]
+				m.cached, m.owned, m.ref, m.parent, m.hash = true, true, 1, parent, chain[n]
 				m.tokens = append(m.tokens[:0], tokens[n*p.tpb:(n+1)*p.tpb]...)
 				p.cache.byHash[chain[n]] = b
 			} else if m.hash != chain[n] || m.parent != parent {

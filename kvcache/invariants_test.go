@@ -21,6 +21,7 @@ func (p *Pool) checkInvariants() error {
 	const unseen, held, free = 0, 1, 2
 	state := make([]uint8, n)
 	holders := make([]int32, n)
+	owners := make([]int32, n) // requests holding b as their own, not shared
 	usedBlocks := 0
 	liveSlab := make(map[int32]bool, len(p.reqs))
 	for id, si := range p.reqs {
@@ -30,6 +31,7 @@ func (p *Pool) checkInvariants() error {
 		liveSlab[si] = true
 		r := p.slab[si]
 		count := 0
+		idx := 0 // token-order index of the block
 		for k, run := range r.runs {
 			if run.Len == 0 || int(run.End()) > n {
 				return fmt.Errorf("id %d: bad run %+v", id, run)
@@ -39,6 +41,10 @@ func (p *Pool) checkInvariants() error {
 			}
 			for b := run.Start; b < run.End(); b++ {
 				holders[b]++
+				if idx >= r.shared {
+					owners[b]++
+				}
+				idx++
 				if state[b] != unseen && !p.cache.meta[b].cached {
 					return fmt.Errorf("block %d held twice (second holder %d)", b, id)
 				}
@@ -59,6 +65,19 @@ func (p *Pool) checkInvariants() error {
 	// The cache: names, holder counts, the LRU list.
 	if err := p.checkCache(holders); err != nil {
 		return err
+	}
+	unowned := 0
+	for b := range n {
+		m := p.cache.meta[b]
+		if owners[b] > 1 || m.cached && m.owned != (owners[b] == 1) {
+			return fmt.Errorf("block %d: %d own holders, owned %v", b, owners[b], m.owned)
+		}
+		if m.cached && m.ref > 0 && !m.owned {
+			unowned++
+		}
+	}
+	if unowned != p.cache.unowned {
+		return fmt.Errorf("%d cached blocks held only as shared, counted %d", unowned, p.cache.unowned)
 	}
 	for b := range n {
 		if m := p.cache.meta[b]; m.cached && state[b] == unseen {

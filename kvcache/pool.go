@@ -204,7 +204,14 @@ func (p *Pool) Free(id uint64) error {
 		return fmt.Errorf("%w: free %d", ErrUnknownRequest, id)
 	}
 	r := &p.slab[i]
+	k := 0 // the block's index in token order
 	for _, run := range r.runs {
+		for b := run.Start; b < run.End(); b++ {
+			if k >= r.shared && p.cache.meta[b].cached {
+				p.disown(int32(b)) // published by r
+			}
+			k++
+		}
 		p.release(run)
 	}
 	*r = request{runs: r.runs[:0]}

@@ -28,11 +28,16 @@ import (
 // of its conversation. Every copy is made on the rank's own goroutine
 // between two allocations of its manager, as BeginCheckpoint asks.
 //
-// Admission stays exact: a request is promised every block its life may
-// take, the shared ones included (a shared block is held by some request
-// that was promised it), plus one for the pinned tail of its hit until it
-// ends, since a pinned tail is the only cached block no allocation can
-// evict.
+// Admission stays exact, and counts a shared block once: a request is
+// promised the blocks its life may take as its own (not those it
+// shares), plus one for the pinned tail of its hit until it ends (a
+// pinned tail is the only cached block no allocation can evict). A shared
+// block is in its publisher's promise while the publisher holds it, and
+// in the rank's shared-only count (hybrid.Stats.BlocksSharedOnly) once
+// only sharers hold it; a rank has room for promised + shared-only <=
+// budget. So a request that shares blocks held already needs room only
+// for its own, and one that shares unheld (evictable) cached blocks also
+// for those, which its sharing makes shared-only (hitRoom).
 
 // prefixRoot is the root of a rank's block names: everything that changes
 // what its blocks and rows hold.
@@ -52,24 +57,37 @@ func (s *Scheduler) reusesCache(q *request) bool {
 }
 
 // lookup fills hits with q's longest hit on each rank (zero where the rank
-// keeps no cache) and returns the blocks to promise beyond q's own: one
-// when a hit would pin a tail.
-func (s *Scheduler) lookup(q *request, hits []hybrid.Hit) int {
+// keeps no cache).
+func (s *Scheduler) lookup(q *request, hits []hybrid.Hit) {
 	clear(hits)
 	if !s.reusesCache(q) {
-		return 0
+		return
 	}
-	extra := 0
 	for i, r := range s.ranks {
-		if !r.prefix {
-			continue
-		}
-		hits[i] = r.mgr.Lookup(q.cachePrompt(r))
-		if hits[i].HasTail {
-			extra = 1
+		if r.prefix {
+			hits[i] = r.mgr.Lookup(q.cachePrompt(r))
 		}
 	}
-	return extra
+}
+
+// hitRoom is what taking hit h saves of a request's promise, as admission
+// sees it: the shared blocks that are held already, less the pinned tail.
+func hitRoom(h hybrid.Hit) int {
+	n := h.Shared - h.Unheld
+	if h.HasTail {
+		n--
+	}
+	return n
+}
+
+// hitPromise is what taking hit h changes in a request's promise once
+// placed: its shared blocks are no longer its own, and its pinned tail is.
+func hitPromise(h hybrid.Hit) int {
+	n := -h.Shared
+	if h.HasTail {
+		n++
+	}
+	return n
 }
 
 // cachePrompt names q's tokens (the prompt, and while it generates the

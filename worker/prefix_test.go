@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -329,4 +330,38 @@ func generate(t *testing.T, s *Scheduler, p []int32) ([]int32, Output) {
 	toks, ev := drainStream(t, st)
 	require.NoError(t, ev.Err)
 	return toks, ev
+}
+
+// TestPrefixCacheSharedBlocksCountOnce: a request that shares the blocks
+// of a running request is admitted for its own blocks only. On a rank of
+// 20 blocks, A (a 150-token prompt, 30 tokens to generate: 12 blocks) is
+// running; B continues A's prompt (168 tokens: 11 blocks, 9 of them A's)
+// and needs 3 of its own (2 and the pinned tail): it runs beside A, and
+// ends first. Counting the shared blocks again (12 + 11 > 20) would hold
+// B until A ended.
+func TestPrefixCacheSharedBlocksCountOnce(t *testing.T) {
+	o := rankOpts{ranks: 1, batch: 2, blocks: 20, model: model.TinyHybrid + "?decode_delay=20ms"}
+	sched := runCached(t, Config{PrefixCache: true}, cacheRanks(t, o, 4))
+	pa := model.Encode(strings.Repeat("shared prefix ", 11))[:150]
+	a, err := sched.Generate(context.Background(), GenerateRequest{Prompt: pa, MaxTokens: 30})
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	first, err := a.Next(ctx)
+	require.NoError(t, err)
+	require.False(t, first.Done)
+	aDone := make(chan time.Time, 1)
+	go func() {
+		_, ev := drainStream(t, a)
+		assertNoErr(t, ev.Err)
+		aDone <- time.Now()
+	}()
+	pb := append(slices.Clone(pa), model.Encode(" and then")...)
+	b, err := sched.Generate(context.Background(), GenerateRequest{Prompt: pb, MaxTokens: 8})
+	require.NoError(t, err)
+	_, ev := drainStream(t, b)
+	require.NoError(t, ev.Err)
+	bDone := time.Now()
+	require.Equal(t, len(pa), ev.Cached)
+	require.True(t, bDone.Before(<-aDone), "B waited for A: its shared blocks were counted twice")
 }

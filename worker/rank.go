@@ -177,7 +177,7 @@ func (r *Rank) cache(id uint64, blocks []kvcache.BlockID) (model.Cache, error) {
 // room is the rank's admission view.
 func (r *Rank) room() RankRoom {
 	s := r.mgr.Stats()
-	return RankRoom{Rows: s.RowsFree, Blocks: r.budget - r.promised, Held: len(r.held)}
+	return RankRoom{Rows: s.RowsFree, Blocks: r.budget - r.promised - s.BlocksSharedOnly, Held: len(r.held)}
 }
 
 // load is the rank's planning view.

@@ -262,12 +262,13 @@ func (s *Scheduler) admit() {
 			return
 		}
 		q := s.queue[0]
-		extra := s.lookup(q, hits)
+		s.lookup(q, hits)
 		for i, r := range s.ranks {
 			rooms[i] = r.room()
 			rooms[i].Hit = hits[i].Tokens
+			rooms[i].Blocks += hitRoom(hits[i])
 		}
-		idx := PickRank(rooms, q.promise+extra)
+		idx := PickRank(rooms, q.promise)
 		if idx < 0 {
 			s.noteAdmittedLocked(popped, admitted, time.Now())
 			s.mu.Unlock()
@@ -300,8 +301,8 @@ func (s *Scheduler) place(q *request, r *Rank, h hybrid.Hit) {
 		h = hybrid.Hit{}
 	}
 	res, err := s.prepare(q, r, h)
-	if q.hit.HasTail {
-		q.promise++ // the pinned tail, until q ends (see prefix.go)
+	if q.hit.Tokens > 0 {
+		q.promise += hitPromise(q.hit) // shared blocks counted once (see prefix.go)
 	}
 	if err != nil {
 		// Admission checked rows and blocks; this is a bug, not load.
