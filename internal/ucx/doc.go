@@ -120,6 +120,9 @@
 //     aborts the sending process in Debian's build; see Defaults), so sends
 //     copy through UCX's buffers: about 30 % of tcp's loopback throughput,
 //     nothing where the receiver GETs.
+//   - UCX_TCP_TX_SEG_SIZE=64K, UCX_TCP_RX_SEG_SIZE=256K: with sends copied,
+//     a rendezvous over tcp goes as fragments of one send segment each; at
+//     the default 8 KiB the fragments' overhead halved throughput.
 //   - UCX_WARN_UNUSED_ENV_VARS=n: variables for transports a deployment
 //     does not use (UCX_CMA_* under UCX_TLS=tcp) would each log a warning.
 //   - UCX_ERROR_SIGNALS is not needed: see Build.

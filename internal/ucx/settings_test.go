@@ -20,10 +20,12 @@ func TestSettingsOperatorWins(t *testing.T) {
 	if !reflect.DeepEqual(modify, want) {
 		t.Errorf("modify = %v, want %v", modify, want)
 	}
-	if want := [][2]string{{"UCX_TCP_PUT_ENABLE", "n"}}; !reflect.DeepEqual(setenv, want) {
+	if want := [][2]string{{"UCX_TCP_PUT_ENABLE", "n"}, {"UCX_TCP_RX_SEG_SIZE", "256K"}, {"UCX_TCP_TX_SEG_SIZE", "64K"}}; !reflect.DeepEqual(setenv, want) {
 		t.Errorf("env = %v, want %v", setenv, want)
 	}
 	env["UCX_TCP_PUT_ENABLE"] = "y"
+	env["UCX_TCP_TX_SEG_SIZE"] = "8K"
+	env["UCX_TCP_RX_SEG_SIZE"] = "64K"
 	env["UCX_WARN_UNUSED_ENV_VARS"] = "y"
 	modify, setenv = settings(nil, lookup)
 	if want := [][2]string{{"RNDV_SCHEME", "get_zcopy"}, {"ZCOPY_THRESH", "inf"}}; !reflect.DeepEqual(modify, want) || len(setenv) != 0 {
