@@ -225,8 +225,6 @@ func TestPrefixProperty(t *testing.T) {
 		type live struct {
 			id     uint64
 			tokens []int32 // the tokens its cache holds
-			hit    Hit
-			copied bool
 		}
 		var reqs []*live
 		var nextID uint64 = 1
@@ -303,7 +301,6 @@ func TestPrefixProperty(t *testing.T) {
 					require.ErrorIs(t, err, kvcache.ErrNoFreeBlocks, "op %d", op)
 					continue
 				}
-				l.hit = h
 				if h.Tokens > 0 {
 					check(l, h.Shared*tpb)
 					if rng.IntN(8) == 0 { // cancelled while copying
