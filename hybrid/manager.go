@@ -139,7 +139,7 @@ func (m *Manager) PrepareTo(id uint64, tokens int, dst []kvcache.Run) (Resources
 	if err != nil {
 		return Resources{}, fmt.Errorf("hybrid: prepare %d: %w", id, err)
 	}
-	m.makeKVRoom(m.kv.Config().BlocksFor(tokens)-m.kv.OwnBlocks(id), m.headroomFor(id))
+	m.makeKVRoom(m.kv.Config().BlocksFor(tokens)-m.kv.HeldBlocks(id), m.headroomFor(id))
 	if held, _ := m.kv.Has(id); held {
 		err = m.kv.GrowWithHeadroom(id, tokens, m.headroomFor(id))
 	} else {
@@ -171,10 +171,9 @@ func (m *Manager) mustFreeRow(id uint64) {
 func (m *Manager) Grow(id uint64, tokens int) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if t, err := m.kv.Tokens(id); err == nil && tokens > t {
+	if held := m.kv.HeldBlocks(id); held > 0 {
 		// Room for the blocks beyond those it holds (a shared prefix included).
-		held, _ := m.kv.Blocks(id, nil)
-		m.makeKVRoom(m.kv.Config().BlocksFor(tokens)-len(held), m.headroomFor(id))
+		m.makeKVRoom(m.kv.Config().BlocksFor(tokens)-held, m.headroomFor(id))
 	}
 	if err := m.kv.GrowWithHeadroom(id, tokens, m.headroomFor(id)); err != nil {
 		return fmt.Errorf("hybrid: grow %d: %w", id, err)

@@ -130,7 +130,9 @@ func (m *Manager) PrepareHit(id uint64, p Prompt, tokens int, h Hit, dst []kvcac
 	row, err := m.mamba.Allocate(id)
 	if err == nil {
 		headroom := m.headroomFor(id)
-		m.makeKVRoom(m.kv.Config().BlocksFor(tokens)-h.Shared, headroom)
+		// Holding the unheld shared blocks takes them out of the
+		// evictable ones: room for them as well as for the own blocks.
+		m.makeKVRoom(m.kv.Config().BlocksFor(tokens)-h.Shared+h.Unheld, headroom)
 		err = m.kv.AllocateShared(id, p.Chain, p.Tokens, h.Shared, tokens, headroom)
 		if err != nil {
 			m.mustFreeRow(id)

@@ -366,3 +366,34 @@ func TestPrefixProperty(t *testing.T) {
 		t.Logf("adp=%v: %d hits (%d through a tail), %d blocks and %d checkpoints evicted", adp, hits, tailHits, s.BlocksEvicted, s.CheckpointsEvicted)
 	}
 }
+
+// TestPrefixHitOnUnheldBlocksEvictsTails: a hit that shares cached blocks
+// no one holds takes them out of the evictable ones, so PrepareHit must
+// evict checkpoint tails for them too. 8 blocks: prompt a's 2 published
+// blocks (unheld), three checkpoint tails, a request holding 2: one block
+// is free, and a hit that shares a's 2 blocks and needs 2 of its own must
+// evict two tails rather than fail.
+func TestPrefixHitOnUnheldBlocksEvictsTails(t *testing.T) {
+	m := newManager(t, cacheConfig(3, 8, 4, false))
+	a := prompt(seq(1, 8)...)
+	_, err := m.Prepare(1, 8)
+	require.NoError(t, err)
+	_, err = m.Publish(1, a)
+	require.NoError(t, err)
+	checkpointAt(t, m, a, 8)
+	require.NoError(t, m.Free(1))
+	for i := range 3 {
+		checkpointAt(t, m, prompt(seq(100+10*i, 3)...), 3)
+	}
+	_, err = m.Prepare(9, 8)
+	require.NoError(t, err)
+	require.Equal(t, 1, m.KV().FreeBlocks())
+	p := prompt(append(seq(1, 8), seq(50, 8)...)...)
+	h := m.Lookup(p)
+	require.Equal(t, Hit{Tokens: 8, Shared: 2, Unheld: 2, Row: h.Row}, h)
+	_, err = m.PrepareHit(10, p, 16, h, nil)
+	require.NoError(t, err, "evictable tails make the room")
+	m.HitCopied(10)
+	require.NoError(t, m.Free(10))
+	require.NoError(t, m.Free(9))
+}

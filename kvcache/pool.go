@@ -278,17 +278,16 @@ func (p *Pool) Tokens(id uint64) (int, error) {
 	return p.slab[i].tokens, nil
 }
 
-// OwnBlocks returns how many blocks request id took for itself: all but
-// the cached ones AllocateShared gave it (blocks it published since stay
-// its own). 0 for an unknown id.
-func (p *Pool) OwnBlocks(id uint64) int {
+// HeldBlocks returns how many blocks request id holds, shared ones
+// included; 0 for an unknown id. It allocates nothing (Blocks lists them).
+func (p *Pool) HeldBlocks(id uint64) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	i, ok := p.reqs[id]
 	if !ok {
 		return 0
 	}
-	return p.slab[i].blocks - p.slab[i].shared
+	return p.slab[i].blocks
 }
 
 // Has reports whether id holds blocks, and whether it holds them as a dummy.
