@@ -115,7 +115,7 @@ func (s *Scheduler) fetched(q *request, res FetchResult, err error) {
 	s.m.PrefillDuration.WithLabelValues(role).Observe(res.Compute.Seconds())
 	q.timing.Transfer = res.Transfer
 	q.timing.Handoff = time.Since(q.admitted)
-	q.cached = res.Cached
+	q.cached = min(max(res.Cached, 0), len(q.prompt)-1) // a peer's count, bounded
 	q.pos = len(q.prompt)
 	if q.accept(res.First, res.FirstLogprobs) {
 		s.finish(q, nil)

@@ -112,8 +112,6 @@ func (s *Scheduler) prepare(q *request, r *Rank, h hybrid.Hit) (hybrid.Resources
 		res, err := r.mgr.PrepareHit(q.id, q.cachePrompt(r), len(q.prompt), h, nil)
 		if err == nil {
 			q.hit, q.pos, q.cached = h, h.Tokens, h.Tokens
-			s.m.PrefixLookups.WithLabelValues(string(s.cfg.Role), rankLabel(r), "hit").Inc()
-			s.m.PrefixHitTokens.WithLabelValues(string(s.cfg.Role), rankLabel(r)).Add(float64(h.Tokens))
 			return res, nil
 		}
 		if !errors.Is(err, hybrid.ErrStaleHit) {
@@ -124,10 +122,19 @@ func (s *Scheduler) prepare(q *request, r *Rank, h hybrid.Hit) (hybrid.Resources
 		// request goes on as a miss.
 		q.log.Debug("prefix hit gone before placement", "err", err)
 	}
-	if s.reusesCache(q) && r.prefix {
-		s.m.PrefixLookups.WithLabelValues(string(s.cfg.Role), rankLabel(r), "miss").Inc()
-	}
 	return r.mgr.Prepare(q.id, len(q.prompt))
+}
+
+// countLookup counts the lookup of a request prefilled on r, which hit
+// cached tokens (0: a miss).
+func (s *Scheduler) countLookup(r *Rank, cached int) {
+	role, rank := string(s.cfg.Role), rankLabel(r)
+	if cached == 0 {
+		s.m.PrefixLookups.WithLabelValues(role, rank, "miss").Inc()
+		return
+	}
+	s.m.PrefixLookups.WithLabelValues(role, rank, "hit").Inc()
+	s.m.PrefixHitTokens.WithLabelValues(role, rank).Add(float64(cached))
 }
 
 // copyHit copies q's hit (its checkpoint row, and its tail block into the

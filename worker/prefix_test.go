@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/handoff-io/handoff/hybrid"
@@ -364,4 +365,40 @@ func TestPrefixCacheSharedBlocksCountOnce(t *testing.T) {
 	bDone := time.Now()
 	require.Equal(t, len(pa), ev.Cached)
 	require.True(t, bDone.Before(<-aDone), "B waited for A: its shared blocks were counted twice")
+}
+
+// TestPrefixCacheRemoteRouteTakesNoHitRoom: with --prefill auto, a request
+// whose hit would have saved room but which is routed remote (its rank is
+// busy) takes no hit, so it must have been admitted for its whole
+// promise: B, continuing running A's prompt on a 20-block rank, waits for
+// room instead of being admitted on a hit it may not take and promised
+// blocks the rank does not have; both end well (a Grow failed otherwise).
+func TestPrefixCacheRemoteRouteTakesNoHitRoom(t *testing.T) {
+	o := rankOpts{ranks: 1, batch: 2, blocks: 20, model: model.TinyHybrid + "?decode_delay=10ms"}
+	pre := runCachedRole(t, Config{Role: RolePrefill}, newRanks(t, rankOpts{ranks: 1, batch: 2}))
+	dranks := cacheRanks(t, o, 4)
+	src := &countingSource{gateSource: gateSource{pre: pre, dst: dranks}}
+	router := AutoRouter{
+		Policy: AutoPolicy{MinRemoteTokens: 1000, MaxLocalRunning: 1, MaxPrefillQueue: 100},
+		Load:   func() PrefillLoad { return PrefillLoad{Instances: 1, Rows: 2} },
+	}
+	m := NewMetrics(prometheus.NewRegistry())
+	sched := runCached(t, Config{Source: src, Router: router, PrefixCache: true, Metrics: m}, dranks)
+	pa := model.Encode(strings.Repeat("shared prefix ", 11))[:150]
+	a, err := sched.Generate(context.Background(), GenerateRequest{Prompt: pa, MaxTokens: 30})
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	_, err = a.Next(ctx) // A runs here (a short prompt, an idle rank) and keeps its prompt's state
+	require.NoError(t, err)
+	b, err := sched.Generate(context.Background(), GenerateRequest{Prompt: append(slices.Clone(pa), model.Encode(" and then")...), MaxTokens: 8})
+	require.NoError(t, err)
+	_, ev := drainStream(t, b)
+	require.NoError(t, ev.Err)
+	_, ev = drainStream(t, a)
+	require.NoError(t, ev.Err)
+	t.Logf("B fetched: %v", src.fetches.Load() == 1)
+	lookups := counterValue(t, m.PrefixLookups.WithLabelValues(string(RoleDecode), "0", "miss")) +
+		counterValue(t, m.PrefixLookups.WithLabelValues(string(RoleDecode), "0", "hit"))
+	require.Equal(t, float64(2-src.fetches.Load()), lookups, "only requests prefilled here count a lookup")
 }

@@ -266,7 +266,12 @@ func (s *Scheduler) admit() {
 		for i, r := range s.ranks {
 			rooms[i] = r.room()
 			rooms[i].Hit = hits[i].Tokens
-			rooms[i].Blocks += hitRoom(hits[i])
+			if s.cfg.Router == nil {
+				// It will take its hit. With a Router it may yet go
+				// remote and take none: it is admitted for its whole
+				// promise, which a local hit only lowers (place).
+				rooms[i].Blocks += hitRoom(hits[i])
+			}
 		}
 		idx := PickRank(rooms, q.promise)
 		if idx < 0 {
@@ -303,6 +308,9 @@ func (s *Scheduler) place(q *request, r *Rank, h hybrid.Hit) {
 	res, err := s.prepare(q, r, h)
 	if q.hit.Tokens > 0 {
 		q.promise += hitPromise(q.hit) // shared blocks counted once (see prefix.go)
+	}
+	if !remote && r.prefix && s.reusesCache(q) {
+		s.countLookup(r, q.hit.Tokens)
 	}
 	if err != nil {
 		// Admission checked rows and blocks; this is a bug, not load.
