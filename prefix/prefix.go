@@ -13,10 +13,12 @@
 // prompt's i-th block and its parent is the block accepted at i-1 (the
 // first block has none). By induction an accepted chain holds exactly the
 // prompt's tokens, whatever the hash does: a collision (two chains with one
-// name) makes the second chain uncacheable, never a wrong hit. A Mamba
-// checkpoint likewise keeps the tokens past its last full block. SHA-256
-// is used so that names are also safe to publish and compare across
-// processes (the KV events of a router), where no tokens travel.
+// name) makes the second chain uncacheable, never a wrong KV hit. A Mamba
+// checkpoint is found by the name of its full blocks and compares only the
+// tokens past them, so for states the guarantee is SHA-256's: two prefixes
+// sharing a state need a collision of it (about 2^128 work). SHA-256 is
+// also what makes names safe to publish and compare across processes (the
+// KV events of a router), where no tokens travel.
 package prefix
 
 import (

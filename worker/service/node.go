@@ -136,8 +136,16 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool, openCUDA func()
 	if cks < 0 {
 		cks = worker.DefaultStateCheckpoints(cfg.MaxBatchSize, poolSpec.Mamba.RowBytes())
 	}
-	if cfg.PrefixCache == "off" {
+	switch {
+	case cfg.PrefixCache == "off":
 		cks = 0 // off behaves exactly as before: no rows for it either
+	case cfg.Role == worker.RoleDecode && cfg.Prefill == "remote":
+		cks = 0 // it never prefills: its prefill workers keep the states
+	case cfg.Memory == "cuda":
+		// The CPU model cannot resume a prefill in device memory
+		// (model.CopyState): rows there would be GPU memory for nothing.
+		log.Warn("prefix cache off: caches in device memory cannot be resumed from a cached state yet")
+		cks = 0
 	}
 	pools, err := worker.PoolConfig(poolSpec, worker.PoolParams{
 		MaxBatchSize: cfg.MaxBatchSize, AttentionDP: cfg.AttentionDP,
@@ -245,7 +253,7 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool, openCUDA func()
 		"mamba_rows", pools.Mamba.TotalRows(), "mamba_arena_bytes", pools.Mamba.ArenaBytes(),
 		"prefix_cache", cfg.PrefixCache, "state_checkpoints", pools.Mamba.CheckpointRows)
 	if cks > 0 && !model.Chunked(n.ranks[0].Executor()) {
-		log.Warn("prefix cache off: this executor cannot resume a prefill from a cached state (caches in device memory)")
+		log.Warn("prefix cache off: this executor cannot resume a prefill from a cached state")
 	}
 	return n, nil
 }
