@@ -192,6 +192,13 @@ func TestPrefixCacheOracle(t *testing.T) {
 			requireIdle(t, p, p.name)
 		}
 	}
+	for _, tg := range targets {
+		if tg.name == "tiny-pools" {
+			ev := sum(tg.procs[0].metrics(), "handoff_prefix_evictions_total", map[string]string{"role": "prefill"})
+			t.Logf("tiny-pools: %.0f evictions", ev)
+			require.Positive(t, ev, "the tiny pools evicted nothing: the case tests no eviction")
+		}
+	}
 	hits := 0.0
 	for _, tg := range targets[1:] {
 		hits += sum(tg.procs[0].metrics(), "handoff_prefix_hit_tokens_total", map[string]string{"role": "prefill"})
