@@ -13,7 +13,8 @@ import (
 // Publish and checkpoints, driven per request).
 //
 // A request reuses the cache when it computes its prompt here (a prefill
-// job, or a decode request of an aggregated worker) on a rank whose
+// job, a decode request of an aggregated worker, or one that --prefill
+// auto keeps here: reusesCache) on a rank whose
 // executor resumes a prefill from a cached state (model.Chunked) and
 // whose pool has checkpoint rows. Admission looks its prompt up on every
 // rank and prefers the rank with the longest hit (PickRank); placement
@@ -37,7 +38,9 @@ import (
 // only sharers hold it; a rank has room for promised + shared-only <=
 // budget. So a request that shares blocks held already needs room only
 // for its own, and one that shares unheld (evictable) cached blocks also
-// for those, which its sharing makes shared-only (hitRoom).
+// for those, which its sharing makes shared-only (hitRoom). A request
+// that a Router may still send remote, taking no hit, is admitted for its
+// whole promise, which a local hit then lowers.
 
 // prefixRoot is the root of a rank's block names: everything that changes
 // what its blocks and rows hold.
