@@ -272,9 +272,10 @@ var ucxStages struct {
 
 const (
 	ucxStageMin = 64 << 10
-	// ucxStageKeep bounds the free buffers kept per size: a window of
-	// messages from a few writers at once.
-	ucxStageKeep = 4 * ucxWindow
+	// ucxStageKeep bounds the free buffers kept per size: two writers'
+	// windows (at 8 MiB, 128 MiB that stays mapped once used; the rest
+	// are unmapped as they come back).
+	ucxStageKeep = 2 * ucxWindow
 )
 
 // ucxStageSize is the size of the buffer a message of n bytes takes.
