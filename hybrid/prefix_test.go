@@ -33,6 +33,18 @@ func seq(from, n int) []int32 {
 	return s
 }
 
+// served leaves in m's cache what a request that computed prompt p
+// leaves: its published blocks and a checkpoint at its end.
+func served(t *testing.T, m *Manager, p Prompt, at int) {
+	t.Helper()
+	_, err := m.Prepare(1, len(p.Tokens))
+	require.NoError(t, err)
+	_, err = m.Publish(1, p)
+	require.NoError(t, err)
+	checkpointAt(t, m, p, at)
+	require.NoError(t, m.Free(1))
+}
+
 // checkpointAt fills a checkpoint after tokens tokens of p, as a worker
 // does at the end of a prompt.
 func checkpointAt(t *testing.T, m *Manager, p Prompt, tokens int) Checkpoint {
@@ -82,12 +94,7 @@ func TestPrefixHitSharesBlocksAndCopiesTheRest(t *testing.T) {
 func TestPrefixPromptEqualToCachedPrefixComputesItsLastToken(t *testing.T) {
 	m := newManager(t, cacheConfig(2, 16, 4, false))
 	p := prompt(seq(1, 10)...)
-	_, err := m.Prepare(1, 10)
-	require.NoError(t, err)
-	_, err = m.Publish(1, p)
-	require.NoError(t, err)
-	checkpointAt(t, m, p, 10)
-	require.NoError(t, m.Free(1))
+	served(t, m, p, 10)
 	// The state at 10 has absorbed token 10 and cannot give its logits:
 	// the same prompt again is a miss while no earlier checkpoint exists.
 	require.Equal(t, Hit{}, m.Lookup(p))
@@ -125,12 +132,7 @@ func TestPrefixCheckpointNeedsItsKV(t *testing.T) {
 func TestPrefixStaleHitRefused(t *testing.T) {
 	m := newManager(t, cacheConfig(2, 16, 1, false))
 	p := prompt(seq(1, 6)...)
-	_, err := m.Prepare(1, 6)
-	require.NoError(t, err)
-	_, err = m.Publish(1, p)
-	require.NoError(t, err)
-	checkpointAt(t, m, p, 6)
-	require.NoError(t, m.Free(1))
+	served(t, m, p, 6)
 	p2 := prompt(append(seq(1, 6), 7, 8)...)
 	h := m.Lookup(p2)
 	require.Equal(t, 6, h.Tokens)
@@ -138,7 +140,7 @@ func TestPrefixStaleHitRefused(t *testing.T) {
 	// and its use.
 	checkpointAt(t, m, prompt(seq(100, 3)...), 3)
 	before := m.Stats()
-	_, err = m.PrepareHit(2, p2, 8, h, nil)
+	_, err := m.PrepareHit(2, p2, 8, h, nil)
 	require.ErrorIs(t, err, ErrStaleHit)
 	require.Equal(t, before, m.Stats(), "a refused hit changes nothing")
 	res, err := m.Prepare(2, 8)
@@ -149,14 +151,9 @@ func TestPrefixStaleHitRefused(t *testing.T) {
 func TestPrefixCancelWhileCopyingUnpins(t *testing.T) {
 	m := newManager(t, cacheConfig(2, 16, 1, false))
 	p := prompt(seq(1, 6)...)
-	_, err := m.Prepare(1, 6)
-	require.NoError(t, err)
-	_, err = m.Publish(1, p)
-	require.NoError(t, err)
-	checkpointAt(t, m, p, 6)
-	require.NoError(t, m.Free(1))
+	served(t, m, p, 6)
 	p2 := prompt(append(seq(1, 6), 7)...)
-	_, err = m.PrepareHit(2, p2, 7, m.Lookup(p2), nil)
+	_, err := m.PrepareHit(2, p2, 7, m.Lookup(p2), nil)
 	require.NoError(t, err)
 	// Pinned: the only checkpoint row cannot be taken.
 	_, err = m.BeginCheckpoint(false)
@@ -174,12 +171,7 @@ func TestPrefixFullPoolEvictsRatherThanRefuses(t *testing.T) {
 	m := newManager(t, cacheConfig(1, 6, 2, true))
 	for i := range 2 {
 		p := prompt(seq(10*i+1, 7)...)
-		_, err := m.Prepare(1, 7)
-		require.NoError(t, err)
-		_, err = m.Publish(1, p)
-		require.NoError(t, err)
-		checkpointAt(t, m, p, 7)
-		require.NoError(t, m.Free(1))
+		served(t, m, p, 7)
 	}
 	s := m.Stats()
 	require.Equal(t, 4, s.BlocksCached+s.Checkpoints.Ready, "two cached blocks and two tails")
@@ -376,16 +368,11 @@ func TestPrefixProperty(t *testing.T) {
 func TestPrefixHitOnUnheldBlocksEvictsTails(t *testing.T) {
 	m := newManager(t, cacheConfig(3, 8, 4, false))
 	a := prompt(seq(1, 8)...)
-	_, err := m.Prepare(1, 8)
-	require.NoError(t, err)
-	_, err = m.Publish(1, a)
-	require.NoError(t, err)
-	checkpointAt(t, m, a, 8)
-	require.NoError(t, m.Free(1))
+	served(t, m, a, 8)
 	for i := range 3 {
 		checkpointAt(t, m, prompt(seq(100+10*i, 3)...), 3)
 	}
-	_, err = m.Prepare(9, 8)
+	_, err := m.Prepare(9, 8)
 	require.NoError(t, err)
 	require.Equal(t, 1, m.KV().FreeBlocks())
 	p := prompt(append(seq(1, 8), seq(50, 8)...)...)
