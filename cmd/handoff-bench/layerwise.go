@@ -39,7 +39,7 @@ func parseLayerwiseFlags(args []string, stderr io.Writer) (layerwiseOptions, err
 	fs.StringVar(&o.model, "model", model.NemotronH8B+"?prefill_delay=40us", "model of every worker, options as a query: the prefill delay is its simulated compute per prompt token")
 	fs.StringVar(&tokens, "prompt-tokens", "1024,4096", "prompt lengths to measure, comma-separated")
 	fs.IntVar(&o.requests, "requests", 7, "requests per prompt length and setup (the median is reported)")
-	fs.StringVar(&o.transport, "transport", "tcp", "data path between prefill and decode: tcp or shm (the workers share this process, so auto would be inproc)")
+	fs.StringVar(&o.transport, "transport", "tcp", "data path between prefill and decode: tcp, shm, or ucx (a -tags ucx build; the workers share this process, so auto would be inproc)")
 	fs.IntVar(&o.chunk, "prefill-chunk-tokens", 0, "the prefill workers' --prefill-chunk-tokens")
 	fs.IntVar(&o.prefillTP, "prefill-tp", 1, "the remote prefill workers' --tp-size")
 	fs.IntVar(&o.decodeTP, "decode-tp", 1, "the remote decode workers' --tp-size (with different sizes, the handoff reshards)")
@@ -70,8 +70,8 @@ is what streaming each layer while prefill computes saves.
 	if o.requests < 1 {
 		return o, fmt.Errorf("layerwise: --requests %d: want ≥ 1", o.requests)
 	}
-	if o.transport != "tcp" && o.transport != "shm" {
-		return o, fmt.Errorf("layerwise: --transport %q: want tcp or shm", o.transport)
+	if o.transport != "tcp" && o.transport != "shm" && o.transport != "ucx" {
+		return o, fmt.Errorf("layerwise: --transport %q: want tcp, shm or ucx", o.transport)
 	}
 	if o.output != "text" && o.output != "json" {
 		return o, fmt.Errorf("layerwise: --output %q: want text or json", o.output)
