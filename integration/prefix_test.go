@@ -25,7 +25,8 @@ type chatMessage struct {
 type chatReply struct {
 	Status  int
 	Content string
-	Cached  int
+	Prompt  int // usage.prompt_tokens
+	Cached  int // usage.prompt_tokens_details.cached_tokens
 	Err     string
 }
 
@@ -54,6 +55,7 @@ func chat(ctx context.Context, api, model string, msgs []chatMessage, maxTokens 
 			Message chatMessage `json:"message"`
 		} `json:"choices"`
 		Usage struct {
+			Prompt  int `json:"prompt_tokens"`
 			Details struct {
 				Cached int `json:"cached_tokens"`
 			} `json:"prompt_tokens_details"`
@@ -65,7 +67,7 @@ func chat(ctx context.Context, api, model string, msgs []chatMessage, maxTokens 
 	if err := json.Unmarshal(raw, &out); err != nil {
 		return chatReply{Status: resp.StatusCode}, fmt.Errorf("status %d, body %q: %w", resp.StatusCode, raw, err)
 	}
-	r := chatReply{Status: resp.StatusCode, Cached: out.Usage.Details.Cached}
+	r := chatReply{Status: resp.StatusCode, Prompt: out.Usage.Prompt, Cached: out.Usage.Details.Cached}
 	if len(out.Choices) > 0 {
 		r.Content = out.Choices[0].Message.Content
 	}
@@ -204,4 +206,58 @@ func TestPrefixCacheOracle(t *testing.T) {
 		hits += sum(tg.procs[0].metrics(), "handoff_prefix_hit_tokens_total", map[string]string{"role": "prefill"})
 	}
 	require.Positive(t, hits, "the prefill workers' metrics count their hits")
+}
+
+// TestPrefixAffinityAcrossPrefillInstances: with two prefill instances, a
+// decode sends each turn of a conversation to the instance whose prefix
+// cache holds the last one, so every later turn is served from the cache
+// at least up to the previous turn's whole prompt (load-only routing
+// alternates between the two and recomputes every other turn). When that
+// instance is killed mid-conversation, the next turn is prefilled by the
+// survivor from what it holds, and the turns after it stick to the
+// survivor; every reply equals the aggregated cache-off one.
+func TestPrefixAffinityAcrossPrefillInstances(t *testing.T) {
+	ns := startNATS(t, nil)
+	oracle := startProc(t, "decode", "--prefill", "local", "--prefix-cache", "off", "--nats-url", ns.url(), "--namespace", "aff-oracle")
+	common := []string{"--nats-url", ns.url(), "--namespace", "aff", "--request-timeout", "60s"}
+	pres := []*proc{startProc(t, "prefill", common...), startProc(t, "prefill", common...)}
+	dec := startProc(t, "decode", append(common, "--prefill", "remote")...)
+	for _, p := range append(pres, oracle, dec) {
+		p.waitReady(readyWithin)
+	}
+	name := modelName(t, dec.api)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	warmUp(ctx, t, dec.api, name)
+	served := func(p *proc) float64 {
+		return sum(p.metrics(), "handoff_requests_total", map[string]string{"role": "prefill", "result": "ok"})
+	}
+	msgs := []chatMessage{{Role: "system", Content: "You keep answers short. " + strings.Repeat("Be brief. ", 8)}}
+	prev := 0
+	killed := -1
+	for turn := range 8 {
+		msgs = append(msgs, chatMessage{Role: "user", Content: fmt.Sprintf("Question number %d, please answer.", turn+1)})
+		if turn == 4 {
+			// Kill the instance that served the conversation so far.
+			killed = 0
+			if served(pres[1]) > served(pres[0]) {
+				killed = 1
+			}
+			pres[killed].kill()
+		}
+		want, err := chat(ctx, oracle.api, name, msgs, 10, 0, 1)
+		require.NoError(t, err)
+		got, err := chat(ctx, dec.api, name, msgs, 10, 0, 1)
+		require.NoError(t, err)
+		require.Equal(t, http.StatusOK, got.Status, "turn %d: %s", turn+1, got.Err)
+		require.Equal(t, want.Content, got.Content, "turn %d: the reply differs from the cache-off one", turn+1)
+		t.Logf("turn %d: %d of %d prompt tokens cached", turn+1, got.Cached, got.Prompt)
+		if turn > 0 && turn != 4 {
+			require.GreaterOrEqual(t, got.Cached, prev, "turn %d: not served where the last turn's state is", turn+1)
+		}
+		prev = got.Prompt
+		msgs = append(msgs, chatMessage{Role: "assistant", Content: got.Content})
+	}
+	requireIdle(t, dec, "decode")
+	requireIdle(t, pres[1-killed], "prefill")
 }

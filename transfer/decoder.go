@@ -39,7 +39,11 @@ type DecoderConfig struct {
 	// fails the handoff at once rather than at the deadline. Falls back to the
 	// queue group when the registry knows no instance.
 	DirectFirst bool
-	Registry    RegistryConfig
+	// PrefixAffinity sends a prompt that continues one a prefill instance
+	// prefilled to that instance first, while it has a free row, where its
+	// prefix cache holds the earlier prompt's state (affinity.go).
+	PrefixAffinity bool
+	Registry       RegistryConfig
 	// NoRegistry skips the instance registry (no announce, no watch, no
 	// targeted retries, no peer-death detection). For tools and tests.
 	NoRegistry bool
@@ -160,6 +164,7 @@ type Decoder struct {
 	unwatch    func()             // stops the writer-gone reports (watchWriters)
 	seq        atomic.Uint64
 	picks      atomic.Uint64 // round-robin offset of pick
+	aff        *affinity     // PrefixAffinity's memory; nil without it
 
 	mu    sync.Mutex
 	calls map[string]*call // by reply token
@@ -235,6 +240,9 @@ func NewDecoder(ctx context.Context, cfg DecoderConfig, nc *nats.Conn, eng *rdma
 		cfg: cfg, nc: nc, pub: nc, eng: eng, peer: wire.PeerOf(eng.Descriptor()),
 		inbox: nats.NewInbox(), calls: map[string]*call{}, done: make(chan struct{}),
 		maxPayload: nc.MaxPayload(), prefillSub: wire.Subject(cfg.Prefix, cfg.Namespace, wire.SubjectPrefill, ""),
+	}
+	if cfg.PrefixAffinity {
+		d.aff = newAffinity(cfg.Fingerprint, affinityEntries)
 	}
 	sub, err := nc.Subscribe(d.inbox+".*", d.onReply)
 	if err != nil {

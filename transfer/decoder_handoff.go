@@ -136,6 +136,9 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 				if log := h.d.cfg.Logger; log.Enabled(ctx, slog.LevelDebug) {
 					log.Debug("handoff delivered", "seq", h.req.ID, "peer", h.sess.Instance())
 				}
+				if h.d.aff != nil {
+					h.d.aff.remember(h.req.Tokens, h.ok.Instance)
+				}
 				return Result{
 					FirstToken: h.ok.FirstToken, Logprobs: h.ok.Logprobs, Cached: int(h.ok.Cached), Instance: h.ok.Instance, Attempts: h.sess.Attempts(),
 					Prefill: time.Duration(h.ok.PrefillNanos), Transfer: time.Duration(h.ok.WriteNanos),
@@ -321,6 +324,11 @@ func (h *handoff) send(a session.Action) (string, error) {
 	d := h.d
 	subj := d.prefillSub
 	target, svc := a.Instance, anyIncarnation // the session names no incarnation
+	if target == "" && a.Attempt == 1 && d.aff != nil && d.reg != nil {
+		if inst, ok := d.pickAffine(h.req.Tokens, a.Exclude); ok {
+			target, svc = inst.ID, inst.Service
+		}
+	}
 	if target == "" && (a.Attempt > 1 || d.cfg.DirectFirst || a.Live) && d.reg != nil {
 		inst := d.pick(a.Exclude)
 		target, svc = inst.ID, inst.Service
@@ -378,34 +386,71 @@ func (d *Decoder) pick(exclude []string) wire.Instance {
 	if len(insts) == 0 {
 		return wire.Instance{}
 	}
-	d.mu.Lock()
-	mine := make(map[string]int, len(insts))
-	for _, c := range d.calls {
-		if c.target != "" {
-			mine[c.target]++
-		}
-	}
-	var gone map[string]int64
-	if len(d.gone) > 0 {
-		gone = maps.Clone(d.gone)
-	}
-	d.mu.Unlock()
+	mine, gone := d.picking(len(insts))
 	var target wire.Instance
 	best := 0
 	off := int(d.picks.Add(1))
 	for i := range insts {
 		inst := insts[(off+i)%len(insts)]
-		if inst.Fingerprint != d.cfg.Fingerprint || inst.Draining || containsStr(exclude, inst.ID) {
+		if !d.usable(inst, exclude, gone) {
 			continue
-		}
-		if at, ok := gone[inst.ID]; ok && inst.Updated == at {
-			continue // reported gone, no heartbeat since
 		}
 		if load := inst.Capacity.Inflight + mine[inst.ID]; target.ID == "" || load < best {
 			target, best = inst, load
 		}
 	}
 	return target
+}
+
+// pickAffine returns the prefill instance that prefilled the longest
+// remembered prefix of tokens when it is usable and has a free row (the
+// cost rule in affinity.go), and whether there is one.
+func (d *Decoder) pickAffine(tokens []int32, exclude []string) (wire.Instance, bool) {
+	id, n := d.aff.lookup(tokens)
+	if id == "" {
+		return wire.Instance{}, false
+	}
+	insts := d.reg.Instances(wire.RolePrefill, time.Now())
+	mine, gone := d.picking(len(insts))
+	for _, inst := range insts {
+		if inst.ID != id {
+			continue
+		}
+		free := inst.Capacity.Inflight+mine[id] < inst.Capacity.Rows
+		if d.usable(inst, exclude, gone) && free {
+			if log := d.cfg.Logger; log.Enabled(context.Background(), slog.LevelDebug) {
+				log.Debug("prefill by prefix affinity", "instance", id, "prefix_tokens", n)
+			}
+			return inst, true
+		}
+	}
+	return wire.Instance{}, false
+}
+
+// picking returns what pick weighs instances by: the requests this
+// decoder has in flight at each, and the instances reported gone.
+func (d *Decoder) picking(n int) (mine map[string]int, gone map[string]int64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	mine = make(map[string]int, n)
+	for _, c := range d.calls {
+		if c.target != "" {
+			mine[c.target]++
+		}
+	}
+	if len(d.gone) > 0 {
+		gone = maps.Clone(d.gone)
+	}
+	return mine, gone
+}
+
+// usable reports whether inst may serve a request that excluded exclude.
+func (d *Decoder) usable(inst wire.Instance, exclude []string, gone map[string]int64) bool {
+	if inst.Fingerprint != d.cfg.Fingerprint || inst.Draining || containsStr(exclude, inst.ID) {
+		return false
+	}
+	at, ok := gone[inst.ID]
+	return !ok || inst.Updated != at // reported gone, no heartbeat since
 }
 
 func containsStr(xs []string, s string) bool {

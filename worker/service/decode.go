@@ -90,6 +90,9 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 			// worker that dies mid-request fails it at once (and it is retried
 			// elsewhere) instead of at the deadline.
 			DirectFirst: true,
+			// A conversation's next turn goes to the prefill instance whose
+			// prefix cache holds its last one, while it has room.
+			PrefixAffinity: cfg.PrefixCache == "on",
 		}, nc, n.data); err != nil {
 			return err
 		}
