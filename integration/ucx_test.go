@@ -254,9 +254,10 @@ func TestUCXDecodeKilledMidWrite(t *testing.T) {
 			requireIdle(t, pre, "prefill")
 			require.True(t, pre.ready(), "prefill should stay ready after its peer died")
 			mf := pre.metrics()
-			t.Logf("prefill's transfers after the kill (UCX_TLS=%q): ok %v, failed %v", os.Getenv("UCX_TLS"),
-				sum(mf, "handoff_transfers_total", map[string]string{"role": "prefill", "result": "ok"}),
-				sum(mf, "handoff_transfers_total", map[string]string{"role": "prefill"})-sum(mf, "handoff_transfers_total", map[string]string{"role": "prefill", "result": "ok"}))
+			ok := sum(mf, "handoff_transfers_total", map[string]string{"role": "prefill", "result": "ok"})
+			failed := sum(mf, "handoff_transfers_total", map[string]string{"role": "prefill"}) - ok
+			t.Logf("prefill's transfers after the kill (UCX_TLS=%q): ok %v, failed %v", os.Getenv("UCX_TLS"), ok, failed)
+			require.Positive(t, failed, "no transfer of prefill failed: the kill did not land mid-write")
 
 			// A new decode worker is served by the same prefill.
 			dec2 := startProc(t, "decode", append(common, "--prefill", "remote")...)
