@@ -23,6 +23,12 @@ import (
 // for any prefix a prefill worker computes in one step. Otherwise the
 // request goes where it would without affinity.
 //
+// A request's prompt_cache_key (transfer.Request.CacheKey) is remembered
+// the same way, as one more name: a prompt whose prefixes name no
+// instance goes where its key's last request was prefilled (the client
+// says the two share a prefix that is not in the prompt's first grains,
+// or that is shorter than one).
+//
 // Prompts are remembered by the names of their prefixes at every
 // affinityGrain tokens (a SHA-256 chain, package prefix), each naming the
 // instance that last prefilled a prompt through it, at most
@@ -62,9 +68,20 @@ func (a *affinity) names(tokens []int32) []prefix.Hash {
 	return prefix.Chain(nil, a.root, tokens, affinityGrain)
 }
 
-// remember records that instance prefilled tokens.
-func (a *affinity) remember(tokens []int32, instance string) {
+// allNames returns names(tokens) and then the name of key when it is
+// set.
+func (a *affinity) allNames(tokens []int32, key string) []prefix.Hash {
 	names := a.names(tokens)
+	if key != "" {
+		names = append(names, prefix.Salt("affinity key|"+key))
+	}
+	return names
+}
+
+// remember records that instance prefilled tokens, of the requests of
+// key ("" for none).
+func (a *affinity) remember(tokens []int32, key, instance string) {
+	names := a.allNames(tokens, key)
 	if instance == "" {
 		return
 	}
@@ -86,8 +103,9 @@ func (a *affinity) remember(tokens []int32, instance string) {
 }
 
 // lookup returns the instance that prefilled the longest remembered
-// prefix of tokens, and that prefix's length in tokens; "" when none.
-func (a *affinity) lookup(tokens []int32) (string, int) {
+// prefix of tokens, and that prefix's length in tokens; else the instance
+// that prefilled key's last request, with 0; "" when neither is known.
+func (a *affinity) lookup(tokens []int32, key string) (string, int) {
 	names := a.names(tokens)
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -95,6 +113,12 @@ func (a *affinity) lookup(tokens []int32) (string, int) {
 		if e, ok := a.byID[names[i]]; ok {
 			a.lru.MoveToFront(e)
 			return e.Value.(affinityEntry).instance, (i + 1) * affinityGrain
+		}
+	}
+	if key != "" {
+		if e, ok := a.byID[prefix.Salt("affinity key|"+key)]; ok {
+			a.lru.MoveToFront(e)
+			return e.Value.(affinityEntry).instance, 0
 		}
 	}
 	return "", 0

@@ -97,6 +97,10 @@ type Request struct {
 	// success when the request finishes, on failure at once too, except
 	// for a QuarantinedError, whose Released channel says when.
 	Dest CacheExtents
+	// CacheKey groups requests that share a prefix (prompt_cache_key): with
+	// PrefixAffinity, a request whose prompt continues none remembered goes
+	// where the key's last request was prefilled.
+	CacheKey string
 }
 
 // Result describes a completed handoff: the request's cache is in its

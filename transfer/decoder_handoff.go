@@ -137,7 +137,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 					log.Debug("handoff delivered", "seq", h.req.ID, "peer", h.sess.Instance())
 				}
 				if h.d.aff != nil {
-					h.d.aff.remember(h.req.Tokens, h.ok.Instance)
+					h.d.aff.remember(h.req.Tokens, h.req.CacheKey, h.ok.Instance)
 				}
 				return Result{
 					FirstToken: h.ok.FirstToken, Logprobs: h.ok.Logprobs, Cached: int(h.ok.Cached), Instance: h.ok.Instance, Attempts: h.sess.Attempts(),
@@ -325,7 +325,7 @@ func (h *handoff) send(a session.Action) (string, error) {
 	subj := d.prefillSub
 	target, svc := a.Instance, anyIncarnation // the session names no incarnation
 	if target == "" && a.Attempt == 1 && d.aff != nil && d.reg != nil {
-		if inst, ok := d.pickAffine(h.req.Tokens, a.Exclude); ok {
+		if inst, ok := d.pickAffine(h.req.Tokens, h.req.CacheKey, a.Exclude); ok {
 			target, svc = inst.ID, inst.Service
 		}
 	}
@@ -405,8 +405,8 @@ func (d *Decoder) pick(exclude []string) wire.Instance {
 // pickAffine returns the prefill instance that prefilled the longest
 // remembered prefix of tokens when it is usable and has a free row (the
 // cost rule in affinity.go), and whether there is one.
-func (d *Decoder) pickAffine(tokens []int32, exclude []string) (wire.Instance, bool) {
-	id, n := d.aff.lookup(tokens)
+func (d *Decoder) pickAffine(tokens []int32, key string, exclude []string) (wire.Instance, bool) {
+	id, n := d.aff.lookup(tokens, key)
 	if id == "" {
 		return wire.Instance{}, false
 	}

@@ -49,6 +49,8 @@ type FetchRequest struct {
 	// len(Prompt) tokens) the scheduler prepared on the rank: the cache's
 	// destination, which the scheduler frees once Fetch returned.
 	hybrid.Resources
+	// CacheKey is the request's GenerateRequest.CacheKey.
+	CacheKey string
 }
 
 // FetchResult is what a successful Fetch reports.

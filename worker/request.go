@@ -62,6 +62,8 @@ type request struct {
 	cached int                 // prompt tokens the cache served
 	seq    []int32             // the tokens its cache holds: the prompt, then those it absorbed
 	chain  []kvcache.BlockHash // the names of seq's full blocks, as far as computed
+
+	cacheKey string // GenerateRequest.CacheKey
 }
 
 // chunk is the span q's next prefill step computes: from where its hit

@@ -334,7 +334,7 @@ func (s *Scheduler) place(q *request, r *Rank, h hybrid.Hit) {
 	q.log.Debug("request admitted, awaiting cache", "row", res.Row, "runs", len(res.Runs))
 	f := FetchRequest{
 		ID: q.id, LogID: q.logID, Rank: r.index, Prompt: q.prompt,
-		Sampling:  q.smp,
+		Sampling: q.smp, CacheKey: q.cacheKey,
 		Resources: hybrid.Resources{Row: res.Row, Runs: append([]kvcache.Run(nil), res.Runs...)},
 	}
 	src := s.cfg.Source

@@ -34,6 +34,7 @@ func (s *Scheduler) Generate(ctx context.Context, g GenerateRequest) (*Stream, e
 	q.out = newStream()
 	q.ttft = s.m.FirstToken.WithLabelValues(string(s.cfg.Role))
 	q.stop.stops = g.Stop
+	q.cacheKey = g.CacheKey
 	if err := s.enqueue(q); err != nil {
 		return nil, err
 	}

@@ -40,6 +40,11 @@ type GenerateRequest struct {
 	// "stop"); the matched text is not emitted.
 	Stop  []string
 	LogID string
+	// CacheKey groups requests that share a prefix (OpenAI's
+	// prompt_cache_key): a hint for sending the request's prefill where
+	// an earlier one of the group was prefilled when its prompt alone
+	// names no such place. Never part of what is cached.
+	CacheKey string
 }
 
 // PrefillJob is a prefill request, already tokenized.

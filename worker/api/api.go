@@ -292,8 +292,14 @@ func (s *server) start(w http.ResponseWriter, r *http.Request, prefix string,
 	if g.cacheKey != "" {
 		a.log = a.log.With("prompt_cache_key", g.cacheKey)
 	}
+	// The affinity hint: prompt_cache_key, else the end user's id (OpenAI
+	// documents the key as the user field's successor for caching).
+	hint := g.cacheKey
+	if hint == "" {
+		hint = g.user
+	}
 	stream, err := s.gen.Generate(r.Context(), worker.GenerateRequest{
-		Prompt: g.prompt, MaxTokens: g.maxTokens, Sampling: g.smp, Stop: g.stop, LogID: a.id,
+		Prompt: g.prompt, MaxTokens: g.maxTokens, Sampling: g.smp, Stop: g.stop, LogID: a.id, CacheKey: hint,
 	})
 	if err != nil {
 		s.refuseErr(w, a.log, err)

@@ -224,3 +224,36 @@ func TestCachedTokensZeroFromScheduler(t *testing.T) {
 	require.Equal(t, http.StatusOK, resp.StatusCode, string(b))
 	require.Contains(t, string(b), `"prompt_tokens_details":{"cached_tokens":0,"audio_tokens":0}`)
 }
+
+// keyGen records the cache key of each request it refuses.
+type keyGen struct {
+	fakeGen
+	keys chan string
+}
+
+func (k keyGen) Generate(_ context.Context, g worker.GenerateRequest) (*worker.Stream, error) {
+	k.keys <- g.CacheKey
+	return nil, worker.ErrClosed
+}
+
+// prompt_cache_key, else user, reaches the worker as the request's
+// affinity hint, on both endpoints.
+func TestCacheKeyReachesWorker(t *testing.T) {
+	gen := keyGen{keys: make(chan string, 1)}
+	srv := newServer(t, gen)
+	for _, c := range []struct{ fields, want string }{
+		{`"prompt_cache_key":"conv-1","user":"u"`, "conv-1"},
+		{`"user":"u-9"`, "u-9"},
+		{`"temperature":0`, ""},
+	} {
+		for _, ep := range []struct{ path, body string }{
+			{"/v1/completions", `{"model":"tiny-hybrid","prompt":"hi",` + c.fields + `}`},
+			{"/v1/chat/completions", `{"model":"tiny-hybrid","messages":[{"role":"user","content":"hi"}],` + c.fields + `}`},
+		} {
+			resp, err := http.Post(srv.URL+ep.path, "application/json", strings.NewReader(ep.body))
+			require.NoError(t, err)
+			resp.Body.Close()
+			require.Equal(t, c.want, <-gen.keys, "%s %s", ep.path, c.fields)
+		}
+	}
+}

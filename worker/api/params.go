@@ -407,8 +407,8 @@ type generation struct {
 	stop         []string
 	stream       bool
 	includeUsage bool
-	user         string // the end user's id, for the logs
-	cacheKey     string // prompt_cache_key, for the logs
+	user         string // the end user's id, for the logs and as an affinity hint
+	cacheKey     string // prompt_cache_key: an affinity hint (worker.GenerateRequest.CacheKey)
 }
 
 // sampling validates the parameters every endpoint shares, given the

@@ -207,7 +207,7 @@ func (s *transferSource) Fetch(ctx context.Context, f worker.FetchRequest) (work
 		return worker.FetchResult{}, err
 	}
 	res, err := s.dec.Handoff(ctx, transfer.Request{
-		ID: f.ID, Tokens: f.Prompt,
+		ID: f.ID, Tokens: f.Prompt, CacheKey: f.CacheKey,
 		Sampling: wireSampling(f.Sampling),
 		Deadline: time.Now().Add(s.timeout),
 		Dest:     dest,
