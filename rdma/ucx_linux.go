@@ -61,6 +61,13 @@ const (
 	// ucxWindow is how many data messages a write keeps in flight: one
 	// rendezvous round trip is ~250 µs, so a serial writer would idle.
 	ucxWindow = 8
+	// ucxWindowMsgs is how many messages a write of small pieces keeps in
+	// flight, beyond ucxWindow while those hold less than ucxWindowSmall
+	// bytes: a 4 KiB piece is a message of its own, and eight of them per
+	// round trip left the link idle. Messages of 32 KiB and more keep to
+	// ucxWindow (at 64 KiB, sixteen in flight moved less than eight).
+	ucxWindowMsgs  = 64
+	ucxWindowSmall = 256 << 10
 	// ucxTail is what follows the frame header in every message: the
 	// writer's link id and the exchange's sequence number, which a reply
 	// names so that no answer is taken for another.

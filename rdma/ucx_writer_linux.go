@@ -242,9 +242,9 @@ func (l *ucxLink) exchangeOn(ctx context.Context, ep ucx.EndpointID, cut func(uc
 }
 
 // write posts each piece as messages of up to ucxChunk bytes, at most
-// ucxWindow in flight, summing each chunk while UCX moves it; then the
-// commit (or, for one write of a stream, a flush), whose reply is the
-// verdict.
+// ucxWindow in flight (up to ucxWindowMsgs while they are small), summing
+// each chunk while UCX moves it; then the commit (or, for one write of a
+// stream, a flush), whose reply is the verdict.
 func (l *ucxLink) write(ctx context.Context, op *writeOp) error {
 	if op.dev {
 		return fmt.Errorf("%w: ucx from device memory", ErrUnsupported)
@@ -255,6 +255,8 @@ func (l *ucxLink) write(ctx context.Context, op *writeOp) error {
 	}
 	hk := op.testHooks()
 	var inflight []*ucx.Op
+	var sizes []int // of inflight's messages
+	inBytes := 0
 	rejected := false
 	var fatal error
 	wait := func(o *ucx.Op) {
@@ -289,13 +291,14 @@ func (l *ucxLink) write(ctx context.Context, op *writeOp) error {
 				fatal = fmt.Errorf("%w: ucx send to %s: %w", ErrPeerClosed, l.peer.Agent, err)
 				break
 			}
-			inflight = append(inflight, o)
+			inflight, sizes = append(inflight, o), append(sizes, n)
+			inBytes += n
 			op.sum(p, chunk)
 			off += n
 			carried += uint64(n)
-			if len(inflight) >= ucxWindow {
+			for len(inflight) >= ucxWindowMsgs || (len(inflight) >= ucxWindow && inBytes >= ucxWindowSmall) {
 				wait(inflight[0])
-				inflight = inflight[1:]
+				inflight, inBytes, sizes = inflight[1:], inBytes-sizes[0], sizes[1:]
 			}
 		}
 	}
