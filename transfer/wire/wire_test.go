@@ -172,6 +172,7 @@ type plainReply struct {
 	WriteNanos   int64         `msgpack:"wr"`
 	Manifest     plainManifest `msgpack:"man"`
 	Logprobs     []byte        `msgpack:"lp,omitempty"`
+	Cached       uint32        `msgpack:"cached,omitempty"`
 }
 
 func plainOfRequest(m PrefillRequest) plainRequest {
@@ -183,7 +184,7 @@ func plainOfRequest(m PrefillRequest) plainRequest {
 func plainOfReply(m PrefillReply) plainReply {
 	return plainReply{V: m.V, RequestID: m.RequestID, Instance: m.Instance, Code: m.Code, Msg: m.Msg,
 		FirstToken: m.FirstToken, PrefillNanos: m.PrefillNanos, WriteNanos: m.WriteNanos,
-		Manifest: plainManifest{Bytes: m.Manifest.Bytes, CRC: m.Manifest.CRC}, Logprobs: m.Logprobs}
+		Manifest: plainManifest{Bytes: m.Manifest.Bytes, CRC: m.Manifest.CRC}, Logprobs: m.Logprobs, Cached: m.Cached}
 }
 
 func plainOfTicket(t rdma.Ticket) plainTicket {
@@ -467,7 +468,10 @@ func FuzzDecodePrefillRequest(f *testing.F) {
 func FuzzDecodeMatchesReflection(f *testing.F) {
 	a, _ := EncodePrefillRequest(sampleRequest(16, 3), 0)
 	b, _ := EncodePrefillReply(sampleReply(), 0)
-	fuzzSeeds(f, a, b)
+	cached := sampleReply()
+	cached.Cached = 1 << 20
+	c, _ := EncodePrefillReply(cached, 0)
+	fuzzSeeds(f, a, b, c)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		if m, err := DecodePrefillRequest(data); err == nil {
 			var p plainRequest
@@ -515,7 +519,10 @@ func FuzzPeerCacheDecode(f *testing.F) {
 func FuzzDecodePrefillReply(f *testing.F) {
 	a, _ := EncodePrefillReply(sampleReply(), 0)
 	b, _ := EncodePrefillReply(PrefillReply{RequestID: 1, Code: session.CodeCapacityRefused, Msg: "full"}, 0)
-	fuzzSeeds(f, a, b)
+	cached := sampleReply()
+	cached.Cached = 77
+	c, _ := EncodePrefillReply(cached, 0)
+	fuzzSeeds(f, a, b, c)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		m, err := DecodePrefillReply(data)
 		if err != nil {
