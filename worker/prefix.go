@@ -26,8 +26,9 @@ import (
 // CheckpointInterval, at every multiple of it the prompt passes, where
 // its chunks then end); a decode request that finishes also leaves its
 // blocks and a checkpoint at the last token it absorbed, for the next turn
-// of its conversation. Every copy is made on the rank's own goroutine
-// between two allocations of its manager, as BeginCheckpoint asks.
+// of its conversation. Every copy is made in the request's step, on the
+// goroutine stepping its rank, between two allocations of the rank's
+// manager, as BeginCheckpoint asks.
 //
 // Admission stays exact, and counts a shared block once: a request is
 // promised the blocks its life may take as its own (not those it
@@ -214,17 +215,11 @@ func (s *Scheduler) nextCheckpoint(r *Rank, q *request, from int) int {
 	return n
 }
 
-// keepGenerated is keep for a decode request that finished: what its
-// cache holds after the last token it absorbed, for the next turn.
-func (s *Scheduler) keepGenerated(q *request) {
-	r := q.rank
-	if r == nil || !r.prefix || !s.reusesCache(q) || q.pos < 1 {
-		return
+// keepGenerated is keep for a decode request that finished generating in
+// its step on r, over its cache c: what the cache holds after the last
+// token it absorbed, for the next turn.
+func (s *Scheduler) keepGenerated(r *Rank, q *request, c model.Cache) {
+	if r.prefix && s.reusesCache(q) {
+		s.keep(r, q, c, q.pos)
 	}
-	c, err := r.cache(q.id, q.blocks)
-	if err != nil {
-		q.log.Warn("prefix cache: cache of a finished request", "err", err)
-		return
-	}
-	s.keep(r, q, c, q.pos)
 }

@@ -306,16 +306,16 @@ func (s *Scheduler) place(q *request, r *Rank, h hybrid.Hit) {
 		h = hybrid.Hit{}
 	}
 	res, err := s.prepare(q, r, h)
+	if err != nil {
+		// Admission checked rows and blocks; this is a bug, not load.
+		s.finish(q, fmt.Errorf("worker: admit on rank %d: %w", r.index, err))
+		return
+	}
 	if q.hit.Tokens > 0 {
 		q.promise += hitPromise(q.hit) // shared blocks counted once (see prefix.go)
 	}
 	if !remote && r.prefix && s.reusesCache(q) {
 		s.countLookup(r, q.hit.Tokens)
-	}
-	if err != nil {
-		// Admission checked rows and blocks; this is a bug, not load.
-		s.finish(q, fmt.Errorf("worker: admit on rank %d: %w", r.index, err))
-		return
 	}
 	q.rank = r
 	q.admitted = time.Now()
@@ -358,9 +358,6 @@ func (s *Scheduler) collect() {
 		err := q.stepErr
 		if err != nil && q.ctx.Err() != nil {
 			err = context.Cause(q.ctx)
-		}
-		if err == nil && !q.prefillOnly {
-			s.keepGenerated(q)
 		}
 		s.end(q, err)
 	}

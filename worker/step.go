@@ -151,5 +151,8 @@ func (s *Scheduler) decodeStep(r *Rank, q *request) {
 	tok, lp := q.sample(logits)
 	q.pos++
 	q.finished = q.accept(tok, lp)
+	if q.finished {
+		s.keepGenerated(r, q, c)
+	}
 	q.traceFirstStep(traced)
 }
