@@ -12,29 +12,14 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
-	"github.com/handoff-io/handoff/hybrid"
 	"github.com/handoff-io/handoff/model"
 )
 
 // cacheRanks builds ranks with a prefix cache of cks checkpoint rows.
 func cacheRanks(t testing.TB, o rankOpts, cks int) []*Rank {
 	t.Helper()
-	if o.model == "" {
-		o.model = model.TinyHybrid
-	}
-	exec, err := model.Lookup(o.model)
-	require.NoError(t, err)
-	cfg, err := PoolConfig(exec.Spec(), PoolParams{MaxBatchSize: o.batch, AttentionDP: o.adp, KVBlocks: o.blocks, StateCheckpoints: cks})
-	require.NoError(t, err)
-	out := make([]*Rank, o.ranks)
-	for i := range out {
-		m, err := hybrid.New(cfg)
-		require.NoError(t, err)
-		r, err := NewRank(i, m, exec, make([]byte, cfg.KV.ArenaBytes()), make([]byte, cfg.Mamba.ArenaBytes()))
-		require.NoError(t, err)
-		out[i] = r
-	}
-	return out
+	o.checkpoints = cks
+	return newRanks(t, o)
 }
 
 // runCached runs sched's loop until the test ends and checks that every

@@ -20,6 +20,7 @@ type rankOpts struct {
 	adp          bool
 	blocks       int
 	model        string
+	checkpoints  int // state checkpoint rows per rank (the prefix cache)
 }
 
 func newRanks(t testing.TB, o rankOpts) []*Rank {
@@ -29,7 +30,7 @@ func newRanks(t testing.TB, o rankOpts) []*Rank {
 	}
 	exec, err := model.Lookup(o.model)
 	require.NoError(t, err)
-	cfg, err := PoolConfig(exec.Spec(), PoolParams{MaxBatchSize: o.batch, AttentionDP: o.adp, KVBlocks: o.blocks})
+	cfg, err := PoolConfig(exec.Spec(), PoolParams{MaxBatchSize: o.batch, AttentionDP: o.adp, KVBlocks: o.blocks, StateCheckpoints: o.checkpoints})
 	require.NoError(t, err)
 	out := make([]*Rank, o.ranks)
 	for i := range out {
