@@ -193,40 +193,10 @@ func TestPrefillKilledMidTransfer(t *testing.T) {
 	p2.waitReady(readyWithin)
 	dec.waitReady(readyWithin)
 	name := modelName(t, dec.api)
-
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	const n = 24
-	var wg sync.WaitGroup
-	results := make([]completion, n)
-	errs := make([]error, n)
-	took := make([]time.Duration, n)
-	prompts := randomPrompts(n, 11)
-	for i := 0; i < n; i++ {
-		wg.Go(func() {
-			start := time.Now()
-			results[i], errs[i] = complete(ctx, dec.api, completionRequest{Model: name, Prompt: prompts[i] + " " + strings.Repeat("long ", 40), MaxTokens: 4})
-			took[i] = time.Since(start)
-		})
-		if i == n/3 {
-			// Kill it while it serves: with a session of its own in
-			// flight, not before or after its share of the load.
-			require.Eventually(t, func() bool {
-				return sum(p1.metrics(), "handoff_sessions_inflight", map[string]string{"role": "prefill"}) > 0
-			}, 10*time.Second, time.Millisecond, "p1 never had a session in flight")
-			p1.kill()
-		}
-	}
-	wg.Wait()
-	for i := range results {
-		require.NoError(t, errs[i], "request %d got no HTTP answer", i)
-		require.Less(t, took[i], 60*time.Second, "request %d outlived any sane deadline", i)
-		// Every request is served: one the dead worker held is retried on
-		// the survivor.
-		require.Equal(t, http.StatusOK, results[i].Status, "request %d was not served by the survivor: %s", i, results[i].Err)
-	}
-	retried := sum(dec.metrics(), "handoff_retries_total", map[string]string{"role": "decode"})
-	t.Logf("%d requests succeeded across the SIGKILL; slowest took %v; %v handoffs retried", n, slices.Max(took), retried)
+	took, retried := loadAcrossPrefillKill(ctx, t, dec, p1, name, 11)
+	t.Logf("%d requests succeeded across the SIGKILL; slowest took %v; %v handoffs retried", len(took), slices.Max(took), retried)
 	require.Positive(t, retried, "no handoff failed over: the kill did not land mid-transfer")
 	requireIdle(t, dec, "decode")
 	// The survivor still serves.
@@ -440,4 +410,40 @@ func TestNATSClusterNodeLoss(t *testing.T) {
 	requireIdle(t, dec, "decode")
 	requireIdle(t, p1, "prefill")
 	requireIdle(t, p2, "prefill")
+}
+
+// loadAcrossPrefillKill sends 24 concurrent completions to dec and SIGKILLs
+// prefill worker p1 once it has a session of its own in flight, a third of
+// the way through: not before or after its share of the load. Every request
+// must be answered 200 well within any sane deadline (one the dead worker
+// held is retried on a survivor). It returns each request's time and the
+// decode's retries.
+func loadAcrossPrefillKill(ctx context.Context, t *testing.T, dec, p1 *proc, name string, seed uint64) ([]time.Duration, float64) {
+	t.Helper()
+	const n = 24
+	var wg sync.WaitGroup
+	results := make([]completion, n)
+	errs := make([]error, n)
+	took := make([]time.Duration, n)
+	prompts := randomPrompts(n, seed)
+	for i := 0; i < n; i++ {
+		wg.Go(func() {
+			start := time.Now()
+			results[i], errs[i] = complete(ctx, dec.api, completionRequest{Model: name, Prompt: prompts[i] + " " + strings.Repeat("long ", 40), MaxTokens: 4})
+			took[i] = time.Since(start)
+		})
+		if i == n/3 {
+			require.Eventually(t, func() bool {
+				return sum(p1.metrics(), "handoff_sessions_inflight", map[string]string{"role": "prefill"}) > 0
+			}, 10*time.Second, time.Millisecond, "p1 never had a session in flight")
+			p1.kill()
+		}
+	}
+	wg.Wait()
+	for i := range results {
+		require.NoError(t, errs[i], "request %d got no HTTP answer", i)
+		require.Less(t, took[i], 60*time.Second, "request %d outlived any sane deadline", i)
+		require.Equal(t, http.StatusOK, results[i].Status, "request %d was not served by the survivor: %s", i, results[i].Err)
+	}
+	return took, sum(dec.metrics(), "handoff_retries_total", map[string]string{"role": "decode"})
 }

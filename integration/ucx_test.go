@@ -110,33 +110,8 @@ func TestUCXPrefillKilledMidTransfer(t *testing.T) {
 	defer cancel()
 	warmUp(ctx, t, dec.api, name)
 	requireUCX(t, dec)
-	const n = 24
-	var wg sync.WaitGroup
-	results := make([]completion, n)
-	errs := make([]error, n)
-	took := make([]time.Duration, n)
-	prompts := randomPrompts(n, 31)
-	for i := 0; i < n; i++ {
-		wg.Go(func() {
-			start := time.Now()
-			results[i], errs[i] = complete(ctx, dec.api, completionRequest{Model: name, Prompt: prompts[i] + " " + strings.Repeat("long ", 40), MaxTokens: 4})
-			took[i] = time.Since(start)
-		})
-		if i == n/3 {
-			require.Eventually(t, func() bool {
-				return sum(p1.metrics(), "handoff_sessions_inflight", map[string]string{"role": "prefill"}) > 0
-			}, 10*time.Second, time.Millisecond, "p1 never had a session in flight")
-			p1.kill()
-		}
-	}
-	wg.Wait()
-	for i := range results {
-		require.NoError(t, errs[i], "request %d got no HTTP answer", i)
-		require.Less(t, took[i], 60*time.Second, "request %d outlived any sane deadline", i)
-		require.Equal(t, http.StatusOK, results[i].Status, "request %d was not served by the survivor: %s", i, results[i].Err)
-	}
-	retried := sum(dec.metrics(), "handoff_retries_total", map[string]string{"role": "decode"})
-	t.Logf("%d requests succeeded across the SIGKILL over ucx (UCX_TLS=%q); slowest took %v; %v handoffs retried", n, os.Getenv("UCX_TLS"), slices.Max(took), retried)
+	took, retried := loadAcrossPrefillKill(ctx, t, dec, p1, name, 31)
+	t.Logf("%d requests succeeded across the SIGKILL over ucx (UCX_TLS=%q); slowest took %v; %v handoffs retried", len(took), os.Getenv("UCX_TLS"), slices.Max(took), retried)
 	require.Positive(t, retried, "no handoff failed over: the kill did not land mid-transfer")
 	requireIdle(t, dec, "decode")
 	c, err := complete(ctx, dec.api, completionRequest{Model: name, Prompt: "after the fault", MaxTokens: 4})
