@@ -415,6 +415,14 @@ func (g *Grant) finish() {
 	g.mu.Unlock()
 	g.e.retire(g)
 	err := g.Err()
+	// Count before the channels close: whoever returns from Revoke or Done
+	// (a second terminate waits on ended) sees the grant settled in Stats.
+	if err == nil {
+		g.e.stats.grantsCommitted.Add(1)
+		g.e.stats.bytesLanded.Add(g.ticket.Bytes)
+	} else {
+		g.e.stats.grantsFailed.Add(1)
+	}
 	if quarantined {
 		g.e.stats.quarantinedBytes.Add(-int64(g.ticket.Bytes))
 	} else if err != nil {
@@ -422,12 +430,6 @@ func (g *Grant) finish() {
 	}
 	g.endOne.Do(func() { close(g.ended) })
 	close(g.done)
-	if err == nil {
-		g.e.stats.grantsCommitted.Add(1)
-		g.e.stats.bytesLanded.Add(g.ticket.Bytes)
-	} else {
-		g.e.stats.grantsFailed.Add(1)
-	}
 	if g.e.log.Enabled(context.Background(), slog.LevelDebug) { // the arguments would allocate
 		g.e.log.Debug("rdma: grant settled", "grant", g.id, "request", g.ticket.RequestID, "err", err)
 	}

@@ -3,6 +3,7 @@ package rdma
 import (
 	"math/rand/v2"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/handoff-io/handoff/internal/crc32c"
@@ -107,4 +108,28 @@ func TestExtentTooManySegments(t *testing.T) {
 	require.False(t, tiled)
 	tk := g.Ticket()
 	require.NoError(t, g.commit(tk.Epoch, &tk.Token, &Manifest{Bytes: []uint64{n}, CRC: []uint32{crc32c.Checksum(src)}}, true, true))
+}
+
+// TestSettledGrantIsCounted: once Revoke returns or Done closes, Stats
+// counts the grant as settled, also when the deadline timer settles it at the
+// same moment as the Revoke (a second terminate waits on the first's end).
+func TestSettledGrantIsCounted(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		e, err := New(Config{Agent: "rx", Transports: []Transport{TransportInproc}, Logger: quietLogger()})
+		require.NoError(t, err)
+		defer e.Close()
+		r, err := e.Register("dst", 4096)
+		require.NoError(t, err)
+		for i := range 200 {
+			g, err := e.OpenGrant(GrantSpec{RequestID: uint64(i + 1), Extents: []Extent{{Region: r.ID(), Length: 64}},
+				Deadline: time.Now().Add(time.Second)})
+			require.NoError(t, err)
+			seen := make(chan Stats, 1)
+			go func() { <-g.Done(); seen <- e.Stats() }()
+			time.Sleep(time.Second) // the deadline timer fires now too
+			g.Revoke()
+			require.Zero(t, e.Stats().GrantsOpen, "round %d: Revoke returned", i)
+			require.Zero(t, (<-seen).GrantsOpen, "round %d: Done closed", i)
+		}
+	})
 }
