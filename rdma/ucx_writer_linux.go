@@ -275,9 +275,48 @@ func (l *ucxLink) write(ctx context.Context, op *writeOp) error {
 			}
 		}
 	}
+	var packs [][]byte // of inflight's messages: a packed payload to free once sent, or nil
+	done := func() {
+		wait(inflight[0])
+		freeStage(packs[0])
+		inflight, inBytes, sizes, packs = inflight[1:], inBytes-sizes[0], sizes[1:], packs[1:]
+	}
+	post := func(b, payload, pack []byte) bool {
+		o, err := l.s.w.Post(ep, b, payload)
+		if err != nil {
+			freeStage(pack)
+			fatal = fmt.Errorf("%w: ucx send to %s: %w", ErrPeerClosed, l.peer.Agent, err)
+			return false
+		}
+		inflight, sizes, packs = append(inflight, o), append(sizes, len(payload)), append(packs, pack)
+		inBytes += len(payload)
+		for len(inflight) >= ucxWindowMsgs || (len(inflight) >= ucxWindow && inBytes >= ucxWindowSmall) {
+			done()
+		}
+		return true
+	}
+	maxPack := min(ucxPackMax, (l.s.w.MaxHeader()-headerSize-ucxTail)/ucxPackEntry)
 	h := header{typ: frameData, grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token}
 	var carried uint64
 	for i := 0; i < len(op.pieces) && fatal == nil && !rejected; i++ {
+		if n := packable(op.pieces[i:], maxPack); n > 1 {
+			pk := op.pieces[i : i+n]
+			if hk.writing != nil {
+				hk.writing(op.t, carried)
+			}
+			b, payload, err := packPieces(&h, l.id, pk)
+			if err != nil {
+				fatal = err
+				break
+			}
+			for j := range pk {
+				op.sum(&pk[j], pk[j].src)
+				carried += uint64(len(pk[j].src))
+			}
+			post(b, payload, payload)
+			i += n - 1
+			continue
+		}
 		p := &op.pieces[i]
 		for off := 0; off < len(p.src) && fatal == nil && !rejected; {
 			n := min(len(p.src)-off, ucxChunk)
@@ -286,24 +325,16 @@ func (l *ucxLink) write(ctx context.Context, op *writeOp) error {
 			if hk.writing != nil {
 				hk.writing(op.t, carried)
 			}
-			o, err := l.s.w.Post(ep, ucxHeader(&h, l.id, 0), chunk)
-			if err != nil {
-				fatal = fmt.Errorf("%w: ucx send to %s: %w", ErrPeerClosed, l.peer.Agent, err)
+			if !post(ucxHeader(&h, l.id, 0), chunk, nil) {
 				break
 			}
-			inflight, sizes = append(inflight, o), append(sizes, n)
-			inBytes += n
 			op.sum(p, chunk)
 			off += n
 			carried += uint64(n)
-			for len(inflight) >= ucxWindowMsgs || (len(inflight) >= ucxWindow && inBytes >= ucxWindowSmall) {
-				wait(inflight[0])
-				inflight, inBytes, sizes = inflight[1:], inBytes-sizes[0], sizes[1:]
-			}
 		}
 	}
-	for _, o := range inflight {
-		wait(o)
+	for len(inflight) > 0 {
+		done()
 	}
 	if fatal != nil {
 		return fatal
@@ -342,6 +373,49 @@ func (l *ucxLink) write(ctx context.Context, op *writeOp) error {
 		return fmt.Errorf("%w: %s refused data of grant %d", ErrPeerClosed, l.peer.Agent, op.t.Grant)
 	}
 	return nil
+}
+
+// packable returns how many of the first pieces go in one packed message:
+// consecutive pieces of at most ucxPackPiece bytes, at most max of them and
+// ucxPackBytes in all (fewer than two: none).
+func packable(pieces []piece, max int) int {
+	n, total := 0, 0
+	for n < len(pieces) && n < max {
+		k := len(pieces[n].src)
+		if k == 0 || k > ucxPackPiece || total+k > ucxPackBytes {
+			break
+		}
+		total += k
+		n++
+	}
+	return n
+}
+
+// packPieces builds a packed message of pieces (a framePacked header,
+// whose tail lists them) and its payload, their bytes one after another in
+// a staging buffer (ucxStage: no zeroing, no garbage), which the caller
+// frees once the send completed.
+func packPieces(h *header, link uint64, pieces []piece) (b, payload []byte, err error) {
+	total := 0
+	for i := range pieces {
+		total += len(pieces[i].src)
+	}
+	if payload, err = ucxStage(total); err != nil {
+		return nil, nil, err
+	}
+	table := make([]byte, 0, len(pieces)*ucxPackEntry)
+	pos := 0
+	for i := range pieces {
+		p := &pieces[i]
+		table = binary.LittleEndian.AppendUint32(table, p.ext)
+		table = binary.LittleEndian.AppendUint64(table, p.off)
+		table = binary.LittleEndian.AppendUint64(table, uint64(len(p.src)))
+		pos += copy(payload[pos:], p.src)
+	}
+	ph := header{typ: frameData, grant: h.grant, epoch: h.epoch, token: h.token, index: uint32(len(pieces)), length: uint64(total)}
+	b = ucxHeader(&ph, link, 0, table)
+	b[4] = framePacked
+	return b, payload, nil
 }
 
 // close says goodbye (the receiver reports the writer gone once its last

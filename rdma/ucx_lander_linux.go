@@ -1,0 +1,170 @@
+//go:build linux && cgo && ucx
+
+package rdma
+
+// The ucx receiver's landings: an admitted data message's staging buffer,
+// and who ends its landing (the receive's completion or a fence).
+
+import (
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"golang.org/x/sys/unix"
+)
+
+// ucxLander is one admitted data message: its landing, the staging
+// buffer UCX receives its payload into, and who ends the landing.
+//
+// UCX cannot cancel a receive (ucx.md §0.3: ucp_request_cancel does
+// nothing to an AM rendezvous receive) and nothing else bounds what one
+// stores (§0.4: a force-closed endpoint's cma GET runs on; over tcp the
+// fragments of a writer that is stopped, but alive, simply stop coming, and
+// the receive stays in flight until the writer resumes or dies, with no
+// bound). A receive posted into the destination would therefore hold
+// Revoke for as long as a frozen writer stays frozen, or leave it storing
+// into a destination that was handed on. So UCX never receives into a
+// destination: each message's payload goes into a staging buffer the
+// receiver owns, and only the receiver's own copy, made after the receive
+// completed and under the landing, stores into the destination (copying
+// and summing in one pass, crc32c.CopyUpdate).
+//
+// The landing is one of two things that end it, whichever comes first (the
+// state word decides): the receive's Done (the copy, then endLand), or the
+// fence's abort, which abandons the receive at once: endLand, no copy. An
+// abandoned receive goes on into its staging buffer, which nothing else
+// uses until its Done ran, and whatever it completes with is dropped.
+// Revoke therefore returns at once whatever the writer does (frozen,
+// dead, live), and nothing lands after it: the destination's only writer
+// is this process, under a landing the fence waited for. That holds on
+// every UCX transport alike, tcp fragments, a cma GET, an RDMA READ, since
+// none of them ever names the destination. The price is one extra copy per
+// byte on the receiver (measured in docs/operating.md) and up to a window
+// of staging buffers per writer, held while a stopped writer keeps its
+// receives open.
+type ucxLander struct {
+	s     *ucxServer
+	g     *Grant
+	mu    sync.Mutex // held by admitData until lds and stage are set
+	lds   []landing  // one, or a packed message's pieces in payload order
+	stage []byte
+	state atomic.Int32 // ucxReceiving, then ucxCopying or ucxAbandoned
+}
+
+const (
+	ucxReceiving = iota
+	ucxCopying   // the receive completed; its bytes are being copied in
+	ucxAbandoned // a fence ended the landing; the receive's bytes are dropped
+)
+
+// ucxStages keeps staging buffers for reuse, one free list per size (a
+// power of two from ucxStageMin to ucxChunk; a writer's message is never
+// larger, and a larger one gets a buffer of its own). They are mmap'd, not
+// Go memory: a buffer UCX fills is neither zeroed by Go on allocation nor
+// scanned by its collector, and a sync.Pool's buffers, dropped at every
+// collection, cost a receiver a quarter of its time in zeroing (measured).
+var ucxStages struct {
+	sync.Mutex
+	free map[int][][]byte
+}
+
+const (
+	ucxStageMin = 64 << 10
+	// ucxStageKeep bounds the free buffers kept per size: two writers'
+	// windows (at 8 MiB, 128 MiB that stays mapped once used; the rest
+	// are unmapped as they come back).
+	ucxStageKeep = 2 * ucxWindow
+)
+
+// ucxStageSize is the size of the buffer a message of n bytes takes.
+func ucxStageSize(n int) int {
+	if n > ucxChunk {
+		return n
+	}
+	c := ucxStageMin
+	for c < n {
+		c <<= 1
+	}
+	return c
+}
+
+// ucxStage returns a staging buffer of n bytes.
+func ucxStage(n int) ([]byte, error) {
+	c := ucxStageSize(n)
+	ucxStages.Lock()
+	if l := ucxStages.free[c]; len(l) > 0 {
+		b := l[len(l)-1]
+		ucxStages.free[c] = l[:len(l)-1]
+		ucxStages.Unlock()
+		return b[:n:n], nil
+	}
+	ucxStages.Unlock()
+	b, err := unix.Mmap(-1, 0, c, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return nil, fmt.Errorf("rdma: ucx: mapping a staging buffer of %d bytes: %w", c, err)
+	}
+	return b[:n:n], nil
+}
+
+// freeStage returns a staging buffer once no receive uses it any more.
+func freeStage(b []byte) {
+	if b == nil {
+		return
+	}
+	c := ucxStageSize(cap(b))
+	b = b[:cap(b)]
+	ucxStages.Lock()
+	if c == cap(b) && c <= ucxChunk && len(ucxStages.free[c]) < ucxStageKeep {
+		if ucxStages.free == nil {
+			ucxStages.free = map[int][][]byte{}
+		}
+		ucxStages.free[c] = append(ucxStages.free[c], b)
+		ucxStages.Unlock()
+		return
+	}
+	ucxStages.Unlock()
+	_ = unix.Munmap(b)
+}
+
+// abortLanding abandons the receive, unless its bytes are being copied in
+// already (the fence then waits for that copy, this process's own store,
+// which ends by itself). On a goroutine of its own: the fence calls it with
+// the grant's lock held, which endLand takes.
+func (l *ucxLander) abortLanding() {
+	l.s.spawn(func() {
+		if !l.state.CompareAndSwap(ucxReceiving, ucxAbandoned) {
+			return
+		}
+		l.mu.Lock()
+		lds := l.lds
+		l.mu.Unlock()
+		for i := range lds {
+			l.g.endLand(&lds[i], false, l)
+		}
+	})
+}
+
+// received ends the landing once UCX completed the receive (rerr nil: all
+// of it is in the staging buffer), and frees the buffer.
+func (l *ucxLander) received(r *ucxRx, rerr error) {
+	defer freeStage(l.stage)
+	if !l.state.CompareAndSwap(ucxReceiving, ucxCopying) {
+		return // abandoned by a fence: the grant is out of its epoch
+	}
+	pos := 0
+	for i := range l.lds {
+		ld := &l.lds[i]
+		if rerr == nil {
+			src := l.stage[pos : pos+len(ld.dst)]
+			for off := 0; off < len(ld.dst); off += landChunk {
+				end := min(off+landChunk, len(ld.dst))
+				ld.copyFill(ld.dst[off:end], src[off:end])
+			}
+		}
+		pos += len(ld.dst)
+		l.g.endLand(ld, rerr == nil, l)
+	}
+	if rerr != nil {
+		l.g.terminate(fmt.Errorf("%w: ucx receive from %s: %w", ErrPeerClosed, r.agent, rerr))
+	}
+}
