@@ -32,8 +32,15 @@ type cacheMeta struct {
 	ref        int32 // holders of a cached block
 	parent     int32 // cached block this one continues, noBlock for a first block
 	hash       BlockHash
-	tokens     []int32 // the TokensPerBlock tokens it holds
-	prev, next int32   // LRU links while cached and unheld
+	parentHash BlockHash // parent's name when it was published (events)
+	// gen counts the block's evictions; parentGen is the parent's gen when
+	// this block was published under it. A block continues only the parent
+	// it was published under, not a later prefix cached in the same block
+	// (linked): once its parent is evicted it is unreachable until evicted
+	// itself, as a router that saw the parent removed assumes.
+	gen, parentGen uint32
+	tokens         []int32 // the TokensPerBlock tokens it holds
+	prev, next     int32   // LRU links while cached and unheld
 }
 
 // blockCache is the Pool's cache state, guarded by Pool.mu.
@@ -83,6 +90,12 @@ func (c *blockCache) pushBack(b int32) {
 	c.evictable++
 }
 
+// linked reports whether cached block m continues block parent (noBlock:
+// m is a first block) as it was when m was published.
+func (c *blockCache) linked(m *cacheMeta, parent int32) bool {
+	return m.parent == parent && (parent == noBlock || m.parentGen == c.meta[parent].gen)
+}
+
 // hold adds a holder to cached block b.
 func (c *blockCache) hold(b int32) {
 	m := &c.meta[b]
@@ -129,7 +142,7 @@ func (p *Pool) match(chain []BlockHash, tokens []int32, dst []int32) (int, []int
 		}
 		m := &p.cache.meta[b]
 		lo := i * p.tpb
-		if m.parent != parent || lo+p.tpb > len(tokens) || !slices.Equal(m.tokens, tokens[lo:lo+p.tpb]) {
+		if !p.cache.linked(m, parent) || lo+p.tpb > len(tokens) || !slices.Equal(m.tokens, tokens[lo:lo+p.tpb]) {
 			return i, dst // a collision, or a chain cached from another parent
 		}
 		dst = append(dst, b)
@@ -245,7 +258,9 @@ func (p *Pool) evict(b int32) {
 	c.unlink(b)
 	m := &c.meta[b]
 	delete(c.byHash, m.hash)
+	p.events.add(CacheEvent{Hash: m.hash})
 	m.cached, m.owned, m.parent, m.hash, m.tokens = false, false, noBlock, BlockHash{}, m.tokens[:0]
+	m.gen++
 	c.evictions++
 	p.idx.release(Run{Start: BlockID(b), Len: 1})
 }
@@ -281,7 +296,7 @@ func (p *Pool) Publish(id uint64, chain []BlockHash, tokens []int32) (int, error
 					// stays the name's block and this one the request's
 					// own, and the chain goes on from the cached one.
 					dm := &p.cache.meta[d]
-					if dm.parent != parent || !slices.Equal(dm.tokens, tokens[n*p.tpb:(n+1)*p.tpb]) {
+					if !p.cache.linked(dm, parent) || !slices.Equal(dm.tokens, tokens[n*p.tpb:(n+1)*p.tpb]) {
 						return n, nil // a collision: the rest is not cacheable
 					}
 					parent = d
@@ -290,8 +305,13 @@ func (p *Pool) Publish(id uint64, chain []BlockHash, tokens []int32) (int, error
 				}
 				m.cached, m.owned, m.ref, m.parent, m.hash = true, true, 1, parent, chain[n]
 				m.tokens = append(m.tokens[:0], tokens[n*p.tpb:(n+1)*p.tpb]...)
+				m.parentHash, m.parentGen = BlockHash{}, 0
+				if parent != noBlock {
+					m.parentHash, m.parentGen = p.cache.meta[parent].hash, p.cache.meta[parent].gen
+				}
 				p.cache.byHash[chain[n]] = b
-			} else if m.hash != chain[n] || m.parent != parent {
+				p.events.add(p.storedEvent(b))
+			} else if m.hash != chain[n] || !p.cache.linked(m, parent) {
 				return n, nil
 			}
 			parent = b

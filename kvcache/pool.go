@@ -19,6 +19,7 @@ type Pool struct {
 	slab     []request
 	freeSlab []int32 // recycled slab entries, so steady state does not allocate
 	cache    blockCache
+	events   journal
 	scratch  []int32
 }
 
