@@ -56,6 +56,7 @@ type checkpoints struct {
 	byParent   map[PrefixHash][]int
 	head, tail int // LRU of ready unpinned checkpoints, oldest first
 	evictions  uint64
+	events     stateJournal
 }
 
 func newCheckpoints(n int) checkpoints {
@@ -93,9 +94,21 @@ func (c *checkpoints) pushBack(i int) {
 	c.tail = i
 }
 
+func (c *checkpoints) pushFront(i int) {
+	k := &c.ck[i]
+	k.prev, k.next = -1, c.head
+	if c.head >= 0 {
+		c.ck[c.head].prev = i
+	} else {
+		c.tail = i
+	}
+	c.head = i
+}
+
 // drop removes ready checkpoint i from its index and the LRU list and frees it.
 func (c *checkpoints) drop(i int) {
 	k := &c.ck[i]
+	c.events.add(false, k)
 	c.unlink(i)
 	list := c.byParent[k.parent]
 	for j, x := range list {
@@ -173,6 +186,7 @@ func (p *Pool) FillCheckpoint(r Row, parent PrefixHash, partial []int32, tokens 
 	k.partial = append(k.partial[:0], partial...)
 	c.byParent[parent] = append(c.byParent[parent], i)
 	c.pushBack(i)
+	c.events.add(true, k)
 	return false, nil
 }
 
@@ -245,6 +259,25 @@ func (p *Pool) UnpinCheckpoint(r Row) error {
 		p.cks.pushBack(i)
 	}
 	return nil
+}
+
+// DemoteCheckpoint makes ready checkpoint r the least recently used, so
+// that the next eviction takes it first (a longer state of the same
+// conversation superseded it), and reports whether it did: a pinned one is
+// left as it is. Errors: ErrNotCheckpoint.
+func (p *Pool) DemoteCheckpoint(r Row) (bool, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	i, ok := p.ckIndex(r)
+	if !ok || p.cks.ck[i].state != ckReady {
+		return false, fmt.Errorf("%w: demote row %d", ErrNotCheckpoint, r)
+	}
+	if p.cks.ck[i].pins > 0 {
+		return false, nil
+	}
+	p.cks.unlink(i)
+	p.cks.pushFront(i)
+	return true, nil
 }
 
 // EvictCheckpoint evicts the oldest ready unpinned checkpoint that keeps

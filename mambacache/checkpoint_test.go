@@ -103,6 +103,44 @@ func TestCheckpointPinnedIsNeverEvicted(t *testing.T) {
 	require.Equal(t, CheckpointState{Free: 1, Ready: 1}, p.Checkpoints())
 }
 
+// TestCheckpointDemotedIsEvictedFirst: a demoted checkpoint goes before
+// older ones; a pinned one is not moved, and a free row is refused.
+func TestCheckpointDemotedIsEvictedFirst(t *testing.T) {
+	p := newPool(t, ckConfig(1, 3, false))
+	var rows []Row
+	for i := range 3 {
+		r, _, err := p.NewCheckpoint()
+		require.NoError(t, err)
+		_, err = p.FillCheckpoint(r, PrefixHash{byte(i)}, nil, 4)
+		require.NoError(t, err)
+		rows = append(rows, r)
+	}
+	demoted, err := p.DemoteCheckpoint(rows[2]) // the newest
+	require.NoError(t, err)
+	require.True(t, demoted)
+	r, evicted, err := p.NewCheckpoint()
+	require.NoError(t, err)
+	require.True(t, evicted)
+	require.Equal(t, rows[2], r, "the demoted one goes first")
+	_, err = p.DemoteCheckpoint(r)
+	require.ErrorIs(t, err, ErrNotCheckpoint, "a filling row is no ready checkpoint")
+	require.NoError(t, p.AbortCheckpoint(r))
+
+	require.NoError(t, p.PinCheckpoint(rows[1]))
+	demoted, err = p.DemoteCheckpoint(rows[1]) // pinned: stays off the list
+	require.NoError(t, err)
+	require.False(t, demoted)
+	r, _, err = p.NewCheckpoint()
+	require.NoError(t, err)
+	r2, evicted, err := p.NewCheckpoint()
+	require.NoError(t, err)
+	require.True(t, evicted)
+	require.Equal(t, rows[0], r2, "the pinned one survives its demotion")
+	require.NoError(t, p.AbortCheckpoint(r))
+	require.NoError(t, p.AbortCheckpoint(r2))
+	require.NoError(t, p.UnpinCheckpoint(rows[1]))
+}
+
 // TestCheckpointProperty runs random checkpoint operations against a
 // reference model: a found checkpoint is always ready, of that parent and
 // those tokens, and the longest; pinned ones survive; the counts add up;

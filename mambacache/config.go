@@ -104,6 +104,19 @@ type Config struct {
 	// (checkpoint.go): rows TotalRows .. ArenaRows-1, outside the real
 	// capacity and the reserved rows. 0 turns state checkpoints off.
 	CheckpointRows int
+
+	// DraftTokens is the most draft tokens a verification step checks
+	// (speculative decoding, K); 0 turns speculation off. It sizes the
+	// padding rows (one per reachable draft length, PaddingDraftLens) and
+	// adds one scratch row per real row (ScratchRow). It must not exceed
+	// MaxDraftTokens, so every reachable length has a padding sentinel id.
+	DraftTokens int
+	// DraftLenSchedule, with DraftTokens > 0, picks a step's draft length
+	// by its batch size; its lengths must not exceed DraftTokens.
+	DraftLenSchedule DraftSchedule
+	// AcceptanceGating, with DraftTokens > 0, says an acceptance-rate gate
+	// may switch drafting off (draft length 0) at run time.
+	AcceptanceGating bool
 }
 
 // Validate reports whether c describes a usable pool. The error wraps
@@ -150,9 +163,29 @@ func (c Config) Validate() error {
 	if c.MaxDraftTokens < 0 || c.MaxDraftTokens > maxDim {
 		return bad("MaxDraftTokens = %d, want 0..%d", c.MaxDraftTokens, maxDim)
 	}
-	if rows := int64(c.MaxBatchSize)*int64(c.pp()) + 2 + int64(c.CheckpointRows); rows > MaxRows {
-		return bad("%d rows (MaxBatchSize %d x PPSize %d + reserved + %d checkpoint), want at most %d",
-			rows, c.MaxBatchSize, c.pp(), c.CheckpointRows, MaxRows)
+	if c.DraftTokens < 0 || c.DraftTokens > c.MaxDraftTokens {
+		return bad("DraftTokens = %d, want 0..MaxDraftTokens (%d): a reachable draft length needs a padding sentinel id",
+			c.DraftTokens, c.MaxDraftTokens)
+	}
+	if err := c.DraftLenSchedule.check(); err != nil {
+		return fmt.Errorf("%w: DraftLenSchedule: %w", ErrInvalidConfig, err)
+	}
+	if c.DraftTokens == 0 && (c.DraftLenSchedule.Len() > 0 || c.AcceptanceGating) {
+		return bad("DraftLenSchedule %q or AcceptanceGating without speculation (DraftTokens = 0)", c.DraftLenSchedule)
+	}
+	for i, e := range c.DraftLenSchedule.list() {
+		if e.DraftLen > c.DraftTokens {
+			return fmt.Errorf("%w: DraftLenSchedule entry %d %s: %w: draft length above DraftTokens (%d), no padding row for it",
+				ErrInvalidConfig, i+1, e, ErrInvalidSchedule, c.DraftTokens)
+		}
+	}
+	rows := int64(c.MaxBatchSize)*int64(c.pp()) + int64(c.ReservedRows()) + int64(c.CheckpointRows)
+	if c.DraftTokens > 0 {
+		rows += int64(c.MaxBatchSize) * int64(c.pp())
+	}
+	if rows > MaxRows {
+		return bad("%d rows (MaxBatchSize %d x PPSize %d + %d reserved + %d checkpoint + scratch), want at most %d",
+			rows, c.MaxBatchSize, c.pp(), c.ReservedRows(), c.CheckpointRows, MaxRows)
 	}
 	lb, ok := c.layerBytesChecked()
 	if !ok || lb > math.MaxInt64/int64(c.Layers) || lb*int64(c.Layers) > math.MaxInt64/int64(c.ArenaRows()) {
@@ -189,31 +222,144 @@ func (c Config) layerBytesChecked() (int64, bool) {
 }
 
 // ReservedRows is the number of rows never handed to a real request: one
-// padding sentinel row, plus one attention-DP dummy row when AttentionDP.
+// padding row per reachable draft length (PaddingRows), plus one
+// attention-DP dummy row when AttentionDP.
 func (c Config) ReservedRows() int {
 	if c.AttentionDP {
-		return 2
+		return c.PaddingRows() + 1
 	}
-	return 1
+	return c.PaddingRows()
 }
 
-// TotalRows is the pool size: MaxBatchSize*PPSize + 1 (padding sentinel) +
-// 1 if AttentionDP.
+// PaddingRows is the number of padding rows, TensorRT-LLM's
+// _get_num_cuda_graph_padding_dummy_slots: len(PaddingDraftLens()).
+func (c Config) PaddingRows() int {
+	n := 0
+	c.paddingDraftLens(func(int) { n++ })
+	return n
+}
+
+// PaddingDraftLens appends to dst, in increasing order, the draft lengths
+// that have a padding row, TensorRT-LLM's rule
+// (MambaHybridCacheManagerV2._get_num_cuda_graph_padding_dummy_slots):
+//
+//  1. speculation off (DraftTokens 0): {0}, one row every padding sentinel
+//     shares;
+//  2. with a DraftLenSchedule: the distinct lengths the schedule reaches at
+//     batch sizes 1..MaxBatchSize, plus 0 when MaxBatchSize is above its
+//     last entry;
+//  3. otherwise {DraftTokens};
+//
+// plus 0 when AcceptanceGating can switch drafting off.
+func (c Config) PaddingDraftLens(dst []int) []int {
+	c.paddingDraftLens(func(dl int) { dst = append(dst, dl) })
+	return dst
+}
+
+func (c Config) paddingDraftLens(f func(dl int)) {
+	if c.DraftTokens <= 0 {
+		f(0)
+		return
+	}
+	sched := c.DraftLenSchedule
+	zero := c.AcceptanceGating || sched.uncovered(c.MaxBatchSize)
+	if zero {
+		f(0) // the smallest length comes first
+	}
+	each := func(dl int) {
+		if dl != 0 || !zero {
+			f(dl)
+		}
+	}
+	if sched.Len() > 0 {
+		sched.reachable(c.MaxBatchSize, each)
+	} else {
+		each(c.DraftTokens)
+	}
+}
+
+// PaddingDraftLen reports the draft length a padding sentinel id stands
+// for: PaddingSentinelID - id. ok is false for an id that is not a padding
+// sentinel (IsPaddingID).
+func (c Config) PaddingDraftLen(id uint64) (dl int, ok bool) {
+	if !c.IsPaddingID(id) {
+		return 0, false
+	}
+	return int(PaddingSentinelID - id), true
+}
+
+// PaddingIDFor returns the padding sentinel id of draft length dl,
+// PaddingSentinelID - dl (TensorRT-LLM's CUDA_GRAPH_DUMMY_REQUEST_ID -
+// draft_len).
+func PaddingIDFor(dl int) uint64 { return PaddingSentinelID - uint64(max(dl, 0)) }
+
+// TotalRows is the pool size: MaxBatchSize*PPSize + PaddingRows + 1 if
+// AttentionDP (checkpoint and scratch rows come after it, see ArenaRows).
 func (c Config) TotalRows() int { return c.RealRows() + c.ReservedRows() }
 
 // RealRows is the scheduler-visible capacity: MaxBatchSize*PPSize.
 func (c Config) RealRows() int { return c.MaxBatchSize * c.pp() }
 
-// PaddingRow is the reserved row of the padding sentinels: TotalRows-1.
+// PaddingRow is the padding row of the smallest padding draft length,
+// TotalRows-1: with speculation off, the one row every padding sentinel
+// shares.
 func (c Config) PaddingRow() Row { return Row(c.TotalRows() - 1) }
 
-// ADPRow is the reserved row of the attention-DP dummy: TotalRows-2. ok
-// is false when AttentionDP is off.
+// PaddingRowFor returns the padding row of draft length dl: the rows are
+// popped from the top in increasing draft-length order, so the i-th
+// length of PaddingDraftLens has row TotalRows-1-i. With speculation off
+// every length shares PaddingRow. ok is false for a length with no row.
+func (c Config) PaddingRowFor(dl int) (r Row, ok bool) {
+	if c.DraftTokens <= 0 {
+		return c.PaddingRow(), dl >= 0 && dl <= c.MaxDraftTokens
+	}
+	i, found := 0, false
+	c.paddingDraftLens(func(l int) {
+		if found {
+			return
+		}
+		if l == dl {
+			found = true
+			return
+		}
+		i++
+	})
+	if !found {
+		return 0, false
+	}
+	return Row(c.TotalRows() - 1 - i), true
+}
+
+// ADPRow is the reserved row of the attention-DP dummy:
+// TotalRows-1-PaddingRows (TotalRows-2 with speculation off). ok is false
+// when AttentionDP is off.
 func (c Config) ADPRow() (r Row, ok bool) {
 	if !c.AttentionDP {
 		return 0, false
 	}
-	return Row(c.TotalRows() - 2), true
+	return Row(c.TotalRows() - 1 - c.PaddingRows()), true
+}
+
+// ScratchRows is the number of scratch rows: one per real row with
+// speculation on (DraftTokens > 0), else none.
+func (c Config) ScratchRows() int {
+	if c.DraftTokens > 0 {
+		return c.RealRows()
+	}
+	return 0
+}
+
+// ScratchRow returns the scratch row of real row r: where the verifying
+// worker keeps the request's state from before a verification step, to
+// roll back to when not every draft is accepted. It is the request's
+// only while it holds r, lives only on that worker and is never
+// transferred. ok is false with speculation off or for a row that is not
+// real.
+func (c Config) ScratchRow(r Row) (Row, bool) {
+	if c.DraftTokens <= 0 || int64(r) >= int64(c.RealRows()) {
+		return 0, false
+	}
+	return Row(c.TotalRows() + c.CheckpointRows + int(r)), true
 }
 
 // DInner is Heads*HeadDim.
@@ -253,16 +399,94 @@ func (c Config) LayerBytes() int64 { return c.ConvBytes() + c.SSMBytes() }
 func (c Config) RowBytes() int64 { return int64(c.Layers) * c.LayerBytes() }
 
 // ArenaBytes is the size of the arena the caller must hold:
-// ArenaRows * RowBytes (reserved and checkpoint rows included).
+// ArenaRows * RowBytes (reserved, checkpoint and scratch rows included).
 func (c Config) ArenaBytes() int64 { return int64(c.ArenaRows()) * c.RowBytes() }
 
-// ArenaRows is TotalRows + CheckpointRows: every row of the arena.
-func (c Config) ArenaRows() int { return c.TotalRows() + c.CheckpointRows }
+// ArenaRows is TotalRows + CheckpointRows + ScratchRows: every row of the
+// arena.
+func (c Config) ArenaRows() int { return c.TotalRows() + c.CheckpointRows + c.ScratchRows() }
 
 // IsCheckpointRow reports whether r is one of the checkpoint rows. Like a
 // reserved row it is never a request's: no transfer may name it.
 func (c Config) IsCheckpointRow(r Row) bool {
-	return int64(r) >= int64(c.TotalRows()) && int64(r) < int64(c.ArenaRows())
+	return int64(r) >= int64(c.TotalRows()) && int64(r) < int64(c.TotalRows()+c.CheckpointRows)
+}
+
+// RowKind is what a state row is for. Only RowReal rows ever hold a
+// request's state that may leave the worker.
+type RowKind uint8
+
+// The row kinds, in arena order after RowReal.
+const (
+	RowReal       RowKind = iota // 0 .. RealRows-1: a request's committed state
+	RowADP                       // the attention-DP dummy's reserved row
+	RowPadding                   // a CUDA-graph padding dummy's reserved row, one per draft length
+	RowCheckpoint                // a prefix-cache checkpoint (checkpoint.go)
+	RowScratch                   // a verifying request's pre-verification state (ScratchRow)
+)
+
+// String returns the kind's name.
+func (k RowKind) String() string {
+	switch k {
+	case RowReal:
+		return "real"
+	case RowADP:
+		return "adp"
+	case RowPadding:
+		return "padding"
+	case RowCheckpoint:
+		return "checkpoint"
+	case RowScratch:
+		return "scratch"
+	}
+	return fmt.Sprintf("RowKind(%d)", uint8(k))
+}
+
+// RowRole is a row's role: its kind and, for a padding row, the draft
+// length it pads.
+type RowRole struct {
+	Kind     RowKind
+	DraftLen int // RowPadding only
+}
+
+// String returns "real", "padding(4)", "adp", "checkpoint" or "scratch".
+func (r RowRole) String() string {
+	if r.Kind == RowPadding {
+		return fmt.Sprintf("padding(%d)", r.DraftLen)
+	}
+	return r.Kind.String()
+}
+
+// Transferable reports whether a row of this role may be named by a
+// transfer: only a real row.
+func (r RowRole) Transferable() bool { return r.Kind == RowReal }
+
+// RoleOf returns row r's role. ok is false for a row outside the arena.
+// With speculation off the one padding row reports draft length 0.
+func (c Config) RoleOf(r Row) (role RowRole, ok bool) {
+	i := int64(r)
+	switch real, total := int64(c.RealRows()), int64(c.TotalRows()); {
+	case i < real:
+		return RowRole{Kind: RowReal}, true
+	case i < total:
+		if adp, ok := c.ADPRow(); ok && r == adp {
+			return RowRole{Kind: RowADP}, true
+		}
+		k := int(total - 1 - i) // the k-th padding length, increasing
+		role = RowRole{Kind: RowPadding}
+		c.paddingDraftLens(func(dl int) {
+			if k == 0 {
+				role.DraftLen = dl
+			}
+			k--
+		})
+		return role, true
+	case i < total+int64(c.CheckpointRows):
+		return RowRole{Kind: RowCheckpoint}, true
+	case i < int64(c.ArenaRows()):
+		return RowRole{Kind: RowScratch}, true
+	}
+	return RowRole{}, false
 }
 
 // RowExtent returns the bytes of row r, one contiguous extent. It panics on

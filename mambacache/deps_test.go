@@ -12,6 +12,7 @@ import (
 // request ids are reserved.
 var allowedImports = map[string]bool{
 	"errors": true, "fmt": true, "math": true, "math/bits": true, "sync": true,
+	"strconv": true, "strings": true, // ParseDraftSchedule
 	"github.com/handoff-io/handoff/internal/reqid": true,
 }
 

@@ -7,19 +7,33 @@
 //
 // # Rows
 //
-// The pool has TotalRows = MaxBatchSize*PPSize + 1 + (1 if AttentionDP)
-// rows. At construction rows 0..TotalRows-1 go on a LIFO free stack and the
-// reserved rows are popped from its top: first the padding sentinel row
-// (TotalRows-1), then, with attention DP, the ADP dummy row (TotalRows-2).
-// What is left, MaxBatchSize*PPSize rows, is the real capacity and the only
-// capacity the scheduler sees (Capacity).
+// The pool has TotalRows = MaxBatchSize*PPSize + PaddingRows + (1 if
+// AttentionDP) rows. PaddingRows is 1 with speculation off; with
+// speculative decoding (DraftTokens > 0) it is one row per draft length a
+// step can use, TensorRT-LLM's rule (PaddingDraftLens): the distinct
+// lengths a DraftLenSchedule reaches at batch sizes up to MaxBatchSize,
+// plus 0 when the schedule leaves larger batches uncovered or
+// AcceptanceGating can switch drafting off; DraftTokens alone without a
+// schedule. At construction rows 0..TotalRows-1 go on a LIFO free stack
+// and the reserved rows are popped from its top: first the padding rows in
+// increasing draft-length order (TotalRows-1 first), then, with attention
+// DP, the ADP dummy row. What is left, MaxBatchSize*PPSize rows, is the
+// real capacity and the only capacity the scheduler sees (Capacity).
+//
+// After them the arena holds the prefix cache's checkpoint rows and, with
+// speculation on, one scratch row per real row (ScratchRow): the
+// pre-verification state a verifying worker rolls back to. Every row has
+// a role (RoleOf: real, adp, padding(draft length), checkpoint, scratch),
+// and only a real row is Transferable.
 //
 // Reserved rows are never handed to a real request and never return to the
 // free stack. Ids route as follows:
 //
 //   - an id that already holds a row keeps it (allocation is idempotent);
 //   - a padding sentinel id, 2^64-1-MaxDraftTokens .. 2^64-1, maps to the
-//     padding row (every padding row of a CUDA-graph batch aliases it);
+//     padding row of its draft length 2^64-1-id (with speculation off every
+//     sentinel shares the one padding row); a length without a row is
+//     refused with ErrNoPaddingRow;
 //   - ADPDummyID (0), with attention DP, maps to the ADP row, so an idle
 //     attention-DP rank can always pad even when every real row is held by
 //     requests whose cache is in transfer;
@@ -53,7 +67,7 @@
 //     received; AddDummy(id) for dummies.
 //  3. Free(id) when the request ends. Check Capacity/FreeRows before
 //     admitting: ErrNoFreeRows is a hard error, as in TensorRT-LLM.
-//  4. Never name a row for which IsReserved is true in a transfer.
+//  4. Never name a row that is not Transferable in a transfer.
 //
 // A Pool is safe for concurrent use through one mutex. Steady-state
 // Allocate/AddDummy/Free do not allocate memory.

@@ -26,4 +26,12 @@ var (
 	// ErrNotCheckpoint is returned for a checkpoint operation on a row that
 	// is not a checkpoint row in the state the operation needs.
 	ErrNotCheckpoint = errors.New("mambacache: not a checkpoint row in that state")
+	// ErrInvalidSchedule is returned by ParseDraftSchedule for a malformed
+	// draft-length schedule, and wrapped by Config.Validate for one that
+	// reaches a draft length above DraftTokens.
+	ErrInvalidSchedule = errors.New("mambacache: invalid draft-length schedule")
+	// ErrNoPaddingRow is returned by AddDummy for the padding sentinel of a
+	// draft length that has no padding row (not in PaddingDraftLens): a
+	// step was padded with a length the config never reaches.
+	ErrNoPaddingRow = errors.New("mambacache: no padding row for that draft length")
 )

@@ -18,7 +18,8 @@ type Pool struct {
 	cfg     Config
 	free    []Row // LIFO stack: pop from the end, push on Free
 	index   map[uint64]Row
-	padding Row
+	padding []Row // padding[i] pads draft length lens[i]
+	lens    []int // PaddingDraftLens, increasing
 	adp     Row
 	hasADP  bool
 	used    int // real rows held
@@ -26,9 +27,10 @@ type Pool struct {
 }
 
 // New builds the pool: rows 0..TotalRows-1 on the free stack, then pops
-// the padding row (TotalRows-1) and, with attention DP, the ADP row
-// (TotalRows-2). What stays on the stack is the real capacity. It fails
-// with ErrInvalidConfig when cfg does not validate.
+// the padding rows, one per reachable draft length in increasing order
+// (TotalRows-1 first), and, with attention DP, the ADP row. What stays on
+// the stack is the real capacity. It fails with ErrInvalidConfig when cfg
+// does not validate.
 func New(cfg Config) (*Pool, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -43,7 +45,10 @@ func New(cfg Config) (*Pool, error) {
 	for i := range p.free {
 		p.free[i] = Row(i)
 	}
-	p.padding = p.pop()
+	p.lens = cfg.PaddingDraftLens(nil)
+	for range p.lens {
+		p.padding = append(p.padding, p.pop())
+	}
 	if cfg.AttentionDP {
 		p.adp, p.hasADP = p.pop(), true
 	}
@@ -88,9 +93,12 @@ func (p *Pool) takeReal(id uint64) (Row, error) {
 
 // AddDummy places dummy request id, as TensorRT-LLM's add_dummy_requests:
 // an id that holds a row keeps it; a padding sentinel id maps to the
-// padding row; ADPDummyID maps to the ADP row when attention DP is on; any
-// other id (a warm-up dummy, or ADPDummyID without attention DP) takes a
-// real row and fails with ErrNoFreeRows when none is free.
+// padding row of its draft length (PaddingSentinelID - id; with
+// speculation off every sentinel shares the one padding row), and fails
+// with ErrNoPaddingRow for a length with none; ADPDummyID maps to the ADP
+// row when attention DP is on; any other id (a warm-up dummy, or
+// ADPDummyID without attention DP) takes a real row and fails with
+// ErrNoFreeRows when none is free.
 func (p *Pool) AddDummy(id uint64) (Row, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -99,13 +107,30 @@ func (p *Pool) AddDummy(id uint64) (Row, error) {
 	}
 	switch {
 	case p.cfg.IsPaddingID(id):
-		p.index[id] = p.padding
-		return p.padding, nil
+		r, err := p.paddingRow(id)
+		if err != nil {
+			return 0, err
+		}
+		p.index[id] = r
+		return r, nil
 	case p.hasADP && id == ADPDummyID:
 		p.index[id] = p.adp
 		return p.adp, nil
 	}
 	return p.takeReal(id)
+}
+
+func (p *Pool) paddingRow(id uint64) (Row, error) {
+	if p.cfg.DraftTokens <= 0 {
+		return p.padding[0], nil
+	}
+	dl, _ := p.cfg.PaddingDraftLen(id)
+	for i, l := range p.lens {
+		if l == dl {
+			return p.padding[i], nil
+		}
+	}
+	return 0, fmt.Errorf("%w: id %d pads draft length %d, the pool pads %v", ErrNoPaddingRow, id, dl, p.lens)
 }
 
 // Free unmaps id. A real row goes back on top of the free stack; a
@@ -133,12 +158,21 @@ func (p *Pool) Row(id uint64) (Row, bool) {
 	return r, ok
 }
 
-// IsReserved reports whether r is the padding row or the ADP row. A
+// IsReserved reports whether r is a padding row or the ADP row. A
 // transfer must never name a reserved row.
 func (p *Pool) IsReserved(r Row) bool { return p.isReserved(r) }
 
+// The reserved rows are the top TotalRows-RealRows rows.
 func (p *Pool) isReserved(r Row) bool {
-	return r == p.padding || (p.hasADP && r == p.adp)
+	return int64(r) >= int64(p.cfg.RealRows()) && int64(r) < int64(p.cfg.TotalRows())
+}
+
+// Transferable reports whether r may be named by a transfer: a real row
+// (Config.RoleOf). Reserved, checkpoint and scratch rows, and rows outside
+// the arena, never may.
+func (p *Pool) Transferable(r Row) bool {
+	role, ok := p.cfg.RoleOf(r)
+	return ok && role.Transferable()
 }
 
 // Capacity returns the real rows: what the scheduler may admit.
@@ -159,7 +193,8 @@ func (p *Pool) UsedRows() int {
 	return p.used
 }
 
-// ReservedRows returns the number of reserved rows: 1, or 2 with attention DP.
+// ReservedRows returns the number of reserved rows: the padding rows plus
+// 1 with attention DP.
 func (p *Pool) ReservedRows() int { return p.cfg.ReservedRows() }
 
 // Requests returns the number of mapped ids, dummies on reserved rows

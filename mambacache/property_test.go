@@ -12,16 +12,18 @@ import (
 )
 
 // harness drives a Pool and a naive model of TensorRT-LLM's slot manager
-// (a Python list used as a stack, a dict, two reserved slots) with the same
-// operations, and checks after every operation that they agree and that the
-// pool's invariants hold.
+// (a Python list used as a stack, a dict, the reserved slots: one padding
+// slot per reachable draft length, found by trying every batch size, and
+// the ADP slot) with the same operations, and checks after every operation
+// that they agree and that the pool's invariants hold.
 type harness struct {
 	t       testing.TB
 	p       *Pool
 	c       Config
 	free    []Row // model stack
 	index   map[uint64]Row
-	padding Row
+	padding Row         // speculation off: the one padding row
+	pad     map[int]Row // speculation on: the padding row of each draft length
 	adp     Row
 	hasADP  bool
 	ops     int
@@ -36,7 +38,11 @@ func newHarness(t testing.TB, c Config) *harness {
 	for r := range c.TotalRows() {
 		h.free = append(h.free, Row(r))
 	}
-	h.padding, h.free = h.free[len(h.free)-1], h.free[:len(h.free)-1]
+	h.pad = map[int]Row{}
+	for _, dl := range naivePaddingLens(c) {
+		h.pad[dl], h.free = h.free[len(h.free)-1], h.free[:len(h.free)-1]
+	}
+	h.padding = h.pad[0]
 	if c.AttentionDP {
 		h.adp, h.free, h.hasADP = h.free[len(h.free)-1], h.free[:len(h.free)-1], true
 	}
@@ -57,6 +63,57 @@ func harnessID(sel byte) uint64 {
 
 func (h *harness) isPadding(id uint64) bool {
 	return id >= math.MaxUint64-uint64(h.c.MaxDraftTokens)
+}
+
+// naivePaddingLens is TensorRT-LLM's rule by brute force: the draft
+// length of every batch size 1..MaxBatchSize, K without a schedule, 0
+// with gating, in increasing order.
+func naivePaddingLens(c Config) []int {
+	if c.DraftTokens == 0 {
+		return []int{0}
+	}
+	set := map[int]bool{}
+	steps := c.DraftLenSchedule.Steps()
+	if len(steps) == 0 {
+		set[c.DraftTokens] = true
+	}
+	for b := 1; b <= c.MaxBatchSize && len(steps) > 0; b++ {
+		dl := 0
+		for _, e := range steps {
+			if b <= e.MaxBatch {
+				dl = e.DraftLen
+				break
+			}
+		}
+		set[dl] = true
+	}
+	if c.AcceptanceGating {
+		set[0] = true
+	}
+	var lens []int
+	for dl := range set {
+		lens = append(lens, dl)
+	}
+	slices.Sort(lens)
+	return lens
+}
+
+// paddingRow is the model's row for padding sentinel id.
+func (h *harness) paddingRow(id uint64) (Row, bool) {
+	if h.c.DraftTokens == 0 {
+		return h.padding, true
+	}
+	r, ok := h.pad[int(math.MaxUint64-id)]
+	return r, ok
+}
+
+func (h *harness) isReservedRow(r Row) bool {
+	for _, p := range h.pad {
+		if r == p {
+			return true
+		}
+	}
+	return h.hasADP && r == h.adp
 }
 
 func (h *harness) isDummy(id uint64) bool {
@@ -99,8 +156,12 @@ func (h *harness) step(op, sel byte, arg byte) {
 		case ok:
 			wantRow = r
 		case h.isPadding(id):
-			wantRow = h.padding
-			h.index[id] = wantRow
+			var ok bool
+			if wantRow, ok = h.paddingRow(id); ok {
+				h.index[id] = wantRow
+			} else {
+				wantErr = ErrNoPaddingRow
+			}
 		case h.hasADP && id == ADPDummyID:
 			wantRow = h.adp
 			h.index[id] = wantRow
@@ -122,7 +183,7 @@ func (h *harness) step(op, sel byte, arg byte) {
 			wantErr = ErrUnknownRequest
 		} else {
 			delete(h.index, id)
-			if r != h.padding && !(h.hasADP && r == h.adp) {
+			if !h.isReservedRow(r) {
 				h.free = append(h.free, r)
 			}
 		}
@@ -170,8 +231,12 @@ func (h *harness) checkInvariants() error {
 			if !h.c.IsDummyID(id) {
 				return fmt.Errorf("real id %d on reserved row %d", id, r)
 			}
-			if h.c.IsPaddingID(id) != (r == h.c.PaddingRow()) {
+			want, ok := h.paddingRow(id)
+			if h.c.IsPaddingID(id) && (!ok || r != want) || !h.c.IsPaddingID(id) && h.isReservedRow(r) && r != h.adp {
 				return fmt.Errorf("id %d on the wrong reserved row %d", id, r)
+			}
+			if role, _ := h.c.RoleOf(r); role.Transferable() {
+				return fmt.Errorf("reserved row %d has role %s", r, role)
 			}
 			continue
 		}
@@ -212,12 +277,24 @@ func TestPropertyRandomOps(t *testing.T) {
 	shapes := []struct {
 		mbs, pp, draft int
 		adp            bool
-	}{{1, 0, 0, true}, {1, 0, 0, false}, {3, 2, 2, true}, {4, 1, 3, false}, {8, 1, 1, true}}
-	const opsPerShape = 100_000 / 5
+		k              int // speculation: DraftTokens (0: off)
+		sched          string
+		gating         bool
+	}{
+		{1, 0, 0, true, 0, "", false}, {1, 0, 0, false, 0, "", false}, {3, 2, 2, true, 0, "", false},
+		{4, 1, 3, false, 0, "", false}, {8, 1, 1, true, 0, "", false},
+		{8, 1, 3, true, 3, "1:3,2:2,4:1", false}, {1, 0, 3, true, 3, "1:3,4:1", true},
+		{6, 1, 4, true, 2, "", true}, {5, 1, 3, false, 3, "2:3,4:0", false},
+	}
+	const opsPerShape = 100_000 / 8
 	total := 0
 	for i, s := range shapes {
 		c := testConfig(s.mbs, s.adp)
 		c.PPSize, c.MaxDraftTokens = s.pp, s.draft
+		c.DraftTokens, c.AcceptanceGating = s.k, s.gating
+		sched, err := ParseDraftSchedule(s.sched)
+		require.NoError(t, err)
+		c.DraftLenSchedule = sched
 		h := newHarness(t, c)
 		rng := rand.New(rand.NewPCG(uint64(i), 0x6d61))
 		for range opsPerShape {
@@ -235,6 +312,7 @@ func FuzzPool(f *testing.F) {
 	f.Add([]byte{0x11, 0, 1, 0, 1, 200, 0, 2, 200, 0, 1, 200, 0, 0, 200, 0})
 	f.Add([]byte{0x00, 0, 1, 0, 1, 200, 0, 1, 255, 0, 3, 0, 0})
 	f.Add([]byte{0x37, 0, 1, 0, 0, 2, 0, 0, 3, 0, 1, 241, 0, 1, 244, 0, 3, 9, 0})
+	f.Add([]byte{0x0f, 0x07, 0, 1, 0, 1, 255, 0, 1, 254, 0, 1, 253, 0, 1, 252, 0, 3, 0, 0, 1, 200, 0})
 	f.Fuzz(func(t *testing.T, data []byte) {
 		if len(data) == 0 {
 			return
@@ -242,6 +320,13 @@ func FuzzPool(f *testing.F) {
 		c := testConfig(int(data[0]&7)+1, data[0]&8 != 0)
 		c.PPSize = int(data[0]>>4) % 3
 		c.MaxDraftTokens = int(data[0]>>6) % 4
+		if len(data) > 1 && data[1]&1 != 0 { // speculation on
+			c.MaxDraftTokens = 3
+			c.DraftTokens, c.AcceptanceGating = 3, data[1]&2 != 0
+			scheds := []string{"", "1:3,2:2,4:1", "2:3,4:0", "1:1"}
+			c.DraftLenSchedule, _ = ParseDraftSchedule(scheds[int(data[1]>>2)%len(scheds)])
+			data = data[1:]
+		}
 		h := newHarness(t, c)
 		for data = data[1:]; len(data) >= 3 && h.ops < 5000; data = data[3:] {
 			h.step(data[0], data[1], data[2])
