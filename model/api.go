@@ -47,7 +47,7 @@ var (
 type Spec struct {
 	Name         string
 	Revision     string // changes whenever the numbers the model computes change
-	LayerPattern string // one byte per layer: 'M' mamba, '*' attention, '-' MLP
+	LayerPattern string // one byte per layer: 'M' mamba, '*' attention, '-' MLP, '+' draft (DraftLayer)
 	Vocab        int
 	MaxContext   int // positions 0 .. MaxContext-1 are valid
 	KV           kvcache.Config
@@ -127,6 +127,13 @@ type Options struct {
 	// excludes the flat delays. The Fingerprint does not change.
 	GPU      string
 	MFU, MBU float64
+	// TimingAs, with GPU, prices the simulated compute as the named
+	// preset's (its weights, KV and state sizes) while the executor keeps
+	// its own math: "tiny-hybrid?gpu=h200&as=nemotron-h-8b" generates
+	// tiny-hybrid's text at nemotron-h-8b's pace on an H200, for
+	// benchmarks whose result depends on the text (speculative decoding's
+	// acceptance) as well as on the step time.
+	TimingAs string
 	// DecodeTouch, when > 0, makes a synthetic preset's decode read
 	// (checksum) and rewrite only the first DecodeTouch bytes of each state
 	// section (each conv section and SSM extent of each layer) instead of
@@ -135,6 +142,12 @@ type Options struct {
 	// step). Prefill still writes every byte, and transfers move every byte.
 	// The tiny-hybrid model refuses it.
 	DecodeTouch int
+	// MTP ("?mtp=1") gives the model a draft head: a DraftLayer after its
+	// layers, with its KV in the pool (one more KV layer, so another
+	// Fingerprint), for speculative decoding's Draft. tiny-hybrid's tokens
+	// are the same with it; a synthetic preset's are another hash (its
+	// tokens hash the whole cache).
+	MTP bool
 }
 
 const maxDelay = time.Minute
@@ -174,6 +187,9 @@ func Names() []string {
 //	qwen3-next-80b?ssm_dtype=fp32    SSM state in fp32 (bf16 or fp32)
 //	nemotron-h-8b?gpu=h200           the worker sleeps each step's simulated H200
 //	                                 compute time (timing.go); &mfu=0.5&mbu=0.7
+//	tiny-hybrid?gpu=h200&as=nemotron-h-8b
+//	                                 tiny-hybrid's math and text, timed as
+//	                                 nemotron-h-8b on an H200 (TimingAs)
 //	nemotron-h-8b?gpu=h200&touch=head
 //	                                 decode reads and rewrites 1 KiB of each state
 //	                                 section, not the whole row (DecodeTouch)
@@ -205,8 +221,25 @@ func New(name string, o Options) (Executor, error) {
 	if err != nil {
 		return nil, err
 	}
+	if o.TimingAs != "" && o.GPU == "" {
+		return nil, fmt.Errorf("%w: as=%s without gpu", ErrInvalidOption, o.TimingAs)
+	}
 	if o.GPU != "" {
-		t, err := NewTiming(e.Spec(), o.GPU, o.MFU, o.MBU)
+		tspec := e.Spec()
+		if o.TimingAs != "" {
+			if _, ok := presets[o.TimingAs]; !ok || o.TimingAs == name {
+				return nil, fmt.Errorf("%w: as=%q: want another model's preset (%s or %s)", ErrInvalidOption, o.TimingAs, NemotronH8B, Qwen3Next80B)
+			}
+			a, err := newSynthetic(o.TimingAs, Options{})
+			if err != nil {
+				return nil, err
+			}
+			tspec = a.Spec()
+			if o.MTP {
+				tspec = withDraftLayer(tspec) // priced with its draft head
+			}
+		}
+		t, err := NewTiming(tspec, o.GPU, o.MFU, o.MBU)
 		if err != nil {
 			return nil, err
 		}
@@ -253,8 +286,19 @@ func parseOptions(query string) (Options, error) {
 			default:
 				return o, fmt.Errorf("%w: ssm_dtype %q (want bf16, fp16 or fp32)", ErrInvalidOption, v)
 			}
+		case "mtp":
+			switch v {
+			case "1", "on":
+				o.MTP = true
+			case "0", "off":
+				o.MTP = false
+			default:
+				return o, fmt.Errorf("%w: mtp %q (want 1 or 0)", ErrInvalidOption, v)
+			}
 		case "gpu":
 			o.GPU = v
+		case "as":
+			o.TimingAs = v
 		case "touch":
 			switch v {
 			case "full":

@@ -59,6 +59,19 @@
 // whole row (49 MiB for nemotron-h-8b, 37.7 MiB for qwen3-next-80b), as a real
 // decode step does.
 //
+// # Draft head
+//
+// "?mtp=1" gives a model a draft head for speculative decoding (mtp.go):
+// a DraftLayer ('+') after its layers, an attention layer whose K and V
+// live in the KV pool as its last KV layer (so they travel with the
+// blocks, and the Fingerprint differs from the model without it). Every
+// prefill and decode step writes the layer's entry of each position it
+// processes, from the token and the target's context at the position
+// before; Draft reads them and chains the layer over its own drafts, in a
+// scratch of the call, never writing the pools. tiny-hybrid's head ties
+// its attention and MLP to the target's last ones; its tokens are the
+// same as without the head. The simulated timing prices the head's passes.
+//
 // Executors start no goroutines and keep no per-request state: distinct
 // caches may be used concurrently. A call with a bad argument returns an error
 // wrapping one of the package's sentinels and leaves the cache untouched

@@ -127,12 +127,12 @@ func bits(x []float32) []uint32 {
 	return b
 }
 
-// smallExecutors are tiny-hybrid and two synthetic executors with small
+// smallExecutors are tiny-hybrid (without and with its draft head) and two synthetic executors with small
 // shapes (one per conv layout), cheap enough for the race detector. The real
 // presets run in norace_test.go.
 func smallExecutors(t testing.TB) []model.Executor {
 	t.Helper()
-	es := []model.Executor{lookup(t, model.TinyHybrid)}
+	es := []model.Executor{lookup(t, model.TinyHybrid), lookup(t, model.TinyHybrid+"?mtp=1")}
 	for _, layout := range []mambacache.ConvLayout{mambacache.ConvXBC, mambacache.ConvQKV} {
 		e, err := model.NewSynthetic("synthetic-small-"+layout.String(), model.Spec{
 			LayerPattern: "M*M-M*",
@@ -146,3 +146,16 @@ func smallExecutors(t testing.TB) []model.Executor {
 	}
 	return es
 }
+
+// touchSpec is a small synthetic shape whose SSM extents (4·16·8·4 = 2 KiB)
+// are longer than touchBytes, for the touch=head tests.
+var touchSpec = model.Spec{
+	LayerPattern: "M*M-M*",
+	MaxContext:   512,
+	KV:           kvcache.Config{KVHeads: 2, HeadDim: 8, ElemSize: 2, TokensPerBlock: 8},
+	Mamba: mambacache.Config{DState: 8, DConv: 4, Heads: 4, HeadDim: 16, NGroups: 2,
+		ConvElemSize: 2, SSMElemSize: 4, ConvLayout: mambacache.ConvXBC},
+}
+
+// touchBytes is the decode touch of the touch=head tests.
+const touchBytes = 64

@@ -146,7 +146,8 @@ func partsOf(pattern string) []Part {
 	for i := range len(pattern) {
 		parts[i] = Part{Layer: i, Kind: pattern[i]}
 		switch pattern[i] {
-		case '*':
+		case '*', DraftLayer:
+			parts[i].Kind = '*' // a draft layer's KV is final as the target's is
 			parts[i].KVLayer = kv
 			kv++
 		case 'M':

@@ -65,7 +65,12 @@ func gather(t testing.TB, spec model.Spec, cs []model.Cache, nb int) (kv [][]byt
 // and caches whose TP-1 reading is bit-identical to the unsharded run's.
 // TP 4 replicates both KV heads and both groups.
 func TestTinyShardedIsTPInvariant(t *testing.T) {
-	e := lookup(t, model.TinyHybrid)
+	for _, name := range []string{model.TinyHybrid, model.TinyHybrid + "?mtp=1"} {
+		t.Run(name, func(t *testing.T) { testTinyShardedIsTPInvariant(t, lookup(t, name)) })
+	}
+}
+
+func testTinyShardedIsTPInvariant(t *testing.T, e model.Executor) {
 	spec := e.Spec()
 	tpb := spec.KV.TokensPerBlock
 	ctx := context.Background()

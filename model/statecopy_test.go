@@ -3,11 +3,13 @@ package model_test
 import (
 	"context"
 	"fmt"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/handoff-io/handoff/kvcache"
+	"github.com/handoff-io/handoff/mambacache"
 	"github.com/handoff-io/handoff/model"
 )
 
@@ -58,8 +60,9 @@ func TestCopyStateResumesAPrefill(t *testing.T) {
 	}
 }
 
-// CopyState refuses rows and blocks outside the pools, and caches in
-// device memory (the CPU model cannot resume a prefill there).
+// CopyState refuses rows and blocks outside the pools; over device memory
+// it copies there (the host copies are the model's, loaded per call), and
+// refuses rows outside the pools there too.
 func TestCopyStateRefuses(t *testing.T) {
 	e := lookup(t, model.TinyHybrid)
 	a := newArenas(t, e.Spec(), 4, 1)
@@ -67,8 +70,23 @@ func TestCopyStateRefuses(t *testing.T) {
 	require.ErrorIs(t, model.CopyState(e, c, model.StateCopy{FromRow: 0, ToRow: 99}), model.ErrInvalidCache)
 	require.ErrorIs(t, model.CopyState(e, c, model.StateCopy{FromRow: 0, ToRow: 1, Block: true, FromBlock: 0, ToBlock: 4}), model.ErrInvalidCache)
 	require.NoError(t, model.CopyState(e, c, model.StateCopy{FromRow: 0, ToRow: 1}))
-	d := model.OnDevice(e, &memory{b: make([]byte, len(a.kvMem))}, &memory{b: make([]byte, len(a.mMem))})
-	require.ErrorIs(t, model.CopyState(d, c, model.StateCopy{FromRow: 0, ToRow: 1}), model.ErrInvalidOption)
+	kvDev, mDev := &memory{b: make([]byte, len(a.kvMem))}, &memory{b: make([]byte, len(a.mMem))}
+	for i := range mDev.b {
+		mDev.b[i] = byte(i * 7)
+	}
+	for i := range kvDev.b {
+		kvDev.b[i] = byte(i * 13)
+	}
+	hostKV, hostM := slices.Clone(a.kvMem), slices.Clone(a.mMem)
+	d := model.OnDevice(e, kvDev, mDev)
+	require.NoError(t, model.CopyState(d, c, model.StateCopy{FromRow: 0, ToRow: 1, Block: true, FromBlock: 2, ToBlock: 3}))
+	r0, r1 := c.Mamba.RowExtent(0), c.Mamba.RowExtent(1)
+	require.Equal(t, mDev.b[r0.Offset:r0.End()], mDev.b[r1.Offset:r1.End()], "the row, in device memory")
+	b2, b3 := c.KV.BlockExtent(2), c.KV.BlockExtent(3)
+	require.Equal(t, kvDev.b[b2.Offset:b2.End()], kvDev.b[b3.Offset:b3.End()], "the block, in device memory")
+	require.Equal(t, hostKV, a.kvMem, "the host copies are untouched")
+	require.Equal(t, hostM, a.mMem)
+	require.ErrorIs(t, model.CopyState(d, c, model.StateCopy{FromRow: 0, ToRow: 99}), model.ErrInvalidCache)
 }
 
 // BenchmarkCopyStateRow is what taking or using a checkpoint costs: one
@@ -85,4 +103,67 @@ func BenchmarkCopyStateRow(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+}
+
+// With a decode touch (touch=head), CopyState copies the head of each
+// state section only: what the copy's decode reads is the source's, so
+// a decode from the copy equals one from the source, and nothing beyond
+// the heads is written (a simulated GPU's copy costs the CPU no row).
+func TestCopyStateHeadsWithDecodeTouch(t *testing.T) {
+	spec := touchSpec
+	const touch = touchBytes
+	e, err := model.NewSyntheticTouch("synthetic-touch", spec, touch)
+	require.NoError(t, err)
+	n := 11
+	a := newArenas(t, e.Spec(), 4, 2)
+	a.mamba.CheckpointRows = 1
+	a.mMem = make([]byte, a.mamba.ArenaBytes())
+	_, err = e.Prefill(a.cache(0, 0, 1), prompt(n, 5))
+	require.NoError(t, err)
+	// Through a checkpoint row (beyond the real and reserved rows) and back.
+	ck := mambacache.Row(a.mamba.TotalRows())
+	require.True(t, a.mamba.IsCheckpointRow(ck))
+	require.NoError(t, model.CopyState(e, a.cache(1, 0, 1), model.StateCopy{FromRow: 0, ToRow: ck}))
+	require.NoError(t, model.CopyState(e, a.cache(1, 0, 1), model.StateCopy{FromRow: ck, ToRow: 1}))
+	to := a.mamba.RowExtent(1)
+	ssm := a.mamba.SSMExtent(1, 0)
+	require.True(t, all(a.mMem[ssm.Offset+touch:ssm.End()], 0), "nothing beyond the head is copied")
+	require.False(t, all(a.mMem[to.Offset:to.Offset+touch], 0), "the heads are")
+
+	// Decodes from the source and from the copy, each on blocks of its own
+	// holding the same KV.
+	copy(a.kvMem[a.kv.BlockExtent(2).Offset:a.kv.BlockExtent(3).End()], a.kvMem[a.kv.BlockExtent(0).Offset:a.kv.BlockExtent(1).End()])
+	fromSrc, err := e.Decode(a.cache(0, 0, 1), 'q', n)
+	require.NoError(t, err)
+	fromCopy, err := e.Decode(a.cache(1, 2, 3), 'q', n)
+	require.NoError(t, err)
+	require.Equal(t, bits(fromSrc), bits(fromCopy))
+}
+
+// A TP group in device memory: CopyState copies in every shard's device
+// memory, and refuses a shard with device memory for one pool of two.
+func TestCopyStateShardsOnDevice(t *testing.T) {
+	e := lookup(t, model.TinyHybrid)
+	as := shardArenas(t, e.Spec(), 2, 4, 2)
+	cs := shardCaches(as, 0, 0)
+	dev := func(a *arenas) (*memory, *memory) {
+		kv, m := &memory{b: make([]byte, len(a.kvMem))}, &memory{b: make([]byte, len(a.mMem))}
+		for i := range m.b {
+			m.b[i] = byte(i*5 + 1)
+		}
+		return kv, m
+	}
+	kv0, m0 := dev(as[0])
+	kv1, m1 := dev(as[1])
+	g, err := model.Sharded(e, []model.ShardPools{{KVArena: as[1].kvMem, KV: as[1].kv, MambaArena: as[1].mMem, Mamba: as[1].mamba, KVMem: kv1, MambaMem: m1}})
+	require.NoError(t, err)
+	d := model.OnDevice(g, kv0, m0)
+	require.NoError(t, model.CopyState(d, cs[0], model.StateCopy{FromRow: 0, ToRow: 1}))
+	for i, m := range []*memory{m0, m1} {
+		r0, r1 := cs[i].Mamba.RowExtent(0), cs[i].Mamba.RowExtent(1)
+		require.Equal(t, m.b[r0.Offset:r0.End()], m.b[r1.Offset:r1.End()], "shard %d's row, in its device memory", i)
+	}
+	half, err := model.Sharded(e, []model.ShardPools{{KVArena: as[1].kvMem, KV: as[1].kv, MambaArena: as[1].mMem, Mamba: as[1].mamba, MambaMem: m1}})
+	require.NoError(t, err)
+	require.ErrorIs(t, model.CopyState(model.OnDevice(half, kv0, m0), cs[0], model.StateCopy{FromRow: 0, ToRow: 1}), model.ErrInvalidCache)
 }

@@ -92,6 +92,9 @@ func buildSynthetic(name string, spec Spec, o Options) (*synthetic, error) {
 	spec.Vocab = ByteVocab
 	spec.KV.Layers = strings.Count(spec.LayerPattern, "*")
 	spec.Mamba.Layers = strings.Count(spec.LayerPattern, "M")
+	if o.MTP {
+		spec = withDraftLayer(spec)
+	}
 	sum := sha256.Sum256([]byte(spec.canonical()))
 	s := &synthetic{spec: spec, base: binary.LittleEndian.Uint64(sum[:]), touch: o.DecodeTouch}
 	s.pool.New = func() any { return new(rowView) }
@@ -148,7 +151,7 @@ func (s *synthetic) prefillChunk(ctx context.Context, c Cache, tokens []int32, f
 			return nil, fmt.Errorf("model: prefill: %w", err)
 		}
 		switch kind {
-		case '*':
+		case '*', DraftLayer:
 			for p := from; p < to; p++ {
 				s.writeKVLayer(&c, p, hs[p-from], kl)
 			}
@@ -267,11 +270,19 @@ func (s *synthetic) checksum(c *Cache, rv *rowView, pos int) uint32 {
 	return crc
 }
 
+// logits are pseudo-random, over text: printable ASCII, newline and EOS
+// (every other token far below them), so that a reply decodes to valid
+// text that encodes back to the same tokens, as a real model's does, and
+// a conversation's next prompt continues the tokens its last turn
+// generated.
 func (s *synthetic) logits(h uint64) []float32 {
 	out := make([]float32, s.spec.Vocab)
 	rng := splitmix64(h)
 	for i := range out {
 		out[i] = rng.uniform(4)
+		if !(i >= ' ' && i <= '~' || i == '\n' || i == int(EOS)) {
+			out[i] -= 64
+		}
 	}
 	return out
 }

@@ -5,7 +5,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/handoff-io/handoff/kvcache"
 	"github.com/handoff-io/handoff/mambacache"
 	"github.com/handoff-io/handoff/model"
 )
@@ -103,15 +102,8 @@ func checkFillsState(t *testing.T, e model.Executor) {
 // section and on nothing beyond it, rewrites only that head, and prefill
 // still writes the whole row.
 func TestSyntheticDecodeTouchHead(t *testing.T) {
-	spec := model.Spec{
-		LayerPattern: "M*M-M*",
-		MaxContext:   512,
-		KV:           kvcache.Config{KVHeads: 2, HeadDim: 8, ElemSize: 2, TokensPerBlock: 8},
-		// SSM extents of 4·16·8·4 = 2 KiB: beyond a touch of 64 bytes.
-		Mamba: mambacache.Config{DState: 8, DConv: 4, Heads: 4, HeadDim: 16, NGroups: 2,
-			ConvElemSize: 2, SSMElemSize: 4, ConvLayout: mambacache.ConvXBC},
-	}
-	const touch = 64
+	spec := touchSpec
+	const touch = touchBytes
 	e, err := model.NewSyntheticTouch("synthetic-touch", spec, touch)
 	require.NoError(t, err)
 	n := 11

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"strings"
 	"time"
 )
 
@@ -116,6 +117,14 @@ type Timing struct {
 	attn     float64 // L_attn·H_q·d_head
 	kvToken  float64 // KV bytes per context token
 	rowBytes float64
+	// draftParams are the draft head's parameters (a model with a
+	// DraftLayer): about one attention and one MLP layer's share of the
+	// model, read by each drafting pass; draftKVToken its KV bytes per
+	// context token, which only the head reads. A target step writes the
+	// head's entry of its positions (a projection and one layer's K and V:
+	// not priced).
+	draftParams  float64
+	draftKVToken float64
 }
 
 // NewTiming returns the timing of the model spec on the named GPU, with the
@@ -141,11 +150,19 @@ func NewTiming(spec Spec, gpu string, mfu, mbu float64) (Timing, error) {
 		return Timing{}, fmt.Errorf("%w: mfu and mbu must be in (0, 1]", ErrInvalidOption)
 	}
 	kv := spec.KV
-	return Timing{GPU: g, MFU: mfu, MBU: mbu, c: c,
-		attn:     float64(kv.Layers * c.qHeads * kv.HeadDim),
-		kvToken:  float64(kv.Layers * 2 * kv.KVHeads * kv.HeadDim * kv.ElemSize),
+	heads := strings.Count(spec.LayerPattern, string(rune(DraftLayer)))
+	layers := kv.Layers - heads // the target's attention layers
+	perLayer := float64(2 * kv.KVHeads * kv.HeadDim * kv.ElemSize)
+	t := Timing{GPU: g, MFU: mfu, MBU: mbu, c: c,
+		attn:     float64(layers * c.qHeads * kv.HeadDim),
+		kvToken:  float64(layers) * perLayer,
 		rowBytes: float64(spec.Mamba.RowBytes()),
-	}, nil
+	}
+	if heads > 0 {
+		t.draftParams = c.activeParams * 2 * float64(heads) / float64(len(spec.LayerPattern)-heads)
+		t.draftKVToken = float64(heads) * perLayer
+	}
+	return t, nil
 }
 
 func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
@@ -195,6 +212,60 @@ func (t Timing) DecodeStepTime(contexts []int) time.Duration {
 	return seconds(bytes / (t.MBU * t.GPU.MemBW))
 }
 
+// VerifyTimer is implemented by StepTimers that price a speculative
+// decoding step, in which a request runs its last token and its drafts.
+type VerifyTimer interface {
+	VerifyStepTime(contexts, tokens []int) time.Duration
+}
+
+// VerifyStepTime returns the time of one decode step in which request i
+// runs tokens[i] positions (its last token and tokens[i]-1 drafts) after
+// contexts[i] cached ones. A verification is one forward pass: it reads
+// the weights, each request's KV and its state row once, as a decode step
+// does, and writes the row's per-position states (one row each); it
+// computes every position, 2·P_active·Σtokens plus the attention over each
+// position's context. It takes the longer of the memory and the compute
+// time: at low batch decode is memory-bound and K+1 positions cost about
+// one step; at large batch the positions' compute overtakes the weights'
+// read, which is why a draft-length schedule drafts less there. A step in
+// which every request runs one position is priced as DecodeStepTime, so
+// speculation off and on with no drafts cost the same.
+func (t Timing) VerifyStepTime(contexts, tokens []int) time.Duration {
+	n, most := 0, 0
+	for _, k := range tokens {
+		n += k
+		most = max(most, k)
+	}
+	if n <= len(contexts) {
+		return t.DecodeStepTime(contexts)
+	}
+	// A model with a draft head drafts with it before the verification:
+	// one pass per draft for the whole batch, memory-bound, reading the
+	// head's weights and each request's head KV each time. (A worker that
+	// drafts otherwise on such a model, or verifies drafts a prefill
+	// shipped, is priced as drafting too: serve a head with mtp.)
+	headKV := 0.0
+	for _, ctx := range contexts {
+		headKV += float64(ctx) * t.draftKVToken
+	}
+	drafting := float64(most-1) * (t.draftParams*t.c.weightBytes + headKV) / (t.MBU * t.GPU.MemBW)
+	bytes := t.weightRead(n) // an MoE routes every position
+	flops := 0.0
+	for i, ctx := range contexts {
+		k := 1
+		if i < len(tokens) {
+			k = max(tokens[i], 1)
+		}
+		bytes += float64(ctx+k)*t.kvToken + float64(1+k)*t.rowBytes
+		flops += 2*t.c.activeParams*float64(k) + 4*t.attn*float64(k)*float64(ctx+k)
+	}
+	peak := t.GPU.BF16FLOPS
+	if t.c.fp8 {
+		peak = t.GPU.FP8FLOPS
+	}
+	return seconds(drafting + max(bytes/(t.MBU*t.GPU.MemBW), flops/(t.MFU*peak)))
+}
+
 // StepTime is the time of an engine step that prefills the given spans
 // and decodes requests with the given contexts.
 func (t Timing) StepTime(prefills []Span, decodes []int) time.Duration {
@@ -213,8 +284,9 @@ type timed struct {
 }
 
 var (
-	_ StepTimer = timed{}
-	_ chunker   = timed{}
+	_ StepTimer   = timed{}
+	_ VerifyTimer = timed{}
+	_ chunker     = timed{}
 )
 
 // prefillChunk chunks as the inner executor does; the step's simulated

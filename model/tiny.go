@@ -85,6 +85,7 @@ type tiny struct {
 	layers []tinyLayer
 	cos    []float32 // [maxContext][headDim/2]
 	sin    []float32
+	mtp    *tinyMTP  // the draft head (DraftLayer), or nil
 	pool   sync.Pool // *tinyScratch
 }
 
@@ -101,6 +102,7 @@ type tinyScratch struct {
 	vBase      []int64
 	up, gate   []float32
 	row        rowView
+	mtp        *mtpScratch // with a draft head
 }
 
 func newTinyHybrid(o Options) (Executor, error) {
@@ -110,13 +112,22 @@ func newTinyHybrid(o Options) (Executor, error) {
 	if o.DecodeTouch != 0 {
 		return nil, fmt.Errorf("%w: %s computes on its whole state; touch is for the synthetic presets", ErrInvalidOption, TinyHybrid)
 	}
+	if o.MTP {
+		return tinyHybridMTP(), nil
+	}
 	return tinyHybrid(), nil
 }
 
 // tinyHybrid is built once: the executor is immutable and safe to share.
-var tinyHybrid = sync.OnceValue(func() *tiny { return newTiny(TinyHybrid, tinyHybridDims) })
+var (
+	tinyHybrid    = sync.OnceValue(func() *tiny { return newTiny(TinyHybrid, tinyHybridDims, false) })
+	tinyHybridMTP = sync.OnceValue(func() *tiny { return newTiny(TinyHybrid, tinyHybridDims, true) })
+)
 
-func newTiny(name string, d tinyDims) *tiny {
+// newTiny builds the model of dimensions d, with a draft head (DraftLayer)
+// when mtp is set. The draft head's weights come from their own stream, so
+// the target's are the same either way.
+func newTiny(name string, d tinyDims, mtp bool) *tiny {
 	m := &tiny{d: d, dInner: d.mHeads * d.mHeadDim}
 	m.conv = m.dInner + 2*d.nGroups*d.dState
 	m.spec = Spec{
@@ -199,6 +210,20 @@ func newTiny(name string, d tinyDims) *tiny {
 	m.final = norm()
 	m.head = scaled(ByteVocab, d.dModel, 2)
 	m.prior = textPrior()
+	if mtp {
+		m.mtp = &tinyMTP{kvLayer: m.spec.KV.Layers, ctxLayer: m.spec.KV.Layers - 1}
+		for i := range m.layers {
+			switch m.layers[i].kind {
+			case '*':
+				m.mtp.attn = &m.layers[i]
+			case '-':
+				m.mtp.mlp = &m.layers[i]
+			}
+		}
+		rng = splitmix64(d.seed ^ 0x6d7470)                     // "mtp"
+		m.mtp.proj = scaled(d.dModel, d.kvHeads*d.headDim, 0.1) // a small nudge: random weights there only add noise
+		m.spec = withDraftLayer(m.spec)
+	}
 	half := d.headDim / 2
 	m.cos = make([]float32, d.maxContext*half)
 	m.sin = make([]float32, d.maxContext*half)
@@ -210,7 +235,12 @@ func newTiny(name string, d tinyDims) *tiny {
 		}
 	}
 	m.pool.New = func() any {
+		var ms *mtpScratch
+		if m.mtp != nil {
+			ms = m.newMTPScratch(0)
+		}
 		return &tinyScratch{
+			mtp:    ms,
 			h:      make([]float32, d.dModel),
 			xn:     make([]float32, d.dModel),
 			out:    make([]float32, d.dModel),
@@ -306,6 +336,15 @@ func (m *tiny) prefillChunk(ctx context.Context, c Cache, tokens []int32, from, 
 			return nil, err
 		}
 	}
+	if m.mtp != nil {
+		io := s.mtp.one(c, m.d.kvHeads)
+		for p := from; p < to; p++ {
+			m.mtpEntry(io, s.mtp, tokens[p], p)
+		}
+		if err := done(len(m.layers)); err != nil {
+			return nil, err
+		}
+	}
 	if to != len(tokens) {
 		return nil, nil
 	}
@@ -358,6 +397,9 @@ func (m *tiny) step(c *Cache, s *tinyScratch, token int32, pos int, logits []flo
 			m.mlp(l, s)
 		}
 		addTo(s.h, s.out)
+	}
+	if m.mtp != nil {
+		m.mtpEntry(s.mtp.one(*c, m.d.kvHeads), s.mtp, token, pos)
 	}
 	if logits == nil {
 		return

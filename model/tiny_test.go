@@ -155,6 +155,10 @@ func checkStateSensitivity(t *testing.T, e model.Executor) {
 	}
 	m, kv := c.Mamba, c.KV
 	lastL := m.Layers - 1
+	lastKV := kv.Layers - 1 // the target's last attention layer
+	if model.HasDraftHead(e) {
+		lastKV-- // the draft layer's KV is Draft's alone (mtp_test.go)
+	}
 	var locs []loc
 	for s, sec := range []string{"x", "B", "C"} {
 		e := m.ConvExtent(0, lastL, mambacache.Section(s))
@@ -167,12 +171,12 @@ func checkStateSensitivity(t *testing.T, e model.Executor) {
 		loc{"ssm layer 0 first", a.mMem, ssm0.Offset + 3},
 		loc{"ssm last layer mid", a.mMem, ssmL.Offset + ssmL.Length/2 + 3},
 		loc{"ssm last layer end", a.mMem, ssmL.Offset + ssmL.Length - 1},
-		loc{"k last token", a.kvMem, kv.TokenOffset(1, kv.Layers-1, kvcache.K, n-1-tpb, kv.KVHeads-1) + 3},
+		loc{"k last token", a.kvMem, kv.TokenOffset(1, lastKV, kvcache.K, n-1-tpb, kv.KVHeads-1) + 3},
 		loc{"v first slot of last block", a.kvMem, kv.TokenOffset(1, 0, kvcache.V, 0, 0) + 3})
 	if name == model.TinyHybrid { // real attention reads every position
 		locs = append(locs,
 			loc{"k token 0", a.kvMem, kv.TokenOffset(0, 0, kvcache.K, 0, 0) + 3},
-			loc{"v token 5", a.kvMem, kv.TokenOffset(0, kv.Layers-1, kvcache.V, 5, kv.KVHeads-1) + 3})
+			loc{"v token 5", a.kvMem, kv.TokenOffset(0, lastKV, kvcache.V, 5, kv.KVHeads-1) + 3})
 	}
 	if name != model.TinyHybrid { // a checksum covers every byte
 		locs = append(locs,

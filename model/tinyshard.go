@@ -149,6 +149,7 @@ func (m *tiny) DecodeShards(cs []Cache, token int32, pos int) ([]float32, error)
 // tpScratch holds the replicated activations (the residual stream) and the
 // row-parallel accumulators.
 type tpScratch struct {
+	mtp        *mtpScratch // with a draft head
 	h, xn, out []float32
 	acc        []acc4
 	scores     []float32
@@ -157,7 +158,11 @@ type tpScratch struct {
 
 func (m *tiny) newTPScratch() *tpScratch {
 	d := &m.d
-	return &tpScratch{
+	var ms *mtpScratch
+	if m.mtp != nil {
+		ms = m.newMTPScratch(0)
+	}
+	return &tpScratch{mtp: ms,
 		h: make([]float32, d.dModel), xn: make([]float32, d.dModel), out: make([]float32, d.dModel),
 		acc: make([]acc4, d.dModel), scores: make([]float32, d.maxContext), kt: make([]float32, d.headDim),
 	}
@@ -182,6 +187,9 @@ func (m *tiny) stepShards(cs []Cache, sh []tinyShard, ts *tpScratch, token int32
 		case '*':
 			ai++
 		}
+	}
+	if m.mtp != nil {
+		m.mtpEntry(newHeadIO(cs, m.d.kvHeads), ts.mtp, token, pos)
 	}
 	if logits == nil {
 		return
@@ -260,6 +268,15 @@ func (m *tiny) prefillChunkShards(ctx context.Context, cs []Cache, tokens []int3
 			ai++
 		}
 		if err := done(i); err != nil {
+			return nil, err
+		}
+	}
+	if m.mtp != nil {
+		io := newHeadIO(cs, m.d.kvHeads)
+		for p := from; p < to; p++ {
+			m.mtpEntry(io, ts.mtp, tokens[p], p)
+		}
+		if err := done(len(m.layers)); err != nil {
 			return nil, err
 		}
 	}
