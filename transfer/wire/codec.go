@@ -58,6 +58,9 @@ func decodePrefillRequest(b []byte, peers *PeerCache) (PrefillRequest, rdma.Desc
 
 // check validates a decoded request's fields against each other.
 func (m *PrefillRequest) check() error {
+	if uint64(m.Skip) >= uint64(len(m.Tokens)) && m.Skip != 0 {
+		return fmt.Errorf("%w: skip %d blocks of a %d-token prompt", ErrBadMessage, m.Skip, len(m.Tokens))
+	}
 	if m.Ticket.RequestID != m.RequestID {
 		return fmt.Errorf("%w: ticket names request %d, message %d", ErrBadMessage, m.Ticket.RequestID, m.RequestID)
 	}
@@ -95,6 +98,14 @@ func DecodePrefillReply(b []byte) (PrefillReply, error) {
 	}
 	if len(m.Manifest.Bytes) != len(m.Manifest.CRC) {
 		return PrefillReply{}, fmt.Errorf("%w: manifest with %d sizes and %d checksums", ErrBadMessage, len(m.Manifest.Bytes), len(m.Manifest.CRC))
+	}
+	if len(m.Drafts) > MaxDrafts {
+		return PrefillReply{}, fmt.Errorf("%w: %d draft tokens, want at most %d", ErrBadMessage, len(m.Drafts), MaxDrafts)
+	}
+	for i, t := range m.Drafts {
+		if t < 0 {
+			return PrefillReply{}, fmt.Errorf("%w: draft token %d is %d", ErrBadMessage, i, t)
+		}
 	}
 	return m, nil
 }
@@ -135,6 +146,34 @@ func DecodeCancel(b []byte) (Cancel, error) {
 	}
 	if m.Code >= session.NumCodes {
 		return Cancel{}, fmt.Errorf("%w: unknown code %d", ErrBadMessage, m.Code)
+	}
+	return m, nil
+}
+
+// EncodeStateOffer encodes m (stamping the version), refusing one over
+// maxPayload (0: DefaultMaxPayload).
+func EncodeStateOffer(m StateOffer, maxPayload int64) ([]byte, error) {
+	m.V = WireVersion
+	return encode(&m, maxPayload, 64+4*len(m.Tokens))
+}
+
+// DecodeStateOffer decodes and checks a StateOffer: a holder that is a
+// valid token, and at least one token, none negative.
+func DecodeStateOffer(b []byte) (StateOffer, error) {
+	var m StateOffer
+	if err := decode(b, &m, &m.V); err != nil {
+		return StateOffer{}, err
+	}
+	if !ValidToken(m.From) {
+		return StateOffer{}, fmt.Errorf("%w: state offer from %q", ErrBadMessage, m.From)
+	}
+	if len(m.Tokens) == 0 {
+		return StateOffer{}, fmt.Errorf("%w: state offer without tokens", ErrBadMessage)
+	}
+	for i, t := range m.Tokens {
+		if t < 0 {
+			return StateOffer{}, fmt.Errorf("%w: state offer token %d is %d", ErrBadMessage, i, t)
+		}
 	}
 	return m, nil
 }

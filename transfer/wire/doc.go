@@ -4,7 +4,8 @@
 // and starts no goroutines: transfer's Decoder, Prefiller and Registry send
 // and receive the bytes (TestDeps keeps NATS out of this package).
 //
-//   - messages.go: PrefillRequest, PrefillReply, Cancel and Instance,
+//   - messages.go: PrefillRequest, PrefillReply, Cancel, Instance and
+//     StateOffer,
 //     msgpack maps with explicit short keys and a version "v"
 //     (WireVersion); unknown keys are ignored so a later minor revision may
 //     add fields. A grant's ticket and a commit's manifest travel as
@@ -28,7 +29,8 @@
 //     <prefix>.<ns>.prefill (queue group PrefillQueue: any free worker
 //     takes it), <prefix>.<ns>.inst.<id>.prefill (one instance, for
 //     targeted retries), <prefix>.<ns>.inst.<id>.cancel and
-//     <prefix>.<ns>.cancel (cancels), <prefix>.<ns>.inst.<id>.reconnected;
+//     <prefix>.<ns>.cancel (cancels), <prefix>.<ns>.inst.<id>.reconnected,
+//     <prefix>.<ns>.inst.<id>.state.offer (StateOffer);
 //     ServiceName is the prefill workers' NATS micro service.
 //
 // testdata/golden pins every message's bytes: changing them means a new

@@ -146,7 +146,25 @@ type PrefillRequest struct {
 	// reshard.MambaShard), and the writer reshards its own shards' bytes
 	// into them. 0 (omitted) means 1.
 	TP uint16 `msgpack:"tp,omitempty"`
+	// Drafts is the most draft tokens the receiver verifies in its first
+	// decode step (speculative decoding): the prefill worker drafts up to
+	// this many on the prompt and its first token and ships them in its
+	// reply (PrefillReply.Drafts), as TensorRT-LLM's context server ships
+	// DisaggregatedParams.draft_tokens. 0 (omitted): none. At most
+	// MaxDrafts.
+	Drafts uint8 `msgpack:"nd,omitempty"`
+	// Skip is how many leading KV blocks of the prompt the receiver holds
+	// already (a delta handoff: its prefix cache has them, pinned for the
+	// request): the ticket's KV extents cover the blocks after them only,
+	// and the writer sends only those and the state row. It is always
+	// fewer than the prompt's blocks, so the last token's block always
+	// travels. 0 (omitted): the whole prompt.
+	Skip uint32 `msgpack:"skip,omitempty"`
 }
+
+// MaxDrafts bounds PrefillRequest.Drafts and PrefillReply.Drafts: a
+// verification checks a handful of drafts (handoff's workers at most 16).
+const MaxDrafts = 16
 
 // PrefillReply answers a PrefillRequest: success with the first token, or a
 // refusal/failure code. Success is sent only after the commit was accepted.
@@ -169,6 +187,11 @@ type PrefillReply struct {
 	// served instead of computing them (OpenAI's cached_tokens); omitted
 	// when 0.
 	Cached uint32 `msgpack:"cached,omitempty"`
+	// Drafts are the draft tokens the prefill worker proposes after the
+	// first token, at most the request's Drafts (and MaxDrafts), each a
+	// token id >= 0 (the receiver checks them against its vocabulary);
+	// omitted when none. The receiver's first decode step verifies them.
+	Drafts Tokens `msgpack:"dr,omitempty"`
 }
 
 // Cancel tells the worker that serves a request to stop and free it. Published
@@ -181,6 +204,19 @@ type Cancel struct {
 	// From is the decode instance that sent the request: request and grant
 	// ids are only unique per decoder. Empty (an older sender) matches any.
 	From string `msgpack:"from"`
+}
+
+// StateOffer tells a prefill instance that a decode instance holds a
+// conversation's end-of-turn state: its KV blocks and a state checkpoint
+// after exactly Tokens. Published (no reply) on the prefill instance's
+// state offer subject; the prefill instance may pull the state with a
+// handoff of its own, roles swapped, on the state prefix
+// (transfer.StatePrefix), addressed to From.
+type StateOffer struct {
+	V           uint8  `msgpack:"v"`
+	From        string `msgpack:"from"` // the decode instance holding the state
+	Fingerprint string `msgpack:"fp"`   // its layout fingerprint
+	Tokens      Tokens `msgpack:"tok"`  // the state is the one after all of them
 }
 
 // Capacity is an instance's advertised room.

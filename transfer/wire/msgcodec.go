@@ -360,6 +360,12 @@ func (m *PrefillRequest) appendTo(b []byte) []byte {
 	if m.TP != 0 {
 		n++
 	}
+	if m.Drafts != 0 {
+		n++
+	}
+	if m.Skip != 0 {
+		n++
+	}
 	b = appendMapLen(b, n)
 	b = appendUint(appendStr(b, "v"), uint64(m.V))
 	b = appendUint(appendStr(b, "id"), m.RequestID)
@@ -376,6 +382,12 @@ func (m *PrefillRequest) appendTo(b []byte) []byte {
 	b = appendInt(appendStr(b, "rem"), m.Budget)
 	if m.TP != 0 {
 		b = appendUint(appendStr(b, "tp"), uint64(m.TP))
+	}
+	if m.Drafts != 0 {
+		b = appendUint(appendStr(b, "nd"), uint64(m.Drafts))
+	}
+	if m.Skip != 0 {
+		b = appendUint(appendStr(b, "skip"), uint64(m.Skip))
 	}
 	return b
 }
@@ -433,6 +445,12 @@ func (m *PrefillRequest) decode(r *reader) error {
 		case "tp":
 			v, err = r.uintMax(math.MaxUint16, "tp")
 			m.TP = uint16(v)
+		case "nd":
+			v, err = r.uintMax(MaxDrafts, "drafts")
+			m.Drafts = uint8(v)
+		case "skip":
+			v, err = r.uintMax(math.MaxUint32, "skip")
+			m.Skip = uint32(v)
 		default:
 			err = r.skip()
 		}
@@ -461,6 +479,9 @@ func (m *PrefillReply) appendTo(b []byte) []byte {
 	if m.Cached > 0 {
 		n++
 	}
+	if len(m.Drafts) > 0 {
+		n++
+	}
 	b = appendMapLen(b, n)
 	b = appendUint(appendStr(b, "v"), uint64(m.V))
 	b = appendUint(appendStr(b, "id"), m.RequestID)
@@ -476,6 +497,9 @@ func (m *PrefillReply) appendTo(b []byte) []byte {
 	}
 	if m.Cached > 0 {
 		b = appendUint(appendStr(b, "cached"), uint64(m.Cached))
+	}
+	if len(m.Drafts) > 0 {
+		b = m.Drafts.appendTo(appendStr(b, "dr"))
 	}
 	return b
 }
@@ -523,6 +547,10 @@ func (m *PrefillReply) decode(r *reader) error {
 		case "cached":
 			v, err = r.uintMax(math.MaxUint32, "cached tokens")
 			m.Cached = uint32(v)
+		case "dr":
+			if err = m.Drafts.decode(r); err == nil && len(m.Drafts) == 0 {
+				m.Drafts = nil
+			}
 		default:
 			err = r.skip()
 		}

@@ -40,6 +40,18 @@ const (
 	// NATS connection dropped and came back, so requests or replies in
 	// flight may have been lost: <prefix>.<ns>.inst.<id>.reconnected
 	SubjectInstanceReconnected
+	// SubjectInstanceEvents carries an instance's cache events (package
+	// kvevents), every rank's stream: <prefix>.<ns>.inst.<id>.kvevents.
+	// A subscriber to every instance's passes "*" as the instance.
+	SubjectInstanceEvents
+	// SubjectInstanceEventsSync is where a consumer that lost track of
+	// one of an instance's event streams asks for a snapshot:
+	// <prefix>.<ns>.inst.<id>.kvevents.sync
+	SubjectInstanceEventsSync
+	// SubjectInstanceStateOffer is where a prefill instance hears that a
+	// decode instance holds a conversation's end-of-turn state (StateOffer):
+	// <prefix>.<ns>.inst.<id>.state.offer
+	SubjectInstanceStateOffer
 )
 
 // Subject builds every subject of the protocol; nothing else formats subjects.
@@ -57,6 +69,12 @@ func Subject(prefix, ns string, kind SubjectKind, instance string) string {
 		return prefix + "." + ns + ".cancel"
 	case SubjectInstanceReconnected:
 		return prefix + "." + ns + ".inst." + instance + ".reconnected"
+	case SubjectInstanceEvents:
+		return prefix + "." + ns + ".inst." + instance + ".kvevents"
+	case SubjectInstanceEventsSync:
+		return prefix + "." + ns + ".inst." + instance + ".kvevents.sync"
+	case SubjectInstanceStateOffer:
+		return prefix + "." + ns + ".inst." + instance + ".state.offer"
 	default:
 		panic(fmt.Sprintf("transfer: unknown subject kind %d", kind))
 	}

@@ -154,6 +154,7 @@ type plainRequest struct {
 	MambaBytes  uint64        `msgpack:"mb"`
 	Budget      int64         `msgpack:"rem"`
 	TP          uint16        `msgpack:"tp,omitempty"`
+	Skip        uint32        `msgpack:"skip,omitempty"`
 }
 
 type plainManifest struct {
@@ -178,7 +179,7 @@ type plainReply struct {
 func plainOfRequest(m PrefillRequest) plainRequest {
 	return plainRequest{V: m.V, RequestID: m.RequestID, From: m.From, Attempt: m.Attempt, Fingerprint: m.Fingerprint,
 		Tokens: m.Tokens, Sampling: plainSampling(m.Sampling), Deadline: m.Deadline, Peer: plainPeer(m.Peer),
-		Ticket: plainOfTicket(m.Ticket), KVBytes: m.KVBytes, MambaBytes: m.MambaBytes, Budget: m.Budget, TP: m.TP}
+		Ticket: plainOfTicket(m.Ticket), KVBytes: m.KVBytes, MambaBytes: m.MambaBytes, Budget: m.Budget, TP: m.TP, Skip: m.Skip}
 }
 
 func plainOfReply(m PrefillReply) plainReply {
@@ -423,6 +424,8 @@ func TestSubjects(t *testing.T) {
 	require.Equal(t, "handoff.ns1.inst.p-1.prefill", Subject("handoff", "ns1", SubjectInstancePrefill, "p-1"))
 	require.Equal(t, "handoff.ns1.inst.p-1.cancel", Subject("handoff", "ns1", SubjectInstanceCancel, "p-1"))
 	require.Equal(t, "handoff.ns1.cancel", Subject("handoff", "ns1", SubjectCancel, ""))
+	require.Equal(t, "handoff.ns1.inst.*.kvevents", Subject("handoff", "ns1", SubjectInstanceEvents, "*"))
+	require.Equal(t, "handoff.ns1.inst.p-1.kvevents.sync", Subject("handoff", "ns1", SubjectInstanceEventsSync, "p-1"))
 	require.Equal(t, "handoff_ns1", BucketName("handoff", "ns1"))
 	require.Panics(t, func() { Subject("handoff", "ns1", SubjectKind(99), "") })
 	for s, ok := range map[string]bool{"a": true, "A-z_0": true, "": false, "a.b": false, "a*": false, "a b": false, "é": false} {
@@ -444,7 +447,13 @@ func fuzzSeeds(f *testing.F, msgs ...[]byte) {
 func FuzzDecodePrefillRequest(f *testing.F) {
 	a, _ := EncodePrefillRequest(sampleRequest(16, 3), 0)
 	b, _ := EncodePrefillRequest(sampleRequest(0, 1), 0)
-	fuzzSeeds(f, a, b)
+	drafts := sampleRequest(4, 2)
+	drafts.Drafts = 4
+	c, _ := EncodePrefillRequest(drafts, 0)
+	skip := sampleRequest(16, 3)
+	skip.Skip = 5
+	d, _ := EncodePrefillRequest(skip, 0)
+	fuzzSeeds(f, a, b, c, d)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		m, err := DecodePrefillRequest(data)
 		if err != nil {
@@ -466,6 +475,10 @@ func FuzzDecodePrefillRequest(f *testing.F) {
 // FuzzDecodeMatchesReflection: whatever msgpack's own decoder makes of a
 // message, the byte-level decoder makes the same of it, or refuses it.
 func FuzzDecodeMatchesReflection(f *testing.F) {
+	skip := sampleRequest(16, 3)
+	skip.Skip = 2
+	d, _ := EncodePrefillRequest(skip, 0)
+	f.Add(d)
 	a, _ := EncodePrefillRequest(sampleRequest(16, 3), 0)
 	b, _ := EncodePrefillReply(sampleReply(), 0)
 	cached := sampleReply()
@@ -522,7 +535,14 @@ func FuzzDecodePrefillReply(f *testing.F) {
 	cached := sampleReply()
 	cached.Cached = 77
 	c, _ := EncodePrefillReply(cached, 0)
-	fuzzSeeds(f, a, b, c)
+	drafts := sampleReply()
+	drafts.Drafts = Tokens{101, 32, 101, 32}
+	d, _ := EncodePrefillReply(drafts, 0)
+	drafts.Drafts = Tokens{-1}
+	e, _ := EncodePrefillReply(drafts, 0) // refused: a negative token
+	drafts.Drafts = make(Tokens, MaxDrafts+1)
+	g, _ := EncodePrefillReply(drafts, 0) // refused: too many
+	fuzzSeeds(f, a, b, c, d, e, g)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		m, err := DecodePrefillReply(data)
 		if err != nil {
@@ -681,4 +701,67 @@ func TestPeerUCXAddrRoundTrip(t *testing.T) {
 	without, err := msgpack.Marshal(PeerOf(d))
 	require.NoError(t, err)
 	require.NotContains(t, string(without), "ucx\xc4")
+}
+
+// TestPrefillRequestSkip: a delta handoff's skip travels, and a skip of
+// every block of the prompt (no last block to send) is refused.
+func TestPrefillRequestSkip(t *testing.T) {
+	m := sampleRequest(16, 3)
+	m.Skip = 3
+	b, err := EncodePrefillRequest(m, 0)
+	require.NoError(t, err)
+	got, err := DecodePrefillRequest(b)
+	require.NoError(t, err)
+	require.Equal(t, uint32(3), got.Skip)
+	var p plainRequest
+	require.NoError(t, msgpack.Unmarshal(b, &p))
+	require.Equal(t, uint32(3), p.Skip, "the hand codec writes what reflection reads")
+
+	m.Skip = uint32(len(m.Tokens))
+	b, err = EncodePrefillRequest(m, 0)
+	require.NoError(t, err)
+	_, err = DecodePrefillRequest(b)
+	require.ErrorIs(t, err, ErrBadMessage)
+}
+
+func TestStateOfferRoundTrip(t *testing.T) {
+	m := StateOffer{From: "decode-1", Fingerprint: "fp", Tokens: Tokens{1, 2, 3, 0}}
+	b, err := EncodeStateOffer(m, 0)
+	require.NoError(t, err)
+	got, err := DecodeStateOffer(b)
+	require.NoError(t, err)
+	m.V = WireVersion
+	require.Equal(t, m, got)
+	require.Equal(t, "handoff.ns1.inst.p-1.state.offer", Subject("handoff", "ns1", SubjectInstanceStateOffer, "p-1"))
+
+	for name, bad := range map[string]StateOffer{
+		"no tokens":      {From: "d1"},
+		"negative token": {From: "d1", Tokens: Tokens{1, -2}},
+		"bad holder":     {From: "d.1", Tokens: Tokens{1}},
+		"no holder":      {Tokens: Tokens{1}},
+	} {
+		b, err := EncodeStateOffer(bad, 0)
+		require.NoError(t, err, name)
+		_, err = DecodeStateOffer(b)
+		require.ErrorIs(t, err, ErrBadMessage, name)
+	}
+	_, err = EncodeStateOffer(StateOffer{From: "d1", Tokens: make(Tokens, 1000)}, 512)
+	require.ErrorIs(t, err, ErrPayloadTooLarge)
+}
+
+func FuzzDecodeStateOffer(f *testing.F) {
+	a, _ := EncodeStateOffer(StateOffer{From: "d1", Fingerprint: "fp", Tokens: Tokens{5, 6, 7}}, 0)
+	fuzzSeeds(f, a)
+	f.Fuzz(func(t *testing.T, data []byte) {
+		m, err := DecodeStateOffer(data)
+		if err != nil {
+			require.ErrorIs(t, err, ErrBadMessage)
+			return
+		}
+		again, err := EncodeStateOffer(m, 1<<30)
+		require.NoError(t, err)
+		m2, err := DecodeStateOffer(again)
+		require.NoError(t, err)
+		require.Equal(t, m, m2)
+	})
 }
