@@ -43,7 +43,12 @@ type DecoderConfig struct {
 	// prefilled to that instance first, while it has a free row, where its
 	// prefix cache holds the earlier prompt's state (affinity.go).
 	PrefixAffinity bool
-	Registry       RegistryConfig
+	// States, when set, routes each request's first attempt by where its
+	// longest state lives, from the instances' cache events
+	// (route_state.go); PrefixAffinity then applies only where no
+	// instance holds any of the prompt.
+	States   StateIndex
+	Registry RegistryConfig
 	// NoRegistry skips the instance registry (no announce, no watch, no
 	// targeted retries, no peer-death detection). For tools and tests.
 	NoRegistry bool
@@ -101,6 +106,33 @@ type Request struct {
 	// PrefixAffinity, a request whose prompt continues none remembered goes
 	// where the key's last request was prefilled.
 	CacheKey string
+	// Drafts is the most draft tokens the caller verifies in its first
+	// decode step (speculative decoding; 0: none, at most
+	// wire.MaxDrafts): the prefill worker drafts up to this many and a
+	// reply with more is refused as a bad message.
+	Drafts int
+	// Skip is how many leading KV blocks of the prompt the caller holds
+	// already (its prefix cache's, pinned for the request): Dest's KV
+	// extents cover the blocks after them only, and the prefill worker
+	// writes only those and the state row (a delta handoff). It must be
+	// fewer than the prompt's blocks; 0: the whole prompt.
+	Skip int
+	// Holder, when set, is the one instance the request goes to: no
+	// routing, and a refusal or failure is final (no retry elsewhere). A
+	// state is pulled from the instance that holds it (StatePrefix).
+	Holder string
+}
+
+// StatePrefix is the subject prefix on which conversation states travel
+// back from the decode instances that hold them to prefill instances (a
+// wire.StateOffer, then a handoff with the roles swapped: the prefill
+// instance's Decoder addresses the holder's Prefiller by Request.Holder),
+// in the same namespace, so they never mix with its prefill requests.
+func StatePrefix(prefix string) string {
+	if prefix == "" {
+		prefix = wire.DefaultPrefix
+	}
+	return prefix + "-state"
 }
 
 // Result describes a completed handoff: the request's cache is in its
@@ -116,6 +148,10 @@ type Result struct {
 	Total      time.Duration // handoff wall time at the decoder
 	KVBytes    uint64
 	MambaBytes uint64
+	// Drafts are the prefill worker's draft tokens after FirstToken, at
+	// most Request.Drafts, each >= 0 (PrefillReply.Drafts); the caller
+	// checks them against its vocabulary.
+	Drafts []int32
 }
 
 // DecoderStats are cumulative counters.
@@ -126,6 +162,10 @@ type DecoderStats struct {
 	// Published counts NATS messages the decoder published (requests and
 	// cancels; heartbeats excluded).
 	Published uint64
+	// ByState and ByAffinity count first attempts sent to an instance
+	// for the state it holds (route_state.go) or by prefix affinity
+	// (affinity.go); the others went by load or to the queue group.
+	ByState, ByAffinity uint64
 }
 
 // publisher is what a Decoder needs from NATS on the request path
@@ -168,6 +208,7 @@ type Decoder struct {
 	unwatch    func()             // stops the writer-gone reports (watchWriters)
 	seq        atomic.Uint64
 	picks      atomic.Uint64 // round-robin offset of pick
+	stateCost  float64       // c of state-aware routing (route_state.go), under mu
 	aff        *affinity     // PrefixAffinity's memory; nil without it
 
 	mu    sync.Mutex
@@ -190,6 +231,8 @@ type Decoder struct {
 	delivered  atomic.Uint64
 	failed     atomic.Uint64
 	retries    atomic.Uint64
+	byState    atomic.Uint64
+	byAffinity atomic.Uint64
 	inflight   atomic.Int64
 	published  atomic.Uint64
 }
@@ -372,6 +415,7 @@ func (d *Decoder) Stats() DecoderStats {
 	return DecoderStats{
 		Started: d.started.Load(), Delivered: d.delivered.Load(), Failed: d.failed.Load(),
 		Retries: d.retries.Load(), InFlight: d.inflight.Load(), Published: d.published.Load(),
+		ByState: d.byState.Load(), ByAffinity: d.byAffinity.Load(),
 	}
 }
 

@@ -76,12 +76,19 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 		// compares against it (a wall-clock step must not move it).
 		deadline = start.Add(deadline.Sub(start))
 	}
+	attempts := d.cfg.MaxAttempts
+	if req.Holder != "" {
+		if !wire.ValidToken(req.Holder) {
+			return Result{}, fmt.Errorf("%w: request %d: holder %q is not an instance id", ErrInvalidConfig, req.ID, req.Holder)
+		}
+		attempts = 1 // only the holder has it
+	}
 	h := new(handoff)
 	h.mailbox.init()
 	h.d, h.req, h.start, h.deadline = d, req, start, deadline
 	h.kvB, h.mB = req.Dest.bytes()
 	h.sess.Reset(session.RecvParams{
-		RequestID: req.ID, MaxDraftTokens: d.cfg.MaxDraftTokens, Deadline: deadline, MaxAttempts: d.cfg.MaxAttempts,
+		RequestID: req.ID, MaxDraftTokens: d.cfg.MaxDraftTokens, Deadline: deadline, MaxAttempts: attempts,
 		QuietWait: max(d.cfg.NoResponderWait, 0),
 	})
 	var sb [64]byte
@@ -142,7 +149,7 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 				return Result{
 					FirstToken: h.ok.FirstToken, Logprobs: h.ok.Logprobs, Cached: int(h.ok.Cached), Instance: h.ok.Instance, Attempts: h.sess.Attempts(),
 					Prefill: time.Duration(h.ok.PrefillNanos), Transfer: time.Duration(h.ok.WriteNanos),
-					Total: time.Since(start), KVBytes: h.kvB, MambaBytes: h.mB,
+					Total: time.Since(start), KVBytes: h.kvB, MambaBytes: h.mB, Drafts: h.ok.Drafts,
 				}, nil
 			case session.ActFail:
 				err := h.failure(a.Code)
@@ -324,9 +331,19 @@ func (h *handoff) send(a session.Action) (string, error) {
 	d := h.d
 	subj := d.prefillSub
 	target, svc := a.Instance, anyIncarnation // the session names no incarnation
+	if h.req.Holder != "" {
+		target = h.req.Holder
+	}
+	if target == "" && a.Attempt == 1 && d.cfg.States != nil && d.reg != nil {
+		if inst, _, ok := d.pickByState(h.req.Tokens, a.Exclude); ok {
+			target, svc = inst.ID, inst.Service
+			d.byState.Add(1)
+		}
+	}
 	if target == "" && a.Attempt == 1 && d.aff != nil && d.reg != nil {
 		if inst, ok := d.pickAffine(h.req.Tokens, h.req.CacheKey, a.Exclude); ok {
 			target, svc = inst.ID, inst.Service
+			d.byAffinity.Add(1)
 		}
 	}
 	if target == "" && (a.Attempt > 1 || d.cfg.DirectFirst || a.Live) && d.reg != nil {
@@ -349,6 +366,8 @@ func (h *handoff) send(a session.Action) (string, error) {
 		RequestID: h.req.ID, From: d.cfg.Instance, Attempt: uint8(min(a.Attempt, 255)), Fingerprint: d.cfg.Fingerprint,
 		Tokens: h.req.Tokens, Sampling: h.req.Sampling, Deadline: h.deadline.UnixNano(), Budget: int64(time.Until(h.deadline)), Peer: d.peer,
 		Ticket: tk, KVBytes: h.kvB, MambaBytes: h.mB, TP: wireTP(d.cfg.TP),
+		Drafts: uint8(min(max(h.req.Drafts, 0), wire.MaxDrafts)),
+		Skip:   uint32(max(h.req.Skip, 0)),
 	}
 	buf := getMsgBuf()
 	b, err := wire.AppendPrefillRequest(*buf, &msg, d.maxPayload)
@@ -487,9 +506,11 @@ func (h *handoff) replyEvent(m *nats.Msg) session.Event {
 		return session.Event{Kind: session.EvNoResponders, Attempt: attempt}
 	}
 	r, err := wire.DecodePrefillReply(m.Data)
-	if err != nil || r.RequestID != h.req.ID {
-		if err == nil {
+	if err != nil || r.RequestID != h.req.ID || len(r.Drafts) > max(h.req.Drafts, 0) {
+		if err == nil && r.RequestID != h.req.ID {
 			err = fmt.Errorf("%w: reply names request %d", ErrBadMessage, r.RequestID)
+		} else if err == nil {
+			err = fmt.Errorf("%w: reply with %d draft tokens, %d asked for", ErrBadMessage, len(r.Drafts), h.req.Drafts)
 		}
 		h.setCause(err)
 		return session.Event{Kind: session.EvReply, Code: session.CodeBadMessage}

@@ -180,6 +180,7 @@ type testExec struct {
 	admits   atomic.Int64
 	releases atomic.Int64
 	keys     atomic.Uint64 // admission keys: see Admit
+	drafts   []int32       // draft tokens every Prefill proposes (set before use)
 }
 
 func newExec(s *side) *testExec {
@@ -223,7 +224,9 @@ func (l *testLease) Prefill(ctx context.Context) (Prefilled, error) {
 			return Prefilled{}, ctx.Err()
 		}
 	}
-	return l.x.s.prefilled(l.job.RequestID, l.d), nil
+	out := l.x.s.prefilled(l.job.RequestID, l.d)
+	out.Drafts = l.x.drafts // all of them: the prefiller cuts them to what was asked
+	return out, nil
 }
 
 // prefilled fills d, a source on s, with request id's pattern and returns

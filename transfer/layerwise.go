@@ -308,7 +308,9 @@ func (st *streamer) stop(drain bool) error {
 func (t *task) startStream() {
 	p := t.p
 	ll, ok := t.lease.(LayerwiseJob)
-	if !ok || !p.cfg.Layerwise.streams(len(t.msg.Tokens), p.cfg.LayerwiseMinTokens) {
+	// A delta handoff (Skip) goes in one write: a stream's parts name the
+	// whole prompt's blocks.
+	if !ok || t.msg.Skip > 0 || !p.cfg.Layerwise.streams(len(t.msg.Tokens), p.cfg.LayerwiseMinTokens) {
 		return
 	}
 	st, err := startStreamer(t.ctx, p.eng, t.peer, t.ticket, p.cfg.Logger, t.msg.RequestID)

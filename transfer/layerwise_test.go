@@ -33,7 +33,7 @@ type streamExec struct {
 	together bool
 	// released, when set, is called by Release, on the task's goroutine,
 	// before the lease's resources are freed.
-	released func(id uint64)
+	released func(l *streamJob)
 }
 
 func newStreamExec(s *side, piece int) *streamExec {
@@ -58,7 +58,7 @@ var _ LayerwiseJob = (*streamJob)(nil)
 
 func (l *streamJob) Release() {
 	if l.x.released != nil {
-		l.x.released(l.job.RequestID)
+		l.x.released(l)
 	}
 	l.testLease.Release()
 }
@@ -322,10 +322,16 @@ func TestLayerwiseReleaseAfterStreamStopped(t *testing.T) {
 			}
 			p := f.streamPrefiller("p1", x, func(c *PrefillerConfig) { c.Layerwise = LayerwiseOn })
 			var streamed, stopped, released atomic.Int64
-			x.released = func(id uint64) {
+			x.released = func(l *streamJob) {
 				released.Add(1)
+				// The task whose lease this is: another attempt of the
+				// request may be in the table too (a retry sent while the
+				// machine was slow), with a stream of its own.
 				p.mu.Lock()
-				tk := p.tasks[id]
+				tk := p.tasks[l.job.RequestID]
+				for tk != nil && tk.lease != AdmittedJob(l) {
+					tk = tk.next
+				}
 				p.mu.Unlock()
 				if tk == nil || tk.lw == nil { // tk.lw is the task goroutine's, which runs Release
 					return

@@ -26,6 +26,15 @@ type Job struct {
 	// order (RankRegions.Source), or the executor refuses with
 	// ErrLayoutMismatch.
 	TP int
+	// Drafts is the most draft tokens the receiver verifies in its first
+	// decode step (PrefillRequest.Drafts): the executor may draft up to
+	// this many after the first token (Prefilled.Drafts).
+	Drafts int
+	// Skip is how many leading KV blocks of the prompt the receiver holds
+	// already (PrefillRequest.Skip): the source extents must leave them
+	// out (RankRegions.Source of the resources less them), or the write
+	// fails its manifest check.
+	Skip int
 }
 
 // Prefilled is the outcome of a prefill: the first token and where the
@@ -36,6 +45,9 @@ type Prefilled struct {
 	Logprobs   []byte // the first token's logprobs, when asked (PrefillReply.Logprobs)
 	Cached     int    // prompt tokens the prefix cache served (PrefillReply.Cached)
 	Source     CacheExtents
+	// Drafts are draft tokens after FirstToken (PrefillReply.Drafts), at
+	// most Job.Drafts: more are cut.
+	Drafts []int32
 }
 
 // PrefillExecutor is what a Prefiller needs from the worker: admission within

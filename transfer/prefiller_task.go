@@ -139,7 +139,7 @@ func (p *Prefiller) handle(r micro.Request) {
 		return
 	}
 	p.mu.Unlock()
-	lease, err := p.exec.Admit(Job{RequestID: m.RequestID, Tokens: m.Tokens, Sampling: m.Sampling, Deadline: deadline, From: m.From, TP: max(int(m.TP), 1), Span: t.span})
+	lease, err := p.exec.Admit(Job{RequestID: m.RequestID, Tokens: m.Tokens, Sampling: m.Sampling, Deadline: deadline, From: m.From, TP: max(int(m.TP), 1), Span: t.span, Drafts: int(m.Drafts), Skip: int(m.Skip)})
 	code := session.CodeOK
 	if err != nil {
 		code = codeOf(err)
@@ -266,6 +266,7 @@ func (t *task) replyFor(code session.Code) wire.PrefillReply {
 		rep.FirstToken, rep.Logprobs, rep.Cached = t.out.FirstToken, t.out.Logprobs, uint32(max(t.out.Cached, 0))
 		rep.PrefillNanos, rep.WriteNanos = int64(t.pf), int64(t.wr)
 		rep.Manifest = t.manifest
+		rep.Drafts = t.out.Drafts[:min(len(t.out.Drafts), int(t.msg.Drafts))]
 	} else if t.cause != nil {
 		rep.Msg = t.cause.Error()
 	} else {

@@ -56,16 +56,30 @@ type RankRegions struct {
 }
 
 // neverTransferred reports whether row r of pool p may never be named by
-// a grant: a reserved row (the padding and ADP dummies') or a state
-// checkpoint row of the prefix cache, which only the rank's own requests
-// copy from.
-func neverTransferred(p *mambacache.Pool, r mambacache.Row) bool {
-	return p.IsReserved(r) || p.Config().IsCheckpointRow(r)
+// a grant: any row whose role is not real (mambacache.Config.RoleOf). The
+// reserved rows (the ADP dummy's, a padding dummy's of each draft length),
+// the prefix cache's state checkpoint rows, which only the rank's own
+// requests copy from, and the scratch rows of speculative decoding, which
+// hold a verifying request's state from before its verification step and
+// never leave the worker.
+func neverTransferred(p *mambacache.Pool, r mambacache.Row) bool { return !p.Transferable(r) }
+
+// refuseRow returns nil for a row a grant may name, else an error wrapping
+// ErrDummyRequest that names the row's role.
+func refuseRow(p *mambacache.Pool, r mambacache.Row) error {
+	role, ok := p.Config().RoleOf(r)
+	switch {
+	case !ok:
+		return fmt.Errorf("%w: row %d outside the arena", ErrDummyRequest, r)
+	case !role.Transferable():
+		return fmt.Errorf("%w: row %d is a %s row, never a request's state", ErrDummyRequest, r, role)
+	}
+	return nil
 }
 
 // NewRankRegions checks that the regions hold the manager's arenas and forbids every
-// reserved Mamba row and state checkpoint row at the data plane, so no grant can
-// ever name one.
+// Mamba row that is not real (reserved, state checkpoint and scratch rows) at the
+// data plane, so no grant can ever name one.
 func NewRankRegions(m *hybrid.Manager, kv, mamba *rdma.Region) (*RankRegions, error) {
 	kcfg, mcfg := m.KV().Config(), m.Mamba().Config()
 	if kv.Len() < kcfg.ArenaBytes() || mamba.Len() < mcfg.ArenaBytes() {
@@ -91,8 +105,8 @@ func (r *RankRegions) Resolve(res hybrid.Resources) (CacheExtents, error) {
 }
 
 func (r *RankRegions) resolve(res hybrid.Resources) (CacheExtents, error) {
-	if neverTransferred(r.m.Mamba(), res.Row) {
-		return CacheExtents{}, fmt.Errorf("%w: row %d is reserved or a state checkpoint", ErrDummyRequest, res.Row)
+	if err := refuseRow(r.m.Mamba(), res.Row); err != nil {
+		return CacheExtents{}, err
 	}
 	kcfg, mcfg := r.m.KV().Config(), r.m.Mamba().Config()
 	d := CacheExtents{KV: make([]rdma.Extent, len(res.Runs))}

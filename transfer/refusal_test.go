@@ -266,3 +266,66 @@ func TestHandoffRefusesCheckpointRowGrant(t *testing.T) {
 	require.ErrorIs(t, err, ErrDummyRequest)
 	require.ErrorIs(t, err, rdma.ErrForbidden)
 }
+
+// TestHandoffRefusesNonRealRowGrant: with speculative decoding on, every
+// row whose role is not real (the ADP row, a padding row of each reachable
+// draft length, a checkpoint row, a verifying request's scratch row) is
+// refused by Resolve and Source with its role named, and its bytes are
+// forbidden at the data plane, so no grant can ship or receive it as a
+// request's state (vllm#50153, lmcache#4984: scratch paired as state).
+func TestHandoffRefusesNonRealRowGrant(t *testing.T) {
+	f := newFixture(t)
+	cfg := testHybrid(64, 4)
+	cfg.Mamba.CheckpointRows = 1
+	cfg.Mamba.DraftTokens = 2
+	sched, err := mambacache.ParseDraftSchedule("1:2,2:1")
+	require.NoError(t, err)
+	cfg.Mamba.DraftLenSchedule = sched // batch 1 drafts 2, 2 drafts 1, 3..4 draft 0
+	ds := newSide(t, "dec", cfg)
+	mc := ds.m.Mamba().Config()
+	// 4 real | adp | padding(2) padding(1) padding(0) | checkpoint | 4 scratch
+	require.Equal(t, 4+1+3+1+4, mc.ArenaRows())
+	var mambaRegion rdma.RegionID
+	for id, r := range ds.regions {
+		if r.Name() == "mamba" {
+			mambaRegion = id
+		}
+	}
+	kinds := map[mambacache.RowKind]int{}
+	for r := range mc.ArenaRows() {
+		row := mambacache.Row(r)
+		role, ok := mc.RoleOf(row)
+		require.True(t, ok)
+		kinds[role.Kind]++
+		_, rerr := ds.rank.Resolve(hybrid.Resources{Row: row})
+		_, serr := ds.rank.Source(hybrid.Resources{Row: row}, 2)
+		if role.Kind == mambacache.RowReal {
+			require.NoError(t, rerr, "row %d", r)
+			require.NoError(t, serr, "row %d", r)
+			continue
+		}
+		for _, err := range []error{rerr, serr} {
+			require.ErrorIs(t, err, ErrDummyRequest, "row %d (%s)", r, role)
+			require.ErrorContains(t, err, "is a "+role.String()+" row", "row %d", r)
+		}
+		x := mc.RowExtent(row)
+		_, err := ds.eng.OpenGrant(rdma.GrantSpec{RequestID: 5, Deadline: time.Now().Add(time.Minute),
+			Extents: []rdma.Extent{{Region: mambaRegion, Offset: uint64(x.Offset), Length: uint64(x.Length)}}})
+		require.ErrorIs(t, err, rdma.ErrForbidden, "row %d (%s)", r, role)
+	}
+	require.Equal(t, map[mambacache.RowKind]int{mambacache.RowReal: 4, mambacache.RowADP: 1,
+		mambacache.RowPadding: 3, mambacache.RowCheckpoint: 1, mambacache.RowScratch: 4}, kinds)
+	_, err = ds.rank.Resolve(hybrid.Resources{Row: mambacache.Row(mc.ArenaRows())})
+	require.ErrorIs(t, err, ErrDummyRequest, "a row outside the arena")
+
+	// A handoff whose destination is a scratch row is refused end to end.
+	d := f.decoder("d1", ds, nil)
+	dest := badRowDest(ds)
+	scratch, ok := mc.ScratchRow(0)
+	require.True(t, ok)
+	x := mc.RowExtent(scratch)
+	dest.Mamba.Offset, dest.Mamba.Length = uint64(x.Offset), uint64(x.Length)
+	_, err = d.Handoff(context.Background(), Request{ID: 9, Tokens: tokens(4), Dest: dest})
+	require.ErrorIs(t, err, ErrDummyRequest)
+	require.ErrorIs(t, err, rdma.ErrForbidden)
+}

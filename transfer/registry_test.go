@@ -61,17 +61,31 @@ func TestRegistryReportsRestartUnderSameID(t *testing.T) {
 	reg.onChange(func(inst wire.Instance, gone bool) { changes <- change{inst.Service, gone} })
 	require.NoError(t, reg.watch(ctx, wire.RolePrefill))
 	key := registryKey(wire.RolePrefill, "p1")
-	for _, svc := range []string{"svc-a", "svc-a", "svc-b"} {
-		require.NoError(t, reg.put(ctx, key, wire.Instance{ID: "p1", Role: wire.RolePrefill, Fingerprint: "fp", Service: svc}))
-	}
-	want := []change{{"svc-a", false}, {"svc-a", false}, {"svc-a", true}, {"svc-b", false}}
-	for i, w := range want {
-		select {
-		case c := <-changes:
-			require.Equal(t, w, c, "change %d", i)
-		case <-time.After(5 * time.Second):
-			t.Fatalf("change %d (%+v) not reported", i, w)
+	// Each put waits for the watch to report it: the bucket keeps one
+	// revision per key, so a put the watch has not delivered yet is
+	// replaced by the next one and never seen (as a heartbeat may be).
+	for _, step := range []struct {
+		svc  string
+		want []change
+	}{
+		{"svc-a", []change{{"svc-a", false}}},
+		{"svc-a", []change{{"svc-a", false}}}, // a heartbeat: only a change
+		{"svc-b", []change{{"svc-a", true}, {"svc-b", false}}},
+	} {
+		require.NoError(t, reg.put(ctx, key, wire.Instance{ID: "p1", Role: wire.RolePrefill, Fingerprint: "fp", Service: step.svc}))
+		for i, w := range step.want {
+			select {
+			case c := <-changes:
+				require.Equal(t, w, c, "put of %s: change %d", step.svc, i)
+			case <-time.After(5 * time.Second):
+				t.Fatalf("put of %s: change %d (%+v) not reported", step.svc, i, w)
+			}
 		}
+	}
+	select {
+	case c := <-changes:
+		t.Fatalf("a change no put made: %+v", c)
+	default:
 	}
 	insts := reg.Instances(wire.RolePrefill, time.Now())
 	require.Len(t, insts, 1)

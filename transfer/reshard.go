@@ -315,8 +315,8 @@ func (r *RankRegions) Source(res hybrid.Resources, to int) (CacheExtents, error)
 	if to <= 1 && len(r.tp.shards) == 1 {
 		return r.resolve(res)
 	}
-	if neverTransferred(r.m.Mamba(), res.Row) {
-		return CacheExtents{}, fmt.Errorf("%w: row %d is reserved or a state checkpoint", ErrDummyRequest, res.Row)
+	if err := refuseRow(r.m.Mamba(), res.Row); err != nil {
+		return CacheExtents{}, err
 	}
 	rs, err := r.tp.resharder(max(to, 1))
 	if err != nil {
@@ -345,8 +345,8 @@ func (r *RankRegions) Source(res hybrid.Resources, to int) (CacheExtents, error)
 // (Source), for a stream while prefill computes. A reserved row is refused
 // with ErrDummyRequest, as by Source.
 func (r *RankRegions) Pieces(dst []Piece, f Finished, blocks []kvcache.BlockID, row mambacache.Row, to int) ([]Piece, error) {
-	if neverTransferred(r.m.Mamba(), row) {
-		return dst, fmt.Errorf("%w: row %d is reserved or a state checkpoint", ErrDummyRequest, row)
+	if err := refuseRow(r.m.Mamba(), row); err != nil {
+		return dst, err
 	}
 	rs, err := r.tp.resharder(max(to, 1))
 	if err != nil {
