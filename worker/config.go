@@ -47,6 +47,16 @@ type Config struct {
 	// continue it differently; 0 takes them only at the end of prompts and
 	// generations.
 	CheckpointInterval int
+	// Speculation turns speculative decoding on for decode steps (spec.go);
+	// the ranks' pools must be built for it (PoolParams.DraftTokens).
+	Speculation Speculation
+	// Offers, decode role with a Source and the prefix cache, hears of each
+	// end-of-turn state the worker keeps after a remote prefill, for the
+	// instance that prefilled it (state.go); nil offers none.
+	Offers StateOffers
+	// StateSource, prefill role with the prefix cache, fetches the states
+	// it adopts (Adopt) from the instances that hold them; nil adopts none.
+	StateSource CacheSource
 }
 
 func (c *Config) validate(ranks []*Rank) error {
@@ -59,6 +69,12 @@ func (c *Config) validate(ranks []*Rank) error {
 	if c.Role == RolePrefill && c.Source != nil {
 		return fmt.Errorf("%w: a prefill scheduler takes no cache source", ErrInvalidConfig)
 	}
+	if c.StateSource != nil && (c.Role != RolePrefill || !c.PrefixCache) {
+		return fmt.Errorf("%w: a state source needs the prefill role and the prefix cache", ErrInvalidConfig)
+	}
+	if c.Offers != nil && (c.Role != RoleDecode || c.Source == nil || !c.PrefixCache) {
+		return fmt.Errorf("%w: state offers need the decode role, a cache source and the prefix cache", ErrInvalidConfig)
+	}
 	if c.Router != nil && c.Source == nil {
 		return fmt.Errorf("%w: a prefill router needs a cache source", ErrInvalidConfig)
 	}
@@ -70,6 +86,9 @@ func (c *Config) validate(ranks []*Rank) error {
 	}
 	if c.CheckpointInterval < 0 {
 		return fmt.Errorf("%w: state checkpoint interval of %d tokens", ErrInvalidConfig, c.CheckpointInterval)
+	}
+	if err := c.Speculation.validate(ranks); err != nil {
+		return err
 	}
 	if c.QueueSize == 0 {
 		c.QueueSize = DefaultQueueSize

@@ -51,6 +51,17 @@ type FetchRequest struct {
 	hybrid.Resources
 	// CacheKey is the request's GenerateRequest.CacheKey.
 	CacheKey string
+	// Skip is how many leading KV blocks of Resources the rank's prefix
+	// cache filled already (shared, read-only): a delta handoff moves only
+	// the blocks after them and the row (transfer.Request.Skip).
+	Skip int
+	// Drafts, with speculative decoding, is how many draft tokens the
+	// first decode step verifies: the source may ship up to this many
+	// (FetchResult.Drafts).
+	Drafts int
+	// Holder, for an adoption (Scheduler.Adopt), is the instance holding
+	// the state: the fetch goes there only.
+	Holder string
 }
 
 // FetchResult is what a successful Fetch reports.
@@ -63,6 +74,12 @@ type FetchResult struct {
 	Transfer      time.Duration // data-plane write and commit, as measured by the writer
 	KVBytes       int64
 	MambaBytes    int64
+	// Drafts are the source's draft tokens after First, verified by the
+	// first decode step: at most FetchRequest.Drafts, each in the model's
+	// vocabulary, or the fetch fails.
+	Drafts []int32
+	// Instance is the instance that served the fetch.
+	Instance string
 }
 
 // routeRemote reports whether q's prefill runs at the Source, placed on
@@ -87,6 +104,10 @@ func (s *Scheduler) routeRemote(q *request, r *Rank, cached int) bool {
 
 // fetched applies a finished Fetch.
 func (s *Scheduler) fetched(q *request, res FetchResult, err error) {
+	if q.adopt {
+		s.adoptFetched(q, res, err)
+		return
+	}
 	role := string(s.cfg.Role)
 	s.m.TransferDuration.WithLabelValues(role).Observe(time.Since(q.admitted).Seconds())
 	s.m.Transfers.WithLabelValues(role, TransferResult(err)).Inc()
@@ -114,11 +135,16 @@ func (s *Scheduler) fetched(q *request, res FetchResult, err error) {
 	s.m.TransferBytes.WithLabelValues(role, "kv").Add(float64(res.KVBytes))
 	s.m.TransferBytes.WithLabelValues(role, "mamba").Add(float64(res.MambaBytes))
 	q.timing.Prefill = res.Compute
+	q.prefilledBy = res.Instance
 	s.m.PrefillDuration.WithLabelValues(role).Observe(res.Compute.Seconds())
 	q.timing.Transfer = res.Transfer
 	q.timing.Handoff = time.Since(q.admitted)
 	q.cached = min(max(res.Cached, 0), len(q.prompt)-1) // a peer's count, bounded
 	q.pos = len(q.prompt)
+	if err := s.checkShipped(q, res.Drafts); err != nil {
+		s.finish(q, fmt.Errorf("worker: fetch cache: %w", err))
+		return
+	}
 	if q.accept(res.First, res.FirstLogprobs) {
 		s.finish(q, nil)
 		return

@@ -55,10 +55,26 @@ type Metrics struct {
 	// The prefix cache.
 	PrefixLookups   *prometheus.CounterVec // handoff_prefix_lookups_total{role,rank,result}
 	PrefixHitTokens *prometheus.CounterVec // handoff_prefix_hit_tokens_total{role,rank}
-	PromptComputed  *prometheus.CounterVec // handoff_prompt_tokens_computed_total{role,rank}
-	PrefixBlocks    *prometheus.GaugeVec   // handoff_prefix_cached_blocks{role,rank}
-	CheckpointRows  *prometheus.GaugeVec   // handoff_state_checkpoint_rows{role,rank,state}
-	PrefixEvictions *prometheus.CounterVec // handoff_prefix_evictions_total{role,rank,kind}
+	DeltaBlocks     *prometheus.CounterVec // handoff_delta_skipped_blocks_total{role}
+	// StateReturns counts conversation states moved back from a decode
+	// worker (state.go): offered and served by decode, adopted, held
+	// already or failed at the prefill worker.
+	StateReturns     *prometheus.CounterVec // handoff_state_returns_total{role,result}
+	StateReturnBytes *prometheus.CounterVec // handoff_state_return_bytes_total{role,kind}: decode sent, prefill received
+	PromptComputed   *prometheus.CounterVec // handoff_prompt_tokens_computed_total{role,rank}
+	PrefixBlocks     *prometheus.GaugeVec   // handoff_prefix_cached_blocks{role,rank}
+	CheckpointRows   *prometheus.GaugeVec   // handoff_state_checkpoint_rows{role,rank,state}
+	PrefixEvictions  *prometheus.CounterVec // handoff_prefix_evictions_total{role,rank,kind}
+
+	// Speculative decoding (spec.go). The acceptance rate is
+	// accepted/draft; the mean accepted length per verification is
+	// accepted/verifications, the tokens a verification yields that plus 1.
+	SpecDraftTokens    *prometheus.CounterVec // handoff_spec_draft_tokens_total{role,method}
+	SpecAcceptedTokens *prometheus.CounterVec // handoff_spec_accepted_tokens_total{role,method}
+	SpecVerifications  *prometheus.CounterVec // handoff_spec_verifications_total{role,method}
+	SpecShipped        *prometheus.CounterVec // handoff_spec_shipped_draft_tokens_total{role,method}
+	SpecGated          *prometheus.GaugeVec   // handoff_spec_gated{role}
+	PaddingDummies     *prometheus.CounterVec // handoff_padding_dummies_total{role,draft_len}
 }
 
 // NewMetrics creates the collectors and registers them on reg (a private
@@ -139,6 +155,18 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "handoff_prefix_hit_tokens_total",
 			Help: "Prompt tokens served from the prefix cache instead of computed.",
 		}, []string{"role", "rank"}),
+		DeltaBlocks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_delta_skipped_blocks_total",
+			Help: "Leading KV blocks that no handoff moved, since this worker's prefix cache held them (delta handoffs): of prompts on a decode worker with --prefill remote, of returned conversation states on a prefill worker.",
+		}, []string{"role"}),
+		StateReturns: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_state_returns_total",
+			Help: "Conversation end-of-turn states moved from a decode worker to a prefill worker's cache, by role and result (decode: offered, served, failed, refused, busy; prefill: adopted, held, failed, busy, malformed, layout_mismatch).",
+		}, []string{"role", "result"}),
+		StateReturnBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_state_return_bytes_total",
+			Help: "Bytes of returned conversation states (kv, mamba): sent by decode workers, received by prefill workers.",
+		}, []string{"role", "kind"}),
 		PromptComputed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "handoff_prompt_tokens_computed_total",
 			Help: "Prompt tokens computed by this worker's prefills (hits excluded).",
@@ -155,12 +183,56 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "handoff_prefix_evictions_total",
 			Help: "Prefix cache evictions to make room, by kind (block, checkpoint).",
 		}, []string{"role", "rank", "kind"}),
+		SpecDraftTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_spec_draft_tokens_total",
+			Help: "Speculative decoding: draft tokens proposed for verification, by method (ngram).",
+		}, []string{"role", "method"}),
+		SpecAcceptedTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_spec_accepted_tokens_total",
+			Help: "Speculative decoding: draft tokens the model confirmed, by method; over handoff_spec_draft_tokens_total, the acceptance rate.",
+		}, []string{"role", "method"}),
+		SpecVerifications: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_spec_verifications_total",
+			Help: "Speculative decoding: verification steps (one request's drafts checked in one step), by method.",
+		}, []string{"role", "method"}),
+		SpecShipped: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_spec_shipped_draft_tokens_total",
+			Help: "Speculative decoding: of handoff_spec_draft_tokens_total, the drafts a prefill worker shipped with the first token, verified by the first decode step.",
+		}, []string{"role", "method"}),
+		SpecGated: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "handoff_spec_gated",
+			Help: "Speculative decoding: 1 while the acceptance-rate gate stops drafting (but for a probe step per window), else 0.",
+		}, []string{"role"}),
+		PaddingDummies: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_padding_dummies_total",
+			Help: "Speculative decoding: padding dummies placed on a rank's reserved padding row of a draft length, to pad its batch to the step's.",
+		}, []string{"role", "draft_len"}),
 	}
 	reg.MustRegister(m.Requests, m.Transfers, m.TransferBytes, m.StreamedBytes, m.TransferDuration,
 		m.QueueDuration, m.PrefillDuration, m.FirstToken,
 		m.Dummies, m.MambaRows, m.KVBlocks, m.Sessions, m.Queued, m.TransportInfo, m.PrefillRoutes,
-		m.PrefixLookups, m.PrefixHitTokens, m.PromptComputed, m.PrefixBlocks, m.CheckpointRows, m.PrefixEvictions)
+		m.PrefixLookups, m.PrefixHitTokens, m.DeltaBlocks, m.StateReturns, m.StateReturnBytes, m.PromptComputed, m.PrefixBlocks, m.CheckpointRows, m.PrefixEvictions,
+		m.SpecDraftTokens, m.SpecAcceptedTokens, m.SpecVerifications, m.SpecShipped, m.SpecGated, m.PaddingDummies)
 	return m
+}
+
+// initSpec creates, at 0, the speculative-decoding series of method.
+func (m *Metrics) initSpec(role Role, method string) {
+	r := string(role)
+	m.SpecDraftTokens.WithLabelValues(r, method)
+	m.SpecAcceptedTokens.WithLabelValues(r, method)
+	m.SpecVerifications.WithLabelValues(r, method)
+	m.SpecShipped.WithLabelValues(r, method)
+	m.SpecGated.WithLabelValues(r)
+}
+
+// specObserve counts one verification of drafts draft tokens of which
+// accepted were confirmed.
+func (m *Metrics) specObserve(role Role, method string, drafts, accepted int) {
+	r := string(role)
+	m.SpecDraftTokens.WithLabelValues(r, method).Add(float64(drafts))
+	m.SpecAcceptedTokens.WithLabelValues(r, method).Add(float64(accepted))
+	m.SpecVerifications.WithLabelValues(r, method).Inc()
 }
 
 // init creates the series of role so that they read 0 before the first event.

@@ -64,6 +64,10 @@ func (s *Scheduler) reusesCache(q *request) bool {
 // keeps no cache).
 func (s *Scheduler) lookup(q *request, hits []hybrid.Hit) {
 	clear(hits)
+	if s.deltaHandoff(q) {
+		s.lookupBlocks(q, hits)
+		return
+	}
 	if !s.reusesCache(q) {
 		return
 	}
@@ -112,6 +116,9 @@ func (q *request) cachePrompt(r *Rank) hybrid.Prompt {
 // prepare gives q its resources on r: through its hit h when it has one
 // still, else from nothing.
 func (s *Scheduler) prepare(q *request, r *Rank, h hybrid.Hit) (hybrid.Resources, error) {
+	if h.Tokens == 0 && h.Shared > 0 {
+		return s.prepareDelta(q, r, h)
+	}
 	if h.Tokens > 0 {
 		res, err := r.mgr.PrepareHit(q.id, q.cachePrompt(r), len(q.prompt), h, nil)
 		if err == nil {
@@ -168,25 +175,26 @@ func (s *Scheduler) copyHit(r *Rank, q *request, c model.Cache) error {
 
 // keep leaves what q's cache c holds after n tokens of q.seq in r's
 // cache: its full blocks, and a checkpoint at n (its state row, and the
-// block holding the tokens past the last full one) unless one exists. A
+// block holding the tokens past the last full one) unless one exists, and
+// reports whether the cache holds both now. A
 // failure to keep is no failure of the request: the cache is an
 // optimisation, and its rows and blocks may all be busy.
-func (s *Scheduler) keep(r *Rank, q *request, c model.Cache, n int) {
+func (s *Scheduler) keep(r *Rank, q *request, c model.Cache, n int) bool {
 	p := q.cachePrompt(r)
 	p.Tokens = p.Tokens[:n]
 	p.Chain = p.Chain[:min(len(p.Chain), n/r.kvCfg.TokensPerBlock)]
 	if _, err := r.mgr.Publish(q.id, p); err != nil {
 		q.log.Warn("prefix cache: blocks not published", "err", err)
-		return
+		return false
 	}
 	if r.mgr.HasCheckpoint(p, n) {
-		return
+		return true
 	}
 	tpb := r.kvCfg.TokensPerBlock
 	ck, err := r.mgr.BeginCheckpoint(n%tpb != 0)
 	if err != nil {
 		q.log.Debug("prefix cache: no checkpoint taken", "tokens", n, "err", err)
-		return
+		return false
 	}
 	cp := model.StateCopy{FromRow: c.Row, ToRow: ck.Row}
 	if ck.HasTail {
@@ -195,11 +203,13 @@ func (s *Scheduler) keep(r *Rank, q *request, c model.Cache, n int) {
 	if err := model.CopyState(r.exec, c, cp); err != nil {
 		r.mgr.AbortCheckpoint(ck)
 		q.log.Warn("prefix cache: checkpoint copy", "err", err)
-		return
+		return false
 	}
 	if err := r.mgr.EndCheckpoint(ck, p, n); err != nil {
 		q.log.Warn("prefix cache: checkpoint", "err", err)
+		return false
 	}
+	return true
 }
 
 // nextCheckpoint returns where q's chunk starting at from must end so
@@ -218,8 +228,18 @@ func (s *Scheduler) nextCheckpoint(r *Rank, q *request, from int) int {
 // keepGenerated is keep for a decode request that finished generating in
 // its step on r, over its cache c: what the cache holds after the last
 // token it absorbed, for the next turn.
+//
+// A decode request prefilled remotely keeps a checkpoint too where its rank
+// has checkpoint rows (a worker that returns states, state.go), and offers
+// it to the instance that prefilled it.
 func (s *Scheduler) keepGenerated(r *Rank, q *request, c model.Cache) {
-	if r.prefix && s.reusesCache(q) {
-		s.keep(r, q, c, q.pos)
+	if r.prefix && (s.reusesCache(q) || s.deltaHandoff(q)) {
+		if s.keep(r, q, c, q.pos) {
+			s.offerState(q)
+		}
+		return
+	}
+	if s.deltaHandoff(q) {
+		s.keepBlocks(r, q)
 	}
 }

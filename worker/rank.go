@@ -26,6 +26,15 @@ type PoolParams struct {
 	// prefix cache (mambacache.Config.CheckpointRows), beyond the real and
 	// reserved rows; 0 keeps no states, and so no prefix cache.
 	StateCheckpoints int
+	// DraftTokens, with speculative decoding on, is its most draft tokens
+	// (Speculation.Tokens) and DraftLenSchedule its schedule: they size the
+	// padding rows (one per reachable draft length) and add a scratch row
+	// per real row (mambacache.Config.DraftTokens).
+	DraftTokens      int
+	DraftLenSchedule mambacache.DraftSchedule
+	// AcceptanceGating reserves the zero-length padding row an
+	// acceptance-rate gate needs (Speculation.GateWindow).
+	AcceptanceGating bool
 }
 
 // DefaultKVBytes caps the KV arena a rank gets when KVBlocks is 0, so the
@@ -87,6 +96,8 @@ func PoolConfig(spec model.Spec, p PoolParams) (hybrid.Config, error) {
 	m.AttentionDP = p.AttentionDP
 	m.PPSize = 1
 	m.CheckpointRows = p.StateCheckpoints
+	m.DraftTokens, m.DraftLenSchedule, m.AcceptanceGating = p.DraftTokens, p.DraftLenSchedule, p.AcceptanceGating
+	m.MaxDraftTokens = max(m.MaxDraftTokens, p.DraftTokens)
 	cfg := hybrid.Config{KV: kv, Mamba: m}
 	if err := cfg.Validate(); err != nil {
 		return hybrid.Config{}, fmt.Errorf("worker: %w", err)
@@ -140,9 +151,7 @@ func NewRank(index int, mgr *hybrid.Manager, exec model.Executor, kvArena, mamba
 		kvCfg: kvCfg, mCfg: mCfg, budget: blocks, rows: rows,
 		prefix: mCfg.CheckpointRows > 0 && model.Chunked(exec),
 	}
-	if r.prefix {
-		r.root = prefixRoot(r)
-	}
+	r.root = prefixRoot(r) // also for delta handoffs, which share blocks without states
 	return r, nil
 }
 

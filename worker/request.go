@@ -59,11 +59,31 @@ type request struct {
 
 	// The prefix cache (prefix.go).
 	hit    hybrid.Hit          // taken at placement, until its first step copied it
+	skip   int                 // leading blocks shared from the cache for a delta handoff (delta.go)
 	cached int                 // prompt tokens the cache served
 	seq    []int32             // the tokens its cache holds: the prompt, then those it absorbed
 	chain  []kvcache.BlockHash // the names of seq's full blocks, as far as computed
 
 	cacheKey string // GenerateRequest.CacheKey
+
+	// State both ways (state.go).
+	prefilledBy string      // decode role: the instance that prefilled the prompt remotely
+	adopt       bool        // an adoption (Adopt): fetches a held state and keeps it
+	holder      string      // the adoption's holder
+	adopted     func(error) // AdoptRequest.Done
+	heldAlready bool        // the adoption found the state in the cache
+	fromCache   bool        // a prefill job from the cache (PrefillJob.FromCache)
+
+	// Speculative decoding (spec.go), decode role with it on.
+	spec    bool
+	hist    []int32           // the drafting context: prompt and generated tokens
+	draft   []int32           // scratch: this step's drafts
+	fed     []int32           // scratch: the tokens a verification feeds
+	targets []int32           // scratch: the model's token after each fed token
+	lps     []*model.Logprobs // scratch: their logprobs
+	shipped []int32           // drafts the prefill worker shipped: the first step verifies them
+	// draftAsk (prefill role) is how many drafts the job asked for.
+	draftAsk int
 }
 
 // chunk is the span q's next prefill step computes: from where its hit
@@ -94,6 +114,7 @@ func (q *request) accept(tok int32, lp *model.Logprobs) bool {
 	}
 	q.generated++
 	q.last = tok
+	q.remember(tok)
 	if tok == model.EOS {
 		q.reason = "stop"
 		return true

@@ -46,6 +46,7 @@ type inboxEvent struct {
 // Scheduler.mu across executor calls.
 type Scheduler struct {
 	cfg        Config
+	gate       *acceptanceGate // speculative decoding's acceptance-rate gate, nil without one
 	ranks      []*Rank
 	log        *slog.Logger
 	m          *Metrics
@@ -95,6 +96,12 @@ func NewScheduler(cfg Config, ranks []*Rank) (*Scheduler, error) {
 	}
 	if cfg.Router != nil {
 		s.m.initRoutes(cfg.Role)
+	}
+	if cfg.Role == RoleDecode && cfg.Speculation.On() {
+		s.m.initSpec(cfg.Role, cfg.Speculation.Method)
+		if g := cfg.Speculation; g.GateWindow > 0 {
+			s.gate = newAcceptanceGate(g.GateWindow, g.GateThreshold)
+		}
 	}
 	s.publish()
 	return s, nil
@@ -274,6 +281,15 @@ func (s *Scheduler) admit() {
 			}
 		}
 		idx := PickRank(rooms, q.promise)
+		if idx < 0 && q.bestEffort() {
+			// A returned state never waits for room: a request that
+			// would wait behind it matters more (state.go).
+			s.queue = slices.Delete(s.queue, 0, 1)
+			s.mu.Unlock()
+			popped++
+			s.finish(q, fmt.Errorf("%w: %w", ErrQueueFull, errBusy))
+			continue
+		}
 		if idx < 0 {
 			s.noteAdmittedLocked(popped, admitted, time.Now())
 			s.mu.Unlock()
@@ -301,9 +317,16 @@ func (s *Scheduler) place(q *request, r *Rank, h hybrid.Hit) {
 	// what the rank's cache lacks (a conversation's next turn, on the rank
 	// that served its last one), while a remote one writes every byte and
 	// takes no hit.
-	remote := !q.prefillOnly && s.cfg.Source != nil && s.routeRemote(q, r, h.Tokens)
-	if remote {
-		h = hybrid.Hit{}
+	if q.fromCache && h.Tokens != len(q.prompt)-1 {
+		s.finish(q, fmt.Errorf("%w: %d tokens (the cache of rank %d holds %d)", ErrNotCached, len(q.prompt)-1, r.index, h.Tokens))
+		return
+	}
+	if q.adopt && !s.placeAdopted(q, r) {
+		return
+	}
+	remote := q.adopt || !q.prefillOnly && s.cfg.Source != nil && s.routeRemote(q, r, h.Tokens)
+	if remote && h.Tokens > 0 {
+		h = hybrid.Hit{} // a remote prefill takes no state hit; a delta keeps its blocks (delta.go)
 	}
 	res, err := s.prepare(q, r, h)
 	if err != nil {
@@ -314,7 +337,7 @@ func (s *Scheduler) place(q *request, r *Rank, h hybrid.Hit) {
 	if q.hit.Tokens > 0 {
 		q.promise += hitPromise(q.hit) // shared blocks counted once (see prefix.go)
 	}
-	if !remote && r.prefix && s.reusesCache(q) {
+	if !remote && !q.fromCache && r.prefix && s.reusesCache(q) {
 		s.countLookup(r, q.hit.Tokens)
 	}
 	q.rank = r
@@ -334,10 +357,16 @@ func (s *Scheduler) place(q *request, r *Rank, h hybrid.Hit) {
 	q.log.Debug("request admitted, awaiting cache", "row", res.Row, "runs", len(res.Runs))
 	f := FetchRequest{
 		ID: q.id, LogID: q.logID, Rank: r.index, Prompt: q.prompt,
-		Sampling: q.smp, CacheKey: q.cacheKey,
+		Sampling: q.smp, CacheKey: q.cacheKey, Skip: q.skip,
 		Resources: hybrid.Resources{Row: res.Row, Runs: append([]kvcache.Run(nil), res.Runs...)},
 	}
+	if q.spec {
+		f.Drafts = s.cfg.Speculation.Tokens
+	}
 	src := s.cfg.Source
+	if q.adopt {
+		src, f.Holder = s.cfg.StateSource, q.holder
+	}
 	s.fetches.Go(func() {
 		res, err := src.Fetch(q.ctx, f)
 		s.post(inboxEvent{kind: evFetched, q: q, res: res, err: err})
@@ -429,7 +458,14 @@ func (s *Scheduler) finish(q *request, err error) {
 	default:
 		result = ResultFailed
 	}
-	s.m.Requests.WithLabelValues(string(s.cfg.Role), result).Inc()
+	if q.adopt || q.fromCache {
+		s.countStateReturn(q, err) // counted before its owner hears of it
+		if q.adopted != nil {
+			q.adopted(err)
+		}
+	} else {
+		s.m.Requests.WithLabelValues(string(s.cfg.Role), result).Inc()
+	}
 	if q.out != nil {
 		ev := Output{Done: true, Err: err, Timing: q.timing, Tokens: q.tokens, Cached: q.cached}
 		if err == nil {

@@ -12,6 +12,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/handoff-io/handoff/hybrid"
+	"github.com/handoff-io/handoff/kvcache"
+	"github.com/handoff-io/handoff/mambacache"
 	"github.com/handoff-io/handoff/model"
 )
 
@@ -21,6 +23,9 @@ type rankOpts struct {
 	blocks       int
 	model        string
 	checkpoints  int // state checkpoint rows per rank (the prefix cache)
+	draft        int // speculative decoding: draft tokens (0: off)
+	sched        string
+	gating       bool
 }
 
 func newRanks(t testing.TB, o rankOpts) []*Rank {
@@ -30,7 +35,10 @@ func newRanks(t testing.TB, o rankOpts) []*Rank {
 	}
 	exec, err := model.Lookup(o.model)
 	require.NoError(t, err)
-	cfg, err := PoolConfig(exec.Spec(), PoolParams{MaxBatchSize: o.batch, AttentionDP: o.adp, KVBlocks: o.blocks, StateCheckpoints: o.checkpoints})
+	sched, err := mambacache.ParseDraftSchedule(o.sched)
+	require.NoError(t, err)
+	cfg, err := PoolConfig(exec.Spec(), PoolParams{MaxBatchSize: o.batch, AttentionDP: o.adp, KVBlocks: o.blocks,
+		StateCheckpoints: o.checkpoints, DraftTokens: o.draft, DraftLenSchedule: sched, AcceptanceGating: o.gating})
 	require.NoError(t, err)
 	out := make([]*Rank, o.ranks)
 	for i := range out {
@@ -242,7 +250,12 @@ func (g *gateSource) Fetch(ctx context.Context, f FetchRequest) (FetchResult, er
 
 // loopbackFetch prefills f on pre and copies the cache into f's destination.
 func loopbackFetch(ctx context.Context, pre *Scheduler, dst []*Rank, f FetchRequest) (FetchResult, error) {
-	l, err := pre.Prefill(ctx, PrefillJob{Prompt: f.Prompt, Sampling: f.Sampling, LogID: f.LogID})
+	return loopbackJob(ctx, pre, dst, f, PrefillJob{Prompt: f.Prompt, Sampling: f.Sampling, LogID: f.LogID, Drafts: f.Drafts})
+}
+
+// loopbackJob runs job on pre and copies its cache into f's destination.
+func loopbackJob(ctx context.Context, pre *Scheduler, dst []*Rank, f FetchRequest, job PrefillJob) (FetchResult, error) {
+	l, err := pre.Prefill(ctx, job)
 	if err != nil {
 		return FetchResult{}, err
 	}
@@ -250,11 +263,21 @@ func loopbackFetch(ctx context.Context, pre *Scheduler, dst []*Rank, f FetchRequ
 	src, d := pre.ranks[l.Rank], dst[f.Rank]
 	var kvBytes int64
 	var srcKV, dstKV []byte
-	for _, run := range l.Runs {
+	// A delta handoff moves the blocks after the first f.Skip only, as
+	// transfer.SkipBlocks cuts both sides.
+	from, err := skipRuns(l.Runs, f.Skip)
+	if err != nil {
+		return FetchResult{}, err
+	}
+	to, err := skipRuns(f.Runs, f.Skip)
+	if err != nil {
+		return FetchResult{}, err
+	}
+	for _, run := range from {
 		x := src.kvCfg.RunExtent(run)
 		srcKV = append(srcKV, src.kvArena[x.Offset:x.Offset+x.Length]...)
 	}
-	for _, run := range f.Runs {
+	for _, run := range to {
 		x := d.kvCfg.RunExtent(run)
 		dstKV = d.kvArena[x.Offset : x.Offset+x.Length]
 		n := copy(dstKV, srcKV)
@@ -266,7 +289,28 @@ func loopbackFetch(ctx context.Context, pre *Scheduler, dst []*Rank, f FetchRequ
 	}
 	sx, dx := src.mCfg.RowExtent(l.Row), d.mCfg.RowExtent(f.Row)
 	copy(d.mambaArena[dx.Offset:dx.Offset+dx.Length], src.mambaArena[sx.Offset:sx.Offset+sx.Length])
-	return FetchResult{First: l.First, FirstLogprobs: l.FirstLogprobs, Cached: l.Cached, Compute: l.Compute, KVBytes: kvBytes, MambaBytes: dx.Length}, nil
+	return FetchResult{First: l.First, FirstLogprobs: l.FirstLogprobs, Cached: l.Cached, Compute: l.Compute, KVBytes: kvBytes, MambaBytes: dx.Length,
+		Drafts: l.Drafts}, nil
+}
+
+// skipRuns is runs less their first k blocks.
+func skipRuns(runs []kvcache.Run, k int) ([]kvcache.Run, error) {
+	var out []kvcache.Run
+	for _, r := range runs {
+		switch {
+		case k >= int(r.Len):
+			k -= int(r.Len)
+		case k > 0:
+			out = append(out, kvcache.Run{Start: r.Start + kvcache.BlockID(k), Len: r.Len - uint32(k)})
+			k = 0
+		default:
+			out = append(out, r)
+		}
+	}
+	if k > 0 || len(out) == 0 {
+		return nil, errors.New("loopback: skip of every block")
+	}
+	return out, nil
 }
 
 func TestSchedulerRemoteMatchesLocal(t *testing.T) {

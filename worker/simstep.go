@@ -28,25 +28,42 @@ import (
 // that share its step, as on a GPU that runs them together. A dummy-only
 // step (ADP padding) costs one decode at context 0. Both waits end early
 // when ctx ends.
+//
+// With speculative decoding a request that verifies drafts this step
+// (q.draft, drafted before the step) runs 1+len(q.draft) positions: the
+// decode part is then priced by model.VerifyTimer when st has it (one
+// forward pass: memory-bound at low batch, about one step).
+//
+// A state served from the cache or adopted (state.go) runs no forward
+// pass and costs nothing here.
 func simulateStep(ctx context.Context, st model.StepTimer, held []*request, dummy bool, span func(*request) model.Span) (wait func()) {
 	var prefills []model.Span
-	var decodes []int
+	var decodes, tokens []int
+	drafts := false
 	if dummy {
-		decodes = append(decodes, 0)
+		decodes, tokens = append(decodes, 0), append(tokens, 1)
 	}
 	for _, q := range held {
+		if q.fromCache || q.adopt {
+			// A returned state (state.go) computes nothing: a row copy,
+			// microseconds on a GPU.
+			continue
+		}
 		switch q.phase {
 		case PhaseContext:
 			prefills = append(prefills, span(q))
 		case PhaseGenerate:
-			decodes = append(decodes, q.pos)
+			decodes, tokens = append(decodes, q.pos), append(tokens, 1+len(q.draft))
+			drafts = drafts || len(q.draft) > 0
 		}
 	}
 	if len(prefills) > 0 {
 		sleepUntil(ctx, time.Now().Add(st.StepTime(prefills, nil)))
 	}
 	deadline := time.Now()
-	if len(decodes) > 0 {
+	if vt, ok := st.(model.VerifyTimer); ok && drafts {
+		deadline = deadline.Add(vt.VerifyStepTime(decodes, tokens))
+	} else if len(decodes) > 0 {
 		deadline = deadline.Add(st.StepTime(nil, decodes))
 	}
 	return func() { sleepUntil(ctx, deadline) }

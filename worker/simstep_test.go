@@ -58,6 +58,8 @@ func TestSimulateStep(t *testing.T) {
 			{phase: PhaseGenerate, pos: 42},
 			{phase: PhaseAwaitCache, prompt: make([]int32, 7)}, // not in the step
 			{phase: PhaseGenerate, pos: 9},
+			{phase: PhaseContext, prompt: make([]int32, 50), fromCache: true}, // a state served: a copy
+			{phase: PhaseGenerate, pos: 300, adopt: true},                     // a state adopted: a copy
 		}
 		start := time.Now()
 		wait := simulateStep(t.Context(), st, held, false, wholePrompt)
@@ -120,4 +122,43 @@ func TestSchedulerSleepsSimulatedSteps(t *testing.T) {
 	}
 	require.Len(t, st.steps, len(toks), "one prefill, then a decode step per further token")
 	require.GreaterOrEqual(t, elapsed, 40*time.Millisecond+time.Duration(len(toks)-1)*10*time.Millisecond)
+}
+
+// verifyRecorder is a stepRecorder that also prices verification steps.
+type verifyRecorder struct {
+	stepRecorder
+	verify time.Duration
+	tokens [][]int
+}
+
+func (v *verifyRecorder) VerifyStepTime(contexts, tokens []int) time.Duration {
+	v.mu.Lock()
+	v.tokens = append(v.tokens, append([]int(nil), tokens...))
+	v.mu.Unlock()
+	return v.verify
+}
+
+// A step in which some request verifies drafts is priced as one
+// verification (its positions per request, the dummy's 1); a step with
+// none is a plain decode step, so speculation with no drafts costs as
+// much as none.
+func TestSimulateVerifyStep(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		st := &verifyRecorder{stepRecorder: stepRecorder{decode: 5 * time.Millisecond}, verify: 6 * time.Millisecond}
+		held := []*request{
+			{phase: PhaseGenerate, pos: 42, draft: []int32{1, 2, 3}},
+			{phase: PhaseGenerate, pos: 9},
+		}
+		start := time.Now()
+		simulateStep(t.Context(), st, held, true, wholePrompt)()
+		require.Equal(t, 6*time.Millisecond, time.Since(start))
+		require.Equal(t, [][]int{{1, 4, 1}}, st.tokens)
+		require.Empty(t, st.steps)
+
+		held[0].draft = held[0].draft[:0]
+		start = time.Now()
+		simulateStep(t.Context(), st, held, false, wholePrompt)()
+		require.Equal(t, 5*time.Millisecond, time.Since(start))
+		require.Len(t, st.tokens, 1, "no drafts: a decode step")
+	})
 }

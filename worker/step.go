@@ -2,6 +2,7 @@ package worker
 
 import (
 	"context"
+	"strconv"
 	"sync"
 	"time"
 
@@ -12,13 +13,14 @@ import (
 
 // step runs one lockstep iteration: ranks step concurrently.
 func (s *Scheduler) step(ctx context.Context, plan Plan) {
+	dl, batch := s.stepDraftLen()
 	var wg sync.WaitGroup
 	for i, r := range s.ranks {
 		dummy := plan.Dummy[i]
 		if !dummy && !hasWork(r) {
 			continue
 		}
-		wg.Go(func() { s.stepRank(ctx, r, dummy) })
+		wg.Go(func() { s.stepRank(ctx, r, dummy, dl, batch) })
 	}
 	wg.Wait()
 }
@@ -32,10 +34,21 @@ func hasWork(r *Rank) bool {
 	return false
 }
 
-func (s *Scheduler) stepRank(ctx context.Context, r *Rank, dummy bool) {
+func (s *Scheduler) stepRank(ctx context.Context, r *Rank, dummy bool, dl, batch int) {
+	if s.cfg.Speculation.On() {
+		// Draft before the step: its simulated time depends on them.
+		for _, q := range r.held {
+			if q.phase == PhaseGenerate {
+				s.drafts(r, q, dl)
+			}
+		}
+	}
 	if st, ok := r.exec.(model.StepTimer); ok {
 		span := func(q *request) model.Span { return s.span(r, q) }
 		defer simulateStep(ctx, st, r.held, dummy, span)() // the step lasts its simulated time
+	}
+	if s.cfg.Speculation.On() {
+		defer s.padGraph(r, dummy, dl, batch)()
 	}
 	if dummy {
 		s.padDummy(ctx, r)
@@ -47,6 +60,38 @@ func (s *Scheduler) stepRank(ctx context.Context, r *Rank, dummy bool) {
 			s.prefillStep(r, q)
 		case PhaseGenerate:
 			s.decodeStep(r, q)
+		}
+	}
+}
+
+// padGraph pads r's decode batch up to the step's (attention-DP ranks run
+// one graph shape in lockstep), and an idle rank's ADP dummy step, with
+// the padding dummy of the step's draft length, as TensorRT-LLM pads a CUDA-graph batch with the id
+// CUDA_GRAPH_DUMMY_REQUEST_ID - draft_len: the dummy takes the reserved
+// padding row of that length (repeated padding shares it) and no real
+// row. It runs no compute here (the simulated step time counts the step,
+// not its padding). The returned func frees it after the step.
+func (s *Scheduler) padGraph(r *Rank, dummy bool, dl, batch int) (free func()) {
+	n := 0
+	for _, q := range r.held {
+		if q.phase == PhaseGenerate {
+			n++
+		}
+	}
+	// An idle attention-DP rank runs the step's graph too (sized by its
+	// draft length) with the ADP dummy in it: it pads as well.
+	if !dummy && n >= max(batch, 1) {
+		return func() {}
+	}
+	id := mambacache.PaddingIDFor(dl)
+	if _, err := r.mgr.Mamba().AddDummy(id); err != nil {
+		s.log.Error("padding dummy not placed", "rank", r.index, "draft_len", dl, "err", err)
+		return func() {}
+	}
+	s.m.PaddingDummies.WithLabelValues(string(s.cfg.Role), strconv.Itoa(dl)).Inc()
+	return func() {
+		if err := r.mgr.Mamba().Free(id); err != nil {
+			s.log.Error("padding dummy free", "rank", r.index, "err", err)
 		}
 	}
 }
@@ -86,6 +131,10 @@ func (s *Scheduler) prefillStep(r *Rank, q *request) {
 			return
 		}
 	}
+	if q.fromCache {
+		s.lendFromCache(r, q, c)
+		return
+	}
 	logits, err := s.prefillChunk(r, q, c)
 	if err != nil {
 		q.stepErr = err
@@ -105,20 +154,17 @@ func (s *Scheduler) prefillStep(r *Rank, q *request) {
 		s.keep(r, q, c, q.pos)
 	}
 	if q.prefillOnly {
-		q.generated, q.last = 1, tok
+		drafts, err := s.prefillDrafts(r, q, c, tok)
+		if err != nil {
+			q.stepErr = err
+			return
+		}
 		runs, err := r.mgr.KV().Runs(q.id, nil)
 		if err != nil {
 			q.stepErr = err
 			return
 		}
-		q.firstAt = time.Now()
-		q.timing.FirstToken = q.firstAt.Sub(q.accepted)
-		s.setPhase(q, PhasePush)
-		q.leaseOut = true
-		q.lease <- leaseResult{lease: &Lease{
-			Rank: r.index, ID: q.id, Resources: hybrid.Resources{Row: c.Row, Runs: runs}, Tokens: len(q.prompt), Cached: q.cached,
-			First: tok, FirstLogprobs: lp, Compute: q.timing.Prefill, s: s, q: q,
-		}}
+		s.lend(r, q, hybrid.Resources{Row: c.Row, Runs: runs}, tok, lp, drafts)
 		return
 	}
 	if q.accept(tok, lp) {
@@ -128,8 +174,33 @@ func (s *Scheduler) prefillStep(r *Rank, q *request) {
 	s.setPhase(q, PhaseGenerate)
 }
 
+// lend hands a prefill job's cache res (its first token tok, with lp and
+// drafts) to the job's holder: it is pushed now (PhasePush).
+func (s *Scheduler) lend(r *Rank, q *request, res hybrid.Resources, tok int32, lp *model.Logprobs, drafts []int32) {
+	q.generated, q.last = 1, tok
+	q.firstAt = time.Now()
+	q.timing.FirstToken = q.firstAt.Sub(q.accepted)
+	s.setPhase(q, PhasePush)
+	q.leaseOut = true
+	q.lease <- leaseResult{lease: &Lease{
+		Rank: r.index, ID: q.id, Resources: res, Tokens: q.pos, Cached: q.cached,
+		First: tok, FirstLogprobs: lp, Compute: q.timing.Prefill, s: s, q: q,
+		Drafts: drafts,
+	}}
+}
+
+// decodeStep runs one decode step of q, a verification when q drafted
+// this step (q.draft, see stepRank).
 func (s *Scheduler) decodeStep(r *Rank, q *request) {
-	if err := r.mgr.Grow(q.id, q.pos+1); err != nil {
+	if q.stepErr != nil { // drafting failed (stepRank)
+		return
+	}
+	if q.adopt { // a state that arrived: kept, nothing generated
+		s.keepAdopted(r, q)
+		return
+	}
+	drafts := q.draft
+	if err := r.mgr.Grow(q.id, q.pos+1+len(drafts)); err != nil {
 		q.stepErr = err
 		return
 	}
@@ -140,6 +211,17 @@ func (s *Scheduler) decodeStep(r *Rank, q *request) {
 	}
 	q.blocks = c.Blocks
 	traced := q.firstStepStart()
+	if len(drafts) > 0 {
+		if err := s.verify(r, q, c, drafts); err != nil {
+			q.stepErr = err
+			return
+		}
+		if q.finished {
+			s.keepGenerated(r, q, c)
+		}
+		q.traceFirstStep(traced)
+		return
+	}
 	logits, err := model.DecodeContext(q.ctx, r.exec, c, q.last, q.pos)
 	if err != nil {
 		q.stepErr = err

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"slices"
 	"time"
 
 	"github.com/handoff-io/handoff/model"
@@ -77,16 +78,27 @@ type PendingPrefill struct {
 // with ErrQueueFull, ErrDraining, ErrClosed, ErrInvalidRequest or ErrTooLong.
 // Ending ctx ends the job; its holder still lets go of it (PendingPrefill).
 func (s *Scheduler) SubmitPrefill(ctx context.Context, j PrefillJob) (*PendingPrefill, error) {
-	if s.cfg.Role != RolePrefill {
+	prompt := j.Prompt
+	switch {
+	case j.FromCache && !s.cfg.PrefixCache:
+		return nil, ErrWrongRole
+	case j.FromCache && len(prompt) == 0:
+		return nil, fmt.Errorf("%w: empty prompt", ErrInvalidRequest)
+	case j.FromCache:
+		// Looked up with one more token, the longest hit is the state
+		// after exactly the job's tokens (a hit leaves a token to compute).
+		prompt = append(slices.Clone(prompt), 0)
+	case s.cfg.Role != RolePrefill:
 		return nil, ErrWrongRole
 	}
-	if err := s.check(j.Prompt, 1, j.Sampling); err != nil {
+	if err := s.check(prompt, 1, j.Sampling); err != nil {
 		s.m.Requests.WithLabelValues(string(s.cfg.Role), ResultInvalid).Inc()
 		return nil, err
 	}
-	q := s.newRequest(ctx, j.LogID, j.Prompt, 1, j.Sampling, len(j.Prompt))
-	q.prefillOnly = true
+	q := s.newRequest(ctx, j.LogID, prompt, 1, j.Sampling, len(prompt))
+	q.prefillOnly, q.fromCache = true, j.FromCache
 	q.parts = j.Parts
+	q.draftAsk = min(max(j.Drafts, 0), MaxSpeculativeTokens)
 	q.lease = make(chan leaseResult, 1)
 	if err := s.enqueue(q); err != nil {
 		return nil, err
@@ -143,6 +155,7 @@ func (s *Scheduler) newRequest(ctx context.Context, logID string, prompt []int32
 		prompt: prompt, maxTokens: maxTokens, smp: smp,
 		promise:  ranksBlocksFor(s.ranks[0], tokens),
 		accepted: time.Now(),
+		spec:     s.cfg.Role == RoleDecode && s.cfg.Speculation.On(),
 	}
 }
 
@@ -158,11 +171,17 @@ func (s *Scheduler) enqueue(q *request) error {
 		err = ErrDraining
 	case len(s.queue) >= s.cfg.QueueSize:
 		err = ErrQueueFull
+	case q.bestEffort() && len(s.queue) > 0:
+		err = fmt.Errorf("%w: %w", ErrQueueFull, errBusy)
 	}
 	if err != nil {
 		s.mu.Unlock()
 		q.cancel(err)
-		s.m.Requests.WithLabelValues(string(s.cfg.Role), ResultRejected).Inc()
+		if q.bestEffort() {
+			s.countStateReturn(q, err)
+		} else {
+			s.m.Requests.WithLabelValues(string(s.cfg.Role), ResultRejected).Inc()
+		}
 		return err
 	}
 	q.id = s.nextID

@@ -58,6 +58,18 @@ type PrefillJob struct {
 	// unchanged, and no other job gets them, until the holder let go of
 	// the job (see PendingPrefill), even if the job failed meanwhile.
 	Parts func(Part)
+	// Drafts, when > 0, asks for up to this many draft tokens after the
+	// first token (Lease.Drafts), for a decode worker whose first step
+	// verifies them (speculative decoding; at most MaxSpeculativeTokens).
+	Drafts int
+	// FromCache serves the job from a state the worker's prefix cache
+	// holds, computing nothing: the state after exactly Prompt (a decode
+	// worker returning a conversation's end-of-turn state, state.go). It
+	// fails with ErrNotCached when the cache holds no such state; the
+	// lease has no first token (First is 0) and no drafts. Any role. It
+	// is admitted only at once, with room and no request waiting (else
+	// ErrQueueFull): a returned state never delays a request.
+	FromCache bool
 }
 
 // Lease is a prefilled cache held on a rank until Release. The holder reads
@@ -74,6 +86,9 @@ type Lease struct {
 	// FirstLogprobs are the first token's logprobs, when the job asked.
 	FirstLogprobs *model.Logprobs
 	Compute       time.Duration
+	// Drafts are the draft tokens after First the job asked for
+	// (PrefillJob.Drafts): the drafter run on the prompt and First.
+	Drafts []int32
 
 	s    *Scheduler
 	q    *request
