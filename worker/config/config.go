@@ -15,6 +15,8 @@ import (
 
 	"github.com/handoff-io/handoff/internal/cuda"
 	"github.com/handoff-io/handoff/internal/envflag"
+	"github.com/handoff-io/handoff/mambacache"
+	"github.com/handoff-io/handoff/model"
 	"github.com/handoff-io/handoff/transfer"
 	"github.com/handoff-io/handoff/worker"
 )
@@ -93,6 +95,31 @@ type Config struct {
 	PrefixCache             string
 	StateCheckpoints        int
 	StateCheckpointInterval int
+	// PrefillRouting is how a decode worker picks the prefill instance of a
+	// request's first attempt, with the prefix cache on: state (where the
+	// instances' cache events say its longest state is, else as affinity),
+	// affinity (where it sent the longest remembered prefix, or the
+	// request's prompt_cache_key), or load (the least loaded).
+	PrefillRouting string
+	// StateReturn, with the prefix cache on, moves each conversation's
+	// end-of-turn state from the decode worker that generated it back to
+	// the prefill instance that prefilled it (on or off): the decode keeps
+	// it and offers it, the prefill instance pulls it into its cache.
+	StateReturn string
+	// Speculative is the speculative decoding method (off, ngram, or mtp:
+	// the model's draft head, a model named with ?mtp=1), NumSpeculativeTokens its most
+	// draft tokens per step (K), and DraftLenScheduleText its draft length
+	// by batch size ("1:4,4:2,8:0"; empty: K at every batch size), parsed
+	// into DraftLenSchedule by Validate.
+	Speculative          string
+	NumSpeculativeTokens int
+	DraftLenScheduleText string
+	DraftLenSchedule     mambacache.DraftSchedule
+	// AcceptanceRateWindow and AcceptanceRateThreshold are the
+	// acceptance-rate gate (worker.Speculation.GateWindow and
+	// GateThreshold): both 0, no gate.
+	AcceptanceRateWindow    int
+	AcceptanceRateThreshold float64
 
 	// Decode only.
 	HTTPAddr   string
@@ -168,7 +195,14 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	num(&c.PrefillChunkTokens, "prefill-chunk-tokens", "HANDOFF_PREFILL_CHUNK_TOKENS", 0, "prefill each prompt in chunks of at most this many tokens, one per step, so other requests' steps run between them (0: whole prompts)")
 	str(&c.PrefixCache, "prefix-cache", "HANDOFF_PREFIX_CACHE", "on", "reuse cached prompt prefixes: KV blocks by content and Mamba states at exact token counts (on or off; off computes every prompt from its first token)", false)
 	num(&c.StateCheckpoints, "state-checkpoints", "HANDOFF_STATE_CHECKPOINTS", -1, "Mamba state checkpoint rows per rank for the prefix cache, beyond the real and reserved rows (-1: 4 per --max-batch-size, within 1 GiB of rows)")
+	str(&c.StateReturn, "state-return", "HANDOFF_STATE_RETURN", "on", "with --prefix-cache on: move each conversation's end-of-turn state from the decode worker that generated it back to the prefill instance that prefilled it, when both have room at once, so that the next turn's prefill starts after the reply (on or off; set it alike on both roles)", false)
+	str(&c.PrefillRouting, "prefill-routing", "HANDOFF_PREFILL_ROUTING", "state", "decode, with --prefix-cache on: where a request's prefill goes first: state (the instance whose cache events say it holds the prompt's longest state, weighed against load; else as affinity), affinity (the instance that prefilled the longest remembered prefix, or the request's prompt_cache_key), or load (the least loaded instance)", false)
 	num(&c.StateCheckpointInterval, "state-checkpoint-interval", "HANDOFF_STATE_CHECKPOINT_INTERVAL", worker.DefaultCheckpointInterval, "also checkpoint the state every this many tokens of a prompt, so a shared prefix (a system prompt) serves prompts that continue it differently (0: only at the ends of prompts and generations)")
+	str(&c.Speculative, "speculative", "HANDOFF_SPECULATIVE", "off", "speculative decoding on decode steps: off, or ngram (prompt lookup: drafts the tokens that followed the context's last n-gram earlier in it, verified exactly: the output is unchanged), or mtp (the model's draft head: name the model with ?mtp=1 on prefill and decode, its KV is one more layer in the pool)", false)
+	num(&c.NumSpeculativeTokens, "num-speculative-tokens", "HANDOFF_NUM_SPECULATIVE_TOKENS", 3, "with --speculative: the most draft tokens one step verifies (K; 1..16)")
+	num(&c.AcceptanceRateWindow, "acceptance-rate-window", "HANDOFF_ACCEPTANCE_RATE_WINDOW", 0, "with --speculative: the acceptance-rate gate's window in verifications (TensorRT-LLM's acceptance_rate_window_size): with --acceptance-rate-threshold, steps stop drafting while fewer than that share of the window's drafts were accepted, but for one probe step per window (0: no gate)")
+	fs.Float64Var(&c.AcceptanceRateThreshold, "acceptance-rate-threshold", 0, "with --acceptance-rate-window: the acceptance rate below which drafting stops, in (0, 1]"+tw.Env("acceptance-rate-threshold", "HANDOFF_ACCEPTANCE_RATE_THRESHOLD"))
+	str(&c.DraftLenScheduleText, "draft-len-schedule", "HANDOFF_DRAFT_LEN_SCHEDULE", "", "with --speculative: draft length by batch size, batch:len pairs, e.g. 1:4,4:2,8:0 (batch 1 drafts 4, 2..4 draft 2, 5..8 and larger none); each length gets a reserved padding row; empty: --num-speculative-tokens at every batch size", false)
 	num(&c.RegistryReplicas, "registry-replicas", "HANDOFF_REGISTRY_REPLICAS", 0, "replicas of the instance registry bucket (0: 3 on a NATS cluster that can hold them, else 1)")
 	str(&c.DataAddr, "data-addr", "HANDOFF_DATA_ADDR", DefaultDataAddr, "data-plane TCP listen address", false)
 	str(&c.DataAdvertise, "data-advertise", "HANDOFF_DATA_ADVERTISE", "", "data-plane address peers dial (default $POD_IP:<port> when POD_IP is set; else, with --memory cuda and a wildcard --data-addr, the GPU's NIC:<port>; else the listener's)", false)
@@ -234,6 +268,59 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	return c, c.Validate()
 }
 
+func (c *Config) validateSpeculative(bad func(string, ...any)) {
+	sched, err := mambacache.ParseDraftSchedule(c.DraftLenScheduleText)
+	if err != nil {
+		bad("--draft-len-schedule %q: %v", c.DraftLenScheduleText, err)
+	}
+	c.DraftLenSchedule = sched
+	switch c.Speculative {
+	case "off":
+		if sched.Len() > 0 {
+			bad("--draft-len-schedule %q without --speculative", c.DraftLenScheduleText)
+		}
+		if c.AcceptanceRateWindow != 0 || c.AcceptanceRateThreshold != 0 {
+			bad("--acceptance-rate-window or --acceptance-rate-threshold without --speculative")
+		}
+		return
+	case "ngram":
+	case "mtp":
+		if e, err := model.Lookup(c.Model); err == nil && !model.HasDraftHead(e) {
+			m := c.Model
+			bad("--speculative mtp: model %q has no draft head (name it with ?mtp=1, on the prefill workers too: the head's KV is a layer of the pool)", m)
+		}
+	default:
+		bad("--speculative %q: want off, ngram or mtp", c.Speculative)
+		return
+	}
+	if c.NumSpeculativeTokens < 1 || c.NumSpeculativeTokens > worker.MaxSpeculativeTokens {
+		bad("--num-speculative-tokens %d: want 1..%d", c.NumSpeculativeTokens, worker.MaxSpeculativeTokens)
+	}
+	for _, e := range sched.Steps() {
+		if e.DraftLen > c.NumSpeculativeTokens {
+			bad("--draft-len-schedule %q: entry %s drafts more than --num-speculative-tokens %d", c.DraftLenScheduleText, e, c.NumSpeculativeTokens)
+		}
+	}
+	if c.AcceptanceRateWindow < 0 || c.AcceptanceRateWindow > 1<<20 || (c.AcceptanceRateWindow > 0) != (c.AcceptanceRateThreshold > 0) ||
+		!(c.AcceptanceRateThreshold >= 0 && c.AcceptanceRateThreshold <= 1) {
+		bad("--acceptance-rate-window %d --acceptance-rate-threshold %v: want both 0 (no gate), or a window of 1..%d verifications and a threshold in (0, 1]",
+			c.AcceptanceRateWindow, c.AcceptanceRateThreshold, 1<<20)
+	}
+
+}
+
+// AcceptanceGating reports whether the acceptance-rate gate is on.
+func (c *Config) AcceptanceGating() bool { return c.SpecTokens() > 0 && c.AcceptanceRateWindow > 0 }
+
+// SpecTokens is the draft tokens the pools are sized for: 0 with
+// speculation off.
+func (c *Config) SpecTokens() int {
+	if c.Speculative == "off" || c.Speculative == "" {
+		return 0
+	}
+	return c.NumSpeculativeTokens
+}
+
 // Validate checks a Config.
 func (c *Config) Validate() error {
 	var errs []error
@@ -276,12 +363,19 @@ func (c *Config) Validate() error {
 	if c.PrefixCache != "on" && c.PrefixCache != "off" {
 		bad("--prefix-cache %q: want on or off", c.PrefixCache)
 	}
+	if c.StateReturn != "on" && c.StateReturn != "off" {
+		bad("--state-return %q: want on or off", c.StateReturn)
+	}
+	if c.PrefillRouting != "state" && c.PrefillRouting != "affinity" && c.PrefillRouting != "load" {
+		bad("--prefill-routing %q: want state, affinity or load", c.PrefillRouting)
+	}
 	if c.StateCheckpoints < -1 {
 		bad("--state-checkpoints %d: want ≥ 0, or -1 for the default", c.StateCheckpoints)
 	}
 	if c.StateCheckpointInterval < 0 {
 		bad("--state-checkpoint-interval %d: want ≥ 0", c.StateCheckpointInterval)
 	}
+	c.validateSpeculative(bad)
 	switch c.Transport {
 	case "auto", "tcp", "shm", "inproc", "cuda-ipc", "ucx":
 	default:
@@ -294,6 +388,12 @@ func (c *Config) Validate() error {
 	}
 	if c.Transport == "cuda-ipc" && c.Memory != string(cuda.MemoryCUDA) {
 		bad("--transport cuda-ipc needs --memory cuda")
+	}
+	if c.Memory == string(cuda.MemoryCUDA) {
+		// Any role: a prefill worker drafts with its model's head too.
+		if e, err := model.Lookup(c.Model); err == nil && model.HasDraftHead(e) {
+			bad("--model %q with --memory cuda: the draft head reads the pool's host bytes, not device memory yet", c.Model)
+		}
 	}
 	switch c.LogFormat {
 	case "json", "text":

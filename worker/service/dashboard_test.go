@@ -32,7 +32,8 @@ func TestDashboardNamesExistingMetrics(t *testing.T) {
 
 	ns := natstest.Run(t)
 	pep, _ := startWorker(t, testConfig(t, worker.RolePrefill, "--nats-url", ns.ClientURL(), "--namespace", "dashboard"))
-	dep, _ := startWorker(t, testConfig(t, worker.RoleDecode, "--nats-url", ns.ClientURL(), "--namespace", "dashboard"))
+	// Decode speculates, so that its speculative-decoding series exist.
+	dep, _ := startWorker(t, testConfig(t, worker.RoleDecode, "--nats-url", ns.ClientURL(), "--namespace", "dashboard", "--speculative", "ngram"))
 	// One completion, so that the series set on the first transfer (the
 	// transport in use) exist too.
 	require.Eventually(t, func() bool {
@@ -57,6 +58,8 @@ func TestDashboardNamesExistingMetrics(t *testing.T) {
 		"handoff_retries_total", "handoff_quarantined_bytes", "handoff_sessions_inflight", "handoff_queued_requests",
 		"handoff_prefix_hit_tokens_total", "handoff_prompt_tokens_computed_total", "handoff_prefix_cached_blocks",
 		"handoff_state_checkpoint_rows", "handoff_prefix_evictions_total",
+		"handoff_prefill_routed_total", "handoff_cache_event_batches_total", "handoff_cache_event_syncs_total",
+		"handoff_spec_accepted_tokens_total", "handoff_spec_draft_tokens_total", "handoff_spec_verifications_total", "handoff_spec_gated",
 	} {
 		require.Contains(t, named, want, "the dashboard has no panel on %s", want)
 	}

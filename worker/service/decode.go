@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -82,6 +83,18 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 		// only its start (which waits for JetStream) ends with ctx.
 		sctx, stopStart := startContext(ctx)
 		defer stopStart()
+		// With the prefix cache on, the prefill instances publish what
+		// their caches hold: route each prompt to its longest state.
+		var states transfer.StateIndex
+		if cfg.PrefixCache == "on" && cfg.PrefillRouting == "state" {
+			es, err := transfer.StartEventSubscriber(nc, transfer.EventSubscriberConfig{Namespace: cfg.Namespace, Logger: log})
+			if err != nil {
+				return err
+			}
+			defer es.Close()
+			registerEventStats(o.Registry, es, log)
+			states = es
+		}
 		if dec, err = transfer.NewDecoder(sctx, transfer.DecoderConfig{
 			Instance: cfg.InstanceID, Namespace: cfg.Namespace, Fingerprint: n.fingerprint, TP: cfg.TPSize,
 			DefaultTimeout: cfg.RequestTimeout, Logger: log,
@@ -92,7 +105,8 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 			DirectFirst: true,
 			// A conversation's next turn goes to the prefill instance whose
 			// prefix cache holds its last one, while it has room.
-			PrefixAffinity: cfg.PrefixCache == "on",
+			PrefixAffinity: cfg.PrefixCache == "on" && cfg.PrefillRouting != "load",
+			States:         states,
 		}, nc, n.data); err != nil {
 			return err
 		}
@@ -109,13 +123,24 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 			adm.AddCheck("prefill_instances", func() error {
 				now := time.Now()
 				insts := dec.Registry().Instances(wire.RolePrefill, now)
-				usable := 0
+				usable, other := 0, ""
 				for _, in := range insts {
-					if in.Fingerprint == n.fingerprint && !in.Draining {
+					switch {
+					case in.Fingerprint == n.fingerprint && !in.Draining:
 						usable++
+					case in.Fingerprint != n.fingerprint:
+						other = in.Fingerprint
 					}
 				}
-				return presence.check(now, len(insts), usable)
+				err := presence.check(now, len(insts), usable)
+				if err != nil && other != "" {
+					// Name the mismatch: the layout covers the model and
+					// its options (a draft head, the SSM dtype) and the
+					// block size, and both sides must agree on them.
+					err = fmt.Errorf("%w; prefill layout %s, this worker's %s (model %s: its options, ?mtp=1 and ?ssm_dtype, and --tokens-per-block must match)",
+						err, other, n.fingerprint, cfg.Model)
+				}
+				return err
 			})
 		}
 		registerDecoderStats(o.Registry, dec, log)
@@ -126,16 +151,56 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 	if auto {
 		router = autoRouter(cfg, dec)
 	}
+	var offers worker.StateOffers
+	if remote && stateReturn(cfg) && cfg.Memory != "cuda" {
+		offers = &stateOffers{nc: nc, cfg: cfg, fp: n.fingerprint, log: log}
+	}
 	sched, err := worker.NewScheduler(worker.Config{
 		Role: worker.RoleDecode, AttentionDP: cfg.AttentionDP, QueueSize: cfg.QueueSize, PrefillChunkTokens: cfg.PrefillChunkTokens,
 		PrefixCache: cfg.PrefixCache == "on", CheckpointInterval: cfg.StateCheckpointInterval,
-		Source: source, Router: router, Logger: log, Metrics: o.Metrics,
+		Source: source, Router: router, Offers: offers, Logger: log, Metrics: o.Metrics,
+		Speculation: worker.Speculation{Method: cfg.Speculative, Tokens: cfg.SpecTokens(), Schedule: cfg.DraftLenSchedule,
+			GateWindow: cfg.AcceptanceRateWindow, GateThreshold: cfg.AcceptanceRateThreshold},
 	}, n.ranks)
 	if err != nil {
 		return err
 	}
 	stopLoop := runScheduler(sched, log)
 	defer stopLoop()
+	if remote {
+		// What its caches hold (the conversations' blocks and end-of-turn
+		// states, with the prefix cache) is published like a prefill
+		// worker's: a routing front in front of several decode workers
+		// can steer a conversation to the one holding it. Decoders route
+		// prefills among prefill instances only, so they pass these by.
+		stopEvents, err := startEventPublisher(nc, cfg, n, log)
+		if err != nil {
+			return err
+		}
+		defer stopEvents()
+	}
+	stopStates := func(context.Context) {}
+	if offers != nil {
+		sctx, stopStart := startContext(ctx)
+		se, stop, err := startStateServer(sctx, nc, cfg, n, sched, o.Metrics, log)
+		stopStart()
+		if err != nil {
+			return err
+		}
+		adm.BeforeScrape(se.syncStats)
+		var once sync.Once
+		stopStates = func(ctx context.Context) {
+			once.Do(func() {
+				offers.(*stateOffers).stop() // nothing offered that nobody serves
+				stop(ctx)
+			})
+		}
+		defer func() { // an error return: bounded, the drain had its turn otherwise
+			sctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			stopStates(sctx)
+			cancel()
+		}()
+	}
 	adm.AddCheck("scheduler", func() error {
 		if sched.Draining() {
 			return errors.New("draining")
@@ -164,6 +229,7 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 	log.Info("draining", "live", sched.Live(), "timeout", cfg.DrainTimeout.String())
 	adm.SetDraining()
 	dctx, cancel := context.WithTimeout(o.Abort, cfg.DrainTimeout)
+	stopStates(dctx) // states being pulled are served first
 	if err := sched.Drain(dctx); err != nil {
 		log.Warn("drain ended; failing the requests left", "live", sched.Live(), "aborted", o.Abort.Err() != nil)
 	}
@@ -202,32 +268,39 @@ var (
 func (s *transferSource) Fetch(ctx context.Context, f worker.FetchRequest) (worker.FetchResult, error) {
 	// The scheduler prepared the resources at admission and frees them once
 	// Fetch returned: they are the handoff's destination.
-	dest, err := s.n.tranks[f.Rank].Resolve(f.Resources)
+	// A delta handoff's leading blocks are the rank's cache's already: the
+	// destination is the rest (transfer.SkipBlocks).
+	res, err := transfer.SkipBlocks(f.Resources, f.Skip)
 	if err != nil {
 		return worker.FetchResult{}, err
 	}
-	res, err := s.dec.Handoff(ctx, transfer.Request{
-		ID: f.ID, Tokens: f.Prompt, CacheKey: f.CacheKey,
+	dest, err := s.n.tranks[f.Rank].Resolve(res)
+	if err != nil {
+		return worker.FetchResult{}, err
+	}
+	out, err := s.dec.Handoff(ctx, transfer.Request{
+		ID: f.ID, Tokens: f.Prompt, CacheKey: f.CacheKey, Drafts: f.Drafts, Skip: f.Skip,
 		Sampling: wireSampling(f.Sampling),
 		Deadline: time.Now().Add(s.timeout),
-		Dest:     dest,
+		Dest:     dest, Holder: f.Holder,
 	})
 	if err != nil {
 		return worker.FetchResult{}, classify(ctx, err)
 	}
-	s.n.transportInfo(s.m, res.Instance)
-	out := worker.FetchResult{
-		First: res.FirstToken, Cached: res.Cached, Compute: res.Prefill, Transfer: res.Transfer,
-		KVBytes: int64(res.KVBytes), MambaBytes: int64(res.MambaBytes),
+	s.n.transportInfo(s.m, out.Instance)
+	fr := worker.FetchResult{
+		First: out.FirstToken, Cached: out.Cached, Compute: out.Prefill, Transfer: out.Transfer,
+		KVBytes: int64(out.KVBytes), MambaBytes: int64(out.MambaBytes), Drafts: out.Drafts,
+		Instance: out.Instance,
 	}
 	if f.Logprobs {
 		var lp model.Logprobs
-		if err := lp.UnmarshalBinary(res.Logprobs); err != nil {
-			return worker.FetchResult{}, fmt.Errorf("first token logprobs from %s: %w", res.Instance, err)
+		if err := lp.UnmarshalBinary(out.Logprobs); err != nil {
+			return worker.FetchResult{}, fmt.Errorf("first token logprobs from %s: %w", out.Instance, err)
 		}
-		out.FirstLogprobs = &lp
+		fr.FirstLogprobs = &lp
 	}
-	return out, nil
+	return fr, nil
 }
 
 // wireSampling is the transfer form of a request's sampling.
@@ -279,5 +352,51 @@ func registerDecoderStats(reg prometheus.Registerer, dec *transfer.Decoder, log 
 	}, func() float64 { return float64(dec.Stats().Retries) })
 	if err := reg.Register(c); err != nil {
 		log.Warn("metrics: handoff_retries_total not registered", "err", err)
+	}
+	for by, f := range map[string]func(transfer.DecoderStats) uint64{
+		"state":    func(s transfer.DecoderStats) uint64 { return s.ByState },
+		"affinity": func(s transfer.DecoderStats) uint64 { return s.ByAffinity },
+	} {
+		c := prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name:        "handoff_prefill_routed_total",
+			Help:        "Handoffs whose first attempt went to a prefill instance for the state it holds (by=state, from its cache events) or by prefix affinity (by=affinity); the rest went by load.",
+			ConstLabels: prometheus.Labels{"role": string(worker.RoleDecode), "by": by},
+		}, func() float64 { return float64(f(dec.Stats())) })
+		if err := reg.Register(c); err != nil {
+			log.Warn("metrics: handoff_prefill_routed_total not registered", "err", err)
+		}
+	}
+}
+
+// registerEventStats exposes what the decoder's cache-event subscriber
+// applied, dropped and resynchronised.
+func registerEventStats(reg prometheus.Registerer, es *transfer.EventSubscriber, log *slog.Logger) {
+	for result, f := range map[string]func(transfer.EventStats) uint64{
+		"applied":   func(s transfer.EventStats) uint64 { return s.Applied },
+		"stale":     func(s transfer.EventStats) uint64 { return s.Stale },
+		"malformed": func(s transfer.EventStats) uint64 { return s.Malformed },
+		"gap":       func(s transfer.EventStats) uint64 { return s.Gaps },
+	} {
+		c := prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name:        "handoff_cache_event_batches_total",
+			Help:        "Cache event batches from prefill instances, by what the router's index did with them (gap: out of order or over bounds, a snapshot is asked for).",
+			ConstLabels: prometheus.Labels{"role": string(worker.RoleDecode), "result": result},
+		}, func() float64 { return float64(f(es.Stats())) })
+		if err := reg.Register(c); err != nil {
+			log.Warn("metrics: handoff_cache_event_batches_total not registered", "err", err)
+		}
+	}
+	for result, f := range map[string]func(transfer.EventStats) uint64{
+		"ok":     func(s transfer.EventStats) uint64 { return s.Syncs },
+		"failed": func(s transfer.EventStats) uint64 { return s.SyncFailures },
+	} {
+		c := prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name:        "handoff_cache_event_syncs_total",
+			Help:        "Snapshots the router asked prefill instances for, to resynchronise a cache event stream.",
+			ConstLabels: prometheus.Labels{"role": string(worker.RoleDecode), "result": result},
+		}, func() float64 { return float64(f(es.Stats())) })
+		if err := reg.Register(c); err != nil {
+			log.Warn("metrics: handoff_cache_event_syncs_total not registered", "err", err)
+		}
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -53,6 +54,13 @@ func TestDeviceMemoryMatchesLocal(t *testing.T) {
 		// device-memory decode over tcp).
 		{"tp2-to-tp1-cuda-ipc", "cuda-ipc", []string{"--memory", "cuda", "--cuda-device", prefillDevice, "--tp-size", "2", "--dp-size", "1"}, []string{"--dp-size", "1"}},
 		{"host-tp1-to-tp2-tcp", "tcp", []string{"--memory", "host", "--dp-size", "1"}, []string{"--tp-size", "2", "--dp-size", "1"}},
+		// Speculative decoding in device memory: each verification keeps
+		// the row's state in the scratch row and rolls back there, on one
+		// device rank and on a TP group's device shards.
+		{"speculative-cuda-ipc", "cuda-ipc", append([]string{"--memory", "cuda", "--cuda-device", prefillDevice}, adp...),
+			append([]string{"--speculative", "ngram", "--num-speculative-tokens", "3"}, adp...)},
+		{"speculative-tp2-tcp", "tcp", []string{"--memory", "host", "--dp-size", "1"},
+			[]string{"--tp-size", "2", "--dp-size", "1", "--speculative", "ngram", "--num-speculative-tokens", "3"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			common := []string{"--nats-url", ns.ClientURL(), "--transport", tc.transport, "--max-batch-size", "1",
@@ -63,6 +71,11 @@ func TestDeviceMemoryMatchesLocal(t *testing.T) {
 				remote, local := complete(t, rep.HTTP, p, 10, 0, k), complete(t, lep.HTTP, p, 10, 0, k)
 				require.Equal(t, http.StatusOK, remote.status, remote.text)
 				require.Equal(t, local, remote, "request %d with device memory differs from local", k)
+			}
+			if slices.Contains(tc.decode, "--speculative") {
+				require.Positive(t, metricValue(t, rep.Admin, `handoff_spec_accepted_tokens_total{method="ngram",role="decode"}`))
+				require.Less(t, metricValue(t, rep.Admin, `handoff_spec_accepted_tokens_total{method="ngram",role="decode"}`),
+					metricValue(t, rep.Admin, `handoff_spec_draft_tokens_total{method="ngram",role="decode"}`), "rollbacks happened")
 			}
 			require.Equal(t, 1.0, metricValue(t, pep.Admin, `handoff_transport_info{transport="`+tc.transport+`"}`))
 			require.Equal(t, float64(len(prompts)), metricValue(t, rep.Admin, `handoff_transfers_total{result="ok",role="decode"}`))

@@ -139,7 +139,7 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool, openCUDA func()
 	switch {
 	case cfg.PrefixCache == "off":
 		cks = 0 // off behaves exactly as before: no rows for it either
-	case cfg.Role == worker.RoleDecode && cfg.Prefill == "remote":
+	case cfg.Role == worker.RoleDecode && cfg.Prefill == "remote" && cfg.StateReturn == "off":
 		cks = 0 // it never prefills: its prefill workers keep the states
 	case cfg.Memory == "cuda":
 		// The CPU model cannot resume a prefill in device memory
@@ -147,10 +147,16 @@ func buildNode(cfg config.Config, log *slog.Logger, remote bool, openCUDA func()
 		log.Warn("prefix cache off: caches in device memory cannot be resumed from a cached state yet")
 		cks = 0
 	}
-	pools, err := worker.PoolConfig(poolSpec, worker.PoolParams{
+	pp := worker.PoolParams{
 		MaxBatchSize: cfg.MaxBatchSize, AttentionDP: cfg.AttentionDP,
 		TokensPerBlock: cfg.TokensPerBlock, KVBlocks: cfg.KVBlocks, StateCheckpoints: cks,
-	})
+	}
+	if cfg.Role == worker.RoleDecode {
+		// Only decode verifies drafts: it reserves a padding row per
+		// reachable draft length and a scratch row per real row.
+		pp.DraftTokens, pp.DraftLenSchedule, pp.AcceptanceGating = cfg.SpecTokens(), cfg.DraftLenSchedule, cfg.AcceptanceGating()
+	}
+	pools, err := worker.PoolConfig(poolSpec, pp)
 	if err != nil {
 		return nil, err
 	}

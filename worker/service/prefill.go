@@ -64,10 +64,30 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 	defer nc.Close()
 	connected.Store(nc)
 
+	// States returned by decode workers are pulled with a decoder of
+	// their own (state.go).
+	var states worker.CacheSource
+	if stateReturn(cfg) && cfg.Memory != "cuda" {
+		sctx, stopStart := startContext(ctx)
+		sdec, err := transfer.NewDecoder(sctx, transfer.DecoderConfig{
+			Instance: cfg.InstanceID, Namespace: cfg.Namespace, Prefix: transfer.StatePrefix(""), Fingerprint: n.fingerprint, TP: cfg.TPSize,
+			DefaultTimeout: statePullTimeout(cfg), Logger: log.With("part", "state-puller"), NoRegistry: true,
+		}, nc, n.data)
+		stopStart()
+		if err != nil {
+			return err
+		}
+		defer func() {
+			if err := sdec.Close(); err != nil {
+				log.Warn("state decoder close", "err", err)
+			}
+		}()
+		states = &transferSource{dec: sdec, n: n, m: o.Metrics, timeout: statePullTimeout(cfg)}
+	}
 	sched, err := worker.NewScheduler(worker.Config{
 		Role: worker.RolePrefill, AttentionDP: cfg.AttentionDP, QueueSize: cfg.QueueSize, PrefillChunkTokens: cfg.PrefillChunkTokens,
 		PrefixCache: cfg.PrefixCache == "on", CheckpointInterval: cfg.StateCheckpointInterval,
-		Logger: log, Metrics: o.Metrics,
+		StateSource: states, Logger: log, Metrics: o.Metrics,
 	}, n.ranks)
 	if err != nil {
 		return err
@@ -93,6 +113,20 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 		return err
 	}
 	registered.Store(true)
+	stopEvents, err := startEventPublisher(nc, cfg, n, log)
+	if err != nil {
+		return err
+	}
+	defer stopEvents()
+	stopAdopting := func() {}
+	if states != nil {
+		ad, err := startStateAdopter(nc, cfg, n.fingerprint, sched, o.Metrics, log)
+		if err != nil {
+			return err
+		}
+		stopAdopting = ad.stop
+	}
+	defer func() { stopAdopting() }() // before the loop stops: adoptions end through it
 	gate.Open()
 	adm.BeforeScrape(pe.syncStats)
 	ep := Endpoints{Data: n.dataAddr()}
@@ -109,6 +143,8 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 	adm.SetDraining()
 	registered.Store(false)
 	dctx, cancel := context.WithTimeout(o.Abort, cfg.DrainTimeout)
+	stopAdopting()
+	stopAdopting = func() {}
 	if err := pf.Shutdown(dctx); err != nil {
 		log.Warn("prefiller shutdown", "err", err)
 	}
@@ -128,6 +164,10 @@ type prefillExec struct {
 	n     *node
 	m     *worker.Metrics
 	pf    *transfer.Prefiller
+	// state: a decode worker's state server (state.go): jobs are served
+	// from its cache (worker.PrefillJob.FromCache), bytes counted as
+	// returned states.
+	state bool
 
 	mu   sync.Mutex
 	last transfer.PrefillerStats
@@ -154,10 +194,14 @@ func (p *prefillExec) Admit(job transfer.Job) (transfer.AdmittedJob, error) {
 		ctx = trace.ContextWithSpan(ctx, job.Span)
 	}
 	parts := &partSink{n: p.n, to: job.TP}
+	partsFn := parts.part
+	if p.state {
+		partsFn = nil // a state from the cache is written whole
+	}
 	pend, err := p.sched.SubmitPrefill(ctx, worker.PrefillJob{
 		Prompt: job.Tokens, Sampling: samplingOf(job.Sampling),
 		LogID: fmt.Sprintf("%s-%d", job.From, job.RequestID),
-		Parts: parts.part,
+		Parts: partsFn, Drafts: job.Drafts, FromCache: p.state,
 	})
 	if err != nil {
 		cancel()
@@ -167,7 +211,7 @@ func (p *prefillExec) Admit(job transfer.Job) (transfer.AdmittedJob, error) {
 		}
 		return nil, err
 	}
-	return &prefillLease{p: p, pend: pend, cancel: cancel, parts: parts, from: job.From, to: job.TP}, nil
+	return &prefillLease{p: p, pend: pend, cancel: cancel, parts: parts, from: job.From, to: job.TP, skip: job.Skip}, nil
 }
 
 // syncStats folds the prefiller's cumulative counters into the transfer
@@ -179,6 +223,23 @@ func (p *prefillExec) syncStats() {
 	s := p.pf.Stats()
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if p.state {
+		role := string(worker.RoleDecode)
+		if s.Served > p.last.Served {
+			p.m.StateReturns.WithLabelValues(role, "served").Add(float64(s.Served - p.last.Served))
+		}
+		if f, lf := s.Failed+s.Cancelled, p.last.Failed+p.last.Cancelled; f > lf {
+			p.m.StateReturns.WithLabelValues(role, "failed").Add(float64(f - lf))
+		}
+		if s.KVBytes > p.last.KVBytes {
+			p.m.StateReturnBytes.WithLabelValues(role, "kv").Add(float64(s.KVBytes - p.last.KVBytes))
+		}
+		if s.MambaBytes > p.last.MambaBytes {
+			p.m.StateReturnBytes.WithLabelValues(role, "mamba").Add(float64(s.MambaBytes - p.last.MambaBytes))
+		}
+		p.last = s
+		return
+	}
 	role := string(worker.RolePrefill)
 	add := func(result string, now, before uint64) {
 		if now > before {
@@ -208,6 +269,7 @@ type prefillLease struct {
 	parts  *partSink // where prefill's finished parts go (layer-wise)
 	from   string
 	to     int // the receiver's TP size
+	skip   int // leading KV blocks the receiver holds (a delta handoff)
 
 	lease     *worker.Lease
 	pushStart time.Time
@@ -223,11 +285,15 @@ func (l *prefillLease) Prefill(ctx context.Context) (transfer.Prefilled, error) 
 	}
 	l.lease = lease
 	l.pushStart = time.Now()
-	src, err := l.p.n.tranks[lease.Rank].Source(lease.Resources, l.to)
+	res, err := transfer.SkipBlocks(lease.Resources, l.skip)
 	if err != nil {
 		return transfer.Prefilled{}, err
 	}
-	out := transfer.Prefilled{FirstToken: lease.First, Cached: lease.Cached, Source: src}
+	src, err := l.p.n.tranks[lease.Rank].Source(res, l.to)
+	if err != nil {
+		return transfer.Prefilled{}, err
+	}
+	out := transfer.Prefilled{FirstToken: lease.First, Cached: lease.Cached, Source: src, Drafts: lease.Drafts}
 	if lease.FirstLogprobs != nil {
 		if out.Logprobs, err = lease.FirstLogprobs.MarshalBinary(); err != nil {
 			return transfer.Prefilled{}, err
@@ -240,7 +306,9 @@ func (l *prefillLease) Prefill(ctx context.Context) (transfer.Prefilled, error) 
 // its blocks and row, the stream's included): the scheduler frees them
 // only now.
 func (l *prefillLease) Release() {
-	if l.lease != nil {
+	if l.lease != nil && l.p.state {
+		l.lease.Release()
+	} else if l.lease != nil {
 		role := string(worker.RolePrefill)
 		// Bytes are counted from the prefiller's stats: only served handoffs.
 		l.p.m.TransferDuration.WithLabelValues(role).Observe(time.Since(l.pushStart).Seconds())
