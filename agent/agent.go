@@ -1,0 +1,513 @@
+package agent
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/reshard"
+)
+
+// Config configures an Agent.
+type Config struct {
+	// Name names the agent to peers and in tickets; required, unique per
+	// engine worker (one per GPU).
+	Name string
+	// Socket is the local API's unix socket path. Its directory must be
+	// private (created 0700 when missing); the socket is mode 0600.
+	Socket string
+	// Transports, TCPAddr, Advertise and FenceWait configure the data path
+	// of each registration (rdma.Config); default tcp and shm.
+	Transports []rdma.Transport
+	TCPAddr    string
+	Advertise  string
+	FenceWait  time.Duration
+	// GrantTTL is the deadline of grants opened without one; default 60s.
+	GrantTTL time.Duration
+	Logger   *slog.Logger
+}
+
+func (c *Config) validate() error {
+	if c.Name == "" {
+		return fmt.Errorf("%w: Config.Name is required", ErrBadRequest)
+	}
+	if c.Socket == "" {
+		return fmt.Errorf("%w: Config.Socket is required", ErrBadRequest)
+	}
+	if len(c.Transports) == 0 {
+		c.Transports = []rdma.Transport{rdma.TransportSHM, rdma.TransportTCP}
+	}
+	if c.GrantTTL <= 0 {
+		c.GrantTTL = 60 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return nil
+}
+
+// Agent serves the local API of one engine worker: each connection is one
+// engine process (a registration), with its own rdma.Engine over the memory
+// it registered. When the connection ends (the engine exited or
+// restarted), that engine's grants are revoked, its sends stopped and its
+// memory unmapped; the agent goes on serving the next connection.
+type Agent struct {
+	cfg Config
+	log *slog.Logger
+	ln  *net.UnixListener
+	nc  *nats.Conn // nil without NATS
+
+	gen atomic.Uint64 // registrations so far: a registration's rdma agent id is Name#gen
+
+	mu       sync.Mutex
+	closed   bool
+	sessions map[*session]struct{}
+	latest   *session // the last registration, which NATS describes
+	wg       sync.WaitGroup
+}
+
+// New creates the socket and, when nc is not nil, answers descriptions of
+// the agent on NATS (Subject). Serve accepts connections.
+func New(cfg Config, nc *nats.Conn) (*Agent, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	ln, err := listen(cfg.Socket)
+	if err != nil {
+		return nil, err
+	}
+	a := &Agent{cfg: cfg, log: cfg.Logger.With("agent", cfg.Name), ln: ln, nc: nc, sessions: make(map[*session]struct{})}
+	return a, nil
+}
+
+// Serve accepts engine connections until ctx ends or Close; it closes the
+// agent before it returns.
+func (a *Agent) Serve(ctx context.Context) error {
+	defer a.Close()
+	if a.nc != nil {
+		unsub, err := a.subscribe()
+		if err != nil {
+			return err
+		}
+		defer unsub()
+	}
+	stop := context.AfterFunc(ctx, func() { a.ln.Close() })
+	defer stop()
+	a.log.Info("agent: listening", "socket", a.cfg.Socket)
+	for {
+		c, err := a.ln.AcceptUnix()
+		if err != nil {
+			if ctx.Err() != nil || a.isClosed() {
+				return nil
+			}
+			if errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) || errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM) {
+				// Out of descriptors or memory for now: the engines already
+				// connected keep being served; try again shortly.
+				a.log.Warn("agent: accept", "err", err)
+				time.Sleep(50 * time.Millisecond)
+				continue
+			}
+			return fmt.Errorf("agent: accept: %w", err)
+		}
+		cred, err := peerCred(c)
+		if err != nil || int(cred.Uid) != os.Getuid() {
+			a.log.Warn("agent: connection refused", "err", errors.Join(err, ErrPeerCred))
+			c.Close()
+			continue
+		}
+		s := a.newSession(c, int(cred.Pid))
+		if s == nil {
+			c.Close()
+			return nil
+		}
+		go func() {
+			defer a.wg.Done()
+			s.run()
+		}()
+	}
+}
+
+func (a *Agent) isClosed() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.closed
+}
+
+func (a *Agent) newSession(c *net.UnixConn, pid int) *session {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return nil
+	}
+	s := &session{a: a, c: c, fc: newFDConn(c), pid: pid, grants: map[uint64]*grantGroup{}, sends: map[uint64]*send{}}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	s.log = a.log.With("engine_pid", pid)
+	a.sessions[s] = struct{}{}
+	a.wg.Add(1)
+	return s
+}
+
+func (a *Agent) endSession(s *session) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	delete(a.sessions, s)
+	if a.latest == s {
+		a.latest = nil
+	}
+}
+
+func (a *Agent) registered(s *session) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.latest = s
+}
+
+// Close stops accepting, ends every connection (revoking its grants,
+// unmapping its memory) and waits for them. It is idempotent.
+func (a *Agent) Close() error {
+	a.mu.Lock()
+	if a.closed {
+		a.mu.Unlock()
+		a.wg.Wait()
+		return nil
+	}
+	a.closed = true
+	ss := make([]*session, 0, len(a.sessions))
+	for s := range a.sessions {
+		ss = append(ss, s)
+	}
+	a.mu.Unlock()
+	a.ln.Close()
+	for _, s := range ss {
+		s.c.Close()
+	}
+	a.wg.Wait()
+	os.Remove(a.cfg.Socket)
+	return nil
+}
+
+// session is one engine connection. Its reader goroutine (run) decodes
+// requests and answers them in order; sends run on goroutines of their own,
+// which the session owns and waits for when it ends. Replies and events
+// share the connection under wmu.
+type session struct {
+	a   *Agent
+	c   *net.UnixConn
+	fc  *fdConn
+	pid int
+	log *slog.Logger
+
+	ctx    context.Context // cancelled when the session ends: stops sends
+	cancel context.CancelFunc
+	wg     sync.WaitGroup // grant watchers and sends
+
+	wmu sync.Mutex
+	w   *bufio.Writer
+
+	mu       sync.Mutex
+	eng      *rdma.Engine // nil until register
+	pools    *pools
+	kv, mam  *rdma.Region
+	grants   map[uint64]*grantGroup
+	sends    map[uint64]*send
+	nextSend uint64
+}
+
+func (s *session) run() {
+	s.w = bufio.NewWriter(s.c)
+	defer s.end()
+	r := bufio.NewReaderSize(s.fc, 64<<10)
+	for {
+		b, err := readFrame(r)
+		if err != nil {
+			if !errors.Is(err, net.ErrClosed) && !errors.Is(err, io.EOF) {
+				s.log.Info("agent: engine connection ended", "err", err)
+			}
+			return
+		}
+		q, err := decodeRequest(b)
+		if err != nil {
+			s.reply(Reply{Code: Code(err), Msg: err.Error()})
+			return
+		}
+		rep, err := s.handle(q)
+		if errors.Is(err, errDeferred) {
+			continue // its goroutine answers
+		}
+		if err != nil {
+			rep = Reply{Code: Code(err), Msg: err.Error()}
+		}
+		rep.Re = q.ID
+		if err := s.reply(rep); err != nil {
+			return
+		}
+	}
+}
+
+// reply writes one reply or event.
+func (s *session) reply(r Reply) error {
+	s.wmu.Lock()
+	defer s.wmu.Unlock()
+	if err := writeFrame(s.w, r); err != nil {
+		return err
+	}
+	return s.w.Flush()
+}
+
+// end runs when the engine's connection is gone: sends stop, the engine's
+// grants are revoked and its memory unmapped (rdma.Engine.Close), every
+// goroutine of the session has returned, the descriptors it was passed
+// are closed.
+func (s *session) end() {
+	s.c.Close()
+	s.cancel()
+	s.mu.Lock()
+	eng := s.eng
+	s.mu.Unlock()
+	if eng != nil {
+		eng.Close()
+	}
+	s.wg.Wait()
+	s.fc.closeFDs()
+	s.a.endSession(s)
+	s.log.Info("agent: engine session ended")
+}
+
+func (s *session) handle(q Request) (Reply, error) {
+	switch q.Op {
+	case OpHello:
+		if q.Version != Version {
+			return Reply{}, fmt.Errorf("%w: local API version %d, this agent speaks %d", ErrBadRequest, q.Version, Version)
+		}
+		return Reply{Agent: s.a.cfg.Name, Version: Version}, nil
+	case OpRegister:
+		return s.register(q)
+	case OpGrant:
+		return s.grant(q)
+	case OpRevoke:
+		return s.revoke(q)
+	case OpSend, OpOpenSend:
+		return s.openSend(q)
+	case OpSendLayer, OpCommit, OpCancel:
+		return s.sendOp(q)
+	case OpOffer:
+		return s.offer(q)
+	}
+	return Reply{}, fmt.Errorf("%w: unknown op %q", ErrBadRequest, q.Op)
+}
+
+// register maps the engine's memory (the fds passed with the message: the
+// KV pool's, then the Mamba pool's) as the regions of a new rdma.Engine
+// and forbids the reserved rows in it.
+func (s *session) register(q Request) (Reply, error) {
+	n := 0
+	if q.KVBytes > 0 {
+		n++
+	}
+	if q.MambaBytes > 0 {
+		n++
+	}
+	fds, err := s.fc.take(n)
+	if err != nil {
+		return Reply{}, err
+	}
+	defer func() {
+		for _, fd := range fds {
+			closeFD(fd) // rdma keeps duplicates of what it maps
+		}
+	}()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.eng != nil {
+		return Reply{}, ErrRegistered
+	}
+	if q.Layout == nil {
+		return Reply{}, fmt.Errorf("%w: no layout", ErrInvalidLayout)
+	}
+	p, err := compile(*q.Layout)
+	if err != nil {
+		return Reply{}, err
+	}
+	if q.KVBytes != p.kvBytes() || q.MambaBytes != p.mambaBytes() {
+		return Reply{}, fmt.Errorf("%w: memory of %d (kv) and %d (mamba) bytes, the layout needs %d and %d",
+			ErrInvalidLayout, q.KVBytes, q.MambaBytes, p.kvBytes(), p.mambaBytes())
+	}
+	cfg := s.a.cfg
+	id := rdma.AgentID(fmt.Sprintf("%s#%d", cfg.Name, s.a.gen.Add(1)))
+	eng, err := rdma.New(rdma.Config{Agent: id, Transports: cfg.Transports, TCPAddr: cfg.TCPAddr, Advertise: cfg.Advertise,
+		FenceWait: cfg.FenceWait, GrantTTL: cfg.GrantTTL, Logger: s.log})
+	if err != nil {
+		return Reply{}, err
+	}
+	i := 0
+	if q.KVBytes > 0 {
+		if s.kv, err = eng.RegisterFD("kv", fds[i], q.KVBytes); err != nil {
+			eng.Close()
+			return Reply{}, err
+		}
+		i++
+	}
+	if q.MambaBytes > 0 {
+		if s.mam, err = eng.RegisterFD("mamba", fds[i], q.MambaBytes); err != nil {
+			eng.Close()
+			return Reply{}, err
+		}
+		for _, r := range p.reserved {
+			s.mam.Forbid(p.rowOff(r), uint64(p.mamba.RowBytes()))
+		}
+	}
+	s.eng, s.pools = eng, p
+	s.a.registered(s)
+	d := eng.Descriptor()
+	ts := make([]string, len(d.Transports))
+	for i, t := range d.Transports {
+		ts[i] = string(t)
+	}
+	s.log.Info("agent: engine registered", "rdma_agent", id, "fingerprint", p.fingerprint, "tp", p.l.TP, "kv_bytes", q.KVBytes, "mamba_bytes", q.MambaBytes)
+	return Reply{Fingerprint: p.fingerprint, AgentID: string(id), Transports: ts}, nil
+}
+
+// registration returns the engine and pools, or ErrNotRegistered.
+func (s *session) registration() (*rdma.Engine, *pools, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.eng == nil {
+		return nil, nil, ErrNotRegistered
+	}
+	return s.eng, s.pools, nil
+}
+
+func rowOf(q Request) int {
+	if q.Row == nil {
+		return -1
+	}
+	return *q.Row
+}
+
+// grantGroup is what one grant request opened: one rdma grant per source
+// shard that writes into this shard (one when both TP sizes are equal).
+// Its id is its first grant's.
+type grantGroup struct {
+	id  uint64
+	req uint64
+	gs  []*rdma.Grant
+}
+
+// grant opens the grants over the named blocks and row that the senders'
+// shards write (reshard.go) and returns their ticket; an event reports
+// how they ended, together.
+func (s *session) grant(q Request) (Reply, error) {
+	eng, p, err := s.registration()
+	if err != nil {
+		return Reply{}, err
+	}
+	row := rowOf(q)
+	if err := p.checkNames(q.Blocks, row); err != nil {
+		return Reply{}, err
+	}
+	from, to, rd := q.FromTP, p.l.TP.Size, p.l.TP.Rank
+	if from == 0 {
+		from = to
+	}
+	if from < 1 || from > reshard.MaxTP {
+		return Reply{}, fmt.Errorf("%w: senders' TP %d", ErrBadRequest, from)
+	}
+	pl, err := p.plans(from, to)
+	if err != nil {
+		return Reply{}, err
+	}
+	var deadline time.Time
+	if q.DeadlineMS > 0 {
+		deadline = time.Now().Add(time.Duration(q.DeadlineMS) * time.Millisecond)
+	}
+	grp := &grantGroup{req: q.RequestID}
+	var shards []int
+	var tickets []rdma.Ticket
+	fail := func(err error) (Reply, error) {
+		for _, g := range grp.gs {
+			g.Revoke()
+		}
+		return Reply{}, err
+	}
+	for rs := range from {
+		pcs := pl.pieces(rs, rd, len(q.Blocks), row >= 0)
+		if len(pcs) == 0 {
+			continue
+		}
+		g, err := eng.OpenGrant(rdma.GrantSpec{RequestID: q.RequestID, Extents: merge(s.pieceExtents(p, pcs, q.Blocks, row, true)), Deadline: deadline})
+		if err != nil {
+			return fail(err)
+		}
+		grp.gs = append(grp.gs, g)
+		shards, tickets = append(shards, rs), append(tickets, g.Ticket())
+	}
+	grp.id = grp.gs[0].ID()
+	t, err := encodeTicket(ticket{Agent: s.a.cfg.Name, Fingerprint: p.fingerprint, DTypes: p.dtypes(), FromTP: from, ToTP: to, ToRank: rd,
+		Blocks: len(q.Blocks), Row: row >= 0}, eng.Descriptor(), shards, tickets)
+	if err != nil {
+		return fail(err)
+	}
+	s.mu.Lock()
+	s.grants[grp.id] = grp
+	s.mu.Unlock()
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.watchGrant(grp)
+	}()
+	return Reply{Grant: grp.id, Ticket: t}, nil
+}
+
+// watchGrant reports the end of a group's grants as one event: done when
+// every grant is, else the first failure. A failure revokes the others.
+func (s *session) watchGrant(grp *grantGroup) {
+	var bytes uint64
+	var first error
+	for _, g := range grp.gs {
+		<-g.Done()
+		m, err := g.Wait(context.Background())
+		if err != nil && first == nil {
+			first = err
+			for _, o := range grp.gs {
+				o.Revoke()
+			}
+		}
+		for _, b := range m.Bytes {
+			bytes += b
+		}
+	}
+	s.mu.Lock()
+	delete(s.grants, grp.id)
+	s.mu.Unlock()
+	ev := Reply{Ev: EvGrantDone, Grant: grp.id, RequestID: grp.req, Bytes: bytes}
+	if first != nil {
+		ev = Reply{Ev: EvGrantFailed, Grant: grp.id, RequestID: grp.req, Code: Code(first), Msg: first.Error()}
+	}
+	s.reply(ev)
+}
+
+// revoke fences a grant: once the reply is sent, no byte of it lands.
+func (s *session) revoke(q Request) (Reply, error) {
+	s.mu.Lock()
+	grp := s.grants[q.Grant]
+	s.mu.Unlock()
+	if grp == nil {
+		return Reply{}, fmt.Errorf("%w: grant %d", ErrUnknown, q.Grant)
+	}
+	for _, g := range grp.gs {
+		g.Revoke()
+	}
+	return Reply{Grant: q.Grant}, nil
+}

@@ -1,0 +1,374 @@
+package agent
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/handoff-io/handoff/internal/natstest"
+	"github.com/handoff-io/handoff/rdma"
+)
+
+// tinyLayout is shaped like tiny-hybrid's caches, smaller pools.
+func tinyLayout() Layout {
+	return Layout{
+		Model: "tiny-hybrid", Revision: "test", Pattern: "M*M*", Vocab: 256,
+		KV:    &KVLayout{Layers: 2, KVHeads: 2, HeadDim: 16, TokensPerBlock: 16, DType: "float32", Blocks: 32},
+		Mamba: &MambaLayout{Layers: 2, Heads: 4, HeadDim: 16, DState: 16, NGroups: 1, DConv: 4, ConvDType: "float32", SSMDType: "float32", Rows: 6, Reserved: []int{5}},
+	}
+}
+
+// engine is a test engine: a connected Client and its pools' memory, mapped
+// from memfds like an engine's tensors.
+type engine struct {
+	c       *Client
+	kv, mam []byte
+	p       *pools
+}
+
+func memfd(t testing.TB, n int64) (int, []byte) {
+	t.Helper()
+	fd, err := unix.MemfdCreate("test", unix.MFD_CLOEXEC)
+	require.NoError(t, err)
+	require.NoError(t, unix.Ftruncate(fd, n))
+	b, err := unix.Mmap(fd, 0, int(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	require.NoError(t, err)
+	t.Cleanup(func() { unix.Munmap(b); unix.Close(fd) })
+	return fd, b
+}
+
+func startAgent(t testing.TB, name string, ts ...rdma.Transport) string {
+	sock, _ := startAgentA(t, name, ts...)
+	return sock
+}
+
+func startAgentA(t testing.TB, name string, ts ...rdma.Transport) (string, *Agent) {
+	return startAgentNATS(t, nil, name, ts...)
+}
+
+func startAgentNATS(t testing.TB, nc *nats.Conn, name string, ts ...rdma.Transport) (string, *Agent) {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "a", name+".sock")
+	a, err := New(Config{Name: name, Socket: sock, Transports: ts, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}, nc)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- a.Serve(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+	return sock, a
+}
+
+func register(t testing.TB, sock string, l Layout) *engine {
+	t.Helper()
+	p, err := compile(l)
+	require.NoError(t, err)
+	ctx := context.Background()
+	c, err := Dial(ctx, sock)
+	require.NoError(t, err)
+	t.Cleanup(func() { c.Close() })
+	kfd, kv := memfd(t, p.kvBytes())
+	mfd, mam := memfd(t, p.mambaBytes())
+	rep, err := c.Register(ctx, l, kfd, p.kvBytes(), mfd, p.mambaBytes())
+	require.NoError(t, err)
+	require.Equal(t, p.fingerprint, rep.Fingerprint)
+	fill(kv, 1)
+	fill(mam, 2)
+	return &engine{c: c, kv: kv, mam: mam, p: p}
+}
+
+func fill(b []byte, seed uint64) {
+	r := rand.New(rand.NewPCG(seed, 7))
+	for i := range b {
+		b[i] = byte(r.Uint32())
+	}
+}
+
+func (e *engine) block(b int) []byte {
+	n := int(e.p.kv.BlockBytes())
+	return e.kv[b*n : (b+1)*n]
+}
+
+func (e *engine) row(r int) []byte {
+	n := int(e.p.mamba.RowBytes())
+	return e.mam[r*n : (r+1)*n]
+}
+
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func event(t *testing.T, e *engine, kind string) Reply {
+	t.Helper()
+	pair := map[string]string{EvSendDone: EvSendFailed, EvSendFailed: EvSendDone, EvGrantDone: EvGrantFailed, EvGrantFailed: EvGrantDone}
+	ev, err := e.c.WaitEvent(ctxT(t), func(r Reply) bool { return r.Ev == kind || r.Ev == pair[kind] })
+	require.NoError(t, err)
+	require.Equal(t, kind, ev.Ev, "%s: %s", ev.Code, ev.Msg)
+	return ev
+}
+
+func TestSendLandsAtNamedBlocks(t *testing.T) {
+	for _, tr := range []rdma.Transport{rdma.TransportSHM, rdma.TransportTCP} {
+		t.Run(string(tr), func(t *testing.T) {
+			a := register(t, startAgent(t, "a", tr), tinyLayout())
+			b := register(t, startAgent(t, "b", tr), tinyLayout())
+			ctx := ctxT(t)
+			g, err := b.c.Call(ctx, Request{Op: OpGrant, RequestID: 7, Blocks: []int{9, 3, 20}, Row: Row(1)}, nil)
+			require.NoError(t, err)
+			before := bytes.Clone(b.kv)
+			_, err = a.c.Call(ctx, Request{Op: OpSend, Ticket: g.Ticket, Blocks: []int{0, 1, 2}, Row: Row(4)}, nil)
+			require.NoError(t, err)
+			ev := event(t, a, EvSendDone)
+			require.EqualValues(t, 7, ev.RequestID)
+			gev := event(t, b, EvGrantDone)
+			require.Equal(t, g.Grant, gev.Grant)
+			require.Equal(t, a.block(0), b.block(9))
+			require.Equal(t, a.block(1), b.block(3))
+			require.Equal(t, a.block(2), b.block(20))
+			require.Equal(t, a.row(4), b.row(1))
+			require.Equal(t, before[:3*len(a.block(0))], b.kv[:3*len(a.block(0))], "block 0..2 untouched")
+		})
+	}
+}
+
+func TestLayerByLayer(t *testing.T) {
+	a := register(t, startAgent(t, "a", rdma.TransportSHM), tinyLayout())
+	b := register(t, startAgent(t, "b", rdma.TransportSHM), tinyLayout())
+	ctx := ctxT(t)
+	g, err := b.c.Call(ctx, Request{Op: OpGrant, RequestID: 8, Blocks: []int{5, 6}, Row: Row(0)}, nil)
+	require.NoError(t, err)
+	s, err := a.c.Call(ctx, Request{Op: OpOpenSend, Ticket: g.Ticket, Blocks: []int{10, 11}, Row: Row(2)}, nil)
+	require.NoError(t, err)
+	for l := range 2 {
+		_, err = a.c.Call(ctx, Request{Op: OpSendLayer, Send: s.Send, Kind: "kv", Layer: l}, nil)
+		require.NoError(t, err)
+		_, err = a.c.Call(ctx, Request{Op: OpSendLayer, Send: s.Send, Kind: "mamba", Layer: l}, nil)
+		require.NoError(t, err)
+	}
+	_, err = a.c.Call(ctx, Request{Op: OpCommit, Send: s.Send}, nil)
+	require.NoError(t, err)
+	event(t, a, EvSendDone)
+	event(t, b, EvGrantDone)
+	require.Equal(t, a.block(10), b.block(5))
+	require.Equal(t, a.block(11), b.block(6))
+	require.Equal(t, a.row(2), b.row(0))
+}
+
+func TestReservedRowRefused(t *testing.T) {
+	b := register(t, startAgent(t, "b", rdma.TransportSHM), tinyLayout())
+	_, err := b.c.Call(ctxT(t), Request{Op: OpGrant, RequestID: 9, Blocks: []int{1}, Row: Row(5)}, nil)
+	require.ErrorIs(t, err, ErrReserved)
+}
+
+// The data plane refuses the reserved rows too, whatever the agent checks:
+// they are forbidden in the registration's Mamba region.
+func TestReservedRowForbiddenInDataPlane(t *testing.T) {
+	sock, a := startAgentA(t, "b", rdma.TransportSHM)
+	b := register(t, sock, tinyLayout())
+	a.mu.Lock()
+	s := a.latest
+	a.mu.Unlock()
+	rb := uint64(b.p.mamba.RowBytes())
+	require.Equal(t, []rdma.Extent{{Region: s.mam.ID(), Offset: 5 * rb, Length: rb}}, s.mam.Forbidden())
+	_, err := s.eng.OpenGrant(rdma.GrantSpec{RequestID: 1, Extents: []rdma.Extent{{Region: s.mam.ID(), Offset: 5*rb + 8, Length: 8}}})
+	require.ErrorIs(t, err, rdma.ErrForbidden)
+}
+
+func TestRevokeLandsNothing(t *testing.T) {
+	for _, tr := range []rdma.Transport{rdma.TransportSHM, rdma.TransportTCP} {
+		t.Run(string(tr), func(t *testing.T) {
+			a := register(t, startAgent(t, "a", tr), tinyLayout())
+			b := register(t, startAgent(t, "b", tr), tinyLayout())
+			ctx := ctxT(t)
+			g, err := b.c.Call(ctx, Request{Op: OpGrant, RequestID: 10, Blocks: []int{4}, Row: Row(3)}, nil)
+			require.NoError(t, err)
+			_, err = b.c.Call(ctx, Request{Op: OpRevoke, Grant: g.Grant}, nil)
+			require.NoError(t, err)
+			canaryKV, canaryRow := bytes.Clone(b.block(4)), bytes.Clone(b.row(3))
+			_, err = a.c.Call(ctx, Request{Op: OpSend, Ticket: g.Ticket, Blocks: []int{0}, Row: Row(0)}, nil)
+			require.NoError(t, err)
+			ev := event(t, a, EvSendFailed)
+			require.Equal(t, "revoked", ev.Code, ev.Msg)
+			require.Equal(t, canaryKV, b.block(4))
+			require.Equal(t, canaryRow, b.row(3))
+			gev := event(t, b, EvGrantFailed)
+			require.Equal(t, "revoked", gev.Code)
+		})
+	}
+}
+
+func TestMismatchedPeerRefusedByName(t *testing.T) {
+	a := register(t, startAgent(t, "a", rdma.TransportSHM), tinyLayout())
+	other := tinyLayout()
+	other.Mamba.DState = 32
+	b := register(t, startAgent(t, "bee", rdma.TransportSHM), other)
+	ctx := ctxT(t)
+	g, err := b.c.Call(ctx, Request{Op: OpGrant, RequestID: 11, Blocks: []int{1}, Row: Row(0)}, nil)
+	require.NoError(t, err)
+	_, err = a.c.Call(ctx, Request{Op: OpSend, Ticket: g.Ticket, Blocks: []int{1}, Row: Row(0)}, nil)
+	require.ErrorIs(t, err, ErrLayoutMismatch)
+	require.Contains(t, err.Error(), `agent "bee"`)
+}
+
+func TestEngineGoneRevokesAndUnmaps(t *testing.T) {
+	sock := startAgent(t, "b", rdma.TransportSHM)
+	b := register(t, sock, tinyLayout())
+	ctx := ctxT(t)
+	_, err := b.c.Call(ctx, Request{Op: OpGrant, RequestID: 12, Blocks: []int{1}}, nil)
+	require.NoError(t, err)
+	maps := func() int {
+		m, err := os.ReadFile("/proc/self/maps")
+		require.NoError(t, err)
+		return bytes.Count(m, []byte("memfd:test"))
+	}
+	fds := func() int {
+		ents, err := os.ReadDir("/proc/self/fd")
+		require.NoError(t, err)
+		n := 0
+		for _, e := range ents {
+			if l, _ := os.Readlink("/proc/self/fd/" + e.Name()); strings.HasPrefix(l, "/memfd:test") {
+				n++
+			}
+		}
+		return n
+	}
+	require.Equal(t, 4, maps(), "the test's two mappings and the agent's two")
+	require.Equal(t, 4, fds(), "the test's two memfds and the agent's duplicates")
+	b.c.Close()
+	require.Eventually(t, func() bool { return maps() == 2 && fds() == 2 }, 5*time.Second, 10*time.Millisecond,
+		"the agent unmapped the engine's memory and closed its descriptors")
+	// The engine registers again with the agent it left.
+	b2 := register(t, sock, tinyLayout())
+	_, err = b2.c.Call(ctx, Request{Op: OpGrant, RequestID: 12, Blocks: []int{1}}, nil)
+	require.NoError(t, err)
+}
+
+func TestRegisterRefusesWrongSizes(t *testing.T) {
+	sock := startAgent(t, "b", rdma.TransportSHM)
+	c, err := Dial(ctxT(t), sock)
+	require.NoError(t, err)
+	defer c.Close()
+	p, _ := compile(tinyLayout())
+	kfd, _ := memfd(t, p.kvBytes())
+	mfd, _ := memfd(t, p.mambaBytes())
+	_, err = c.Register(ctxT(t), tinyLayout(), kfd, p.kvBytes()-1, mfd, p.mambaBytes())
+	require.ErrorIs(t, err, ErrInvalidLayout)
+	_, err = c.Call(ctxT(t), Request{Op: OpGrant, RequestID: 1, Blocks: []int{1}}, nil)
+	require.ErrorIs(t, err, ErrNotRegistered)
+}
+
+func TestSocketDirMustBePrivate(t *testing.T) {
+	dir := t.TempDir()
+	require.NoError(t, os.Chmod(dir, 0o755))
+	_, err := New(Config{Name: "x", Socket: filepath.Join(dir, "x.sock")}, nil)
+	require.True(t, errors.Is(err, ErrUnsafeSocketDir), "%v", err)
+	sock := startAgent(t, "y")
+	st, err := os.Stat(sock)
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
+}
+
+// TestOfferOverNATS: the receiving engine has its agent hand the ticket to
+// the sender's agent over NATS, which passes it to its engine as an event;
+// an offer to an agent nobody runs fails by name.
+func TestOfferOverNATS(t *testing.T) {
+	srv := natstest.Run(t)
+	sockA, _ := startAgentNATS(t, natstest.Connect(t, srv), "pre", rdma.TransportSHM)
+	sockB, _ := startAgentNATS(t, natstest.Connect(t, srv), "dec", rdma.TransportSHM)
+	a, b := register(t, sockA, tinyLayout()), register(t, sockB, tinyLayout())
+	ctx := ctxT(t)
+	g, err := b.c.Call(ctx, Request{Op: OpGrant, RequestID: 31, Blocks: []int{7}, Row: Row(2)}, nil)
+	require.NoError(t, err)
+	_, err = b.c.Call(ctx, Request{Op: OpOffer, Ticket: g.Ticket, To: "pre"}, nil)
+	require.NoError(t, err)
+	ev := event(t, a, EvTicket)
+	require.EqualValues(t, 31, ev.RequestID)
+	require.Equal(t, "dec", ev.Agent)
+	_, err = a.c.Call(ctx, Request{Op: OpSend, Ticket: ev.Ticket, Blocks: []int{1}, Row: Row(0)}, nil)
+	require.NoError(t, err)
+	event(t, a, EvSendDone)
+	event(t, b, EvGrantDone)
+	require.Equal(t, a.block(1), b.block(7))
+	require.Equal(t, a.row(0), b.row(2))
+
+	_, err = b.c.Call(ctx, Request{Op: OpOffer, Ticket: g.Ticket, To: "nobody"}, nil)
+	require.ErrorIs(t, err, ErrPeerUnreachable)
+	require.Contains(t, err.Error(), `"nobody"`)
+}
+
+// TestCancelSend: a layer-by-layer send cancelled before its commit ends
+// with send_failed; the grant, never committed, fails.
+func TestCancelSend(t *testing.T) {
+	a := register(t, startAgent(t, "a", rdma.TransportSHM), tinyLayout())
+	b := register(t, startAgent(t, "b", rdma.TransportSHM), tinyLayout())
+	ctx := ctxT(t)
+	g, err := b.c.Call(ctx, Request{Op: OpGrant, RequestID: 40, Blocks: []int{2}, Row: Row(0), DeadlineMS: 300}, nil)
+	require.NoError(t, err)
+	s, err := a.c.Call(ctx, Request{Op: OpOpenSend, Ticket: g.Ticket, Blocks: []int{3}, Row: Row(1)}, nil)
+	require.NoError(t, err)
+	_, err = a.c.Call(ctx, Request{Op: OpSendLayer, Send: s.Send, Kind: "kv", Layer: 0}, nil)
+	require.NoError(t, err)
+	_, err = a.c.Call(ctx, Request{Op: OpCancel, Send: s.Send}, nil)
+	require.NoError(t, err)
+	ev := event(t, a, EvSendFailed)
+	require.Equal(t, "cancelled", ev.Code, ev.Msg)
+	_, err = a.c.Call(ctx, Request{Op: OpCommit, Send: s.Send}, nil)
+	require.ErrorIs(t, err, ErrUnknown, "no commit after a cancel")
+	// The writer aborts the grant when the cancel cut a write in flight;
+	// else the grant, never committed, reaches its deadline.
+	gev := event(t, b, EvGrantFailed)
+	require.Contains(t, []string{"deadline", "peer_closed"}, gev.Code, gev.Msg)
+}
+
+func TestHelloRefusesOtherVersions(t *testing.T) {
+	sock := startAgent(t, "a", rdma.TransportSHM)
+	c, err := Dial(ctxT(t), sock)
+	require.NoError(t, err)
+	defer c.Close()
+	_, err = c.Call(ctxT(t), Request{Op: OpHello, Version: Version + 1}, nil)
+	require.ErrorIs(t, err, ErrBadRequest)
+	require.Contains(t, err.Error(), "version")
+}
+
+// TestSendWait: a whole send with Wait answers once it ended, in its reply
+// (no event), with the refusal as the reply's error.
+func TestSendWait(t *testing.T) {
+	a := register(t, startAgent(t, "a", rdma.TransportSHM), tinyLayout())
+	b := register(t, startAgent(t, "b", rdma.TransportSHM), tinyLayout())
+	ctx := ctxT(t)
+	g, err := b.c.Call(ctx, Request{Op: OpGrant, RequestID: 80, Blocks: []int{4}, Row: Row(2)}, nil)
+	require.NoError(t, err)
+	rep, err := a.c.Call(ctx, Request{Op: OpSend, Ticket: g.Ticket, Blocks: []int{8}, Row: Row(3), Wait: true}, nil)
+	require.NoError(t, err)
+	require.EqualValues(t, b.p.kv.BlockBytes()+b.p.mamba.RowBytes(), rep.Bytes)
+	require.Equal(t, a.block(8), b.block(4), "landed when the reply came")
+	event(t, b, EvGrantDone)
+
+	g, err = b.c.Call(ctx, Request{Op: OpGrant, RequestID: 81, Blocks: []int{5}}, nil)
+	require.NoError(t, err)
+	_, err = b.c.Call(ctx, Request{Op: OpRevoke, Grant: g.Grant}, nil)
+	require.NoError(t, err)
+	_, err = a.c.Call(ctx, Request{Op: OpSend, Ticket: g.Ticket, Blocks: []int{8}, Wait: true}, nil)
+	require.ErrorIs(t, err, rdma.ErrRevoked)
+	select {
+	case ev := <-a.c.Events():
+		t.Fatalf("an event for a send with Wait: %+v", ev)
+	default:
+	}
+}

@@ -1,0 +1,190 @@
+package agent
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+
+	"github.com/vmihailenco/msgpack/v5"
+	"golang.org/x/sys/unix"
+)
+
+// Client is an engine's side of the local API, in Go (tests and Go
+// engines; python/ has the Python one). One Client is one registration:
+// when it closes, the agent revokes its grants and unmaps its memory.
+// Methods are safe for concurrent use; events arrive on Events.
+type Client struct {
+	c      *net.UnixConn
+	events chan Reply
+
+	wmu    sync.Mutex
+	mu     sync.Mutex
+	nextID uint64
+	calls  map[uint64]chan Reply
+	err    error
+	done   chan struct{}
+}
+
+// eventBuffer is how many events a Client holds for a reader that is
+// behind; the reader goroutine blocks past it.
+const eventBuffer = 1024
+
+// Dial connects to the agent at socket and says hello.
+func Dial(ctx context.Context, socket string) (*Client, error) {
+	var d net.Dialer
+	nc, err := d.DialContext(ctx, "unix", socket)
+	if err != nil {
+		return nil, fmt.Errorf("agent: dial: %w", err)
+	}
+	c := &Client{c: nc.(*net.UnixConn), events: make(chan Reply, eventBuffer), calls: map[uint64]chan Reply{}, done: make(chan struct{})}
+	go c.read()
+	if _, err := c.Call(ctx, Request{Op: OpHello, Version: Version}, nil); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+// Events delivers grant and send events; it is closed when the connection ends.
+func (c *Client) Events() <-chan Reply { return c.events }
+
+// Close ends the registration.
+func (c *Client) Close() error {
+	err := c.c.Close()
+	<-c.done
+	return err
+}
+
+func (c *Client) read() {
+	defer close(c.done)
+	defer close(c.events)
+	r := bufio.NewReader(c.c)
+	var err error
+	for {
+		var b []byte
+		if b, err = readFrame(r); err != nil {
+			break
+		}
+		var rep Reply
+		if rep, err = decodeReply(b); err != nil {
+			break
+		}
+		if rep.Ev != "" {
+			c.events <- rep
+			continue
+		}
+		c.mu.Lock()
+		ch := c.calls[rep.Re]
+		delete(c.calls, rep.Re)
+		c.mu.Unlock()
+		if ch != nil {
+			ch <- rep
+		}
+	}
+	c.mu.Lock()
+	c.err = fmt.Errorf("%w: connection to the agent: %w", ErrClosed, err)
+	for id, ch := range c.calls {
+		close(ch)
+		delete(c.calls, id)
+	}
+	c.mu.Unlock()
+}
+
+// decodeReply decodes a reply or event frame's body.
+func decodeReply(b []byte) (Reply, error) {
+	var r Reply
+	if err := msgpack.Unmarshal(b, &r); err != nil {
+		return Reply{}, fmt.Errorf("%w: reply: %w", ErrBadRequest, err)
+	}
+	if (r.Re == 0) == (r.Ev == "") {
+		return Reply{}, fmt.Errorf("%w: a message that is %s", ErrBadRequest, map[bool]string{true: "neither a reply nor an event", false: "both a reply and an event"}[r.Re == 0])
+	}
+	return r, nil
+}
+
+// Call sends q (with fds attached by SCM_RIGHTS) and waits for its reply;
+// a failure the agent reports is a *RemoteError.
+func (c *Client) Call(ctx context.Context, q Request, fds []int) (Reply, error) {
+	ch := make(chan Reply, 1)
+	c.mu.Lock()
+	if c.err != nil {
+		c.mu.Unlock()
+		return Reply{}, c.err
+	}
+	c.nextID++
+	q.ID = c.nextID
+	c.calls[q.ID] = ch
+	c.mu.Unlock()
+	b, err := msgpack.Marshal(q)
+	if err != nil {
+		return Reply{}, err
+	}
+	frame := make([]byte, 4+len(b))
+	frame[0], frame[1], frame[2], frame[3] = byte(len(b)>>24), byte(len(b)>>16), byte(len(b)>>8), byte(len(b))
+	copy(frame[4:], b)
+	var oob []byte
+	if len(fds) > 0 {
+		oob = unix.UnixRights(fds...)
+	}
+	c.wmu.Lock()
+	_, _, err = c.c.WriteMsgUnix(frame, oob, nil)
+	c.wmu.Unlock()
+	if err != nil {
+		return Reply{}, fmt.Errorf("%w: %w", ErrClosed, err)
+	}
+	select {
+	case rep, ok := <-ch:
+		if !ok {
+			c.mu.Lock()
+			defer c.mu.Unlock()
+			return Reply{}, c.err
+		}
+		if rep.Code != "" {
+			return rep, &RemoteError{Code: rep.Code, Msg: rep.Msg}
+		}
+		return rep, nil
+	case <-ctx.Done():
+		c.mu.Lock()
+		delete(c.calls, q.ID)
+		c.mu.Unlock()
+		return Reply{}, ctx.Err()
+	}
+}
+
+// Register passes the pools' memory (memfds; -1 for a pool the layout has
+// not) and their layout.
+func (c *Client) Register(ctx context.Context, l Layout, kvFD int, kvBytes int64, mambaFD int, mambaBytes int64) (Reply, error) {
+	var fds []int
+	if kvFD >= 0 {
+		fds = append(fds, kvFD)
+	}
+	if mambaFD >= 0 {
+		fds = append(fds, mambaFD)
+	}
+	return c.Call(ctx, Request{Op: OpRegister, Layout: &l, KVBytes: kvBytes, MambaBytes: mambaBytes}, fds)
+}
+
+// Row returns a pointer for Request.Row.
+func Row(r int) *int { return &r }
+
+// WaitEvent returns the next event that ev matches, dropping others.
+func (c *Client) WaitEvent(ctx context.Context, match func(Reply) bool) (Reply, error) {
+	for {
+		select {
+		case e, ok := <-c.events:
+			if !ok {
+				c.mu.Lock()
+				defer c.mu.Unlock()
+				return Reply{}, errors.Join(ErrClosed, c.err)
+			}
+			if match(e) {
+				return e, nil
+			}
+		case <-ctx.Done():
+			return Reply{}, ctx.Err()
+		}
+	}
+}

@@ -1,0 +1,118 @@
+package agent
+
+import (
+	"bytes"
+	"testing"
+
+	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/handoff-io/handoff/rdma"
+)
+
+func FuzzDecodeRequest(f *testing.F) {
+	l := tinyLayout()
+	for _, q := range []Request{
+		{Op: OpHello, ID: 1, Version: Version},
+		{Op: OpRegister, ID: 2, Layout: &l, KVBytes: 1 << 20, MambaBytes: 1 << 16},
+		{Op: OpGrant, ID: 3, RequestID: 7, Blocks: []int{1, 2}, Row: Row(0), DeadlineMS: 500},
+		{Op: OpSendLayer, ID: 4, Send: 1, Kind: "kv", Layer: 3},
+	} {
+		b, err := msgpack.Marshal(q)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		q, err := decodeRequest(b)
+		if err != nil {
+			return
+		}
+		if q.Op == "" {
+			t.Fatal("decoded a request without an op")
+		}
+		if q.Layout != nil {
+			compile(*q.Layout) // must not panic
+		}
+	})
+}
+
+func FuzzReadFrame(f *testing.F) {
+	var buf bytes.Buffer
+	writeFrame(&buf, Request{Op: OpHello, ID: 1})
+	f.Add(buf.Bytes())
+	f.Add([]byte{0xff, 0xff, 0xff, 0xff})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		body, err := readFrame(bytes.NewReader(b))
+		if err == nil && len(body) > len(b)-4 {
+			t.Fatalf("frame of %d bytes from %d", len(body), len(b))
+		}
+	})
+}
+
+func FuzzDecodeTicket(f *testing.F) {
+	rt := rdma.Ticket{Agent: "b#1", Grant: 1, Epoch: 2, RequestID: 7, Extents: []rdma.Extent{{Region: 1, Length: 8}, {Region: 2, Length: 4}}, Bytes: 12}
+	for _, tp := range []int{1, 2} {
+		shards, subs := []int{0}, []rdma.Ticket{rt}
+		if tp == 2 {
+			shards, subs = []int{0, 1}, []rdma.Ticket{rt, rt}
+		}
+		b, err := encodeTicket(ticket{Agent: "b", Fingerprint: "00", Blocks: 1, Row: true, FromTP: tp, ToTP: 1}, rdma.Descriptor{Agent: "b#1"}, shards, subs)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b, 0)
+		f.Add(b, 1)
+	}
+	f.Fuzz(func(t *testing.T, b []byte, rank int) {
+		tk, d, rt, ok, err := decodeTicket(b, rank)
+		if err != nil {
+			return
+		}
+		if tk.FromTP < 1 || tk.ToRank >= tk.ToTP || len(tk.Subs) == 0 || (tk.Blocks == 0 && !tk.Row) {
+			t.Fatalf("accepted a ticket of TP %d → rank %d of %d, %d grants, %d blocks, row %v", tk.FromTP, tk.ToRank, tk.ToTP, len(tk.Subs), tk.Blocks, tk.Row)
+		}
+		if ok && rt.Agent != d.Agent {
+			t.Fatalf("accepted a ticket of agent %q with the descriptor of %q", rt.Agent, d.Agent)
+		}
+	})
+}
+
+func FuzzDecodeOffer(f *testing.F) {
+	rt := rdma.Ticket{Agent: "b#1", Grant: 1, RequestID: 7, Extents: []rdma.Extent{{Region: 1, Length: 8}}, Bytes: 8}
+	tb, err := encodeTicket(ticket{Agent: "b", Blocks: 1, FromTP: 1, ToTP: 1}, rdma.Descriptor{Agent: "b#1"}, []int{0}, []rdma.Ticket{rt})
+	if err != nil {
+		f.Fatal(err)
+	}
+	b, err := msgpack.Marshal(offer{From: "b", Ticket: tb})
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(b)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		o, tk, err := decodeOffer(b)
+		if err != nil {
+			return
+		}
+		if _, err := msgpack.Marshal(offer{From: o.From, Ticket: o.Ticket}); err != nil {
+			t.Fatal(err)
+		}
+		_ = tk
+	})
+}
+
+func FuzzDecodeReply(f *testing.F) {
+	for _, r := range []Reply{{Re: 1, Agent: "a", Version: 1}, {Ev: EvGrantDone, Grant: 3, Bytes: 1 << 20}, {Re: 2, Code: "revoked", Msg: "m"}} {
+		b, err := msgpack.Marshal(r)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		r, err := decodeReply(b)
+		if err == nil && (r.Re == 0) == (r.Ev == "") {
+			t.Fatalf("accepted %+v", r)
+		}
+	})
+}

@@ -1,0 +1,250 @@
+package agent
+
+import (
+	"fmt"
+	"slices"
+
+	"github.com/handoff-io/handoff/kvcache"
+	"github.com/handoff-io/handoff/mambacache"
+	"github.com/handoff-io/handoff/model"
+	"github.com/handoff-io/handoff/reshard"
+)
+
+// Layout is how an engine describes its caches when it registers them, in
+// the pools' terms (kvcache, mambacache). Dimensions are the whole model's
+// (TP 1); the memory passed is one TP shard's: reshard.KVShard and
+// reshard.MambaShard of them for TP.Size.
+type Layout struct {
+	Model    string       `msgpack:"model"`
+	Revision string       `msgpack:"revision"`
+	Pattern  string       `msgpack:"pattern"` // one byte per layer: 'M' mamba, '*' attention, '-' MLP
+	Vocab    int          `msgpack:"vocab"`
+	KV       *KVLayout    `msgpack:"kv"`
+	Mamba    *MambaLayout `msgpack:"mamba"`
+	TP       TP           `msgpack:"tp"`
+}
+
+// TP is an engine's tensor-parallel rank and size. The zero value means 1.
+type TP struct {
+	Rank int `msgpack:"rank"`
+	Size int `msgpack:"size"`
+}
+
+// KVLayout is the paged KV cache: Blocks blocks stored back to back, each
+// every attention layer's K then V, each [KVHeads][TokensPerBlock][HeadDim]
+// elements of DType (kvcache's HND layout). BlockStride, when set, must be
+// the shard's block size: the agent reads the pool layout only.
+type KVLayout struct {
+	Layers         int    `msgpack:"layers"`
+	KVHeads        int    `msgpack:"kv_heads"`
+	HeadDim        int    `msgpack:"head_dim"`
+	TokensPerBlock int    `msgpack:"tokens_per_block"`
+	DType          string `msgpack:"dtype"`
+	Blocks         int    `msgpack:"blocks"`
+	BlockStride    int64  `msgpack:"block_stride"`
+}
+
+// MambaLayout is the Mamba state pool: Rows rows back to back, each every
+// Mamba layer's conv state (three sections in ConvLayout order, each
+// channel DConv-1 elements of ConvDType) then its SSM state
+// [Heads][HeadDim][DState] of SSMDType (mambacache's layout). Reserved rows
+// (the padding and attention-DP dummies) are never granted nor sent.
+type MambaLayout struct {
+	Layers     int    `msgpack:"layers"`
+	Heads      int    `msgpack:"heads"`
+	HeadDim    int    `msgpack:"head_dim"`
+	DState     int    `msgpack:"d_state"`
+	NGroups    int    `msgpack:"n_groups"`
+	DConv      int    `msgpack:"d_conv"`
+	ConvLayout string `msgpack:"conv_layout"` // "xbc" (Mamba2) or "qkv" (GDN)
+	ConvDType  string `msgpack:"conv_dtype"`
+	SSMDType   string `msgpack:"ssm_dtype"`
+	Rows       int    `msgpack:"rows"`
+	Reserved   []int  `msgpack:"reserved"`
+	RowStride  int64  `msgpack:"row_stride"`
+}
+
+// dtypeSize returns the element size of a dtype name (torch's spelling,
+// without "torch.").
+func dtypeSize(d string) (int, bool) {
+	switch d {
+	case "float64", "int64":
+		return 8, true
+	case "float32", "int32":
+		return 4, true
+	case "bfloat16", "float16", "int16":
+		return 2, true
+	case "float8_e4m3fn", "float8_e5m2", "int8", "uint8":
+		return 1, true
+	}
+	return 0, false
+}
+
+// pools is a validated Layout: the shard's pool configs, whose offsets the
+// agent computes extents from, and the fingerprint peers compare.
+type pools struct {
+	l           Layout
+	kv          kvcache.Config    // the shard's; Layers 0 without a KV cache
+	mamba       mambacache.Config // the shard's; Layers 0 without Mamba state
+	wholeKV     kvcache.Config    // the whole model's (TP 1), which reshard plans from
+	wholeMamba  mambacache.Config
+	pc          planCache
+	rows        int
+	reserved    []int // sorted
+	fingerprint string
+}
+
+// compile validates l and computes the shard's pool configs and the
+// fingerprint the workers compute (model.Spec.Fingerprint of the whole
+// model). Errors wrap ErrInvalidLayout.
+func compile(l Layout) (*pools, error) {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: "+format, append([]any{ErrInvalidLayout}, args...)...)
+	}
+	if l.TP.Size == 0 {
+		l.TP.Size = 1
+	}
+	if l.TP.Size < 1 || l.TP.Size > reshard.MaxTP || l.TP.Rank < 0 || l.TP.Rank >= l.TP.Size {
+		return nil, bad("TP rank %d of size %d", l.TP.Rank, l.TP.Size)
+	}
+	if l.KV == nil && l.Mamba == nil {
+		return nil, bad("neither a KV cache nor Mamba state")
+	}
+	p := &pools{l: l}
+	spec := model.Spec{Name: l.Model, Revision: l.Revision, LayerPattern: l.Pattern, Vocab: l.Vocab}
+	if k := l.KV; k != nil {
+		es, ok := dtypeSize(k.DType)
+		if !ok {
+			return nil, bad("kv dtype %q", k.DType)
+		}
+		spec.KV = kvcache.Config{Layers: k.Layers, KVHeads: k.KVHeads, HeadDim: k.HeadDim, ElemSize: es, TokensPerBlock: k.TokensPerBlock, Blocks: k.Blocks}
+		if err := spec.KV.Validate(); err != nil {
+			return nil, bad("kv: %w", err)
+		}
+		sh, err := reshard.KVShard(spec.KV, l.TP.Size)
+		if err != nil {
+			return nil, bad("kv: %w", err)
+		}
+		if k.BlockStride != 0 && k.BlockStride != sh.BlockBytes() {
+			return nil, bad("kv block stride %d, the pool layout's is %d (blocks back to back)", k.BlockStride, sh.BlockBytes())
+		}
+		p.kv = sh
+	}
+	if m := l.Mamba; m != nil {
+		ce, ok1 := dtypeSize(m.ConvDType)
+		se, ok2 := dtypeSize(m.SSMDType)
+		if !ok1 || !ok2 {
+			return nil, bad("mamba dtypes %q, %q", m.ConvDType, m.SSMDType)
+		}
+		var cl mambacache.ConvLayout
+		switch m.ConvLayout {
+		case "", "xbc":
+		case "qkv":
+			cl = mambacache.ConvQKV
+		default:
+			return nil, bad("conv layout %q, want xbc or qkv", m.ConvLayout)
+		}
+		if m.Rows < 2 || m.Rows > 1<<24 {
+			return nil, bad("%d mamba rows, want 2..%d", m.Rows, 1<<24)
+		}
+		if len(m.Reserved) == 0 {
+			return nil, bad("no reserved mamba row: the padding row at least must be declared")
+		}
+		spec.Mamba = mambacache.Config{Layers: m.Layers, DState: m.DState, DConv: m.DConv, Heads: m.Heads, HeadDim: m.HeadDim,
+			NGroups: m.NGroups, ConvElemSize: ce, SSMElemSize: se, ConvLayout: cl, MaxBatchSize: m.Rows - 1}
+		if err := spec.Mamba.Validate(); err != nil {
+			return nil, bad("mamba: %w", err)
+		}
+		sh, err := reshard.MambaShard(spec.Mamba, l.TP.Size)
+		if err != nil {
+			return nil, bad("mamba: %w", err)
+		}
+		if m.RowStride != 0 && m.RowStride != sh.RowBytes() {
+			return nil, bad("mamba row stride %d, the pool layout's is %d (rows back to back)", m.RowStride, sh.RowBytes())
+		}
+		p.mamba, p.rows = sh, m.Rows
+		p.reserved = slices.Clone(m.Reserved)
+		slices.Sort(p.reserved)
+		p.reserved = slices.Compact(p.reserved)
+		for _, r := range p.reserved {
+			if r < 0 || r >= m.Rows {
+				return nil, bad("reserved row %d outside 0..%d", r, m.Rows-1)
+			}
+		}
+		if len(p.reserved) == m.Rows {
+			return nil, bad("every mamba row is reserved")
+		}
+	}
+	p.wholeKV, p.wholeMamba = spec.KV, spec.Mamba
+	p.fingerprint = spec.Fingerprint()
+	return p, nil
+}
+
+// kvBytes and mambaBytes are the sizes of the shard's arenas.
+func (p *pools) kvBytes() int64 {
+	if p.kv.Layers == 0 {
+		return 0
+	}
+	return int64(p.kv.Blocks) * p.kv.BlockBytes()
+}
+
+func (p *pools) mambaBytes() int64 {
+	if p.mamba.Layers == 0 {
+		return 0
+	}
+	return int64(p.rows) * p.mamba.RowBytes()
+}
+
+// dtypes names the element types, which the fingerprint does not (it has
+// element sizes only): peers compare them too.
+func (p *pools) dtypes() string {
+	var s string
+	if p.l.KV != nil {
+		s += "kv=" + p.l.KV.DType
+	}
+	if p.l.Mamba != nil {
+		s += ",conv=" + p.l.Mamba.ConvDType + ",ssm=" + p.l.Mamba.SSMDType
+	}
+	return s
+}
+
+// isReserved reports whether row r is one the engine declared reserved.
+func (p *pools) isReserved(r int) bool {
+	_, ok := slices.BinarySearch(p.reserved, r)
+	return ok
+}
+
+// checkNames validates a request's blocks and row (-1: none). Errors wrap
+// ErrBadRequest, or ErrReserved for a reserved row.
+func (p *pools) checkNames(blocks []int, row int) error {
+	if len(blocks) > 0 && p.kv.Layers == 0 {
+		return fmt.Errorf("%w: blocks named, but no KV cache registered", ErrBadRequest)
+	}
+	seen := make(map[int]struct{}, len(blocks))
+	for _, b := range blocks {
+		if b < 0 || b >= p.kv.Blocks {
+			return fmt.Errorf("%w: block %d outside 0..%d", ErrBadRequest, b, p.kv.Blocks-1)
+		}
+		if _, dup := seen[b]; dup {
+			return fmt.Errorf("%w: block %d named twice", ErrBadRequest, b)
+		}
+		seen[b] = struct{}{}
+	}
+	switch {
+	case row < -1:
+		return fmt.Errorf("%w: row %d", ErrBadRequest, row)
+	case row >= 0 && p.mamba.Layers == 0:
+		return fmt.Errorf("%w: a row named, but no Mamba state registered", ErrBadRequest)
+	case row >= p.rows:
+		return fmt.Errorf("%w: row %d outside 0..%d", ErrBadRequest, row, p.rows-1)
+	case row >= 0 && p.isReserved(row):
+		return fmt.Errorf("%w: row %d is reserved and never travels", ErrReserved, row)
+	case len(blocks) == 0 && row < 0:
+		return fmt.Errorf("%w: neither blocks nor a row", ErrBadRequest)
+	}
+	return nil
+}
+
+// blockOff and rowOff are the arena offsets of block b and row r.
+func (p *pools) blockOff(b int) uint64 { return uint64(b) * uint64(p.kv.BlockBytes()) }
+func (p *pools) rowOff(r int) uint64   { return uint64(r) * uint64(p.mamba.RowBytes()) }

@@ -1,0 +1,127 @@
+package agent
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/reshard"
+)
+
+// shardUnit returns shard r's copy of a whole-model (TP 1) unit under a
+// plan 1 → tp.
+func shardUnit(t *testing.T, l reshard.Layout, tp, r int, whole []byte) []byte {
+	pl, err := reshard.New(l, 1, tp)
+	require.NoError(t, err)
+	out := make([]byte, pl.DstBytes)
+	reshard.Apply(out, whole, pl.Copies(0, r))
+	return out
+}
+
+// TestReshardTwoToOne: two TP-2 engines, each with its own agent, write
+// one request into a TP-1 engine's grant, whole and layer by layer; the
+// receiver's blocks and row are the whole model's, byte for byte.
+func TestReshardTwoToOne(t *testing.T) {
+	for _, layers := range []bool{false, true} {
+		name := map[bool]string{false: "whole", true: "layer by layer"}[layers]
+		t.Run(name, func(t *testing.T) {
+			rl := tinyLayout()
+			recv := register(t, startAgent(t, "dec", rdma.TransportSHM), rl)
+			var senders [2]*engine
+			for r := range 2 {
+				l := tinyLayout()
+				l.TP = TP{Rank: r, Size: 2}
+				senders[r] = register(t, startAgent(t, "pre"+string(rune('0'+r)), rdma.TransportSHM), l)
+			}
+			// The whole model's blocks 0, 1 and row 4, split over the senders.
+			p := recv.p
+			kvL, mL := reshard.KV(p.wholeKV), reshard.Mamba(p.wholeMamba)
+			whole := [][]byte{make([]byte, p.kv.BlockBytes()), make([]byte, p.kv.BlockBytes()), make([]byte, p.mamba.RowBytes())}
+			for i, w := range whole {
+				fill(w, uint64(10+i))
+			}
+			for r, s := range senders {
+				copy(s.block(0), shardUnit(t, kvL, 2, r, whole[0]))
+				copy(s.block(1), shardUnit(t, kvL, 2, r, whole[1]))
+				copy(s.row(4), shardUnit(t, mL, 2, r, whole[2]))
+			}
+			ctx := ctxT(t)
+			g, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 21, Blocks: []int{9, 3}, Row: Row(1), FromTP: 2}, nil)
+			require.NoError(t, err)
+			for _, s := range senders {
+				op := OpSend
+				if layers {
+					op = OpOpenSend
+				}
+				rep, err := s.c.Call(ctx, Request{Op: op, Ticket: g.Ticket, Blocks: []int{0, 1}, Row: Row(4)}, nil)
+				require.NoError(t, err)
+				if layers {
+					for l := range 2 {
+						_, err = s.c.Call(ctx, Request{Op: OpSendLayer, Send: rep.Send, Kind: "kv", Layer: l}, nil)
+						require.NoError(t, err)
+						_, err = s.c.Call(ctx, Request{Op: OpSendLayer, Send: rep.Send, Kind: "mamba", Layer: l}, nil)
+						require.NoError(t, err)
+					}
+					_, err = s.c.Call(ctx, Request{Op: OpCommit, Send: rep.Send}, nil)
+					require.NoError(t, err)
+				}
+				event(t, s, EvSendDone)
+			}
+			ev := event(t, recv, EvGrantDone)
+			require.EqualValues(t, 2*p.kv.BlockBytes()+p.mamba.RowBytes(), ev.Bytes)
+			require.Equal(t, whole[0], recv.block(9))
+			require.Equal(t, whole[1], recv.block(3))
+			require.Equal(t, whole[2], recv.row(1))
+		})
+	}
+}
+
+// TestReshardOneToTwo: one TP-1 engine writes one request into two TP-2
+// engines' grants; each gets its shard of the whole model's bytes.
+func TestReshardOneToTwo(t *testing.T) {
+	send := register(t, startAgent(t, "pre", rdma.TransportTCP), tinyLayout())
+	ctx := ctxT(t)
+	p := send.p
+	for r := range 2 {
+		l := tinyLayout()
+		l.TP = TP{Rank: r, Size: 2}
+		recv := register(t, startAgent(t, "dec"+string(rune('0'+r)), rdma.TransportTCP), l)
+		g, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 22, Blocks: []int{5}, Row: Row(0), FromTP: 1}, nil)
+		require.NoError(t, err)
+		_, err = send.c.Call(ctx, Request{Op: OpSend, Ticket: g.Ticket, Blocks: []int{2}, Row: Row(3)}, nil)
+		require.NoError(t, err)
+		event(t, send, EvSendDone)
+		event(t, recv, EvGrantDone)
+		require.Equal(t, shardUnit(t, reshard.KV(p.wholeKV), 2, r, send.block(2)), recv.block(5))
+		require.Equal(t, shardUnit(t, reshard.Mamba(p.wholeMamba), 2, r, send.row(3)), recv.row(0))
+	}
+}
+
+// TestReshardRefusesWrongTP: a ticket granted to TP-2 senders is refused
+// by a TP-1 sender, by name, before a byte moves.
+func TestReshardRefusesWrongTP(t *testing.T) {
+	send := register(t, startAgent(t, "pre", rdma.TransportSHM), tinyLayout())
+	recv := register(t, startAgent(t, "dec", rdma.TransportSHM), tinyLayout())
+	ctx := ctxT(t)
+	g, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 23, Blocks: []int{5}, FromTP: 2}, nil)
+	require.NoError(t, err)
+	_, err = send.c.Call(ctx, Request{Op: OpSend, Ticket: g.Ticket, Blocks: []int{2}}, nil)
+	require.ErrorIs(t, err, ErrLayoutMismatch)
+	require.Contains(t, err.Error(), `agent "dec" granted to TP-2 senders`)
+}
+
+func TestPlaceRefusesMisfits(t *testing.T) {
+	pcs := []piece{{len: 8}, {len: 8}, {mamba: true, len: 4}}
+	at, err := place(pcs, []rdma.Extent{{Length: 16}, {Length: 4}})
+	require.NoError(t, err)
+	require.Equal(t, []rdma.Range{{Ext: 0, Offset: 0, Length: 8}, {Ext: 0, Offset: 8, Length: 8}, {Ext: 1, Offset: 0, Length: 4}}, at)
+	for _, ext := range [][]rdma.Extent{
+		{{Length: 12}, {Length: 8}}, // a piece across two extents
+		{{Length: 16}},              // too short
+		{{Length: 16}, {Length: 4}, {Length: 1}},
+	} {
+		_, err := place(pcs, ext)
+		require.ErrorIs(t, err, ErrBadTicket, "%v", ext)
+	}
+}

@@ -1,0 +1,266 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/handoff-io/handoff/rdma"
+)
+
+// send is one write of named blocks and a row into a ticket, whole or
+// layer by layer. Its goroutine runs the queued steps in order (a
+// rdma.Stream runs one write at a time) and reports the end as an event.
+type send struct {
+	id     uint64
+	req    uint64
+	peer   rdma.Descriptor
+	t      rdma.Ticket
+	none   bool          // this shard writes nothing into the ticket
+	pl     *plans        // the plans of the ticket's TP pair
+	pcs    []piece       // the stretches this shard writes, in ticket order
+	at     []rdma.Range  // where each lies in the ticket's extents
+	src    []rdma.Extent // their sources
+	steps  chan step     // closed by commit or cancel
+	cancel context.CancelFunc
+}
+
+// step is one queued part of a layer-by-layer send: a layer's ranges, or
+// (commit) the rest and the commit.
+type step struct {
+	dst    []rdma.Range
+	src    []rdma.Extent
+	commit bool
+}
+
+// errDeferred is handle's answer for a request whose reply its goroutine
+// writes later (a send with Wait).
+var errDeferred = errors.New("agent: reply deferred")
+
+// maxSteps bounds the steps queued ahead of the writes: two per layer of
+// the largest models, so a forward pass never blocks on its agent.
+const maxSteps = 1024
+
+// checkTicket refuses a ticket from a peer whose layout differs from ours,
+// naming the peer and both sides' fingerprints, dtypes or TP sizes, and
+// one whose block count or row differ from what we send.
+func checkTicket(p *pools, t ticket, blocks int, row bool) error {
+	switch {
+	case t.Fingerprint != p.fingerprint:
+		return fmt.Errorf("%w: agent %q has layout fingerprint %s, this agent %s", ErrLayoutMismatch, t.Agent, t.Fingerprint, p.fingerprint)
+	case t.DTypes != p.dtypes():
+		return fmt.Errorf("%w: agent %q has dtypes %s, this agent %s", ErrLayoutMismatch, t.Agent, t.DTypes, p.dtypes())
+	case t.FromTP != p.l.TP.Size:
+		return fmt.Errorf("%w: agent %q granted to TP-%d senders, this agent is TP %d", ErrLayoutMismatch, t.Agent, t.FromTP, p.l.TP.Size)
+	case t.Blocks != blocks || t.Row != row:
+		return fmt.Errorf("%w: the ticket of agent %q holds %d blocks and row %v, the send names %d blocks and row %v", ErrBadRequest, t.Agent, t.Blocks, t.Row, blocks, row)
+	}
+	return nil
+}
+
+// openSend starts a send (OpSend: the whole grant at once; OpOpenSend:
+// layer by layer, until OpCommit).
+func (s *session) openSend(q Request) (Reply, error) {
+	eng, p, err := s.registration()
+	if err != nil {
+		return Reply{}, err
+	}
+	row := rowOf(q)
+	if err := p.checkNames(q.Blocks, row); err != nil {
+		return Reply{}, err
+	}
+	tk, peer, rt, mine, err := decodeTicket(q.Ticket, p.l.TP.Rank)
+	if err != nil {
+		return Reply{}, err
+	}
+	if err := checkTicket(p, tk, len(q.Blocks), row >= 0); err != nil {
+		return Reply{}, err
+	}
+	pl, err := p.plans(tk.FromTP, tk.ToTP)
+	if err != nil {
+		return Reply{}, err
+	}
+	pcs := pl.pieces(p.l.TP.Rank, tk.ToRank, len(q.Blocks), row >= 0)
+	if mine != (len(pcs) > 0) {
+		return Reply{}, fmt.Errorf("%w: agent %q's ticket and the plan disagree on whether shard %d writes", ErrBadTicket, tk.Agent, p.l.TP.Rank)
+	}
+	var at []rdma.Range
+	if mine {
+		if at, err = place(pcs, rt.Extents); err != nil {
+			return Reply{}, fmt.Errorf("agent %q: %w", tk.Agent, err)
+		}
+	}
+	// A whole send with Wait answers when it ended, one frame instead of a
+	// reply and an event: what a latency-bound engine waits for anyway.
+	wait := q.Wait && q.Op == OpSend
+	ctx, cancel := context.WithCancel(s.ctx)
+	sd := &send{req: rt.RequestID, peer: peer, t: rt, none: !mine, pl: pl, pcs: pcs, at: at, src: s.pieceExtents(p, pcs, q.Blocks, row, false), cancel: cancel}
+	if q.Op == OpOpenSend {
+		sd.steps = make(chan step, maxSteps)
+	}
+	s.mu.Lock()
+	s.nextSend++
+	sd.id = s.nextSend
+	s.sends[sd.id] = sd
+	s.mu.Unlock()
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		defer cancel()
+		m, err := s.runSend(ctx, eng, sd)
+		if err != nil && ctx.Err() != nil && !errors.Is(err, ErrCancelled) {
+			err = fmt.Errorf("%w: send %d: %w", ErrCancelled, sd.id, err)
+		}
+		s.mu.Lock()
+		delete(s.sends, sd.id)
+		s.mu.Unlock()
+		ev := Reply{Ev: EvSendDone, Send: sd.id, RequestID: sd.req}
+		if wait {
+			ev.Ev, ev.Re = "", q.ID // the request's reply, in place of an event
+		}
+		if err != nil {
+			ev.Code, ev.Msg = Code(err), err.Error()
+			if !wait {
+				ev.Ev = EvSendFailed
+			}
+		} else {
+			for _, b := range m.Bytes {
+				ev.Bytes += b
+			}
+		}
+		s.reply(ev)
+	}()
+	if wait {
+		return Reply{}, errDeferred
+	}
+	return Reply{Send: sd.id, RequestID: sd.req}, nil
+}
+
+// runSend writes the send: at once, or its steps as they come.
+func (s *session) runSend(ctx context.Context, eng *rdma.Engine, sd *send) (rdma.Manifest, error) {
+	if sd.none {
+		// Nothing of ours lands in that shard: done once committed (a
+		// layer-by-layer send takes its steps and ignores them).
+		for sd.steps != nil {
+			select {
+			case x, ok := <-sd.steps:
+				if !ok {
+					return rdma.Manifest{}, fmt.Errorf("%w: send %d", ErrCancelled, sd.id)
+				}
+				if x.commit {
+					return rdma.Manifest{}, nil
+				}
+			case <-ctx.Done():
+				return rdma.Manifest{}, fmt.Errorf("%w: send %d", ErrCancelled, sd.id)
+			}
+		}
+		return rdma.Manifest{}, nil
+	}
+	if sd.steps == nil {
+		return eng.Write(ctx, sd.peer, sd.t, merge(sd.src))
+	}
+	st, err := eng.OpenStream(ctx, sd.peer, sd.t)
+	if err != nil {
+		return rdma.Manifest{}, err
+	}
+	for {
+		var x step
+		var ok bool
+		select {
+		case x, ok = <-sd.steps:
+		case <-ctx.Done():
+			return rdma.Manifest{}, fmt.Errorf("%w: send %d", ErrCancelled, sd.id)
+		}
+		if !ok {
+			return rdma.Manifest{}, fmt.Errorf("%w: send %d", ErrCancelled, sd.id)
+		}
+		if x.commit {
+			if err := st.WriteRest(ctx, merge(sd.src)); err != nil {
+				return rdma.Manifest{}, err
+			}
+			return st.Commit(ctx)
+		}
+		if len(x.dst) == 0 {
+			continue // a layer with nothing in this send (no blocks, or no row)
+		}
+		if err := st.Write(ctx, x.dst, x.src); err != nil {
+			return rdma.Manifest{}, err
+		}
+	}
+}
+
+// sendOp queues a layer, or the commit, of a layer-by-layer send, or
+// cancels a send.
+func (s *session) sendOp(q Request) (Reply, error) {
+	_, p, err := s.registration()
+	if err != nil {
+		return Reply{}, err
+	}
+	s.mu.Lock()
+	sd := s.sends[q.Send]
+	if sd != nil && q.Op != OpSendLayer {
+		delete(s.sends, q.Send) // no step after commit or cancel
+	}
+	s.mu.Unlock()
+	if sd == nil {
+		return Reply{}, fmt.Errorf("%w: send %d", ErrUnknown, q.Send)
+	}
+	switch q.Op {
+	case OpCancel:
+		sd.cancel()
+		return Reply{Send: sd.id}, nil
+	case OpCommit:
+		if sd.steps == nil {
+			return Reply{}, fmt.Errorf("%w: send %d is a whole send: it commits itself", ErrBadRequest, sd.id)
+		}
+		select {
+		case sd.steps <- step{commit: true}:
+		default:
+			sd.cancel()
+			return Reply{}, fmt.Errorf("%w: send %d has %d steps queued", ErrBadRequest, sd.id, maxSteps)
+		}
+		return Reply{Send: sd.id}, nil
+	}
+	if sd.steps == nil {
+		return Reply{}, fmt.Errorf("%w: send %d is a whole send, not layer by layer", ErrBadRequest, sd.id)
+	}
+	x, err := layerStep(p, sd, q.Kind, q.Layer)
+	if sd.none {
+		x = step{}
+	}
+	if err != nil {
+		return Reply{}, err
+	}
+	select {
+	case sd.steps <- x:
+	default:
+		return Reply{}, fmt.Errorf("%w: send %d has %d steps queued", ErrBadRequest, sd.id, maxSteps)
+	}
+	return Reply{Send: sd.id}, nil
+}
+
+// layerStep is the ranges of one layer of a send: attention layer l's K and
+// V in every block, or Mamba layer l of the row, as they lie in the
+// stretches this shard writes.
+func layerStep(p *pools, sd *send, kind string, l int) (step, error) {
+	var x step
+	switch kind {
+	case "kv":
+		if l < 0 || l >= p.kv.Layers {
+			return step{}, fmt.Errorf("%w: attention layer %d of %d", ErrBadRequest, l, p.kv.Layers)
+		}
+		if sd.pl.kv != nil {
+			x.dst, x.src = layerRanges(sd.pl, sd.pcs, sd.at, sd.src, false, l)
+		}
+	case "mamba":
+		if l < 0 || l >= p.mamba.Layers {
+			return step{}, fmt.Errorf("%w: mamba layer %d of %d", ErrBadRequest, l, p.mamba.Layers)
+		}
+		if sd.pl.mamba != nil {
+			x.dst, x.src = layerRanges(sd.pl, sd.pcs, sd.at, sd.src, true, l)
+		}
+	default:
+		return step{}, fmt.Errorf("%w: layer kind %q, want kv or mamba", ErrBadRequest, kind)
+	}
+	return x, nil
+}

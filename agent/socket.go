@@ -1,0 +1,144 @@
+package agent
+
+import (
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// listen creates the local API's socket at path: its directory is created
+// mode 0700 if missing and must be ours and private (no group or other
+// bits), a stale socket file is removed, and the socket is mode 0600.
+func listen(path string) (*net.UnixListener, error) {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("agent: socket directory: %w", err)
+	}
+	var st unix.Stat_t
+	if err := unix.Lstat(dir, &st); err != nil {
+		return nil, fmt.Errorf("agent: socket directory: %w", err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFDIR || st.Uid != uint32(os.Getuid()) || st.Mode&0o077 != 0 {
+		return nil, fmt.Errorf("%w: %s (mode %o, owner %d; want a 0700 directory of uid %d)", ErrUnsafeSocketDir, dir, st.Mode&0o777, st.Uid, os.Getuid())
+	}
+	if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
+		return nil, fmt.Errorf("agent: remove stale socket: %w", err)
+	}
+	// Bind a temporary name and rename it into place once listening and
+	// mode 0600: an engine never finds the socket before it can connect,
+	// nor while another user could.
+	tmp := fmt.Sprintf("%s.%d.tmp", path, os.Getpid())
+	os.Remove(tmp)
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
+	if err != nil {
+		return nil, fmt.Errorf("agent: listen: %w", err)
+	}
+	ln.SetUnlinkOnClose(false) // Agent.Close removes path
+	if err := os.Chmod(tmp, 0o600); err != nil {
+		ln.Close()
+		os.Remove(tmp)
+		return nil, fmt.Errorf("agent: chmod socket: %w", err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		ln.Close()
+		os.Remove(tmp)
+		return nil, fmt.Errorf("agent: socket: %w", err)
+	}
+	return ln, nil
+}
+
+// peerCred returns the connecting process's credentials (SO_PEERCRED).
+func peerCred(c *net.UnixConn) (*unix.Ucred, error) {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	var cred *unix.Ucred
+	var serr error
+	if err := raw.Control(func(fd uintptr) {
+		cred, serr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return nil, err
+	}
+	if serr != nil {
+		return nil, fmt.Errorf("agent: SO_PEERCRED: %w", serr)
+	}
+	return cred, nil
+}
+
+// maxQueuedFDs bounds the descriptors a connection may pass ahead of the
+// message that uses them; past it the connection is closed.
+const maxQueuedFDs = 8
+
+// fdConn reads a unix connection with recvmsg, keeping the descriptors
+// that arrive with the bytes (SCM_RIGHTS) in order for the message that
+// names them. Read runs on one goroutine; take and close may run on others.
+type fdConn struct {
+	c   *net.UnixConn
+	oob []byte
+
+	mu  sync.Mutex
+	fds []int
+}
+
+func newFDConn(c *net.UnixConn) *fdConn {
+	return &fdConn{c: c, oob: make([]byte, unix.CmsgSpace(4*maxQueuedFDs))}
+}
+
+func (f *fdConn) Read(p []byte) (int, error) {
+	n, oobn, _, _, err := f.c.ReadMsgUnix(p, f.oob)
+	n = max(n, 0) // -1 with an error
+	if oobn > 0 {
+		if perr := f.keep(f.oob[:oobn]); perr != nil {
+			return 0, perr
+		}
+	}
+	return n, err
+}
+
+// keep parses control messages and queues the descriptors they carry.
+func (f *fdConn) keep(oob []byte) error {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return fmt.Errorf("%w: control message: %w", ErrBadRequest, err)
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, m := range msgs {
+		fds, err := unix.ParseUnixRights(&m)
+		if err != nil {
+			continue
+		}
+		f.fds = append(f.fds, fds...)
+	}
+	if len(f.fds) > maxQueuedFDs {
+		return fmt.Errorf("%w: %d descriptors passed ahead of their message", ErrBadRequest, len(f.fds))
+	}
+	return nil
+}
+
+// take removes the n oldest queued descriptors; the caller owns them.
+func (f *fdConn) take(n int) ([]int, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.fds) < n {
+		return nil, fmt.Errorf("%w: %d descriptors expected, %d passed", ErrBadRequest, n, len(f.fds))
+	}
+	out := f.fds[:n:n]
+	f.fds = f.fds[n:]
+	return out, nil
+}
+
+// closeFDs closes the descriptors no message took.
+func (f *fdConn) closeFDs() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, fd := range f.fds {
+		unix.Close(fd)
+	}
+	f.fds = nil
+}

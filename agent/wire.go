@@ -1,0 +1,268 @@
+package agent
+
+// The local API's messages and framing, and the ticket's encoding. Each
+// message is a msgpack map in a frame: a 4-byte big-endian length, then the
+// map. The engine sends requests (Op, ID); the agent answers each with one
+// reply (Re = the request's ID, Err when it failed) and sends events (Ev)
+// whenever a grant or a send ends. No IO here but io.Reader/io.Writer.
+
+import (
+	"bytes"
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"time"
+
+	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/reshard"
+)
+
+// Version is the local API's version, sent in hello.
+const Version = 1
+
+// MaxFrame bounds a frame: a ticket over thousands of blocks fits many times.
+const MaxFrame = 16 << 20
+
+// The ops of requests.
+const (
+	OpHello     = "hello"      // -> Reply.Agent, Reply.Version
+	OpRegister  = "register"   // Layout, KVBytes, MambaBytes, the fds by SCM_RIGHTS (kv first) -> Fingerprint, AgentID
+	OpGrant     = "grant"      // RequestID, Blocks, Row, DeadlineMS -> Grant, Ticket; later an event
+	OpRevoke    = "revoke"     // Grant -> {}; nothing lands after the reply
+	OpSend      = "send"       // Ticket, Blocks, Row -> Send; later an event (with Wait: no event, the reply comes once it ended)
+	OpOpenSend  = "open_send"  // Ticket, Blocks, Row -> Send: a layer-by-layer send
+	OpSendLayer = "send_layer" // Send, Kind ("kv"|"mamba"), Layer -> {} once queued
+	OpCommit    = "commit"     // Send -> {} once queued: sends what is missing, commits; later an event
+	OpCancel    = "cancel"     // Send -> {}: gives a send up; its event says so
+	OpOffer     = "offer"      // Ticket, To -> {} once agent To handed it to its engine (NATS), as an EvTicket
+)
+
+// The kinds of events.
+const (
+	EvGrantDone   = "grant_done"   // the grant's bytes all landed, verified
+	EvGrantFailed = "grant_failed" // revoked, deadline, refused commit: Code, Msg
+	EvSendDone    = "send_done"    // the receiver accepted the commit
+	EvSendFailed  = "send_failed"  // Code, Msg
+	EvTicket      = "ticket"       // Ticket, RequestID, Agent: a ticket another agent offered (OpOffer)
+)
+
+// Request is what an engine sends.
+type Request struct {
+	Op         string  `msgpack:"op"`
+	ID         uint64  `msgpack:"id"`
+	Version    int     `msgpack:"v,omitempty"`
+	Layout     *Layout `msgpack:"layout,omitempty"`
+	KVBytes    int64   `msgpack:"kv_bytes,omitempty"`
+	MambaBytes int64   `msgpack:"mamba_bytes,omitempty"`
+	RequestID  uint64  `msgpack:"request_id,omitempty"`
+	Blocks     []int   `msgpack:"blocks,omitempty"`
+	Row        *int    `msgpack:"row,omitempty"`
+	DeadlineMS int64   `msgpack:"deadline_ms,omitempty"`
+	FromTP     int     `msgpack:"from_tp,omitempty"` // grant: the senders' TP size; 0: this agent's
+	Grant      uint64  `msgpack:"grant,omitempty"`
+	Send       uint64  `msgpack:"send,omitempty"`
+	Ticket     []byte  `msgpack:"ticket,omitempty"`
+	Kind       string  `msgpack:"kind,omitempty"`
+	To         string  `msgpack:"to,omitempty"` // offer: the agent to hand the ticket to
+	Layer      int     `msgpack:"layer,omitempty"`
+	Wait       bool    `msgpack:"wait,omitempty"` // send: reply once the send ended, instead of an event
+}
+
+// Reply answers one request (Re) or is an event (Ev); Code and Msg say why
+// a request or a grant or send failed.
+type Reply struct {
+	Re          uint64   `msgpack:"re,omitempty"`
+	Ev          string   `msgpack:"ev,omitempty"`
+	Code        string   `msgpack:"code,omitempty"`
+	Msg         string   `msgpack:"msg,omitempty"`
+	Agent       string   `msgpack:"agent,omitempty"`
+	AgentID     string   `msgpack:"agent_id,omitempty"`
+	Version     int      `msgpack:"v,omitempty"`
+	Fingerprint string   `msgpack:"fingerprint,omitempty"`
+	Transports  []string `msgpack:"transports,omitempty"`
+	Grant       uint64   `msgpack:"grant,omitempty"`
+	Send        uint64   `msgpack:"send,omitempty"`
+	RequestID   uint64   `msgpack:"request_id,omitempty"`
+	Ticket      []byte   `msgpack:"ticket,omitempty"`
+	Bytes       uint64   `msgpack:"bytes,omitempty"`
+}
+
+// writeFrame writes v as one frame.
+func writeFrame(w io.Writer, v any) error {
+	b, err := msgpack.Marshal(v)
+	if err != nil {
+		return fmt.Errorf("agent: encode: %w", err)
+	}
+	if len(b) > MaxFrame {
+		return fmt.Errorf("%w: %d bytes", ErrFrameTooLarge, len(b))
+	}
+	buf := make([]byte, 4+len(b))
+	binary.BigEndian.PutUint32(buf, uint32(len(b)))
+	copy(buf[4:], b)
+	_, err = w.Write(buf)
+	return err
+}
+
+// readFrame reads one frame's body. A length over MaxFrame is refused
+// before anything is allocated.
+func readFrame(r io.Reader) ([]byte, error) {
+	var h [4]byte
+	if _, err := io.ReadFull(r, h[:]); err != nil {
+		return nil, err
+	}
+	n := binary.BigEndian.Uint32(h[:])
+	if n > MaxFrame {
+		return nil, fmt.Errorf("%w: %d bytes", ErrFrameTooLarge, n)
+	}
+	b := make([]byte, n)
+	if _, err := io.ReadFull(r, b); err != nil {
+		return nil, fmt.Errorf("%w: frame cut short: %w", ErrBadRequest, err)
+	}
+	return b, nil
+}
+
+// decodeRequest decodes a frame's body into a Request.
+func decodeRequest(b []byte) (Request, error) {
+	var q Request
+	d := msgpack.NewDecoder(bytes.NewReader(b))
+	if err := d.Decode(&q); err != nil {
+		return Request{}, fmt.Errorf("%w: %w", ErrBadRequest, err)
+	}
+	if q.Op == "" {
+		return Request{}, fmt.Errorf("%w: no op", ErrBadRequest)
+	}
+	return q, nil
+}
+
+// ticket is what a receiving agent hands its engine for the senders: one
+// rdma ticket per source shard that writes into this destination shard
+// (reshard.go), the receiver's descriptor (so a sender needs no lookup),
+// and what a sender checks before it writes a byte: the layout
+// fingerprint, dtypes, both TP sizes, and how many blocks and whether a
+// row.
+type ticket struct {
+	V           int         `msgpack:"v"`
+	Agent       string      `msgpack:"agent"` // the agent's name (its rdma AgentID names one registration)
+	Fingerprint string      `msgpack:"fp"`
+	DTypes      string      `msgpack:"dtypes"`
+	FromTP      int         `msgpack:"from_tp"`
+	ToTP        int         `msgpack:"to_tp"`
+	ToRank      int         `msgpack:"to_rank"`
+	Blocks      int         `msgpack:"blocks"`
+	Row         bool        `msgpack:"row"`
+	Desc        []byte      `msgpack:"desc"` // rdma.Descriptor, JSON
+	Subs        []subTicket `msgpack:"subs"`
+}
+
+// subTicket is the grant of one source shard.
+type subTicket struct {
+	Shard  int        `msgpack:"shard"`
+	Ticket wireTicket `msgpack:"ticket"`
+}
+
+// wireTicket is an rdma.Ticket in msgpack: extents as flat (region,
+// offset, length) triples, the deadline in Unix nanoseconds, so a ticket
+// of thousands of extents decodes in microseconds.
+type wireTicket struct {
+	Agent     string   `msgpack:"agent"`
+	Grant     uint64   `msgpack:"grant"`
+	Epoch     uint64   `msgpack:"epoch"`
+	Token     []byte   `msgpack:"token"`
+	RequestID uint64   `msgpack:"request_id"`
+	Extents   []uint64 `msgpack:"extents"`
+	Bytes     uint64   `msgpack:"bytes"`
+	Deadline  int64    `msgpack:"deadline"`
+}
+
+func toWire(t rdma.Ticket) wireTicket {
+	w := wireTicket{Agent: string(t.Agent), Grant: t.Grant, Epoch: t.Epoch, Token: t.Token[:], RequestID: t.RequestID, Bytes: t.Bytes,
+		Extents: make([]uint64, 0, 3*len(t.Extents))}
+	if !t.Deadline.IsZero() {
+		w.Deadline = t.Deadline.UnixNano()
+	}
+	for _, e := range t.Extents {
+		w.Extents = append(w.Extents, uint64(e.Region), e.Offset, e.Length)
+	}
+	return w
+}
+
+func fromWire(w wireTicket) (rdma.Ticket, error) {
+	if len(w.Token) != 16 || len(w.Extents)%3 != 0 {
+		return rdma.Ticket{}, fmt.Errorf("%w: token of %d bytes, %d extent words", ErrBadTicket, len(w.Token), len(w.Extents))
+	}
+	t := rdma.Ticket{Agent: rdma.AgentID(w.Agent), Grant: w.Grant, Epoch: w.Epoch, RequestID: w.RequestID, Bytes: w.Bytes,
+		Extents: make([]rdma.Extent, 0, len(w.Extents)/3)}
+	copy(t.Token[:], w.Token)
+	if w.Deadline != 0 {
+		t.Deadline = time.Unix(0, w.Deadline)
+	}
+	for i := 0; i < len(w.Extents); i += 3 {
+		if w.Extents[i] > math.MaxUint32 {
+			return rdma.Ticket{}, fmt.Errorf("%w: region %d", ErrBadTicket, w.Extents[i])
+		}
+		t.Extents = append(t.Extents, rdma.Extent{Region: rdma.RegionID(w.Extents[i]), Offset: w.Extents[i+1], Length: w.Extents[i+2]})
+	}
+	return t, nil
+}
+
+// encodeTicket renders a ticket as the bytes the engine carries: subs[i]
+// is the rdma ticket of source shard shards[i].
+func encodeTicket(t ticket, d rdma.Descriptor, shards []int, subs []rdma.Ticket) ([]byte, error) {
+	var err error
+	if t.Desc, err = json.Marshal(d); err != nil {
+		return nil, fmt.Errorf("agent: encode descriptor: %w", err)
+	}
+	for i, rt := range subs {
+		t.Subs = append(t.Subs, subTicket{Shard: shards[i], Ticket: toWire(rt)})
+	}
+	t.V = 1
+	return msgpack.Marshal(t)
+}
+
+// decodeTicket parses ticket bytes and returns the rdma ticket of source
+// shard rank (ok false when that shard writes nothing into it). It checks
+// the shape (version, TP sizes and ranks, each rdma ticket in the
+// descriptor's agent), not the layout: the sender does that.
+func decodeTicket(b []byte, rank int) (t ticket, d rdma.Descriptor, rt rdma.Ticket, ok bool, err error) {
+	fail := func(format string, args ...any) (ticket, rdma.Descriptor, rdma.Ticket, bool, error) {
+		return ticket{}, rdma.Descriptor{}, rdma.Ticket{}, false, fmt.Errorf("%w: "+format, append([]any{ErrBadTicket}, args...)...)
+	}
+	if err := msgpack.NewDecoder(bytes.NewReader(b)).Decode(&t); err != nil {
+		return fail("%v", err)
+	}
+	switch {
+	case t.V != 1:
+		return fail("version %d", t.V)
+	case t.FromTP < 1 || t.FromTP > reshard.MaxTP || t.ToTP < 1 || t.ToTP > reshard.MaxTP || t.ToRank < 0 || t.ToRank >= t.ToTP:
+		return fail("TP %d → rank %d of %d", t.FromTP, t.ToRank, t.ToTP)
+	case t.Blocks < 0 || (t.Blocks == 0 && !t.Row):
+		return fail("%d blocks and row %v", t.Blocks, t.Row)
+	case len(t.Subs) == 0 || len(t.Subs) > t.FromTP:
+		return fail("%d grants for TP-%d senders", len(t.Subs), t.FromTP)
+	}
+	if err := json.Unmarshal(t.Desc, &d); err != nil {
+		return fail("descriptor: %v", err)
+	}
+	seen := map[int]bool{}
+	for _, s := range t.Subs {
+		if s.Shard < 0 || s.Shard >= t.FromTP || seen[s.Shard] {
+			return fail("a grant for source shard %d of %d", s.Shard, t.FromTP)
+		}
+		seen[s.Shard] = true
+		if s.Shard != rank {
+			continue
+		}
+		if rt, err = fromWire(s.Ticket); err != nil {
+			return fail("rdma ticket: %v", err)
+		}
+		if rt.Agent != d.Agent {
+			return fail("ticket of agent %q with the descriptor of %q", rt.Agent, d.Agent)
+		}
+		ok = true
+	}
+	return t, d, rt, ok, nil
+}

@@ -1,0 +1,33 @@
+"""Python client of handoff's agent (issue 33).
+
+An engine worker process talks to its agent (``handoff-agent``) over a unix
+socket: it registers its cache memory once (:class:`Pools`, torch CPU
+tensors backed by memfds, passed by file descriptor), then per request the
+receiver opens a grant over named blocks and a row (:meth:`Agent.grant`) and
+hands the ticket to the sender, whose agent writes its named blocks and row
+into it (:meth:`Agent.send`, or layer by layer with :meth:`Agent.open_send`).
+Ends arrive as :class:`Event` objects (:meth:`Agent.next_event`).
+"""
+
+from .client import (
+    Agent,
+    AgentClosed,
+    AgentError,
+    Event,
+    Grant,
+    Send,
+)
+from .layout import KVLayout, Layout, MambaLayout, Pools
+
+__all__ = [
+    "Agent",
+    "AgentClosed",
+    "AgentError",
+    "Event",
+    "Grant",
+    "KVLayout",
+    "Layout",
+    "MambaLayout",
+    "Pools",
+    "Send",
+]

@@ -1,0 +1,370 @@
+"""The local API of handoff's agent: frames of msgpack over a unix socket."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import socket
+import struct
+import threading
+import time
+from typing import Callable, Iterable, Optional
+
+import msgpack
+
+from .layout import Pools
+
+VERSION = 1
+MAX_FRAME = 16 << 20
+
+
+class AgentError(Exception):
+    """A failure the agent reported: ``code`` names it (``revoked``,
+    ``deadline``, ``reserved``, ``layout_mismatch``, ``forbidden``, ...)."""
+
+    def __init__(self, code: str, msg: str):
+        super().__init__(f"{msg} ({code})")
+        self.code = code
+        self.msg = msg
+
+
+class AgentClosed(AgentError):
+    """The connection to the agent is gone (the agent exited or restarted):
+    connect to the new one and register again."""
+
+    def __init__(self, msg: str = "connection to the agent closed"):
+        super().__init__("closed", msg)
+
+
+@dataclasses.dataclass
+class Event:
+    """A grant or a send ended. kind: grant_done, grant_failed, send_done,
+    send_failed; code and msg say why a failure failed."""
+
+    kind: str
+    grant: int = 0
+    send: int = 0
+    request_id: int = 0
+    bytes: int = 0
+    code: str = ""
+    msg: str = ""
+    ticket: bytes = b""  # kind "ticket": a ticket another agent offered
+    agent: str = ""  # kind "ticket": the agent that offered it
+
+    @property
+    def ok(self) -> bool:
+        return self.kind.endswith("_done")
+
+
+@dataclasses.dataclass
+class Grant:
+    id: int
+    ticket: bytes
+
+
+class Send:
+    """A send in progress. For one opened with :meth:`Agent.open_send`,
+    :meth:`layer` queues a finished layer and :meth:`commit` sends the rest
+    and commits; its end arrives as an event naming ``id``."""
+
+    def __init__(self, agent: "Agent", id: int):
+        self._agent = agent
+        self.id = id
+
+    def layer(self, kind: str, layer: int) -> None:
+        self._agent._call({"op": "send_layer", "send": self.id, "kind": kind, "layer": layer})
+
+    def kv_layer(self, layer: int) -> None:
+        self.layer("kv", layer)
+
+    def mamba_layer(self, layer: int) -> None:
+        self.layer("mamba", layer)
+
+    def commit(self) -> None:
+        self._agent._call({"op": "commit", "send": self.id})
+
+    def cancel(self) -> None:
+        self._agent._call({"op": "cancel", "send": self.id})
+
+
+
+
+class Agent:
+    """A connection to an agent: one engine registration. Calls are safe
+    from several threads; events arrive in order on :meth:`next_event`.
+
+    There is no reader thread: whichever thread waits (for a reply or an
+    event) reads the socket itself, queueing what belongs to others, so a
+    reply or event reaches the waiting thread without a thread hand-off.
+    """
+
+    def __init__(self, path: str, timeout: float = 10.0, wait: float = 0.0):
+        deadline = time.monotonic() + wait
+        while True:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock.settimeout(timeout)
+            try:
+                self._sock.connect(path)
+                break
+            except (ConnectionRefusedError, FileNotFoundError):
+                self._sock.close()
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.02)
+        self._sock.settimeout(None)
+        self._timeout = timeout
+        self._wlock = threading.Lock()
+        self._cond = threading.Condition()
+        self._reading = False  # a thread is reading the socket
+        self._buf = bytearray()
+        self._next = 0
+        self._replies: dict[int, dict] = {}
+        self._events: "collections.deque[Event]" = collections.deque()
+        self._closed = False
+        hello = self._call({"op": "hello", "v": VERSION})
+        self.name = hello.get("agent", "")
+        self.fingerprint = ""
+
+    @classmethod
+    def connect(cls, path: str, timeout: float = 10.0, wait: float = 0.0) -> "Agent":
+        """Connects to the agent at ``path``; ``wait`` seconds for one that
+        is (re)starting. ``timeout`` bounds each call."""
+        return cls(path, timeout, wait)
+
+    # The connection.
+
+    def _read_frame(self, deadline: Optional[float]) -> Optional[dict]:
+        """Reads one frame (the caller is the only reader); None on close."""
+        while True:
+            if len(self._buf) >= 4:
+                (n,) = struct.unpack_from(">I", self._buf)
+                if n > MAX_FRAME:
+                    return None
+                if len(self._buf) >= 4 + n:
+                    msg = msgpack.unpackb(bytes(self._buf[4 : 4 + n]), raw=False)
+                    del self._buf[: 4 + n]
+                    return msg
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("agent: no message in time")
+                self._sock.settimeout(left)
+            else:
+                self._sock.settimeout(None)
+            try:
+                chunk = self._sock.recv(1 << 16)
+            except socket.timeout:
+                raise TimeoutError("agent: no message in time") from None
+            except OSError:
+                return None
+            if not chunk:
+                return None
+            self._buf += chunk
+
+    def _wait(self, take: Callable[[], object], timeout: Optional[float]):
+        """Returns take()'s first non-None result, reading the socket when no
+        other thread does; raises AgentClosed once the connection is gone
+        and take() has nothing, TimeoutError past timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                got = take()
+                if got is not None:
+                    return got
+                if self._closed:
+                    raise AgentClosed()
+                if not self._reading:
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("agent: no answer in time")
+                self._cond.wait(left)
+            self._reading = True
+        try:
+            while True:
+                try:
+                    msg = self._read_frame(deadline)
+                except TimeoutError:
+                    raise
+                with self._cond:
+                    if msg is None:
+                        self._closed = True
+                    elif msg.get("ev"):
+                        self._events.append(
+                            Event(
+                                kind=msg["ev"],
+                                grant=msg.get("grant", 0),
+                                send=msg.get("send", 0),
+                                request_id=msg.get("request_id", 0),
+                                bytes=msg.get("bytes", 0),
+                                code=msg.get("code", ""),
+                                msg=msg.get("msg", ""),
+                                ticket=msg.get("ticket", b""),
+                                agent=msg.get("agent", ""),
+                            )
+                        )
+                    else:
+                        self._replies[msg.get("re", 0)] = msg
+                    self._cond.notify_all()
+                    got = take()
+                    if got is not None:
+                        return got
+                    if self._closed:
+                        raise AgentClosed()
+        finally:
+            with self._cond:
+                self._reading = False
+                self._cond.notify_all()
+
+    def _call(self, req: dict, fds: Iterable[int] = ()) -> dict:
+        with self._cond:
+            if self._closed:
+                raise AgentClosed()
+            self._next += 1
+            cid = req["id"] = self._next
+        body = msgpack.packb(req, use_bin_type=True)
+        frame = struct.pack(">I", len(body)) + body
+        fds = list(fds)
+        try:
+            with self._wlock:
+                if fds:
+                    socket.send_fds(self._sock, [frame], fds)
+                else:
+                    self._sock.sendall(frame)
+        except OSError as e:
+            raise AgentClosed(f"connection to the agent: {e}") from e
+        try:
+            rep = self._wait(lambda: self._replies.pop(cid, None), self._timeout)
+        except TimeoutError:
+            raise TimeoutError(f"agent did not answer {req['op']} in {self._timeout}s") from None
+        if rep.get("code"):
+            raise AgentError(rep["code"], rep.get("msg", ""))
+        return rep
+
+    def close(self) -> None:
+        """Ends the registration: the agent revokes this engine's grants and
+        unmaps its memory."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # The API.
+
+    def register(self, pools: Pools) -> str:
+        """Registers the pools' memory and layout once; returns the layout
+        fingerprint (the one handoff's workers compute)."""
+        (kv_fd, kv_bytes), (m_fd, m_bytes) = pools.fds()
+        fds = [fd for fd in (kv_fd, m_fd) if fd >= 0]
+        rep = self._call(
+            {"op": "register", "layout": pools.layout.wire(), "kv_bytes": kv_bytes, "mamba_bytes": m_bytes},
+            fds,
+        )
+        self.fingerprint = rep["fingerprint"]
+        self.agent_id = rep.get("agent_id", "")
+        self.transports = rep.get("transports", [])
+        return self.fingerprint
+
+    def grant(
+        self,
+        request_id: int,
+        blocks: list[int],
+        row: Optional[int] = None,
+        deadline: Optional[float] = None,
+        from_tp: Optional[int] = None,
+    ) -> Grant:
+        """Opens a grant over ``blocks`` (in token order) and ``row``;
+        ``deadline`` in seconds from now; ``from_tp`` the senders' TP size
+        when it differs from this engine's: every sender shard gets the same
+        ticket and writes its part (the agents reshard). Its end is one
+        event, once every shard's part landed."""
+        req = {"op": "grant", "request_id": request_id, "blocks": list(blocks)}
+        if from_tp is not None:
+            req["from_tp"] = from_tp
+        if row is not None:
+            req["row"] = row
+        if deadline is not None:
+            req["deadline_ms"] = max(1, int(deadline * 1000))
+        rep = self._call(req)
+        return Grant(rep["grant"], rep["ticket"])
+
+    def revoke(self, grant: int | Grant) -> None:
+        """Revokes a grant: once this returns, no byte of it lands."""
+        gid = grant.id if isinstance(grant, Grant) else grant
+        self._call({"op": "revoke", "grant": gid})
+
+    def _open(self, op: str, ticket: bytes, blocks: list[int], row: Optional[int]) -> Send:
+        req = {"op": op, "ticket": ticket, "blocks": list(blocks)}
+        if row is not None:
+            req["row"] = row
+        return Send(self, self._call(req)["send"])
+
+    def offer(self, ticket: bytes, to: str) -> None:
+        """Has the agent hand ``ticket`` to agent ``to`` over NATS, which
+        passes it to its engine as a "ticket" event (:meth:`wait_ticket`);
+        returns once it did. Needs agents started with --nats-url."""
+        self._call({"op": "offer", "ticket": ticket, "to": to})
+
+    def wait_ticket(self, timeout: Optional[float] = None) -> Event:
+        """The next ticket another agent offered this engine."""
+        return self.wait(lambda e: e.kind == "ticket", timeout)
+
+    def send(self, ticket: bytes, blocks: list[int], row: Optional[int] = None) -> Send:
+        """Writes ``blocks`` and ``row`` into the ticket's, in order; keep
+        them unchanged until the send's event."""
+        return self._open("send", ticket, blocks, row)
+
+    def send_wait(self, ticket: bytes, blocks: list[int], row: Optional[int] = None) -> Event:
+        """Like :meth:`send`, returning once the receiver accepted the
+        commit (its send_done), or raising AgentError with the refusal: one
+        message back instead of a reply and an event, for the latency-bound."""
+        req = {"op": "send", "ticket": ticket, "blocks": list(blocks), "wait": True}
+        if row is not None:
+            req["row"] = row
+        rep = self._call(req)
+        return Event(kind="send_done", send=rep.get("send", 0), request_id=rep.get("request_id", 0), bytes=rep.get("bytes", 0))
+
+    def open_send(self, ticket: bytes, blocks: list[int], row: Optional[int] = None) -> Send:
+        """Starts a layer-by-layer send: Send.kv_layer / mamba_layer as each
+        layer is computed, then Send.commit."""
+        return self._open("open_send", ticket, blocks, row)
+
+    def next_event(self, timeout: Optional[float] = None) -> Event:
+        """The next event; raises AgentClosed once the connection is gone and
+        every event before it was taken, queue.Empty on timeout."""
+        return self.wait(lambda e: True, timeout)
+
+    def wait(self, match: Callable[[Event], bool], timeout: Optional[float] = None) -> Event:
+        """The first event queued that ``match`` accepts, taken out of the
+        queue; the others stay queued, in order, for later waits."""
+
+        def take():
+            for i, ev in enumerate(self._events):
+                if match(ev):
+                    del self._events[i]
+                    return ev
+            return None
+
+        try:
+            return self._wait(take, timeout)
+        except TimeoutError:
+            raise queue.Empty from None
+
+    def wait_grant(self, grant: int | Grant, timeout: Optional[float] = None) -> Event:
+        gid = grant.id if isinstance(grant, Grant) else grant
+        return self.wait(lambda e: e.kind.startswith("grant_") and e.grant == gid, timeout)
+
+    def wait_send(self, send: int | Send, timeout: Optional[float] = None) -> Event:
+        sid = send.id if isinstance(send, Send) else send
+        return self.wait(lambda e: e.kind.startswith("send_") and e.send == sid, timeout)

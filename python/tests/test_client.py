@@ -1,0 +1,210 @@
+import os
+import queue
+import re
+import signal
+
+import pytest
+import torch
+
+from conftest import load_shard, random_pools, tiny_layout
+from handoff_agent import Agent, AgentClosed, AgentError, Pools
+
+
+def engine(agent_proc, seed, layout=None):
+    a = Agent.connect(agent_proc.sock)
+    p = random_pools(layout or tiny_layout(), seed)
+    a.register(p)
+    return a, p
+
+
+@pytest.mark.parametrize("transports", ["shm", "tcp"])
+def test_send_lands_at_named_blocks(agents, transports):
+    pa, pb = agents("pre", transports), agents("dec", transports)
+    a, src = engine(pa, 1)
+    b, dst = engine(pb, 2)
+    assert a.fingerprint == b.fingerprint and re.fullmatch(r"[0-9a-f]{16}", a.fingerprint)
+    before = dst.kv.clone()
+    g = b.grant(request_id=41, blocks=[9, 3, 20], row=1, deadline=5)
+    s = a.send(g.ticket, blocks=[0, 1, 2], row=4)
+    ev = a.wait_send(s, timeout=10)
+    assert ev.ok, ev
+    gev = b.wait_grant(g, timeout=10)
+    assert gev.ok and gev.request_id == 41, gev
+    assert gev.bytes == 3 * tiny_layout().block_bytes() + tiny_layout().row_bytes()
+    for s_blk, d_blk in [(0, 9), (1, 3), (2, 20)]:
+        assert torch.equal(src.kv[s_blk], dst.kv[d_blk])
+    assert torch.equal(src.mamba[4], dst.mamba[1])
+    for layer in range(3):
+        assert torch.equal(src.conv(layer)[4], dst.conv(layer)[1])
+        assert torch.equal(src.ssm(layer)[4], dst.ssm(layer)[1])
+    others = [i for i in range(64) if i not in (9, 3, 20)]
+    assert torch.equal(before[others], dst.kv[others])
+
+
+def test_layer_by_layer(agents):
+    pa, pb = agents("pre"), agents("dec")
+    a, src = engine(pa, 3)
+    b, dst = engine(pb, 4)
+    g = b.grant(42, blocks=[5, 6], row=0)
+    s = a.open_send(g.ticket, blocks=[10, 11], row=2)
+    # The layers in the model's order, as a forward pass finishes them.
+    for kind, layer in [("mamba", 0), ("kv", 0), ("mamba", 1), ("mamba", 2), ("kv", 1)]:
+        s.layer(kind, layer)
+    s.commit()
+    assert a.wait_send(s, timeout=10).ok
+    assert b.wait_grant(g, timeout=10).ok
+    assert torch.equal(src.kv[10], dst.kv[5]) and torch.equal(src.kv[11], dst.kv[6])
+    assert torch.equal(src.mamba[2], dst.mamba[0])
+
+
+def test_layer_then_rest(agents):
+    """commit sends what no layer sent."""
+    pa, pb = agents("pre"), agents("dec")
+    a, src = engine(pa, 5)
+    b, dst = engine(pb, 6)
+    g = b.grant(43, blocks=[1], row=3)
+    s = a.open_send(g.ticket, blocks=[2], row=5)
+    s.kv_layer(1)
+    s.commit()
+    assert a.wait_send(s, timeout=10).ok
+    assert b.wait_grant(g, timeout=10).ok
+    assert torch.equal(src.kv[2], dst.kv[1]) and torch.equal(src.mamba[5], dst.mamba[3])
+
+
+def test_reserved_row_refused(agents):
+    a, _ = engine(agents("dec"), 7)
+    with pytest.raises(AgentError) as e:
+        a.grant(44, blocks=[1], row=7)
+    assert e.value.code == "reserved"
+
+
+@pytest.mark.parametrize("transports", ["shm", "tcp"])
+def test_send_after_revoke_lands_nothing(agents, transports):
+    pa, pb = agents("pre", transports), agents("dec", transports)
+    a, src = engine(pa, 8)
+    b, dst = engine(pb, 9)
+    g = b.grant(45, blocks=[4, 8], row=2)
+    b.revoke(g)
+    canary_kv, canary_row = dst.kv.clone(), dst.mamba.clone()
+    s = a.send(g.ticket, blocks=[0, 1], row=0)
+    ev = a.wait_send(s, timeout=10)
+    assert not ev.ok and ev.code == "revoked", ev
+    assert b.wait_grant(g, timeout=10).code == "revoked"
+    assert torch.equal(canary_kv, dst.kv) and torch.equal(canary_row, dst.mamba)
+
+
+def test_layout_mismatch_refused_by_name(agents):
+    a, _ = engine(agents("pre"), 10)
+    other = tiny_layout()
+    other.mamba.d_state = 32
+    b, _ = engine(agents("odd-one"), 11, other)
+    g = b.grant(46, blocks=[1], row=0)
+    with pytest.raises(AgentError) as e:
+        a.send(g.ticket, blocks=[1], row=0)
+    assert e.value.code == "layout_mismatch" and '"odd-one"' in str(e.value)
+
+
+def test_deadline(agents):
+    b, _ = engine(agents("dec"), 12)
+    g = b.grant(47, blocks=[1], deadline=0.05)
+    ev = b.wait_grant(g, timeout=10)
+    assert ev.code == "deadline", ev
+
+
+def test_agent_restart_under_live_engine(agents):
+    pa, pb = agents("pre"), agents("dec")
+    a, src = engine(pa, 13)
+    b, dst = engine(pb, 14)
+    pb.kill()
+    with pytest.raises(AgentClosed):
+        b.next_event(timeout=5)
+    with pytest.raises(AgentClosed):
+        b.grant(48, blocks=[1])
+    b.close()
+    pb.start()
+    b = Agent.connect(pb.sock)
+    b.register(dst)  # the same tensors, registered again
+    g = b.grant(48, blocks=[1], row=1)
+    s = a.send(g.ticket, blocks=[3], row=3)
+    assert a.wait_send(s, timeout=10).ok and b.wait_grant(g, timeout=10).ok
+    assert torch.equal(src.kv[3], dst.kv[1]) and torch.equal(src.mamba[3], dst.mamba[1])
+
+
+def test_engine_restart_revokes_old_grants(agents):
+    pa, pb = agents("pre"), agents("dec")
+    a, src = engine(pa, 15)
+    b, dst = engine(pb, 16)
+    g = b.grant(49, blocks=[2], row=2)
+    b.close()  # the engine "exits"; its tensors live on in this test
+    canary = dst.kv.clone()
+    s = a.send(g.ticket, blocks=[0], row=0)
+    ev = a.wait_send(s, timeout=10)
+    assert not ev.ok, ev
+    assert torch.equal(canary, dst.kv)
+    b = Agent.connect(pb.sock)
+    b.register(dst)
+    g2 = b.grant(49, blocks=[2], row=2)
+    s = a.send(g2.ticket, blocks=[0], row=0)
+    assert a.wait_send(s, timeout=10).ok
+    assert torch.equal(src.kv[0], dst.kv[2])
+
+
+def test_register_twice_refused(agents):
+    a, p = engine(agents("dec"), 17)
+    with pytest.raises(AgentError) as e:
+        a.register(p)
+    assert e.value.code == "registered"
+
+
+@pytest.mark.parametrize("layers", [False, True])
+def test_tp2_to_tp1(agents, layers):
+    """Two TP-2 engines, each with its own agent, write one request into a
+    TP-1 engine's grant; the agents reshard."""
+    whole = random_pools(tiny_layout(), 20)
+    senders = []
+    for r in range(2):
+        p = Pools(tiny_layout(tp_rank=r, tp_size=2))
+        load_shard(p, whole)
+        a = Agent.connect(agents(f"pre-{r}").sock)
+        a.register(p)
+        senders.append((a, p))
+    b, dst = engine(agents("dec"), 21)
+    g = b.grant(50, blocks=[9, 3], row=1, from_tp=2)
+    sends = []
+    for a, _ in senders:
+        if layers:
+            s = a.open_send(g.ticket, blocks=[0, 1], row=4)
+            for kind, layer in [("mamba", 0), ("kv", 0), ("mamba", 1), ("mamba", 2), ("kv", 1)]:
+                s.layer(kind, layer)
+            s.commit()
+        else:
+            s = a.send(g.ticket, blocks=[0, 1], row=4)
+        sends.append((a, s))
+    for a, s in sends:
+        assert a.wait_send(s, timeout=10).ok
+    assert b.wait_grant(g, timeout=10).ok
+    assert torch.equal(whole.kv[0], dst.kv[9]) and torch.equal(whole.kv[1], dst.kv[3])
+    assert torch.equal(whole.mamba[4], dst.mamba[1])
+
+
+def test_tp_mismatch_refused(agents):
+    a, _ = engine(agents("pre"), 22)
+    b, _ = engine(agents("dec"), 23)
+    g = b.grant(51, blocks=[1], from_tp=2)
+    with pytest.raises(AgentError) as e:
+        a.send(g.ticket, blocks=[1])
+    assert e.value.code == "layout_mismatch" and "TP-2" in str(e.value)
+
+
+def test_send_wait(agents):
+    a, src = engine(agents("pre"), 30)
+    b, dst = engine(agents("dec"), 31)
+    g = b.grant(60, blocks=[12], row=2)
+    ev = a.send_wait(g.ticket, blocks=[1], row=3)
+    assert ev.ok and ev.bytes == tiny_layout().block_bytes() + tiny_layout().row_bytes()
+    assert torch.equal(src.kv[1], dst.kv[12]) and torch.equal(src.mamba[3], dst.mamba[2])
+    g = b.grant(61, blocks=[13])
+    b.revoke(g)
+    with pytest.raises(AgentError) as e:
+        a.send_wait(g.ticket, blocks=[1])
+    assert e.value.code == "revoked"
