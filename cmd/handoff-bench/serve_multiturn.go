@@ -32,9 +32,11 @@ type multiTurnOptions struct {
 	// prefixCache lists the --prefix-cache values of the spawned workers,
 	// one run each, in order; empty: one run, the flag not passed.
 	prefixCache  []string
-	spawnModel   string   // non-empty: run the workers in this process
-	spawnPrefill string   // local (one aggregated decode worker) or remote (a prefill and a decode worker)
-	workerArgs   []string // more flags for every spawned worker
+	spawnModel   string // non-empty: run the workers in this process
+	spawnPrefill string // local (one aggregated decode worker) or remote (a prefill and a decode worker)
+	// prefillInstances is how many prefill workers remote runs spawn.
+	prefillInstances int
+	workerArgs       []string // more flags for every spawned worker
 }
 
 func addMultiTurnFlags(fs *flag.FlagSet, m *multiTurnOptions, prefixCache, workerArgs *string) {
@@ -43,9 +45,10 @@ func addMultiTurnFlags(fs *flag.FlagSet, m *multiTurnOptions, prefixCache, worke
 	fs.IntVar(&m.systemTokens, "system-prompt-tokens", 2048, "multi-turn: the system prompt every conversation opens with")
 	fs.IntVar(&m.turnTokens, "turn-tokens", 96, "multi-turn: mean length of each new user message (--random-range-ratio applies); replies are --random-output-len")
 	fs.DurationVar(&m.thinkTime, "think-time", 2*time.Second, "multi-turn: mean pause between a reply and the next turn (exponential draws; 0: none)")
-	fs.StringVar(prefixCache, "prefix-cache", "", "multi-turn with --spawn-model: the spawned workers' --prefix-cache, comma-separated values run one after another on fresh workers (on,off: the same workload with the cache on and off, and the ratio); empty: not passed")
+	fs.StringVar(prefixCache, "prefix-cache", "", "multi-turn with --spawn-model: the spawned workers' --prefix-cache, comma-separated values run one after another on fresh workers (on,off: the same workload with the cache on and off, and the ratio); on/R also passes the decode worker --prefill-routing R (state, affinity or load), so that on/state,on/load compares routings, and on/R/noreturn passes every worker --state-return off (each worker's own cache only); empty: not passed")
 	fs.StringVar(&m.spawnModel, "spawn-model", "", "multi-turn: run handoff workers in this process with this --model (e.g. 'nemotron-h-8b?gpu=h200&touch=head') instead of loading --base-url")
 	fs.StringVar(&m.spawnPrefill, "spawn-prefill", "local", "with --spawn-model: local (one decode worker prefilling itself) or remote (a prefill worker and a decode worker, the cache handed off)")
+	fs.IntVar(&m.prefillInstances, "spawn-prefill-instances", 1, "with --spawn-prefill remote: prefill workers to spawn (the decode worker routes among them: --prefix-cache on/R)")
 	fs.StringVar(workerArgs, "worker-args", "", "with --spawn-model: more flags for every spawned worker, space-separated (e.g. '--kv-blocks 4096 --max-batch-size 16')")
 }
 
@@ -56,8 +59,10 @@ func checkMultiTurn(o *serveOptions, prefixCache, workerArgs string, set map[str
 		if v = strings.TrimSpace(v); v == "" {
 			continue
 		}
-		if v != "on" && v != "off" {
-			return fmt.Errorf("serve: --prefix-cache %q: want on, off, or both comma-separated", prefixCache)
+		cache, rest, _ := strings.Cut(v, "/")
+		routing, ret, _ := strings.Cut(rest, "/")
+		if v != "on" && v != "off" && (cache != "on" || !slices.Contains([]string{"state", "affinity", "load"}, routing) || ret != "" && ret != "noreturn") {
+			return fmt.Errorf("serve: --prefix-cache %q: want on, off, on/R or on/R/noreturn with R state, affinity or load, comma-separated", prefixCache)
 		}
 		if slices.Contains(m.prefixCache, v) {
 			return fmt.Errorf("serve: --prefix-cache %q names %s twice", prefixCache, v)
@@ -67,7 +72,7 @@ func checkMultiTurn(o *serveOptions, prefixCache, workerArgs string, set map[str
 	m.workerArgs = strings.Fields(workerArgs)
 	if o.dataset != "multi-turn" {
 		for _, f := range []string{"conversations", "turns", "system-prompt-tokens", "turn-tokens", "think-time",
-			"prefix-cache", "spawn-model", "spawn-prefill", "worker-args"} {
+			"prefix-cache", "spawn-model", "spawn-prefill", "spawn-prefill-instances", "worker-args"} {
 			if set[f] {
 				return fmt.Errorf("serve: --%s needs --dataset-name multi-turn", f)
 			}
@@ -89,8 +94,10 @@ func checkMultiTurn(o *serveOptions, prefixCache, workerArgs string, set map[str
 		return errors.New("serve: --prefix-cache needs --spawn-model: the benchmark switches the cache of the workers it runs, not of a server at --base-url")
 	case m.spawnPrefill != "local" && m.spawnPrefill != "remote":
 		return fmt.Errorf("serve: --spawn-prefill %q: want local or remote", m.spawnPrefill)
-	case (set["spawn-prefill"] || set["worker-args"]) && m.spawnModel == "":
-		return errors.New("serve: --spawn-prefill and --worker-args need --spawn-model")
+	case (set["spawn-prefill"] || set["worker-args"] || set["spawn-prefill-instances"]) && m.spawnModel == "":
+		return errors.New("serve: --spawn-prefill, --spawn-prefill-instances and --worker-args need --spawn-model")
+	case m.prefillInstances < 1 || m.prefillInstances > 1 && m.spawnPrefill != "remote":
+		return fmt.Errorf("serve: --spawn-prefill-instances %d: want >= 1, and more than 1 only with --spawn-prefill remote", m.prefillInstances)
 	case m.spawnModel != "" && set["base-url"]:
 		return errors.New("serve: --spawn-model and --base-url exclude each other")
 	}
@@ -115,8 +122,13 @@ type multiTurnRun struct {
 	Later       serving.TurnSummary   `json:"turns_2_up"`
 	All         serving.TurnSummary   `json:"all_turns"`
 	PerTurn     []serving.TurnSummary `json:"per_turn"`
-	Errors      []string              `json:"errors,omitempty"` // up to 10
-	records     []serving.TurnRecord
+	// Goodput is the turns per second that met every objective of
+	// --goodput, and Attainment their share of the turns sent (both 0
+	// without --goodput).
+	Goodput    float64  `json:"goodput_turns_per_s,omitempty"`
+	Attainment float64  `json:"slo_attainment,omitempty"`
+	Errors     []string `json:"errors,omitempty"` // up to 10
+	records    []serving.TurnRecord
 }
 
 // multiTurnReport is the JSON report of --dataset-name multi-turn.
@@ -143,6 +155,10 @@ type multiTurnReport struct {
 	RatioTTFTp50 *float64 `json:"ratio_turns_2_up_ttft_p50_on_off,omitempty"`
 	RatioTTFTp90 *float64 `json:"ratio_turns_2_up_ttft_p90_on_off,omitempty"`
 	RatioCompute *float64 `json:"ratio_computed_prompt_tokens_on_off,omitempty"`
+	// SLO is --goodput; RatioGoodput the on run's goodput to the off
+	// run's.
+	SLO          serving.SLO `json:"slo,omitempty"`
+	RatioGoodput *float64    `json:"ratio_goodput_on_off,omitempty"`
 }
 
 // serveMultiTurn runs --dataset-name multi-turn: the workload once per
@@ -159,6 +175,9 @@ func serveMultiTurn(ctx context.Context, o serveOptions, stdout, stderr io.Write
 		RangeRatio: o.rangeRatio, ThinkTime: o.mt.thinkTime.Seconds(), RequestRate: jsonRate(o.requestRate), Seed: o.seed}
 	if o.mt.spawnModel != "" {
 		rep.Spawned = o.mt.spawnPrefill + " prefill"
+		if o.mt.prefillInstances > 1 {
+			rep.Spawned = fmt.Sprintf("remote prefill x%d", o.mt.prefillInstances)
+		}
 	}
 	var (
 		system string
@@ -228,7 +247,7 @@ func serveMultiTurn(ctx context.Context, o serveOptions, stdout, stderr io.Write
 	var on, off *multiTurnRun
 	for i := range rep.Runs {
 		switch rep.Runs[i].PrefixCache {
-		case "on":
+		case "on", "on/state":
 			on = &rep.Runs[i]
 		case "off":
 			off = &rep.Runs[i]
@@ -238,6 +257,12 @@ func serveMultiTurn(ctx context.Context, o serveOptions, stdout, stderr io.Write
 		rep.RatioTTFTp50 = onOff(on.Later.TTFTp50, off.Later.TTFTp50)
 		rep.RatioTTFTp90 = onOff(on.Later.TTFTp90, off.Later.TTFTp90)
 		rep.RatioCompute = onOff(float64(on.All.ComputedTokens), float64(off.All.ComputedTokens))
+		if len(o.slo) > 0 {
+			rep.RatioGoodput = onOff(on.Goodput, off.Goodput)
+		}
+	}
+	if len(o.slo) > 0 {
+		rep.SLO = o.slo
 	}
 	if o.plot != "" {
 		if err := writeMultiTurnPlot(o.plot, rep.Runs, rep.Runs[len(rep.Runs)-1].Partial); err != nil {
@@ -285,14 +310,30 @@ func spawnServe(ctx context.Context, o serveOptions, mode string) (*benchCluster
 		return nil, "", fmt.Errorf("serve: %w", err)
 	}
 	common := []string{"--model", o.mt.spawnModel, "--namespace", "serve-mt"}
-	if mode != "" {
-		common = append(common, "--prefix-cache", mode)
+	cache, rest, _ := strings.Cut(mode, "/")
+	routing, ret, _ := strings.Cut(rest, "/")
+	if cache != "" {
+		common = append(common, "--prefix-cache", cache)
+	}
+	if ret == "noreturn" {
+		common = append(common, "--state-return", "off")
 	}
 	common = append(common, o.mt.workerArgs...)
 	var d *benchWorker
 	if o.mt.spawnPrefill == "remote" {
-		if _, err = cl.start(worker.RolePrefill, common...); err == nil {
-			d, err = cl.start(worker.RoleDecode, append([]string{"--prefill", "remote", "--http-addr", "127.0.0.1:0"}, common...)...)
+		for i := range o.mt.prefillInstances {
+			// Workers in one process would share the default id
+			// (hostname-pid), and with it their instance subjects.
+			if _, err = cl.start(worker.RolePrefill, append([]string{"--instance-id", fmt.Sprintf("bench-prefill-%d", i)}, common...)...); err != nil {
+				break
+			}
+		}
+		if err == nil {
+			args := []string{"--prefill", "remote", "--http-addr", "127.0.0.1:0"}
+			if routing != "" {
+				args = append(args, "--prefill-routing", routing)
+			}
+			d, err = cl.start(worker.RoleDecode, append(args, common...)...)
 		}
 	} else {
 		d, err = cl.start(worker.RoleDecode, append([]string{"--prefill", "local", "--http-addr", "127.0.0.1:0"}, common...)...)
@@ -489,7 +530,7 @@ func runConversations(ctx context.Context, c *serveClient, o serveOptions, unit 
 				r := c.sendTurn(ctx, o.model, msgs, conv.MaxTokens[t], conv.Seeds[t], chat, fmt.Sprintf("%s-%d-%d", runID, i, t))
 				toks := serving.Tokens(unit, prompt)
 				s := sent{rec: serving.TurnRecord{Conversation: i, Turn: t, Success: r.err == nil,
-					TTFT: r.ttft, PromptUnits: len(toks)}}
+					TTFT: r.ttft, Latency: r.done.Sub(r.start), PromptUnits: len(toks)}}
 				s.seen = serving.Seen{Sent: r.start.Sub(start), Done: r.done.Sub(start), Prompt: toks}
 				if r.err != nil {
 					// A failed turn adds nothing to what was seen; its own
@@ -545,6 +586,16 @@ func runConversations(ctx context.Context, c *serveClient, o serveOptions, unit 
 	for t := range len(convs[0].Users) {
 		run.PerTurn = append(run.PerTurn, serving.Summarize(recs, func(r serving.TurnRecord) bool { return r.Turn == t }))
 	}
+	if len(o.slo) > 0 && len(recs) > 0 {
+		met := 0
+		for _, r := range recs {
+			if o.slo.Meets(serving.Result{Success: r.Success, TTFT: r.TTFT, Latency: r.Latency, OutputTokens: r.OutputTokens}) {
+				met++
+			}
+		}
+		run.Goodput = float64(met) / run.Duration
+		run.Attainment = float64(met) / float64(len(recs))
+	}
 	return run
 }
 
@@ -589,6 +640,10 @@ func writeMultiTurnTable(w io.Writer, rep multiTurnReport) error {
 	row("seen before (% of prompts)", func(r multiTurnRun) string { return pct(r.All.SeenShare) })
 	row("hit rate vs ideal (%)", func(r multiTurnRun) string { return pct(r.All.HitRateVsIdeal) })
 	row("turns >= 2 hit rate vs ideal (%)", func(r multiTurnRun) string { return pct(r.Later.HitRateVsIdeal) })
+	if len(rep.SLO) > 0 {
+		row("goodput (turns/s in SLO)", func(r multiTurnRun) string { return strconv.FormatFloat(r.Goodput, 'f', 2, 64) })
+		row("SLO attainment (%)", func(r multiTurnRun) string { return pct(r.Attainment) })
+	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
@@ -599,6 +654,9 @@ func writeMultiTurnTable(w io.Writer, rep multiTurnReport) error {
 		}
 		if rep.RatioCompute != nil {
 			fmt.Fprintf(w, "; computed prompt tokens: %.3f", *rep.RatioCompute)
+		}
+		if rep.RatioGoodput != nil {
+			fmt.Fprintf(w, "; goodput: %.3f", *rep.RatioGoodput)
 		}
 		fmt.Fprintln(w)
 	}

@@ -299,3 +299,21 @@ func TestServeMultiTurnInterrupted(t *testing.T) {
 	require.Zero(t, run.All.Failed, "cut short, not failed")
 	require.Equal(t, 3, run.NotSent)
 }
+
+// With --goodput, each run counts the turns that met every objective: all
+// of them under objectives no turn misses, none under a TTFT of 0 ms.
+func TestServeMultiTurnGoodput(t *testing.T) {
+	srv := httptest.NewServer(&perfectCacheServer{})
+	defer srv.Close()
+	args := []string{"--conversations", "2", "--turns", "3", "--system-prompt-tokens", "100", "--turn-tokens", "10",
+		"--random-output-len", "5", "--think-time", "0", "--request-rate", "inf"}
+	rep, _ := runMultiTurnFake(t, srv, append(args, "--goodput", "ttft:100000 tpot:100000 e2el:100000")...)
+	run := rep.Runs[0]
+	require.Equal(t, serving.SLO{"ttft": 100000, "tpot": 100000, "e2el": 100000}, rep.SLO)
+	require.InDelta(t, 1, run.Attainment, 1e-12)
+	require.InDelta(t, 6/run.Duration, run.Goodput, 1e-9)
+
+	rep, _ = runMultiTurnFake(t, srv, append(args, "--goodput", "ttft:0")...)
+	require.Zero(t, rep.Runs[0].Attainment)
+	require.Zero(t, rep.Runs[0].Goodput)
+}

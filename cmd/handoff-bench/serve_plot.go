@@ -126,7 +126,7 @@ func writeColumnPNG(path string, plots [][]*plot.Plot) error {
 // writes them to path as a PNG.
 func writeMultiTurnPlot(path string, runs []multiTurnRun, partial bool) error {
 	colors := []color.RGBA{{R: 0x1f, G: 0x77, B: 0xb4, A: 0xff}, {R: 0xff, G: 0x7f, B: 0x0e, A: 0xff},
-		{R: 0x2c, G: 0xa0, B: 0x2c, A: 0xff}}
+		{R: 0x2c, G: 0xa0, B: 0x2c, A: 0xff}, {R: 0xd6, G: 0x27, B: 0x28, A: 0xff}, {R: 0x94, G: 0x67, B: 0xbd, A: 0xff}}
 	title := "handoff-bench serve: multi-turn, TTFT per turn"
 	if partial {
 		title += " (PARTIAL: interrupted)"

@@ -222,8 +222,9 @@ type TurnRecord struct {
 	Success      bool
 	Error        string
 	TTFT         time.Duration
-	PromptTokens int // the server's usage.prompt_tokens
-	CachedTokens int // the server's usage.prompt_tokens_details.cached_tokens
+	Latency      time.Duration // E2EL: the POST to the last chunk
+	PromptTokens int           // the server's usage.prompt_tokens
+	CachedTokens int           // the server's usage.prompt_tokens_details.cached_tokens
 	OutputTokens int
 	PromptUnits  int // the prompt in the workload's units (Tokens)
 	IdealHit     int // IdealHits, in units
