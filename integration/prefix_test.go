@@ -11,10 +11,14 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/kvevents"
 )
 
 type chatMessage struct {
@@ -23,11 +27,12 @@ type chatMessage struct {
 }
 
 type chatReply struct {
-	Status  int
-	Content string
-	Prompt  int // usage.prompt_tokens
-	Cached  int // usage.prompt_tokens_details.cached_tokens
-	Err     string
+	Status     int
+	Content    string
+	Prompt     int // usage.prompt_tokens
+	Cached     int // usage.prompt_tokens_details.cached_tokens
+	Completion int // usage.completion_tokens
+	Err        string
 }
 
 // chat sends one chat completion and returns the reply and its usage's
@@ -55,8 +60,9 @@ func chat(ctx context.Context, api, model string, msgs []chatMessage, maxTokens 
 			Message chatMessage `json:"message"`
 		} `json:"choices"`
 		Usage struct {
-			Prompt  int `json:"prompt_tokens"`
-			Details struct {
+			Prompt     int `json:"prompt_tokens"`
+			Completion int `json:"completion_tokens"`
+			Details    struct {
 				Cached int `json:"cached_tokens"`
 			} `json:"prompt_tokens_details"`
 		} `json:"usage"`
@@ -67,7 +73,7 @@ func chat(ctx context.Context, api, model string, msgs []chatMessage, maxTokens 
 	if err := json.Unmarshal(raw, &out); err != nil {
 		return chatReply{Status: resp.StatusCode}, fmt.Errorf("status %d, body %q: %w", resp.StatusCode, raw, err)
 	}
-	r := chatReply{Status: resp.StatusCode, Prompt: out.Usage.Prompt, Cached: out.Usage.Details.Cached}
+	r := chatReply{Status: resp.StatusCode, Prompt: out.Usage.Prompt, Cached: out.Usage.Details.Cached, Completion: out.Usage.Completion}
 	if len(out.Choices) > 0 {
 		r.Content = out.Choices[0].Message.Content
 	}
@@ -85,8 +91,8 @@ func chat(ctx context.Context, api, model string, msgs []chatMessage, maxTokens 
 // worker without it: aggregated, disaggregated with and without
 // layer-wise streaming, --prefill auto (a conversation's next turn
 // continues on the decode that holds its state), a TP-2 prefill group,
-// and pools so small that they evict. The later turns are served mostly
-// from the cache.
+// pools so small that they evict, two prefill instances routed by their
+// cache events, and speculative decoding with the model's draft head. The later turns are served mostly from the cache.
 func TestPrefixCacheOracle(t *testing.T) {
 	ns := startNATS(t, nil)
 	oracle := startProc(t, "decode", "--prefill", "local", "--prefix-cache", "off", "--nats-url", ns.url(), "--namespace", "px-oracle")
@@ -97,12 +103,18 @@ func TestPrefixCacheOracle(t *testing.T) {
 		roomy bool // every later turn must hit
 	}
 	var targets []*target
-	add := func(name string, roomy bool, pre []string, dec []string) {
+	add := func(name string, roomy bool, pre []string, dec []string, prefills ...int) {
 		space := "px-" + name
 		common := []string{"--nats-url", ns.url(), "--namespace", space, "--prefix-cache", "on"}
 		tg := &target{name: name, roomy: roomy}
-		if pre != nil {
-			tg.procs = append(tg.procs, startProc(t, "prefill", append(common, pre...)...))
+		n := 1
+		if len(prefills) > 0 {
+			n = prefills[0]
+		}
+		for range n {
+			if pre != nil {
+				tg.procs = append(tg.procs, startProc(t, "prefill", append(common, pre...)...))
+			}
 		}
 		tg.api = startProc(t, "decode", append(common, dec...)...)
 		tg.procs = append(tg.procs, tg.api)
@@ -113,6 +125,14 @@ func TestPrefixCacheOracle(t *testing.T) {
 	add("layerwise-chunked", true, []string{"--layerwise", "on", "--prefill-chunk-tokens", "48", "--state-checkpoint-interval", "64"}, []string{"--prefill", "remote"})
 	add("auto", true, []string{"--layerwise", "on"}, []string{"--prefill", "auto", "--prefill-auto-min-tokens", "96"})
 	add("tp2-layerwise", true, []string{"--layerwise", "on", "--tp-size", "2"}, []string{"--prefill", "remote"})
+	// Two prefill instances: every later turn must go where the cache
+	// events say its state is (load alone would alternate and miss).
+	add("two-prefill-state", true, []string{"--layerwise", "off"}, []string{"--prefill", "remote", "--prefill-routing", "state"}, 2)
+	// Speculation with the draft head: its KV is a layer of the shared and
+	// delta-handed blocks, and the replies are plain tiny-hybrid's.
+	mtp := []string{"--model", "tiny-hybrid?mtp=1"}
+	add("mtp", true, append(mtp, "--layerwise", "on"),
+		append(mtp, "--prefill", "remote", "--speculative", "mtp", "--num-speculative-tokens", "3"))
 	add("tiny-pools", false, []string{"--max-batch-size", "2", "--kv-blocks", "160", "--state-checkpoints", "2", "--layerwise", "on"},
 		[]string{"--prefill", "remote", "--max-batch-size", "2"})
 	oracle.waitReady(readyWithin)
@@ -206,22 +226,67 @@ func TestPrefixCacheOracle(t *testing.T) {
 		hits += sum(tg.procs[0].metrics(), "handoff_prefix_hit_tokens_total", map[string]string{"role": "prefill"})
 	}
 	require.Positive(t, hits, "the prefill workers' metrics count their hits")
+	for _, tg := range targets {
+		if tg.name == "mtp" {
+			m := tg.api.metrics()
+			d := sum(m, "handoff_spec_draft_tokens_total", map[string]string{"method": "mtp"})
+			a := sum(m, "handoff_spec_accepted_tokens_total", map[string]string{"method": "mtp"})
+			sh := sum(m, "handoff_spec_shipped_draft_tokens_total", map[string]string{"method": "mtp"})
+			t.Logf("mtp: %.0f drafts, %.0f accepted, %.0f shipped by prefill", d, a, sh)
+			require.Positive(t, a, "the draft head's drafts were never accepted")
+			require.Positive(t, sh, "prefill shipped no drafts")
+		}
+		if tg.name == "two-prefill-state" {
+			n := sum(tg.api.metrics(), "handoff_prefill_routed_total", map[string]string{"by": "state"})
+			t.Logf("two-prefill-state: %.0f handoffs routed by cached state", n)
+			require.Positive(t, n, "no handoff went where the cache events said its state was")
+		}
+	}
 }
 
 // TestPrefixAffinityAcrossPrefillInstances: with two prefill instances, a
 // decode sends each turn of a conversation to the instance whose prefix
-// cache holds the last one, so every later turn is served from the cache
+// cache holds the last one (as the instances' cache events say), so every later turn is served from the cache
 // at least up to the previous turn's whole prompt (load-only routing
 // alternates between the two and recomputes every other turn). When that
 // instance is killed mid-conversation, the next turn is prefilled by the
 // survivor from what it holds, and the turns after it stick to the
 // survivor; every reply equals the aggregated cache-off one.
+//
+// The instances publish their events every 50 ms, and a turn sent the
+// moment the last reply arrives may reach the decode before the event of
+// the last prompt's state (it then goes where affinity remembers, to the
+// same instance, and is counted so). Like a client that reads a reply
+// before it answers, the test sends each turn once the prefill instances
+// have published the state the last turn left: then every routing is the
+// events'.
 func TestPrefixAffinityAcrossPrefillInstances(t *testing.T) {
 	ns := startNATS(t, nil)
 	oracle := startProc(t, "decode", "--prefill", "local", "--prefix-cache", "off", "--nats-url", ns.url(), "--namespace", "aff-oracle")
 	common := []string{"--nats-url", ns.url(), "--namespace", "aff", "--request-timeout", "60s"}
-	pres := []*proc{startProc(t, "prefill", common...), startProc(t, "prefill", common...)}
+	pres := []*proc{
+		startProc(t, "prefill", append(common, "--instance-id", "aff-prefill-0")...),
+		startProc(t, "prefill", append(common, "--instance-id", "aff-prefill-1")...),
+	}
 	dec := startProc(t, "decode", append(common, "--prefill", "remote")...)
+	// The longest state a prefill instance has published, over both.
+	nc, err := nats.Connect(ns.url())
+	require.NoError(t, err)
+	defer nc.Close()
+	var published atomic.Int64
+	sub, err := nc.Subscribe("handoff.aff.inst.*.kvevents", func(m *nats.Msg) {
+		b, err := kvevents.Decode(m.Data)
+		if err != nil || !strings.HasPrefix(b.Instance, "aff-prefill-") {
+			return
+		}
+		for _, e := range b.Events {
+			if e.Kind == kvevents.StateStored && int64(e.NumTokens) > published.Load() {
+				published.Store(int64(e.NumTokens))
+			}
+		}
+	})
+	require.NoError(t, err)
+	defer sub.Unsubscribe()
 	for _, p := range append(pres, oracle, dec) {
 		p.waitReady(readyWithin)
 	}
@@ -257,7 +322,90 @@ func TestPrefixAffinityAcrossPrefillInstances(t *testing.T) {
 		}
 		prev = got.Prompt
 		msgs = append(msgs, chatMessage{Role: "assistant", Content: got.Content})
+		require.Eventually(t, func() bool { return published.Load() >= int64(got.Prompt) }, 10*time.Second, 5*time.Millisecond,
+			"turn %d: no prefill instance published the state of its %d-token prompt", turn+1, got.Prompt)
 	}
 	requireIdle(t, dec, "decode")
+	requireIdle(t, pres[1-killed], "prefill")
+	// Turns 2-4 and 6-8 went where the cache events said their state was.
+	byState := sum(dec.metrics(), "handoff_prefill_routed_total", map[string]string{"by": "state"})
+	require.GreaterOrEqual(t, byState, 6.0, "turns routed by the prefill instances' cache events")
+	require.Positive(t, sum(dec.metrics(), "handoff_cache_event_batches_total", map[string]string{"result": "applied"}))
+}
+
+// TestConversationsTwoByTwo is issue 31's deployment over the real
+// binaries: two TP-2 prefill groups and two TP-1 decode workers on one
+// NATS server, state routing and delta handoffs on. Three conversations
+// alternate their turns between the decode workers (a load balancer
+// without stickiness), so a turn's prefill often runs on another
+// instance than the last one's (its state resharded 2 → 1 on the way),
+// and its decode holds the conversation's blocks on some turns and not on
+// others. Midway the prefill instance that served the most is killed,
+// and a turn later one decode worker: every reply equals the aggregated
+// cache-off one, the later turns are served from the caches, some
+// handoffs moved only what their decode lacked, and the survivors end
+// idle.
+func TestConversationsTwoByTwo(t *testing.T) {
+	ns := startNATS(t, nil)
+	oracle := startProc(t, "decode", "--prefill", "local", "--prefix-cache", "off", "--nats-url", ns.url(), "--namespace", "2x2-oracle")
+	common := []string{"--nats-url", ns.url(), "--namespace", "2x2", "--request-timeout", "60s", "--prefix-cache", "on"}
+	pres := []*proc{startProc(t, "prefill", append(common, "--tp-size", "2")...), startProc(t, "prefill", append(common, "--tp-size", "2")...)}
+	decs := []*proc{startProc(t, "decode", append(common, "--prefill", "remote")...), startProc(t, "decode", append(common, "--prefill", "remote")...)}
+	for _, p := range append(append([]*proc{oracle}, pres...), decs...) {
+		p.waitReady(readyWithin)
+	}
+	name := modelName(t, oracle.api)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	for _, d := range decs {
+		warmUp(ctx, t, d.api, name)
+	}
+	served := func(p *proc) float64 {
+		return sum(p.metrics(), "handoff_requests_total", map[string]string{"role": "prefill", "result": "ok"})
+	}
+	system := chatMessage{Role: "system", Content: "You are a terse assistant. " + strings.Repeat("Answer in few words. ", 8)}
+	convs := make([][]chatMessage, 3)
+	for i := range convs {
+		convs[i] = []chatMessage{system}
+	}
+	alive, killed := decs, -1
+	cached := 0
+	for turn := range 6 {
+		switch turn {
+		case 3:
+			killed = 0
+			if served(pres[1]) > served(pres[0]) {
+				killed = 1
+			}
+			pres[killed].kill()
+		case 4:
+			decs[1].kill()
+			alive = decs[:1]
+		}
+		for i := range convs {
+			convs[i] = append(convs[i], chatMessage{Role: "user", Content: fmt.Sprintf("Conversation %d, question %d: go on.", i, turn+1)})
+			temp := 0.0
+			if i == 2 {
+				temp = 0.8 // sampled, seeded
+			}
+			want, err := chat(ctx, oracle.api, name, convs[i], 10, temp, uint64(20+i))
+			require.NoError(t, err)
+			dec := alive[(turn+i)%len(alive)]
+			got, err := chat(ctx, dec.api, name, convs[i], 10, temp, uint64(20+i))
+			require.NoError(t, err)
+			require.Equal(t, http.StatusOK, got.Status, "conversation %d turn %d: %s", i, turn+1, got.Err)
+			require.Equal(t, want.Content, got.Content, "conversation %d turn %d: the reply differs from the cache-off one", i, turn+1)
+			if turn > 0 {
+				cached += got.Cached
+			}
+			convs[i] = append(convs[i], chatMessage{Role: "assistant", Content: want.Content})
+		}
+	}
+	t.Logf("later turns: %d prompt tokens served from the caches", cached)
+	require.Positive(t, cached)
+	skipped := sum(decs[0].metrics(), "handoff_delta_skipped_blocks_total", nil)
+	t.Logf("decode 0: %.0f blocks it held were not sent again", skipped)
+	require.Positive(t, skipped, "no handoff moved only what its decode lacked")
+	requireIdle(t, decs[0], "decode")
 	requireIdle(t, pres[1-killed], "prefill")
 }
