@@ -506,6 +506,11 @@ func (h *handoff) replyEvent(m *nats.Msg) session.Event {
 		return session.Event{Kind: session.EvNoResponders, Attempt: attempt}
 	}
 	r, err := wire.DecodePrefillReply(m.Data)
+	if h.req.Drafts <= 0 {
+		// A decoder without speculation ignores draft tokens (a peer may
+		// ship them unasked); one that asked for K refuses more than K.
+		r.Drafts = nil
+	}
 	if err != nil || r.RequestID != h.req.ID || len(r.Drafts) > max(h.req.Drafts, 0) {
 		if err == nil && r.RequestID != h.req.ID {
 			err = fmt.Errorf("%w: reply names request %d", ErrBadMessage, r.RequestID)

@@ -38,7 +38,9 @@ func TestHandoffShipsDrafts(t *testing.T) {
 
 // TestHandoffRefusesTooManyDrafts: a reply with more draft tokens than
 // the decoder asked for is a bad message, refused at once, not a cache to
-// decode from.
+// decode from; a decoder that asked for none ignores drafts shipped
+// unasked (the rogue writes nothing, so that handoff ends at its deadline,
+// not as a bad message).
 func TestHandoffRefusesTooManyDrafts(t *testing.T) {
 	f := newFixture(t)
 	ds := newSide(t, "dec", testHybrid(64, 8))
@@ -60,4 +62,10 @@ func TestHandoffRefusesTooManyDrafts(t *testing.T) {
 	require.ErrorIs(t, err, ErrBadMessage)
 	require.ErrorContains(t, err, "3 draft tokens, 2 asked for")
 	require.Less(t, time.Since(start), 4*time.Second, "refused, not timed out")
+
+	_, err = ds.handoff(context.Background(), d, Request{ID: 8, Tokens: tokens(9), Deadline: time.Now().Add(500 * time.Millisecond)})
+	require.Error(t, err)
+	require.NotErrorIs(t, err, ErrBadMessage, "drafts shipped unasked refused the reply: %v", err)
+	require.NotContains(t, err.Error(), "draft tokens")
+	ds.requireInitial(t)
 }
