@@ -75,6 +75,7 @@ type Metrics struct {
 	SpecShipped        *prometheus.CounterVec // handoff_spec_shipped_draft_tokens_total{role,method}
 	SpecGated          *prometheus.GaugeVec   // handoff_spec_gated{role}
 	PaddingDummies     *prometheus.CounterVec // handoff_padding_dummies_total{role,draft_len}
+	PaddingFailures    *prometheus.CounterVec // handoff_padding_dummy_failures_total{role,draft_len}
 }
 
 // NewMetrics creates the collectors and registers them on reg (a private
@@ -207,12 +208,16 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "handoff_padding_dummies_total",
 			Help: "Speculative decoding: padding dummies placed on a rank's reserved padding row of a draft length, to pad its batch to the step's.",
 		}, []string{"role", "draft_len"}),
+		PaddingFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "handoff_padding_dummy_failures_total",
+			Help: "Padding dummies a step could not place (no padding row for the step's draft length): the rank ran its step short of the batch its graph was sized for. Never expected; alert on any.",
+		}, []string{"role", "draft_len"}),
 	}
 	reg.MustRegister(m.Requests, m.Transfers, m.TransferBytes, m.StreamedBytes, m.TransferDuration,
 		m.QueueDuration, m.PrefillDuration, m.FirstToken,
 		m.Dummies, m.MambaRows, m.KVBlocks, m.Sessions, m.Queued, m.TransportInfo, m.PrefillRoutes,
 		m.PrefixLookups, m.PrefixHitTokens, m.DeltaBlocks, m.StateReturns, m.StateReturnBytes, m.PromptComputed, m.PrefixBlocks, m.CheckpointRows, m.PrefixEvictions,
-		m.SpecDraftTokens, m.SpecAcceptedTokens, m.SpecVerifications, m.SpecShipped, m.SpecGated, m.PaddingDummies)
+		m.SpecDraftTokens, m.SpecAcceptedTokens, m.SpecVerifications, m.SpecShipped, m.SpecGated, m.PaddingDummies, m.PaddingFailures)
 	return m
 }
 

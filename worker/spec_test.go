@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/require"
 
 	"github.com/handoff-io/handoff/kvcache"
@@ -124,6 +125,7 @@ func testSpeculationMatchesReference(t *testing.T, method string) {
 			if tc.o.sched == "1:4,2:2,3:0" {
 				require.Positive(t, counterValue(t, m.PaddingDummies.WithLabelValues("decode", "0")), "batches of 3+ pad at length 0")
 			}
+			require.Zero(t, testutil.CollectAndCount(m.PaddingFailures), "a step's padding dummy found no row of its draft length")
 		})
 	}
 }

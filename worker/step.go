@@ -86,6 +86,7 @@ func (s *Scheduler) padGraph(r *Rank, dummy bool, dl, batch int) (free func()) {
 	id := mambacache.PaddingIDFor(dl)
 	if _, err := r.mgr.Mamba().AddDummy(id); err != nil {
 		s.log.Error("padding dummy not placed", "rank", r.index, "draft_len", dl, "err", err)
+		s.m.PaddingFailures.WithLabelValues(string(s.cfg.Role), strconv.Itoa(dl)).Inc()
 		return func() {}
 	}
 	s.m.PaddingDummies.WithLabelValues(string(s.cfg.Role), strconv.Itoa(dl)).Inc()
