@@ -2,6 +2,7 @@ package service
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"net/http"
 	"slices"
 	"strings"
@@ -123,10 +124,12 @@ func TestRemoteSpeculativeMatchesLocal(t *testing.T) {
 				}
 			}
 
+			// Then concurrently, the fixed prompts and random ones.
+			all := append(slices.Clone(prompts), randomPrompts(rand.New(rand.NewPCG(uint64(i), 32)), 4)...)
 			type result struct{ remote, local completionOut }
-			results := make([]result, len(prompts)*2)
+			results := make([]result, len(all)*2)
 			var wg sync.WaitGroup
-			for i, p := range prompts {
+			for i, p := range all {
 				for j, temp := range []float64{0, 0.9} {
 					k := 2*i + j
 					wg.Go(func() {
@@ -174,4 +177,17 @@ func TestDraftHeadLayoutMismatchIsNamed(t *testing.T) {
 	}, 10*time.Second, 50*time.Millisecond, "last: %q", why)
 	require.Contains(t, why, "?mtp=1")
 	require.Contains(t, why, "tiny-hybrid?mtp=1")
+}
+
+// randomPrompts returns n prompts of 1 to 80 printable ASCII bytes.
+func randomPrompts(rng *rand.Rand, n int) []string {
+	out := make([]string, n)
+	for i := range out {
+		b := make([]byte, 1+rng.IntN(80))
+		for j := range b {
+			b[j] = byte(' ' + rng.IntN('~'-' '+1))
+		}
+		out[i] = string(b)
+	}
+	return out
 }
