@@ -136,7 +136,9 @@ func (s *Scheduler) stepDraftLen() (dl, batch int) {
 		}
 		batch = max(batch, n)
 	}
-	if s.gate != nil {
+	// A step with no request generating verifies nothing: it does not ask
+	// the gate, so that it spends none of a closed gate's probes.
+	if s.gate != nil && batch > 0 {
 		allow := s.gate.allow()
 		s.m.SpecGated.WithLabelValues(string(s.cfg.Role)).Set(b2f(s.gate.isClosed()))
 		if !allow {
