@@ -193,7 +193,7 @@ func DecodeInstance(b []byte) (Instance, error) {
 	if m.ID == "" {
 		return Instance{}, fmt.Errorf("%w: instance without id", ErrBadMessage)
 	}
-	if m.Role != RolePrefill && m.Role != RoleDecode {
+	if m.Role != RolePrefill && m.Role != RoleDecode && m.Role != RoleAgent {
 		return Instance{}, fmt.Errorf("%w: unknown role %q", ErrBadMessage, m.Role)
 	}
 	return m, nil

@@ -256,6 +256,10 @@ type Role string
 const (
 	RolePrefill Role = "prefill"
 	RoleDecode  Role = "decode"
+	// RoleAgent is a handoff agent beside an engine in another language
+	// (package agent): it serves the data path for that engine's caches
+	// and takes part in no routing.
+	RoleAgent Role = "agent"
 )
 
 func unixNano(t time.Time) int64 {
