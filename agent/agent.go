@@ -18,6 +18,8 @@ import (
 
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/handoff-io/handoff/reshard"
+	"github.com/handoff-io/handoff/transfer"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // Config configures an Agent.
@@ -36,12 +38,25 @@ type Config struct {
 	FenceWait  time.Duration
 	// GrantTTL is the deadline of grants opened without one; default 60s.
 	GrantTTL time.Duration
+	// Namespace is the deployment's namespace, whose instance registry the
+	// agent joins with NATS (registry.go); default "default", as the
+	// workers'.
+	Namespace string
+	// Registry configures that registry (its Namespace is Namespace's).
+	Registry transfer.RegistryConfig
 	Logger   *slog.Logger
 }
 
 func (c *Config) validate() error {
 	if c.Name == "" {
 		return fmt.Errorf("%w: Config.Name is required", ErrBadRequest)
+	}
+	if c.Namespace == "" {
+		c.Namespace = "default"
+	}
+	// Both name NATS subjects and the registry's keys.
+	if !wire.ValidToken(c.Name) || !wire.ValidToken(c.Namespace) {
+		return fmt.Errorf("%w: agent name %q and namespace %q must be 1-64 letters, digits, '-' or '_'", ErrBadRequest, c.Name, c.Namespace)
 	}
 	if c.Socket == "" {
 		return fmt.Errorf("%w: Config.Socket is required", ErrBadRequest)
@@ -76,6 +91,8 @@ type Agent struct {
 	sessions map[*session]struct{}
 	latest   *session // the last registration, which NATS describes
 	wg       sync.WaitGroup
+
+	reg *transfer.Registry // with NATS, from Serve's start to its end
 }
 
 // New creates the socket and, when nc is not nil, answers descriptions of
@@ -102,6 +119,18 @@ func (a *Agent) Serve(ctx context.Context) error {
 			return err
 		}
 		defer unsub()
+		leave, err := a.joinRegistry(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil // stopped while starting
+			}
+			return err
+		}
+		// Leave once every session ended: none refreshes the entry after.
+		defer func() {
+			a.Close()
+			leave()
+		}()
 	}
 	stop := context.AfterFunc(ctx, func() { a.ln.Close() })
 	defer stop()
@@ -161,10 +190,14 @@ func (a *Agent) newSession(c *net.UnixConn, pid int) *session {
 
 func (a *Agent) endSession(s *session) {
 	a.mu.Lock()
-	defer a.mu.Unlock()
 	delete(a.sessions, s)
-	if a.latest == s {
+	was := a.latest == s
+	if was {
 		a.latest = nil
+	}
+	a.mu.Unlock()
+	if was {
+		a.refreshRegistry() // no registration: peers see no fingerprint
 	}
 }
 
@@ -293,7 +326,13 @@ func (s *session) handle(q Request) (Reply, error) {
 		}
 		return Reply{Agent: s.a.cfg.Name, Version: Version}, nil
 	case OpRegister:
-		return s.register(q)
+		rep, err := s.register(q)
+		if err == nil {
+			s.a.refreshRegistry()
+		}
+		return rep, err
+	case OpPeers:
+		return s.a.peers(), nil
 	case OpGrant:
 		return s.grant(q)
 	case OpRevoke:

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -19,6 +20,7 @@ import (
 
 	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer"
 )
 
 // tinyLayout is shaped like tiny-hybrid's caches, smaller pools.
@@ -370,5 +372,71 @@ func TestSendWait(t *testing.T) {
 	case ev := <-a.c.Events():
 		t.Fatalf("an event for a send with Wait: %+v", ev)
 	default:
+	}
+}
+
+// TestRegistryListsPeers: with NATS each agent joins the namespace's
+// registry; an engine lists the other agents with their engines'
+// fingerprints (empty before one registers and after it goes), and an
+// agent that stops leaves the list.
+func TestRegistryListsPeers(t *testing.T) {
+	srv := natstest.Run(t)
+	// A heartbeat every 10 s: the changes below are seen within 5 s only
+	// if the agent publishes them when they happen.
+	start := func(name string) (sock string, stop func()) {
+		sock = filepath.Join(t.TempDir(), "a", name+".sock")
+		a, err := New(Config{Name: name, Socket: sock, Transports: []rdma.Transport{rdma.TransportSHM},
+			Registry: transfer.RegistryConfig{TTL: 30 * time.Second},
+			Logger:   slog.New(slog.NewTextHandler(io.Discard, nil))}, natstest.Connect(t, srv))
+		require.NoError(t, err)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- a.Serve(ctx) }()
+		var once sync.Once
+		stop = func() {
+			once.Do(func() {
+				cancel()
+				require.NoError(t, <-done, name)
+			})
+		}
+		t.Cleanup(stop)
+		return sock, stop
+	}
+	sockA, _ := start("pre")
+	sockB, stopB := start("dec")
+
+	a := register(t, sockA, tinyLayout())
+	ctx := ctxT(t)
+	peers := func() []Peer {
+		rep, err := a.c.Call(ctx, Request{Op: OpPeers}, nil)
+		require.NoError(t, err)
+		return rep.Peers
+	}
+	require.Eventually(t, func() bool { p := peers(); return len(p) == 1 && p[0].Name == "dec" && p[0].Fingerprint == "" },
+		5*time.Second, 10*time.Millisecond, "the other agent, with no engine yet: %+v", peers())
+
+	e := register(t, sockB, tinyLayout())
+	require.Eventually(t, func() bool { p := peers(); return len(p) == 1 && p[0].Fingerprint == e.p.fingerprint },
+		5*time.Second, 10*time.Millisecond, "the registration's fingerprint: %+v", peers())
+	p := peers()[0]
+	require.Equal(t, []string{"shm"}, p.Transports)
+	require.True(t, strings.HasPrefix(p.AgentID, "dec#"), p.AgentID)
+
+	e.c.Close() // the engine goes
+	require.Eventually(t, func() bool { p := peers(); return len(p) == 1 && p[0].Fingerprint == "" },
+		5*time.Second, 10*time.Millisecond, "no registration any more: %+v", peers())
+
+	stopB()
+	require.Eventually(t, func() bool { return len(peers()) == 0 }, 5*time.Second, 10*time.Millisecond,
+		"a stopped agent leaves the registry: %+v", peers())
+}
+
+// TestConfigRefusesBadNames: an agent's name and namespace name NATS
+// subjects and registry keys.
+func TestConfigRefusesBadNames(t *testing.T) {
+	for _, c := range []Config{{Name: "a.b"}, {Name: "a b"}, {Name: "ok", Namespace: "x.y"}} {
+		c.Socket = filepath.Join(t.TempDir(), "s", "a.sock")
+		_, err := New(c, nil)
+		require.ErrorIs(t, err, ErrBadRequest, "%+v", c)
 	}
 }

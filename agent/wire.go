@@ -39,6 +39,7 @@ const (
 	OpCommit    = "commit"     // Send -> {} once queued: sends what is missing, commits; later an event
 	OpCancel    = "cancel"     // Send -> {}: gives a send up; its event says so
 	OpOffer     = "offer"      // Ticket, To -> {} once agent To handed it to its engine (NATS), as an EvTicket
+	OpPeers     = "peers"      // -> Peers: the other agents of the namespace's registry (NATS)
 )
 
 // The kinds of events.
@@ -89,6 +90,17 @@ type Reply struct {
 	RequestID   uint64   `msgpack:"request_id,omitempty"`
 	Ticket      []byte   `msgpack:"ticket,omitempty"`
 	Bytes       uint64   `msgpack:"bytes,omitempty"`
+	Peers       []Peer   `msgpack:"peers,omitempty"`
+}
+
+// Peer is another agent as the registry shows it (OpPeers): its name, the
+// layout fingerprint and rdma agent id of its engine's registration (empty
+// while none is registered) and the transports its data path serves.
+type Peer struct {
+	Name        string   `msgpack:"name"`
+	Fingerprint string   `msgpack:"fingerprint,omitempty"`
+	AgentID     string   `msgpack:"agent_id,omitempty"`
+	Transports  []string `msgpack:"transports,omitempty"`
 }
 
 // writeFrame writes v as one frame.

@@ -253,6 +253,16 @@ func TestAgentHandoff(t *testing.T) {
 			require.NoError(t, msgpack.Unmarshal(msg.Data, &d))
 			require.Equal(t, p.recv0["fingerprint"], d.Fingerprint)
 			require.Equal(t, p.recv0["agent_id"], d.AgentID)
+			// Both agents are in the namespace's registry: each engine
+			// lists the other with its registration.
+			require.Eventually(t, func() bool {
+				ps, _ := p.send.do("peers", nil)["peers"].([]any)
+				if len(ps) != 1 {
+					return false
+				}
+				pe, _ := ps[0].(map[string]any)
+				return pe["name"] == "dec-0" && pe["fingerprint"] == p.recv0["fingerprint"] && pe["agent_id"] == p.recv0["agent_id"]
+			}, 10*time.Second, 20*time.Millisecond, "the sender's peers: %v", p.send.do("peers", nil))
 
 			t.Run("whole", func(t *testing.T) {
 				untouched := p.recv.digest([]int{0, 1, 2, 10}, 0)

@@ -50,7 +50,8 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	name := fs.String("name", env("name", ""), "agent name, unique per engine worker (required)")
 	socket := fs.String("socket", env("socket", ""), "local API socket (default $XDG_RUNTIME_DIR or the temp dir, /handoff-agent-<uid>/<name>.sock)")
-	natsURL := fs.String("nats-url", env("nats-url", ""), "NATS server; empty: no NATS")
+	natsURL := fs.String("nats-url", env("nats-url", ""), "NATS server (with JetStream: the agent joins the namespace's registry); empty: no NATS")
+	namespace := fs.String("namespace", env("namespace", "default"), "the deployment's namespace, whose registry the agent joins (the workers' --namespace)")
 	transports := fs.String("transports", env("transports", "shm,tcp"), "data-path transports served, comma-separated: shm, tcp, ucx, cuda-ipc")
 	tcpAddr := fs.String("tcp-addr", env("tcp-addr", "127.0.0.1:0"), "tcp data-path listen address")
 	advertise := fs.String("advertise", env("advertise", ""), "tcp address peers dial (default the listener's)")
@@ -89,7 +90,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 		}
 		defer nc.Close()
 	}
-	a, err := agent.New(agent.Config{Name: *name, Socket: *socket, Transports: ts, TCPAddr: *tcpAddr, Advertise: *advertise, Logger: log}, nc)
+	a, err := agent.New(agent.Config{Name: *name, Namespace: *namespace, Socket: *socket, Transports: ts, TCPAddr: *tcpAddr, Advertise: *advertise, Logger: log}, nc)
 	if err != nil {
 		return err
 	}

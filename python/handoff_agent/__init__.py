@@ -15,6 +15,7 @@ from .client import (
     AgentError,
     Event,
     Grant,
+    Peer,
     Send,
 )
 from .layout import KVLayout, Layout, MambaLayout, Pools
@@ -28,6 +29,7 @@ __all__ = [
     "KVLayout",
     "Layout",
     "MambaLayout",
+    "Peer",
     "Pools",
     "Send",
 ]

@@ -63,6 +63,18 @@ class Grant:
     ticket: bytes
 
 
+@dataclasses.dataclass
+class Peer:
+    """Another agent of the namespace's registry (:meth:`Agent.peers`): its
+    engine's layout fingerprint and rdma agent id ("" while no engine is
+    registered with it) and the transports its data path serves."""
+
+    name: str
+    fingerprint: str = ""
+    agent_id: str = ""
+    transports: list[str] = dataclasses.field(default_factory=list)
+
+
 class Send:
     """A send in progress. For one opened with :meth:`Agent.open_send`,
     :meth:`layer` queues a finished layer and :meth:`commit` sends the rest
@@ -315,6 +327,21 @@ class Agent:
         passes it to its engine as a "ticket" event (:meth:`wait_ticket`);
         returns once it did. Needs agents started with --nats-url."""
         self._call({"op": "offer", "ticket": ticket, "to": to})
+
+    def peers(self) -> list[Peer]:
+        """The other agents of the namespace's registry, by name: where this
+        engine can send, or ask for a grant (same fingerprint, or another TP
+        of the same model). Empty without --nats-url."""
+        rep = self._call({"op": "peers"})
+        return [
+            Peer(
+                name=p.get("name", ""),
+                fingerprint=p.get("fingerprint", ""),
+                agent_id=p.get("agent_id", ""),
+                transports=list(p.get("transports") or []),
+            )
+            for p in rep.get("peers") or []
+        ]
 
     def wait_ticket(self, timeout: Optional[float] = None) -> Event:
         """The next ticket another agent offered this engine."""

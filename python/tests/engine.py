@@ -6,6 +6,7 @@ line on stdin, answering one JSON line on stdout: the test plays the
 engines' scheduler, carrying tickets from one engine to the other.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -86,6 +87,9 @@ class Engine:
     def cmd_offer(self, c):
         self.agent.offer(bytes.fromhex(c["ticket"]), c["to"])
         return {}
+
+    def cmd_peers(self, c):
+        return {"peers": [dataclasses.asdict(p) for p in self.agent.peers()]}
 
     def cmd_wait_ticket(self, c):
         ev = self.agent.wait_ticket(timeout=c.get("timeout", 30))

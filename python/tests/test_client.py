@@ -156,6 +156,12 @@ def test_register_twice_refused(agents):
     assert e.value.code == "registered"
 
 
+def test_peers_without_nats(agents):
+    # An agent started without --nats-url joins no registry: no peers.
+    a, _ = engine(agents("dec"), 18)
+    assert a.peers() == []
+
+
 @pytest.mark.parametrize("layers", [False, True])
 def test_tp2_to_tp1(agents, layers):
     """Two TP-2 engines, each with its own agent, write one request into a
