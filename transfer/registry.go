@@ -82,9 +82,12 @@ type Registry struct {
 	life     context.Context
 	lifeStop context.CancelFunc
 	wg       sync.WaitGroup
-	self     string               // key of the announced entry
-	selfRev  uint64               // bucket revision of this process's last put of it
-	selfFn   func() wire.Instance // what announce publishes
+	self     string // key of the announced entry
+	selfRev  uint64 // bucket revision of this process's last put of it
+	// putMu orders the puts of the entry (heartbeats, refreshes), so that
+	// selfRev is the revision of the last one, which close deletes.
+	putMu  sync.Mutex
+	selfFn func() wire.Instance // what announce publishes
 }
 
 // openRegistry creates or opens the namespace's bucket.
@@ -294,6 +297,14 @@ func (r *Registry) heartbeat(key string, self func() wire.Instance) error {
 // put publishes inst under key and records the revision, the last put of
 // this process's own entry, that close may delete.
 func (r *Registry) put(ctx context.Context, key string, inst wire.Instance) error {
+	r.putMu.Lock()
+	defer r.putMu.Unlock()
+	r.mu.Lock()
+	closed := r.closed
+	r.mu.Unlock()
+	if closed {
+		return ErrClosed // close deletes the entry: putting it again would outlive us
+	}
 	inst.Updated = time.Now().UnixNano()
 	b, err := wire.EncodeInstance(inst)
 	if err != nil {
@@ -569,11 +580,17 @@ func (r *Registry) close(ctx context.Context) error {
 		return nil
 	}
 	r.closed = true
-	self, rev := r.self, r.selfRev
 	r.mu.Unlock()
 	close(r.stop)
 	r.lifeStop() // aborts a bucket request in flight in the watch goroutines
 	r.wg.Wait()
+	// A put in flight (a heartbeat, a refresh) ends before this; later
+	// ones see closed: the revision read now is the entry's last.
+	r.putMu.Lock()
+	defer r.putMu.Unlock()
+	r.mu.Lock()
+	self, rev := r.self, r.selfRev
+	r.mu.Unlock()
 	if self != "" {
 		// Only the entry this process put: an instance restarted under
 		// the same id may have announced itself meanwhile, and deleting
