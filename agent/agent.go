@@ -92,7 +92,8 @@ type Agent struct {
 	latest   *session // the last registration, which NATS describes
 	wg       sync.WaitGroup
 
-	reg *transfer.Registry // with NATS, from Serve's start to its end
+	reg  *transfer.Registry // with NATS, from Serve's start to its end
+	kick chan struct{}      // refreshRegistry's request to the refresher; nil without
 }
 
 // New creates the socket and, when nc is not nil, answers descriptions of

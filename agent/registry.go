@@ -20,30 +20,59 @@ import (
 // with (same fingerprint, or another TP of the same model) without asking
 // each. Workers watch only their peers' roles and pass agents by.
 
-// registryTimeout bounds joining the registry, and each refresh.
-const registryTimeout = 10 * time.Second
+// joinTimeout bounds joining the registry: past the registry's own
+// patience for a cluster that cannot place three replicas (it then falls
+// back to one), as the workers wait. registryTimeout bounds a refresh and
+// leaving.
+const (
+	joinTimeout     = time.Minute
+	registryTimeout = 5 * time.Second
+)
 
-// joinRegistry announces the agent; leave deletes the entry.
+// joinRegistry announces the agent and starts the goroutine that publishes
+// the entry again when a registration changes (refreshRegistry); leave
+// stops it and deletes the entry.
 func (a *Agent) joinRegistry(ctx context.Context) (leave func(), err error) {
 	cfg := a.cfg.Registry
 	cfg.Namespace = a.cfg.Namespace
 	if cfg.Logger == nil {
 		cfg.Logger = a.log
 	}
-	jctx, cancel := context.WithTimeout(ctx, registryTimeout)
+	jctx, cancel := context.WithTimeout(ctx, joinTimeout)
 	defer cancel()
 	reg, err := transfer.JoinRegistry(jctx, a.nc, cfg, a.self, wire.RoleAgent)
 	if err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
+	kick, stop, done := make(chan struct{}, 1), make(chan struct{}), make(chan struct{})
 	a.mu.Lock()
-	a.reg = reg
+	a.reg, a.kick = reg, kick
 	a.mu.Unlock()
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			case <-kick:
+			}
+			// Off the sessions' goroutines: an engine's register is
+			// answered at once, whether NATS is up or not.
+			rctx, cancel := context.WithTimeout(context.Background(), registryTimeout)
+			if err := reg.Refresh(rctx); err != nil {
+				// The heartbeat publishes it again within a third of the TTL.
+				a.log.Warn("agent: registry refresh", "err", err)
+			}
+			cancel()
+		}
+	}()
 	a.log.Info("agent: joined the registry", "namespace", cfg.Namespace)
 	return func() {
 		a.mu.Lock()
-		a.reg = nil
+		a.reg, a.kick = nil, nil
 		a.mu.Unlock()
+		close(stop)
+		<-done
 		cctx, cancel := context.WithTimeout(context.Background(), registryTimeout)
 		defer cancel()
 		if err := reg.Close(cctx); err != nil {
@@ -69,19 +98,17 @@ func (a *Agent) self() wire.Instance {
 	return inst
 }
 
-// refreshRegistry publishes the entry now, after a registration changed.
+// refreshRegistry asks for the entry to be published again (a
+// registration changed); requests made while one is pending coalesce.
 func (a *Agent) refreshRegistry() {
 	a.mu.Lock()
-	reg := a.reg
-	a.mu.Unlock()
-	if reg == nil {
+	defer a.mu.Unlock()
+	if a.kick == nil {
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), registryTimeout)
-	defer cancel()
-	if err := reg.Refresh(ctx); err != nil {
-		// The heartbeat publishes it again within a third of the TTL.
-		a.log.Warn("agent: registry refresh", "err", err)
+	select {
+	case a.kick <- struct{}{}:
+	default: // one is pending: it publishes the latest state
 	}
 }
 

@@ -25,6 +25,7 @@ import (
 
 	"github.com/handoff-io/handoff/agent"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer"
 )
 
 func main() {
@@ -52,10 +53,16 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 	socket := fs.String("socket", env("socket", ""), "local API socket (default $XDG_RUNTIME_DIR or the temp dir, /handoff-agent-<uid>/<name>.sock)")
 	natsURL := fs.String("nats-url", env("nats-url", ""), "NATS server (with JetStream: the agent joins the namespace's registry); empty: no NATS")
 	namespace := fs.String("namespace", env("namespace", "default"), "the deployment's namespace, whose registry the agent joins (the workers' --namespace)")
+	replicas := fs.Int("registry-replicas", 0, "replicas of the registry bucket, as the workers' --registry-replicas (0: 3 on a cluster, falling back to 1 where it cannot place 3; else 1)")
 	transports := fs.String("transports", env("transports", "shm,tcp"), "data-path transports served, comma-separated: shm, tcp, ucx, cuda-ipc")
 	tcpAddr := fs.String("tcp-addr", env("tcp-addr", "127.0.0.1:0"), "tcp data-path listen address")
 	advertise := fs.String("advertise", env("advertise", ""), "tcp address peers dial (default the listener's)")
 	logLevel := fs.String("log-level", env("log-level", "info"), "debug, info, warn or error")
+	if v, ok := os.LookupEnv("HANDOFF_AGENT_REGISTRY_REPLICAS"); ok {
+		if err := fs.Set("registry-replicas", v); err != nil {
+			return fmt.Errorf("HANDOFF_AGENT_REGISTRY_REPLICAS: %w", err)
+		}
+	}
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -90,7 +97,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 		}
 		defer nc.Close()
 	}
-	a, err := agent.New(agent.Config{Name: *name, Namespace: *namespace, Socket: *socket, Transports: ts, TCPAddr: *tcpAddr, Advertise: *advertise, Logger: log}, nc)
+	a, err := agent.New(agent.Config{Name: *name, Namespace: *namespace, Registry: transfer.RegistryConfig{Replicas: *replicas}, Socket: *socket, Transports: ts, TCPAddr: *tcpAddr, Advertise: *advertise, Logger: log}, nc)
 	if err != nil {
 		return err
 	}
