@@ -315,10 +315,19 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 			_ = in.stop()
 		}
 	}()
+	// One service name for every Prefiller, so that a decoder's ping of
+	// an instance ($SRV.PING.<ServiceName>.<id>, writergone.go) reaches a
+	// state server too; its subject prefix (metadata) and description
+	// tell a decode worker's state server from a prefill worker in
+	// `nats micro ls`.
+	desc := "prefills prompts and writes their cache into the requester's grant"
+	if c.Prefix != wire.DefaultPrefix {
+		desc = "serves the states its worker holds (prefill jobs from its cache) on " + c.Prefix + " subjects"
+	}
 	svc, err := micro.AddService(p.nc, micro.Config{
 		Name: wire.ServiceName, Version: wire.ServiceVersion,
-		Description: "prefills prompts and writes their cache into the requester's grant",
-		Metadata:    map[string]string{"instance": c.Instance, "namespace": c.Namespace, "fingerprint": c.Fingerprint},
+		Description: desc,
+		Metadata:    map[string]string{"instance": c.Instance, "namespace": c.Namespace, "fingerprint": c.Fingerprint, "prefix": c.Prefix},
 	})
 	if err != nil {
 		return nil, fmt.Errorf("transfer: micro service: %w", err)
