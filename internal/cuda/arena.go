@@ -15,6 +15,10 @@ type Arena struct {
 	d    *Device
 	ptr  DevicePtr
 	size uint64
+	// opened is the base of another process's allocation this arena lies
+	// in (OpenIPC), 0 for an allocation of its own: Free closes the
+	// mapping instead of freeing.
+	opened DevicePtr
 }
 
 var (
@@ -78,8 +82,45 @@ func (a *Arena) WriteAt(p []byte, off int64) (int, error) {
 	return len(p), nil
 }
 
+// OpenIPC maps the allocation another process exported as h (its
+// cuIpcGetMemHandle) and returns an arena over size bytes of it from off:
+// how a sidecar reaches an engine's cache tensors, which lie at an offset
+// in an allocation of the engine's allocator. Free closes the mapping; the
+// exporter keeps its allocation. A range past the allocation is refused.
+func (d *Device) OpenIPC(h IpcMemHandle, off, size uint64) (*Arena, error) {
+	if size == 0 {
+		return nil, fmt.Errorf("%w: an arena of 0 bytes", ErrInvalidValue)
+	}
+	var base DevicePtr
+	err := d.Do(func(drv Driver) error {
+		p, err := drv.IpcOpenMemHandle(h, IpcLazyEnablePeerAccess)
+		if err != nil {
+			return err
+		}
+		_, n, err := drv.MemGetAddressRange(p)
+		if err == nil && (off > n || size > n-off) {
+			err = fmt.Errorf("%w: %d bytes at offset %d of an allocation of %d", ErrInvalidValue, size, off, n)
+		}
+		if err != nil {
+			return errors.Join(err, drv.IpcCloseMemHandle(p))
+		}
+		base = p
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &Arena{d: d, ptr: base + DevicePtr(off), size: size, opened: base}, nil
+}
+
 // Export describes the arena for CUDA IPC.
 func (a *Arena) Export() (IPCBuffer, error) { return a.d.Export(a.ptr) }
 
-// Free frees the arena's memory.
-func (a *Arena) Free() error { return a.d.Free(a.ptr) }
+// Free frees the arena's memory, or closes the mapping of an arena that
+// OpenIPC opened.
+func (a *Arena) Free() error {
+	if a.opened != 0 {
+		return a.d.Do(func(drv Driver) error { return drv.IpcCloseMemHandle(a.opened) })
+	}
+	return a.d.Free(a.ptr)
+}

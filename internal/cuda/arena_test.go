@@ -6,9 +6,11 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"os"
 	"testing"
 
 	"github.com/handoff-io/handoff/internal/cuda"
+	"github.com/handoff-io/handoff/internal/cuda/cudafake"
 )
 
 func TestArenaReadWriteAt(t *testing.T) {
@@ -43,4 +45,50 @@ func TestArenaReadWriteAt(t *testing.T) {
 			t.Errorf("export %+v, %v", x, err)
 		}
 	})
+}
+
+// TestArenaOpenIPC: an arena opened from another process's export (a
+// second fake driver with another pid) at an offset reads and writes the
+// exporter's bytes there; a range past the allocation is refused; Free
+// closes the mapping and leaves the exporter's allocation.
+func TestArenaOpenIPC(t *testing.T) {
+	exp := cudafake.New(cudafake.Config{})
+	imp := cudafake.New(cudafake.Config{PID: os.Getpid() + 1<<22})
+	de, di := openDev(t, exp, "0"), openDev(t, imp, "0")
+	a, err := de.NewArena(1 << 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Free() //nolint:errcheck
+	b, err := a.Export()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := di.OpenIPC(b.Handle, 1<<19, 1<<19+1); !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Fatalf("a range past the allocation: %v", err)
+	}
+	if n := imp.Stats().Imports; n != 0 {
+		t.Fatalf("a refused open left %d mappings", n)
+	}
+	o, err := di.OpenIPC(b.Handle, 4096, 8192)
+	if err != nil {
+		t.Fatal(err)
+	}
+	row := fill(8192, 9)
+	if _, err := o.WriteAt(row, 0); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, 8192)
+	if _, err := a.ReadAt(got, 4096); err != nil || !bytes.Equal(got, row) {
+		t.Fatalf("the exporter reads at the offset: %v", err)
+	}
+	if err := o.Free(); err != nil {
+		t.Fatal(err)
+	}
+	if n := imp.Stats().Imports; n != 0 {
+		t.Fatalf("Free left %d mappings", n)
+	}
+	if _, err := a.ReadAt(got, 4096); err != nil || !bytes.Equal(got, row) {
+		t.Fatalf("the exporter's allocation after the importer's Free: %v", err)
+	}
 }

@@ -34,6 +34,7 @@
 package cudafake
 
 import (
+	"cmp"
 	"encoding/binary"
 	"fmt"
 	"os"
@@ -63,6 +64,11 @@ type Config struct {
 	Stub bool
 	// Version is what cuDriverGetVersion reports (0: 12060).
 	Version int
+	// PID is the process id the driver takes itself to run in (0:
+	// os.Getpid()): a second fake in one process with another PID opens
+	// the first one's IPC handles as another process would, where the
+	// first would refuse its own.
+	PID int
 }
 
 // Stats counts what is live, for leak checks.
@@ -148,7 +154,7 @@ func New(cfg Config) *Driver {
 	}
 	d := &Driver{
 		cfg:      cfg,
-		pid:      os.Getpid(),
+		pid:      cmp.Or(cfg.PID, os.Getpid()),
 		current:  map[int]cuda.Context{},
 		nextAddr: 0x3000_0000_0000 + uint64(os.Getpid()%4096)<<32,
 		pinned:   map[uintptr][]byte{},
