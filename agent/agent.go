@@ -16,6 +16,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/handoff-io/handoff/internal/cuda"
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/handoff-io/handoff/reshard"
 	"github.com/handoff-io/handoff/transfer"
@@ -44,6 +45,10 @@ type Config struct {
 	Namespace string
 	// Registry configures that registry (its Namespace is Namespace's).
 	Registry transfer.RegistryConfig
+	// CUDA opens the CUDA driver, the first time an engine registers a
+	// pool in device memory (cuda.go); nil: cuda.Open (libcuda.so.1, or
+	// $HANDOFF_LIBCUDA). Tests pass a fake.
+	CUDA func() (cuda.Driver, error)
 	Logger   *slog.Logger
 }
 
@@ -91,6 +96,8 @@ type Agent struct {
 	sessions map[*session]struct{}
 	latest   *session // the last registration, which NATS describes
 	wg       sync.WaitGroup
+
+	cuda agentCUDA // the driver and devices engines' device memory is on
 
 	reg  *transfer.Registry // with NATS, from Serve's start to its end
 	kick chan struct{}      // refreshRegistry's request to the refresher; nil without
@@ -228,6 +235,9 @@ func (a *Agent) Close() error {
 		s.c.Close()
 	}
 	a.wg.Wait()
+	if err := a.cuda.close(); err != nil {
+		a.log.Warn("agent: closing CUDA devices", "err", err)
+	}
 	os.Remove(a.cfg.Socket)
 	return nil
 }
@@ -254,6 +264,7 @@ type session struct {
 	eng      *rdma.Engine // nil until register
 	pools    *pools
 	kv, mam  *rdma.Region
+	arenas   []*cuda.Arena // device memory the engine shared (OpenIPC), closed after eng
 	grants   map[uint64]*grantGroup
 	sends    map[uint64]*send
 	nextSend uint64
@@ -314,6 +325,7 @@ func (s *session) end() {
 		eng.Close()
 	}
 	s.wg.Wait()
+	s.closeArenas()
 	s.fc.closeFDs()
 	s.a.endSession(s)
 	s.log.Info("agent: engine session ended")
@@ -352,11 +364,11 @@ func (s *session) handle(q Request) (Reply, error) {
 // KV pool's, then the Mamba pool's) as the regions of a new rdma.Engine
 // and forbids the reserved rows in it.
 func (s *session) register(q Request) (Reply, error) {
-	n := 0
-	if q.KVBytes > 0 {
+	n := 0 // the pools in host memory come as fds
+	if q.KVBytes > 0 && q.KVCUDA == nil {
 		n++
 	}
-	if q.MambaBytes > 0 {
+	if q.MambaBytes > 0 && q.MambaCUDA == nil {
 		n++
 	}
 	fds, err := s.fc.take(n)
@@ -392,17 +404,32 @@ func (s *session) register(q Request) (Reply, error) {
 		return Reply{}, err
 	}
 	i := 0
-	if q.KVBytes > 0 {
-		if s.kv, err = eng.RegisterFD("kv", fds[i], q.KVBytes); err != nil {
-			eng.Close()
-			return Reply{}, err
+	region := func(name string, size int64, dm *CUDAMemory) (*rdma.Region, error) {
+		if dm != nil {
+			a, err := s.a.openCUDA(dm, uint64(size))
+			if err != nil {
+				return nil, fmt.Errorf("agent: %s pool in device memory: %w", name, err)
+			}
+			s.arenas = append(s.arenas, a)
+			return eng.RegisterDevice(name, a)
 		}
 		i++
+		return eng.RegisterFD(name, fds[i-1], size)
+	}
+	fail := func(err error) (Reply, error) {
+		eng.Close()
+		s.closeArenas()
+		s.kv, s.mam = nil, nil
+		return Reply{}, err
+	}
+	if q.KVBytes > 0 {
+		if s.kv, err = region("kv", q.KVBytes, q.KVCUDA); err != nil {
+			return fail(err)
+		}
 	}
 	if q.MambaBytes > 0 {
-		if s.mam, err = eng.RegisterFD("mamba", fds[i], q.MambaBytes); err != nil {
-			eng.Close()
-			return Reply{}, err
+		if s.mam, err = region("mamba", q.MambaBytes, q.MambaCUDA); err != nil {
+			return fail(err)
 		}
 		for _, r := range p.reserved {
 			s.mam.Forbid(p.rowOff(r), uint64(p.mamba.RowBytes()))
@@ -415,7 +442,8 @@ func (s *session) register(q Request) (Reply, error) {
 	for i, t := range d.Transports {
 		ts[i] = string(t)
 	}
-	s.log.Info("agent: engine registered", "rdma_agent", id, "fingerprint", p.fingerprint, "tp", p.l.TP, "kv_bytes", q.KVBytes, "mamba_bytes", q.MambaBytes)
+	s.log.Info("agent: engine registered", "rdma_agent", id, "fingerprint", p.fingerprint, "tp", p.l.TP, "kv_bytes", q.KVBytes, "mamba_bytes", q.MambaBytes,
+		"kv_memory", memoryOf(q.KVCUDA), "mamba_memory", memoryOf(q.MambaCUDA))
 	return Reply{Fingerprint: p.fingerprint, AgentID: string(id), Transports: ts}, nil
 }
 

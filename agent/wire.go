@@ -71,6 +71,21 @@ type Request struct {
 	To         string  `msgpack:"to,omitempty"` // offer: the agent to hand the ticket to
 	Layer      int     `msgpack:"layer,omitempty"`
 	Wait       bool    `msgpack:"wait,omitempty"` // send: reply once the send ended, instead of an event
+	// KVCUDA and MambaCUDA (register): the pool is in device memory, shared
+	// by CUDA IPC handle instead of by fd.
+	KVCUDA    *CUDAMemory `msgpack:"kv_cuda,omitempty"`
+	MambaCUDA *CUDAMemory `msgpack:"mamba_cuda,omitempty"`
+}
+
+// CUDAMemory names a pool in device memory: the CUDA IPC handle of the
+// allocation it lies in (cuIpcGetMemHandle; what torch's
+// storage._share_cuda_() returns as its handle), the pool's byte offset in
+// that allocation (_share_cuda_'s storage offset), and the device's UUID
+// as nvidia-smi prints it ("GPU-…").
+type CUDAMemory struct {
+	Handle []byte `msgpack:"handle"`
+	Offset uint64 `msgpack:"offset"`
+	Device string `msgpack:"device"`
 }
 
 // Reply answers one request (Re) or is an event (Ev); Code and Msg say why

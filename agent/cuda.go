@@ -1,0 +1,106 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/handoff-io/handoff/internal/cuda"
+)
+
+// Device memory. An engine whose caches are on a GPU registers each pool
+// by the CUDA IPC handle of the allocation it lies in, its offset there
+// and the device's UUID (CUDAMemory) instead of by fd. The agent loads the
+// driver the first time (Config.CUDA, by default libcuda through purego:
+// no cgo), opens the device by UUID once, maps the allocation
+// (cuda.Device.OpenIPC: refused when the pool would run past it) and
+// registers the range as a device region (rdma.Engine.RegisterDevice).
+// Grants, extents, the reserved rows' Forbid and the fences are offsets
+// and work unchanged; bytes reach device regions as the workers' do (tcp
+// staged through pinned buffers, device to device within a process; shm
+// is never used for them). The mapping is closed when the engine's
+// session ends, after its rdma engine (so after every grant was revoked):
+// the engine's allocation is its own.
+
+// agentCUDA is the driver and the devices opened for engines' pools.
+type agentCUDA struct {
+	mu   sync.Mutex
+	drv  cuda.Driver
+	devs map[string]*cuda.Device // by the UUID engines name
+}
+
+// openCUDA maps size bytes of the device memory dm names.
+func (a *Agent) openCUDA(dm *CUDAMemory, size uint64) (*cuda.Arena, error) {
+	var h cuda.IpcMemHandle
+	if len(dm.Handle) != len(h.Reserved) {
+		return nil, fmt.Errorf("%w: a CUDA IPC handle of %d bytes, want %d", ErrInvalidLayout, len(dm.Handle), len(h.Reserved))
+	}
+	copy(h.Reserved[:], dm.Handle)
+	d, err := a.cuda.device(a.cfg.CUDA, dm.Device)
+	if err != nil {
+		return nil, err
+	}
+	return d.OpenIPC(h, dm.Offset, size)
+}
+
+// device returns the open device uuid names, opening the driver and the
+// device the first time.
+func (c *agentCUDA) device(open func() (cuda.Driver, error), uuid string) (*cuda.Device, error) {
+	if uuid == "" {
+		return nil, fmt.Errorf("%w: device memory without the device's UUID", ErrInvalidLayout)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if d := c.devs[uuid]; d != nil {
+		return d, nil
+	}
+	if c.drv == nil {
+		if open == nil {
+			open = cuda.Open
+		}
+		drv, err := open()
+		if err != nil {
+			return nil, fmt.Errorf("loading the CUDA driver: %w", err)
+		}
+		c.drv = drv
+	}
+	d, err := cuda.OpenDevice(c.drv, uuid)
+	if err != nil {
+		return nil, err
+	}
+	if c.devs == nil {
+		c.devs = map[string]*cuda.Device{}
+	}
+	c.devs[uuid] = d
+	return d, nil
+}
+
+// close closes the devices; every session has ended.
+func (c *agentCUDA) close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var errs []error
+	for _, d := range c.devs {
+		errs = append(errs, d.Close())
+	}
+	c.devs = nil
+	return errors.Join(errs...)
+}
+
+// closeArenas closes the mappings of the engine's device memory.
+func (s *session) closeArenas() {
+	for _, a := range s.arenas {
+		if err := a.Free(); err != nil {
+			s.log.Warn("agent: closing a device memory mapping", "err", err)
+		}
+	}
+	s.arenas = nil
+}
+
+// memoryOf names where a pool is, for logs.
+func memoryOf(dm *CUDAMemory) string {
+	if dm == nil {
+		return "host"
+	}
+	return "cuda " + dm.Device
+}

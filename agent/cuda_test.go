@@ -1,0 +1,192 @@
+//go:build linux && (amd64 || arm64)
+
+package agent
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/internal/cuda"
+	"github.com/handoff-io/handoff/internal/cuda/cudafake"
+	"github.com/handoff-io/handoff/rdma"
+)
+
+// devEngine is a test engine whose pools are in device memory: arenas of
+// its own fake driver, each at an offset in a larger allocation as a
+// caching allocator hands them out, shared with its agent by IPC handle.
+type devEngine struct {
+	c       *Client
+	p       *pools
+	kv, mam *cuda.Arena // the whole allocations
+	off     uint64      // where each pool starts in its allocation
+}
+
+func (e *devEngine) read(t *testing.T, a *cuda.Arena, off, n uint64) []byte {
+	t.Helper()
+	b := make([]byte, n)
+	_, err := a.ReadAt(b, int64(e.off+off))
+	require.NoError(t, err)
+	return b
+}
+
+func (e *devEngine) block(t *testing.T, b int) []byte {
+	n := uint64(e.p.kv.BlockBytes())
+	return e.read(t, e.kv, uint64(b)*n, n)
+}
+
+func (e *devEngine) row(t *testing.T, r int) []byte {
+	return e.read(t, e.mam, e.p.rowOff(r), uint64(e.p.mamba.RowBytes()))
+}
+
+// startCUDAAgent starts an agent whose CUDA driver is imp.
+func startCUDAAgent(t *testing.T, name string, imp cuda.Driver) string {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "a", name+".sock")
+	a, err := New(Config{Name: name, Socket: sock, Transports: []rdma.Transport{rdma.TransportSHM, rdma.TransportTCP},
+		CUDA:   func() (cuda.Driver, error) { return imp, nil },
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}, nil)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- a.Serve(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+	return sock
+}
+
+// registerDevice registers pools in the exporter's device memory with the
+// agent at sock.
+func registerDevice(t *testing.T, sock string, exp cuda.Driver, l Layout) *devEngine {
+	t.Helper()
+	p, err := compile(l)
+	require.NoError(t, err)
+	d, err := cuda.OpenDevice(exp, "0")
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, d.Close()) })
+	e := &devEngine{p: p, off: 4096}
+	share := func(size int64, seed uint64) (*cuda.Arena, *CUDAMemory) {
+		a, err := d.NewArena(uint64(size) + 2*e.off)
+		require.NoError(t, err)
+		t.Cleanup(func() { require.NoError(t, a.Free()) })
+		b := make([]byte, size)
+		fill(b, seed)
+		_, err = a.WriteAt(b, int64(e.off))
+		require.NoError(t, err)
+		x, err := a.Export()
+		require.NoError(t, err)
+		return a, &CUDAMemory{Handle: x.Handle.Reserved[:], Offset: e.off, Device: d.UUID().String()}
+	}
+	var kv, mam *CUDAMemory
+	e.kv, kv = share(p.kvBytes(), 3)
+	e.mam, mam = share(p.mambaBytes(), 4)
+	e.c, err = Dial(context.Background(), sock)
+	require.NoError(t, err)
+	t.Cleanup(func() { e.c.Close() })
+	rep, err := e.c.Call(context.Background(), Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes(),
+		KVCUDA: kv, MambaCUDA: mam}, nil)
+	require.NoError(t, err)
+	require.Equal(t, p.fingerprint, rep.Fingerprint, "the same layout in device memory has the host layout's fingerprint")
+	return e
+}
+
+// TestDeviceMemoryPools: an engine registers pools in device memory by
+// CUDA IPC handle (the agent's driver is another "process", a second fake
+// with another pid); a host engine's blocks and row land at the named
+// blocks and row of its device memory, at the offset it gave, and its
+// device blocks and row reach a host engine; its reserved row is refused;
+// when it goes, the agent closes its mappings and leaves its memory.
+func TestDeviceMemoryPools(t *testing.T) {
+	exp := cudafake.New(cudafake.Config{})
+	imp := cudafake.New(cudafake.Config{PID: os.Getpid() + 1<<22})
+	h := register(t, startAgent(t, "host", rdma.TransportSHM, rdma.TransportTCP), tinyLayout())
+	g := registerDevice(t, startCUDAAgent(t, "gpu", imp), exp, tinyLayout())
+	ctx := ctxT(t)
+
+	// host -> device
+	gr, err := g.c.Call(ctx, Request{Op: OpGrant, RequestID: 1, Blocks: []int{7, 2}, Row: Row(3)}, nil)
+	require.NoError(t, err)
+	_, err = h.c.Call(ctx, Request{Op: OpSend, Ticket: gr.Ticket, Blocks: []int{1, 4}, Row: Row(0)}, nil)
+	require.NoError(t, err)
+	event(t, h, EvSendDone)
+	ev, err := g.c.WaitEvent(ctx, func(r Reply) bool { return r.Ev == EvGrantDone || r.Ev == EvGrantFailed })
+	require.NoError(t, err)
+	require.Equal(t, EvGrantDone, ev.Ev, "%s: %s", ev.Code, ev.Msg)
+	require.Equal(t, h.block(1), g.block(t, 7))
+	require.Equal(t, h.block(4), g.block(t, 2))
+	require.Equal(t, h.row(0), g.row(t, 3))
+	// Nothing before the pool's offset was written.
+	require.Equal(t, make([]byte, g.off), func() []byte { b := make([]byte, g.off); g.kv.ReadAt(b, 0); return b }())
+
+	// device -> host
+	gr, err = h.c.Call(ctx, Request{Op: OpGrant, RequestID: 2, Blocks: []int{9}, Row: Row(1)}, nil)
+	require.NoError(t, err)
+	_, err = g.c.Call(ctx, Request{Op: OpSend, Ticket: gr.Ticket, Blocks: []int{5}, Row: Row(4)}, nil)
+	require.NoError(t, err)
+	ev, err = g.c.WaitEvent(ctx, func(r Reply) bool { return r.Ev == EvSendDone || r.Ev == EvSendFailed })
+	require.NoError(t, err)
+	require.Equal(t, EvSendDone, ev.Ev, "%s: %s", ev.Code, ev.Msg)
+	event(t, h, EvGrantDone)
+	require.Equal(t, g.block(t, 5), h.block(9))
+	require.Equal(t, g.row(t, 4), h.row(1))
+
+	_, err = g.c.Call(ctx, Request{Op: OpGrant, RequestID: 3, Blocks: []int{1}, Row: Row(5)}, nil)
+	require.ErrorIs(t, err, ErrReserved)
+
+	require.Equal(t, 2, imp.Stats().Imports, "one mapping per pool")
+	g.c.Close()
+	require.Eventually(t, func() bool { return imp.Stats().Imports == 0 }, 5*time.Second, 10*time.Millisecond,
+		"the engine went: its mappings are closed")
+	require.Equal(t, g.block(t, 7), h.block(1), "and its memory is its own")
+}
+
+// TestDeviceMemoryRefused: a handle of the wrong size, a pool past its
+// allocation and a device the driver does not have are refused by name,
+// and leave no mapping.
+func TestDeviceMemoryRefused(t *testing.T) {
+	exp := cudafake.New(cudafake.Config{})
+	imp := cudafake.New(cudafake.Config{PID: os.Getpid() + 1<<22})
+	sock := startCUDAAgent(t, "gpu", imp)
+	l := tinyLayout()
+	p, err := compile(l)
+	require.NoError(t, err)
+	d, err := cuda.OpenDevice(exp, "0")
+	require.NoError(t, err)
+	defer d.Close()
+	a, err := d.NewArena(uint64(p.kvBytes()))
+	require.NoError(t, err)
+	defer a.Free()
+	x, err := a.Export()
+	require.NoError(t, err)
+	ok := CUDAMemory{Handle: x.Handle.Reserved[:], Device: d.UUID().String()}
+	for _, tc := range []struct {
+		name string
+		kv   CUDAMemory
+		want string
+	}{
+		{"short handle", CUDAMemory{Handle: ok.Handle[:10], Device: ok.Device}, "handle of 10 bytes"},
+		{"past the allocation", CUDAMemory{Handle: ok.Handle, Offset: 64, Device: ok.Device}, "invalid value"},
+		{"no such device", CUDAMemory{Handle: ok.Handle, Device: "GPU-00000000-0000-0000-0000-0000000000ff"}, "kv pool in device memory"},
+		{"no device named", CUDAMemory{Handle: ok.Handle}, "without the device's UUID"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, err := Dial(context.Background(), sock)
+			require.NoError(t, err)
+			defer c.Close()
+			kv := tc.kv
+			mfd, _ := memfd(t, p.mambaBytes())
+			_, err = c.Call(ctxT(t), Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes(), KVCUDA: &kv}, []int{mfd})
+			require.Error(t, err)
+			require.Contains(t, err.Error(), tc.want)
+			require.Zero(t, imp.Stats().Imports)
+		})
+	}
+}
