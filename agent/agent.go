@@ -48,8 +48,8 @@ type Config struct {
 	// CUDA opens the CUDA driver, the first time an engine registers a
 	// pool in device memory (cuda.go); nil: cuda.Open (libcuda.so.1, or
 	// $HANDOFF_LIBCUDA). Tests pass a fake.
-	CUDA func() (cuda.Driver, error)
-	Logger   *slog.Logger
+	CUDA   func() (cuda.Driver, error)
+	Logger *slog.Logger
 }
 
 func (c *Config) validate() error {
