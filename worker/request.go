@@ -70,6 +70,7 @@ type request struct {
 	prefilledBy string      // decode role: the instance that prefilled the prompt remotely
 	adopt       bool        // an adoption (Adopt): fetches a held state and keeps it
 	holder      string      // the adoption's holder
+	awaiting    bool        // waited at the head of the queue for an adoption (awaitsAdoption)
 	adopted     func(error) // AdoptRequest.Done
 	heldAlready bool        // the adoption found the state in the cache
 	fromCache   bool        // a prefill job from the cache (PrefillJob.FromCache)

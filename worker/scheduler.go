@@ -270,6 +270,11 @@ func (s *Scheduler) admit() {
 		}
 		q := s.queue[0]
 		s.lookup(q, hits)
+		if s.awaitsAdoption(q, hits) {
+			s.noteAdmittedLocked(popped, admitted, time.Now())
+			s.mu.Unlock()
+			return
+		}
 		for i, r := range s.ranks {
 			rooms[i] = r.room()
 			rooms[i].Hit = hits[i].Tokens

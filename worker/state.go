@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"time"
 
 	"github.com/handoff-io/handoff/hybrid"
 	"github.com/handoff-io/handoff/kvcache"
@@ -36,6 +37,17 @@ import (
 // nobody queued, else dropped. A state not returned costs the next turn a
 // recompute of the reply, never a wrong answer, while a request that waited
 // for one would cost its user time.
+
+// A turn sent the moment the last reply arrived (an agent loop, no think
+// time) reaches the prefill worker while the adoption of that reply's
+// state is still in flight. Its prompt then waits for it (awaitsAdoption:
+// pull on demand, on top of the push at the end of the turn): an adoption
+// in flight whose tokens the prompt extends, longer than anything the
+// cache holds for it now, holds the head of the queue for at most
+// adoptWait after the prompt arrived. A pull moves the reply's blocks and
+// one row, a few milliseconds; the bound keeps a slow or dead holder
+// from costing more than a recompute of the reply would.
+var adoptWait = 100 * time.Millisecond // a variable for the tests
 
 // errBusy: a returned state found the worker busy (others queued, or no
 // room): it is dropped rather than queued (wrapped in ErrQueueFull).
@@ -91,6 +103,36 @@ func (s *Scheduler) Adopt(ctx context.Context, a AdoptRequest) error {
 	q := s.newRequest(ctx, a.LogID, slices.Clone(a.Tokens), 1, Sampling{}, len(a.Tokens))
 	q.adopt, q.holder, q.adopted = true, a.Holder, a.Done
 	return s.enqueue(q)
+}
+
+// awaitsAdoption reports whether q, at the head of the queue with hits in
+// the ranks' caches, waits for an adoption in flight that will hold more
+// of its prompt; a timer wakes the loop when its wait is over.
+func (s *Scheduler) awaitsAdoption(q *request, hits []hybrid.Hit) bool {
+	if s.cfg.StateSource == nil || q.bestEffort() {
+		return false
+	}
+	left := adoptWait - time.Since(q.accepted)
+	if left <= 0 {
+		return false
+	}
+	best := 0
+	for _, h := range hits {
+		best = max(best, h.Tokens)
+	}
+	for _, r := range s.ranks {
+		for _, a := range r.held {
+			if a.adopt && len(a.prompt) > best && len(a.prompt) < len(q.prompt) && slices.Equal(a.prompt, q.prompt[:len(a.prompt)]) {
+				if !q.awaiting {
+					q.awaiting = true
+					q.log.Debug("waiting for the state of the last reply", "state_tokens", len(a.prompt), "cached_tokens", best, "holder", a.holder)
+					time.AfterFunc(left, s.kick)
+				}
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // placeAdopted checks an adoption about to be placed on r: it reports false

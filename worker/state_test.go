@@ -32,11 +32,13 @@ func (s *instanceSource) Fetch(ctx context.Context, f FetchRequest) (FetchResult
 type holderSource struct {
 	holders map[string]*Scheduler
 	dst     []*Rank
+	delay   time.Duration // before each fetch, as a network would take
 	mu      sync.Mutex
 	skips   []int
 }
 
 func (s *holderSource) Fetch(ctx context.Context, f FetchRequest) (FetchResult, error) {
+	time.Sleep(s.delay)
 	h := s.holders[f.Holder]
 	if h == nil {
 		return FetchResult{}, fmt.Errorf("%w: no holder %q", ErrTransferRefused, f.Holder)
@@ -89,11 +91,23 @@ func (o *offerAdopter) wait(t *testing.T) {
 // instead of after the last prompt. Every turn equals the reference, and
 // without the return the prefill worker's hit stops at the last prompt.
 func TestStateReturnsToPrefill(t *testing.T) {
-	for _, ret := range []bool{true, false} {
-		t.Run(fmt.Sprintf("return %v", ret), func(t *testing.T) {
+	for _, tc := range []struct {
+		ret, think bool
+	}{{true, true}, {false, true}, {true, false}} {
+		ret := tc.ret
+		t.Run(fmt.Sprintf("return %v, think time %v", ret, tc.think), func(t *testing.T) {
 			pranks := newRanks(t, rankOpts{ranks: 1, batch: 2, checkpoints: 8})
 			dranks := newRanks(t, rankOpts{ranks: 1, batch: 2, checkpoints: 8})
 			states := &holderSource{dst: pranks}
+			if !tc.think {
+				// Each pull takes 50 ms, so that the next turn, sent at
+				// once, reaches the prefill worker while it is in flight;
+				// the wait is bounded far above that, for slow machines.
+				states.delay = 50 * time.Millisecond
+				w := adoptWait
+				t.Cleanup(func() { adoptWait = w }) // after the schedulers stopped
+				adoptWait = 10 * time.Second
+			}
 			pcfg := Config{Role: RolePrefill, PrefixCache: true}
 			if ret {
 				pcfg.StateSource = states
@@ -123,7 +137,7 @@ func TestStateReturnsToPrefill(t *testing.T) {
 					}
 					require.Equal(t, want, out.Cached, "turn %d: prompt tokens the prefill worker's cache served", turn+1)
 				}
-				if ret {
+				if ret && tc.think {
 					ad.wait(t)
 					ad.mu.Lock()
 					require.Equal(t, slices.Concat(p, got)[:absorbed], ad.offered[turn], "turn %d: the state offered", turn+1)
@@ -134,6 +148,15 @@ func TestStateReturnsToPrefill(t *testing.T) {
 				}
 				prevPrompt, prevAbsorbed = len(p), absorbed
 				p = slices.Concat(p, got, model.Encode(fmt.Sprintf("\n<|user|>go on %d\n<|assistant|>", turn)))
+			}
+			if ret && !tc.think {
+				// No think time: each turn was sent the moment its reply
+				// arrived, its adoption still in flight, and its prompt
+				// waited for it (pull on demand): the hits above are the
+				// last replies' ends all the same.
+				for range 3 {
+					ad.wait(t)
+				}
 			}
 			if ret {
 				st := pre.Metrics().StateReturns
