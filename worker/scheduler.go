@@ -272,6 +272,9 @@ func (s *Scheduler) admit() {
 		s.lookup(q, hits)
 		if s.awaitsAdoption(q, hits) {
 			s.noteAdmittedLocked(popped, admitted, time.Now())
+			// Waiting for a state is not the ranks making room: the
+			// admission that ends it is no sample of QueueWait's.
+			s.backlogged = false
 			s.mu.Unlock()
 			return
 		}
