@@ -404,13 +404,8 @@ func (s *session) register(q Request) (Reply, error) {
 		return Reply{}, err
 	}
 	i := 0
-	region := func(name string, size int64, dm *CUDAMemory) (*rdma.Region, error) {
-		if dm != nil {
-			a, err := s.a.openCUDA(dm, uint64(size))
-			if err != nil {
-				return nil, fmt.Errorf("agent: %s pool in device memory: %w", name, err)
-			}
-			s.arenas = append(s.arenas, a)
+	region := func(name string, size int64, a *cuda.Arena) (*rdma.Region, error) {
+		if a != nil {
 			return eng.RegisterDevice(name, a)
 		}
 		i++
@@ -422,13 +417,17 @@ func (s *session) register(q Request) (Reply, error) {
 		s.kv, s.mam = nil, nil
 		return Reply{}, err
 	}
+	kvA, mamA, err := s.openPools(q)
+	if err != nil {
+		return fail(err)
+	}
 	if q.KVBytes > 0 {
-		if s.kv, err = region("kv", q.KVBytes, q.KVCUDA); err != nil {
+		if s.kv, err = region("kv", q.KVBytes, kvA); err != nil {
 			return fail(err)
 		}
 	}
 	if q.MambaBytes > 0 {
-		if s.mam, err = region("mamba", q.MambaBytes, q.MambaCUDA); err != nil {
+		if s.mam, err = region("mamba", q.MambaBytes, mamA); err != nil {
 			return fail(err)
 		}
 		for _, r := range p.reserved {

@@ -1,8 +1,10 @@
 package agent
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 
 	"github.com/handoff-io/handoff/internal/cuda"
@@ -41,6 +43,53 @@ func (a *Agent) openCUDA(dm *CUDAMemory, size uint64) (*cuda.Arena, error) {
 		return nil, err
 	}
 	return d.OpenIPC(h, dm.Offset, size)
+}
+
+// openPools maps the pools q registers in device memory (nil for a pool
+// in host memory). Two pools in one allocation (the same handle) are mapped
+// once, as a driver opens a handle once per context, and must not overlap.
+func (s *session) openPools(q Request) (kv, mam *cuda.Arena, err error) {
+	k, m := q.KVCUDA, q.MambaCUDA
+	if k != nil && m != nil && bytes.Equal(k.Handle, m.Handle) && q.KVBytes > 0 && q.MambaBytes > 0 {
+		kLo, mLo := k.Offset, m.Offset
+		kN, mN := uint64(q.KVBytes), uint64(q.MambaBytes)
+		if kLo > math.MaxUint64-kN || mLo > math.MaxUint64-mN {
+			return nil, nil, fmt.Errorf("%w: pool offsets %d and %d", ErrInvalidLayout, kLo, mLo)
+		}
+		if kLo < mLo+mN && mLo < kLo+kN {
+			return nil, nil, fmt.Errorf("%w: the kv pool [%d, %d) and the mamba pool [%d, %d) overlap in one allocation",
+				ErrInvalidLayout, kLo, kLo+kN, mLo, mLo+mN)
+		}
+		if k.Device != m.Device {
+			return nil, nil, fmt.Errorf("%w: one allocation on devices %q and %q", ErrInvalidLayout, k.Device, m.Device)
+		}
+		lo := min(kLo, mLo)
+		whole, err := s.a.openCUDA(&CUDAMemory{Handle: k.Handle, Offset: lo, Device: k.Device}, max(kLo+kN, mLo+mN)-lo)
+		if err != nil {
+			return nil, nil, fmt.Errorf("agent: pools in device memory: %w", err)
+		}
+		s.arenas = append(s.arenas, whole)
+		if kv, err = whole.View(kLo-lo, kN); err == nil {
+			mam, err = whole.View(mLo-lo, mN)
+		}
+		return kv, mam, err
+	}
+	open := func(name string, dm *CUDAMemory, size int64) (*cuda.Arena, error) {
+		if dm == nil || size <= 0 {
+			return nil, nil
+		}
+		a, err := s.a.openCUDA(dm, uint64(size))
+		if err != nil {
+			return nil, fmt.Errorf("agent: %s pool in device memory: %w", name, err)
+		}
+		s.arenas = append(s.arenas, a)
+		return a, nil
+	}
+	if kv, err = open("kv", k, q.KVBytes); err != nil {
+		return nil, nil, err
+	}
+	mam, err = open("mamba", m, q.MambaBytes)
+	return kv, mam, err
 }
 
 // device returns the open device uuid names, opening the driver and the

@@ -190,3 +190,69 @@ func TestDeviceMemoryRefused(t *testing.T) {
 		})
 	}
 }
+
+// TestDeviceMemoryOneAllocation: both pools in one allocation (one IPC
+// handle, as an engine that carves its caches out of one tensor) are
+// mapped once and land where their offsets say; pools that overlap are
+// refused by name.
+func TestDeviceMemoryOneAllocation(t *testing.T) {
+	exp := cudafake.New(cudafake.Config{})
+	imp := cudafake.New(cudafake.Config{PID: os.Getpid() + 1<<22})
+	h := register(t, startAgent(t, "host", rdma.TransportSHM, rdma.TransportTCP), tinyLayout())
+	sock := startCUDAAgent(t, "gpu", imp)
+	l := tinyLayout()
+	p, err := compile(l)
+	require.NoError(t, err)
+	d, err := cuda.OpenDevice(exp, "0")
+	require.NoError(t, err)
+	defer d.Close()
+	// [gap 4096][mamba][gap 4096][kv]
+	mOff := uint64(4096)
+	kOff := mOff + uint64(p.mambaBytes()) + 4096
+	a, err := d.NewArena(kOff + uint64(p.kvBytes()))
+	require.NoError(t, err)
+	defer a.Free()
+	x, err := a.Export()
+	require.NoError(t, err)
+	dev := d.UUID().String()
+	ctx := ctxT(t)
+
+	c, err := Dial(context.Background(), sock)
+	require.NoError(t, err)
+	_, err = c.Call(ctx, Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes(),
+		KVCUDA:    &CUDAMemory{Handle: x.Handle.Reserved[:], Offset: mOff + 64, Device: dev},
+		MambaCUDA: &CUDAMemory{Handle: x.Handle.Reserved[:], Offset: mOff, Device: dev}}, nil)
+	require.ErrorIs(t, err, ErrInvalidLayout)
+	require.Contains(t, err.Error(), "overlap")
+	require.Zero(t, imp.Stats().Imports)
+	c.Close()
+
+	c, err = Dial(context.Background(), sock)
+	require.NoError(t, err)
+	defer c.Close()
+	_, err = c.Call(ctx, Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes(),
+		KVCUDA:    &CUDAMemory{Handle: x.Handle.Reserved[:], Offset: kOff, Device: dev},
+		MambaCUDA: &CUDAMemory{Handle: x.Handle.Reserved[:], Offset: mOff, Device: dev}}, nil)
+	require.NoError(t, err)
+	require.Equal(t, 1, imp.Stats().Imports, "one mapping for both pools")
+
+	gr, err := c.Call(ctx, Request{Op: OpGrant, RequestID: 1, Blocks: []int{6}, Row: Row(2)}, nil)
+	require.NoError(t, err)
+	_, err = h.c.Call(ctx, Request{Op: OpSend, Ticket: gr.Ticket, Blocks: []int{3}, Row: Row(1)}, nil)
+	require.NoError(t, err)
+	event(t, h, EvSendDone)
+	ev, err := c.WaitEvent(ctx, func(r Reply) bool { return r.Ev == EvGrantDone || r.Ev == EvGrantFailed })
+	require.NoError(t, err)
+	require.Equal(t, EvGrantDone, ev.Ev, "%s: %s", ev.Code, ev.Msg)
+	read := func(off, n uint64) []byte {
+		b := make([]byte, n)
+		_, err := a.ReadAt(b, int64(off))
+		require.NoError(t, err)
+		return b
+	}
+	bb, rb := uint64(p.kv.BlockBytes()), uint64(p.mamba.RowBytes())
+	require.Equal(t, h.block(3), read(kOff+6*bb, bb))
+	require.Equal(t, h.row(1), read(mOff+p.rowOff(2), rb))
+	c.Close()
+	require.Eventually(t, func() bool { return imp.Stats().Imports == 0 }, 5*time.Second, 10*time.Millisecond)
+}

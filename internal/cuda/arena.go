@@ -19,6 +19,7 @@ type Arena struct {
 	// in (OpenIPC), 0 for an allocation of its own: Free closes the
 	// mapping instead of freeing.
 	opened DevicePtr
+	view   bool // a View: Free frees nothing
 }
 
 var (
@@ -113,12 +114,24 @@ func (d *Device) OpenIPC(h IpcMemHandle, off, size uint64) (*Arena, error) {
 	return &Arena{d: d, ptr: base + DevicePtr(off), size: size, opened: base}, nil
 }
 
+// View returns an arena over size bytes of a from off, sharing its memory:
+// its Free frees nothing, a's frees both.
+func (a *Arena) View(off, size uint64) (*Arena, error) {
+	if size == 0 || off > a.size || size > a.size-off {
+		return nil, fmt.Errorf("%w: a view of %d bytes at %d of an arena of %d", ErrInvalidValue, size, off, a.size)
+	}
+	return &Arena{d: a.d, ptr: a.ptr + DevicePtr(off), size: size, view: true}, nil
+}
+
 // Export describes the arena for CUDA IPC.
 func (a *Arena) Export() (IPCBuffer, error) { return a.d.Export(a.ptr) }
 
 // Free frees the arena's memory, or closes the mapping of an arena that
 // OpenIPC opened.
 func (a *Arena) Free() error {
+	if a.view {
+		return nil
+	}
 	if a.opened != 0 {
 		return a.d.Do(func(drv Driver) error { return drv.IpcCloseMemHandle(a.opened) })
 	}
