@@ -312,6 +312,21 @@ func TestOfferOverNATS(t *testing.T) {
 	_, err = b.c.Call(ctx, Request{Op: OpOffer, Ticket: g.Ticket, To: "nobody"}, nil)
 	require.ErrorIs(t, err, ErrPeerUnreachable)
 	require.Contains(t, err.Error(), `"nobody"`)
+	_, err = b.c.Call(ctx, Request{Op: OpOffer, Ticket: g.Ticket, To: "pre.*"}, nil)
+	require.ErrorIs(t, err, ErrBadRequest, "a name that is no subject token")
+
+	// An agent of another namespace on the same NATS server is not reached.
+	sock := filepath.Join(t.TempDir(), "o", "solo.sock")
+	o, err := New(Config{Name: "solo", Namespace: "other", Socket: sock, Transports: []rdma.Transport{rdma.TransportSHM},
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}, natstest.Connect(t, srv))
+	require.NoError(t, err)
+	octx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- o.Serve(octx) }()
+	defer func() { stop(); require.NoError(t, <-done) }()
+	register(t, sock, tinyLayout())
+	_, err = b.c.Call(ctx, Request{Op: OpOffer, Ticket: g.Ticket, To: "solo"}, nil)
+	require.ErrorIs(t, err, ErrPeerUnreachable, "an agent of namespace other")
 }
 
 // TestCancelSend: a layer-by-layer send cancelled before its commit ends

@@ -8,17 +8,26 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
-// Subject is where an agent answers who it is: a request on
-// "handoff.agent.<name>.describe" gets a Description. Engines' schedulers
-// (or peers) use it to check that two agents can exchange before either
-// opens a grant.
-func Subject(name string) string { return "handoff.agent." + name + ".describe" }
+// Subject is where an agent of namespace ns answers who it is: a request
+// on "handoff.<ns>.agent.<name>.describe" gets a Description. Engines'
+// schedulers (or peers) use it to check that two agents can exchange
+// before either opens a grant. Like the workers' subjects, it is per
+// namespace: deployments sharing a NATS server do not see each other's
+// agents.
+func Subject(ns, name string) string {
+	return wire.DefaultPrefix + "." + ns + ".agent." + name + ".describe"
+}
 
-// OfferSubject is where an agent takes tickets other agents offer it
-// (OpOffer): it hands each to its engine as an EvTicket event.
-func OfferSubject(name string) string { return "handoff.agent." + name + ".offer" }
+// OfferSubject is where an agent takes tickets other agents of its
+// namespace offer it (OpOffer): it hands each to its engine as an EvTicket
+// event.
+func OfferSubject(ns, name string) string {
+	return wire.DefaultPrefix + "." + ns + ".agent." + name + ".offer"
+}
 
 // offer is the message on OfferSubject; its reply is an offerReply.
 type offer struct {
@@ -65,7 +74,7 @@ func (a *Agent) describe() Description {
 }
 
 func (a *Agent) subscribe() (func(), error) {
-	sub, err := a.nc.Subscribe(Subject(a.cfg.Name), func(m *nats.Msg) {
+	sub, err := a.nc.Subscribe(Subject(a.cfg.Namespace, a.cfg.Name), func(m *nats.Msg) {
 		b, err := msgpack.Marshal(a.describe())
 		if err != nil {
 			return
@@ -73,12 +82,12 @@ func (a *Agent) subscribe() (func(), error) {
 		m.Respond(b)
 	})
 	if err != nil {
-		return nil, fmt.Errorf("agent: subscribe %s: %w", Subject(a.cfg.Name), err)
+		return nil, fmt.Errorf("agent: subscribe %s: %w", Subject(a.cfg.Namespace, a.cfg.Name), err)
 	}
-	osub, err := a.nc.Subscribe(OfferSubject(a.cfg.Name), a.takeOffer)
+	osub, err := a.nc.Subscribe(OfferSubject(a.cfg.Namespace, a.cfg.Name), a.takeOffer)
 	if err != nil {
 		sub.Unsubscribe()
-		return nil, fmt.Errorf("agent: subscribe %s: %w", OfferSubject(a.cfg.Name), err)
+		return nil, fmt.Errorf("agent: subscribe %s: %w", OfferSubject(a.cfg.Namespace, a.cfg.Name), err)
 	}
 	return func() { sub.Unsubscribe(); osub.Unsubscribe() }, a.nc.Flush()
 }
@@ -128,8 +137,8 @@ func (s *session) offer(q Request) (Reply, error) {
 	if nc == nil {
 		return Reply{}, fmt.Errorf("%w: agent %q has no NATS (--nats-url)", ErrBadRequest, s.a.cfg.Name)
 	}
-	if q.To == "" || len(q.Ticket) == 0 {
-		return Reply{}, fmt.Errorf("%w: offer needs a ticket and an agent", ErrBadRequest)
+	if !wire.ValidToken(q.To) || len(q.Ticket) == 0 {
+		return Reply{}, fmt.Errorf("%w: offer needs a ticket and an agent's name, not %q", ErrBadRequest, q.To)
 	}
 	b, err := msgpack.Marshal(offer{From: s.a.cfg.Name, Ticket: q.Ticket})
 	if err != nil {
@@ -137,7 +146,7 @@ func (s *session) offer(q Request) (Reply, error) {
 	}
 	ctx, cancel := context.WithTimeout(s.ctx, offerTimeout)
 	defer cancel()
-	m, err := nc.RequestWithContext(ctx, OfferSubject(q.To), b)
+	m, err := nc.RequestWithContext(ctx, OfferSubject(s.a.cfg.Namespace, q.To), b)
 	if err != nil {
 		return Reply{}, fmt.Errorf("%w: offer to agent %q: %w", ErrPeerUnreachable, q.To, err)
 	}

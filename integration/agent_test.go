@@ -247,7 +247,7 @@ func TestAgentHandoff(t *testing.T) {
 			require.Equal(t, p.sendFP["fingerprint"], p.recv0["fingerprint"])
 
 			// The agent answers on NATS with the registration's fingerprint.
-			msg, err := p.nc.Request(agent.Subject("dec-0"), nil, 5*time.Second)
+			msg, err := p.nc.Request(agent.Subject("default", "dec-0"), nil, 5*time.Second)
 			require.NoError(t, err)
 			var d agent.Description
 			require.NoError(t, msgpack.Unmarshal(msg.Data, &d))
