@@ -62,17 +62,33 @@ func startAgentA(t testing.TB, name string, ts ...rdma.Transport) (string, *Agen
 
 func startAgentNATS(t testing.TB, nc *nats.Conn, name string, ts ...rdma.Transport) (string, *Agent) {
 	t.Helper()
-	sock := filepath.Join(t.TempDir(), "a", name+".sock")
-	a, err := New(Config{Name: name, Socket: sock, Transports: ts, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}, nc)
+	sock, a, _ := serveAgent(t, Config{Name: name, Transports: ts}, nc)
+	return sock, a
+}
+
+// serveAgent starts an agent with cfg (a socket in a temporary directory
+// unless cfg names one; no logs) and serves it until stop, or the test's
+// end; stop checks that Serve returned no error.
+func serveAgent(t testing.TB, cfg Config, nc *nats.Conn) (sock string, a *Agent, stop func()) {
+	t.Helper()
+	if cfg.Socket == "" {
+		cfg.Socket = filepath.Join(t.TempDir(), "a", cfg.Name+".sock")
+	}
+	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	a, err := New(cfg, nc)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- a.Serve(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
-	})
-	return sock, a
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			require.NoError(t, <-done, cfg.Name)
+		})
+	}
+	t.Cleanup(stop)
+	return cfg.Socket, a, stop
 }
 
 func register(t testing.TB, sock string, l Layout) *engine {
@@ -316,14 +332,7 @@ func TestOfferOverNATS(t *testing.T) {
 	require.ErrorIs(t, err, ErrBadRequest, "a name that is no subject token")
 
 	// An agent of another namespace on the same NATS server is not reached.
-	sock := filepath.Join(t.TempDir(), "o", "solo.sock")
-	o, err := New(Config{Name: "solo", Namespace: "other", Socket: sock, Transports: []rdma.Transport{rdma.TransportSHM},
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}, natstest.Connect(t, srv))
-	require.NoError(t, err)
-	octx, stop := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- o.Serve(octx) }()
-	defer func() { stop(); require.NoError(t, <-done) }()
+	sock, _, _ := serveAgent(t, Config{Name: "solo", Namespace: "other", Transports: []rdma.Transport{rdma.TransportSHM}}, natstest.Connect(t, srv))
 	register(t, sock, tinyLayout())
 	_, err = b.c.Call(ctx, Request{Op: OpOffer, Ticket: g.Ticket, To: "solo"}, nil)
 	require.ErrorIs(t, err, ErrPeerUnreachable, "an agent of namespace other")
@@ -398,23 +407,9 @@ func TestRegistryListsPeers(t *testing.T) {
 	srv := natstest.Run(t)
 	// A heartbeat every 10 s: the changes below are seen within 5 s only
 	// if the agent publishes them when they happen.
-	start := func(name string) (sock string, stop func()) {
-		sock = filepath.Join(t.TempDir(), "a", name+".sock")
-		a, err := New(Config{Name: name, Socket: sock, Transports: []rdma.Transport{rdma.TransportSHM},
-			Registry: transfer.RegistryConfig{TTL: 30 * time.Second},
-			Logger:   slog.New(slog.NewTextHandler(io.Discard, nil))}, natstest.Connect(t, srv))
-		require.NoError(t, err)
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- a.Serve(ctx) }()
-		var once sync.Once
-		stop = func() {
-			once.Do(func() {
-				cancel()
-				require.NoError(t, <-done, name)
-			})
-		}
-		t.Cleanup(stop)
+	start := func(name string) (string, func()) {
+		sock, _, stop := serveAgent(t, Config{Name: name, Transports: []rdma.Transport{rdma.TransportSHM},
+			Registry: transfer.RegistryConfig{TTL: 30 * time.Second}}, natstest.Connect(t, srv))
 		return sock, stop
 	}
 	sockA, _ := start("pre")

@@ -4,10 +4,7 @@ package agent
 
 import (
 	"context"
-	"io"
-	"log/slog"
 	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -48,18 +45,8 @@ func (e *devEngine) row(t *testing.T, r int) []byte {
 // startCUDAAgent starts an agent whose CUDA driver is imp.
 func startCUDAAgent(t *testing.T, name string, imp cuda.Driver) string {
 	t.Helper()
-	sock := filepath.Join(t.TempDir(), "a", name+".sock")
-	a, err := New(Config{Name: name, Socket: sock, Transports: []rdma.Transport{rdma.TransportSHM, rdma.TransportTCP},
-		CUDA:   func() (cuda.Driver, error) { return imp, nil },
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}, nil)
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- a.Serve(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
-	})
+	sock, _, _ := serveAgent(t, Config{Name: name, Transports: []rdma.Transport{rdma.TransportSHM, rdma.TransportTCP},
+		CUDA: func() (cuda.Driver, error) { return imp, nil }}, nil)
 	return sock
 }
 
