@@ -1,0 +1,148 @@
+//go:build integration
+
+package integration
+
+// A NATS request-reply round trip between processes, the baseline of the
+// agent's small-send latency (TestAgentMeasure): the requester, the
+// responder and the nats-server each run in a process of their own, as two
+// engine workers on one host and their NATS server do. This test binary
+// plays all three (TestNATSPeerProcess, run as a child).
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/internal/natstest"
+)
+
+// The child's role and arguments, from the parent.
+const (
+	natsPeerEnv = "HANDOFF_NATS_PEER"     // server, echo or ask
+	natsPeerArg = "HANDOFF_NATS_PEER_ARG" // server: the port; echo, ask: the URL
+)
+
+// natsRTTSubject is what the responder answers.
+const natsRTTSubject = "measure.echo"
+
+// natsRoundTrips starts a nats-server and an echo responder in processes of
+// their own and returns n request-reply round trips of 64 bytes that a third
+// process timed, one after another (after 50 unmeasured ones), sorted.
+func natsRoundTrips(t *testing.T, n int) []time.Duration {
+	t.Helper()
+	port := reservePort(t)
+	url := fmt.Sprintf("nats://127.0.0.1:%d", port)
+	natsPeer(t, "server", strconv.Itoa(port))
+	natsPeer(t, "echo", url)
+	out := natsPeer(t, "ask", url, strconv.Itoa(n))
+	var ns []int64
+	require.NoError(t, json.Unmarshal([]byte(out), &ns), "the requester's output: %q", out)
+	require.Len(t, ns, n)
+	d := make([]time.Duration, n)
+	for i, v := range ns {
+		d[i] = time.Duration(v)
+	}
+	slices.Sort(d)
+	return d
+}
+
+// natsPeer runs this test binary as a NATS peer process. For server and
+// echo it returns once the child said it is ready (it stops with the
+// test: its stdin closes); for ask, the child's output once it exited.
+func natsPeer(t *testing.T, role string, args ...string) string {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestNATSPeerProcess$", "-test.v=false")
+	cmd.Env = append(os.Environ(), natsPeerEnv+"="+role, natsPeerArg+"="+strings.Join(args, " "))
+	cmd.Stderr = os.Stderr
+	if role == "ask" {
+		out, err := cmd.Output()
+		require.NoError(t, err, "nats %s process", role)
+		line, _, _ := strings.Cut(string(out), "\n")
+		return line
+	}
+	stdin, err := cmd.StdinPipe()
+	require.NoError(t, err)
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start(), "nats %s process", role)
+	t.Cleanup(func() {
+		stdin.Close()
+		done := make(chan struct{})
+		go func() { cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			cmd.Process.Kill()
+			<-done
+		}
+	})
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	require.NoError(t, err, "nats %s process did not start", role)
+	require.Equal(t, "ready\n", line, "nats %s process", role)
+	return ""
+}
+
+// TestNATSPeerProcess is a NATS peer for natsRoundTrips when run as its
+// child; otherwise it skips.
+func TestNATSPeerProcess(t *testing.T) {
+	role := os.Getenv(natsPeerEnv)
+	if role == "" {
+		t.Skip("SKIP: a child process of TestAgentMeasure")
+	}
+	args := strings.Fields(os.Getenv(natsPeerArg))
+	untilStdinCloses := func() {
+		fmt.Println("ready")
+		_, _ = bufio.NewReader(os.Stdin).ReadString('\n')
+	}
+	switch role {
+	case "server":
+		port, err := strconv.Atoi(args[0])
+		require.NoError(t, err)
+		opts := natstest.Options(t.TempDir())
+		opts.Port = port
+		opts.JetStream = false
+		srv, err := natstest.Start(opts)
+		require.NoError(t, err)
+		defer natstest.Stop(srv)
+		untilStdinCloses()
+	case "echo":
+		nc, err := nats.Connect(args[0])
+		require.NoError(t, err)
+		defer nc.Close()
+		_, err = nc.Subscribe(natsRTTSubject, func(m *nats.Msg) { _ = m.Respond(m.Data) })
+		require.NoError(t, err)
+		require.NoError(t, nc.Flush()) // the server knows the subscription before anyone asks
+		untilStdinCloses()
+	case "ask":
+		n, err := strconv.Atoi(args[1])
+		require.NoError(t, err)
+		nc, err := nats.Connect(args[0])
+		require.NoError(t, err)
+		defer nc.Close()
+		msg := make([]byte, 64)
+		ns := make([]int64, 0, n)
+		for i := range 50 + n {
+			start := time.Now()
+			_, err := nc.Request(natsRTTSubject, msg, 5*time.Second)
+			require.NoError(t, err)
+			if i >= 50 {
+				ns = append(ns, int64(time.Since(start)))
+			}
+		}
+		b, err := json.Marshal(ns)
+		require.NoError(t, err)
+		fmt.Println(string(b))
+	default:
+		t.Fatalf("unknown role %q", role)
+	}
+}
