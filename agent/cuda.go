@@ -19,10 +19,13 @@ import (
 // registers the range as a device region (rdma.Engine.RegisterDevice).
 // Grants, extents, the reserved rows' Forbid and the fences are offsets
 // and work unchanged; bytes reach device regions as the workers' do (tcp
-// staged through pinned buffers, device to device within a process; shm
-// is never used for them). The mapping is closed when the engine's
-// session ends, after its rdma engine (so after every grant was revoked):
-// the engine's allocation is its own.
+// staged through pinned buffers, device to device within a process, and
+// with cuda-ipc between agents on one host the receiving agent pulls from
+// the sending engine's allocation: the arena exports the engine's own
+// handle, with the engine's pid, since a mapping opened by handle cannot
+// be exported again; shm is never used for them). The mapping is closed
+// when the engine's session ends, after its rdma engine (so after every
+// grant was revoked): the engine's allocation is its own.
 
 // agentCUDA is the driver and the devices opened for engines' pools.
 type agentCUDA struct {
@@ -31,8 +34,9 @@ type agentCUDA struct {
 	devs map[string]*cuda.Device // by the UUID engines name
 }
 
-// openCUDA maps size bytes of the device memory dm names.
-func (a *Agent) openCUDA(dm *CUDAMemory, size uint64) (*cuda.Arena, error) {
+// openCUDA maps size bytes of the device memory dm names, which process
+// pid (the engine) exported.
+func (a *Agent) openCUDA(dm *CUDAMemory, pid int, size uint64) (*cuda.Arena, error) {
 	var h cuda.IpcMemHandle
 	if len(dm.Handle) != len(h.Reserved) {
 		return nil, fmt.Errorf("%w: a CUDA IPC handle of %d bytes, want %d", ErrInvalidLayout, len(dm.Handle), len(h.Reserved))
@@ -42,7 +46,7 @@ func (a *Agent) openCUDA(dm *CUDAMemory, size uint64) (*cuda.Arena, error) {
 	if err != nil {
 		return nil, err
 	}
-	return d.OpenIPC(h, dm.Offset, size)
+	return d.OpenIPC(h, pid, dm.Offset, size)
 }
 
 // openPools maps the pools q registers in device memory (nil for a pool
@@ -64,7 +68,7 @@ func (s *session) openPools(q Request) (kv, mam *cuda.Arena, err error) {
 			return nil, nil, fmt.Errorf("%w: one allocation on devices %q and %q", ErrInvalidLayout, k.Device, m.Device)
 		}
 		lo := min(kLo, mLo)
-		whole, err := s.a.openCUDA(&CUDAMemory{Handle: k.Handle, Offset: lo, Device: k.Device}, max(kLo+kN, mLo+mN)-lo)
+		whole, err := s.a.openCUDA(&CUDAMemory{Handle: k.Handle, Offset: lo, Device: k.Device}, s.pid, max(kLo+kN, mLo+mN)-lo)
 		if err != nil {
 			return nil, nil, fmt.Errorf("agent: pools in device memory: %w", err)
 		}
@@ -78,7 +82,7 @@ func (s *session) openPools(q Request) (kv, mam *cuda.Arena, err error) {
 		if dm == nil || size <= 0 {
 			return nil, nil
 		}
-		a, err := s.a.openCUDA(dm, uint64(size))
+		a, err := s.a.openCUDA(dm, s.pid, uint64(size))
 		if err != nil {
 			return nil, fmt.Errorf("agent: %s pool in device memory: %w", name, err)
 		}

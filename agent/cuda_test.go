@@ -50,9 +50,9 @@ func startCUDAAgent(t *testing.T, name string, imp cuda.Driver) string {
 	return sock
 }
 
-// registerDevice registers pools in the exporter's device memory with the
-// agent at sock.
-func registerDevice(t *testing.T, sock string, exp cuda.Driver, l Layout) *devEngine {
+// registerDevice registers pools in the exporter's device memory, filled
+// from seed, with the agent at sock.
+func registerDevice(t *testing.T, sock string, exp cuda.Driver, l Layout, seed uint64) *devEngine {
 	t.Helper()
 	p, err := compile(l)
 	require.NoError(t, err)
@@ -73,8 +73,8 @@ func registerDevice(t *testing.T, sock string, exp cuda.Driver, l Layout) *devEn
 		return a, &CUDAMemory{Handle: x.Handle.Reserved[:], Offset: e.off, Device: d.UUID().String()}
 	}
 	var kv, mam *CUDAMemory
-	e.kv, kv = share(p.kvBytes(), 3)
-	e.mam, mam = share(p.mambaBytes(), 4)
+	e.kv, kv = share(p.kvBytes(), seed)
+	e.mam, mam = share(p.mambaBytes(), seed+1)
 	e.c, err = Dial(context.Background(), sock)
 	require.NoError(t, err)
 	t.Cleanup(func() { e.c.Close() })
@@ -95,7 +95,7 @@ func TestDeviceMemoryPools(t *testing.T) {
 	exp := cudafake.New(cudafake.Config{})
 	imp := cudafake.New(cudafake.Config{PID: os.Getpid() + 1<<22})
 	h := register(t, startAgent(t, "host", rdma.TransportSHM, rdma.TransportTCP), tinyLayout())
-	g := registerDevice(t, startCUDAAgent(t, "gpu", imp), exp, tinyLayout())
+	g := registerDevice(t, startCUDAAgent(t, "gpu", imp), exp, tinyLayout(), 3)
 	ctx := ctxT(t)
 
 	// host -> device
@@ -242,4 +242,70 @@ func TestDeviceMemoryOneAllocation(t *testing.T) {
 	require.Equal(t, h.row(1), read(mOff+p.rowOff(2), rb))
 	c.Close()
 	require.Eventually(t, func() bool { return imp.Stats().Imports == 0 }, 5*time.Second, 10*time.Millisecond)
+}
+
+// TestDeviceMemoryCUDAIPC: between two agents whose engines registered
+// pools in device memory, with cuda-ipc, the receiving agent copies device
+// to device from the sending engine's own allocation (the sending agent
+// hands on the engine's handle, which the driver lets a third process open,
+// where a handle of its own mapping would be refused): the blocks and the
+// row land byte-exact, every byte by the pull and none staged, and once the
+// sending engine went the receiving agent's mappings of its memory are
+// closed. Each agent's driver is another "process" (a fake with its own
+// pid), as are the engines'.
+func TestDeviceMemoryCUDAIPC(t *testing.T) {
+	exp := cudafake.New(cudafake.Config{})
+	start := func(name string, shift int) (string, *Agent, *cudafake.Driver) {
+		imp := cudafake.New(cudafake.Config{PID: os.Getpid() + shift<<22})
+		sock, a, _ := serveAgent(t, Config{Name: name, Transports: []rdma.Transport{rdma.TransportCUDAIPC, rdma.TransportTCP},
+			CUDA: func() (cuda.Driver, error) { return imp, nil }}, nil)
+		return sock, a, imp
+	}
+	sockA, _, _ := start("gpu-a", 1)
+	sockB, agentB, impB := start("gpu-b", 2)
+	src := registerDevice(t, sockA, exp, tinyLayout(), 10)
+	dst := registerDevice(t, sockB, exp, tinyLayout(), 20)
+	require.Equal(t, 2, impB.Stats().Imports, "the receiving agent maps its engine's two pools")
+	require.NotEqual(t, src.block(t, 1), dst.block(t, 7))
+	ctx := ctxT(t)
+
+	gr, err := dst.c.Call(ctx, Request{Op: OpGrant, RequestID: 1, Blocks: []int{7, 2}, Row: Row(3)}, nil)
+	require.NoError(t, err)
+	rep, err := src.c.Call(ctx, Request{Op: OpSend, Ticket: gr.Ticket, Blocks: []int{1, 4}, Row: Row(0), Wait: true}, nil)
+	require.NoError(t, err)
+	ev, err := dst.c.WaitEvent(ctx, func(r Reply) bool { return r.Ev == EvGrantDone || r.Ev == EvGrantFailed })
+	require.NoError(t, err)
+	require.Equal(t, EvGrantDone, ev.Ev, "%s: %s", ev.Code, ev.Msg)
+	require.Equal(t, src.block(t, 1), dst.block(t, 7))
+	require.Equal(t, src.block(t, 4), dst.block(t, 2))
+	require.Equal(t, src.row(t, 0), dst.row(t, 3))
+
+	want := uint64(2*src.p.kv.BlockBytes() + src.p.mamba.RowBytes())
+	require.Equal(t, want, rep.Bytes)
+	st := engineStats(agentB)
+	require.Equal(t, want, st.BytesPulled, "every byte copied device to device from the sender's allocation")
+	require.Zero(t, st.BytesStaged, "none staged through host memory")
+	require.Equal(t, 4, impB.Stats().Imports, "and the sender's two allocations mapped once each")
+
+	src.c.Close()
+	require.Eventually(t, func() bool { return impB.Stats().Imports == 2 }, 5*time.Second, 10*time.Millisecond,
+		"the sending engine went: the receiving agent closed its mappings of that engine's memory")
+}
+
+// engineStats sums the data-path counters of a's registrations.
+func engineStats(a *Agent) rdma.Stats {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var st rdma.Stats
+	for s := range a.sessions {
+		s.mu.Lock()
+		eng := s.eng
+		s.mu.Unlock()
+		if eng != nil {
+			x := eng.Stats()
+			st.BytesPulled += x.BytesPulled
+			st.BytesStaged += x.BytesStaged
+		}
+	}
+	return st
 }

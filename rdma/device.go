@@ -512,7 +512,7 @@ func (l *tcpLink) sendPull(ctx context.Context, tc *txConn, op *writeOp, p *piec
 	var b [headerSize + pullSize]byte
 	h := header{typ: framePull, index: p.ext, grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token, offset: p.off, length: pullSize}
 	h.put(b[:])
-	putPull(b[headerSize:], &pull{buf: *r.ipc, off: p.dev.off, n: p.dn})
+	putPull(b[headerSize:], &pull{buf: *r.ipc, off: r.ipc.Offset + p.dev.off, n: p.dn})
 	if err := tc.flush(append(tc.iov[:0], b[:])); err != nil {
 		return err
 	}

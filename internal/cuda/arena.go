@@ -1,8 +1,10 @@
 package cuda
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"io"
 )
 
@@ -19,7 +21,10 @@ type Arena struct {
 	// in (OpenIPC), 0 for an allocation of its own: Free closes the
 	// mapping instead of freeing.
 	opened DevicePtr
-	view   bool // a View: Free frees nothing
+	// from is that allocation as its exporter's handle names it, for
+	// Export (Offset 0); nil where the exporter is not known.
+	from *IPCBuffer
+	view bool // a View: Free frees nothing
 }
 
 var (
@@ -83,16 +88,23 @@ func (a *Arena) WriteAt(p []byte, off int64) (int, error) {
 	return len(p), nil
 }
 
-// OpenIPC maps the allocation another process exported as h (its
+// OpenIPC maps the allocation process pid exported as h (its
 // cuIpcGetMemHandle) and returns an arena over size bytes of it from off:
 // how a sidecar reaches an engine's cache tensors, which lie at an offset
 // in an allocation of the engine's allocator. Free closes the mapping; the
 // exporter keeps its allocation. A range past the allocation is refused.
-func (d *Device) OpenIPC(h IpcMemHandle, off, size uint64) (*Arena, error) {
+//
+// The arena (and its views) Export the exporter's handle, so that a third
+// process opens the allocation itself: the driver refuses a handle of
+// memory that was itself opened by handle. pid names the exporter in that
+// export (the import caches of peers are per exporter); 0 (unknown) leaves
+// the arena unexportable.
+func (d *Device) OpenIPC(h IpcMemHandle, pid int, off, size uint64) (*Arena, error) {
 	if size == 0 {
 		return nil, fmt.Errorf("%w: an arena of 0 bytes", ErrInvalidValue)
 	}
 	var base DevicePtr
+	var from *IPCBuffer
 	err := d.Do(func(drv Driver) error {
 		p, err := drv.IpcOpenMemHandle(h, IpcLazyEnablePeerAccess)
 		if err != nil {
@@ -102,16 +114,38 @@ func (d *Device) OpenIPC(h IpcMemHandle, off, size uint64) (*Arena, error) {
 		if err == nil && (off > n || size > n-off) {
 			err = fmt.Errorf("%w: %d bytes at offset %d of an allocation of %d", ErrInvalidValue, size, off, n)
 		}
+		var id uint64
+		if err == nil && pid > 0 {
+			id, err = drv.PointerGetAttribute(PointerAttributeBufferID, p)
+		}
 		if err != nil {
 			return errors.Join(err, drv.IpcCloseMemHandle(p))
 		}
 		base = p
+		if pid > 0 {
+			from = &IPCBuffer{Handle: h, Base: p, Size: n, BufferID: forwardedID(h, id), Device: d.uuid, PID: pid}
+		}
 		return nil
 	})
 	if err != nil {
 		return nil, err
 	}
-	return &Arena{d: d, ptr: base + DevicePtr(off), size: size, opened: base}, nil
+	return &Arena{d: d, ptr: base + DevicePtr(off), size: size, opened: base, from: from}, nil
+}
+
+// forwardedID is the buffer id an opened allocation is exported under. Its
+// Base there is this process's mapping (the exporter's address is not
+// known here), which a later mapping of another allocation, in this process
+// or in the next one at the same address, may reuse: the id mixes the
+// handle, which names one allocation, with this mapping's own buffer id,
+// so a peer's cached mapping of the earlier one is never taken for it.
+func forwardedID(h IpcMemHandle, id uint64) uint64 {
+	f := fnv.New64a()
+	f.Write(h.Reserved[:])
+	var b [8]byte
+	binary.LittleEndian.PutUint64(b[:], id)
+	f.Write(b[:])
+	return f.Sum64()
 }
 
 // View returns an arena over size bytes of a from off, sharing its memory:
@@ -120,11 +154,23 @@ func (a *Arena) View(off, size uint64) (*Arena, error) {
 	if size == 0 || off > a.size || size > a.size-off {
 		return nil, fmt.Errorf("%w: a view of %d bytes at %d of an arena of %d", ErrInvalidValue, size, off, a.size)
 	}
-	return &Arena{d: a.d, ptr: a.ptr + DevicePtr(off), size: size, view: true}, nil
+	return &Arena{d: a.d, ptr: a.ptr + DevicePtr(off), size: size, opened: a.opened, from: a.from, view: true}, nil
 }
 
-// Export describes the arena for CUDA IPC.
-func (a *Arena) Export() (IPCBuffer, error) { return a.d.Export(a.ptr) }
+// Export describes the arena for CUDA IPC: an allocation of this process
+// (its base), or an arena of one that OpenIPC opened (then the exporter's
+// handle, and Offset where the arena starts in that allocation).
+func (a *Arena) Export() (IPCBuffer, error) {
+	if a.opened == 0 {
+		return a.d.Export(a.ptr)
+	}
+	if a.from == nil {
+		return IPCBuffer{}, fmt.Errorf("%w: an arena opened by IPC handle without its exporter's pid", ErrInvalidValue)
+	}
+	b := *a.from
+	b.Offset = uint64(a.ptr - a.opened)
+	return b, nil
+}
 
 // Free frees the arena's memory, or closes the mapping of an arena that
 // OpenIPC opened.

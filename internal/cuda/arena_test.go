@@ -64,13 +64,13 @@ func TestArenaOpenIPC(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := di.OpenIPC(b.Handle, 1<<19, 1<<19+1); !errors.Is(err, cuda.ErrInvalidValue) {
+	if _, err := di.OpenIPC(b.Handle, b.PID, 1<<19, 1<<19+1); !errors.Is(err, cuda.ErrInvalidValue) {
 		t.Fatalf("a range past the allocation: %v", err)
 	}
 	if n := imp.Stats().Imports; n != 0 {
 		t.Fatalf("a refused open left %d mappings", n)
 	}
-	o, err := di.OpenIPC(b.Handle, 4096, 8192)
+	o, err := di.OpenIPC(b.Handle, b.PID, 4096, 8192)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -82,11 +82,54 @@ func TestArenaOpenIPC(t *testing.T) {
 	if _, err := a.ReadAt(got, 4096); err != nil || !bytes.Equal(got, row) {
 		t.Fatalf("the exporter reads at the offset: %v", err)
 	}
+	// The opened arena exports the exporter's handle, so that a third
+	// process opens the allocation itself; a view of it says where it
+	// starts there.
+	v, err := o.View(1024, 2048)
+	if err != nil {
+		t.Fatal(err)
+	}
+	x, err := v.Export()
+	if err != nil || x.Handle != b.Handle || x.PID != b.PID || x.Offset != 4096+1024 || x.Size != b.Size {
+		t.Fatalf("export of a view of an opened arena: %+v, %v", x, err)
+	}
+	third := cudafake.New(cudafake.Config{PID: os.Getpid() + 2<<22})
+	dt := openDev(t, third, "0")
+	p, err := dt.Import(x)
+	if err != nil {
+		t.Fatal(err)
+	}
+	part := make([]byte, 2048)
+	if err := dt.CopyFromDevice(part, p+cuda.DevicePtr(x.Offset)); err != nil || !bytes.Equal(part, row[1024:1024+2048]) {
+		t.Fatalf("a third process reads the exporter's bytes at the export's offset: %v", err)
+	}
+	if err := dt.ForgetPeer(x.PID); err != nil {
+		t.Fatal(err)
+	}
 	if err := o.Free(); err != nil {
 		t.Fatal(err)
 	}
 	if n := imp.Stats().Imports; n != 0 {
 		t.Fatalf("Free left %d mappings", n)
+	}
+	// Mapped again (as by the next process at the same address), it
+	// exports under another buffer id: a peer's cached mapping is stale.
+	o2, err := di.OpenIPC(b.Handle, b.PID, 0, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o2.Free() //nolint:errcheck
+	if x2, err := o2.Export(); err != nil || x2.BufferID == x.BufferID {
+		t.Fatalf("re-export after a new mapping: %+v, %v (first buffer id %d)", x2, err, x.BufferID)
+	}
+	// Without the exporter's pid, an opened arena does not export.
+	o3, err := openDev(t, cudafake.New(cudafake.Config{PID: os.Getpid() + 3<<22}), "0").OpenIPC(b.Handle, 0, 0, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o3.Free() //nolint:errcheck
+	if _, err := o3.Export(); !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Fatalf("export without the exporter's pid: %v", err)
 	}
 	if _, err := a.ReadAt(got, 4096); err != nil || !bytes.Equal(got, row) {
 		t.Fatalf("the exporter's allocation after the importer's Free: %v", err)

@@ -21,6 +21,7 @@ type Device struct {
 	drv     Driver
 	ordinal int
 	uuid    UUID
+	pid     int // the process the driver runs in (processID)
 
 	jobs chan func()   // unbuffered: a job is handed over only when the executor takes it
 	quit chan struct{} // closed by Close
@@ -60,6 +61,7 @@ type mapping struct {
 func OpenDevice(drv Driver, sel string) (*Device, error) {
 	d := &Device{
 		drv:     drv,
+		pid:     processID(drv),
 		jobs:    make(chan func()),
 		quit:    make(chan struct{}),
 		done:    make(chan struct{}),
@@ -442,6 +444,15 @@ func (d *Device) copyChunk(drv Driver, dst, src DevicePtr, n uint64) error {
 	}
 }
 
+// processID is the process a driver runs in: its ProcessID where it has
+// one (cudafake, standing for another process of a test), else this one.
+func processID(drv Driver) int {
+	if p, ok := drv.(interface{ ProcessID() int }); ok {
+		return p.ProcessID()
+	}
+	return os.Getpid()
+}
+
 // IPCBuffer describes a device allocation exported to processes on the same
 // host: what a peer needs to open it once and to know when its cached
 // mapping went stale.
@@ -452,12 +463,16 @@ type IPCBuffer struct {
 	BufferID uint64 // changes when the exporter reallocates at Base
 	Device   UUID
 	PID      int
+	// Offset is where the exported arena starts in the allocation (0 for
+	// an allocation's base; Arena.Export of a part of one). It is the
+	// exporter's: a peer is told offsets in the allocation.
+	Offset uint64
 }
 
 // Export describes the allocation whose base is p for CUDA IPC. p must be
 // an allocation's base (handles name whole allocations).
 func (d *Device) Export(p DevicePtr) (IPCBuffer, error) {
-	b := IPCBuffer{Device: d.uuid, PID: os.Getpid()}
+	b := IPCBuffer{Device: d.uuid, PID: d.pid}
 	err := d.Do(func(drv Driver) error {
 		base, size, err := drv.MemGetAddressRange(p)
 		if err != nil {
@@ -487,7 +502,7 @@ func (d *Device) Export(p DevicePtr) (IPCBuffer, error) {
 // whatever the exporter allocated there next), and the same holds once
 // ForgetPeer or Close ran.
 func (d *Device) Import(b IPCBuffer) (DevicePtr, error) {
-	if b.PID == os.Getpid() {
+	if b.PID == d.pid {
 		return b.Base, nil
 	}
 	k := importKey{pid: b.PID, device: b.Device, base: b.Base}

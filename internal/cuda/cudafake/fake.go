@@ -174,6 +174,10 @@ func New(cfg Config) *Driver {
 
 var _ cuda.Driver = (*Driver)(nil)
 
+// ProcessID is the process the driver takes itself to run in
+// (Config.PID): a cuda.Device over it exports and imports as that process.
+func (d *Driver) ProcessID() int { return d.pid }
+
 // Stats returns what is live.
 func (d *Driver) Stats() Stats {
 	d.mu.Lock()
