@@ -220,15 +220,18 @@ func (p *pools) checkNames(blocks []int, row int) error {
 	if len(blocks) > 0 && p.kv.Layers == 0 {
 		return fmt.Errorf("%w: blocks named, but no KV cache registered", ErrBadRequest)
 	}
-	seen := make(map[int]struct{}, len(blocks))
+	var seen []uint64 // a bit per block of the pool
+	if len(blocks) > 0 {
+		seen = make([]uint64, (p.kv.Blocks+63)/64)
+	}
 	for _, b := range blocks {
 		if b < 0 || b >= p.kv.Blocks {
 			return fmt.Errorf("%w: block %d outside 0..%d", ErrBadRequest, b, p.kv.Blocks-1)
 		}
-		if _, dup := seen[b]; dup {
+		if seen[b/64]&(1<<(b%64)) != 0 {
 			return fmt.Errorf("%w: block %d named twice", ErrBadRequest, b)
 		}
-		seen[b] = struct{}{}
+		seen[b/64] |= 1 << (b % 64)
 	}
 	switch {
 	case row < -1:

@@ -84,6 +84,7 @@ func (pl *plans) pieces(rs, rd, blocks int, row bool) []piece {
 				mine = append(mine, s)
 			}
 		}
+		out = make([]piece, 0, blocks*len(mine)+1)
 		for i := range blocks {
 			for _, s := range mine {
 				out = append(out, piece{unit: i, src: uint64(s.Src), dst: uint64(s.Dst), len: uint64(s.Len)})

@@ -195,14 +195,40 @@ type subTicket struct {
 // offset, length) triples, the deadline in Unix nanoseconds, so a ticket
 // of thousands of extents decodes in microseconds.
 type wireTicket struct {
-	Agent     string   `msgpack:"agent"`
-	Grant     uint64   `msgpack:"grant"`
-	Epoch     uint64   `msgpack:"epoch"`
-	Token     []byte   `msgpack:"token"`
-	RequestID uint64   `msgpack:"request_id"`
-	Extents   []uint64 `msgpack:"extents"`
-	Bytes     uint64   `msgpack:"bytes"`
-	Deadline  int64    `msgpack:"deadline"`
+	Agent     string `msgpack:"agent"`
+	Grant     uint64 `msgpack:"grant"`
+	Epoch     uint64 `msgpack:"epoch"`
+	Token     []byte `msgpack:"token"`
+	RequestID uint64 `msgpack:"request_id"`
+	Extents   words  `msgpack:"extents"`
+	Bytes     uint64 `msgpack:"bytes"`
+	Deadline  int64  `msgpack:"deadline"`
+}
+
+// words is a msgpack array of unsigned integers, decoded element by
+// element without reflection: a ticket of a 512-block send carries 1,539
+// of them, which reflection took about 80 µs to decode, on the send's path.
+type words []uint64
+
+var _ msgpack.CustomDecoder = (*words)(nil)
+
+func (w *words) DecodeMsgpack(d *msgpack.Decoder) error {
+	n, err := d.DecodeArrayLen()
+	if err != nil || n < 0 {
+		*w = nil
+		return err
+	}
+	// A length is only a claim: grow with what actually decodes.
+	out := make([]uint64, 0, min(n, 1<<12))
+	for range n {
+		v, err := d.DecodeUint64()
+		if err != nil {
+			return err
+		}
+		out = append(out, v)
+	}
+	*w = out
+	return nil
 }
 
 func toWire(t rdma.Ticket) wireTicket {
