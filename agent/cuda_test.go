@@ -249,47 +249,113 @@ func TestDeviceMemoryOneAllocation(t *testing.T) {
 // to device from the sending engine's own allocation (the sending agent
 // hands on the engine's handle, which the driver lets a third process open,
 // where a handle of its own mapping would be refused): the blocks and the
-// row land byte-exact, every byte by the pull and none staged, and once the
-// sending engine went the receiving agent's mappings of its memory are
-// closed. Each agent's driver is another "process" (a fake with its own
-// pid), as are the engines'.
+// row land byte-exact, every byte by the pull and none staged, the sender's
+// allocations opened once. A second engine of the receiving agent pulls
+// from the same allocations through the same mappings, and keeps them
+// when the first engine goes; they are closed once the sending engine went.
+// Each agent's driver is another "process" (a fake with its own pid), as
+// are the engines'.
 func TestDeviceMemoryCUDAIPC(t *testing.T) {
 	exp := cudafake.New(cudafake.Config{})
-	start := func(name string, shift int) (string, *Agent, *cudafake.Driver) {
-		imp := cudafake.New(cudafake.Config{PID: os.Getpid() + shift<<22})
-		sock, a, _ := serveAgent(t, Config{Name: name, Transports: []rdma.Transport{rdma.TransportCUDAIPC, rdma.TransportTCP},
-			CUDA: func() (cuda.Driver, error) { return imp, nil }}, nil)
-		return sock, a, imp
-	}
-	sockA, _, _ := start("gpu-a", 1)
-	sockB, agentB, impB := start("gpu-b", 2)
+	sockA, _, _ := startIPCAgent(t, "gpu-a", 1)
+	sockB, agentB, impB := startIPCAgent(t, "gpu-b", 2)
 	src := registerDevice(t, sockA, exp, tinyLayout(), 10)
 	dst := registerDevice(t, sockB, exp, tinyLayout(), 20)
 	require.Equal(t, 2, impB.Stats().Imports, "the receiving agent maps its engine's two pools")
 	require.NotEqual(t, src.block(t, 1), dst.block(t, 7))
-	ctx := ctxT(t)
 
-	gr, err := dst.c.Call(ctx, Request{Op: OpGrant, RequestID: 1, Blocks: []int{7, 2}, Row: Row(3)}, nil)
-	require.NoError(t, err)
-	rep, err := src.c.Call(ctx, Request{Op: OpSend, Ticket: gr.Ticket, Blocks: []int{1, 4}, Row: Row(0), Wait: true}, nil)
-	require.NoError(t, err)
-	ev, err := dst.c.WaitEvent(ctx, func(r Reply) bool { return r.Ev == EvGrantDone || r.Ev == EvGrantFailed })
-	require.NoError(t, err)
-	require.Equal(t, EvGrantDone, ev.Ev, "%s: %s", ev.Code, ev.Msg)
-	require.Equal(t, src.block(t, 1), dst.block(t, 7))
-	require.Equal(t, src.block(t, 4), dst.block(t, 2))
-	require.Equal(t, src.row(t, 0), dst.row(t, 3))
-
+	rep := ipcSend(t, src, dst, 1, []int{1, 4}, 0, []int{7, 2}, 3)
 	want := uint64(2*src.p.kv.BlockBytes() + src.p.mamba.RowBytes())
 	require.Equal(t, want, rep.Bytes)
 	st := engineStats(agentB)
 	require.Equal(t, want, st.BytesPulled, "every byte copied device to device from the sender's allocation")
 	require.Zero(t, st.BytesStaged, "none staged through host memory")
-	require.Equal(t, 4, impB.Stats().Imports, "and the sender's two allocations mapped once each")
+	require.Equal(t, 4, impB.Stats().Imports, "and the sender's two allocations mapped")
+	require.Equal(t, 2, importOpens(t, agentB), "once each")
+
+	// A second engine of agent B pulls from the same allocations through
+	// the same mappings; the first one's going leaves them to it.
+	dst2 := registerDevice(t, sockB, exp, tinyLayout(), 30)
+	ipcSend(t, src, dst2, 2, []int{5}, 1, []int{3}, 2)
+	dst.c.Close()
+	require.Eventually(t, func() bool { return engineCount(agentB) == 1 }, 5*time.Second, 10*time.Millisecond)
+	ipcSend(t, src, dst2, 3, []int{6}, 2, []int{4}, 0)
+	require.Equal(t, 2, importOpens(t, agentB), "the sender's allocations were never reopened")
+	require.Equal(t, 4, impB.Stats().Imports, "dst2's pools and the sender's two, still mapped")
 
 	src.c.Close()
 	require.Eventually(t, func() bool { return impB.Stats().Imports == 2 }, 5*time.Second, 10*time.Millisecond,
 		"the sending engine went: the receiving agent closed its mappings of that engine's memory")
+}
+
+// TestDeviceMemoryCUDAIPCOneAgent: two engines of one agent, both in
+// device memory, with cuda-ipc: the receiving engine's side pulls from the
+// allocation the sending engine's side mapped already (the driver would
+// refuse a second open of the handle in one process) and shares that
+// mapping, which outlives the sending engine's session until the pull's
+// connection ended.
+func TestDeviceMemoryCUDAIPCOneAgent(t *testing.T) {
+	exp := cudafake.New(cudafake.Config{})
+	sock, a, imp := startIPCAgent(t, "gpu", 1)
+	src := registerDevice(t, sock, exp, tinyLayout(), 10)
+	dst := registerDevice(t, sock, exp, tinyLayout(), 20)
+	require.Equal(t, 4, imp.Stats().Imports)
+	ipcSend(t, src, dst, 1, []int{1, 4}, 0, []int{7, 2}, 3)
+	require.Equal(t, uint64(2*src.p.kv.BlockBytes()+src.p.mamba.RowBytes()), engineStats(a).BytesPulled)
+	require.Equal(t, 4, imp.Stats().Imports, "no second mapping of the sender's allocations")
+	src.c.Close()
+	require.Eventually(t, func() bool { return imp.Stats().Imports == 2 }, 5*time.Second, 10*time.Millisecond,
+		"the sending engine went: its mappings closed once the pull's connection ended too")
+	require.Equal(t, src.block(t, 1), dst.block(t, 7), "and the bytes that landed stay")
+}
+
+// startIPCAgent starts an agent serving cuda-ipc and tcp whose driver is a
+// fake standing for another process (its pid shifted by shift<<22).
+func startIPCAgent(t *testing.T, name string, shift int) (string, *Agent, *cudafake.Driver) {
+	t.Helper()
+	imp := cudafake.New(cudafake.Config{PID: os.Getpid() + shift<<22})
+	sock, a, _ := serveAgent(t, Config{Name: name, Transports: []rdma.Transport{rdma.TransportCUDAIPC, rdma.TransportTCP},
+		CUDA: func() (cuda.Driver, error) { return imp, nil }}, nil)
+	return sock, a, imp
+}
+
+// ipcSend sends src's blocks and row into dst's (one send, answered when it
+// ended), checks that it landed byte-exact and returns the send's reply.
+func ipcSend(t *testing.T, src, dst *devEngine, req uint64, from []int, fromRow int, to []int, toRow int) Reply {
+	t.Helper()
+	ctx := ctxT(t)
+	gr, err := dst.c.Call(ctx, Request{Op: OpGrant, RequestID: req, Blocks: to, Row: Row(toRow)}, nil)
+	require.NoError(t, err)
+	rep, err := src.c.Call(ctx, Request{Op: OpSend, Ticket: gr.Ticket, Blocks: from, Row: Row(fromRow), Wait: true}, nil)
+	require.NoError(t, err)
+	ev, err := dst.c.WaitEvent(ctx, func(r Reply) bool { return r.Ev == EvGrantDone || r.Ev == EvGrantFailed })
+	require.NoError(t, err)
+	require.Equal(t, EvGrantDone, ev.Ev, "%s: %s", ev.Code, ev.Msg)
+	for i := range from {
+		require.Equal(t, src.block(t, from[i]), dst.block(t, to[i]), "block %d -> %d", from[i], to[i])
+	}
+	require.Equal(t, src.row(t, fromRow), dst.row(t, toRow))
+	return rep
+}
+
+// importOpens is how many IPC handles a's devices opened for Import.
+func importOpens(t *testing.T, a *Agent) int {
+	t.Helper()
+	a.cuda.mu.Lock()
+	defer a.cuda.mu.Unlock()
+	n := 0
+	for _, d := range a.cuda.devs {
+		opens, _ := d.ImportStats()
+		n += opens
+	}
+	return n
+}
+
+// engineCount is how many engines a serves.
+func engineCount(a *Agent) int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.sessions)
 }
 
 // engineStats sums the data-path counters of a's registrations.

@@ -88,10 +88,6 @@ type devState struct {
 	ns      string   // IPC namespace
 	idle    map[*cuda.Device][]*cuda.Stager
 	closed  bool
-	// pulls counts, per writer pid, the live connections that opened its
-	// exports; the last one to end closes the cached mappings (a live
-	// writer keeps a connection, so then it has exited or gone away).
-	pulls map[int]int
 }
 
 // add records a device that a region lives on.
@@ -615,7 +611,7 @@ func (c *rxConn) pull(h *header) error {
 		ld.nosum = true
 		d := ld.dev.a.Device()
 		var src cuda.DevicePtr
-		c.imported(pr.buf.PID) // before Import: a mapping is not closed under it
+		c.imported(d, pr.buf.PID) // before Import: a mapping is not closed under it
 		if src, lerr = d.Import(pr.buf); lerr == nil {
 			var n uint64
 			n, lerr = d.CopyChunked(context.Background(), ld.dev.ptr(), src+cuda.DevicePtr(pr.off), pr.n, 0, pullFence{c})
@@ -660,41 +656,32 @@ func (f pullFence) End() error { return nil }
 
 var _ cuda.Bracket = pullFence{}
 
-// imported notes that this connection opens allocations of process pid.
-func (c *rxConn) imported(pid int) {
-	if slices.Contains(c.pids, pid) {
+// pulledFrom is a device this connection imported allocations of process
+// pid on.
+type pulledFrom struct {
+	d   *cuda.Device
+	pid int
+}
+
+// imported notes that this connection opens allocations of process pid on
+// d: d keeps them mapped until every connection that did so (of any engine
+// sharing d, as an agent's engines do) has ended.
+func (c *rxConn) imported(d *cuda.Device, pid int) {
+	k := pulledFrom{d, pid}
+	if slices.Contains(c.pulled, k) {
 		return
 	}
-	c.pids = append(c.pids, pid)
-	s := &c.e.devs
-	s.mu.Lock()
-	if s.pulls == nil {
-		s.pulls = make(map[int]int)
-	}
-	s.pulls[pid]++
-	s.mu.Unlock()
+	c.pulled = append(c.pulled, k)
+	d.RetainPeer(pid)
 }
 
 // forgetGone runs when the connection ends: the writers it pulled from that
-// have no other connection left lose their cached mappings here.
+// no other connection pulls from any more lose their cached mappings here.
 func (c *rxConn) forgetGone() {
-	s := &c.e.devs
-	for _, pid := range c.pids {
-		s.mu.Lock()
-		s.pulls[pid]--
-		if s.pulls[pid] > 0 {
-			s.mu.Unlock()
-			continue
+	for _, k := range c.pulled {
+		if err := k.d.ReleasePeer(k.pid); err != nil && !errors.Is(err, cuda.ErrClosed) {
+			c.e.log.Warn("rdma: closing a writer's cuda-ipc mappings", "pid", k.pid, "err", err)
 		}
-		delete(s.pulls, pid)
-		// Under s.mu: a connection that starts pulling from pid meanwhile
-		// counts itself first, then imports anew.
-		for _, d := range s.devices {
-			if err := d.ForgetPeer(pid); err != nil && !errors.Is(err, cuda.ErrClosed) {
-				c.e.log.Warn("rdma: closing a writer's cuda-ipc mappings", "pid", pid, "err", err)
-			}
-		}
-		s.mu.Unlock()
 	}
-	c.pids = nil
+	c.pulled = nil
 }

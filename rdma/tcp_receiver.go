@@ -166,13 +166,13 @@ type rxConn struct {
 	out     []byte // reply scratch
 	mbuf    []byte // manifest payload scratch
 	man     Manifest
-	cur     *Grant      // last grant looked up
-	touched []*Grant    // grants this connection landed bytes in since its last commit
-	refused []rejection // refusals since the last commit
-	aborted atomic.Bool // a grant fence set our read deadline
-	pids    []int       // writer processes whose cuda-ipc exports this connection opened
-	shm     *shmRxState // shm only
-	counted bool        // writerUp was called for this connection (hello)
+	cur     *Grant       // last grant looked up
+	touched []*Grant     // grants this connection landed bytes in since its last commit
+	refused []rejection  // refusals since the last commit
+	aborted atomic.Bool  // a grant fence set our read deadline
+	pulled  []pulledFrom // writer processes whose cuda-ipc exports this connection opened, by device
+	shm     *shmRxState  // shm only
+	counted bool         // writerUp was called for this connection (hello)
 }
 
 func newRxConn(e *Engine, c net.Conn, kind Transport) *rxConn {

@@ -21,6 +21,7 @@ type Arena struct {
 	// in (OpenIPC), 0 for an allocation of its own: Free closes the
 	// mapping instead of freeing.
 	opened DevicePtr
+	handle IpcMemHandle // the handle opened: Free lets it go
 	// from is that allocation as its exporter's handle names it, for
 	// Export (Offset 0); nil where the exporter is not known.
 	from *IPCBuffer
@@ -91,7 +92,8 @@ func (a *Arena) WriteAt(p []byte, off int64) (int, error) {
 // OpenIPC maps the allocation process pid exported as h (its
 // cuIpcGetMemHandle) and returns an arena over size bytes of it from off:
 // how a sidecar reaches an engine's cache tensors, which lie at an offset
-// in an allocation of the engine's allocator. Free closes the mapping; the
+// in an allocation of the engine's allocator. Free closes the mapping (once
+// nothing else in this process uses the handle: Import shares it); the
 // exporter keeps its allocation. A range past the allocation is refused.
 //
 // The arena (and its views) Export the exporter's handle, so that a third
@@ -106,7 +108,7 @@ func (d *Device) OpenIPC(h IpcMemHandle, pid int, off, size uint64) (*Arena, err
 	var base DevicePtr
 	var from *IPCBuffer
 	err := d.Do(func(drv Driver) error {
-		p, err := drv.IpcOpenMemHandle(h, IpcLazyEnablePeerAccess)
+		p, err := d.openHandle(drv, h)
 		if err != nil {
 			return err
 		}
@@ -114,15 +116,13 @@ func (d *Device) OpenIPC(h IpcMemHandle, pid int, off, size uint64) (*Arena, err
 		if err == nil && (off > n || size > n-off) {
 			err = fmt.Errorf("%w: %d bytes at offset %d of an allocation of %d", ErrInvalidValue, size, off, n)
 		}
-		var id uint64
-		if err == nil && pid > 0 {
-			id, err = drv.PointerGetAttribute(PointerAttributeBufferID, p)
-		}
 		if err != nil {
-			return errors.Join(err, drv.IpcCloseMemHandle(p))
+			return errors.Join(err, d.closeHandle(drv, h))
 		}
 		base = p
-		if pid > 0 {
+		// Without a buffer id the arena still works; it only stays
+		// unexportable (peers reach it by tcp).
+		if id, err := drv.PointerGetAttribute(PointerAttributeBufferID, p); err == nil && pid > 0 {
 			from = &IPCBuffer{Handle: h, Base: p, Size: n, BufferID: forwardedID(h, id), Device: d.uuid, PID: pid}
 		}
 		return nil
@@ -130,7 +130,7 @@ func (d *Device) OpenIPC(h IpcMemHandle, pid int, off, size uint64) (*Arena, err
 	if err != nil {
 		return nil, err
 	}
-	return &Arena{d: d, ptr: base + DevicePtr(off), size: size, opened: base, from: from}, nil
+	return &Arena{d: d, ptr: base + DevicePtr(off), size: size, opened: base, handle: h, from: from}, nil
 }
 
 // forwardedID is the buffer id an opened allocation is exported under. Its
@@ -154,7 +154,7 @@ func (a *Arena) View(off, size uint64) (*Arena, error) {
 	if size == 0 || off > a.size || size > a.size-off {
 		return nil, fmt.Errorf("%w: a view of %d bytes at %d of an arena of %d", ErrInvalidValue, size, off, a.size)
 	}
-	return &Arena{d: a.d, ptr: a.ptr + DevicePtr(off), size: size, opened: a.opened, from: a.from, view: true}, nil
+	return &Arena{d: a.d, ptr: a.ptr + DevicePtr(off), size: size, opened: a.opened, handle: a.handle, from: a.from, view: true}, nil
 }
 
 // Export describes the arena for CUDA IPC: an allocation of this process
@@ -179,7 +179,7 @@ func (a *Arena) Free() error {
 		return nil
 	}
 	if a.opened != 0 {
-		return a.d.Do(func(drv Driver) error { return drv.IpcCloseMemHandle(a.opened) })
+		return a.d.Do(func(drv Driver) error { return a.d.closeHandle(drv, a.handle) })
 	}
 	return a.d.Free(a.ptr)
 }

@@ -135,3 +135,53 @@ func TestArenaOpenIPC(t *testing.T) {
 		t.Fatalf("the exporter's allocation after the importer's Free: %v", err)
 	}
 }
+
+// TestImportSharesOpenedHandle: a process that opened an allocation with
+// OpenIPC and then Imports it (a pull naming the same handle) gets the same
+// mapping, since the driver refuses a second open of a handle in one
+// process; the mapping is closed only once both let it go, in either order.
+func TestImportSharesOpenedHandle(t *testing.T) {
+	exp := cudafake.New(cudafake.Config{})
+	de := openDev(t, exp, "0")
+	a, err := de.NewArena(1 << 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Free() //nolint:errcheck
+	b, err := a.Export()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, freeFirst := range []bool{true, false} {
+		imp := cudafake.New(cudafake.Config{PID: os.Getpid() + 1<<22})
+		di := openDev(t, imp, "0")
+		o, err := di.OpenIPC(b.Handle, b.PID, 4096, 8192)
+		if err != nil {
+			t.Fatal(err)
+		}
+		di.RetainPeer(b.PID)
+		p, err := di.Import(b)
+		if err != nil {
+			t.Fatalf("import of a handle opened by OpenIPC: %v", err)
+		}
+		if p+4096 != o.Ptr() || imp.Stats().Imports != 1 {
+			t.Fatalf("import at %#x, arena at %#x, %d mappings: want one, shared", p, o.Ptr(), imp.Stats().Imports)
+		}
+		first, second := o.Free, func() error { return di.ReleasePeer(b.PID) }
+		if !freeFirst {
+			first, second = second, first
+		}
+		if err := first(); err != nil {
+			t.Fatal(err)
+		}
+		if n := imp.Stats().Imports; n != 1 {
+			t.Fatalf("free first %v: the other user's mapping was closed (%d left)", freeFirst, n)
+		}
+		if err := second(); err != nil {
+			t.Fatal(err)
+		}
+		if n := imp.Stats().Imports; n != 0 {
+			t.Fatalf("free first %v: %d mappings left after both let go", freeFirst, n)
+		}
+	}
+}

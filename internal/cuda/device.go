@@ -41,6 +41,20 @@ type Device struct {
 	imports map[importKey]*mapping
 	opens   int // IPC handles opened (cache misses)
 	hits    int // Import answered from the cache
+	// handles are the IPC handles open in this process, each opened once
+	// (the driver refuses a second open of a handle in one process) and
+	// shared by OpenIPC's arenas and Import's mappings: closed when the
+	// last of them lets go.
+	handles map[IpcMemHandle]*handleRef
+	// peers counts, per exporter pid, the users of Import's mappings of
+	// that process's allocations (RetainPeer); the last ReleasePeer
+	// closes them.
+	peers map[int]int
+}
+
+type handleRef struct {
+	ptr  DevicePtr
+	refs int
 }
 
 type importKey struct {
@@ -52,6 +66,7 @@ type importKey struct {
 type mapping struct {
 	bufferID uint64
 	ptr      DevicePtr
+	handle   IpcMemHandle
 }
 
 // OpenDevice starts the executor for the device sel names: a CUDA ordinal
@@ -66,6 +81,8 @@ func OpenDevice(drv Driver, sel string) (*Device, error) {
 		quit:    make(chan struct{}),
 		done:    make(chan struct{}),
 		imports: map[importKey]*mapping{},
+		handles: map[IpcMemHandle]*handleRef{},
+		peers:   map[int]int{},
 	}
 	ready := make(chan error, 1) // the executor reports once and never waits on it
 	go d.run(sel, ready)
@@ -164,8 +181,13 @@ func (d *Device) teardown() error {
 		errs = append(errs, d.drv.EventDestroy(ev))
 	}
 	d.events = nil
-	for _, m := range d.takeImports(func(importKey) bool { return true }) {
-		errs = append(errs, d.drv.IpcCloseMemHandle(m.ptr))
+	d.takeImports(func(importKey) bool { return true })
+	d.mu.Lock()
+	hs := d.handles
+	d.handles = map[IpcMemHandle]*handleRef{}
+	d.mu.Unlock()
+	for _, h := range hs {
+		errs = append(errs, d.drv.IpcCloseMemHandle(h.ptr))
 	}
 	errs = append(errs,
 		d.drv.StreamDestroy(d.stream),
@@ -456,6 +478,12 @@ func processID(drv Driver) int {
 // IPCBuffer describes a device allocation exported to processes on the same
 // host: what a peer needs to open it once and to know when its cached
 // mapping went stale.
+//
+// An allocation that a process opened by handle and passes on (Arena.Export
+// of an OpenIPC arena) names its exporter's handle and pid, but Base is the
+// forwarding process's mapping: a cache key, not an address of the
+// exporter's. The exporter itself never imports it (Import would take Base
+// for its own address).
 type IPCBuffer struct {
 	Handle   IpcMemHandle
 	Base     DevicePtr // in the exporter's address space; the cache key
@@ -500,7 +528,8 @@ func (d *Device) Export(p DevicePtr) (IPCBuffer, error) {
 // A reopen closes the stale mapping: the caller must not copy through an
 // address of an allocation its exporter has freed (it would read or write
 // whatever the exporter allocated there next), and the same holds once
-// ForgetPeer or Close ran.
+// ForgetPeer, the last ReleasePeer or Close ran. A handle this process has
+// open already (OpenIPC, another key) is that mapping, shared.
 func (d *Device) Import(b IPCBuffer) (DevicePtr, error) {
 	if b.PID == d.pid {
 		return b.Base, nil
@@ -522,17 +551,17 @@ func (d *Device) Import(b IPCBuffer) (DevicePtr, error) {
 		delete(d.imports, k)
 		d.mu.Unlock()
 		if stale != nil {
-			if err := drv.IpcCloseMemHandle(stale.ptr); err != nil {
+			if err := d.closeHandle(drv, stale.handle); err != nil {
 				return err
 			}
 		}
-		ptr, err := drv.IpcOpenMemHandle(b.Handle, IpcLazyEnablePeerAccess)
+		ptr, err := d.openHandle(drv, b.Handle)
 		if err != nil {
 			return err
 		}
 		d.mu.Lock()
 		d.opens++
-		d.imports[k] = &mapping{bufferID: b.BufferID, ptr: ptr}
+		d.imports[k] = &mapping{bufferID: b.BufferID, ptr: ptr, handle: b.Handle}
 		d.mu.Unlock()
 		p = ptr
 		return nil
@@ -551,16 +580,92 @@ func (d *Device) cached(k importKey, bufferID uint64) (DevicePtr, bool) {
 	return 0, false
 }
 
-// ForgetPeer closes every mapping opened from process pid (a peer that
-// left); its allocations are freed once the exporter frees them too.
+// ForgetPeer closes every mapping Import opened from process pid (a peer
+// that left); its allocations are freed once the exporter frees them too.
 func (d *Device) ForgetPeer(pid int) error {
 	return d.Do(func(drv Driver) error {
 		var errs []error
 		for _, m := range d.takeImports(func(k importKey) bool { return k.pid == pid }) {
-			errs = append(errs, drv.IpcCloseMemHandle(m.ptr))
+			errs = append(errs, d.closeHandle(drv, m.handle))
 		}
 		return errors.Join(errs...)
 	})
+}
+
+// RetainPeer counts one more user of the mappings Import opens of process
+// pid's allocations (a connection that pulls from it; call it before
+// Import): they stay open until as many ReleasePeer calls. Users of one
+// Device (engines sharing it) thus never close each other's mappings.
+func (d *Device) RetainPeer(pid int) {
+	d.mu.Lock()
+	d.peers[pid]++
+	d.mu.Unlock()
+}
+
+// ReleasePeer drops one user of pid's mappings; the last one closes them
+// (ForgetPeer). The count drops and the mappings leave the cache together,
+// on the executor: an Import after a RetainPeer that came too late for
+// this release opens anew, after the close.
+func (d *Device) ReleasePeer(pid int) error {
+	return d.Do(func(drv Driver) error {
+		d.mu.Lock()
+		if d.peers[pid]--; d.peers[pid] > 0 {
+			d.mu.Unlock()
+			return nil
+		}
+		delete(d.peers, pid)
+		var gone []*mapping
+		for k, m := range d.imports {
+			if k.pid == pid {
+				gone = append(gone, m)
+				delete(d.imports, k)
+			}
+		}
+		d.mu.Unlock()
+		var errs []error
+		for _, m := range gone {
+			errs = append(errs, d.closeHandle(drv, m.handle))
+		}
+		return errors.Join(errs...)
+	})
+}
+
+// openHandle returns this process's mapping of h, opening it the first
+// time; every call is matched by a closeHandle. Executor only.
+func (d *Device) openHandle(drv Driver, h IpcMemHandle) (DevicePtr, error) {
+	d.mu.Lock()
+	if r := d.handles[h]; r != nil {
+		r.refs++
+		d.mu.Unlock()
+		return r.ptr, nil
+	}
+	d.mu.Unlock()
+	p, err := drv.IpcOpenMemHandle(h, IpcLazyEnablePeerAccess)
+	if err != nil {
+		return 0, err
+	}
+	d.mu.Lock()
+	d.handles[h] = &handleRef{ptr: p, refs: 1}
+	d.mu.Unlock()
+	return p, nil
+}
+
+// closeHandle lets one use of h's mapping go, closing the mapping with the
+// last. Executor only.
+func (d *Device) closeHandle(drv Driver, h IpcMemHandle) error {
+	d.mu.Lock()
+	r := d.handles[h]
+	if r == nil {
+		d.mu.Unlock()
+		return fmt.Errorf("%w: closing an IPC handle that is not open", ErrInvalidValue)
+	}
+	if r.refs--; r.refs > 0 {
+		d.mu.Unlock()
+		return nil
+	}
+	delete(d.handles, h)
+	d.mu.Unlock()
+	return drv.IpcCloseMemHandle(r.ptr)
 }
 
 // ImportStats returns how many handles Import opened and how many it
