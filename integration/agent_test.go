@@ -505,8 +505,9 @@ func goSend(t *testing.T, tr rdma.Transport, size int64, n, reps int) (best, med
 }
 
 // goWriter sets up two rdma engines in this process over tr, the
-// destination's size bytes in n extents, and returns a function that times
-// one write of them (grant to verdict), as two workers make it.
+// destination's size bytes in n extents, and returns a function that makes
+// one write of them as two workers do and times its Write (the write and
+// the commit's verdict; the grant is opened before, waited for after).
 func goWriter(t *testing.T, tr rdma.Transport, size int64, n int) func() float64 {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)

@@ -86,9 +86,17 @@ func natsPeer(t *testing.T, role string, args ...string) string {
 			<-done
 		}
 	})
-	line, err := bufio.NewReader(stdout).ReadString('\n')
-	require.NoError(t, err, "nats %s process did not start", role)
-	require.Equal(t, "ready\n", line, "nats %s process", role)
+	ready := make(chan string, 1)
+	go func() {
+		line, _ := bufio.NewReader(stdout).ReadString('\n')
+		ready <- line
+	}()
+	select {
+	case line := <-ready:
+		require.Equal(t, "ready\n", line, "nats %s process", role)
+	case <-time.After(30 * time.Second):
+		t.Fatalf("nats %s process not ready in 30 s", role)
+	}
 	return ""
 }
 
