@@ -96,7 +96,7 @@ func (c *Client) read() {
 // decodeReply decodes a reply or event frame's body.
 func decodeReply(b []byte) (Reply, error) {
 	var r Reply
-	if err := msgpack.Unmarshal(b, &r); err != nil {
+	if err := unmarshal(b, &r); err != nil {
 		return Reply{}, fmt.Errorf("%w: reply: %w", ErrBadRequest, err)
 	}
 	if (r.Re == 0) == (r.Ev == "") {

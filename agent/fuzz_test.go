@@ -2,6 +2,8 @@ package agent
 
 import (
 	"bytes"
+	"encoding/binary"
+	"runtime"
 	"testing"
 
 	"github.com/vmihailenco/msgpack/v5"
@@ -115,4 +117,48 @@ func FuzzDecodeReply(f *testing.F) {
 			t.Fatalf("accepted %+v", r)
 		}
 	})
+}
+
+// TestDecodersRefuseLengthsTheyDoNotHold: a request, a ticket, a reply and
+// an offer whose array claims 2^22 elements it does not hold are refused as
+// bad input, and without allocating for the claim (msgpack's reflection
+// would allocate the slice first: 32 MiB of block numbers, half a GiB of
+// sub-tickets).
+func TestDecodersRefuseLengthsTheyDoNotHold(t *testing.T) {
+	huge := binary.BigEndian.AppendUint32([]byte{0xdd}, 1<<22)
+	str := func(s string) []byte { return append([]byte{0xa0 | byte(len(s))}, s...) }
+	fixmap := func(kv ...[]byte) []byte {
+		b := []byte{0x80 | byte(len(kv)/2)}
+		for _, x := range kv {
+			b = append(b, x...)
+		}
+		return b
+	}
+	bin := func(p []byte) []byte {
+		return append(binary.BigEndian.AppendUint32([]byte{0xc6}, uint32(len(p))), p...)
+	}
+	tk := fixmap(str("v"), []byte{0x01}, str("subs"), huge)
+	for _, tc := range []struct {
+		name   string
+		decode func() error
+	}{
+		{"request", func() error { _, err := decodeRequest(fixmap(str("op"), str("send"), str("blocks"), huge)); return err }},
+		{"ticket", func() error { _, _, _, _, err := decodeTicket(tk, 0); return err }},
+		{"reply", func() error { _, err := decodeReply(fixmap(str("re"), []byte{0x01}, str("peers"), huge)); return err }},
+		{"offer", func() error {
+			_, _, err := decodeOffer(fixmap(str("from"), str("a"), str("ticket"), bin(tk)))
+			return err
+		}},
+	} {
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		err := tc.decode()
+		runtime.ReadMemStats(&after)
+		if err == nil {
+			t.Errorf("%s: decoded", tc.name)
+		}
+		if n := after.TotalAlloc - before.TotalAlloc; n > 1<<20 {
+			t.Errorf("%s: allocated %d bytes for what it claimed (%v)", tc.name, n, err)
+		}
+	}
 }

@@ -122,10 +122,10 @@ func (a *Agent) takeOffer(m *nats.Msg) {
 func decodeOffer(b []byte) (offer, ticket, error) {
 	var o offer
 	var t ticket
-	if err := msgpack.Unmarshal(b, &o); err != nil {
+	if err := unmarshal(b, &o); err != nil {
 		return offer{}, ticket{}, fmt.Errorf("%w: offer: %w", ErrBadTicket, err)
 	}
-	if err := msgpack.Unmarshal(o.Ticket, &t); err != nil {
+	if err := unmarshal(o.Ticket, &t); err != nil {
 		return offer{}, ticket{}, fmt.Errorf("%w: offered ticket: %w", ErrBadTicket, err)
 	}
 	return o, t, nil
@@ -151,7 +151,7 @@ func (s *session) offer(q Request) (Reply, error) {
 		return Reply{}, fmt.Errorf("%w: offer to agent %q: %w", ErrPeerUnreachable, q.To, err)
 	}
 	var rep offerReply
-	if err := msgpack.Unmarshal(m.Data, &rep); err != nil {
+	if err := unmarshal(m.Data, &rep); err != nil {
 		return Reply{}, fmt.Errorf("%w: agent %q's answer: %w", ErrPeerUnreachable, q.To, err)
 	}
 	if rep.Code != "" {

@@ -7,7 +7,6 @@ package agent
 // whenever a grant or a send ends. No IO here but io.Reader/io.Writer.
 
 import (
-	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
@@ -19,6 +18,7 @@ import (
 
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/handoff-io/handoff/reshard"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // Version is the local API's version, sent in hello.
@@ -118,6 +118,17 @@ type Peer struct {
 	Transports  []string `msgpack:"transports,omitempty"`
 }
 
+// unmarshal decodes msgpack bytes from another process (an engine, an
+// agent) into v, once wire.CheckShape found that they hold what they
+// claim: msgpack's reflection would allocate whatever length an array
+// claims before reading it.
+func unmarshal(b []byte, v any) error {
+	if err := wire.CheckShape(b); err != nil {
+		return err
+	}
+	return msgpack.Unmarshal(b, v)
+}
+
 // writeFrame writes v as one frame.
 func writeFrame(w io.Writer, v any) error {
 	b, err := msgpack.Marshal(v)
@@ -155,8 +166,7 @@ func readFrame(r io.Reader) ([]byte, error) {
 // decodeRequest decodes a frame's body into a Request.
 func decodeRequest(b []byte) (Request, error) {
 	var q Request
-	d := msgpack.NewDecoder(bytes.NewReader(b))
-	if err := d.Decode(&q); err != nil {
+	if err := unmarshal(b, &q); err != nil {
 		return Request{}, fmt.Errorf("%w: %w", ErrBadRequest, err)
 	}
 	if q.Op == "" {
@@ -284,7 +294,7 @@ func decodeTicket(b []byte, rank int) (t ticket, d rdma.Descriptor, rt rdma.Tick
 	fail := func(format string, args ...any) (ticket, rdma.Descriptor, rdma.Ticket, bool, error) {
 		return ticket{}, rdma.Descriptor{}, rdma.Ticket{}, false, fmt.Errorf("%w: "+format, append([]any{ErrBadTicket}, args...)...)
 	}
-	if err := msgpack.NewDecoder(bytes.NewReader(b)).Decode(&t); err != nil {
+	if err := unmarshal(b, &t); err != nil {
 		return fail("%v", err)
 	}
 	switch {

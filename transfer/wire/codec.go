@@ -225,6 +225,9 @@ func decode(b []byte, v any, version *uint8) error {
 	// (GetDecoder/PutDecoder) the fuzzing worker of FuzzDecodeCancel exited
 	// with status 2 within minutes, on inputs that pass when replayed alone;
 	// without the pool it ran clean. The cause inside the pool is not known.
+	if err := CheckShape(b); err != nil {
+		return err
+	}
 	dec := msgpack.NewDecoder(bytes.NewReader(b))
 	if err := dec.Decode(v); err != nil {
 		return fmt.Errorf("%w: %w", ErrBadMessage, err)

@@ -416,6 +416,25 @@ func (r *reader) skip() error {
 	return err
 }
 
+// CheckShape reports whether b begins with one msgpack value that its bytes
+// hold: every length it claims (of an array, a map, a string, bytes or an
+// extension) fits in what follows, and it nests at most 32 deep. It reads
+// and allocates nothing beyond b.
+//
+// Run it before decoding untrusted bytes by msgpack's reflection: version
+// 5.4.1 of vmihailenco/msgpack allocates a slice of the length an array
+// claims before reading an element of it (its allocation limit is never
+// applied to slices), so a few bytes claiming 2^28 elements would take the
+// process's memory. This package's own messages that go through reflection
+// (decode) are checked so too.
+func CheckShape(b []byte) error {
+	r := reader{b: b}
+	if err := r.skip(); err != nil {
+		return fmt.Errorf("%w: %w", ErrBadMessage, err)
+	}
+	return nil
+}
+
 // skipN skips n values nested one level deeper.
 func (r *reader) skipN(n int) error {
 	if r.depth >= maxDepth {
