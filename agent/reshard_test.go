@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -123,5 +124,42 @@ func TestPlaceRefusesMisfits(t *testing.T) {
 	} {
 		_, err := place(pcs, ext)
 		require.ErrorIs(t, err, ErrBadTicket, "%v", ext)
+	}
+}
+
+// TestCheckNames: a block named twice is refused whether the send names a
+// few blocks (compared with each other) or many (marked in a bitset), as
+// are blocks outside the pool and reserved rows.
+func TestCheckNames(t *testing.T) {
+	l := tinyLayout()
+	l.KV.Blocks = 200
+	p, err := compile(l)
+	require.NoError(t, err)
+	many := make([]int, 100)
+	for i := range many {
+		many[i] = 199 - i
+	}
+	for _, tc := range []struct {
+		name   string
+		blocks []int
+		row    int
+		want   error
+	}{
+		{"few", []int{3, 1, 2}, 0, nil},
+		{"few, one twice", []int{3, 1, 3}, 0, ErrBadRequest},
+		{"many", many, -1, nil},
+		{"many, one twice", append(slices.Clone(many), 150), -1, ErrBadRequest},
+		{"many, the first twice", append(slices.Clone(many), 199), -1, ErrBadRequest},
+		{"outside the pool", []int{200}, -1, ErrBadRequest},
+		{"negative", []int{-1}, -1, ErrBadRequest},
+		{"reserved row", []int{1}, 5, ErrReserved},
+		{"nothing", nil, -1, ErrBadRequest},
+	} {
+		err := p.checkNames(tc.blocks, tc.row)
+		if tc.want == nil {
+			require.NoError(t, err, tc.name)
+		} else {
+			require.ErrorIs(t, err, tc.want, tc.name)
+		}
 	}
 }
