@@ -7,6 +7,7 @@ package agent
 // whenever a grant or a send ends. No IO here but io.Reader/io.Writer.
 
 import (
+	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
@@ -16,9 +17,9 @@ import (
 
 	"github.com/vmihailenco/msgpack/v5"
 
+	"github.com/handoff-io/handoff/internal/msgpackcheck"
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/handoff-io/handoff/reshard"
-	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 // Version is the local API's version, sent in hello.
@@ -119,14 +120,15 @@ type Peer struct {
 }
 
 // unmarshal decodes msgpack bytes from another process (an engine, an
-// agent) into v, once wire.CheckShape found that they hold what they
-// claim: msgpack's reflection would allocate whatever length an array
-// claims before reading it.
+// agent) into v, once msgpackcheck found that they hold what they claim:
+// msgpack's reflection would allocate whatever length an array claims
+// before reading it.
 func unmarshal(b []byte, v any) error {
-	if err := wire.CheckShape(b); err != nil {
+	if err := msgpackcheck.Check(b); err != nil {
 		return err
 	}
-	return msgpack.Unmarshal(b, v)
+	// A decoder of its own, not msgpack's pool (see transfer/wire's decode).
+	return msgpack.NewDecoder(bytes.NewReader(b)).Decode(v)
 }
 
 // writeFrame writes v as one frame.
@@ -182,17 +184,44 @@ func decodeRequest(b []byte) (Request, error) {
 // fingerprint, dtypes, both TP sizes, and how many blocks and whether a
 // row.
 type ticket struct {
-	V           int         `msgpack:"v"`
-	Agent       string      `msgpack:"agent"` // the agent's name (its rdma AgentID names one registration)
-	Fingerprint string      `msgpack:"fp"`
-	DTypes      string      `msgpack:"dtypes"`
-	FromTP      int         `msgpack:"from_tp"`
-	ToTP        int         `msgpack:"to_tp"`
-	ToRank      int         `msgpack:"to_rank"`
-	Blocks      int         `msgpack:"blocks"`
-	Row         bool        `msgpack:"row"`
-	Desc        []byte      `msgpack:"desc"` // rdma.Descriptor, JSON
-	Subs        []subTicket `msgpack:"subs"`
+	V           int        `msgpack:"v"`
+	Agent       string     `msgpack:"agent"` // the agent's name (its rdma AgentID names one registration)
+	Fingerprint string     `msgpack:"fp"`
+	DTypes      string     `msgpack:"dtypes"`
+	FromTP      int        `msgpack:"from_tp"`
+	ToTP        int        `msgpack:"to_tp"`
+	ToRank      int        `msgpack:"to_rank"`
+	Blocks      int        `msgpack:"blocks"`
+	Row         bool       `msgpack:"row"`
+	Desc        []byte     `msgpack:"desc"` // rdma.Descriptor, JSON
+	Subs        subTickets `msgpack:"subs"`
+}
+
+// subTickets are a ticket's grants, one per source shard: at most
+// reshard.MaxTP, refused past that as they are decoded (msgpack's
+// reflection would make room for any length a ticket claims, a few bytes
+// of it per element).
+type subTickets []subTicket
+
+var _ msgpack.CustomDecoder = (*subTickets)(nil)
+
+func (s *subTickets) DecodeMsgpack(d *msgpack.Decoder) error {
+	n, err := d.DecodeArrayLen()
+	if err != nil || n < 0 {
+		*s = nil
+		return err
+	}
+	if n > reshard.MaxTP {
+		return fmt.Errorf("%d grants, more than TP %d has shards", n, reshard.MaxTP)
+	}
+	out := make(subTickets, n)
+	for i := range out {
+		if err := d.Decode(&out[i]); err != nil {
+			return err
+		}
+	}
+	*s = out
+	return nil
 }
 
 // subTicket is the grant of one source shard.

@@ -6,6 +6,8 @@ import (
 
 	"github.com/vmihailenco/msgpack/v5"
 	"github.com/vmihailenco/msgpack/v5/msgpcode"
+
+	"github.com/handoff-io/handoff/internal/msgpackcheck"
 )
 
 // Encode returns b's encoding (see the package doc).
@@ -111,6 +113,12 @@ func (w *writer) event(e *Event) {
 
 // Decode decodes a batch. Errors wrap ErrBadBatch.
 func Decode(data []byte) (Batch, error) {
+	// Unknown fields are skipped by msgpack, which recurses without a
+	// bound: a batch of a few MiB nested a million deep would take a GiB
+	// of stack. Batches nest four deep.
+	if err := msgpackcheck.Check(data); err != nil {
+		return Batch{}, fmt.Errorf("%w: %w", ErrBadBatch, err)
+	}
 	r := bytes.NewReader(data)
 	d := decoder{dec: msgpack.NewDecoder(r), r: r}
 	b, err := d.batch()
@@ -243,11 +251,13 @@ func (d *decoder) batch() (Batch, error) {
 	if err != nil {
 		return b, err
 	}
-	b.Events = make([]Event, ne)
-	for i := range b.Events {
-		if err := d.event(&b.Events[i]); err != nil {
+	b.Events = make([]Event, 0, min(ne, 64)) // grown as events decode, not as claimed
+	for i := range ne {
+		var e Event
+		if err := d.event(&e); err != nil {
 			return b, fmt.Errorf("event %d: %w", i, err)
 		}
+		b.Events = append(b.Events, e)
 	}
 	rank, err := d.int("data_parallel_rank", 0, 1<<16)
 	if err != nil {

@@ -1,6 +1,7 @@
 package kvevents
 
 import (
+	"bytes"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -68,6 +69,12 @@ func TestDecodeRefuses(t *testing.T) {
 	good, err := Encode(sampleBatch())
 	require.NoError(t, err)
 	h := make([]byte, 32)
+	// A batch whose eighth field, one a later revision might add, nests a
+	// million arrays: msgpack's Skip would recurse a million times.
+	deep := enc([]any{1.0, []any{}, 0, 1, "p", h, false})
+	require.Equal(t, byte(0x97), deep[0]) // an array of seven
+	deep[0] = 0x98
+	deep = append(append(deep, bytes.Repeat([]byte{0x91}, 1<<20)...), 0x01)
 	for name, data := range map[string][]byte{
 		"empty":             nil,
 		"not an array":      enc(map[string]int{"a": 1}),
@@ -84,6 +91,7 @@ func TestDecodeRefuses(t *testing.T) {
 		"state partial":     enc([]any{1.0, []any{[]any{"StateStored", h, h, []any{1, 2}, 1}}, 0, 1, "p", h, false}),
 		"event not array":   enc([]any{1.0, []any{"BlockStored"}, 0, 1, "p", h, false}),
 		"tag not string":    enc([]any{1.0, []any{[]any{7}}, 0, 1, "p", h, false}),
+		"nested too deep":   deep,
 	} {
 		_, err := Decode(data)
 		require.ErrorIs(t, err, ErrBadBatch, name)

@@ -13,7 +13,7 @@ const module = "github.com/handoff-io/handoff/"
 // msgpack, and the standard library's pure parts.
 var allowedImports = map[string]bool{
 	"bytes": true, "errors": true, "fmt": true, "slices": true,
-	module + "hybrid": true, module + "prefix": true,
+	module + "hybrid": true, module + "prefix": true, module + "internal/msgpackcheck": true,
 	"github.com/vmihailenco/msgpack/v5": true, "github.com/vmihailenco/msgpack/v5/msgpcode": true,
 }
 

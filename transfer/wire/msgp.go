@@ -14,6 +14,8 @@ import (
 	"math"
 
 	"github.com/handoff-io/handoff/rdma"
+
+	"github.com/handoff-io/handoff/internal/msgpackcheck"
 )
 
 func appendMapLen(b []byte, n int) []byte {
@@ -110,13 +112,9 @@ func appendFloat64(b []byte, f float64) []byte {
 // error in ErrBadMessage.
 var errTruncated = errors.New("msgpack: truncated")
 
-// maxDepth bounds the nesting of skipped values.
-const maxDepth = 32
-
 // reader decodes msgpack values from b in order. Slices it returns alias b.
 type reader struct {
-	b     []byte
-	depth int
+	b []byte
 	// peers, when set, decodes a PrefillRequest's peer (see
 	// decodePrefillRequest), and desc is that peer's descriptor.
 	peers *PeerCache
@@ -339,116 +337,13 @@ func (r *reader) arrayLen() (int, error) {
 	return int(n), err
 }
 
-// skip passes over one value of any type.
+// skip passes over one value of any type (msgpackcheck: lengths checked,
+// nesting bounded).
 func (r *reader) skip() error {
-	c, err := r.code()
+	n, err := msgpackcheck.Size(r.b)
 	if err != nil {
 		return err
 	}
-	switch {
-	case c <= 0x7f || c >= 0xe0:
-		return nil
-	case c <= 0x8f:
-		return r.skipN(2 * int(c&0x0f))
-	case c <= 0x9f:
-		return r.skipN(int(c & 0x0f))
-	case c <= 0xbf:
-		_, err = r.next(int(c & 0x1f))
-		return err
-	}
-	var n uint64
-	switch c {
-	case 0xc0, 0xc2, 0xc3:
-		return nil
-	case 0xcc, 0xd0:
-		_, err = r.next(1)
-	case 0xcd, 0xd1:
-		_, err = r.next(2)
-	case 0xce, 0xd2, 0xca:
-		_, err = r.next(4)
-	case 0xcf, 0xd3, 0xcb:
-		_, err = r.next(8)
-	case 0xc4, 0xd9:
-		if n, err = r.u8(); err == nil {
-			_, err = r.next(int(n))
-		}
-	case 0xc5, 0xda:
-		if n, err = r.u16(); err == nil {
-			_, err = r.next(int(n))
-		}
-	case 0xc6, 0xdb:
-		if n, err = r.u32(); err == nil {
-			_, err = r.next(int(n))
-		}
-	case 0xdc:
-		if n, err = r.u16(); err == nil {
-			err = r.skipN(int(n))
-		}
-	case 0xdd:
-		if n, err = r.u32(); err == nil {
-			err = r.skipN(int(n))
-		}
-	case 0xde:
-		if n, err = r.u16(); err == nil {
-			err = r.skipN(2 * int(n))
-		}
-	case 0xdf:
-		if n, err = r.u32(); err == nil {
-			err = r.skipN(2 * int(n))
-		}
-	case 0xd4, 0xd5, 0xd6, 0xd7, 0xd8: // fixext 1, 2, 4, 8, 16 and a type byte
-		_, err = r.next(1 + 1<<(c-0xd4))
-	case 0xc7:
-		if n, err = r.u8(); err == nil {
-			_, err = r.next(1 + int(n))
-		}
-	case 0xc8:
-		if n, err = r.u16(); err == nil {
-			_, err = r.next(1 + int(n))
-		}
-	case 0xc9:
-		if n, err = r.u32(); err == nil {
-			_, err = r.next(1 + int(n))
-		}
-	default:
-		return fmt.Errorf("msgpack: invalid code=%x", c)
-	}
-	return err
-}
-
-// CheckShape reports whether b begins with one msgpack value that its bytes
-// hold: every length it claims (of an array, a map, a string, bytes or an
-// extension) fits in what follows, and it nests at most 32 deep. It reads
-// and allocates nothing beyond b.
-//
-// Run it before decoding untrusted bytes by msgpack's reflection: version
-// 5.4.1 of vmihailenco/msgpack allocates a slice of the length an array
-// claims before reading an element of it (its allocation limit is never
-// applied to slices), so a few bytes claiming 2^28 elements would take the
-// process's memory. This package's own messages that go through reflection
-// (decode) are checked so too.
-func CheckShape(b []byte) error {
-	r := reader{b: b}
-	if err := r.skip(); err != nil {
-		return fmt.Errorf("%w: %w", ErrBadMessage, err)
-	}
-	return nil
-}
-
-// skipN skips n values nested one level deeper.
-func (r *reader) skipN(n int) error {
-	if r.depth >= maxDepth {
-		return fmt.Errorf("msgpack: nested deeper than %d", maxDepth)
-	}
-	r.depth++
-	for ; n > 0; n-- {
-		if len(r.b) == 0 {
-			return errTruncated // each value takes a byte at least
-		}
-		if err := r.skip(); err != nil {
-			return err
-		}
-	}
-	r.depth--
+	r.b = r.b[n:]
 	return nil
 }

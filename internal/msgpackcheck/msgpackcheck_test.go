@@ -1,9 +1,8 @@
-package wire
+package msgpackcheck
 
 import (
 	"bytes"
 	"encoding/binary"
-	"errors"
 	"math/rand/v2"
 	"testing"
 
@@ -16,7 +15,7 @@ func array32(n uint32) []byte { return binary.BigEndian.AppendUint32([]byte{0xdd
 // TestCheckShape: values msgpack encodes pass; a value cut short, a length
 // claimed past the end (of an array, a map, a string, bytes, an extension)
 // and nesting past 32 are refused as bad messages.
-func TestCheckShape(t *testing.T) {
+func TestCheck(t *testing.T) {
 	nest := func(depth int) []byte {
 		b := bytes.Repeat([]byte{0x91}, depth) // fixarrays of one element
 		return append(b, 0x01)
@@ -46,19 +45,16 @@ func TestCheckShape(t *testing.T) {
 		{"never-used code", []byte{0xc1}, false},
 		{"trailing bytes after one value", []byte{0x01, 0x02}, true},
 	} {
-		err := CheckShape(tc.b)
+		err := Check(tc.b)
 		if (err == nil) != tc.ok {
 			t.Errorf("%s: %v", tc.name, err)
-		}
-		if err != nil && !errors.Is(err, ErrBadMessage) {
-			t.Errorf("%s: %v does not wrap ErrBadMessage", tc.name, err)
 		}
 	}
 }
 
-// TestCheckShapeAcceptsWhatMsgpackEncodes: random values, as msgpack
-// encodes them, pass.
-func TestCheckShapeAcceptsWhatMsgpackEncodes(t *testing.T) {
+// TestSizeOfWhatMsgpackEncodes: random values, as msgpack encodes them,
+// pass, and Size is their length; cut short by a byte, they fail.
+func TestSizeOfWhatMsgpackEncodes(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
 	var gen func(depth int) any
 	gen = func(depth int) any {
@@ -96,10 +92,10 @@ func TestCheckShapeAcceptsWhatMsgpackEncodes(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := CheckShape(b); err != nil {
-			t.Fatalf("value %d (%d bytes): %v", i, len(b), err)
+		if n, err := Size(append(b, 0x01)); err != nil || n != len(b) {
+			t.Fatalf("value %d (%d bytes): size %d, %v", i, len(b), n, err)
 		}
-		if err := CheckShape(b[:len(b)-1]); err == nil {
+		if err := Check(b[:len(b)-1]); err == nil {
 			t.Fatalf("value %d cut short by a byte passed", i)
 		}
 	}
@@ -107,15 +103,20 @@ func TestCheckShapeAcceptsWhatMsgpackEncodes(t *testing.T) {
 
 // FuzzCheckShape: whatever CheckShape lets through, msgpack can walk
 // without running out of bytes.
-func FuzzCheckShape(f *testing.F) {
+func FuzzCheck(f *testing.F) {
 	f.Add([]byte{0x92, 0x01, 0xa1, 'x'})
 	f.Add(append(array32(1<<28), 0x01))
 	f.Fuzz(func(t *testing.T, b []byte) {
-		if CheckShape(b) != nil {
+		n, err := Size(b)
+		if err != nil {
 			return
 		}
-		if err := msgpack.NewDecoder(bytes.NewReader(b)).Skip(); err != nil {
-			t.Fatalf("passed CheckShape, but msgpack cannot walk it: %v", err)
+		r := bytes.NewReader(b)
+		if err := msgpack.NewDecoder(r).Skip(); err != nil {
+			t.Fatalf("passed Check, but msgpack cannot walk it: %v", err)
+		}
+		if used := len(b) - r.Len(); used != n {
+			t.Fatalf("Size %d, msgpack walked %d bytes", n, used)
 		}
 	})
 }
