@@ -107,6 +107,13 @@ func (c *agentCUDA) device(open func() (cuda.Driver, error), uuid string) (*cuda
 	if d := c.devs[uuid]; d != nil {
 		return d, nil
 	}
+	// One GPU per agent, as one agent per engine worker: the IPC handles
+	// an agent opens are shared by its engines' pools and pulls per
+	// device, and a handle open on one device is not opened again on
+	// another.
+	for other := range c.devs {
+		return nil, fmt.Errorf("%w: this agent serves device %s; memory on device %s needs an agent of its own", ErrInvalidLayout, other, uuid)
+	}
 	if c.drv == nil {
 		if open == nil {
 			open = cuda.Open

@@ -375,3 +375,34 @@ func engineStats(a *Agent) rdma.Stats {
 	}
 	return st
 }
+
+// TestDeviceMemoryOneGPUPerAgent: once an engine registered memory on one
+// device, memory on another is refused by name (one agent per GPU), and
+// leaves no mapping.
+func TestDeviceMemoryOneGPUPerAgent(t *testing.T) {
+	exp := cudafake.New(cudafake.Config{Devices: 2})
+	imp := cudafake.New(cudafake.Config{PID: os.Getpid() + 1<<22, Devices: 2})
+	sock := startCUDAAgent(t, "gpu", imp)
+	registerDevice(t, sock, exp, tinyLayout(), 3) // on device 0
+	require.Equal(t, 2, imp.Stats().Imports)
+
+	l := tinyLayout()
+	p, err := compile(l)
+	require.NoError(t, err)
+	d1, err := cuda.OpenDevice(exp, "1")
+	require.NoError(t, err)
+	defer d1.Close()
+	a, err := d1.NewArena(uint64(p.kvBytes()))
+	require.NoError(t, err)
+	defer a.Free()
+	x, err := a.Export()
+	require.NoError(t, err)
+	c, err := Dial(context.Background(), sock)
+	require.NoError(t, err)
+	defer c.Close()
+	mfd, _ := memfd(t, p.mambaBytes())
+	_, err = c.Call(ctxT(t), Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes(),
+		KVCUDA: &CUDAMemory{Handle: x.Handle.Reserved[:], Device: d1.UUID().String()}}, []int{mfd})
+	require.ErrorContains(t, err, "memory on device "+d1.UUID().String()+" needs an agent of its own")
+	require.Equal(t, 2, imp.Stats().Imports)
+}

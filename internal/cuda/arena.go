@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"io"
+	"sync/atomic"
 )
 
 // Arena is one device allocation that a pool lays out its blocks or rows
@@ -24,8 +25,9 @@ type Arena struct {
 	handle IpcMemHandle // the handle opened: Free lets it go
 	// from is that allocation as its exporter's handle names it, for
 	// Export (Offset 0); nil where the exporter is not known.
-	from *IPCBuffer
-	view bool // a View: Free frees nothing
+	from  *IPCBuffer
+	view  bool        // a View: Free frees nothing
+	freed atomic.Bool // an opened arena's Free ran: a second one lets nothing go
 }
 
 var (
@@ -179,6 +181,11 @@ func (a *Arena) Free() error {
 		return nil
 	}
 	if a.opened != 0 {
+		// The mapping may be shared (Import): a second Free must not take
+		// another user's reference.
+		if a.freed.Swap(true) {
+			return fmt.Errorf("%w: an arena opened by IPC handle freed twice", ErrInvalidValue)
+		}
 		return a.d.Do(func(drv Driver) error { return a.d.closeHandle(drv, a.handle) })
 	}
 	return a.d.Free(a.ptr)
