@@ -174,6 +174,11 @@ func TestImportSharesOpenedHandle(t *testing.T) {
 		if err := first(); err != nil {
 			t.Fatal(err)
 		}
+		if freeFirst {
+			if err := o.Free(); !errors.Is(err, cuda.ErrInvalidValue) {
+				t.Fatalf("a second Free: %v", err)
+			}
+		}
 		if n := imp.Stats().Imports; n != 1 {
 			t.Fatalf("free first %v: the other user's mapping was closed (%d left)", freeFirst, n)
 		}
