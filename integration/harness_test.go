@@ -36,8 +36,8 @@ import (
 var binDir string
 
 func TestMain(m *testing.M) {
-	if os.Getenv(natsPeerEnv) != "" {
-		os.Exit(m.Run()) // a NATS peer process (nats_rtt_test.go): no binaries needed
+	if os.Getenv(natsPeerEnv) != "" || os.Getenv(goReceiverEnv) != "" {
+		os.Exit(m.Run()) // a helper process (nats_rtt_test.go, goworker_test.go): no binaries needed
 	}
 	dir, err := os.MkdirTemp("", "handoff-integration-bin-")
 	if err != nil {
