@@ -102,17 +102,22 @@ func (c *agentCUDA) device(open func() (cuda.Driver, error), uuid string) (*cuda
 	if uuid == "" {
 		return nil, fmt.Errorf("%w: device memory without the device's UUID", ErrInvalidLayout)
 	}
+	key := uuid // as the driver prints it, however the engine spelled it
+	if u, err := cuda.ParseUUID(uuid); err == nil {
+		key = u.String()
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if d := c.devs[uuid]; d != nil {
+	if d := c.devs[key]; d != nil {
 		return d, nil
 	}
 	// One GPU per agent, as one agent per engine worker: the IPC handles
 	// an agent opens are shared by its engines' pools and pulls per
 	// device, and a handle open on one device is not opened again on
-	// another.
+	// another. The first device an engine names is the agent's until it
+	// restarts.
 	for other := range c.devs {
-		return nil, fmt.Errorf("%w: this agent serves device %s; memory on device %s needs an agent of its own", ErrInvalidLayout, other, uuid)
+		return nil, fmt.Errorf("%w: this agent serves device %s; memory on device %s needs an agent of its own", ErrInvalidLayout, other, key)
 	}
 	if c.drv == nil {
 		if open == nil {
@@ -131,7 +136,7 @@ func (c *agentCUDA) device(open func() (cuda.Driver, error), uuid string) (*cuda
 	if c.devs == nil {
 		c.devs = map[string]*cuda.Device{}
 	}
-	c.devs[uuid] = d
+	c.devs[key] = d
 	return d, nil
 }
 

@@ -5,6 +5,7 @@ package agent
 import (
 	"context"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -405,4 +406,23 @@ func TestDeviceMemoryOneGPUPerAgent(t *testing.T) {
 		KVCUDA: &CUDAMemory{Handle: x.Handle.Reserved[:], Device: d1.UUID().String()}}, []int{mfd})
 	require.ErrorContains(t, err, "memory on device "+d1.UUID().String()+" needs an agent of its own")
 	require.Equal(t, 2, imp.Stats().Imports)
+
+	// Device 0 named in another spelling (no "GPU-", upper case) is the
+	// agent's device.
+	d0, err := cuda.OpenDevice(exp, "0")
+	require.NoError(t, err)
+	defer d0.Close()
+	b, err := d0.NewArena(uint64(p.kvBytes()))
+	require.NoError(t, err)
+	defer b.Free()
+	y, err := b.Export()
+	require.NoError(t, err)
+	c2, err := Dial(context.Background(), sock)
+	require.NoError(t, err)
+	defer c2.Close()
+	mfd2, _ := memfd(t, p.mambaBytes())
+	other := strings.ToUpper(strings.TrimPrefix(d0.UUID().String(), "GPU-"))
+	_, err = c2.Call(ctxT(t), Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes(),
+		KVCUDA: &CUDAMemory{Handle: y.Handle.Reserved[:], Device: other}}, []int{mfd2})
+	require.NoError(t, err, "device %s", other)
 }
