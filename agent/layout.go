@@ -221,15 +221,20 @@ func (p *pools) checkNames(blocks []int, row int) error {
 		return fmt.Errorf("%w: blocks named, but no KV cache registered", ErrBadRequest)
 	}
 	// Duplicates: a few names are compared with each other, more marked in
-	// a bit per block of the pool (a map cost a 512-block send 18 µs).
-	var seen []uint64
-	if len(blocks) > 32 {
-		seen = make([]uint64, (p.kv.Blocks+63)/64)
-	}
-	for i, b := range blocks {
+	// a bit per block up to the largest named (a map cost a 512-block send
+	// 18 µs).
+	top := -1
+	for _, b := range blocks {
 		if b < 0 || b >= p.kv.Blocks {
 			return fmt.Errorf("%w: block %d outside 0..%d", ErrBadRequest, b, p.kv.Blocks-1)
 		}
+		top = max(top, b)
+	}
+	var seen []uint64
+	if len(blocks) > 32 {
+		seen = make([]uint64, top/64+1)
+	}
+	for i, b := range blocks {
 		dup := false
 		if seen == nil {
 			dup = slices.Contains(blocks[:i], b)
