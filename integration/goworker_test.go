@@ -39,13 +39,21 @@ func goWriterProcess(t *testing.T, tr rdma.Transport, size int64, n int) func() 
 	t.Cleanup(cancel)
 	cmd := exec.Command(os.Args[0], "-test.run=^TestGoReceiverProcess$", "-test.v=false")
 	cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%s %d %d", goReceiverEnv, tr, size, n))
-	cmd.Stderr = os.Stderr
+	// It answers on descriptor 3 (helperProtocol); its report, should it
+	// fail, goes to our stderr.
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	stdout, w, err := os.Pipe()
+	require.NoError(t, err)
+	cmd.ExtraFiles = []*os.File{w}
 	stdin, err := cmd.StdinPipe()
 	require.NoError(t, err)
-	stdout, err := cmd.StdoutPipe()
+	err = cmd.Start()
+	w.Close()
 	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
+	stop := make(chan struct{})
 	t.Cleanup(func() {
+		close(stop)
+		stdout.Close()
 		stdin.Close()
 		done := make(chan struct{})
 		go func() { cmd.Wait(); close(done) }()
@@ -58,20 +66,24 @@ func goWriterProcess(t *testing.T, tr rdma.Transport, size int64, n int) func() 
 	})
 	lines := make(chan string, 1)
 	go func() {
+		defer close(lines)
 		r := bufio.NewReader(stdout)
 		for {
 			l, err := r.ReadString('\n')
 			if err != nil {
-				close(lines)
 				return
 			}
-			lines <- strings.TrimSpace(l)
+			select {
+			case lines <- strings.TrimSpace(l):
+			case <-stop:
+				return
+			}
 		}
 	}()
 	read := func(into any) {
 		select {
 		case l, ok := <-lines:
-			require.True(t, ok, "the receiving process ended")
+			require.True(t, ok, "the receiving process ended (its report is above)")
 			require.NoError(t, json.Unmarshal([]byte(l), into), "%q", l)
 		case <-time.After(time.Minute):
 			t.Fatal("the receiving process did not answer in a minute")
@@ -135,7 +147,7 @@ func TestGoReceiverProcess(t *testing.T) {
 		ext = append(ext, rdma.Extent{Region: r.ID(), Offset: uint64(i) * per, Length: l})
 	}
 	slices.Reverse(ext[:n-1])
-	out := json.NewEncoder(os.Stdout)
+	out := json.NewEncoder(helperProtocol())
 	require.NoError(t, out.Encode(e.Descriptor()))
 	in := bufio.NewScanner(os.Stdin)
 	var g *rdma.Grant

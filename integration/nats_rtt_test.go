@@ -12,6 +12,7 @@ import (
 	"bufio"
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"slices"
@@ -58,23 +59,34 @@ func natsRoundTrips(t *testing.T, n int) []time.Duration {
 
 // natsPeer runs this test binary as a NATS peer process. For server and
 // echo it returns once the child said it is ready (it stops with the
-// test: its stdin closes); for ask, the child's output once it exited.
+// test: its stdin closes); for ask, what the child answered once it
+// exited. The child answers on its descriptor 3 (helperProtocol); its
+// stdout and stderr, where a failing test reports, are the parent's
+// stderr.
 func natsPeer(t *testing.T, role string, args ...string) string {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^TestNATSPeerProcess$", "-test.v=false")
 	cmd.Env = append(os.Environ(), natsPeerEnv+"="+role, natsPeerArg+"="+strings.Join(args, " "))
-	cmd.Stderr = os.Stderr
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	proto, w, err := os.Pipe()
+	require.NoError(t, err)
+	defer proto.Close()
+	cmd.ExtraFiles = []*os.File{w}
 	if role == "ask" {
-		out, err := cmd.Output()
-		require.NoError(t, err, "nats %s process", role)
+		require.NoError(t, cmd.Start(), "nats %s process", role)
+		w.Close()
+		out, rerr := io.ReadAll(proto)
+		require.NoError(t, cmd.Wait(), "nats %s process (its report is above)", role)
+		require.NoError(t, rerr)
 		line, _, _ := strings.Cut(string(out), "\n")
 		return line
 	}
 	stdin, err := cmd.StdinPipe()
 	require.NoError(t, err)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start(), "nats %s process", role)
+	err = cmd.Start()
+	w.Close()
+	require.NoError(t, err, "nats %s process", role)
+	stdout := proto
 	t.Cleanup(func() {
 		stdin.Close()
 		done := make(chan struct{})
@@ -100,6 +112,10 @@ func natsPeer(t *testing.T, role string, args ...string) string {
 	return ""
 }
 
+// helperProtocol is where a helper child answers its parent: descriptor 3
+// (exec.Cmd.ExtraFiles), so that its stdout stays the test's report.
+func helperProtocol() *os.File { return os.NewFile(3, "protocol") }
+
 // TestNATSPeerProcess is a NATS peer for natsRoundTrips when run as its
 // child; otherwise it skips.
 func TestNATSPeerProcess(t *testing.T) {
@@ -108,8 +124,9 @@ func TestNATSPeerProcess(t *testing.T) {
 		t.Skip("SKIP: a child process of TestAgentMeasure")
 	}
 	args := strings.Fields(os.Getenv(natsPeerArg))
+	proto := helperProtocol()
 	untilStdinCloses := func() {
-		fmt.Println("ready")
+		fmt.Fprintln(proto, "ready")
 		_, _ = bufio.NewReader(os.Stdin).ReadString('\n')
 	}
 	switch role {
@@ -149,7 +166,7 @@ func TestNATSPeerProcess(t *testing.T) {
 		}
 		b, err := json.Marshal(ns)
 		require.NoError(t, err)
-		fmt.Println(string(b))
+		fmt.Fprintln(proto, string(b))
 	default:
 		t.Fatalf("unknown role %q", role)
 	}
