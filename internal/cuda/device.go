@@ -582,6 +582,8 @@ func (d *Device) cached(k importKey, bufferID uint64) (DevicePtr, bool) {
 
 // ForgetPeer closes every mapping Import opened from process pid (a peer
 // that left); its allocations are freed once the exporter frees them too.
+// It ignores RetainPeer's count: for a Device with one user of pid's
+// mappings (a tool, a test); shared ones use ReleasePeer.
 func (d *Device) ForgetPeer(pid int) error {
 	return d.Do(func(drv Driver) error {
 		var errs []error
