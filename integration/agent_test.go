@@ -510,6 +510,23 @@ func goSend(t *testing.T, tr rdma.Transport, size int64, n, reps int) (best, med
 	return times[0], times[len(times)/2]
 }
 
+// reversedExtents cuts size bytes of region into n extents: n-1 in
+// reverse order, which do not continue each other (as the agent's 512
+// reversed blocks), then the last.
+func reversedExtents(region rdma.RegionID, size int64, n int) []rdma.Extent {
+	per := uint64(size) / uint64(n)
+	ext := make([]rdma.Extent, 0, n)
+	for i := range n {
+		l := per
+		if i == n-1 {
+			l = uint64(size) - uint64(i)*per
+		}
+		ext = append(ext, rdma.Extent{Region: region, Offset: uint64(i) * per, Length: l})
+	}
+	slices.Reverse(ext[:n-1])
+	return ext
+}
+
 // goWriter sets up two rdma engines in this process over tr, the
 // destination's size bytes in n extents, and returns a function that makes
 // one write of them as two workers do and times its Write (the write and
@@ -532,16 +549,7 @@ func goWriter(t *testing.T, tr rdma.Transport, size int64, n int) func() float64
 	for i := range sr.Bytes() {
 		sr.Bytes()[i] = byte(i * 7)
 	}
-	per := uint64(size) / uint64(n)
-	var ext []rdma.Extent
-	for i := range n {
-		l := per
-		if i == n-1 {
-			l = uint64(size) - uint64(i)*per
-		}
-		ext = append(ext, rdma.Extent{Region: dr.ID(), Offset: uint64(i) * per, Length: l})
-	}
-	slices.Reverse(ext[:n-1]) // n-1 extents that do not continue each other, as the agent's 512 reversed blocks, then one
+	ext := reversedExtents(dr.ID(), size, n)
 	_, err := src.Connect(ctx, dst.Descriptor())
 	require.NoError(t, err)
 	var req uint64

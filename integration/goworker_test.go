@@ -14,8 +14,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
-	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -37,57 +35,10 @@ func goWriterProcess(t *testing.T, tr rdma.Transport, size int64, n int) func() 
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	t.Cleanup(cancel)
-	cmd := exec.Command(os.Args[0], "-test.run=^TestGoReceiverProcess$", "-test.v=false")
-	cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%s %d %d", goReceiverEnv, tr, size, n))
-	// It answers on descriptor 3 (helperProtocol); its report, should it
-	// fail, goes to our stderr.
-	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-	stdout, w, err := os.Pipe()
-	require.NoError(t, err)
-	cmd.ExtraFiles = []*os.File{w}
-	stdin, err := cmd.StdinPipe()
-	require.NoError(t, err)
-	err = cmd.Start()
-	w.Close()
-	require.NoError(t, err)
-	stop := make(chan struct{})
-	t.Cleanup(func() {
-		close(stop)
-		stdout.Close()
-		stdin.Close()
-		done := make(chan struct{})
-		go func() { cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			cmd.Process.Kill()
-			<-done
-		}
-	})
-	lines := make(chan string, 1)
-	go func() {
-		defer close(lines)
-		r := bufio.NewReader(stdout)
-		for {
-			l, err := r.ReadString('\n')
-			if err != nil {
-				return
-			}
-			select {
-			case lines <- strings.TrimSpace(l):
-			case <-stop:
-				return
-			}
-		}
-	}()
+	h := startHelper(t, "TestGoReceiverProcess", fmt.Sprintf("%s=%s %d %d", goReceiverEnv, tr, size, n))
 	read := func(into any) {
-		select {
-		case l, ok := <-lines:
-			require.True(t, ok, "the receiving process ended (its report is above)")
-			require.NoError(t, json.Unmarshal([]byte(l), into), "%q", l)
-		case <-time.After(time.Minute):
-			t.Fatal("the receiving process did not answer in a minute")
-		}
+		l := h.next(t, time.Minute)
+		require.NoError(t, json.Unmarshal([]byte(l), into), "%q", l)
 	}
 	var desc rdma.Descriptor
 	read(&desc)
@@ -102,7 +53,7 @@ func goWriterProcess(t *testing.T, tr rdma.Transport, size int64, n int) func() 
 	_, err = src.Connect(ctx, desc)
 	require.NoError(t, err)
 	return func() float64 {
-		_, err := io.WriteString(stdin, "grant\n")
+		_, err := io.WriteString(h.stdin, "grant\n")
 		require.NoError(t, err)
 		var tk rdma.Ticket
 		read(&tk)
@@ -110,7 +61,7 @@ func goWriterProcess(t *testing.T, tr rdma.Transport, size int64, n int) func() 
 		_, err = src.Write(ctx, desc, tk, []rdma.Extent{{Region: sr.ID(), Length: uint64(size)}})
 		require.NoError(t, err)
 		took := time.Since(start).Seconds()
-		_, err = io.WriteString(stdin, "wait\n")
+		_, err = io.WriteString(h.stdin, "wait\n")
 		require.NoError(t, err)
 		var landed string
 		read(&landed)
@@ -137,16 +88,7 @@ func TestGoReceiverProcess(t *testing.T) {
 	defer e.Close()
 	r, err := e.Register("kv", size)
 	require.NoError(t, err)
-	per := uint64(size) / uint64(n)
-	var ext []rdma.Extent
-	for i := range n {
-		l := per
-		if i == n-1 {
-			l = uint64(size) - uint64(i)*per
-		}
-		ext = append(ext, rdma.Extent{Region: r.ID(), Offset: uint64(i) * per, Length: l})
-	}
-	slices.Reverse(ext[:n-1])
+	ext := reversedExtents(r.ID(), size, n)
 	out := json.NewEncoder(helperProtocol())
 	require.NoError(t, out.Encode(e.Descriptor()))
 	in := bufio.NewScanner(os.Stdin)

@@ -12,9 +12,7 @@ import (
 	"bufio"
 	"encoding/json"
 	"fmt"
-	"io"
 	"os"
-	"os/exec"
 	"slices"
 	"strconv"
 	"strings"
@@ -57,64 +55,18 @@ func natsRoundTrips(t *testing.T, n int) []time.Duration {
 	return d
 }
 
-// natsPeer runs this test binary as a NATS peer process. For server and
-// echo it returns once the child said it is ready (it stops with the
-// test: its stdin closes); for ask, what the child answered once it
-// exited. The child answers on its descriptor 3 (helperProtocol); its
-// stdout and stderr, where a failing test reports, are the parent's
-// stderr.
+// natsPeer runs this test binary as a NATS peer process (startHelper). For
+// server and echo it returns once the child said it is ready (it stops
+// with the test); for ask, what the child answered.
 func natsPeer(t *testing.T, role string, args ...string) string {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^TestNATSPeerProcess$", "-test.v=false")
-	cmd.Env = append(os.Environ(), natsPeerEnv+"="+role, natsPeerArg+"="+strings.Join(args, " "))
-	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-	proto, w, err := os.Pipe()
-	require.NoError(t, err)
-	defer proto.Close()
-	cmd.ExtraFiles = []*os.File{w}
+	h := startHelper(t, "TestNATSPeerProcess", natsPeerEnv+"="+role, natsPeerArg+"="+strings.Join(args, " "))
 	if role == "ask" {
-		require.NoError(t, cmd.Start(), "nats %s process", role)
-		w.Close()
-		out, rerr := io.ReadAll(proto)
-		require.NoError(t, cmd.Wait(), "nats %s process (its report is above)", role)
-		require.NoError(t, rerr)
-		line, _, _ := strings.Cut(string(out), "\n")
-		return line
+		return h.next(t, 2*time.Minute)
 	}
-	stdin, err := cmd.StdinPipe()
-	require.NoError(t, err)
-	err = cmd.Start()
-	w.Close()
-	require.NoError(t, err, "nats %s process", role)
-	stdout := proto
-	t.Cleanup(func() {
-		stdin.Close()
-		done := make(chan struct{})
-		go func() { cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(5 * time.Second):
-			cmd.Process.Kill()
-			<-done
-		}
-	})
-	ready := make(chan string, 1)
-	go func() {
-		line, _ := bufio.NewReader(stdout).ReadString('\n')
-		ready <- line
-	}()
-	select {
-	case line := <-ready:
-		require.Equal(t, "ready\n", line, "nats %s process", role)
-	case <-time.After(30 * time.Second):
-		t.Fatalf("nats %s process not ready in 30 s", role)
-	}
+	require.Equal(t, "ready", h.next(t, 30*time.Second), "nats %s process", role)
 	return ""
 }
-
-// helperProtocol is where a helper child answers its parent: descriptor 3
-// (exec.Cmd.ExtraFiles), so that its stdout stays the test's report.
-func helperProtocol() *os.File { return os.NewFile(3, "protocol") }
 
 // TestNATSPeerProcess is a NATS peer for natsRoundTrips when run as its
 // child; otherwise it skips.
