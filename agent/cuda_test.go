@@ -387,42 +387,34 @@ func TestDeviceMemoryOneGPUPerAgent(t *testing.T) {
 	registerDevice(t, sock, exp, tinyLayout(), 3) // on device 0
 	require.Equal(t, 2, imp.Stats().Imports)
 
+	// register registers a KV pool on the exporter's device sel (the Mamba
+	// pool in host memory), naming the device as name spells it.
 	l := tinyLayout()
 	p, err := compile(l)
 	require.NoError(t, err)
-	d1, err := cuda.OpenDevice(exp, "1")
-	require.NoError(t, err)
-	defer d1.Close()
-	a, err := d1.NewArena(uint64(p.kvBytes()))
-	require.NoError(t, err)
-	defer a.Free()
-	x, err := a.Export()
-	require.NoError(t, err)
-	c, err := Dial(context.Background(), sock)
-	require.NoError(t, err)
-	defer c.Close()
-	mfd, _ := memfd(t, p.mambaBytes())
-	_, err = c.Call(ctxT(t), Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes(),
-		KVCUDA: &CUDAMemory{Handle: x.Handle.Reserved[:], Device: d1.UUID().String()}}, []int{mfd})
-	require.ErrorContains(t, err, "memory on device "+d1.UUID().String()+" needs an agent of its own")
+	register := func(sel string, name func(cuda.UUID) string) (string, error) {
+		d, err := cuda.OpenDevice(exp, sel)
+		require.NoError(t, err)
+		t.Cleanup(func() { d.Close() })
+		a, err := d.NewArena(uint64(p.kvBytes()))
+		require.NoError(t, err)
+		t.Cleanup(func() { a.Free() })
+		x, err := a.Export()
+		require.NoError(t, err)
+		c, err := Dial(context.Background(), sock)
+		require.NoError(t, err)
+		t.Cleanup(func() { c.Close() })
+		mfd, _ := memfd(t, p.mambaBytes())
+		_, err = c.Call(ctxT(t), Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes(),
+			KVCUDA: &CUDAMemory{Handle: x.Handle.Reserved[:], Device: name(d.UUID())}}, []int{mfd})
+		return d.UUID().String(), err
+	}
+	uuid, err := register("1", cuda.UUID.String)
+	require.ErrorContains(t, err, "memory on device "+uuid+" needs an agent of its own")
 	require.Equal(t, 2, imp.Stats().Imports)
 
 	// Device 0 named in another spelling (no "GPU-", upper case) is the
 	// agent's device.
-	d0, err := cuda.OpenDevice(exp, "0")
+	_, err = register("0", func(u cuda.UUID) string { return strings.ToUpper(strings.TrimPrefix(u.String(), "GPU-")) })
 	require.NoError(t, err)
-	defer d0.Close()
-	b, err := d0.NewArena(uint64(p.kvBytes()))
-	require.NoError(t, err)
-	defer b.Free()
-	y, err := b.Export()
-	require.NoError(t, err)
-	c2, err := Dial(context.Background(), sock)
-	require.NoError(t, err)
-	defer c2.Close()
-	mfd2, _ := memfd(t, p.mambaBytes())
-	other := strings.ToUpper(strings.TrimPrefix(d0.UUID().String(), "GPU-"))
-	_, err = c2.Call(ctxT(t), Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes(),
-		KVCUDA: &CUDAMemory{Handle: y.Handle.Reserved[:], Device: other}}, []int{mfd2})
-	require.NoError(t, err, "device %s", other)
 }
