@@ -55,7 +55,22 @@ func TestKubernetes(t *testing.T) {
 			t.Fatalf("image %s:%s does not run (a FROM scratch image needs a static binary): %v: %s", img, tag, err, bytes.TrimSpace(out))
 		}
 	}
+	// A failed load's verdict is logged again as the test's last lines,
+	// after the cluster's logs that a failure dumps: a CI log's tail then
+	// holds it. Cleanups run last first, so this runs after the teardown.
+	var verdicts []string
+	t.Cleanup(func() {
+		for _, v := range verdicts {
+			t.Log("failed: " + v)
+		}
+	})
 	c := startCluster(ctx, t)
+	loadFailed := func(t *testing.T, what string, r loadResult) {
+		t.Helper()
+		v := fmt.Sprintf("%s: %s\n%s", what, r, c.warnings(ctx, "decode"))
+		verdicts = append(verdicts, v)
+		t.Fatal(v)
+	}
 
 	timed(t, "images imported into containerd", func() error {
 		return c.importImages("handoff-nats:"+tag, "handoff-prefill:"+tag, "handoff-decode:"+tag)
@@ -144,7 +159,7 @@ func TestKubernetes(t *testing.T) {
 		r := l.stop()
 		t.Logf("load during the deletion: %s", r)
 		if r.failed > 0 || r.ok == 0 {
-			t.Fatalf("requests failed while a prefill pod was deleted: %s", r)
+			loadFailed(t, "requests failed while a prefill pod was deleted", r)
 		}
 	})
 
@@ -190,7 +205,7 @@ func TestKubernetes(t *testing.T) {
 		r := l.stop()
 		t.Logf("load during the rolling update: %s", r)
 		if r.failed > 0 || r.ok == 0 {
-			t.Fatalf("requests failed during the rolling update: %s", r)
+			loadFailed(t, "requests failed during the rolling update", r)
 		}
 		waitRegistry(ctx, t, reg, c, "decode", 1)
 	})
@@ -314,6 +329,26 @@ func (c *cluster) mustKubectl(ctx context.Context, t *testing.T, args ...string)
 		t.Fatal(err)
 	}
 	return out
+}
+
+// warnings returns the last warnings and errors the pods of a component
+// logged (JSON lines, HANDOFF_LOG_FORMAT=json), prefixed by pod: why a
+// request failed, in the server's words.
+func (c *cluster) warnings(ctx context.Context, component string) string {
+	out, err := c.kubectl(ctx, "-n", ns, "logs", "-l", "app.kubernetes.io/component="+component, "--prefix", "--tail=5000", "--max-log-requests=8")
+	if err != nil {
+		return err.Error()
+	}
+	var lines []string
+	for _, line := range strings.Split(out, "\n") {
+		if strings.Contains(line, `"level":"WARN"`) || strings.Contains(line, `"level":"ERROR"`) {
+			lines = append(lines, line)
+		}
+	}
+	if len(lines) > 20 {
+		lines = lines[len(lines)-20:]
+	}
+	return fmt.Sprintf("%s pods' last warnings and errors (%d):\n%s", component, len(lines), strings.Join(lines, "\n"))
 }
 
 func (c *cluster) clusterIP(ctx context.Context, t *testing.T, svc string) string {
