@@ -6,7 +6,9 @@ tensors backed by memfds, passed by file descriptor), then per request the
 receiver opens a grant over named blocks and a row (:meth:`Agent.grant`) and
 hands the ticket to the sender, whose agent writes its named blocks and row
 into it (:meth:`Agent.send`, or layer by layer with :meth:`Agent.open_send`).
-Ends arrive as :class:`Event` objects (:meth:`Agent.next_event`).
+Ends arrive as :class:`Event` objects (:meth:`Agent.next_event`). Pools
+that lie on a GPU are registered by CUDA IPC handle instead
+(:meth:`Agent.register_cuda`, :func:`cuda_memory`).
 """
 
 from .client import (
@@ -18,7 +20,7 @@ from .client import (
     Peer,
     Send,
 )
-from .layout import KVLayout, Layout, MambaLayout, Pools
+from .layout import KVLayout, Layout, MambaLayout, Pools, cuda_memory
 
 __all__ = [
     "Agent",
@@ -32,4 +34,5 @@ __all__ = [
     "Peer",
     "Pools",
     "Send",
+    "cuda_memory",
 ]

@@ -12,8 +12,9 @@ import time
 from typing import Callable, Iterable, Optional
 
 import msgpack
+import torch
 
-from .layout import Pools
+from .layout import Layout, Pools, cuda_memory
 
 VERSION = 1
 MAX_FRAME = 16 << 20
@@ -283,6 +284,39 @@ class Agent:
             {"op": "register", "layout": pools.layout.wire(), "kv_bytes": kv_bytes, "mamba_bytes": m_bytes},
             fds,
         )
+        self.fingerprint = rep["fingerprint"]
+        self.agent_id = rep.get("agent_id", "")
+        self.transports = rep.get("transports", [])
+        return self.fingerprint
+
+    def register_cuda(
+        self,
+        layout: Layout,
+        kv: Optional[torch.Tensor] = None,
+        mamba: Optional[torch.Tensor] = None,
+    ) -> str:
+        """Registers pools that lie on a GPU, once, by CUDA IPC handle (see
+        :func:`cuda_memory`): ``kv`` holds ``layout``'s KV blocks back to
+        back and ``mamba`` its rows (the layouts :class:`Pools` gives its
+        host tensors). The agent maps them on the same GPU; the engine
+        keeps the tensors alive while registered. Returns the layout
+        fingerprint."""
+        req = {"op": "register", "layout": layout.wire()}
+        for name, t, want in (
+            ("kv", kv, layout.kv is not None and layout.kv.blocks * layout.block_bytes()),
+            ("mamba", mamba, layout.mamba is not None and layout.mamba.rows * layout.row_bytes()),
+        ):
+            if t is None:
+                if want:
+                    raise ValueError(f"the layout has a {name} pool, but no {name} tensor was given")
+                continue
+            if not want:
+                raise ValueError(f"a {name} tensor, but the layout has no {name} pool")
+            if t.nbytes != want:
+                raise ValueError(f"the {name} tensor holds {t.nbytes} bytes, the layout {want}")
+            req[name + "_bytes"] = want
+            req[name + "_cuda"] = cuda_memory(t)
+        rep = self._call(req)
         self.fingerprint = rep["fingerprint"]
         self.agent_id = rep.get("agent_id", "")
         self.transports = rep.get("transports", [])

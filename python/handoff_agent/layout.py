@@ -133,6 +133,35 @@ class Layout:
         return self.mamba.layers * (self.conv_bytes() + self.ssm_bytes())
 
 
+def cuda_memory(t: torch.Tensor) -> dict:
+    """How the agent opens a pool tensor that lies on a GPU (``kv_cuda`` or
+    ``mamba_cuda`` of a registration): the CUDA IPC handle of the allocation
+    the tensor lies in, the tensor's byte offset in that allocation, and
+    the device's UUID as nvidia-smi prints it. The tensor must be
+    contiguous: the agent maps ``t.nbytes`` bytes from that offset.
+
+    torch's caching allocator hands out pieces of larger allocations, so
+    the handle is the allocation's and the offset says where in it the
+    storage starts (``_share_cuda_``), plus where in the storage the tensor
+    starts. Sharing marks the allocation shared: torch keeps it until the
+    storage is freed, and the engine keeps the tensor for as long as it is
+    registered."""
+    if not t.is_cuda:
+        raise ValueError(f"a tensor on {t.device}, not on a GPU: register host memory with Pools")
+    if not t.is_contiguous():
+        raise ValueError("a pool tensor must be contiguous: the agent maps its bytes as one range")
+    shared = t.untyped_storage()._share_cuda_()
+    device, handle, storage_offset = shared[0], shared[1], shared[3]
+    if len(handle) != 64:
+        raise ValueError(f"a CUDA IPC handle of {len(handle)} bytes, want 64")
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return {
+        "handle": bytes(handle),
+        "offset": int(storage_offset) + t.storage_offset() * t.element_size(),
+        "device": uuid if uuid.startswith("GPU-") else "GPU-" + uuid,
+    }
+
+
 class _Memfd:
     """size bytes of a memfd, mapped shared; the fd is what the agent maps."""
 
