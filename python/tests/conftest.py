@@ -30,9 +30,10 @@ class AgentProc:
 
     def __init__(self, binary, name, transports, sock=None):
         self.binary, self.name, self.transports = binary, name, transports
+        self.tmpdir = None
         if sock is None:
-            d = tempfile.mkdtemp(prefix="handoff-agent-test-")  # mode 0700
-            sock = os.path.join(d, name + ".sock")
+            self.tmpdir = tempfile.mkdtemp(prefix="handoff-agent-test-")  # mode 0700
+            sock = os.path.join(self.tmpdir, name + ".sock")
         self.sock = sock
         self.proc = None
         self.start()
@@ -81,6 +82,8 @@ def agents(agent_bin):
     yield start
     for a in started:
         a.stop()
+        if a.tmpdir is not None:
+            shutil.rmtree(a.tmpdir, ignore_errors=True)
 
 
 def tiny_layout(**kw) -> Layout:

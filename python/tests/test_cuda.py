@@ -2,10 +2,16 @@
 CUDA, so a stand-in tensor answers what the helper asks of a CUDA tensor;
 the agent is real and gets as far as loading the driver."""
 
+import ctypes
+import os
+import shutil
+import subprocess
+from uuid import UUID as UUIDType
+
 import pytest
 import torch
 
-from conftest import tiny_layout
+from conftest import REPO, random_pools, tiny_layout
 from handoff_agent import Agent, AgentError, cuda_memory
 
 UUID = "5b1a9e2c-0c3d-4f0e-9a55-1c2d3e4f5a6b"
@@ -97,3 +103,108 @@ def test_register_cuda_reaches_the_driver(agents, gpu0, monkeypatch, tmp_path):
         with pytest.raises(AgentError) as e:
             a.register_cuda(lay, kv=_CudaTensor(kv), mamba=_CudaTensor(mamba))
         assert e.value.code == "invalid_layout" and "overlap" in str(e.value), e.value
+
+
+# The same through a driver: the repository's fake libcuda
+# (internal/cuda/testdata/fakecuda.c, the real ABIs, "device memory" a
+# memfd that another process opens by handle through /proc), loaded by the
+# engine here with ctypes and by the agent with purego ($HANDOFF_LIBCUDA).
+
+FAKECUDA_C = os.path.join(REPO, "internal", "cuda", "testdata", "fakecuda.c")
+
+
+@pytest.fixture(scope="session")
+def fakecuda(tmp_path_factory):
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler to build the fake libcuda")
+    out = str(tmp_path_factory.mktemp("fakecuda") / "libcuda.so.1")
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", out, FAKECUDA_C, "-lpthread"], check=True)
+    return out
+
+
+class FakeGPU:
+    """Device memory of this process through the fake driver: one
+    allocation, as torch's caching allocator hands out pieces of one."""
+
+    def __init__(self, lib_path: str, size: int):
+        self.lib = lib = ctypes.CDLL(lib_path)
+        self._ok(lib.cuInit(0))
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        self._ok(lib.cuDeviceGet(ctypes.byref(dev), 0))
+        self._ok(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+        self._ok(lib.cuCtxSetCurrent(ctx))
+        uuid = (ctypes.c_char * 16)()
+        self._ok(lib.cuDeviceGetUuid_v2(uuid, dev))
+        self.uuid = str(UUIDType(bytes=bytes(uuid)))
+        self.base = ctypes.c_ulonglong()
+        self._ok(lib.cuMemAlloc_v2(ctypes.byref(self.base), ctypes.c_size_t(size)))
+        handle = (ctypes.c_char * 64)()
+        self._ok(lib.cuIpcGetMemHandle(handle, self.base))
+        self.handle = bytes(handle)
+
+    @staticmethod
+    def _ok(r):
+        assert r == 0, f"fake CUDA driver: error {r}"
+
+    def write(self, off: int, data: bytes):
+        self._ok(self.lib.cuMemcpyHtoD_v2(ctypes.c_ulonglong(self.base.value + off), data, ctypes.c_size_t(len(data))))
+
+    def read(self, off: int, n: int) -> bytes:
+        buf = ctypes.create_string_buffer(n)
+        self._ok(self.lib.cuMemcpyDtoH_v2(buf, ctypes.c_ulonglong(self.base.value + off), ctypes.c_size_t(n)))
+        return buf.raw
+
+    def tensor(self, off: int, nbytes: int):
+        """A stand-in CUDA tensor of nbytes at off, as torch would share it."""
+        return _CudaTensor(nbytes, handle=self.handle, alloc_offset=off)
+
+
+@pytest.mark.parametrize("direction", ["device to host", "host to device"])
+def test_device_pools_through_the_fake_driver(agents, fakecuda, monkeypatch, direction):
+    lay = tiny_layout()
+    bb, rb = lay.block_bytes(), lay.row_bytes()
+    kv_n, m_n = lay.kv.blocks * bb, lay.mamba.rows * rb
+    kv_off, m_off = 4096, 4096 + kv_n + 512  # two tensors in one allocation
+    monkeypatch.setenv("HANDOFF_LIBCUDA", fakecuda)
+    gpu = FakeGPU(fakecuda, m_off + m_n)
+
+    class Props:
+        uuid = gpu.uuid
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props)
+    g = torch.Generator().manual_seed(7)
+    gpu.write(kv_off, torch.randint(0, 256, (kv_n,), dtype=torch.uint8, generator=g).numpy().tobytes())
+    gpu.write(m_off, torch.randint(0, 256, (m_n,), dtype=torch.uint8, generator=g).numpy().tobytes())
+
+    da, ha = agents("gpu", "tcp"), agents("host", "tcp")
+    with Agent.connect(da.sock) as dev, Agent.connect(ha.sock) as host:
+        fp = dev.register_cuda(lay, kv=gpu.tensor(kv_off, kv_n), mamba=gpu.tensor(m_off, m_n))
+        pools = random_pools(lay, 8)
+        assert host.register(pools) == fp
+        if direction == "device to host":
+            before = gpu.read(0, m_off + m_n)
+            gr = host.grant(request_id=5, blocks=[9, 3, 20], row=1, deadline=5)
+            ev = dev.wait_send(dev.send(gr.ticket, blocks=[0, 1, 2], row=4), timeout=10)
+            assert ev.ok, ev
+            assert host.wait_grant(gr, timeout=10).ok
+            for s, d in [(0, 9), (1, 3), (2, 20)]:
+                assert pools.kv[d].contiguous().view(torch.uint8).numpy().tobytes() == gpu.read(kv_off + s * bb, bb)
+            assert pools.mamba[1].numpy().tobytes() == gpu.read(m_off + 4 * rb, rb)
+            assert gpu.read(0, m_off + m_n) == before, "the sender's device memory changed"
+            # The reserved row never travels from device memory either.
+            gr = host.grant(request_id=6, blocks=[5], row=2, deadline=5)
+            with pytest.raises(AgentError) as e:
+                dev.send(gr.ticket, blocks=[5], row=7)
+            assert e.value.code == "reserved", e.value
+        else:
+            gr = dev.grant(request_id=5, blocks=[9, 3, 20], row=1, deadline=5)
+            ev = host.wait_send(host.send(gr.ticket, blocks=[0, 1, 2], row=4), timeout=10)
+            assert ev.ok, ev
+            assert dev.wait_grant(gr, timeout=10).ok
+            for s, d in [(0, 9), (1, 3), (2, 20)]:
+                assert gpu.read(kv_off + d * bb, bb) == pools.kv[s].contiguous().view(torch.uint8).numpy().tobytes()
+            assert gpu.read(m_off + rb, rb) == pools.mamba[4].numpy().tobytes()
+            # Nothing around the granted blocks and row moved.
+            for d in (8, 10, 2, 4, 19, 21):
+                assert gpu.read(kv_off + d * bb, bb) != pools.kv[0].contiguous().view(torch.uint8).numpy().tobytes()
