@@ -133,6 +133,25 @@ class Layout:
         return self.mamba.layers * (self.conv_bytes() + self.ssm_bytes())
 
 
+_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+
+
+def _ipc_handle(h: bytes) -> bytes:
+    """The CUDA IPC handle in what ``_share_cuda_`` returns: the 64-byte
+    handle itself (torch before 2.5), or a version byte, a type byte and,
+    for a cudaMalloc block (type ``c``), the handle (torch 2.5 on)."""
+    if len(h) == _IPC_HANDLE_BYTES:
+        return h
+    if len(h) >= 2 and h[1:2] == b"e":
+        raise ValueError(
+            "the tensor lies in one of torch's expandable segments, which have no CUDA IPC handle: "
+            "allocate the cache pools with expandable_segments:False in PYTORCH_CUDA_ALLOC_CONF"
+        )
+    if len(h) == 2 + _IPC_HANDLE_BYTES and h[1:2] == b"c":
+        return h[2:]
+    raise ValueError(f"a shared CUDA handle of {len(h)} bytes in a format this client does not know")
+
+
 def cuda_memory(t: torch.Tensor) -> dict:
     """How the agent opens a pool tensor that lies on a GPU (``kv_cuda`` or
     ``mamba_cuda`` of a registration): the CUDA IPC handle of the allocation
@@ -143,17 +162,17 @@ def cuda_memory(t: torch.Tensor) -> dict:
     torch's caching allocator hands out pieces of larger allocations, so
     the handle is the allocation's and the offset says where in it the
     storage starts (``_share_cuda_``), plus where in the storage the tensor
-    starts. Sharing marks the allocation shared: torch keeps it until the
-    storage is freed, and the engine keeps the tensor for as long as it is
-    registered."""
+    starts. Sharing is for the process's lifetime, as a cache pool's is:
+    torch keeps a storage it shared until the process exits, even once the
+    tensor is freed, so share the pools once, not per request. Memory of
+    torch's expandable segments (``PYTORCH_CUDA_ALLOC_CONF=
+    expandable_segments:True``) has no CUDA IPC handle and is refused."""
     if not t.is_cuda:
         raise ValueError(f"a tensor on {t.device}, not on a GPU: register host memory with Pools")
     if not t.is_contiguous():
         raise ValueError("a pool tensor must be contiguous: the agent maps its bytes as one range")
     shared = t.untyped_storage()._share_cuda_()
-    device, handle, storage_offset = shared[0], shared[1], shared[3]
-    if len(handle) != 64:
-        raise ValueError(f"a CUDA IPC handle of {len(handle)} bytes, want 64")
+    device, handle, storage_offset = shared[0], _ipc_handle(bytes(shared[1])), shared[3]
     uuid = str(torch.cuda.get_device_properties(device).uuid)
     return {
         "handle": bytes(handle),

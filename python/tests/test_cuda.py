@@ -65,6 +65,15 @@ def test_cuda_memory_fields(gpu0):
     assert m == {"handle": bytes(range(64)), "offset": 8192 + 200, "device": "GPU-" + UUID}
 
 
+@pytest.mark.parametrize("version", [2, 3])
+def test_cuda_memory_versioned_handle(gpu0, version):
+    # torch 2.5 on: a version byte, the type ('c': a cudaMalloc block),
+    # then the 64-byte handle.
+    h = bytes(range(100, 164))
+    m = cuda_memory(_CudaTensor(64, handle=bytes([version]) + b"c" + h))
+    assert m["handle"] == h
+
+
 def test_cuda_memory_refusals(gpu0):
     with pytest.raises(ValueError, match="not on a GPU"):
         cuda_memory(torch.zeros(4))
@@ -72,6 +81,10 @@ def test_cuda_memory_refusals(gpu0):
         cuda_memory(_CudaTensor(64, contiguous=False))
     with pytest.raises(ValueError, match="3 bytes"):
         cuda_memory(_CudaTensor(64, handle=b"abc"))
+    with pytest.raises(ValueError, match="expandable segments"):
+        cuda_memory(_CudaTensor(64, handle=b"\x02e" + bytes(80)))
+    with pytest.raises(ValueError, match="66 bytes"):
+        cuda_memory(_CudaTensor(64, handle=b"\x02x" + bytes(64)))
 
 
 def test_register_cuda_sizes(agents, gpu0):
@@ -156,8 +169,9 @@ class FakeGPU:
         return buf.raw
 
     def tensor(self, off: int, nbytes: int):
-        """A stand-in CUDA tensor of nbytes at off, as torch would share it."""
-        return _CudaTensor(nbytes, handle=self.handle, alloc_offset=off)
+        """A stand-in CUDA tensor of nbytes at off, shared as torch 2.5 on
+        shares it (version, type 'c', the handle)."""
+        return _CudaTensor(nbytes, handle=b"\x02c" + self.handle, alloc_offset=off)
 
 
 @pytest.mark.parametrize("direction", ["device to host", "host to device"])
@@ -192,7 +206,7 @@ def test_device_pools_through_the_fake_driver(agents, fakecuda, monkeypatch, dir
                 assert pools.kv[d].contiguous().view(torch.uint8).numpy().tobytes() == gpu.read(kv_off + s * bb, bb)
             assert pools.mamba[1].numpy().tobytes() == gpu.read(m_off + 4 * rb, rb)
             assert gpu.read(0, m_off + m_n) == before, "the sender's device memory changed"
-            # The reserved row never travels from device memory either.
+            # The reserved row is refused by name, at the request.
             gr = host.grant(request_id=6, blocks=[5], row=2, deadline=5)
             with pytest.raises(AgentError) as e:
                 dev.send(gr.ticket, blocks=[5], row=7)
