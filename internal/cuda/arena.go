@@ -110,16 +110,12 @@ func (d *Device) OpenIPC(h IpcMemHandle, pid int, off, size uint64) (*Arena, err
 	var base DevicePtr
 	var from *IPCBuffer
 	err := d.Do(func(drv Driver) error {
-		p, err := d.openHandle(drv, h)
+		p, n, err := d.openHandle(drv, h)
 		if err != nil {
 			return err
 		}
-		_, n, err := drv.MemGetAddressRange(p)
-		if err == nil && (off > n || size > n-off) {
-			err = fmt.Errorf("%w: %d bytes at offset %d of an allocation of %d", ErrInvalidValue, size, off, n)
-		}
-		if err != nil {
-			return errors.Join(err, d.closeHandle(drv, h))
+		if off > n || size > n-off {
+			return errors.Join(fmt.Errorf("%w: %d bytes at offset %d of an allocation of %d", ErrInvalidValue, size, off, n), d.closeHandle(drv, h))
 		}
 		base = p
 		// Without a buffer id the arena still works; it only stays

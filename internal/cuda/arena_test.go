@@ -7,6 +7,7 @@ import (
 	"errors"
 	"io"
 	"os"
+	"strings"
 	"testing"
 
 	"github.com/handoff-io/handoff/internal/cuda"
@@ -188,5 +189,88 @@ func TestImportSharesOpenedHandle(t *testing.T) {
 		if n := imp.Stats().Imports; n != 0 {
 			t.Fatalf("free first %v: %d mappings left after both let go", freeFirst, n)
 		}
+	}
+}
+
+// What a peer tells Import and what an engine hands OpenIPC is checked
+// against the driver: an allocation smaller than the peer claims (cached
+// or not), an address of this process that is no allocation's base, and
+// memory on a device other than the one opened are refused, and nothing
+// stays mapped.
+func TestIPCClaimsChecked(t *testing.T) {
+	exp := cudafake.New(cudafake.Config{Devices: 2})
+	imp := cudafake.New(cudafake.Config{Devices: 2, PID: os.Getpid() + 1<<22})
+	de, di := openDev(t, exp, "0"), openDev(t, imp, "0")
+	a, err := de.NewArena(1 << 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Free() //nolint:errcheck
+	b, err := a.Export()
+	if err != nil {
+		t.Fatal(err)
+	}
+	big := b
+	big.Size = b.Size + 1
+	if _, err := di.Import(big); !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Fatalf("a claim past the allocation, first import: %v", err)
+	}
+	if n := imp.Stats().Imports; n != 0 {
+		t.Fatalf("the refused import left %d mappings", n)
+	}
+	if _, err := di.Import(b); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := di.Import(big); !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Fatalf("a claim past the allocation, cached: %v", err)
+	}
+
+	// This process's own: the base of an allocation it holds, no more.
+	own, err := di.NewArena(1 << 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer own.Free() //nolint:errcheck
+	ob, err := own.Export()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p, err := di.Import(ob); err != nil || p != ob.Base {
+		t.Fatalf("this process's own allocation: %#x, %v", p, err)
+	}
+	for _, bad := range []cuda.IPCBuffer{
+		{PID: ob.PID, Base: ob.Base + 4096, Size: 4096, Device: ob.Device},
+		{PID: ob.PID, Base: ob.Base, Size: ob.Size + 1, Device: ob.Device},
+		{PID: ob.PID, Base: 0x7000_0000_0000, Size: 4096, Device: ob.Device},
+	} {
+		if _, err := di.Import(bad); err == nil {
+			t.Fatalf("an address of this process that no allocation of that size starts at: %+v", bad)
+		}
+	}
+
+	// Memory on the exporter's device 1, opened by a Device on device 0.
+	de1 := openDev(t, exp, "1")
+	a1, err := de1.NewArena(1 << 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a1.Free() //nolint:errcheck
+	b1, err := a1.Export()
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := imp.Stats().Imports
+	if _, err := di.OpenIPC(b1.Handle, b1.PID, 0, 4096); !errors.Is(err, cuda.ErrInvalidValue) || !strings.Contains(err.Error(), "on device 1") {
+		t.Fatalf("memory of another device: %v", err)
+	}
+	if _, err := di.Import(b1); !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Fatalf("memory of another device, imported: %v", err)
+	}
+	if n := imp.Stats().Imports; n != before {
+		t.Fatalf("the refusals left %d mappings more", n-before)
+	}
+	di1 := openDev(t, imp, "1")
+	if _, err := di1.OpenIPC(b1.Handle, b1.PID, 0, 4096); err != nil {
+		t.Fatalf("the same memory from its own device: %v", err)
 	}
 }

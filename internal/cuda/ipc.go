@@ -12,6 +12,7 @@ import (
 
 type handleRef struct {
 	ptr  DevicePtr
+	size uint64 // the allocation's, as the driver maps it
 	refs int
 }
 
@@ -24,6 +25,7 @@ type importKey struct {
 type mapping struct {
 	bufferID uint64
 	ptr      DevicePtr
+	size     uint64
 	handle   IpcMemHandle
 }
 
@@ -91,21 +93,35 @@ func (d *Device) Export(p DevicePtr) (IPCBuffer, error) {
 // whatever the exporter allocated there next), and the same holds once
 // ForgetPeer, the last ReleasePeer or Close ran. A handle this process has
 // open already (OpenIPC, another key) is that mapping, shared.
+//
+// b comes from a peer: the allocation must hold b.Size bytes (a peer that
+// claims more is refused rather than read past the mapping), and one of
+// this process's own must be an allocation's base on this device.
 func (d *Device) Import(b IPCBuffer) (DevicePtr, error) {
 	if b.PID == d.pid {
+		err := d.Do(func(drv Driver) error {
+			base, n, err := drv.MemGetAddressRange(b.Base)
+			if err == nil && (base != b.Base || n < b.Size) {
+				err = fmt.Errorf("%w: %d bytes at %#x, this process's allocation there is %d bytes at %#x", ErrInvalidValue, b.Size, b.Base, n, base)
+			}
+			return err
+		})
+		if err != nil {
+			return 0, err
+		}
 		return b.Base, nil
 	}
 	k := importKey{pid: b.PID, device: b.Device, base: b.Base}
-	if p, ok := d.cached(k, b.BufferID); ok {
-		return p, nil
+	if p, ok, err := d.cached(k, b); ok {
+		return p, err
 	}
 	var p DevicePtr
 	err := d.Do(func(drv Driver) error {
 		// Jobs run one at a time: a concurrent Import of the same buffer
 		// opened it while this one waited.
-		if ptr, ok := d.cached(k, b.BufferID); ok {
+		if ptr, ok, err := d.cached(k, b); ok {
 			p = ptr
-			return nil
+			return err
 		}
 		d.mu.Lock()
 		stale := d.imports[k]
@@ -116,13 +132,16 @@ func (d *Device) Import(b IPCBuffer) (DevicePtr, error) {
 				return err
 			}
 		}
-		ptr, err := d.openHandle(drv, b.Handle)
+		ptr, size, err := d.openHandle(drv, b.Handle)
 		if err != nil {
 			return err
 		}
+		if size < b.Size {
+			return errors.Join(tooSmall(b, size), d.closeHandle(drv, b.Handle))
+		}
 		d.mu.Lock()
 		d.opens++
-		d.imports[k] = &mapping{bufferID: b.BufferID, ptr: ptr, handle: b.Handle}
+		d.imports[k] = &mapping{bufferID: b.BufferID, ptr: ptr, size: size, handle: b.Handle}
 		d.mu.Unlock()
 		p = ptr
 		return nil
@@ -130,15 +149,25 @@ func (d *Device) Import(b IPCBuffer) (DevicePtr, error) {
 	return p, err
 }
 
-// cached returns the mapping of k if its buffer id is still bufferID.
-func (d *Device) cached(k importKey, bufferID uint64) (DevicePtr, bool) {
+// tooSmall is Import's refusal of a peer's claim of more bytes than the
+// allocation holds.
+func tooSmall(b IPCBuffer, size uint64) error {
+	return fmt.Errorf("%w: process %d's allocation holds %d bytes, a peer claims %d", ErrInvalidValue, b.PID, size, b.Size)
+}
+
+// cached returns the mapping of k if its buffer id is still b's, and
+// whether it found one; the error refuses a claim of more than it holds.
+func (d *Device) cached(k importKey, b IPCBuffer) (DevicePtr, bool, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if m := d.imports[k]; m != nil && m.bufferID == bufferID {
+	if m := d.imports[k]; m != nil && m.bufferID == b.BufferID {
+		if m.size < b.Size {
+			return 0, true, tooSmall(b, m.size)
+		}
 		d.hits++
-		return m.ptr, true
+		return m.ptr, true, nil
 	}
-	return 0, false
+	return 0, false, nil
 }
 
 // ForgetPeer closes every mapping Import opened from process pid (a peer
@@ -193,24 +222,37 @@ func (d *Device) ReleasePeer(pid int) error {
 	})
 }
 
-// openHandle returns this process's mapping of h, opening it the first
-// time; every call is matched by a closeHandle. Executor only.
-func (d *Device) openHandle(drv Driver, h IpcMemHandle) (DevicePtr, error) {
+// openHandle returns this process's mapping of h and the allocation's size,
+// opening it the first time; every call is matched by a closeHandle.
+// Memory on another device is refused: a handle opens there too (peer
+// access), but its copies would cross the bus, not stay on this device.
+// Executor only.
+func (d *Device) openHandle(drv Driver, h IpcMemHandle) (DevicePtr, uint64, error) {
 	d.mu.Lock()
 	if r := d.handles[h]; r != nil {
 		r.refs++
 		d.mu.Unlock()
-		return r.ptr, nil
+		return r.ptr, r.size, nil
 	}
 	d.mu.Unlock()
 	p, err := drv.IpcOpenMemHandle(h, IpcLazyEnablePeerAccess)
 	if err != nil {
-		return 0, err
+		return 0, 0, err
+	}
+	_, size, err := drv.MemGetAddressRange(p)
+	if err == nil {
+		var dev uint64
+		if dev, err = drv.PointerGetAttribute(PointerAttributeDeviceOrdinal, p); err == nil && int(dev) != d.ordinal {
+			err = fmt.Errorf("%w: the handle's memory is on device %d, not on %s (device %d)", ErrInvalidValue, dev, d.uuid, d.ordinal)
+		}
+	}
+	if err != nil {
+		return 0, 0, errors.Join(err, drv.IpcCloseMemHandle(p))
 	}
 	d.mu.Lock()
-	d.handles[h] = &handleRef{ptr: p, refs: 1}
+	d.handles[h] = &handleRef{ptr: p, size: size, refs: 1}
 	d.mu.Unlock()
-	return p, nil
+	return p, size, nil
 }
 
 // closeHandle lets one use of h's mapping go, closing the mapping with the

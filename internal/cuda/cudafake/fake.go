@@ -800,6 +800,14 @@ func (d *Driver) IpcOpenMemHandle(h cuda.IpcMemHandle, flags uint32) (cuda.Devic
 	if err != nil {
 		return 0, fail(call, cuda.ErrorMapFailed)
 	}
+	// The memory stays on the device it was allocated on, where this
+	// process sees that device (a real driver maps another device's
+	// memory over peer access): its device ordinal says so.
+	for i, x := range d.devs {
+		if [16]byte(b[40:56]) == [16]byte(x.uuid) {
+			dev = i
+		}
+	}
 	d.nextBuf++
 	a := &alloc{base: d.reserve(size), size: size, dev: dev, mem: mem[:size], fd: -1, inode: inode, bufferID: d.nextBuf, imported: true, key: key}
 	d.insert(a)
