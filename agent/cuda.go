@@ -27,11 +27,15 @@ import (
 // when the engine's session ends, after its rdma engine (so after every
 // grant was revoked): the engine's allocation is its own.
 
-// agentCUDA is the driver and the devices opened for engines' pools.
+// agentCUDA is the driver and the devices opened for engines' pools. A
+// device stays open while a mapping of an engine's memory on it does (its
+// users), so that the agent's GPU is the one of the engines it serves, not
+// of the first engine that named one, whose registration may have failed.
 type agentCUDA struct {
-	mu   sync.Mutex
-	drv  cuda.Driver
-	devs map[string]*cuda.Device // by the UUID engines name
+	mu    sync.Mutex
+	drv   cuda.Driver
+	devs  map[string]*cuda.Device // by the UUID engines name
+	users map[*cuda.Device]int
 }
 
 // openCUDA maps size bytes of the device memory dm names, which process
@@ -46,7 +50,15 @@ func (a *Agent) openCUDA(dm *CUDAMemory, pid int, size uint64) (*cuda.Arena, err
 	if err != nil {
 		return nil, err
 	}
-	return d.OpenIPC(h, pid, dm.Offset, size)
+	m, err := d.OpenIPC(h, pid, dm.Offset, size)
+	if err != nil {
+		if errors.Is(err, cuda.ErrInvalidValue) {
+			// The engine's handle, offset or size: not the agent's fault.
+			err = fmt.Errorf("%w: %w", ErrInvalidLayout, err)
+		}
+		return nil, errors.Join(err, a.cuda.release(d))
+	}
+	return m, nil
 }
 
 // openPools maps the pools q registers in device memory (nil for a pool
@@ -97,7 +109,7 @@ func (s *session) openPools(q Request) (kv, mam *cuda.Arena, err error) {
 }
 
 // device returns the open device uuid names, opening the driver and the
-// device the first time.
+// device the first time, for one more user (release).
 func (c *agentCUDA) device(open func() (cuda.Driver, error), uuid string) (*cuda.Device, error) {
 	if uuid == "" {
 		return nil, fmt.Errorf("%w: device memory without the device's UUID", ErrInvalidLayout)
@@ -109,13 +121,14 @@ func (c *agentCUDA) device(open func() (cuda.Driver, error), uuid string) (*cuda
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if d := c.devs[key]; d != nil {
+		c.users[d]++
 		return d, nil
 	}
 	// One GPU per agent, as one agent per engine worker: the IPC handles
 	// an agent opens are shared by its engines' pools and pulls per
 	// device, and a handle open on one device is not opened again on
-	// another. The first device an engine names is the agent's until it
-	// restarts.
+	// another. The device an engine's memory is on is the agent's while
+	// some engine's memory on it is mapped.
 	for other := range c.devs {
 		return nil, fmt.Errorf("%w: this agent serves device %s; memory on device %s needs an agent of its own", ErrInvalidLayout, other, key)
 	}
@@ -134,10 +147,27 @@ func (c *agentCUDA) device(open func() (cuda.Driver, error), uuid string) (*cuda
 		return nil, err
 	}
 	if c.devs == nil {
-		c.devs = map[string]*cuda.Device{}
+		c.devs, c.users = map[string]*cuda.Device{}, map[*cuda.Device]int{}
 	}
 	c.devs[key] = d
+	c.users[d] = 1
 	return d, nil
+}
+
+// release drops a user of d; the last one closes it.
+func (c *agentCUDA) release(d *cuda.Device) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.users[d]--; c.users[d] > 0 {
+		return nil
+	}
+	delete(c.users, d)
+	for k, x := range c.devs {
+		if x == d {
+			delete(c.devs, k)
+		}
+	}
+	return d.Close()
 }
 
 // close closes the devices; every session has ended.
@@ -148,15 +178,19 @@ func (c *agentCUDA) close() error {
 	for _, d := range c.devs {
 		errs = append(errs, d.Close())
 	}
-	c.devs = nil
+	c.devs, c.users = nil, nil
 	return errors.Join(errs...)
 }
 
-// closeArenas closes the mappings of the engine's device memory.
+// closeArenas closes the mappings of the engine's device memory, and
+// the devices they were the last users of.
 func (s *session) closeArenas() {
 	for _, a := range s.arenas {
 		if err := a.Free(); err != nil {
 			s.log.Warn("agent: closing a device memory mapping", "err", err)
+		}
+		if err := s.a.cuda.release(a.Device()); err != nil {
+			s.log.Warn("agent: closing a device", "err", err)
 		}
 	}
 	s.arenas = nil

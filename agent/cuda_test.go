@@ -418,3 +418,46 @@ func TestDeviceMemoryOneGPUPerAgent(t *testing.T) {
 	_, err = register("0", func(u cuda.UUID) string { return strings.ToUpper(strings.TrimPrefix(u.String(), "GPU-")) })
 	require.NoError(t, err)
 }
+
+// An agent's GPU is the one of the engines it serves: a registration
+// that failed holds none, and once the last engine on a GPU went, another
+// GPU's engine is served (found in review: the first device named stayed
+// the agent's until it restarted, even when its registration failed).
+func TestDeviceMemoryGPUHeldWhileUsed(t *testing.T) {
+	exp := cudafake.New(cudafake.Config{Devices: 2})
+	imp := cudafake.New(cudafake.Config{PID: os.Getpid() + 1<<22, Devices: 2})
+	sock := startCUDAAgent(t, "gpu", imp)
+	l := tinyLayout()
+	p, err := compile(l)
+	require.NoError(t, err)
+	// register registers a KV pool of kvBytes on the exporter's device
+	// sel (the Mamba pool in host memory), in an allocation of size bytes.
+	register := func(sel string, size uint64) (*Client, error) {
+		d, err := cuda.OpenDevice(exp, sel)
+		require.NoError(t, err)
+		t.Cleanup(func() { d.Close() })
+		a, err := d.NewArena(size)
+		require.NoError(t, err)
+		t.Cleanup(func() { a.Free() })
+		x, err := a.Export()
+		require.NoError(t, err)
+		c, err := Dial(context.Background(), sock)
+		require.NoError(t, err)
+		t.Cleanup(func() { c.Close() })
+		mfd, _ := memfd(t, p.mambaBytes())
+		_, err = c.Call(ctxT(t), Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes(),
+			KVCUDA: &CUDAMemory{Handle: x.Handle.Reserved[:], Device: d.UUID().String()}}, []int{mfd})
+		return c, err
+	}
+	_, err = register("1", uint64(p.kvBytes())-4096) // the pool runs past its allocation
+	require.ErrorIs(t, err, ErrInvalidLayout)
+	c0, err := register("0", uint64(p.kvBytes()))
+	require.NoError(t, err, "a failed registration on device 1 held the agent's GPU")
+	_, err = register("1", uint64(p.kvBytes()))
+	require.ErrorContains(t, err, "needs an agent of its own", "device 0 is in use")
+	c0.Close()
+	require.Eventually(t, func() bool {
+		_, err = register("1", uint64(p.kvBytes()))
+		return err == nil
+	}, 5*time.Second, 50*time.Millisecond, "the last engine on device 0 went: %v", err)
+}
