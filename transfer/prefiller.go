@@ -112,16 +112,17 @@ type Prefiller struct {
 	tracer trace.Tracer
 	svcID  string // the micro service's id (Instance.Service); set by Start
 
-	mu    sync.Mutex
-	state int // 0 new, 3 starting, 1 serving, 2 shut down
-	in    intake
-	reg   *Registry
-	tasks map[uint64]*task // by request id, each the head of a list (task.next)
-	wg    sync.WaitGroup
-	work  chan taskStart // to an idle worker; unbuffered (see dispatchLocked)
-	quit  chan struct{}  // closed when intake stops: idle workers exit
-	peers wire.PeerCache // the last requester's descriptor, see wire.PeerCache
-	free  sync.Pool      // *task, see freeTask
+	mu       sync.Mutex
+	state    int  // 0 new, 3 starting, 1 serving, 2 shut down
+	stopping bool // Shutdown began
+	in       intake
+	reg      *Registry
+	tasks    map[uint64]*task // by request id, each the head of a list (task.next)
+	wg       sync.WaitGroup
+	work     chan taskStart // to an idle worker; unbuffered (see dispatchLocked)
+	quit     chan struct{}  // closed when intake stops: idle workers exit
+	peers    wire.PeerCache // the last requester's descriptor, see wire.PeerCache
+	free     sync.Pool      // *task, see freeTask
 
 	// Pre-connection to decode instances seen in the registry, so a first
 	// handoff does not pay the data plane's connection set-up.
@@ -183,7 +184,12 @@ func (p *Prefiller) Start(ctx context.Context) error {
 	// already exist to preconnect, which takes p.mu.
 	if reg != nil {
 		if err = reg.watch(ctx, wire.RoleDecode); err == nil {
-			err = reg.announce(ctx, p.self)
+			// Serving before decoders can pick us from the registry: a
+			// request that comes right after the entry is taken, not refused
+			// as "starting" at the cost of one of its attempts.
+			if err = p.serve(); err == nil {
+				err = reg.announce(ctx, p.self)
+			}
 		}
 	}
 	if err == nil {
@@ -201,18 +207,27 @@ func (p *Prefiller) Start(ctx context.Context) error {
 			_ = reg.close(rctx) // no more registry callbacks, so no new pre-connects
 			cancel()
 		}
-		// Pre-connects the watch began; no request was served while starting.
+		// Pre-connects the watch began, and the requests taken since
+		// serve (they end as in a drain).
 		p.connCancel()
 		p.wg.Wait()
 		return err
 	}
+	return p.serve()
+}
+
+// serve moves a starting Prefiller to serving, once.
+func (p *Prefiller) serve() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.state != 3 {
-		return fmt.Errorf("%w: prefiller shut down while starting", ErrClosed)
+	switch p.state {
+	case 1:
+		return nil
+	case 3:
+		p.state = 1
+		return nil
 	}
-	p.state = 1
-	return nil
+	return fmt.Errorf("%w: prefiller shut down while starting", ErrClosed)
 }
 
 // intake is what Start subscribed. It is stopped outside p.mu: stopping
@@ -465,17 +480,20 @@ func (p *Prefiller) registry() *Registry {
 // so that decoders neither lose their cancels nor take it for dead.
 func (p *Prefiller) Shutdown(ctx context.Context) (err error) {
 	p.mu.Lock()
-	if p.state == 2 {
+	if p.state == 2 || p.stopping {
 		p.mu.Unlock()
 		return nil
 	}
-	in := p.stopIntakeLocked()
-	reg := p.reg
+	p.stopping = true
+	reg, serving := p.reg, p.state == 1
 	p.mu.Unlock()
-	err = in.stopRequests(true)
-	defer func() { err = errors.Join(err, in.stopControl()) }()
-	p.connCancel()
-	if reg != nil && ctx.Err() == nil { // stay registered for the requests in flight, marked draining
+	// Decoders hear that we drain before intake stops, and stop picking us;
+	// what they sent meanwhile is served (and drained). Stopping first
+	// refused it, or, sent through another server of a cluster, lost it on
+	// the way (a server answers no-responders to its own clients only):
+	// each cost the request one of its attempts. We stay registered for the
+	// requests in flight, marked draining.
+	if reg != nil && serving && ctx.Err() == nil {
 		p.draining.Store(true)
 		rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		if rerr := reg.refresh(rctx); rerr != nil && !errors.Is(rerr, ErrClosed) {
@@ -483,6 +501,12 @@ func (p *Prefiller) Shutdown(ctx context.Context) (err error) {
 		}
 		cancel()
 	}
+	p.mu.Lock()
+	in := p.stopIntakeLocked()
+	p.mu.Unlock()
+	err = in.stopRequests(true)
+	defer func() { err = errors.Join(err, in.stopControl()) }()
+	p.connCancel()
 
 	drained := make(chan struct{})
 	go func() { p.wg.Wait(); close(drained) }()
