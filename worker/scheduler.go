@@ -496,10 +496,14 @@ func (s *Scheduler) finish(q *request, err error) {
 	if q.timing.FirstToken > 0 {
 		attrs = append(attrs, "ttft_ms", ms(q.timing.FirstToken))
 	}
+	level := slog.LevelInfo
 	if err != nil {
 		attrs = append(attrs, "err", err)
+		if !errors.Is(err, context.Canceled) {
+			level = slog.LevelWarn // failed, not left by its client: why, at a level operators keep
+		}
 	}
-	q.log.Info("request done", attrs...)
+	q.log.Log(context.Background(), level, "request done", attrs...)
 	s.mu.Lock()
 	s.live--
 	s.maybeIdleLocked()
