@@ -52,6 +52,9 @@ type handoff struct {
 
 	cause error // the most specific error behind a failure
 	ok    wire.PrefillReply
+	// notes are deaths and losses taken from c, held back while the
+	// actions of what was delivered before them run (see run).
+	notes []session.Event
 }
 
 // Handoff runs one request's handoff and returns once it is delivered or
@@ -165,6 +168,13 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 		}
 		var ev session.Event
 		var early []session.Action // outcomes of events taken along with ev
+		if len(h.notes) > 0 {
+			early, ev = h.takeNotes()
+			ev.Now = h.now()
+			acts = append(append(queue[:0], early...), h.step(ev)...) // acts was drained
+			armed = h.rearm(ev, armed, timer)
+			continue
+		}
 		grantCh := h.failCh
 		if h.replied {
 			grantCh = h.doneCh
@@ -192,14 +202,23 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 			// A reply or commit already delivered came before the death or
 			// loss was seen (a draining worker replies, then leaves the
 			// registry): apply it first, or a handoff that succeeded would
-			// fail.
-			early = h.delivered()
-			for _, n := range notes[:len(notes)-1] {
-				n.Now = h.now()
-				early = append(early, h.step(n)...)
+			// fail, and act on it before the notes: a refusal's retry names
+			// its instance once sent, and the refuser's death then concerns
+			// nothing of this handoff (applied before, it took the refuser
+			// for the retry's server: a cancel, a new grant, an attempt).
+			h.notes = notes
+			if acts = append(queue[:0], h.delivered()...); len(acts) > 0 {
+				continue
 			}
-			ev = notes[len(notes)-1]
+			early, ev = h.takeNotes()
 		case <-timer.C:
+			// What was delivered before the tick counts before it: a
+			// reply that came as a grace period ran out is not lost.
+			if acts = append(queue[:0], h.delivered()...); len(acts) > 0 {
+				timer.Reset(0) // the tick is taken again, after them
+				armed = time.Time{}
+				continue
+			}
 			ev = session.Event{Kind: session.EvTick}
 		case <-ctx.Done():
 			h.setCause(context.Cause(ctx))
@@ -212,14 +231,32 @@ func (h *handoff) run(ctx context.Context, start time.Time) (Result, error) {
 		}
 		ev.Now = h.now()
 		acts = append(append(queue[:0], early...), h.step(ev)...) // acts was drained
-		// Tick when the session wants it; re-arm after a tick that came
-		// early.
-		want := h.sess.WakeAt()
-		if (!want.Equal(armed) || ev.Kind == session.EvTick) && !h.sess.State().Terminal() {
-			timer.Reset(time.Until(want))
-			armed = want
-		}
+		armed = h.rearm(ev, armed, timer)
 	}
+}
+
+// takeNotes steps the held notes but the last, which it returns to be
+// stepped as the event, with their actions.
+func (h *handoff) takeNotes() ([]session.Action, session.Event) {
+	notes := h.notes
+	h.notes = nil
+	var acts []session.Action
+	for _, n := range notes[:len(notes)-1] {
+		n.Now = h.now()
+		acts = append(acts, h.step(n)...)
+	}
+	return acts, notes[len(notes)-1]
+}
+
+// rearm sets timer for when the session wants a tick, if that moved or a
+// tick was just taken (it came early), and returns what it is armed for.
+func (h *handoff) rearm(ev session.Event, armed time.Time, timer *time.Timer) time.Time {
+	want := h.sess.WakeAt()
+	if (!want.Equal(armed) || ev.Kind == session.EvTick) && !h.sess.State().Terminal() {
+		timer.Reset(time.Until(want))
+		return want
+	}
+	return armed
 }
 
 // now reads the clock as the monotonic time since the handoff's start: half

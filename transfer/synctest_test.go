@@ -25,14 +25,22 @@ type recorder struct {
 	requests []*nats.Msg
 	cancels  []wire.Cancel
 	sent     chan *nats.Msg
+	// hold, when set, keeps PublishRequest from returning until it is
+	// received from: what arrives meanwhile is all there when the
+	// handoff next waits.
+	hold chan struct{}
 }
 
 func (r *recorder) PublishRequest(subj, reply string, data []byte) error {
 	m := &nats.Msg{Subject: subj, Reply: reply, Data: bytes.Clone(data)} // data is the caller's again on return
 	r.mu.Lock()
 	r.requests = append(r.requests, m)
+	hold := r.hold
 	r.mu.Unlock()
 	r.sent <- m
+	if hold != nil {
+		hold <- struct{}{}
+	}
 	return nil
 }
 
@@ -399,4 +407,62 @@ func TestWriterGoneSparesNewIncarnation(t *testing.T) {
 	d.writerGone("p1", d.entriesOf("p1"), d.entriesOf("p1"))
 	require.Empty(t, d.pick(nil).ID)
 	require.Equal(t, []session.Event{{Kind: session.EvPeerDied, Instance: "p1"}}, d.takeNotes(toNew))
+}
+
+// A refusal and the refuser's death can reach a handoff together (a
+// draining prefill refuses, exits and leaves the registry within
+// milliseconds). The refusal is acted on first, as it came first: its
+// retry goes to the other instance, and the death of an instance that
+// serves nothing of the handoff costs nothing. Acting on the death first
+// took the refuser for the server of the retry not yet sent: a cancel
+// to every instance, a new grant, a third request (found in review).
+// Both arrive while the handoff is busy (publishing); which of the two
+// ready signals its next wait takes is random: twenty rounds.
+func TestRefusalThenDeathOfRefuser(t *testing.T) {
+	for round := range 20 {
+		synctest.Test(t, func(t *testing.T) {
+			recv, send, dst, _ := bubbleEngines(t)
+			defer recv.Close()
+			defer send.Close()
+			d, rec := bubbleDecoder(t, recv, 3)
+			d.cfg.DirectFirst = true
+			reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]wire.Instance{}, seen: map[string]time.Time{}}
+			for _, id := range []string{"p1", "p2"} {
+				reg.entries[id] = wire.Instance{ID: id, Role: wire.RolePrefill, Fingerprint: "fp", Updated: time.Now().UnixNano()}
+				reg.seen[id] = time.Now()
+			}
+			d.reg = reg
+			rec.hold = make(chan struct{})
+			done := make(chan error, 1)
+			go func() {
+				_, err := d.Handoff(context.Background(), Request{ID: 5, Tokens: tokens(4), Dest: CacheExtents{Mamba: dst}, Deadline: time.Now().Add(time.Minute)})
+				done <- err
+			}()
+			m1 := <-rec.sent // the handoff is held in its publish
+			refuser := m1.Subject[len(m1.Subject)-len("p1.prefill"):][:2]
+			req, err := wire.DecodePrefillRequest(m1.Data)
+			require.NoError(t, err)
+			b, err := wire.EncodePrefillReply(wire.PrefillReply{RequestID: req.RequestID, Instance: refuser, Code: session.CodeCapacityRefused}, 0)
+			require.NoError(t, err)
+			d.onReply(&nats.Msg{Subject: m1.Reply, Data: b})
+			d.peerDied(refuser)
+			rec.mu.Lock()
+			hold := rec.hold
+			rec.hold = nil
+			rec.mu.Unlock()
+			<-hold
+			m2 := <-rec.sent
+			require.NotContains(t, m2.Subject, refuser+".prefill", "round %d: the retry went to the refuser", round)
+			synctest.Wait()
+			rec.mu.Lock()
+			n, cancels := len(rec.requests), len(rec.cancels)
+			rec.mu.Unlock()
+			require.Equal(t, 2, n, "round %d: one retry, on the other instance", round)
+			require.Zero(t, cancels, "round %d: nothing to cancel: no instance serves the handoff", round)
+			r2, err := wire.DecodePrefillRequest(m2.Data)
+			require.NoError(t, err)
+			require.Equal(t, req.Ticket.Grant, r2.Ticket.Grant, "round %d: a refusal keeps the grant", round)
+			require.ErrorIs(t, <-done, ErrTimeout) // attempt 2 is never answered
+		})
+	}
 }
