@@ -82,7 +82,9 @@ func TestRegistryExpiry(t *testing.T) {
 	require.NoError(t, live.announce(ctx, func() wire.Instance { return wire.Instance{ID: "p-live", Role: wire.RolePrefill, Fingerprint: "fp"} }))
 	dead, err := openRegistry(ctx, natstest.Connect(t, srv), cfg)
 	require.NoError(t, err)
-	require.NoError(t, dead.put(ctx, registryKey(wire.RolePrefill, "p-dead"), wire.Instance{ID: "p-dead", Role: wire.RolePrefill, Fingerprint: "fp"}))
+	require.NoError(t, dead.put(ctx, registryKey(wire.RolePrefill, "p-dead"), func() wire.Instance {
+		return wire.Instance{ID: "p-dead", Role: wire.RolePrefill, Fingerprint: "fp"}
+	}))
 	require.NoError(t, dead.close(ctx))
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if n := len(watcher.Instances(wire.RolePrefill, time.Now())); n != 2 {

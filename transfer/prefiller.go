@@ -182,13 +182,20 @@ func (p *Prefiller) Start(ctx context.Context) error {
 	}
 	// The registry runs outside p.mu: watch delivers the decode instances that
 	// already exist to preconnect, which takes p.mu.
+	served := false
 	if reg != nil {
 		if err = reg.watch(ctx, wire.RoleDecode); err == nil {
 			// Serving before decoders can pick us from the registry: a
 			// request that comes right after the entry is taken, not refused
 			// as "starting" at the cost of one of its attempts.
 			if err = p.serve(); err == nil {
+				served = true
 				err = reg.announce(ctx, p.self)
+			}
+			if err == nil && p.draining.Load() {
+				// A Shutdown came while the entry was put: its refresh
+				// found none to refresh, and the put said serving.
+				err = reg.refresh(ctx)
 			}
 		}
 	}
@@ -196,6 +203,15 @@ func (p *Prefiller) Start(ctx context.Context) error {
 		if err = p.nc.Flush(); err != nil {
 			err = fmt.Errorf("transfer: flush: %w", err)
 		}
+	}
+	if err != nil && served {
+		// Requests may have been taken since serve: they end as in a
+		// drain, aborted at once (decoders retry them elsewhere), their
+		// replies flushed before the entry goes.
+		actx, cancel := context.WithCancel(context.Background())
+		cancel()
+		_ = p.Shutdown(actx)
+		return err
 	}
 	if err != nil {
 		p.mu.Lock()
@@ -207,8 +223,7 @@ func (p *Prefiller) Start(ctx context.Context) error {
 			_ = reg.close(rctx) // no more registry callbacks, so no new pre-connects
 			cancel()
 		}
-		// Pre-connects the watch began, and the requests taken since
-		// serve (they end as in a drain).
+		// Pre-connects the watch began; no request was taken.
 		p.connCancel()
 		p.wg.Wait()
 		return err

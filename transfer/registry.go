@@ -235,7 +235,7 @@ func (r *Registry) announce(ctx context.Context, self func() wire.Instance) erro
 		return fmt.Errorf("%w: instance id %q", ErrInvalidConfig, inst.ID)
 	}
 	key := registryKey(inst.Role, inst.ID)
-	if err := r.put(ctx, key, inst); err != nil {
+	if err := r.put(ctx, key, self); err != nil {
 		return err
 	}
 	r.mu.Lock()
@@ -274,7 +274,7 @@ func (r *Registry) refresh(ctx context.Context) error {
 	if closed || key == "" {
 		return ErrClosed
 	}
-	return r.put(ctx, key, self())
+	return r.put(ctx, key, self)
 }
 
 // heartbeat refreshes the entry. When that fails it reopens the bucket (the
@@ -282,7 +282,7 @@ func (r *Registry) refresh(ctx context.Context) error {
 func (r *Registry) heartbeat(key string, self func() wire.Instance) error {
 	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.Heartbeat)
 	defer cancel()
-	err := r.put(ctx, key, self())
+	err := r.put(ctx, key, self)
 	if err == nil {
 		return nil
 	}
@@ -291,12 +291,14 @@ func (r *Registry) heartbeat(key string, self func() wire.Instance) error {
 	if oerr := r.open(octx); oerr != nil {
 		return errors.Join(err, oerr)
 	}
-	return r.put(octx, key, self())
+	return r.put(octx, key, self)
 }
 
-// put publishes inst under key and records the revision, the last put of
-// this process's own entry, that close may delete.
-func (r *Registry) put(ctx context.Context, key string, inst wire.Instance) error {
+// put publishes what self says now under key and records the revision,
+// the last put of this process's own entry, that close may delete. self is
+// read in the puts' order: a heartbeat queued behind a refresh that
+// announced draining puts draining too, not what it read before.
+func (r *Registry) put(ctx context.Context, key string, self func() wire.Instance) error {
 	r.putMu.Lock()
 	defer r.putMu.Unlock()
 	r.mu.Lock()
@@ -305,6 +307,7 @@ func (r *Registry) put(ctx context.Context, key string, inst wire.Instance) erro
 	if closed {
 		return ErrClosed // close deletes the entry: putting it again would outlive us
 	}
+	inst := self()
 	inst.Updated = time.Now().UnixNano()
 	b, err := wire.EncodeInstance(inst)
 	if err != nil {

@@ -72,7 +72,9 @@ func TestRegistryReportsRestartUnderSameID(t *testing.T) {
 		{"svc-a", []change{{"svc-a", false}}}, // a heartbeat: only a change
 		{"svc-b", []change{{"svc-a", true}, {"svc-b", false}}},
 	} {
-		require.NoError(t, reg.put(ctx, key, wire.Instance{ID: "p1", Role: wire.RolePrefill, Fingerprint: "fp", Service: step.svc}))
+		require.NoError(t, reg.put(ctx, key, func() wire.Instance {
+			return wire.Instance{ID: "p1", Role: wire.RolePrefill, Fingerprint: "fp", Service: step.svc}
+		}))
 		for i, w := range step.want {
 			select {
 			case c := <-changes:
