@@ -117,6 +117,15 @@ func (d *Device) OpenIPC(h IpcMemHandle, pid int, off, size uint64) (*Arena, err
 		if off > n || size > n-off {
 			return errors.Join(fmt.Errorf("%w: %d bytes at offset %d of an allocation of %d", ErrInvalidValue, size, off, n), d.closeHandle(drv, h))
 		}
+		// The arena is this device's memory: a handle of another device's
+		// opens too (peer access), but an arena's copies would cross the
+		// bus. (Import, a pull's source, may be another GPU's.)
+		if dev, err := drv.PointerGetAttribute(PointerAttributeDeviceOrdinal, p); err != nil || int(dev) != d.ordinal {
+			if err == nil {
+				err = fmt.Errorf("%w: the handle's memory is on device %d, not on %s (device %d)", ErrInvalidValue, dev, d.uuid, d.ordinal)
+			}
+			return errors.Join(err, d.closeHandle(drv, h))
+		}
 		base = p
 		// Without a buffer id the arena still works; it only stays
 		// unexportable (peers reach it by tcp).

@@ -224,9 +224,8 @@ func (d *Device) ReleasePeer(pid int) error {
 
 // openHandle returns this process's mapping of h and the allocation's size,
 // opening it the first time; every call is matched by a closeHandle.
-// Memory on another device is refused: a handle opens there too (peer
-// access), but its copies would cross the bus, not stay on this device.
-// Executor only.
+// Memory on another device opens too, over peer access (a pull from
+// another GPU of the host). Executor only.
 func (d *Device) openHandle(drv Driver, h IpcMemHandle) (DevicePtr, uint64, error) {
 	d.mu.Lock()
 	if r := d.handles[h]; r != nil {
@@ -240,12 +239,6 @@ func (d *Device) openHandle(drv Driver, h IpcMemHandle) (DevicePtr, uint64, erro
 		return 0, 0, err
 	}
 	_, size, err := drv.MemGetAddressRange(p)
-	if err == nil {
-		var dev uint64
-		if dev, err = drv.PointerGetAttribute(PointerAttributeDeviceOrdinal, p); err == nil && int(dev) != d.ordinal {
-			err = fmt.Errorf("%w: the handle's memory is on device %d, not on %s (device %d)", ErrInvalidValue, dev, d.uuid, d.ordinal)
-		}
-	}
 	if err != nil {
 		return 0, 0, errors.Join(err, drv.IpcCloseMemHandle(p))
 	}

@@ -107,13 +107,16 @@ type device struct {
 
 type alloc struct {
 	base, size uint64
-	dev        int
-	mem        []byte // mmap of fd
-	fd         int
-	inode      uint64
-	bufferID   uint64
-	imported   bool   // opened from another process's handle
-	key        string // imported: exporter pid/inode, for ALREADY_MAPPED
+	dev        int // of the context that allocated or opened it
+	// on is the device the memory is on: dev, or for an import the
+	// exporter's device where this process sees it (peer access).
+	on       int
+	mem      []byte // mmap of fd
+	fd       int
+	inode    uint64
+	bufferID uint64
+	imported bool   // opened from another process's handle
+	key      string // imported: exporter pid/inode, for ALREADY_MAPPED
 }
 
 type op struct {
@@ -510,7 +513,7 @@ func (d *Driver) MemAlloc(size uint64) (cuda.DevicePtr, error) {
 	var st unix.Stat_t
 	_ = unix.Fstat(fd, &st)
 	d.nextBuf++
-	a := &alloc{base: d.reserve(size), size: size, dev: dev, mem: mem[:size], fd: fd, inode: st.Ino, bufferID: d.nextBuf}
+	a := &alloc{base: d.reserve(size), size: size, dev: dev, on: dev, mem: mem[:size], fd: fd, inode: st.Ino, bufferID: d.nextBuf}
 	d.insert(a)
 	x.used += size
 	return cuda.DevicePtr(a.base), nil
@@ -606,7 +609,7 @@ func (d *Driver) PointerGetAttribute(attr cuda.PointerAttribute, p cuda.DevicePt
 	case cuda.PointerAttributeBufferID:
 		return a.bufferID, nil
 	case cuda.PointerAttributeDeviceOrdinal:
-		return uint64(a.dev), nil
+		return uint64(a.on), nil
 	}
 	return 0, fail(call, cuda.ErrorInvalidValue)
 }
@@ -803,13 +806,14 @@ func (d *Driver) IpcOpenMemHandle(h cuda.IpcMemHandle, flags uint32) (cuda.Devic
 	// The memory stays on the device it was allocated on, where this
 	// process sees that device (a real driver maps another device's
 	// memory over peer access): its device ordinal says so.
+	on := dev
 	for i, x := range d.devs {
 		if [16]byte(b[40:56]) == [16]byte(x.uuid) {
-			dev = i
+			on = i
 		}
 	}
 	d.nextBuf++
-	a := &alloc{base: d.reserve(size), size: size, dev: dev, mem: mem[:size], fd: -1, inode: inode, bufferID: d.nextBuf, imported: true, key: key}
+	a := &alloc{base: d.reserve(size), size: size, dev: dev, on: on, mem: mem[:size], fd: -1, inode: inode, bufferID: d.nextBuf, imported: true, key: key}
 	d.insert(a)
 	return cuda.DevicePtr(a.base), nil
 }
