@@ -135,6 +135,30 @@ func faultCfg() hybrid.Config { return testHybrid(256, 8) }
 
 const faultTokens = 600 // 150 KV blocks of 256 bytes, and a Mamba row
 
+// TestReleaseBeforeReply: a prefill worker whose pools hold one request
+// at a time serves requests sent back to back, each the moment the last
+// was delivered: it releases a request's resources before it replies
+// (CI found it replying first: the next request, arriving before the
+// release, was refused for capacity and failed). Release is slowed to
+// make that window wide.
+func TestReleaseBeforeReply(t *testing.T) {
+	f := newFixture(t)
+	ds := newSide(t, "dec", faultCfg())
+	ps := newSide(t, "pre", faultCfg())
+	d := f.decoder("d1", ds, nil)
+	x := newExec(ps)
+	x.slowRelease = 50 * time.Millisecond
+	p := f.prefiller("p1", f.fp, x, nil)
+	for id := uint64(1); id <= 3; id++ {
+		res, err := ds.handoff(context.Background(), d, Request{ID: id, Tokens: tokens(faultTokens), Deadline: time.Now().Add(10 * time.Second)})
+		require.NoError(t, err, "request %d", id)
+		requirePattern(t, ds, res, id)
+		require.NoError(t, ds.m.Free(id))
+	}
+	require.Equal(t, uint64(3), p.Stats().Served)
+	require.Zero(t, p.Stats().Refused)
+}
+
 // TestFaultHandoffSlowLink: added latency and a bandwidth cap on the data
 // path; every handoff succeeds, whole, within its deadline.
 func TestFaultHandoffSlowLink(t *testing.T) {

@@ -181,6 +181,9 @@ type testExec struct {
 	releases atomic.Int64
 	keys     atomic.Uint64 // admission keys: see Admit
 	drafts   []int32       // draft tokens every Prefill proposes (set before use)
+	// slowRelease, when set, is how long Release takes before it frees
+	// (set before use).
+	slowRelease time.Duration
 }
 
 func newExec(s *side) *testExec {
@@ -248,6 +251,7 @@ func (l *testLease) Release() {
 		panic("lease released twice")
 	}
 	l.x.releases.Add(1)
+	time.Sleep(l.x.slowRelease)
 	if err := l.x.s.m.Free(l.key); err != nil {
 		panic(err)
 	}

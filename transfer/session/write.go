@@ -139,14 +139,17 @@ func (s *WriteSession) fail(code Code) []Action {
 	return s.finish(code)
 }
 
+// finish releases the lease, then replies: a decoder that heard the
+// reply may send its next request to this worker at once, and finds the
+// resources of this one free, not refused for capacity they still held.
 func (s *WriteSession) finish(code Code) []Action {
 	s.code = code
-	acts := s.acts(Action{Kind: ActReply, Code: code})
+	acts := s.acts()
 	if s.leased {
 		acts = append(acts, Action{Kind: ActRelease})
 		s.leased = false
 	}
-	return acts
+	return append(acts, Action{Kind: ActReply, Code: code})
 }
 
 // acts returns as, in the session's own buffer.
