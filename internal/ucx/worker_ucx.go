@@ -431,7 +431,11 @@ func (w *Worker) Connect(ctx context.Context, addr []byte) (EndpointID, error) {
 		id = e.id
 		return nil
 	})
-	return id, err
+	if err != nil {
+		// Not id: when ctx ended first, f may be writing it still.
+		return 0, err
+	}
+	return id, nil // f's write came before call's receive of its result
 }
 
 // EndpointInfo returns ucp_ep_print_info's text for ep: the lanes UCX chose
@@ -453,7 +457,10 @@ func (w *Worker) EndpointInfo(ctx context.Context, ep EndpointID) (string, error
 		C.free(unsafe.Pointer(p))
 		return nil
 	})
-	return s, err
+	if err != nil {
+		return "", err // as in Connect: s may be being written
+	}
+	return s, nil
 }
 
 // CloseEndpoint closes ep and waits, up to ctx, until UCX released it.
