@@ -387,27 +387,9 @@ func TestDeviceMemoryOneGPUPerAgent(t *testing.T) {
 	registerDevice(t, sock, exp, tinyLayout(), 3) // on device 0
 	require.Equal(t, 2, imp.Stats().Imports)
 
-	// register registers a KV pool on the exporter's device sel (the Mamba
-	// pool in host memory), naming the device as name spells it.
-	l := tinyLayout()
-	p, err := compile(l)
-	require.NoError(t, err)
 	register := func(sel string, name func(cuda.UUID) string) (string, error) {
-		d, err := cuda.OpenDevice(exp, sel)
-		require.NoError(t, err)
-		t.Cleanup(func() { d.Close() })
-		a, err := d.NewArena(uint64(p.kvBytes()))
-		require.NoError(t, err)
-		t.Cleanup(func() { a.Free() })
-		x, err := a.Export()
-		require.NoError(t, err)
-		c, err := Dial(context.Background(), sock)
-		require.NoError(t, err)
-		t.Cleanup(func() { c.Close() })
-		mfd, _ := memfd(t, p.mambaBytes())
-		_, err = c.Call(ctxT(t), Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes(),
-			KVCUDA: &CUDAMemory{Handle: x.Handle.Reserved[:], Device: name(d.UUID())}}, []int{mfd})
-		return d.UUID().String(), err
+		uuid, _, err := registerKVOn(t, sock, exp, sel, 0, name)
+		return uuid, err
 	}
 	uuid, err := register("1", cuda.UUID.String)
 	require.ErrorContains(t, err, "memory on device "+uuid+" needs an agent of its own")
@@ -427,26 +409,10 @@ func TestDeviceMemoryGPUHeldWhileUsed(t *testing.T) {
 	exp := cudafake.New(cudafake.Config{Devices: 2})
 	imp := cudafake.New(cudafake.Config{PID: os.Getpid() + 1<<22, Devices: 2})
 	sock := startCUDAAgent(t, "gpu", imp)
-	l := tinyLayout()
-	p, err := compile(l)
+	p, err := compile(tinyLayout())
 	require.NoError(t, err)
-	// register registers a KV pool of kvBytes on the exporter's device
-	// sel (the Mamba pool in host memory), in an allocation of size bytes.
 	register := func(sel string, size uint64) (*Client, error) {
-		d, err := cuda.OpenDevice(exp, sel)
-		require.NoError(t, err)
-		t.Cleanup(func() { d.Close() })
-		a, err := d.NewArena(size)
-		require.NoError(t, err)
-		t.Cleanup(func() { a.Free() })
-		x, err := a.Export()
-		require.NoError(t, err)
-		c, err := Dial(context.Background(), sock)
-		require.NoError(t, err)
-		t.Cleanup(func() { c.Close() })
-		mfd, _ := memfd(t, p.mambaBytes())
-		_, err = c.Call(ctxT(t), Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes(),
-			KVCUDA: &CUDAMemory{Handle: x.Handle.Reserved[:], Device: d.UUID().String()}}, []int{mfd})
+		_, c, err := registerKVOn(t, sock, exp, sel, size, cuda.UUID.String)
 		return c, err
 	}
 	_, err = register("1", uint64(p.kvBytes())-4096) // the pool runs past its allocation
@@ -460,4 +426,33 @@ func TestDeviceMemoryGPUHeldWhileUsed(t *testing.T) {
 		_, err = register("1", uint64(p.kvBytes()))
 		return err == nil
 	}, 5*time.Second, 50*time.Millisecond, "the last engine on device 0 went: %v", err)
+}
+
+// registerKVOn registers, with the agent at sock, tinyLayout's KV pool in
+// an allocation of size bytes (0: the pool's) on the exporter's device sel,
+// naming the device as name spells it, and its Mamba pool in host memory.
+// It returns the device's UUID and the engine's connection.
+func registerKVOn(t *testing.T, sock string, exp cuda.Driver, sel string, size uint64, name func(cuda.UUID) string) (string, *Client, error) {
+	t.Helper()
+	l := tinyLayout()
+	p, err := compile(l)
+	require.NoError(t, err)
+	if size == 0 {
+		size = uint64(p.kvBytes())
+	}
+	d, err := cuda.OpenDevice(exp, sel)
+	require.NoError(t, err)
+	t.Cleanup(func() { d.Close() })
+	a, err := d.NewArena(size)
+	require.NoError(t, err)
+	t.Cleanup(func() { a.Free() })
+	x, err := a.Export()
+	require.NoError(t, err)
+	c, err := Dial(context.Background(), sock)
+	require.NoError(t, err)
+	t.Cleanup(func() { c.Close() })
+	mfd, _ := memfd(t, p.mambaBytes())
+	_, err = c.Call(ctxT(t), Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes(),
+		KVCUDA: &CUDAMemory{Handle: x.Handle.Reserved[:], Device: name(d.UUID())}}, []int{mfd})
+	return d.UUID().String(), c, err
 }

@@ -304,12 +304,7 @@ func TestLateNoRespondersOfAbandonedAttempt(t *testing.T) {
 				defer send.Close()
 				d, rec := bubbleDecoder(t, recv, 3)
 				d.cfg.DirectFirst = true
-				reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]wire.Instance{}, seen: map[string]time.Time{}}
-				for _, id := range []string{"p1", "p2", "p3"}[:n] {
-					reg.entries[id] = wire.Instance{ID: id, Role: wire.RolePrefill, Fingerprint: "fp", Updated: time.Now().UnixNano()}
-					reg.seen[id] = time.Now()
-				}
-				d.reg = reg
+				d.reg = prefillRegistry([]string{"p1", "p2", "p3"}[:n]...)
 				type out struct {
 					res Result
 					err error
@@ -352,12 +347,7 @@ func TestLateNoRespondersOfAbandonedAttempt(t *testing.T) {
 // sent to it would spend an attempt on a no-responders.
 func TestPickPassesOverWriterGone(t *testing.T) {
 	d := &Decoder{cfg: DecoderConfig{Fingerprint: "fp"}, calls: map[string]*call{}}
-	reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]wire.Instance{}, seen: map[string]time.Time{}}
-	now := time.Now().UnixNano()
-	for _, id := range []string{"p1", "p2"} {
-		reg.entries[id] = wire.Instance{ID: id, Role: wire.RolePrefill, Fingerprint: "fp", Updated: now}
-		reg.seen[id] = time.Now()
-	}
+	reg := prefillRegistry("p1", "p2")
 	d.reg = reg
 	seen := func() map[string]int {
 		n := map[string]int{}
@@ -426,12 +416,7 @@ func TestRefusalThenDeathOfRefuser(t *testing.T) {
 			defer send.Close()
 			d, rec := bubbleDecoder(t, recv, 3)
 			d.cfg.DirectFirst = true
-			reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]wire.Instance{}, seen: map[string]time.Time{}}
-			for _, id := range []string{"p1", "p2"} {
-				reg.entries[id] = wire.Instance{ID: id, Role: wire.RolePrefill, Fingerprint: "fp", Updated: time.Now().UnixNano()}
-				reg.seen[id] = time.Now()
-			}
-			d.reg = reg
+			d.reg = prefillRegistry("p1", "p2")
 			rec.hold = make(chan struct{})
 			done := make(chan error, 1)
 			go func() {
@@ -465,4 +450,15 @@ func TestRefusalThenDeathOfRefuser(t *testing.T) {
 			require.ErrorIs(t, <-done, ErrTimeout) // attempt 2 is never answered
 		})
 	}
+}
+
+// prefillRegistry is a registry, without NATS, that holds fresh entries of
+// prefill instances ids with the decoders' fingerprint "fp".
+func prefillRegistry(ids ...string) *Registry {
+	reg := &Registry{cfg: RegistryConfig{TTL: time.Hour}, entries: map[string]wire.Instance{}, seen: map[string]time.Time{}}
+	for _, id := range ids {
+		reg.entries[id] = wire.Instance{ID: id, Role: wire.RolePrefill, Fingerprint: "fp", Updated: time.Now().UnixNano()}
+		reg.seen[id] = time.Now()
+	}
+	return reg
 }

@@ -56,15 +56,7 @@ func TestArenaOpenIPC(t *testing.T) {
 	exp := cudafake.New(cudafake.Config{})
 	imp := cudafake.New(cudafake.Config{PID: os.Getpid() + 1<<22})
 	de, di := openDev(t, exp, "0"), openDev(t, imp, "0")
-	a, err := de.NewArena(1 << 20)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Free() //nolint:errcheck
-	b, err := a.Export()
-	if err != nil {
-		t.Fatal(err)
-	}
+	a, b := exported(t, de, 1<<20)
 	if _, err := di.OpenIPC(b.Handle, b.PID, 1<<19, 1<<19+1); !errors.Is(err, cuda.ErrInvalidValue) {
 		t.Fatalf("a range past the allocation: %v", err)
 	}
@@ -144,15 +136,7 @@ func TestArenaOpenIPC(t *testing.T) {
 func TestImportSharesOpenedHandle(t *testing.T) {
 	exp := cudafake.New(cudafake.Config{})
 	de := openDev(t, exp, "0")
-	a, err := de.NewArena(1 << 20)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Free() //nolint:errcheck
-	b, err := a.Export()
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, b := exported(t, de, 1<<20)
 	for _, freeFirst := range []bool{true, false} {
 		imp := cudafake.New(cudafake.Config{PID: os.Getpid() + 1<<22})
 		di := openDev(t, imp, "0")
@@ -202,15 +186,7 @@ func TestIPCClaimsChecked(t *testing.T) {
 	exp := cudafake.New(cudafake.Config{Devices: 2})
 	imp := cudafake.New(cudafake.Config{Devices: 2, PID: os.Getpid() + 1<<22})
 	de, di := openDev(t, exp, "0"), openDev(t, imp, "0")
-	a, err := de.NewArena(1 << 20)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Free() //nolint:errcheck
-	b, err := a.Export()
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, b := exported(t, de, 1<<20)
 	big := b
 	big.Size = b.Size + 1
 	if _, err := di.Import(big); !errors.Is(err, cuda.ErrInvalidValue) {
@@ -227,15 +203,7 @@ func TestIPCClaimsChecked(t *testing.T) {
 	}
 
 	// This process's own: the base of an allocation it holds, no more.
-	own, err := di.NewArena(1 << 16)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer own.Free() //nolint:errcheck
-	ob, err := own.Export()
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, ob := exported(t, di, 1<<16)
 	if p, err := di.Import(ob); err != nil || p != ob.Base {
 		t.Fatalf("this process's own allocation: %#x, %v", p, err)
 	}
@@ -251,15 +219,7 @@ func TestIPCClaimsChecked(t *testing.T) {
 
 	// Memory on the exporter's device 1, opened by a Device on device 0.
 	de1 := openDev(t, exp, "1")
-	a1, err := de1.NewArena(1 << 16)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a1.Free() //nolint:errcheck
-	b1, err := a1.Export()
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, b1 := exported(t, de1, 1<<16)
 	before := imp.Stats().Imports
 	if _, err := di.OpenIPC(b1.Handle, b1.PID, 0, 4096); !errors.Is(err, cuda.ErrInvalidValue) || !strings.Contains(err.Error(), "on device 1") {
 		t.Fatalf("memory of another device: %v", err)
@@ -279,4 +239,20 @@ func TestIPCClaimsChecked(t *testing.T) {
 	if _, err := di.Import(b1); err != nil {
 		t.Fatalf("memory of another device, imported for a pull: %v", err)
 	}
+}
+
+// exported allocates size bytes on d, freed when the test ends, and
+// describes them for CUDA IPC.
+func exported(t *testing.T, d *cuda.Device, size uint64) (*cuda.Arena, cuda.IPCBuffer) {
+	t.Helper()
+	a, err := d.NewArena(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = a.Free() })
+	b, err := a.Export()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a, b
 }
