@@ -392,9 +392,8 @@ func (s *session) register(q Request) (Reply, error) {
 	if err != nil {
 		return Reply{}, err
 	}
-	if q.KVBytes != p.kvBytes() || q.MambaBytes != p.mambaBytes() {
-		return Reply{}, fmt.Errorf("%w: memory of %d (kv) and %d (mamba) bytes, the layout needs %d and %d",
-			ErrInvalidLayout, q.KVBytes, q.MambaBytes, p.kvBytes(), p.mambaBytes())
+	if err := p.checkSizes(q.KVBytes, q.MambaBytes); err != nil {
+		return Reply{}, err
 	}
 	cfg := s.a.cfg
 	id := rdma.AgentID(fmt.Sprintf("%s#%d", cfg.Name, s.a.gen.Add(1)))
@@ -431,7 +430,9 @@ func (s *session) register(q Request) (Reply, error) {
 			return fail(err)
 		}
 		for _, r := range p.reserved {
-			s.mam.Forbid(p.rowOff(r), uint64(p.mamba.RowBytes()))
+			for _, e := range p.mamAt.spans(nil, s.mam.ID(), r, 0, p.mamAt.unit) {
+				s.mam.Forbid(e.Offset, e.Length)
+			}
 		}
 	}
 	s.eng, s.pools = eng, p
@@ -444,6 +445,20 @@ func (s *session) register(q Request) (Reply, error) {
 	s.log.Info("agent: engine registered", "rdma_agent", id, "fingerprint", p.fingerprint, "tp", p.l.TP, "kv_bytes", q.KVBytes, "mamba_bytes", q.MambaBytes,
 		"kv_memory", memoryOf(q.KVCUDA), "mamba_memory", memoryOf(q.MambaCUDA))
 	return Reply{Fingerprint: p.fingerprint, AgentID: string(id), Transports: ts}, nil
+}
+
+// regions names the registered regions.
+func (s *session) regions() regions {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var r regions
+	if s.kv != nil {
+		r.kv = s.kv.ID()
+	}
+	if s.mam != nil {
+		r.mam = s.mam.ID()
+	}
+	return r
 }
 
 // registration returns the engine and pools, or ErrNotRegistered.
@@ -508,12 +523,13 @@ func (s *session) grant(q Request) (Reply, error) {
 		}
 		return Reply{}, err
 	}
+	mem := s.regions()
 	for rs := range from {
 		pcs := pl.pieces(rs, rd, len(q.Blocks), row >= 0)
 		if len(pcs) == 0 {
 			continue
 		}
-		g, err := eng.OpenGrant(rdma.GrantSpec{RequestID: q.RequestID, Extents: merge(s.pieceExtents(p, pcs, q.Blocks, row, true)), Deadline: deadline})
+		g, err := eng.OpenGrant(rdma.GrantSpec{RequestID: q.RequestID, Extents: merge(p.dstExtents(mem, pcs, q.Blocks, row)), Deadline: deadline})
 		if err != nil {
 			return fail(err)
 		}

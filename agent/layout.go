@@ -35,13 +35,14 @@ type TP struct {
 // elements of DType (kvcache's HND layout). BlockStride, when set, must be
 // the shard's block size: the agent reads the pool layout only.
 type KVLayout struct {
-	Layers         int    `msgpack:"layers"`
-	KVHeads        int    `msgpack:"kv_heads"`
-	HeadDim        int    `msgpack:"head_dim"`
-	TokensPerBlock int    `msgpack:"tokens_per_block"`
-	DType          string `msgpack:"dtype"`
-	Blocks         int    `msgpack:"blocks"`
-	BlockStride    int64  `msgpack:"block_stride"`
+	Layers         int     `msgpack:"layers"`
+	KVHeads        int     `msgpack:"kv_heads"`
+	HeadDim        int     `msgpack:"head_dim"`
+	TokensPerBlock int     `msgpack:"tokens_per_block"`
+	DType          string  `msgpack:"dtype"`
+	Blocks         int     `msgpack:"blocks"`
+	BlockStride    int64   `msgpack:"block_stride"`
+	Planes         []Plane `msgpack:"planes"`
 }
 
 // MambaLayout is the Mamba state pool: Rows rows back to back, each every
@@ -49,19 +50,22 @@ type KVLayout struct {
 // channel DConv-1 elements of ConvDType) then its SSM state
 // [Heads][HeadDim][DState] of SSMDType (mambacache's layout). Reserved rows
 // (the padding and attention-DP dummies) are never granted nor sent.
+// Planes, when set, place each layer's conv and SSM states apart instead
+// (planes.go): 2*Layers planes, layer l's conv state then its SSM state.
 type MambaLayout struct {
-	Layers     int    `msgpack:"layers"`
-	Heads      int    `msgpack:"heads"`
-	HeadDim    int    `msgpack:"head_dim"`
-	DState     int    `msgpack:"d_state"`
-	NGroups    int    `msgpack:"n_groups"`
-	DConv      int    `msgpack:"d_conv"`
-	ConvLayout string `msgpack:"conv_layout"` // "xbc" (Mamba2) or "qkv" (GDN)
-	ConvDType  string `msgpack:"conv_dtype"`
-	SSMDType   string `msgpack:"ssm_dtype"`
-	Rows       int    `msgpack:"rows"`
-	Reserved   []int  `msgpack:"reserved"`
-	RowStride  int64  `msgpack:"row_stride"`
+	Layers     int     `msgpack:"layers"`
+	Heads      int     `msgpack:"heads"`
+	HeadDim    int     `msgpack:"head_dim"`
+	DState     int     `msgpack:"d_state"`
+	NGroups    int     `msgpack:"n_groups"`
+	DConv      int     `msgpack:"d_conv"`
+	ConvLayout string  `msgpack:"conv_layout"` // "xbc" (Mamba2) or "qkv" (GDN)
+	ConvDType  string  `msgpack:"conv_dtype"`
+	SSMDType   string  `msgpack:"ssm_dtype"`
+	Rows       int     `msgpack:"rows"`
+	Reserved   []int   `msgpack:"reserved"`
+	RowStride  int64   `msgpack:"row_stride"`
+	Planes     []Plane `msgpack:"planes"`
 }
 
 // dtypeSize returns the element size of a dtype name (torch's spelling,
@@ -88,6 +92,7 @@ type pools struct {
 	mamba       mambacache.Config // the shard's; Layers 0 without Mamba state
 	wholeKV     kvcache.Config    // the whole model's (TP 1), which reshard plans from
 	wholeMamba  mambacache.Config
+	kvAt, mamAt placement // where the shard's units lie in the registered memory
 	pc          planCache
 	rows        int
 	reserved    []int // sorted
@@ -125,8 +130,15 @@ func compile(l Layout) (*pools, error) {
 		if err != nil {
 			return nil, bad("kv: %w", err)
 		}
-		if k.BlockStride != 0 && k.BlockStride != sh.BlockBytes() {
-			return nil, bad("kv block stride %d, the pool layout's is %d (blocks back to back)", k.BlockStride, sh.BlockBytes())
+		if k.BlockStride != 0 && (k.Planes != nil || k.BlockStride != sh.BlockBytes()) {
+			return nil, bad("kv block stride %d, the pool layout's is %d (blocks back to back; planes take their own strides)", k.BlockStride, sh.BlockBytes())
+		}
+		lens := make([]uint64, 2*sh.Layers)
+		for i := range lens {
+			lens[i] = uint64(sh.BlockBytes()) / uint64(len(lens))
+		}
+		if p.kvAt, err = newPlacement("kv", sh.Blocks, lens, k.Planes); err != nil {
+			return nil, err
 		}
 		p.kv = sh
 	}
@@ -159,8 +171,15 @@ func compile(l Layout) (*pools, error) {
 		if err != nil {
 			return nil, bad("mamba: %w", err)
 		}
-		if m.RowStride != 0 && m.RowStride != sh.RowBytes() {
-			return nil, bad("mamba row stride %d, the pool layout's is %d (rows back to back)", m.RowStride, sh.RowBytes())
+		if m.RowStride != 0 && (m.Planes != nil || m.RowStride != sh.RowBytes()) {
+			return nil, bad("mamba row stride %d, the pool layout's is %d (rows back to back; planes take their own strides)", m.RowStride, sh.RowBytes())
+		}
+		lens := make([]uint64, 0, 2*sh.Layers)
+		for range sh.Layers {
+			lens = append(lens, uint64(sh.ConvBytes()), uint64(sh.SSMBytes()))
+		}
+		if p.mamAt, err = newPlacement("mamba", m.Rows, lens, m.Planes); err != nil {
+			return nil, err
 		}
 		p.mamba, p.rows = sh, m.Rows
 		p.reserved = slices.Clone(m.Reserved)
@@ -180,19 +199,24 @@ func compile(l Layout) (*pools, error) {
 	return p, nil
 }
 
-// kvBytes and mambaBytes are the sizes of the shard's arenas.
-func (p *pools) kvBytes() int64 {
-	if p.kv.Layers == 0 {
-		return 0
-	}
-	return int64(p.kv.Blocks) * p.kv.BlockBytes()
-}
+// kvBytes and mambaBytes are the sizes of the shard's arenas: the least
+// memory that holds every unit where the layout places it (0: no such
+// cache).
+func (p *pools) kvBytes() int64    { return int64(p.kvAt.size) }
+func (p *pools) mambaBytes() int64 { return int64(p.mamAt.size) }
 
-func (p *pools) mambaBytes() int64 {
-	if p.mamba.Layers == 0 {
-		return 0
+// checkSizes compares the memory an engine registers with what its layout
+// needs: as much, or more where planes place the units (an allocation may
+// round up or hold other tensors besides).
+func (p *pools) checkSizes(kv, mamba int64) error {
+	fits := func(got int64, m placement) bool {
+		return got == int64(m.size) || (m.planes != nil && got > int64(m.size))
 	}
-	return int64(p.rows) * p.mamba.RowBytes()
+	if !fits(kv, p.kvAt) || !fits(mamba, p.mamAt) {
+		return fmt.Errorf("%w: memory of %d (kv) and %d (mamba) bytes, the layout needs %d and %d",
+			ErrInvalidLayout, kv, mamba, p.kvBytes(), p.mambaBytes())
+	}
+	return nil
 }
 
 // dtypes names the element types, which the fingerprint does not (it has
@@ -261,6 +285,5 @@ func (p *pools) checkNames(blocks []int, row int) error {
 	return nil
 }
 
-// blockOff and rowOff are the arena offsets of block b and row r.
-func (p *pools) blockOff(b int) uint64 { return uint64(b) * uint64(p.kv.BlockBytes()) }
-func (p *pools) rowOff(r int) uint64   { return uint64(r) * uint64(p.mamba.RowBytes()) }
+// rowOff is the arena offset of row r of a layout without planes (tests).
+func (p *pools) rowOff(r int) uint64 { return uint64(r) * uint64(p.mamba.RowBytes()) }

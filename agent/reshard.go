@@ -101,23 +101,23 @@ func (pl *plans) pieces(rs, rd, blocks int, row bool) []piece {
 	return out
 }
 
-// extents places pieces in this registration's regions: the destination
-// side (dst) or the source side, for the named blocks and row.
-func (s *session) pieceExtents(p *pools, pcs []piece, blocks []int, row int, dst bool) []rdma.Extent {
-	out := make([]rdma.Extent, len(pcs))
-	for i, pc := range pcs {
-		off := pc.src
-		if dst {
-			off = pc.dst
-		}
+// dstExtents places a grant's pieces in this registration's regions, for
+// the named blocks and row, in order: a piece that crosses planes (planes.go)
+// is one extent per plane.
+func (p *pools) dstExtents(r regions, pcs []piece, blocks []int, row int) []rdma.Extent {
+	out := make([]rdma.Extent, 0, len(pcs))
+	for _, pc := range pcs {
 		if pc.mamba {
-			out[i] = rdma.Extent{Region: s.mam.ID(), Offset: p.rowOff(row) + off, Length: pc.len}
+			out = p.mamAt.spans(out, r.mam, row, pc.dst, pc.len)
 		} else {
-			out[i] = rdma.Extent{Region: s.kv.ID(), Offset: p.blockOff(blocks[pc.unit]) + off, Length: pc.len}
+			out = p.kvAt.spans(out, r.kv, blocks[pc.unit], pc.dst, pc.len)
 		}
 	}
 	return out
 }
+
+// regions names a registration's regions (0 where it has none).
+type regions struct{ kv, mam rdma.RegionID }
 
 // merge joins extents that continue each other in one region: a run of
 // consecutive blocks is one extent, as the workers send runs. A write
@@ -135,19 +135,39 @@ func merge(es []rdma.Extent) []rdma.Extent {
 	return out
 }
 
-// place finds each piece's place in a ticket's extents (the pieces'
-// destinations, merged by the receiver): extent index and offset in it.
-// It refuses extents that do not consist of whole pieces in order.
-func place(pcs []piece, ext []rdma.Extent) ([]rdma.Range, error) {
-	out := make([]rdma.Range, len(pcs))
+// seg is one stretch of a send: bytes that lie at dst in their destination
+// unit's virtual bytes (what a layer is cut by), at `at` in the ticket's
+// extents, and from src, contiguous in this agent's memory.
+type seg struct {
+	mamba bool
+	dst   uint64
+	at    rdma.Range
+	src   rdma.Extent
+}
+
+// segments cuts a send's pieces where they cross an extent of the ticket
+// (the receiver's memory) or a plane of this agent's, and places each cut
+// in both. The ticket's extents must hold the pieces' bytes exactly.
+func (p *pools) segments(r regions, pcs []piece, blocks []int, row int, ext []rdma.Extent) ([]seg, error) {
+	out := make([]seg, 0, len(pcs))
 	k, at := 0, uint64(0)
 	for j, pc := range pcs {
-		if k >= len(ext) || at+pc.len > ext[k].Length {
-			return nil, fmt.Errorf("%w: piece %d of %d bytes does not fit the ticket's extents", ErrBadTicket, j, pc.len)
+		m, region, u := &p.mamAt, r.mam, row
+		if !pc.mamba {
+			m, region, u = &p.kvAt, r.kv, blocks[pc.unit]
 		}
-		out[j] = rdma.Range{Ext: k, Offset: at, Length: pc.len}
-		if at += pc.len; at == ext[k].Length {
-			k, at = k+1, 0
+		for off := uint64(0); off < pc.len; {
+			if k >= len(ext) {
+				return nil, fmt.Errorf("%w: piece %d of %d bytes runs past the ticket's extents", ErrBadTicket, j, pc.len)
+			}
+			o, run := m.at(u, pc.src+off)
+			n := min(pc.len-off, run, ext[k].Length-at)
+			out = append(out, seg{mamba: pc.mamba, dst: pc.dst + off, at: rdma.Range{Ext: k, Offset: at, Length: n},
+				src: rdma.Extent{Region: region, Offset: o, Length: n}})
+			off += n
+			if at += n; at >= ext[k].Length {
+				k, at = k+1, 0
+			}
 		}
 	}
 	if k != len(ext) {
@@ -156,11 +176,20 @@ func place(pcs []piece, ext []rdma.Extent) ([]rdma.Range, error) {
 	return out, nil
 }
 
-// layerRanges returns the ranges of a send's pieces (placed in the
-// ticket's extents by at, their sources src) that hold attention layer l's
-// K and V, or Mamba layer l, in the destination's layout: rows 2l and 2l+1
-// of each KV unit, row l of the Mamba unit.
-func layerRanges(pl *plans, pcs []piece, at []rdma.Range, src []rdma.Extent, mamba bool, l int) (dst []rdma.Range, from []rdma.Extent) {
+// sources returns the segments' sources, merged.
+func sources(segs []seg) []rdma.Extent {
+	out := make([]rdma.Extent, len(segs))
+	for i, g := range segs {
+		out[i] = g.src
+	}
+	return merge(out)
+}
+
+// layerRanges returns the ranges of a send's segments that hold attention
+// layer l's K and V, or Mamba layer l, in the destination's layout (rows
+// 2l and 2l+1 of each KV unit, row l of the Mamba unit), and their
+// sources.
+func layerRanges(pl *plans, segs []seg, mamba bool, l int) (dst []rdma.Range, from []rdma.Extent) {
 	var lo, hi uint64
 	if mamba {
 		rb := uint64(pl.mamba.DstBytes) / uint64(pl.mamba.Layout.Rows)
@@ -169,16 +198,16 @@ func layerRanges(pl *plans, pcs []piece, at []rdma.Range, src []rdma.Extent, mam
 		rb := uint64(pl.kv.DstBytes) / uint64(pl.kv.Layout.Rows)
 		lo, hi = uint64(2*l)*rb, uint64(2*l+2)*rb
 	}
-	for j, pc := range pcs {
-		if pc.mamba != mamba {
+	for _, g := range segs {
+		if g.mamba != mamba {
 			continue
 		}
-		a, b := max(lo, pc.dst), min(hi, pc.dst+pc.len)
+		a, b := max(lo, g.dst), min(hi, g.dst+g.at.Length)
 		if a >= b {
 			continue
 		}
-		dst = append(dst, rdma.Range{Ext: at[j].Ext, Offset: at[j].Offset + (a - pc.dst), Length: b - a})
-		from = append(from, rdma.Extent{Region: src[j].Region, Offset: src[j].Offset + (a - pc.dst), Length: b - a})
+		dst = append(dst, rdma.Range{Ext: g.at.Ext, Offset: g.at.Offset + (a - g.dst), Length: b - a})
+		from = append(from, rdma.Extent{Region: g.src.Region, Offset: g.src.Offset + (a - g.dst), Length: b - a})
 	}
 	return dst, from
 }

@@ -112,21 +112,6 @@ func TestReshardRefusesWrongTP(t *testing.T) {
 	require.Contains(t, err.Error(), `agent "dec" granted to TP-2 senders`)
 }
 
-func TestPlaceRefusesMisfits(t *testing.T) {
-	pcs := []piece{{len: 8}, {len: 8}, {mamba: true, len: 4}}
-	at, err := place(pcs, []rdma.Extent{{Length: 16}, {Length: 4}})
-	require.NoError(t, err)
-	require.Equal(t, []rdma.Range{{Ext: 0, Offset: 0, Length: 8}, {Ext: 0, Offset: 8, Length: 8}, {Ext: 1, Offset: 0, Length: 4}}, at)
-	for _, ext := range [][]rdma.Extent{
-		{{Length: 12}, {Length: 8}}, // a piece across two extents
-		{{Length: 16}},              // too short
-		{{Length: 16}, {Length: 4}, {Length: 1}},
-	} {
-		_, err := place(pcs, ext)
-		require.ErrorIs(t, err, ErrBadTicket, "%v", ext)
-	}
-}
-
 // TestCheckNames: a block named twice is refused whether the send names a
 // few blocks (compared with each other) or many (marked in a bitset), as
 // are blocks outside the pool and reserved rows.

@@ -16,12 +16,10 @@ type send struct {
 	req    uint64
 	peer   rdma.Descriptor
 	t      rdma.Ticket
-	none   bool          // this shard writes nothing into the ticket
-	pl     *plans        // the plans of the ticket's TP pair
-	pcs    []piece       // the stretches this shard writes, in ticket order
-	at     []rdma.Range  // where each lies in the ticket's extents
-	src    []rdma.Extent // their sources
-	steps  chan step     // closed by commit or cancel
+	none   bool      // this shard writes nothing into the ticket
+	pl     *plans    // the plans of the ticket's TP pair
+	segs   []seg     // the stretches this shard writes, in ticket order
+	steps  chan step // closed by commit or cancel
 	cancel context.CancelFunc
 }
 
@@ -84,9 +82,9 @@ func (s *session) openSend(q Request) (Reply, error) {
 	if mine != (len(pcs) > 0) {
 		return Reply{}, fmt.Errorf("%w: agent %q's ticket and the plan disagree on whether shard %d writes", ErrBadTicket, tk.Agent, p.l.TP.Rank)
 	}
-	var at []rdma.Range
+	var segs []seg
 	if mine {
-		if at, err = place(pcs, rt.Extents); err != nil {
+		if segs, err = p.segments(s.regions(), pcs, q.Blocks, row, rt.Extents); err != nil {
 			return Reply{}, fmt.Errorf("agent %q: %w", tk.Agent, err)
 		}
 	}
@@ -94,7 +92,7 @@ func (s *session) openSend(q Request) (Reply, error) {
 	// reply and an event: what a latency-bound engine waits for anyway.
 	wait := q.Wait && q.Op == OpSend
 	ctx, cancel := context.WithCancel(s.ctx)
-	sd := &send{req: rt.RequestID, peer: peer, t: rt, none: !mine, pl: pl, pcs: pcs, at: at, src: s.pieceExtents(p, pcs, q.Blocks, row, false), cancel: cancel}
+	sd := &send{req: rt.RequestID, peer: peer, t: rt, none: !mine, pl: pl, segs: segs, cancel: cancel}
 	if q.Op == OpOpenSend {
 		sd.steps = make(chan step, maxSteps)
 	}
@@ -157,7 +155,7 @@ func (s *session) runSend(ctx context.Context, eng *rdma.Engine, sd *send) (rdma
 		return rdma.Manifest{}, nil
 	}
 	if sd.steps == nil {
-		return eng.Write(ctx, sd.peer, sd.t, merge(sd.src))
+		return eng.Write(ctx, sd.peer, sd.t, sources(sd.segs))
 	}
 	st, err := eng.OpenStream(ctx, sd.peer, sd.t)
 	if err != nil {
@@ -175,7 +173,7 @@ func (s *session) runSend(ctx context.Context, eng *rdma.Engine, sd *send) (rdma
 			return rdma.Manifest{}, fmt.Errorf("%w: send %d", ErrCancelled, sd.id)
 		}
 		if x.commit {
-			if err := st.WriteRest(ctx, merge(sd.src)); err != nil {
+			if err := st.WriteRest(ctx, sources(sd.segs)); err != nil {
 				return rdma.Manifest{}, err
 			}
 			return st.Commit(ctx)
@@ -250,14 +248,14 @@ func layerStep(p *pools, sd *send, kind string, l int) (step, error) {
 			return step{}, fmt.Errorf("%w: attention layer %d of %d", ErrBadRequest, l, p.kv.Layers)
 		}
 		if sd.pl.kv != nil {
-			x.dst, x.src = layerRanges(sd.pl, sd.pcs, sd.at, sd.src, false, l)
+			x.dst, x.src = layerRanges(sd.pl, sd.segs, false, l)
 		}
 	case "mamba":
 		if l < 0 || l >= p.mamba.Layers {
 			return step{}, fmt.Errorf("%w: mamba layer %d of %d", ErrBadRequest, l, p.mamba.Layers)
 		}
 		if sd.pl.mamba != nil {
-			x.dst, x.src = layerRanges(sd.pl, sd.pcs, sd.at, sd.src, true, l)
+			x.dst, x.src = layerRanges(sd.pl, sd.segs, true, l)
 		}
 	default:
 		return step{}, fmt.Errorf("%w: layer kind %q, want kv or mamba", ErrBadRequest, kind)

@@ -1,0 +1,422 @@
+package agent
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/reshard"
+)
+
+// TestPlacementChecks: planes that overlap themselves or each other, or
+// run past what an offset can hold, are refused by name; interleaved
+// planes that share a stride and not a byte are taken.
+func TestPlacementChecks(t *testing.T) {
+	lens := []uint64{8, 8}
+	for _, tc := range []struct {
+		name   string
+		planes []Plane
+		want   string // "" for taken
+		size   uint64
+	}{
+		{"back to back", nil, "", 4 * 16},
+		{"apart", []Plane{{Offset: 100, Stride: 8}, {Offset: 0, Stride: 10}}, "", 132},
+		{"interleaved", []Plane{{Offset: 0, Stride: 16}, {Offset: 8, Stride: 16}}, "", 64},
+		{"interleaved, wrapped", []Plane{{Offset: 12, Stride: 16}, {Offset: 4, Stride: 16}}, "", 68},
+		{"interleaved, one byte shared", []Plane{{Offset: 0, Stride: 16}, {Offset: 7, Stride: 16}}, "planes 0 and 1 overlap", 0},
+		{"interleaved, wrapped onto", []Plane{{Offset: 12, Stride: 16}, {Offset: 3, Stride: 16}}, "planes 0 and 1 overlap", 0},
+		{"the second reaching into the first", []Plane{{Offset: 4, Stride: 16}, {Offset: 0, Stride: 16}}, "planes 0 and 1 overlap", 0},
+		{"same offset", []Plane{{Offset: 0, Stride: 16}, {Offset: 0, Stride: 16}}, "planes 0 and 1 overlap", 0},
+		{"strides differ over shared bytes", []Plane{{Offset: 0, Stride: 16}, {Offset: 8, Stride: 24}}, "different strides", 0},
+		{"stride below the plane", []Plane{{Offset: 0, Stride: 7}, {Offset: 100, Stride: 8}}, "plane 0 at offset 0 with stride 7", 0},
+		{"negative offset", []Plane{{Offset: -8, Stride: 8}, {Offset: 100, Stride: 8}}, "plane 0 at offset -8", 0},
+		{"overflow", []Plane{{Offset: 0, Stride: 1 << 62}, {Offset: 8, Stride: 1 << 62}}, "overflows", 0},
+		{"one plane short", []Plane{{Offset: 0, Stride: 8}}, "1 declared, the layout has 2", 0},
+	} {
+		m, err := newPlacement("kv", 4, lens, tc.planes)
+		if tc.want == "" {
+			require.NoError(t, err, tc.name)
+			require.Equal(t, tc.size, m.size, tc.name)
+			continue
+		}
+		require.ErrorIs(t, err, ErrInvalidLayout, tc.name)
+		require.Contains(t, err.Error(), tc.want, tc.name)
+	}
+}
+
+// TestSegmentsCut: a send's pieces are cut where the ticket's extents end
+// (the receiver's planes) and where the sender's own planes do; a ticket
+// whose extents hold more or fewer bytes than the pieces is refused.
+func TestSegmentsCut(t *testing.T) {
+	p := &pools{kvAt: placement{unit: 16}, mamAt: placement{unit: 4}}
+	r := regions{kv: 1, mam: 2}
+	pcs := []piece{{len: 16}, {mamba: true, len: 4}}
+	segs, err := p.segments(r, pcs, []int{3}, 5, []rdma.Extent{{Length: 12}, {Length: 8}})
+	require.NoError(t, err)
+	require.Equal(t, []seg{
+		{dst: 0, at: rdma.Range{Ext: 0, Offset: 0, Length: 12}, src: rdma.Extent{Region: 1, Offset: 48, Length: 12}},
+		{dst: 12, at: rdma.Range{Ext: 1, Offset: 0, Length: 4}, src: rdma.Extent{Region: 1, Offset: 60, Length: 4}},
+		{mamba: true, dst: 0, at: rdma.Range{Ext: 1, Offset: 4, Length: 4}, src: rdma.Extent{Region: 2, Offset: 20, Length: 4}},
+	}, segs)
+	require.Equal(t, []rdma.Extent{{Region: 1, Offset: 48, Length: 16}, {Region: 2, Offset: 20, Length: 4}}, sources(segs))
+
+	// The sender's KV in two planes of 8, the second first in memory.
+	p.kvAt, err = newPlacement("kv", 8, []uint64{8, 8}, []Plane{{Offset: 1000, Stride: 8}, {Offset: 0, Stride: 8}})
+	require.NoError(t, err)
+	segs, err = p.segments(r, pcs[:1], []int{3}, -1, []rdma.Extent{{Length: 16}})
+	require.NoError(t, err)
+	require.Equal(t, []seg{
+		{dst: 0, at: rdma.Range{Ext: 0, Offset: 0, Length: 8}, src: rdma.Extent{Region: 1, Offset: 1024, Length: 8}},
+		{dst: 8, at: rdma.Range{Ext: 0, Offset: 8, Length: 8}, src: rdma.Extent{Region: 1, Offset: 24, Length: 8}},
+	}, segs)
+
+	for _, ext := range [][]rdma.Extent{
+		{{Length: 16}},                           // too short
+		{{Length: 16}, {Length: 4}, {Length: 1}}, // too long
+		{{Length: 24}},                           // one too long
+	} {
+		_, err := p.segments(r, []piece{{len: 16}, {mamba: true, len: 4}}, []int{3}, 5, ext)
+		require.ErrorIs(t, err, ErrBadTicket, "%v", ext)
+	}
+}
+
+// randomPlanes places n units of planes of lens: back to back (nil), each
+// plane apart in a shuffled order with gaps and padded strides, or pairs
+// of planes interleaved at one stride (K and V of a layer in one tensor),
+// the pairs apart.
+func randomPlanes(rng *rand.Rand, n int, lens []uint64) []Plane {
+	mode := rng.IntN(3)
+	if mode == 0 {
+		return nil
+	}
+	out := make([]Plane, len(lens))
+	var at int64
+	for _, i := range rng.Perm(len(lens)) {
+		if mode == 2 && i%2 == 1 {
+			continue // placed with its pair
+		}
+		at += int64(rng.IntN(3) * 64)
+		pad := int64(rng.IntN(2) * 16)
+		if mode == 1 || i+1 == len(lens) {
+			out[i] = Plane{Offset: at, Stride: int64(lens[i]) + pad}
+			at += int64(n) * out[i].Stride
+			continue
+		}
+		s := int64(lens[i]+lens[i+1]) + pad
+		out[i], out[i+1] = Plane{Offset: at, Stride: s}, Plane{Offset: at + int64(lens[i]), Stride: s}
+		if rng.IntN(2) == 0 { // V first in the pair
+			out[i], out[i+1] = Plane{Offset: at + int64(lens[i+1]), Stride: s}, Plane{Offset: at, Stride: s}
+		}
+		at += int64(n) * s
+	}
+	return out
+}
+
+// simShard is one shard's memory in the property test: the regions' bytes
+// by region ID (1 KV, 2 Mamba).
+type simShard struct {
+	p   *pools
+	mem map[rdma.RegionID][]byte
+}
+
+var simRegions = regions{kv: 1, mam: 2}
+
+func newSimShard(t *testing.T, rng *rand.Rand, rank, size int) simShard {
+	l := tinyLayout()
+	l.TP = TP{Rank: rank, Size: size}
+	p, err := compile(l)
+	require.NoError(t, err)
+	kvLens := make([]uint64, 2*p.kv.Layers)
+	for i := range kvLens {
+		kvLens[i] = uint64(p.kv.BlockBytes()) / uint64(len(kvLens))
+	}
+	var mLens []uint64
+	for range p.mamba.Layers {
+		mLens = append(mLens, uint64(p.mamba.ConvBytes()), uint64(p.mamba.SSMBytes()))
+	}
+	l.KV.Planes = randomPlanes(rng, l.KV.Blocks, kvLens)
+	l.Mamba.Planes = randomPlanes(rng, l.Mamba.Rows, mLens)
+	p, err = compile(l)
+	require.NoError(t, err, "%+v %+v", l.KV.Planes, l.Mamba.Planes)
+	return simShard{p: p, mem: map[rdma.RegionID][]byte{1: make([]byte, p.kvBytes()), 2: make([]byte, p.mambaBytes())}}
+}
+
+// unit reads (or, with w, writes) the virtual bytes of a block or row.
+func (s simShard) unit(mamba bool, u int, w []byte) []byte {
+	m, r := &s.p.kvAt, simRegions.kv
+	if mamba {
+		m, r = &s.p.mamAt, simRegions.mam
+	}
+	var out []byte
+	for _, e := range m.spans(nil, r, u, 0, m.unit) {
+		b := s.mem[r][e.Offset : e.Offset+e.Length]
+		if w != nil {
+			w = w[copy(b, w):]
+		}
+		out = append(out, b...)
+	}
+	return out
+}
+
+// TestPlanesProperty: senders and receivers that place their caches in
+// random planes (or back to back), over every TP pair of the tiny layout,
+// whole and layer by layer: what lands in the receiver's named blocks and
+// row is its shard of the whole model's, and no other byte of its memory
+// changes. The write is simulated as rdma performs one: the concatenation
+// of the sources lands in the concatenation of the ticket's extents.
+func TestPlanesProperty(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	for round := range 300 {
+		from, to := 1+rng.IntN(2), 1+rng.IntN(2)
+		layers := rng.IntN(2) == 1
+		name := fmt.Sprintf("round %d: TP %d → %d, layer by layer %v", round, from, to, layers)
+		senders := make([]simShard, from)
+		for r := range from {
+			senders[r] = newSimShard(t, rng, r, from)
+		}
+		p1, err := compile(tinyLayout())
+		require.NoError(t, err)
+		kvL, mL := reshard.KV(p1.wholeKV), reshard.Mamba(p1.wholeMamba)
+		nb := 1 + rng.IntN(4)
+		srcBlocks, dstBlocks := rng.Perm(32)[:nb], rng.Perm(32)[:nb]
+		srcRow, dstRow := rng.IntN(5), rng.IntN(5) // row 5 is reserved
+		whole := make([][]byte, nb+1)
+		for i := range whole {
+			n := p1.kv.BlockBytes()
+			if i == nb {
+				n = p1.mamba.RowBytes()
+			}
+			whole[i] = make([]byte, n)
+			fill(whole[i], uint64(round*10+i))
+		}
+		for r, s := range senders {
+			for i, b := range srcBlocks {
+				s.unit(false, b, shardUnit(t, kvL, from, r, whole[i]))
+			}
+			s.unit(true, srcRow, shardUnit(t, mL, from, r, whole[nb]))
+		}
+		for rd := range to {
+			recv := newSimShard(t, rng, rd, to)
+			pl, err := recv.p.plans(from, to)
+			require.NoError(t, err)
+			for rs, snd := range senders {
+				pcs := pl.pieces(rs, rd, nb, true)
+				if len(pcs) == 0 {
+					continue
+				}
+				ext := merge(recv.p.dstExtents(simRegions, pcs, dstBlocks, dstRow))
+				spl, err := snd.p.plans(from, to)
+				require.NoError(t, err)
+				segs, err := snd.p.segments(simRegions, spl.pieces(rs, rd, nb, true), srcBlocks, srcRow, ext)
+				require.NoError(t, err, name)
+				if !layers {
+					var flat []byte
+					for _, e := range sources(segs) {
+						flat = append(flat, snd.mem[e.Region][e.Offset:e.Offset+e.Length]...)
+					}
+					for _, e := range ext {
+						flat = flat[copy(recv.mem[e.Region][e.Offset:e.Offset+e.Length], flat):]
+					}
+					require.Empty(t, flat, name)
+					continue
+				}
+				for _, mamba := range []bool{false, true} {
+					for l := range 2 {
+						dst, src := layerRanges(spl, segs, mamba, l)
+						for i, d := range dst {
+							e, s := ext[d.Ext], src[i]
+							copy(recv.mem[e.Region][e.Offset+d.Offset:e.Offset+d.Offset+d.Length], snd.mem[s.Region][s.Offset:s.Offset+s.Length])
+						}
+					}
+				}
+			}
+			// What the receiver's memory must hold: its shard of the
+			// named units, zero elsewhere.
+			want := simShard{p: recv.p, mem: map[rdma.RegionID][]byte{1: make([]byte, len(recv.mem[1])), 2: make([]byte, len(recv.mem[2]))}}
+			for i, b := range dstBlocks {
+				want.unit(false, b, shardUnit(t, kvL, to, rd, whole[i]))
+			}
+			want.unit(true, dstRow, shardUnit(t, mL, to, rd, whole[nb]))
+			for id := range want.mem {
+				if !bytes.Equal(want.mem[id], recv.mem[id]) {
+					require.Equal(t, want.mem[id], recv.mem[id], "%s: receiver %d's region %d", name, rd, id)
+				}
+			}
+		}
+	}
+}
+
+// vllmLayout is tinyLayout with each layer's caches apart, as vLLM keeps
+// them: per attention layer one [2][blocks][heads][tokens][head_dim]
+// tensor (K planes then V planes), per Mamba layer a conv tensor [rows]...
+// then an SSM tensor [rows]...; the layers in reverse order in memory, a
+// page between tensors, and a page spare at the end.
+func vllmLayout(t *testing.T, tp TP) (Layout, int64) {
+	l := tinyLayout()
+	l.TP = tp
+	p, err := compile(l)
+	require.NoError(t, err)
+	const page = 4096
+	var at int64
+	rb := p.kv.BlockBytes() / int64(2*p.kv.Layers)
+	l.KV.Planes = make([]Plane, 2*p.kv.Layers)
+	for i := p.kv.Layers - 1; i >= 0; i-- {
+		l.KV.Planes[2*i] = Plane{Offset: at, Stride: rb}
+		l.KV.Planes[2*i+1] = Plane{Offset: at + int64(l.KV.Blocks)*rb, Stride: rb}
+		at += 2*int64(l.KV.Blocks)*rb + page
+	}
+	l.Mamba.Planes = make([]Plane, 2*p.mamba.Layers)
+	cb, sb := p.mamba.ConvBytes(), p.mamba.SSMBytes()
+	for i := p.mamba.Layers - 1; i >= 0; i-- {
+		l.Mamba.Planes[2*i] = Plane{Offset: at, Stride: cb}
+		l.Mamba.Planes[2*i+1] = Plane{Offset: at + int64(l.Mamba.Rows)*cb, Stride: sb}
+		at += int64(l.Mamba.Rows)*(cb+sb) + page
+	}
+	return l, at
+}
+
+// registerPlanes registers l (with planes) in one memfd of size bytes,
+// which holds both caches, as one allocation of an engine would.
+func registerPlanes(t *testing.T, sock string, l Layout, size int64) *engine {
+	p, err := compile(l)
+	require.NoError(t, err)
+	ctx := context.Background()
+	c, err := Dial(ctx, sock)
+	require.NoError(t, err)
+	t.Cleanup(func() { c.Close() })
+	fd, mem := memfd(t, size)
+	fill(mem, 3)
+	_, err = c.Register(ctx, l, fd, size, fd, size)
+	require.NoError(t, err)
+	return &engine{c: c, kv: mem, mam: mem, p: p}
+}
+
+// vunit reads the virtual bytes of a block or row of e, wherever its
+// layout places them.
+func (e *engine) vunit(mamba bool, u int) []byte {
+	m, mem := &e.p.kvAt, e.kv
+	if mamba {
+		m, mem = &e.p.mamAt, e.mam
+	}
+	var out []byte
+	for _, x := range m.spans(nil, 0, u, 0, m.unit) {
+		out = append(out, mem[x.Offset:x.Offset+x.Length]...)
+	}
+	return out
+}
+
+// TestPerLayerEngine: an engine that keeps each layer's caches apart
+// (vLLM's per-layer tensors, in one allocation) registers them with
+// planes: two TP-2 block-major engines write one request into it, whole
+// and layer by layer over tcp, and it lands in every layer's tensors; it
+// writes back into a block-major engine over shm; its reserved row is
+// forbidden in the data plane in every plane.
+func TestPerLayerEngine(t *testing.T) {
+	for _, layers := range []bool{false, true} {
+		t.Run(map[bool]string{false: "whole", true: "layer by layer"}[layers], func(t *testing.T) {
+			l, size := vllmLayout(t, TP{})
+			sock, a := startAgentA(t, "dec", rdma.TransportTCP, rdma.TransportSHM)
+			recv := registerPlanes(t, sock, l, size)
+			a.mu.Lock()
+			s := a.latest
+			a.mu.Unlock()
+			forbid := recv.p.mamAt.spans(nil, s.mam.ID(), 5, 0, recv.p.mamAt.unit)
+			slices.SortFunc(forbid, func(a, b rdma.Extent) int { return int(a.Offset) - int(b.Offset) })
+			require.Equal(t, forbid, s.mam.Forbidden())
+			require.Len(t, forbid, 4)
+			for _, e := range forbid {
+				_, err := s.eng.OpenGrant(rdma.GrantSpec{RequestID: 1, Extents: []rdma.Extent{{Region: s.mam.ID(), Offset: e.Offset + e.Length - 1, Length: 1}}})
+				require.ErrorIs(t, err, rdma.ErrForbidden)
+			}
+
+			var senders [2]*engine
+			for r := range 2 {
+				l := tinyLayout()
+				l.TP = TP{Rank: r, Size: 2}
+				senders[r] = register(t, startAgent(t, "pre"+string(rune('0'+r)), rdma.TransportTCP), l)
+			}
+			p := recv.p
+			kvL, mL := reshard.KV(p.wholeKV), reshard.Mamba(p.wholeMamba)
+			whole := [][]byte{make([]byte, p.kv.BlockBytes()), make([]byte, p.kv.BlockBytes()), make([]byte, p.mamba.RowBytes())}
+			for i, w := range whole {
+				fill(w, uint64(20+i))
+			}
+			for r, s := range senders {
+				copy(s.block(7), shardUnit(t, kvL, 2, r, whole[0]))
+				copy(s.block(8), shardUnit(t, kvL, 2, r, whole[1]))
+				copy(s.row(2), shardUnit(t, mL, 2, r, whole[2]))
+			}
+			before := slices.Clone(recv.kv)
+			ctx := ctxT(t)
+			g, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 31, Blocks: []int{4, 5}, Row: Row(3), FromTP: 2}, nil)
+			require.NoError(t, err)
+			for _, s := range senders {
+				op := OpSend
+				if layers {
+					op = OpOpenSend
+				}
+				rep, err := s.c.Call(ctx, Request{Op: op, Ticket: g.Ticket, Blocks: []int{7, 8}, Row: Row(2)}, nil)
+				require.NoError(t, err)
+				if layers {
+					for l := range 2 {
+						for _, kind := range []string{"mamba", "kv"} {
+							_, err = s.c.Call(ctx, Request{Op: OpSendLayer, Send: rep.Send, Kind: kind, Layer: 1 - l}, nil)
+							require.NoError(t, err)
+						}
+					}
+					_, err = s.c.Call(ctx, Request{Op: OpCommit, Send: rep.Send}, nil)
+					require.NoError(t, err)
+				}
+				event(t, s, EvSendDone)
+			}
+			ev := event(t, recv, EvGrantDone)
+			require.EqualValues(t, 2*p.kv.BlockBytes()+p.mamba.RowBytes(), ev.Bytes)
+			require.Equal(t, whole[0], recv.vunit(false, 4))
+			require.Equal(t, whole[1], recv.vunit(false, 5))
+			require.Equal(t, whole[2], recv.vunit(true, 3))
+			// Nothing else changed: put the named units back as they were
+			// and compare the whole allocation.
+			after := simShard{p: recv.p, mem: map[rdma.RegionID][]byte{1: slices.Clone(recv.kv), 2: nil}}
+			after.mem[2] = after.mem[1]
+			old := simShard{p: recv.p, mem: map[rdma.RegionID][]byte{1: before, 2: before}}
+			after.unit(false, 4, old.unit(false, 4, nil))
+			after.unit(false, 5, old.unit(false, 5, nil))
+			after.unit(true, 3, old.unit(true, 3, nil))
+			require.True(t, bytes.Equal(before, after.mem[1]), "bytes outside the named blocks and row changed")
+
+			// Back into a block-major engine, over shm.
+			back := register(t, startAgent(t, "back", rdma.TransportSHM), tinyLayout())
+			g, err = back.c.Call(ctx, Request{Op: OpGrant, RequestID: 32, Blocks: []int{9, 1}, Row: Row(0)}, nil)
+			require.NoError(t, err)
+			_, err = recv.c.Call(ctx, Request{Op: OpSend, Ticket: g.Ticket, Blocks: []int{4, 5}, Row: Row(3)}, nil)
+			require.NoError(t, err)
+			event(t, recv, EvSendDone)
+			event(t, back, EvGrantDone)
+			require.Equal(t, whole[0], back.block(9))
+			require.Equal(t, whole[1], back.block(1))
+			require.Equal(t, whole[2], back.row(0))
+		})
+	}
+}
+
+// TestPlanesSizeChecked: memory with planes may be larger than the planes
+// need (an allocation holding more), never smaller; without planes it is
+// exactly the pools' size.
+func TestPlanesSizeChecked(t *testing.T) {
+	l, size := vllmLayout(t, TP{})
+	p, err := compile(l)
+	require.NoError(t, err)
+	require.NoError(t, p.checkSizes(size, size))
+	require.ErrorIs(t, p.checkSizes(p.kvBytes()-1, size), ErrInvalidLayout)
+	require.ErrorIs(t, p.checkSizes(size, p.mambaBytes()-1), ErrInvalidLayout)
+	p, err = compile(tinyLayout())
+	require.NoError(t, err)
+	require.NoError(t, p.checkSizes(p.kvBytes(), p.mambaBytes()))
+	require.ErrorIs(t, p.checkSizes(p.kvBytes()+1, p.mambaBytes()), ErrInvalidLayout)
+}
