@@ -395,6 +395,11 @@ func (s *session) register(q Request) (Reply, error) {
 	if err := p.checkSizes(q.KVBytes, q.MambaBytes); err != nil {
 		return Reply{}, err
 	}
+	if len(fds) == 2 && sameFile(fds[0], fds[1]) {
+		if err := checkApart(p.kvAt, p.mamAt); err != nil {
+			return Reply{}, err
+		}
+	}
 	cfg := s.a.cfg
 	id := rdma.AgentID(fmt.Sprintf("%s#%d", cfg.Name, s.a.gen.Add(1)))
 	eng, err := rdma.New(rdma.Config{Agent: id, Transports: cfg.Transports, TCPAddr: cfg.TCPAddr, Advertise: cfg.Advertise,

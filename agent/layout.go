@@ -43,6 +43,12 @@ type KVLayout struct {
 	Blocks         int     `msgpack:"blocks"`
 	BlockStride    int64   `msgpack:"block_stride"`
 	Planes         []Plane `msgpack:"planes"`
+	// Order is the element order within a block's K or V: "hnd" (or
+	// empty; heads, tokens, head_dim: kvcache's and TensorRT-LLM's) or
+	// "nhd" (tokens, heads, head_dim: vLLM's default and SGLang's). NHD
+	// cannot be cut by heads: it moves between agents of its own order and
+	// TP size only.
+	Order string `msgpack:"order"`
 }
 
 // MambaLayout is the Mamba state pool: Rows rows back to back, each every
@@ -132,6 +138,11 @@ func compile(l Layout) (*pools, error) {
 		}
 		if k.BlockStride != 0 && (k.Planes != nil || k.BlockStride != sh.BlockBytes()) {
 			return nil, bad("kv block stride %d, the pool layout's is %d (blocks back to back; planes take their own strides)", k.BlockStride, sh.BlockBytes())
+		}
+		switch k.Order {
+		case "", "hnd", "nhd":
+		default:
+			return nil, bad("kv order %q, want hnd or nhd", k.Order)
 		}
 		lens := make([]uint64, 2*sh.Layers)
 		for i := range lens {
@@ -225,6 +236,9 @@ func (p *pools) dtypes() string {
 	var s string
 	if p.l.KV != nil {
 		s += "kv=" + p.l.KV.DType
+		if p.l.KV.Order == "nhd" {
+			s += "/nhd"
+		}
 	}
 	if p.l.Mamba != nil {
 		s += ",conv=" + p.l.Mamba.ConvDType + ",ssm=" + p.l.Mamba.SSMDType

@@ -33,16 +33,38 @@ type placement struct {
 	starts []uint64 // each plane's virtual start in the unit, ascending; nil: units back to back
 	lens   []uint64
 	planes []Plane
+	parts  []part // the bytes each plane occupies (one part for units back to back)
 	size   uint64 // the bytes the registered memory must hold at least
+}
+
+// part is the bytes one plane occupies: len bytes at off + u*stride for
+// every unit u, the last ending at end.
+type part struct{ off, stride, len, end uint64 }
+
+// clash says how parts a and b share a byte, or "" when they do not. Parts
+// whose spans overlap must share a stride (interleaved, as K and V of a
+// layer in one [blocks][2] tensor) and occupy disjoint residues of it;
+// differing strides over shared bytes are refused rather than proven
+// apart.
+func clash(a, b part) string {
+	if a.end <= b.off || b.end <= a.off {
+		return ""
+	}
+	if a.stride != b.stride {
+		return fmt.Sprintf("share bytes at different strides (%d, %d)", a.stride, b.stride)
+	}
+	s := a.stride
+	ra, rb := a.off%s, b.off%s
+	if (rb+s-ra)%s < a.len || (ra+s-rb)%s < b.len {
+		return fmt.Sprintf("overlap (offsets %d and %d, stride %d)", a.off, b.off, s)
+	}
+	return ""
 }
 
 // newPlacement validates planes (nil: units back to back) for units units
 // whose virtual bytes are the planes' lens in order. It refuses planes
 // that overlap themselves or each other: a write into one block would
-// land in another's bytes. Two planes whose footprints overlap must share
-// a stride (interleaved, as K and V of a layer in one [blocks][2] tensor)
-// and occupy disjoint residues of it; differing strides over shared
-// bytes are refused rather than proven disjoint.
+// land in another's bytes.
 func newPlacement(what string, units int, lens []uint64, planes []Plane) (placement, error) {
 	m := placement{}
 	for _, n := range lens {
@@ -50,6 +72,7 @@ func newPlacement(what string, units int, lens []uint64, planes []Plane) (placem
 	}
 	if planes == nil {
 		m.size = uint64(units) * m.unit
+		m.parts = []part{{0, m.unit, m.unit, m.size}}
 		return m, nil
 	}
 	bad := func(format string, args ...any) (placement, error) {
@@ -60,7 +83,7 @@ func newPlacement(what string, units int, lens []uint64, planes []Plane) (placem
 	}
 	m.planes, m.lens = planes, lens
 	m.starts = make([]uint64, len(lens))
-	ends := make([]uint64, len(lens))
+	m.parts = make([]part, len(lens))
 	var at uint64
 	for i, pl := range planes {
 		m.starts[i], at = at, at+lens[i]
@@ -71,26 +94,30 @@ func newPlacement(what string, units int, lens []uint64, planes []Plane) (placem
 		if uint64(pl.Stride) > (math.MaxInt64-uint64(pl.Offset)-lens[i])/max(last, 1) {
 			return bad("plane %d of %d units at stride %d overflows", i, units, pl.Stride)
 		}
-		ends[i] = uint64(pl.Offset) + last*uint64(pl.Stride) + lens[i]
-		m.size = max(m.size, ends[i])
+		m.parts[i] = part{uint64(pl.Offset), uint64(pl.Stride), lens[i], uint64(pl.Offset) + last*uint64(pl.Stride) + lens[i]}
+		m.size = max(m.size, m.parts[i].end)
 	}
-	for i := range planes {
-		for j := i + 1; j < len(planes); j++ {
-			a, b := planes[i], planes[j]
-			if ends[i] <= uint64(b.Offset) || ends[j] <= uint64(a.Offset) {
-				continue // apart
-			}
-			if a.Stride != b.Stride {
-				return bad("planes %d and %d share bytes at different strides (%d, %d)", i, j, a.Stride, b.Stride)
-			}
-			s := uint64(a.Stride)
-			ra, rb := uint64(a.Offset)%s, uint64(b.Offset)%s
-			if (rb+s-ra)%s < lens[i] || (ra+s-rb)%s < lens[j] {
-				return bad("planes %d and %d overlap (offsets %d and %d, stride %d)", i, j, a.Offset, b.Offset, s)
+	for i := range m.parts {
+		for j := i + 1; j < len(m.parts); j++ {
+			if c := clash(m.parts[i], m.parts[j]); c != "" {
+				return bad("planes %d and %d %s", i, j, c)
 			}
 		}
 	}
 	return m, nil
+}
+
+// checkApart refuses KV and Mamba placements that share a byte, for pools
+// registered in one piece of memory (one memfd for both).
+func checkApart(kv, mamba placement) error {
+	for i, a := range kv.parts {
+		for j, b := range mamba.parts {
+			if c := clash(a, b); c != "" {
+				return fmt.Errorf("%w: in the one memory registered for both, kv plane %d and mamba plane %d %s", ErrInvalidLayout, i, j, c)
+			}
+		}
+	}
+	return nil
 }
 
 // at returns where virtual byte off of unit u lies in the region and how

@@ -420,3 +420,76 @@ func TestPlanesSizeChecked(t *testing.T) {
 	require.NoError(t, p.checkSizes(p.kvBytes(), p.mambaBytes()))
 	require.ErrorIs(t, p.checkSizes(p.kvBytes()+1, p.mambaBytes()), ErrInvalidLayout)
 }
+
+// TestOneMemoryForBothChecked: one memfd passed for both caches is taken
+// when their planes lie apart, and refused when a KV plane reaches into
+// the Mamba state (a KV write would land in it, a reserved row's bytes
+// included) or when both are back to back from offset 0.
+func TestOneMemoryForBothChecked(t *testing.T) {
+	sock := startAgent(t, "a", rdma.TransportSHM)
+	try := func(l Layout, size int64) error {
+		c, err := Dial(context.Background(), sock)
+		require.NoError(t, err)
+		defer c.Close()
+		fd, _ := memfd(t, size)
+		_, err = c.Register(ctxT(t), l, fd, size, fd, size)
+		return err
+	}
+	l, size := vllmLayout(t, TP{})
+	require.NoError(t, try(l, size))
+
+	bad, _ := vllmLayout(t, TP{})
+	bad.KV.Planes = slices.Clone(bad.KV.Planes)
+	bad.KV.Planes[0].Offset = bad.Mamba.Planes[1].Offset // layer 0's K onto layer 1's SSM state... and past it
+	err := try(bad, size+int64(bad.KV.Blocks)*bad.KV.Planes[0].Stride)
+	require.ErrorIs(t, err, ErrInvalidLayout)
+	require.Contains(t, err.Error(), "kv plane 0 and mamba plane")
+
+	p, err := compile(tinyLayout())
+	require.NoError(t, err)
+	size = max(p.kvBytes(), p.mambaBytes())
+	c, err := Dial(context.Background(), sock)
+	require.NoError(t, err)
+	defer c.Close()
+	fd, _ := memfd(t, size)
+	_, err = c.Register(ctxT(t), tinyLayout(), fd, p.kvBytes(), fd, p.mambaBytes())
+	require.ErrorIs(t, err, ErrInvalidLayout)
+	require.Contains(t, err.Error(), "in the one memory registered for both")
+}
+
+// TestNHDOrder: a KV cache in NHD order (vLLM's default, SGLang's) moves
+// between agents of that order at one TP size, byte for byte; an HND peer
+// is refused by name, as is a grant from senders of another TP size.
+func TestNHDOrder(t *testing.T) {
+	nhd := func() Layout {
+		l, _ := vllmLayout(t, TP{})
+		l.KV.Order = "nhd"
+		return l
+	}
+	l, size := vllmLayout(t, TP{})
+	a := registerPlanes(t, startAgent(t, "a", rdma.TransportSHM), nhd(), size)
+	b := registerPlanes(t, startAgent(t, "b", rdma.TransportSHM), nhd(), size)
+	hnd := registerPlanes(t, startAgent(t, "c", rdma.TransportSHM), l, size)
+	ctx := ctxT(t)
+	g, err := b.c.Call(ctx, Request{Op: OpGrant, RequestID: 40, Blocks: []int{2}, Row: Row(1)}, nil)
+	require.NoError(t, err)
+	_, err = a.c.Call(ctx, Request{Op: OpSend, Ticket: g.Ticket, Blocks: []int{6}, Row: Row(0)}, nil)
+	require.NoError(t, err)
+	event(t, a, EvSendDone)
+	event(t, b, EvGrantDone)
+	require.Equal(t, a.vunit(false, 6), b.vunit(false, 2))
+	require.Equal(t, a.vunit(true, 0), b.vunit(true, 1))
+
+	_, err = hnd.c.Call(ctx, Request{Op: OpSend, Ticket: g.Ticket, Blocks: []int{6}, Row: Row(0)}, nil)
+	require.ErrorIs(t, err, ErrLayoutMismatch)
+	require.Contains(t, err.Error(), `agent "b" has dtypes kv=float32/nhd`)
+
+	_, err = b.c.Call(ctx, Request{Op: OpGrant, RequestID: 41, Blocks: []int{3}, FromTP: 2}, nil)
+	require.ErrorIs(t, err, ErrLayoutMismatch)
+	require.Contains(t, err.Error(), "NHD order")
+
+	bad := nhd()
+	bad.KV.Order = "thd"
+	_, err = compile(bad)
+	require.ErrorIs(t, err, ErrInvalidLayout)
+}

@@ -46,6 +46,9 @@ func (p *pools) plans(from, to int) (*plans, error) {
 	}
 	pl := &plans{}
 	var err error
+	if p.kv.Layers > 0 && from != to && p.l.KV.Order == "nhd" {
+		return nil, fmt.Errorf("%w: TP %d → %d cuts the KV cache by heads, which its NHD order (tokens, heads, head_dim) does not allow", ErrLayoutMismatch, from, to)
+	}
 	if p.kv.Layers > 0 {
 		if pl.kv, err = reshard.New(reshard.KV(p.wholeKV), from, to); err != nil {
 			return nil, fmt.Errorf("%w: TP %d → %d: %w", ErrLayoutMismatch, from, to, err)

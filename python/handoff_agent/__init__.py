@@ -20,7 +20,7 @@ from .client import (
     Peer,
     Send,
 )
-from .layout import KVLayout, Layout, MambaLayout, Pools, cuda_memory
+from .layout import KVLayout, LayerPools, Layout, MambaLayout, Pools, cuda_memory
 
 __all__ = [
     "Agent",
@@ -29,6 +29,7 @@ __all__ = [
     "Event",
     "Grant",
     "KVLayout",
+    "LayerPools",
     "Layout",
     "MambaLayout",
     "Peer",

@@ -9,12 +9,12 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 
 import msgpack
 import torch
 
-from .layout import Layout, Pools, cuda_memory
+from .layout import LayerPools, Layout, Pools, cuda_memory
 
 VERSION = 1
 MAX_FRAME = 16 << 20
@@ -275,8 +275,9 @@ class Agent:
 
     # The API.
 
-    def register(self, pools: Pools) -> str:
-        """Registers the pools' memory and layout once; returns the layout
+    def register(self, pools: Union[Pools, LayerPools]) -> str:
+        """Registers the pools' memory and layout once (block-major
+        :class:`Pools` or per-layer :class:`LayerPools`); returns the layout
         fingerprint (the one handoff's workers compute)."""
         (kv_fd, kv_bytes), (m_fd, m_bytes) = pools.fds()
         fds = [fd for fd in (kv_fd, m_fd) if fd >= 0]
@@ -302,9 +303,9 @@ class Agent:
         keeps the tensors alive while registered. Returns the layout
         fingerprint."""
         req = {"op": "register", "layout": layout.wire()}
-        for name, t, want in (
-            ("kv", kv, layout.kv is not None and layout.kv.blocks * layout.block_bytes()),
-            ("mamba", mamba, layout.mamba is not None and layout.mamba.rows * layout.row_bytes()),
+        for name, t, want, planes in (
+            ("kv", kv, layout.kv_bytes(), layout.kv is not None and layout.kv.planes is not None),
+            ("mamba", mamba, layout.mamba_bytes(), layout.mamba is not None and layout.mamba.planes is not None),
         ):
             if t is None:
                 if want:
@@ -312,9 +313,9 @@ class Agent:
                 continue
             if not want:
                 raise ValueError(f"a {name} tensor, but the layout has no {name} pool")
-            if t.nbytes != want:
+            if t.nbytes < want or (t.nbytes > want and not planes):
                 raise ValueError(f"the {name} tensor holds {t.nbytes} bytes, the layout {want}")
-            req[name + "_bytes"] = want
+            req[name + "_bytes"] = t.nbytes
             req[name + "_cuda"] = cuda_memory(t)
         rep = self._call(req)
         self.fingerprint = rep["fingerprint"]

@@ -50,6 +50,16 @@ class KVLayout:
     tokens_per_block: int
     dtype: str
     blocks: int
+    # Where each layer's K and V lie when the cache is kept per layer (see
+    # LayerPools): 2*layers (offset, stride) pairs in bytes, layer l's K
+    # then its V; block b's part of a plane at offset + b*stride. None:
+    # blocks back to back, every layer's K then V in each.
+    planes: Optional[list[tuple[int, int]]] = None
+    # Element order within a block's K or V: "hnd" (heads, tokens,
+    # head_dim: TensorRT-LLM's, vLLM's HND) or "nhd" (tokens, heads,
+    # head_dim: vLLM's default, SGLang's). NHD moves only between NHD
+    # engines of one TP size (it cannot be cut by heads).
+    order: str = "hnd"
 
 
 @dataclasses.dataclass
@@ -70,6 +80,9 @@ class MambaLayout:
     rows: int
     reserved: list[int]
     conv_layout: str = "xbc"
+    # Per layer kept apart: 2*layers (offset, stride) pairs, layer l's conv
+    # state then its SSM state; row r's part at offset + r*stride.
+    planes: Optional[list[tuple[int, int]]] = None
 
 
 @dataclasses.dataclass
@@ -91,10 +104,14 @@ class Layout:
             "vocab": self.vocab,
             "tp": {"rank": self.tp_rank, "size": self.tp_size},
         }
-        if self.kv is not None:
-            d["kv"] = dataclasses.asdict(self.kv)
-        if self.mamba is not None:
-            d["mamba"] = dataclasses.asdict(self.mamba)
+        for name, c in (("kv", self.kv), ("mamba", self.mamba)):
+            if c is None:
+                continue
+            d[name] = dataclasses.asdict(c)
+            if c.planes is None:
+                del d[name]["planes"]
+            else:
+                d[name]["planes"] = [{"offset": int(o), "stride": int(s)} for o, s in c.planes]
         return d
 
     # Shard shapes and sizes, as the agent computes them.
@@ -131,6 +148,33 @@ class Layout:
         if self.mamba is None:
             return 0
         return self.mamba.layers * (self.conv_bytes() + self.ssm_bytes())
+
+    def kv_plane_bytes(self) -> list[int]:
+        """Bytes of one block in each KV plane: layer l's K, then its V."""
+        n = self.block_bytes() // (2 * self.kv.layers)
+        return [n] * (2 * self.kv.layers)
+
+    def mamba_plane_bytes(self) -> list[int]:
+        """Bytes of one row in each Mamba plane: layer l's conv, then SSM."""
+        return [self.conv_bytes(), self.ssm_bytes()] * self.mamba.layers
+
+    def kv_bytes(self) -> int:
+        """The least memory that holds the KV cache where it is placed."""
+        k = self.kv
+        if k is None:
+            return 0
+        if k.planes is None:
+            return k.blocks * self.block_bytes()
+        return max(o + (k.blocks - 1) * s + n for (o, s), n in zip(k.planes, self.kv_plane_bytes()))
+
+    def mamba_bytes(self) -> int:
+        """The least memory that holds the Mamba state where it is placed."""
+        m = self.mamba
+        if m is None:
+            return 0
+        if m.planes is None:
+            return m.rows * self.row_bytes()
+        return max(o + (m.rows - 1) * s + n for (o, s), n in zip(m.planes, self.mamba_plane_bytes()))
 
 
 _IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
@@ -255,3 +299,88 @@ class Pools:
         for mem in (self._kv_mem, self._mamba_mem):
             if mem is not None:
                 mem.close()
+
+
+class LayerPools:
+    """The cache tensors of one engine worker (one TP shard) kept per layer,
+    as vLLM and SGLang keep them, in one memfd the agent maps:
+    :meth:`kv_layer` is attention layer l's tensor [2, blocks, heads,
+    tokens, head_dim] (K then V; heads, tokens, head_dim within a block:
+    vLLM's HND order), :meth:`conv` and :meth:`ssm` Mamba layer l's states
+    [rows, conv_dim, d_conv-1] and [rows, heads, head_dim, d_state], each
+    tensor page-aligned. ``layout`` is the one given with its planes filled
+    in: the engine registers it as it would :class:`Pools`."""
+
+    _ALIGN = 4096
+
+    def __init__(self, layout: Layout):
+        lay = dataclasses.replace(layout)
+        at = 0
+        spans = {}  # name -> (offset, bytes)
+
+        def put(name, n):
+            nonlocal at
+            spans[name] = (at, n)
+            at = (at + n + self._ALIGN - 1) // self._ALIGN * self._ALIGN
+
+        if lay.kv is not None:
+            k, pb = lay.kv, lay.kv_plane_bytes()[0]
+            planes = []
+            for layer in range(k.layers):
+                put(("kv", layer), 2 * k.blocks * pb)
+                off = spans[("kv", layer)][0]
+                planes += [(off, pb), (off + k.blocks * pb, pb)]
+            lay.kv = dataclasses.replace(k, planes=planes)
+        if lay.mamba is not None:
+            m, cb, sb = lay.mamba, lay.conv_bytes(), lay.ssm_bytes()
+            planes = []
+            for layer in range(m.layers):
+                put(("conv", layer), m.rows * cb)
+                put(("ssm", layer), m.rows * sb)
+                planes += [(spans[("conv", layer)][0], cb), (spans[("ssm", layer)][0], sb)]
+            lay.mamba = dataclasses.replace(m, planes=planes)
+        self.layout = lay
+        self._mem = _Memfd("handoff-layers", max(at, 1))
+        self._raw = torch.frombuffer(self._mem.mm, dtype=torch.uint8)
+        self._spans = spans
+
+    def _view(self, name, dtype, shape):
+        off, n = self._spans[name]
+        return self._raw[off : off + n].view(_dtype(dtype)).view(*shape)
+
+    def kv_layer(self, layer: int) -> torch.Tensor:
+        """Attention layer ``layer``: [2, blocks, heads, tokens, head_dim],
+        or [2, blocks, tokens, heads, head_dim] for order "nhd"."""
+        k = self.layout.kv
+        h, n = self.layout.kv_heads_local(), k.tokens_per_block
+        inner = (n, h) if k.order == "nhd" else (h, n)
+        return self._view(("kv", layer), k.dtype, (2, k.blocks, *inner, k.head_dim))
+
+    def kv_block(self, b: int) -> torch.Tensor:
+        """Block ``b`` as :class:`Pools` holds one, [layers, 2, heads,
+        tokens, head_dim] (tokens and heads swapped for order "nhd"; a
+        copy, gathered from the layers)."""
+        return torch.stack([self.kv_layer(layer)[:, b] for layer in range(self.layout.kv.layers)])
+
+    def conv(self, layer: int) -> torch.Tensor:
+        """Conv state of Mamba layer ``layer``: [rows, conv_dim, d_conv-1]."""
+        lay, m = self.layout, self.layout.mamba
+        return self._view(("conv", layer), m.conv_dtype, (m.rows, lay.conv_dim(), m.d_conv - 1))
+
+    def ssm(self, layer: int) -> torch.Tensor:
+        """SSM state of Mamba layer ``layer``: [rows, heads, head_dim, d_state]."""
+        lay, m = self.layout, self.layout.mamba
+        h, _ = lay.mamba_dims()
+        return self._view(("ssm", layer), m.ssm_dtype, (m.rows, h, m.head_dim, m.d_state))
+
+    def fds(self) -> list[tuple[int, int]]:
+        """(fd, bytes) for the KV cache then the Mamba state: the one memfd
+        for both (-1, 0 for one the layout has not)."""
+        return [
+            (self._mem.fd, self._mem.size) if c is not None else (-1, 0)
+            for c in (self.layout.kv, self.layout.mamba)
+        ]
+
+    def close(self):
+        self._raw = None
+        self._mem.close()

@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import queue
 import re
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from conftest import load_shard, random_pools, tiny_layout
-from handoff_agent import Agent, AgentClosed, AgentError, Pools
+from handoff_agent import Agent, AgentClosed, AgentError, LayerPools, Pools
 
 
 def engine(agent_proc, seed, layout=None):
@@ -214,3 +215,107 @@ def test_send_wait(agents):
     with pytest.raises(AgentError) as e:
         a.send_wait(g.ticket, blocks=[1])
     assert e.value.code == "revoked"
+
+
+def random_layer_pools(layout, seed):
+    p = LayerPools(layout)
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(layout.kv.layers):
+        p.kv_layer(layer).copy_(torch.randn(p.kv_layer(layer).shape, generator=g))
+    for layer in range(layout.mamba.layers):
+        p.conv(layer).copy_(torch.randn(p.conv(layer).shape, generator=g))
+        p.ssm(layer).copy_(torch.randn(p.ssm(layer).shape, generator=g))
+    return p
+
+
+def same_row(a, ra, b, rb, layers):
+    return all(
+        torch.equal(a.conv(layer)[ra], b.conv(layer)[rb]) and torch.equal(a.ssm(layer)[ra], b.ssm(layer)[rb])
+        for layer in range(layers)
+    )
+
+
+@pytest.mark.parametrize("transports", ["shm", "tcp"])
+@pytest.mark.parametrize("layers", [False, True])
+def test_per_layer_engine(agents, transports, layers):
+    """An engine that keeps its caches per layer (vLLM's shapes, LayerPools)
+    receives from two TP-2 block-major engines, whole or layer by layer,
+    and sends back to a block-major engine; nothing outside the named
+    blocks and row changes."""
+    lay = tiny_layout()
+    whole = random_pools(lay, 30)
+    senders = []
+    for r in range(2):
+        p = Pools(tiny_layout(tp_rank=r, tp_size=2))
+        load_shard(p, whole)
+        a = Agent.connect(agents(f"pre-{r}", transports).sock)
+        a.register(p)
+        senders.append((a, p))
+    dst = random_layer_pools(lay, 31)
+    b = Agent.connect(agents("dec", transports).sock)
+    assert b.register(dst) == senders[0][0].fingerprint
+    before = [dst.kv_layer(layer).clone() for layer in range(lay.kv.layers)]
+    before_conv = [dst.conv(layer).clone() for layer in range(lay.mamba.layers)]
+    g = b.grant(60, blocks=[9, 3], row=1, from_tp=2)
+    sends = []
+    for a, _ in senders:
+        if layers:
+            s = a.open_send(g.ticket, blocks=[0, 1], row=4)
+            for kind, layer in [("mamba", 0), ("kv", 0), ("mamba", 1), ("mamba", 2), ("kv", 1)]:
+                s.layer(kind, layer)
+            s.commit()
+        else:
+            s = a.send(g.ticket, blocks=[0, 1], row=4)
+        sends.append((a, s))
+    for a, s in sends:
+        assert a.wait_send(s, timeout=10).ok
+    assert b.wait_grant(g, timeout=10).ok
+    assert torch.equal(whole.kv[0], dst.kv_block(9)) and torch.equal(whole.kv[1], dst.kv_block(3))
+    assert same_row(whole, 4, dst, 1, lay.mamba.layers)
+    others = [i for i in range(lay.kv.blocks) if i not in (9, 3)]
+    for layer in range(lay.kv.layers):
+        assert torch.equal(before[layer][:, others], dst.kv_layer(layer)[:, others])
+    for layer in range(lay.mamba.layers):
+        rows = [r for r in range(lay.mamba.rows) if r != 1]
+        assert torch.equal(before_conv[layer][rows], dst.conv(layer)[rows])
+
+    # Back into a block-major engine.
+    c, back = engine(agents("back", transports), 32)
+    g = c.grant(61, blocks=[5, 6], row=0)
+    s = b.send(g.ticket, blocks=[9, 3], row=1)
+    assert b.wait_send(s, timeout=10).ok
+    assert c.wait_grant(g, timeout=10).ok
+    assert torch.equal(back.kv[5], whole.kv[0]) and torch.equal(back.kv[6], whole.kv[1])
+    assert same_row(back, 0, whole, 4, lay.mamba.layers)
+
+
+def test_per_layer_reserved_row_refused(agents):
+    b = Agent.connect(agents("dec").sock)
+    b.register(LayerPools(tiny_layout()))
+    with pytest.raises(AgentError) as e:
+        b.grant(62, blocks=[1], row=7)
+    assert e.value.code == "reserved"
+
+
+def test_nhd_order(agents):
+    """vLLM's default (and SGLang's) NHD order moves between NHD engines of
+    one TP size; an HND engine's ticket is refused by name."""
+    nhd = tiny_layout()
+    nhd.kv = dataclasses.replace(nhd.kv, order="nhd")
+    src, dst = random_layer_pools(nhd, 40), random_layer_pools(nhd, 41)
+    assert src.kv_layer(0).shape[2:] == (16, 2, 16)
+    a = Agent.connect(agents("pre").sock)
+    a.register(src)
+    b = Agent.connect(agents("dec").sock)
+    b.register(dst)
+    g = b.grant(63, blocks=[4], row=2)
+    s = a.send(g.ticket, blocks=[8], row=3)
+    assert a.wait_send(s, timeout=10).ok
+    assert b.wait_grant(g, timeout=10).ok
+    assert torch.equal(src.kv_block(8), dst.kv_block(4))
+    assert same_row(src, 3, dst, 2, nhd.mamba.layers)
+    c, _ = engine(agents("hnd"), 42)
+    g = c.grant(64, blocks=[1])
+    with pytest.raises(AgentError) as e:
+        a.send(g.ticket, blocks=[8])
+    assert e.value.code == "layout_mismatch" and "nhd" in str(e.value)
