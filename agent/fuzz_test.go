@@ -13,9 +13,14 @@ import (
 
 func FuzzDecodeRequest(f *testing.F) {
 	l := tinyLayout()
+	lp := tinyLayout()
+	lp.KV.Planes = []Plane{{Offset: 0, Stride: 4096}, {Offset: 2048, Stride: 4096}, {Offset: 1 << 17, Stride: 2048}, {Offset: 1 << 18, Stride: 2048}}
+	lp.KV.Order = "nhd"
+	lp.Mamba.Planes = []Plane{{Offset: 1 << 18, Stride: 4096}, {Offset: 1 << 19, Stride: 8192}, {Offset: 3 << 18, Stride: 4096}, {Offset: 3 << 19, Stride: 8192}}
 	for _, q := range []Request{
 		{Op: OpHello, ID: 1, Version: Version},
 		{Op: OpRegister, ID: 2, Layout: &l, KVBytes: 1 << 20, MambaBytes: 1 << 16},
+		{Op: OpRegister, ID: 2, Layout: &lp, KVBytes: 1 << 20, MambaBytes: 1 << 20},
 		{Op: OpGrant, ID: 3, RequestID: 7, Blocks: []int{1, 2}, Row: Row(0), DeadlineMS: 500},
 		{Op: OpSendLayer, ID: 4, Send: 1, Kind: "kv", Layer: 3},
 	} {

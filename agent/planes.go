@@ -91,7 +91,7 @@ func newPlacement(what string, units int, lens []uint64, planes []Plane) (placem
 			return bad("plane %d at offset %d with stride %d, want offset ≥ 0 and stride ≥ its %d bytes", i, pl.Offset, pl.Stride, lens[i])
 		}
 		last := uint64(units - 1)
-		if uint64(pl.Stride) > (math.MaxInt64-uint64(pl.Offset)-lens[i])/max(last, 1) {
+		if uint64(pl.Offset) > math.MaxInt64-lens[i] || uint64(pl.Stride) > (math.MaxInt64-uint64(pl.Offset)-lens[i])/max(last, 1) {
 			return bad("plane %d of %d units at stride %d overflows", i, units, pl.Stride)
 		}
 		m.parts[i] = part{uint64(pl.Offset), uint64(pl.Stride), lens[i], uint64(pl.Offset) + last*uint64(pl.Stride) + lens[i]}

@@ -37,6 +37,7 @@ func TestPlacementChecks(t *testing.T) {
 		{"stride below the plane", []Plane{{Offset: 0, Stride: 7}, {Offset: 100, Stride: 8}}, "plane 0 at offset 0 with stride 7", 0},
 		{"negative offset", []Plane{{Offset: -8, Stride: 8}, {Offset: 100, Stride: 8}}, "plane 0 at offset -8", 0},
 		{"overflow", []Plane{{Offset: 0, Stride: 1 << 62}, {Offset: 8, Stride: 1 << 62}}, "overflows", 0},
+		{"offset at the end of int64", []Plane{{Offset: 1<<63 - 4, Stride: 8}, {Offset: 0, Stride: 8}}, "overflows", 0},
 		{"one plane short", []Plane{{Offset: 0, Stride: 8}}, "1 declared, the layout has 2", 0},
 	} {
 		m, err := newPlacement("kv", 4, lens, tc.planes)
