@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -56,6 +57,7 @@ func TestPlacementChecks(t *testing.T) {
 // whose extents hold more or fewer bytes than the pieces is refused.
 func TestSegmentsCut(t *testing.T) {
 	p := &pools{kvAt: placement{unit: 16}, mamAt: placement{unit: 4}}
+	p.kv.Layers, p.mamba.Layers = 2, 2
 	r := regions{kv: 1, mam: 2}
 	pcs := []piece{{len: 16}, {mamba: true, len: 4}}
 	segs, err := p.segments(r, pcs, []int{3}, 5, []rdma.Extent{{Length: 12}, {Length: 8}})
@@ -78,9 +80,11 @@ func TestSegmentsCut(t *testing.T) {
 	}, segs)
 
 	for _, ext := range [][]rdma.Extent{
-		{{Length: 16}},                           // too short
-		{{Length: 16}, {Length: 4}, {Length: 1}}, // too long
-		{{Length: 24}},                           // one too long
+		{{Length: 16}},                                // too short
+		{{Length: 16}, {Length: 4}, {Length: 1}},      // too long
+		{{Length: 24}},                                // one too long
+		{{Length: 16}, {Length: 0}, {Length: 4}},      // an empty one
+		slices.Repeat([]rdma.Extent{{Length: 1}}, 20), // more than the receiver's planes cut
 	} {
 		_, err := p.segments(r, []piece{{len: 16}, {mamba: true, len: 4}}, []int{3}, 5, ext)
 		require.ErrorIs(t, err, ErrBadTicket, "%v", ext)
@@ -493,4 +497,24 @@ func TestNHDOrder(t *testing.T) {
 	bad.KV.Order = "thd"
 	_, err = compile(bad)
 	require.ErrorIs(t, err, ErrInvalidLayout)
+}
+
+// TestPlaneOffsetsRefusedAtRegister: a plane placed near the end of the
+// offsets (which once passed the overflow guard and had the agent panic
+// forbidding a reserved row there) is refused by name, and the agent
+// goes on serving.
+func TestPlaneOffsetsRefusedAtRegister(t *testing.T) {
+	sock := startAgent(t, "a", rdma.TransportSHM)
+	l, size := vllmLayout(t, TP{})
+	for _, off := range []int64{math.MaxInt64 - 8, math.MaxInt64 - 4096, 1 << 62} {
+		bad, _ := vllmLayout(t, TP{})
+		bad.Mamba.Planes[0].Offset = off
+		c, err := Dial(context.Background(), sock)
+		require.NoError(t, err)
+		fd, _ := memfd(t, size)
+		_, err = c.Register(ctxT(t), bad, fd, size, fd, size)
+		require.ErrorIs(t, err, ErrInvalidLayout, "offset %d", off)
+		c.Close()
+	}
+	registerPlanes(t, sock, l, size)
 }

@@ -152,6 +152,18 @@ type seg struct {
 // (the receiver's memory) or a plane of this agent's, and places each cut
 // in both. The ticket's extents must hold the pieces' bytes exactly.
 func (p *pools) segments(r regions, pcs []piece, blocks []int, row int, ext []rdma.Extent) ([]seg, error) {
+	// A receiver cuts a piece at most into one extent per plane of the
+	// layout (2 per layer, as ours, by the fingerprint): more extents, or
+	// empty ones, are not a receiver's, and would only cost this agent
+	// memory.
+	if most := len(pcs) * 2 * max(p.kv.Layers, p.mamba.Layers, 1); len(ext) > most {
+		return nil, fmt.Errorf("%w: %d extents for %d pieces, at most %d", ErrBadTicket, len(ext), len(pcs), most)
+	}
+	for i, e := range ext {
+		if e.Length == 0 {
+			return nil, fmt.Errorf("%w: extent %d is empty", ErrBadTicket, i)
+		}
+	}
 	out := make([]seg, 0, len(pcs))
 	k, at := 0, uint64(0)
 	for j, pc := range pcs {

@@ -299,7 +299,8 @@ class Agent:
         """Registers pools that lie on a GPU, once, by CUDA IPC handle (see
         :func:`cuda_memory`): ``kv`` holds ``layout``'s KV blocks back to
         back and ``mamba`` its rows (the layouts :class:`Pools` gives its
-        host tensors). The agent maps them on the same GPU; the engine
+        host tensors), or each where the layout's planes place them (then
+        a tensor may hold more than the planes reach). The agent maps them on the same GPU; the engine
         keeps the tensors alive while registered. Returns the layout
         fingerprint."""
         req = {"op": "register", "layout": layout.wire()}

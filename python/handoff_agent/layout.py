@@ -165,6 +165,8 @@ class Layout:
             return 0
         if k.planes is None:
             return k.blocks * self.block_bytes()
+        if len(k.planes) != 2 * k.layers:
+            raise ValueError(f"{len(k.planes)} kv planes, the layout has {2 * k.layers}")
         return max(o + (k.blocks - 1) * s + n for (o, s), n in zip(k.planes, self.kv_plane_bytes()))
 
     def mamba_bytes(self) -> int:
@@ -174,6 +176,8 @@ class Layout:
             return 0
         if m.planes is None:
             return m.rows * self.row_bytes()
+        if len(m.planes) != 2 * m.layers:
+            raise ValueError(f"{len(m.planes)} mamba planes, the layout has {2 * m.layers}")
         return max(o + (m.rows - 1) * s + n for (o, s), n in zip(m.planes, self.mamba_plane_bytes()))
 
 
