@@ -529,8 +529,12 @@ func (s *session) grant(q Request) (Reply, error) {
 		return Reply{}, err
 	}
 	mem := s.regions()
+	pm := p.kvAt.planes != nil // ticket version 2: see plans.planeMajor
 	for rs := range from {
 		pcs := pl.pieces(rs, rd, len(q.Blocks), row >= 0)
+		if pm {
+			pcs = pl.planeMajor(pcs)
+		}
 		if len(pcs) == 0 {
 			continue
 		}
@@ -542,7 +546,11 @@ func (s *session) grant(q Request) (Reply, error) {
 		shards, tickets = append(shards, rs), append(tickets, g.Ticket())
 	}
 	grp.id = grp.gs[0].ID()
-	t, err := encodeTicket(ticket{Agent: s.a.cfg.Name, Fingerprint: p.fingerprint, DTypes: p.dtypes(), FromTP: from, ToTP: to, ToRank: rd,
+	v := 1
+	if pm {
+		v = ticketPlaneMajor
+	}
+	t, err := encodeTicket(ticket{V: v, Agent: s.a.cfg.Name, Fingerprint: p.fingerprint, DTypes: p.dtypes(), FromTP: from, ToTP: to, ToRank: rd,
 		Blocks: len(q.Blocks), Row: row >= 0}, eng.Descriptor(), shards, tickets)
 	if err != nil {
 		return fail(err)

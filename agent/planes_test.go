@@ -211,14 +211,22 @@ func TestPlanesProperty(t *testing.T) {
 			pl, err := recv.p.plans(from, to)
 			require.NoError(t, err)
 			for rs, snd := range senders {
+				pm := recv.p.kvAt.planes != nil
 				pcs := pl.pieces(rs, rd, nb, true)
 				if len(pcs) == 0 {
 					continue
 				}
+				if pm {
+					pcs = pl.planeMajor(pcs)
+				}
 				ext := merge(recv.p.dstExtents(simRegions, pcs, dstBlocks, dstRow))
 				spl, err := snd.p.plans(from, to)
 				require.NoError(t, err)
-				segs, err := snd.p.segments(simRegions, spl.pieces(rs, rd, nb, true), srcBlocks, srcRow, ext)
+				spcs := spl.pieces(rs, rd, nb, true)
+				if pm {
+					spcs = spl.planeMajor(spcs)
+				}
+				segs, err := snd.p.segments(simRegions, spcs, srcBlocks, srcRow, ext)
 				require.NoError(t, err, name)
 				if !layers {
 					var flat []byte
@@ -517,4 +525,29 @@ func TestPlaneOffsetsRefusedAtRegister(t *testing.T) {
 		c.Close()
 	}
 	registerPlanes(t, sock, l, size)
+}
+
+// TestPlaneMajorTicket: a receiver whose KV lies in planes lists its
+// extents plane by plane, so consecutive blocks merge into one extent per
+// plane (block order would list one per block and plane), and a
+// block-major sender follows that order: the blocks land where named.
+func TestPlaneMajorTicket(t *testing.T) {
+	l, size := vllmLayout(t, TP{})
+	recv := registerPlanes(t, startAgent(t, "dec", rdma.TransportSHM), l, size)
+	send := register(t, startAgent(t, "pre", rdma.TransportSHM), tinyLayout())
+	ctx := ctxT(t)
+	g, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 70, Blocks: []int{4, 5, 6, 7}, Row: Row(1)}, nil)
+	require.NoError(t, err)
+	tk, _, rt, _, err := decodeTicket(g.Ticket, 0)
+	require.NoError(t, err)
+	require.Equal(t, ticketPlaneMajor, tk.V)
+	require.Len(t, rt.Extents, 2*l.KV.Layers+2*l.Mamba.Layers)
+	_, err = send.c.Call(ctx, Request{Op: OpSend, Ticket: g.Ticket, Blocks: []int{9, 10, 20, 3}, Row: Row(0)}, nil)
+	require.NoError(t, err)
+	event(t, send, EvSendDone)
+	event(t, recv, EvGrantDone)
+	for i, b := range []int{9, 10, 20, 3} {
+		require.Equal(t, send.block(b), recv.vunit(false, 4+i))
+	}
+	require.Equal(t, send.row(0), recv.vunit(true, 1))
 }

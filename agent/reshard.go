@@ -104,6 +104,40 @@ func (pl *plans) pieces(rs, rd, blocks int, row bool) []piece {
 	return out
 }
 
+// planeMajor reorders pieces for a receiver whose KV cache lies in planes
+// (ticket version 2): the KV pieces cut at the destination's rows (each
+// a layer's K or V) and listed row by row, each row's in block order,
+// then the Mamba pieces. A plane's consecutive blocks then lie back to
+// back in its memory and merge into one extent, where block order would
+// list one extent per block and plane. Both sides reorder alike; the
+// concatenation they exchange is the reordered one.
+func (pl *plans) planeMajor(pcs []piece) []piece {
+	if pl.kv == nil {
+		return pcs
+	}
+	rows := pl.kv.Layout.Rows
+	rb := uint64(pl.kv.DstBytes) / uint64(rows)
+	out := make([]piece, 0, len(pcs)+rows)
+	for i := range uint64(rows) {
+		lo, hi := i*rb, (i+1)*rb
+		for _, pc := range pcs {
+			if pc.mamba {
+				continue
+			}
+			a, b := max(lo, pc.dst), min(hi, pc.dst+pc.len)
+			if a < b {
+				out = append(out, piece{unit: pc.unit, src: pc.src + (a - pc.dst), dst: a, len: b - a})
+			}
+		}
+	}
+	for _, pc := range pcs {
+		if pc.mamba {
+			out = append(out, pc)
+		}
+	}
+	return out
+}
+
 // dstExtents places a grant's pieces in this registration's regions, for
 // the named blocks and row, in order: a piece that crosses planes (planes.go)
 // is one extent per plane.

@@ -79,6 +79,9 @@ func (s *session) openSend(q Request) (Reply, error) {
 		return Reply{}, err
 	}
 	pcs := pl.pieces(p.l.TP.Rank, tk.ToRank, len(q.Blocks), row >= 0)
+	if tk.V == ticketPlaneMajor {
+		pcs = pl.planeMajor(pcs)
+	}
 	if mine != (len(pcs) > 0) {
 		return Reply{}, fmt.Errorf("%w: agent %q's ticket and the plan disagree on whether shard %d writes", ErrBadTicket, tk.Agent, p.l.TP.Rank)
 	}

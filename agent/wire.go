@@ -183,6 +183,12 @@ func decodeRequest(b []byte) (Request, error) {
 // and what a sender checks before it writes a byte: the layout
 // fingerprint, dtypes, both TP sizes, and how many blocks and whether a
 // row.
+// ticketPlaneMajor is the version of a ticket whose extents list the KV
+// pieces plane by plane (plans.planeMajor): a receiver with KV planes
+// grants so. A sender that predates it refuses the version by name
+// rather than writing in block order.
+const ticketPlaneMajor = 2
+
 type ticket struct {
 	V           int        `msgpack:"v"`
 	Agent       string     `msgpack:"agent"` // the agent's name (its rdma AgentID names one registration)
@@ -311,7 +317,9 @@ func encodeTicket(t ticket, d rdma.Descriptor, shards []int, subs []rdma.Ticket)
 	for i, rt := range subs {
 		t.Subs = append(t.Subs, subTicket{Shard: shards[i], Ticket: toWire(rt)})
 	}
-	t.V = 1
+	if t.V == 0 {
+		t.V = 1
+	}
 	return msgpack.Marshal(t)
 }
 
@@ -327,7 +335,7 @@ func decodeTicket(b []byte, rank int) (t ticket, d rdma.Descriptor, rt rdma.Tick
 		return fail("%v", err)
 	}
 	switch {
-	case t.V != 1:
+	case t.V != 1 && t.V != ticketPlaneMajor:
 		return fail("version %d", t.V)
 	case t.FromTP < 1 || t.FromTP > reshard.MaxTP || t.ToTP < 1 || t.ToTP > reshard.MaxTP || t.ToRank < 0 || t.ToRank >= t.ToTP:
 		return fail("TP %d → rank %d of %d", t.FromTP, t.ToRank, t.ToTP)
