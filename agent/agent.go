@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"os"
 	"sync"
@@ -263,8 +264,8 @@ type session struct {
 	mu       sync.Mutex
 	eng      *rdma.Engine // nil until register
 	pools    *pools
-	kv, mam  *rdma.Region
-	arenas   []*cuda.Arena // device memory the engine shared (OpenIPC), closed after eng
+	bufs     []*rdma.Region // by buffer: the KV pool's and the Mamba pool's, or Request.Buffers
+	arenas   []*cuda.Arena  // device memory the engine shared (OpenIPC), closed after eng
 	grants   map[uint64]*grantGroup
 	sends    map[uint64]*send
 	nextSend uint64
@@ -361,15 +362,18 @@ func (s *session) handle(q Request) (Reply, error) {
 }
 
 // register maps the engine's memory (the fds passed with the message: the
-// KV pool's, then the Mamba pool's) as the regions of a new rdma.Engine
-// and forbids the reserved rows in it.
+// KV pool's, then the Mamba pool's, or the host buffers' in order) as the
+// regions of a new rdma.Engine and forbids the reserved rows in it.
 func (s *session) register(q Request) (Reply, error) {
-	n := 0 // the pools in host memory come as fds
-	if q.KVBytes > 0 && q.KVCUDA == nil {
-		n++
+	bufs, buffered := q.Buffers, len(q.Buffers) > 0
+	if !buffered {
+		bufs = []Buffer{{Bytes: q.KVBytes, CUDA: q.KVCUDA}, {Bytes: q.MambaBytes, CUDA: q.MambaCUDA}}
 	}
-	if q.MambaBytes > 0 && q.MambaCUDA == nil {
-		n++
+	n := 0 // the buffers in host memory come as fds
+	for _, b := range bufs {
+		if b.Bytes > 0 && b.CUDA == nil {
+			n++
+		}
 	}
 	fds, err := s.fc.take(n)
 	if err != nil {
@@ -385,20 +389,24 @@ func (s *session) register(q Request) (Reply, error) {
 	if s.eng != nil {
 		return Reply{}, ErrRegistered
 	}
-	if q.Layout == nil {
+	switch {
+	case q.Layout == nil:
 		return Reply{}, fmt.Errorf("%w: no layout", ErrInvalidLayout)
+	case buffered && (q.KVBytes != 0 || q.MambaBytes != 0 || q.KVCUDA != nil || q.MambaCUDA != nil):
+		return Reply{}, fmt.Errorf("%w: memory registered both by pool and by buffers", ErrInvalidLayout)
+	case len(bufs) > maxBuffers:
+		return Reply{}, fmt.Errorf("%w: %d buffers, at most %d", ErrInvalidLayout, len(bufs), maxBuffers)
 	}
-	p, err := compile(*q.Layout)
+	p, err := compile(*q.Layout, buffered)
 	if err != nil {
 		return Reply{}, err
 	}
-	if err := p.checkSizes(q.KVBytes, q.MambaBytes); err != nil {
+	mems, err := describeBuffers(bufs, fds, buffered)
+	if err != nil {
 		return Reply{}, err
 	}
-	if len(fds) == 2 && sameFile(fds[0], fds[1]) {
-		if err := checkApart(p.kvAt, p.mamAt); err != nil {
-			return Reply{}, err
-		}
+	if err := checkBuffers(p.kvAt, p.mamAt, mems); err != nil {
+		return Reply{}, err
 	}
 	cfg := s.a.cfg
 	id := rdma.AgentID(fmt.Sprintf("%s#%d", cfg.Name, s.a.gen.Add(1)))
@@ -407,37 +415,39 @@ func (s *session) register(q Request) (Reply, error) {
 	if err != nil {
 		return Reply{}, err
 	}
-	i := 0
-	region := func(name string, size int64, a *cuda.Arena) (*rdma.Region, error) {
-		if a != nil {
-			return eng.RegisterDevice(name, a)
-		}
-		i++
-		return eng.RegisterFD(name, fds[i-1], size)
-	}
 	fail := func(err error) (Reply, error) {
 		eng.Close()
 		s.closeArenas()
-		s.kv, s.mam = nil, nil
+		s.bufs = nil
 		return Reply{}, err
 	}
-	kvA, mamA, err := s.openPools(q)
+	arenas, err := s.openBuffers(bufs, mems)
 	if err != nil {
 		return fail(err)
 	}
-	if q.KVBytes > 0 {
-		if s.kv, err = region("kv", q.KVBytes, kvA); err != nil {
+	s.bufs = make([]*rdma.Region, len(bufs))
+	byID := map[rdma.RegionID]*rdma.Region{}
+	next := 0
+	for i, b := range bufs {
+		var r *rdma.Region
+		switch {
+		case b.Bytes == 0:
+			continue
+		case arenas[i] != nil:
+			r, err = eng.RegisterDevice(mems[i].name, arenas[i])
+		default:
+			r, err = eng.RegisterFD(mems[i].name, fds[next], b.Bytes)
+			next++
+		}
+		if err != nil {
 			return fail(err)
 		}
+		s.bufs[i], byID[r.ID()] = r, r
 	}
-	if q.MambaBytes > 0 {
-		if s.mam, err = region("mamba", q.MambaBytes, mamA); err != nil {
-			return fail(err)
-		}
-		for _, r := range p.reserved {
-			for _, e := range p.mamAt.spans(nil, s.mam.ID(), r, 0, p.mamAt.unit) {
-				s.mam.Forbid(e.Offset, e.Length)
-			}
+	ids := regionIDs(s.bufs)
+	for _, r := range p.reserved {
+		for _, e := range p.mamAt.spans(nil, ids, r, 0, p.mamAt.unit) {
+			byID[e.Region].Forbid(e.Offset, e.Length)
 		}
 	}
 	s.eng, s.pools = eng, p
@@ -447,23 +457,55 @@ func (s *session) register(q Request) (Reply, error) {
 	for i, t := range d.Transports {
 		ts[i] = string(t)
 	}
-	s.log.Info("agent: engine registered", "rdma_agent", id, "fingerprint", p.fingerprint, "tp", p.l.TP, "kv_bytes", q.KVBytes, "mamba_bytes", q.MambaBytes,
-		"kv_memory", memoryOf(q.KVCUDA), "mamba_memory", memoryOf(q.MambaCUDA))
+	s.log.Info("agent: engine registered", "rdma_agent", id, "fingerprint", p.fingerprint, "tp", p.l.TP, "kv_bytes", p.kvBytes(), "mamba_bytes", p.mambaBytes(),
+		"buffers", len(bufs), "memory", memoryOf(bufs))
 	return Reply{Fingerprint: p.fingerprint, AgentID: string(id), Transports: ts}, nil
 }
 
-// regions names the registered regions.
-func (s *session) regions() regions {
+// describeBuffers names the registered buffers and says which are one
+// memory: host buffers by their file (one memfd passed twice), device
+// buffers by their allocation's handle, from their offset in it.
+func describeBuffers(bufs []Buffer, fds []int, buffered bool) ([]bufferMem, error) {
+	out := make([]bufferMem, len(bufs))
+	next := 0
+	for i, b := range bufs {
+		m := &out[i]
+		m.name, m.bytes = fmt.Sprintf("buffer %d", i), b.Bytes
+		if !buffered {
+			m.name = []string{"kv pool", "mamba pool"}[i]
+		}
+		switch {
+		case b.Bytes < 0:
+			return nil, fmt.Errorf("%w: %s of %d bytes", ErrInvalidLayout, m.name, b.Bytes)
+		case b.Bytes == 0:
+		case b.CUDA != nil:
+			if b.CUDA.Offset > math.MaxInt64 {
+				return nil, fmt.Errorf("%w: %s at offset %d", ErrInvalidLayout, m.name, b.CUDA.Offset)
+			}
+			m.key, m.base = "cuda "+b.CUDA.Device+" "+string(b.CUDA.Handle), b.CUDA.Offset
+		default:
+			m.key = fileKey(fds[next])
+			next++
+		}
+	}
+	return out, nil
+}
+
+// regions names the registered regions, by buffer (0 where none).
+func (s *session) regions() []rdma.RegionID {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	var r regions
-	if s.kv != nil {
-		r.kv = s.kv.ID()
+	return regionIDs(s.bufs)
+}
+
+func regionIDs(rs []*rdma.Region) []rdma.RegionID {
+	ids := make([]rdma.RegionID, len(rs))
+	for i, r := range rs {
+		if r != nil {
+			ids[i] = r.ID()
+		}
 	}
-	if s.mam != nil {
-		r.mam = s.mam.ID()
-	}
-	return r
+	return ids
 }
 
 // registration returns the engine and pools, or ErrNotRegistered.

@@ -93,7 +93,7 @@ func serveAgent(t testing.TB, cfg Config, nc *nats.Conn) (sock string, a *Agent,
 
 func register(t testing.TB, sock string, l Layout) *engine {
 	t.Helper()
-	p, err := compile(l)
+	p, err := compile(l, false)
 	require.NoError(t, err)
 	ctx := context.Background()
 	c, err := Dial(ctx, sock)
@@ -203,8 +203,8 @@ func TestReservedRowForbiddenInDataPlane(t *testing.T) {
 	s := a.latest
 	a.mu.Unlock()
 	rb := uint64(b.p.mamba.RowBytes())
-	require.Equal(t, []rdma.Extent{{Region: s.mam.ID(), Offset: 5 * rb, Length: rb}}, s.mam.Forbidden())
-	_, err := s.eng.OpenGrant(rdma.GrantSpec{RequestID: 1, Extents: []rdma.Extent{{Region: s.mam.ID(), Offset: 5*rb + 8, Length: 8}}})
+	require.Equal(t, []rdma.Extent{{Region: s.bufs[1].ID(), Offset: 5 * rb, Length: rb}}, s.bufs[1].Forbidden())
+	_, err := s.eng.OpenGrant(rdma.GrantSpec{RequestID: 1, Extents: []rdma.Extent{{Region: s.bufs[1].ID(), Offset: 5*rb + 8, Length: 8}}})
 	require.ErrorIs(t, err, rdma.ErrForbidden)
 }
 
@@ -282,7 +282,7 @@ func TestRegisterRefusesWrongSizes(t *testing.T) {
 	c, err := Dial(ctxT(t), sock)
 	require.NoError(t, err)
 	defer c.Close()
-	p, _ := compile(tinyLayout())
+	p, _ := compile(tinyLayout(), false)
 	kfd, _ := memfd(t, p.kvBytes())
 	mfd, _ := memfd(t, p.mambaBytes())
 	_, err = c.Register(ctxT(t), tinyLayout(), kfd, p.kvBytes()-1, mfd, p.mambaBytes())

@@ -96,7 +96,7 @@ func minflt() int64 {
 func BenchmarkSend64MiBEngines(b *testing.B) {
 	l := tinyLayout()
 	l.KV = &KVLayout{Layers: 2, KVHeads: 8, HeadDim: 128, TokensPerBlock: 16, DType: "bfloat16", Blocks: 512}
-	p, err := compile(l)
+	p, err := compile(l, false)
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"math"
@@ -61,51 +60,55 @@ func (a *Agent) openCUDA(dm *CUDAMemory, pid int, size uint64) (*cuda.Arena, err
 	return m, nil
 }
 
-// openPools maps the pools q registers in device memory (nil for a pool
-// in host memory). Two pools in one allocation (the same handle) are mapped
-// once, as a driver opens a handle once per context, and must not overlap.
-func (s *session) openPools(q Request) (kv, mam *cuda.Arena, err error) {
-	k, m := q.KVCUDA, q.MambaCUDA
-	if k != nil && m != nil && bytes.Equal(k.Handle, m.Handle) && q.KVBytes > 0 && q.MambaBytes > 0 {
-		kLo, mLo := k.Offset, m.Offset
-		kN, mN := uint64(q.KVBytes), uint64(q.MambaBytes)
-		if kLo > math.MaxUint64-kN || mLo > math.MaxUint64-mN {
-			return nil, nil, fmt.Errorf("%w: pool offsets %d and %d", ErrInvalidLayout, kLo, mLo)
+// openBuffers maps the buffers in device memory (nil for one in host
+// memory), by index. Buffers in one allocation (one handle) are mapped
+// once, as a driver opens a handle once per context: one mapping from the
+// lowest of their offsets to the highest end, a view of it each. Whether
+// their planes overlap was checked before (checkBuffers).
+func (s *session) openBuffers(bufs []Buffer, mems []bufferMem) ([]*cuda.Arena, error) {
+	out := make([]*cuda.Arena, len(bufs))
+	groups := map[string][]int{}
+	var order []string
+	for i, b := range bufs {
+		if b.CUDA == nil || b.Bytes <= 0 {
+			continue
 		}
-		if kLo < mLo+mN && mLo < kLo+kN {
-			return nil, nil, fmt.Errorf("%w: the kv pool [%d, %d) and the mamba pool [%d, %d) overlap in one allocation",
-				ErrInvalidLayout, kLo, kLo+kN, mLo, mLo+mN)
+		k := string(b.CUDA.Handle)
+		if _, ok := groups[k]; !ok {
+			order = append(order, k)
 		}
-		if k.Device != m.Device {
-			return nil, nil, fmt.Errorf("%w: one allocation on devices %q and %q", ErrInvalidLayout, k.Device, m.Device)
+		groups[k] = append(groups[k], i)
+	}
+	for _, k := range order {
+		idx := groups[k]
+		first := bufs[idx[0]].CUDA
+		lo, hi := uint64(math.MaxUint64), uint64(0)
+		for _, i := range idx {
+			dm, n := bufs[i].CUDA, uint64(bufs[i].Bytes)
+			if dm.Device != first.Device {
+				return nil, fmt.Errorf("%w: one allocation on devices %q and %q", ErrInvalidLayout, first.Device, dm.Device)
+			}
+			if dm.Offset > math.MaxUint64-n {
+				return nil, fmt.Errorf("%w: %s at offset %d", ErrInvalidLayout, mems[i].name, dm.Offset)
+			}
+			lo, hi = min(lo, dm.Offset), max(hi, dm.Offset+n)
 		}
-		lo := min(kLo, mLo)
-		whole, err := s.a.openCUDA(&CUDAMemory{Handle: k.Handle, Offset: lo, Device: k.Device}, s.pid, max(kLo+kN, mLo+mN)-lo)
+		whole, err := s.a.openCUDA(&CUDAMemory{Handle: first.Handle, Offset: lo, Device: first.Device}, s.pid, hi-lo)
 		if err != nil {
-			return nil, nil, fmt.Errorf("agent: pools in device memory: %w", err)
+			return nil, fmt.Errorf("agent: %s in device memory: %w", mems[idx[0]].name, err)
 		}
 		s.arenas = append(s.arenas, whole)
-		if kv, err = whole.View(kLo-lo, kN); err == nil {
-			mam, err = whole.View(mLo-lo, mN)
+		if len(idx) == 1 {
+			out[idx[0]] = whole
+			continue
 		}
-		return kv, mam, err
-	}
-	open := func(name string, dm *CUDAMemory, size int64) (*cuda.Arena, error) {
-		if dm == nil || size <= 0 {
-			return nil, nil
+		for _, i := range idx {
+			if out[i], err = whole.View(bufs[i].CUDA.Offset-lo, uint64(bufs[i].Bytes)); err != nil {
+				return nil, err
+			}
 		}
-		a, err := s.a.openCUDA(dm, s.pid, uint64(size))
-		if err != nil {
-			return nil, fmt.Errorf("agent: %s pool in device memory: %w", name, err)
-		}
-		s.arenas = append(s.arenas, a)
-		return a, nil
 	}
-	if kv, err = open("kv", k, q.KVBytes); err != nil {
-		return nil, nil, err
-	}
-	mam, err = open("mamba", m, q.MambaBytes)
-	return kv, mam, err
+	return out, nil
 }
 
 // device returns the open device uuid names, opening the driver and the
@@ -196,10 +199,12 @@ func (s *session) closeArenas() {
 	s.arenas = nil
 }
 
-// memoryOf names where a pool is, for logs.
-func memoryOf(dm *CUDAMemory) string {
-	if dm == nil {
-		return "host"
+// memoryOf names where the buffers are, for logs.
+func memoryOf(bufs []Buffer) string {
+	for _, b := range bufs {
+		if b.CUDA != nil {
+			return "cuda " + b.CUDA.Device
+		}
 	}
-	return "cuda " + dm.Device
+	return "host"
 }

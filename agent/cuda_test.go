@@ -55,7 +55,7 @@ func startCUDAAgent(t *testing.T, name string, imp cuda.Driver) string {
 // from seed, with the agent at sock.
 func registerDevice(t *testing.T, sock string, exp cuda.Driver, l Layout, seed uint64) *devEngine {
 	t.Helper()
-	p, err := compile(l)
+	p, err := compile(l, false)
 	require.NoError(t, err)
 	d, err := cuda.OpenDevice(exp, "0")
 	require.NoError(t, err)
@@ -144,7 +144,7 @@ func TestDeviceMemoryRefused(t *testing.T) {
 	imp := cudafake.New(cudafake.Config{PID: os.Getpid() + 1<<22})
 	sock := startCUDAAgent(t, "gpu", imp)
 	l := tinyLayout()
-	p, err := compile(l)
+	p, err := compile(l, false)
 	require.NoError(t, err)
 	d, err := cuda.OpenDevice(exp, "0")
 	require.NoError(t, err)
@@ -189,7 +189,7 @@ func TestDeviceMemoryOneAllocation(t *testing.T) {
 	h := register(t, startAgent(t, "host", rdma.TransportSHM, rdma.TransportTCP), tinyLayout())
 	sock := startCUDAAgent(t, "gpu", imp)
 	l := tinyLayout()
-	p, err := compile(l)
+	p, err := compile(l, false)
 	require.NoError(t, err)
 	d, err := cuda.OpenDevice(exp, "0")
 	require.NoError(t, err)
@@ -409,7 +409,7 @@ func TestDeviceMemoryGPUHeldWhileUsed(t *testing.T) {
 	exp := cudafake.New(cudafake.Config{Devices: 2})
 	imp := cudafake.New(cudafake.Config{PID: os.Getpid() + 1<<22, Devices: 2})
 	sock := startCUDAAgent(t, "gpu", imp)
-	p, err := compile(tinyLayout())
+	p, err := compile(tinyLayout(), false)
 	require.NoError(t, err)
 	register := func(sel string, size uint64) (*Client, error) {
 		_, c, err := registerKVOn(t, sock, exp, sel, size, cuda.UUID.String)
@@ -435,7 +435,7 @@ func TestDeviceMemoryGPUHeldWhileUsed(t *testing.T) {
 func registerKVOn(t *testing.T, sock string, exp cuda.Driver, sel string, size uint64, name func(cuda.UUID) string) (string, *Client, error) {
 	t.Helper()
 	l := tinyLayout()
-	p, err := compile(l)
+	p, err := compile(l, false)
 	require.NoError(t, err)
 	if size == 0 {
 		size = uint64(p.kvBytes())

@@ -1,15 +1,19 @@
 package agent
 
-import "golang.org/x/sys/unix"
+import (
+	"fmt"
+
+	"golang.org/x/sys/unix"
+)
 
 func closeFD(fd int) { unix.Close(fd) }
 
-// sameFile reports whether fds a and b are one file (one memfd passed
-// twice).
-func sameFile(a, b int) bool {
-	var sa, sb unix.Stat_t
-	if unix.Fstat(a, &sa) != nil || unix.Fstat(b, &sb) != nil {
-		return false
+// fileKey names the file fd is, so that two fds of one file (one memfd
+// passed twice) compare equal; "" when fstat fails.
+func fileKey(fd int) string {
+	var st unix.Stat_t
+	if unix.Fstat(fd, &st) != nil {
+		return ""
 	}
-	return sa.Dev == sb.Dev && sa.Ino == sb.Ino
+	return fmt.Sprintf("file %d:%d", st.Dev, st.Ino)
 }

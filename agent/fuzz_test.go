@@ -39,7 +39,7 @@ func FuzzDecodeRequest(f *testing.F) {
 			t.Fatal("decoded a request without an op")
 		}
 		if q.Layout != nil {
-			compile(*q.Layout) // must not panic
+			compile(*q.Layout, len(q.Buffers) > 0) // must not panic
 		}
 	})
 }

@@ -107,8 +107,10 @@ type pools struct {
 
 // compile validates l and computes the shard's pool configs and the
 // fingerprint the workers compute (model.Spec.Fingerprint of the whole
-// model). Errors wrap ErrInvalidLayout.
-func compile(l Layout) (*pools, error) {
+// model). buffered says the memory comes as buffers that the planes name
+// (Request.Buffers), rather than one per cache (buffer 0 the KV pool's, 1
+// the Mamba pool's). Errors wrap ErrInvalidLayout.
+func compile(l Layout, buffered bool) (*pools, error) {
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf("%w: "+format, append([]any{ErrInvalidLayout}, args...)...)
 	}
@@ -148,7 +150,7 @@ func compile(l Layout) (*pools, error) {
 		for i := range lens {
 			lens[i] = uint64(sh.BlockBytes()) / uint64(len(lens))
 		}
-		if p.kvAt, err = newPlacement("kv", sh.Blocks, lens, k.Planes); err != nil {
+		if p.kvAt, err = newPlacement("kv", sh.Blocks, lens, k.Planes, home(buffered, 0)); err != nil {
 			return nil, err
 		}
 		p.kv = sh
@@ -189,7 +191,7 @@ func compile(l Layout) (*pools, error) {
 		for range sh.Layers {
 			lens = append(lens, uint64(sh.ConvBytes()), uint64(sh.SSMBytes()))
 		}
-		if p.mamAt, err = newPlacement("mamba", m.Rows, lens, m.Planes); err != nil {
+		if p.mamAt, err = newPlacement("mamba", m.Rows, lens, m.Planes, home(buffered, 1)); err != nil {
 			return nil, err
 		}
 		p.mamba, p.rows = sh, m.Rows
@@ -210,24 +212,27 @@ func compile(l Layout) (*pools, error) {
 	return p, nil
 }
 
-// kvBytes and mambaBytes are the sizes of the shard's arenas: the least
-// memory that holds every unit where the layout places it (0: no such
-// cache).
-func (p *pools) kvBytes() int64    { return int64(p.kvAt.size) }
-func (p *pools) mambaBytes() int64 { return int64(p.mamAt.size) }
+// home is the buffer of a cache without planes: its own (b) when the
+// memory is registered by pool, none when by buffers.
+func home(buffered bool, b int) int {
+	if buffered {
+		return -1
+	}
+	return b
+}
 
-// checkSizes compares the memory an engine registers with what its layout
-// needs: as much, or more where planes place the units (an allocation may
-// round up or hold other tensors besides).
-func (p *pools) checkSizes(kv, mamba int64) error {
-	fits := func(got int64, m placement) bool {
-		return got == int64(m.size) || (m.planes != nil && got > int64(m.size))
+// kvBytes and mambaBytes are the least memory each cache needs, in the
+// largest buffer it uses (its pool's, registered by pool; 0: no such
+// cache).
+func (p *pools) kvBytes() int64    { return p.kvAt.bytes() }
+func (p *pools) mambaBytes() int64 { return p.mamAt.bytes() }
+
+func (m placement) bytes() int64 {
+	var n uint64
+	for _, x := range m.need {
+		n = max(n, x)
 	}
-	if !fits(kv, p.kvAt) || !fits(mamba, p.mamAt) {
-		return fmt.Errorf("%w: memory of %d (kv) and %d (mamba) bytes, the layout needs %d and %d",
-			ErrInvalidLayout, kv, mamba, p.kvBytes(), p.mambaBytes())
-	}
-	return nil
+	return int64(n)
 }
 
 // dtypes names the element types, which the fingerprint does not (it has

@@ -20,32 +20,45 @@ import (
 // exchange requests unchanged.
 
 // Plane places one plane of a cache in the registered memory: the plane's
-// part of unit u (block or row) lies at Offset + u*Stride, in the pool's
-// element order (heads, then tokens, then head_dim for K and V).
+// part of unit u (block or row) lies at Offset + u*Stride of buffer
+// Buffer, in the pool's element order (heads, then tokens, then head_dim
+// for K and V, unless the KV order says otherwise). Buffer indexes the
+// buffers a registration passes (Request.Buffers); a registration by pool
+// (KVBytes, MambaBytes) has one buffer per cache, Buffer 0.
 type Plane struct {
 	Offset int64 `msgpack:"offset"`
 	Stride int64 `msgpack:"stride"`
+	Buffer int   `msgpack:"buffer,omitempty"`
 }
 
-// placement maps a cache's virtual unit bytes to offsets in its region.
+// maxBuffers bounds the buffers of a registration: a plane per layer's K
+// and V and per Mamba layer's two states of the largest models, each in
+// an allocation of its own.
+const maxBuffers = 4096
+
+// placement maps a cache's virtual unit bytes to offsets in the
+// registration's buffers (by their index).
 type placement struct {
 	unit   uint64   // a unit's virtual bytes
 	starts []uint64 // each plane's virtual start in the unit, ascending; nil: units back to back
 	lens   []uint64
 	planes []Plane
-	parts  []part // the bytes each plane occupies (one part for units back to back)
-	size   uint64 // the bytes the registered memory must hold at least
+	parts  []part   // the bytes each plane occupies (one part for units back to back)
+	need   []uint64 // by buffer: the bytes it must hold at least
 }
 
-// part is the bytes one plane occupies: len bytes at off + u*stride for
-// every unit u, the last ending at end.
-type part struct{ off, stride, len, end uint64 }
+// part is the bytes one plane occupies in buffer buf: len bytes at off +
+// u*stride for every unit u, the last ending at end.
+type part struct {
+	buf                   int
+	off, stride, len, end uint64
+}
 
-// clash says how parts a and b share a byte, or "" when they do not. Parts
-// whose spans overlap must share a stride (interleaved, as K and V of a
-// layer in one [blocks][2] tensor) and occupy disjoint residues of it;
-// differing strides over shared bytes are refused rather than proven
-// apart.
+// clash says how parts a and b, in one buffer, share a byte, or "" when
+// they do not. Parts whose spans overlap must share a stride
+// (interleaved, as K and V of a layer in one [blocks][2] tensor) and
+// occupy disjoint residues of it; differing strides over shared bytes are
+// refused rather than proven apart.
 func clash(a, b part) string {
 	if a.end <= b.off || b.end <= a.off {
 		return ""
@@ -61,22 +74,28 @@ func clash(a, b part) string {
 	return ""
 }
 
-// newPlacement validates planes (nil: units back to back) for units units
-// whose virtual bytes are the planes' lens in order. It refuses planes
-// that overlap themselves or each other: a write into one block would
-// land in another's bytes.
-func newPlacement(what string, units int, lens []uint64, planes []Plane) (placement, error) {
+// newPlacement validates planes for units units whose virtual bytes are
+// the planes' lens in order; home is the buffer of a cache without planes
+// (units back to back from its start), -1 where planes are required. It
+// refuses planes that overlap themselves or each other in a buffer: a
+// write into one block would land in another's bytes.
+func newPlacement(what string, units int, lens []uint64, planes []Plane, home int) (placement, error) {
 	m := placement{}
 	for _, n := range lens {
 		m.unit += n
 	}
-	if planes == nil {
-		m.size = uint64(units) * m.unit
-		m.parts = []part{{0, m.unit, m.unit, m.size}}
-		return m, nil
-	}
 	bad := func(format string, args ...any) (placement, error) {
 		return placement{}, fmt.Errorf("%w: %s planes: "+format, append([]any{ErrInvalidLayout, what}, args...)...)
+	}
+	if planes == nil {
+		if home < 0 {
+			return bad("none declared, and buffers were registered: each plane must name its buffer")
+		}
+		size := uint64(units) * m.unit
+		m.parts = []part{{home, 0, m.unit, m.unit, size}}
+		m.need = make([]uint64, home+1)
+		m.need[home] = size
+		return m, nil
 	}
 	if len(planes) != len(lens) {
 		return bad("%d declared, the layout has %d", len(planes), len(lens))
@@ -94,11 +113,26 @@ func newPlacement(what string, units int, lens []uint64, planes []Plane) (placem
 		if uint64(pl.Offset) > math.MaxInt64-lens[i] || uint64(pl.Stride) > (math.MaxInt64-uint64(pl.Offset)-lens[i])/max(last, 1) {
 			return bad("plane %d of %d units at stride %d overflows", i, units, pl.Stride)
 		}
-		m.parts[i] = part{uint64(pl.Offset), uint64(pl.Stride), lens[i], uint64(pl.Offset) + last*uint64(pl.Stride) + lens[i]}
-		m.size = max(m.size, m.parts[i].end)
+		b := pl.Buffer
+		if home >= 0 {
+			if b != 0 {
+				return bad("plane %d names buffer %d, but the memory was registered by pool (no buffers)", i, b)
+			}
+			b = home
+		} else if b < 0 || b >= maxBuffers {
+			return bad("plane %d names buffer %d, want 0..%d", i, b, maxBuffers-1)
+		}
+		m.parts[i] = part{b, uint64(pl.Offset), uint64(pl.Stride), lens[i], uint64(pl.Offset) + last*uint64(pl.Stride) + lens[i]}
+		if b >= len(m.need) {
+			m.need = append(m.need, make([]uint64, b+1-len(m.need))...)
+		}
+		m.need[b] = max(m.need[b], m.parts[i].end)
 	}
 	for i := range m.parts {
 		for j := i + 1; j < len(m.parts); j++ {
+			if m.parts[i].buf != m.parts[j].buf {
+				continue
+			}
 			if c := clash(m.parts[i], m.parts[j]); c != "" {
 				return bad("planes %d and %d %s", i, j, c)
 			}
@@ -107,38 +141,96 @@ func newPlacement(what string, units int, lens []uint64, planes []Plane) (placem
 	return m, nil
 }
 
-// checkApart refuses KV and Mamba placements that share a byte, for pools
-// registered in one piece of memory (one memfd for both).
-func checkApart(kv, mamba placement) error {
-	for i, a := range kv.parts {
-		for j, b := range mamba.parts {
-			if c := clash(a, b); c != "" {
-				return fmt.Errorf("%w: in the one memory registered for both, kv plane %d and mamba plane %d %s", ErrInvalidLayout, i, j, c)
+// at returns where virtual byte off of unit u lies (buffer and offset in
+// it) and how many bytes from there are contiguous in the unit's virtual
+// order.
+func (m *placement) at(u int, off uint64) (buf int, o, run uint64) {
+	if m.starts == nil {
+		return m.parts[0].buf, uint64(u)*m.unit + off, m.unit - off
+	}
+	i := sort.Search(len(m.starts), func(i int) bool { return m.starts[i] > off }) - 1
+	d := off - m.starts[i]
+	return m.parts[i].buf, uint64(m.planes[i].Offset) + uint64(u)*uint64(m.planes[i].Stride) + d, m.lens[i] - d
+}
+
+// spans appends the extents holding n virtual bytes of unit u from off, in
+// virtual order, in the regions of the registration's buffers (by index).
+func (m *placement) spans(out []rdma.Extent, regions []rdma.RegionID, u int, off, n uint64) []rdma.Extent {
+	for n > 0 {
+		b, o, run := m.at(u, off)
+		run = min(run, n)
+		out = append(out, rdma.Extent{Region: regions[b], Offset: o, Length: run})
+		off, n = off+run, n-run
+	}
+	return out
+}
+
+// bufferMem is one buffer as registered: its name (for errors), size, and
+// which memory it is: buffers with one key (a file's, an allocation's)
+// are one memory, each from its base in it.
+type bufferMem struct {
+	name  string
+	bytes int64
+	key   string // "": a memory of its own
+	base  uint64
+}
+
+// checkBuffers compares what the placements need of each buffer with what
+// was registered: at least as much (exactly as much for a pool without
+// planes: registered by its size), and every buffer needed. Planes that
+// share a byte of one memory (two buffers of one file or allocation, or
+// one passed for both caches) are refused: a write into one would land in
+// the other, a reserved row included.
+func checkBuffers(kv, mamba placement, bufs []bufferMem) error {
+	used := make([]bool, len(bufs))
+	for _, m := range []placement{kv, mamba} {
+		for b, need := range m.need {
+			if need == 0 {
+				continue
+			}
+			if b >= len(bufs) || bufs[b].bytes <= 0 {
+				return fmt.Errorf("%w: the layout places planes in buffer %d, which was not registered", ErrInvalidLayout, b)
+			}
+			got := uint64(bufs[b].bytes)
+			if got < need || (m.planes == nil && got != need) {
+				return fmt.Errorf("%w: %s of %d bytes, the layout needs %d", ErrInvalidLayout, bufs[b].name, got, need)
+			}
+			used[b] = true
+		}
+	}
+	for b, u := range used {
+		if !u && bufs[b].bytes != 0 {
+			return fmt.Errorf("%w: %s of %d bytes registered, but the layout places nothing in it", ErrInvalidLayout, bufs[b].name, bufs[b].bytes)
+		}
+	}
+	type labelled struct {
+		p    part
+		name string
+		i    int
+	}
+	var all []labelled
+	for i, p := range kv.parts {
+		all = append(all, labelled{p, "kv", i})
+	}
+	for i, p := range mamba.parts {
+		all = append(all, labelled{p, "mamba", i})
+	}
+	for i, a := range all {
+		for _, b := range all[i+1:] {
+			ka, kb := bufs[a.p.buf], bufs[b.p.buf]
+			if a.p.buf != b.p.buf && (ka.key == "" || ka.key != kb.key) {
+				continue // different memory
+			}
+			if a.p.buf == b.p.buf && a.name == b.name {
+				continue // checked with its placement
+			}
+			pa, pb := a.p, b.p
+			pa.off, pa.end = pa.off+ka.base, pa.end+ka.base
+			pb.off, pb.end = pb.off+kb.base, pb.end+kb.base
+			if c := clash(pa, pb); c != "" {
+				return fmt.Errorf("%w: %s plane %d (%s) and %s plane %d (%s) overlap in one memory: they %s", ErrInvalidLayout, a.name, a.i, ka.name, b.name, b.i, kb.name, c)
 			}
 		}
 	}
 	return nil
-}
-
-// at returns where virtual byte off of unit u lies in the region and how
-// many bytes from there are contiguous in the unit's virtual order.
-func (m *placement) at(u int, off uint64) (uint64, uint64) {
-	if m.starts == nil {
-		return uint64(u)*m.unit + off, m.unit - off
-	}
-	i := sort.Search(len(m.starts), func(i int) bool { return m.starts[i] > off }) - 1
-	d := off - m.starts[i]
-	return uint64(m.planes[i].Offset) + uint64(u)*uint64(m.planes[i].Stride) + d, m.lens[i] - d
-}
-
-// spans appends the extents of region holding n virtual bytes of unit u
-// from off, in virtual order.
-func (m *placement) spans(out []rdma.Extent, region rdma.RegionID, u int, off, n uint64) []rdma.Extent {
-	for n > 0 {
-		o, run := m.at(u, off)
-		run = min(run, n)
-		out = append(out, rdma.Extent{Region: region, Offset: o, Length: run})
-		off, n = off+run, n-run
-	}
-	return out
 }

@@ -41,10 +41,10 @@ func TestPlacementChecks(t *testing.T) {
 		{"offset at the end of int64", []Plane{{Offset: 1<<63 - 4, Stride: 8}, {Offset: 0, Stride: 8}}, "overflows", 0},
 		{"one plane short", []Plane{{Offset: 0, Stride: 8}}, "1 declared, the layout has 2", 0},
 	} {
-		m, err := newPlacement("kv", 4, lens, tc.planes)
+		m, err := newPlacement("kv", 4, lens, tc.planes, 0)
 		if tc.want == "" {
 			require.NoError(t, err, tc.name)
-			require.Equal(t, tc.size, m.size, tc.name)
+			require.EqualValues(t, tc.size, m.bytes(), tc.name)
 			continue
 		}
 		require.ErrorIs(t, err, ErrInvalidLayout, tc.name)
@@ -56,9 +56,14 @@ func TestPlacementChecks(t *testing.T) {
 // (the receiver's planes) and where the sender's own planes do; a ticket
 // whose extents hold more or fewer bytes than the pieces is refused.
 func TestSegmentsCut(t *testing.T) {
-	p := &pools{kvAt: placement{unit: 16}, mamAt: placement{unit: 4}}
+	p := &pools{}
+	var err error
+	p.kvAt, err = newPlacement("kv", 8, []uint64{16}, nil, 0)
+	require.NoError(t, err)
+	p.mamAt, err = newPlacement("mamba", 8, []uint64{4}, nil, 1)
+	require.NoError(t, err)
 	p.kv.Layers, p.mamba.Layers = 2, 2
-	r := regions{kv: 1, mam: 2}
+	r := simRegions
 	pcs := []piece{{len: 16}, {mamba: true, len: 4}}
 	segs, err := p.segments(r, pcs, []int{3}, 5, []rdma.Extent{{Length: 12}, {Length: 8}})
 	require.NoError(t, err)
@@ -70,7 +75,7 @@ func TestSegmentsCut(t *testing.T) {
 	require.Equal(t, []rdma.Extent{{Region: 1, Offset: 48, Length: 16}, {Region: 2, Offset: 20, Length: 4}}, sources(segs))
 
 	// The sender's KV in two planes of 8, the second first in memory.
-	p.kvAt, err = newPlacement("kv", 8, []uint64{8, 8}, []Plane{{Offset: 1000, Stride: 8}, {Offset: 0, Stride: 8}})
+	p.kvAt, err = newPlacement("kv", 8, []uint64{8, 8}, []Plane{{Offset: 1000, Stride: 8}, {Offset: 0, Stride: 8}}, 0)
 	require.NoError(t, err)
 	segs, err = p.segments(r, pcs[:1], []int{3}, -1, []rdma.Extent{{Length: 16}})
 	require.NoError(t, err)
@@ -130,12 +135,12 @@ type simShard struct {
 	mem map[rdma.RegionID][]byte
 }
 
-var simRegions = regions{kv: 1, mam: 2}
+var simRegions = []rdma.RegionID{1, 2} // buffer 0 the KV pool's, 1 the Mamba pool's
 
 func newSimShard(t *testing.T, rng *rand.Rand, rank, size int) simShard {
 	l := tinyLayout()
 	l.TP = TP{Rank: rank, Size: size}
-	p, err := compile(l)
+	p, err := compile(l, false)
 	require.NoError(t, err)
 	kvLens := make([]uint64, 2*p.kv.Layers)
 	for i := range kvLens {
@@ -147,20 +152,20 @@ func newSimShard(t *testing.T, rng *rand.Rand, rank, size int) simShard {
 	}
 	l.KV.Planes = randomPlanes(rng, l.KV.Blocks, kvLens)
 	l.Mamba.Planes = randomPlanes(rng, l.Mamba.Rows, mLens)
-	p, err = compile(l)
+	p, err = compile(l, false)
 	require.NoError(t, err, "%+v %+v", l.KV.Planes, l.Mamba.Planes)
 	return simShard{p: p, mem: map[rdma.RegionID][]byte{1: make([]byte, p.kvBytes()), 2: make([]byte, p.mambaBytes())}}
 }
 
 // unit reads (or, with w, writes) the virtual bytes of a block or row.
 func (s simShard) unit(mamba bool, u int, w []byte) []byte {
-	m, r := &s.p.kvAt, simRegions.kv
+	m := &s.p.kvAt
 	if mamba {
-		m, r = &s.p.mamAt, simRegions.mam
+		m = &s.p.mamAt
 	}
 	var out []byte
-	for _, e := range m.spans(nil, r, u, 0, m.unit) {
-		b := s.mem[r][e.Offset : e.Offset+e.Length]
+	for _, e := range m.spans(nil, simRegions, u, 0, m.unit) {
+		b := s.mem[e.Region][e.Offset : e.Offset+e.Length]
 		if w != nil {
 			w = w[copy(b, w):]
 		}
@@ -185,7 +190,7 @@ func TestPlanesProperty(t *testing.T) {
 		for r := range from {
 			senders[r] = newSimShard(t, rng, r, from)
 		}
-		p1, err := compile(tinyLayout())
+		p1, err := compile(tinyLayout(), false)
 		require.NoError(t, err)
 		kvL, mL := reshard.KV(p1.wholeKV), reshard.Mamba(p1.wholeMamba)
 		nb := 1 + rng.IntN(4)
@@ -273,7 +278,7 @@ func TestPlanesProperty(t *testing.T) {
 func vllmLayout(t *testing.T, tp TP) (Layout, int64) {
 	l := tinyLayout()
 	l.TP = tp
-	p, err := compile(l)
+	p, err := compile(l, false)
 	require.NoError(t, err)
 	const page = 4096
 	var at int64
@@ -297,7 +302,7 @@ func vllmLayout(t *testing.T, tp TP) (Layout, int64) {
 // registerPlanes registers l (with planes) in one memfd of size bytes,
 // which holds both caches, as one allocation of an engine would.
 func registerPlanes(t *testing.T, sock string, l Layout, size int64) *engine {
-	p, err := compile(l)
+	p, err := compile(l, false)
 	require.NoError(t, err)
 	ctx := context.Background()
 	c, err := Dial(ctx, sock)
@@ -318,7 +323,7 @@ func (e *engine) vunit(mamba bool, u int) []byte {
 		m, mem = &e.p.mamAt, e.mam
 	}
 	var out []byte
-	for _, x := range m.spans(nil, 0, u, 0, m.unit) {
+	for _, x := range m.spans(nil, make([]rdma.RegionID, 2), u, 0, m.unit) {
 		out = append(out, mem[x.Offset:x.Offset+x.Length]...)
 	}
 	return out
@@ -339,12 +344,12 @@ func TestPerLayerEngine(t *testing.T) {
 			a.mu.Lock()
 			s := a.latest
 			a.mu.Unlock()
-			forbid := recv.p.mamAt.spans(nil, s.mam.ID(), 5, 0, recv.p.mamAt.unit)
+			forbid := recv.p.mamAt.spans(nil, regionIDs(s.bufs), 5, 0, recv.p.mamAt.unit)
 			slices.SortFunc(forbid, func(a, b rdma.Extent) int { return int(a.Offset) - int(b.Offset) })
-			require.Equal(t, forbid, s.mam.Forbidden())
+			require.Equal(t, forbid, s.bufs[1].Forbidden())
 			require.Len(t, forbid, 4)
 			for _, e := range forbid {
-				_, err := s.eng.OpenGrant(rdma.GrantSpec{RequestID: 1, Extents: []rdma.Extent{{Region: s.mam.ID(), Offset: e.Offset + e.Length - 1, Length: 1}}})
+				_, err := s.eng.OpenGrant(rdma.GrantSpec{RequestID: 1, Extents: []rdma.Extent{{Region: s.bufs[1].ID(), Offset: e.Offset + e.Length - 1, Length: 1}}})
 				require.ErrorIs(t, err, rdma.ErrForbidden)
 			}
 
@@ -420,18 +425,36 @@ func TestPerLayerEngine(t *testing.T) {
 
 // TestPlanesSizeChecked: memory with planes may be larger than the planes
 // need (an allocation holding more), never smaller; without planes it is
-// exactly the pools' size.
+// exactly the pools' size; a buffer nothing is placed in, or one a plane
+// names that was not registered, is refused.
 func TestPlanesSizeChecked(t *testing.T) {
 	l, size := vllmLayout(t, TP{})
-	p, err := compile(l)
+	p, err := compile(l, false)
 	require.NoError(t, err)
-	require.NoError(t, p.checkSizes(size, size))
-	require.ErrorIs(t, p.checkSizes(p.kvBytes()-1, size), ErrInvalidLayout)
-	require.ErrorIs(t, p.checkSizes(size, p.mambaBytes()-1), ErrInvalidLayout)
-	p, err = compile(tinyLayout())
+	mem := func(kv, mamba int64) []bufferMem {
+		return []bufferMem{{name: "kv pool", bytes: kv}, {name: "mamba pool", bytes: mamba}}
+	}
+	require.NoError(t, checkBuffers(p.kvAt, p.mamAt, mem(size, size)))
+	require.ErrorIs(t, checkBuffers(p.kvAt, p.mamAt, mem(p.kvBytes()-1, size)), ErrInvalidLayout)
+	require.ErrorIs(t, checkBuffers(p.kvAt, p.mamAt, mem(size, p.mambaBytes()-1)), ErrInvalidLayout)
+	p, err = compile(tinyLayout(), false)
 	require.NoError(t, err)
-	require.NoError(t, p.checkSizes(p.kvBytes(), p.mambaBytes()))
-	require.ErrorIs(t, p.checkSizes(p.kvBytes()+1, p.mambaBytes()), ErrInvalidLayout)
+	require.NoError(t, checkBuffers(p.kvAt, p.mamAt, mem(p.kvBytes(), p.mambaBytes())))
+	err = checkBuffers(p.kvAt, p.mamAt, mem(p.kvBytes()+1, p.mambaBytes()))
+	require.ErrorIs(t, err, ErrInvalidLayout)
+	require.Contains(t, err.Error(), "kv pool of")
+
+	l, _ = vllmLayout(t, TP{})
+	l.KV.Planes[3].Buffer = 2
+	p, err = compile(l, true)
+	require.NoError(t, err)
+	three := []bufferMem{{name: "buffer 0", bytes: size}, {name: "buffer 1", bytes: size}, {name: "buffer 2", bytes: size}}
+	err = checkBuffers(p.kvAt, p.mamAt, three)
+	require.ErrorIs(t, err, ErrInvalidLayout)
+	require.Contains(t, err.Error(), "buffer 1 of")
+	require.Contains(t, err.Error(), "places nothing in it")
+	err = checkBuffers(p.kvAt, p.mamAt, three[:1])
+	require.Contains(t, err.Error(), "buffer 2, which was not registered")
 }
 
 // TestOneMemoryForBothChecked: one memfd passed for both caches is taken
@@ -456,9 +479,9 @@ func TestOneMemoryForBothChecked(t *testing.T) {
 	bad.KV.Planes[0].Offset = bad.Mamba.Planes[1].Offset // layer 0's K onto layer 1's SSM state... and past it
 	err := try(bad, size+int64(bad.KV.Blocks)*bad.KV.Planes[0].Stride)
 	require.ErrorIs(t, err, ErrInvalidLayout)
-	require.Contains(t, err.Error(), "kv plane 0 and mamba plane")
+	require.Contains(t, err.Error(), "kv plane 0 (kv pool) and mamba plane")
 
-	p, err := compile(tinyLayout())
+	p, err := compile(tinyLayout(), false)
 	require.NoError(t, err)
 	size = max(p.kvBytes(), p.mambaBytes())
 	c, err := Dial(context.Background(), sock)
@@ -467,7 +490,7 @@ func TestOneMemoryForBothChecked(t *testing.T) {
 	fd, _ := memfd(t, size)
 	_, err = c.Register(ctxT(t), tinyLayout(), fd, p.kvBytes(), fd, p.mambaBytes())
 	require.ErrorIs(t, err, ErrInvalidLayout)
-	require.Contains(t, err.Error(), "in the one memory registered for both")
+	require.Contains(t, err.Error(), "overlap in one memory")
 }
 
 // TestNHDOrder: a KV cache in NHD order (vLLM's default, SGLang's) moves
@@ -503,7 +526,7 @@ func TestNHDOrder(t *testing.T) {
 
 	bad := nhd()
 	bad.KV.Order = "thd"
-	_, err = compile(bad)
+	_, err = compile(bad, false)
 	require.ErrorIs(t, err, ErrInvalidLayout)
 }
 

@@ -141,20 +141,17 @@ func (pl *plans) planeMajor(pcs []piece) []piece {
 // dstExtents places a grant's pieces in this registration's regions, for
 // the named blocks and row, in order: a piece that crosses planes (planes.go)
 // is one extent per plane.
-func (p *pools) dstExtents(r regions, pcs []piece, blocks []int, row int) []rdma.Extent {
+func (p *pools) dstExtents(regions []rdma.RegionID, pcs []piece, blocks []int, row int) []rdma.Extent {
 	out := make([]rdma.Extent, 0, len(pcs))
 	for _, pc := range pcs {
 		if pc.mamba {
-			out = p.mamAt.spans(out, r.mam, row, pc.dst, pc.len)
+			out = p.mamAt.spans(out, regions, row, pc.dst, pc.len)
 		} else {
-			out = p.kvAt.spans(out, r.kv, blocks[pc.unit], pc.dst, pc.len)
+			out = p.kvAt.spans(out, regions, blocks[pc.unit], pc.dst, pc.len)
 		}
 	}
 	return out
 }
-
-// regions names a registration's regions (0 where it has none).
-type regions struct{ kv, mam rdma.RegionID }
 
 // merge joins extents that continue each other in one region: a run of
 // consecutive blocks is one extent, as the workers send runs. A write
@@ -185,7 +182,7 @@ type seg struct {
 // segments cuts a send's pieces where they cross an extent of the ticket
 // (the receiver's memory) or a plane of this agent's, and places each cut
 // in both. The ticket's extents must hold the pieces' bytes exactly.
-func (p *pools) segments(r regions, pcs []piece, blocks []int, row int, ext []rdma.Extent) ([]seg, error) {
+func (p *pools) segments(regions []rdma.RegionID, pcs []piece, blocks []int, row int, ext []rdma.Extent) ([]seg, error) {
 	// A receiver cuts a piece at most into one extent per plane of the
 	// layout (2 per layer, as ours, by the fingerprint): more extents, or
 	// empty ones, are not a receiver's, and would only cost this agent
@@ -201,18 +198,18 @@ func (p *pools) segments(r regions, pcs []piece, blocks []int, row int, ext []rd
 	out := make([]seg, 0, len(pcs))
 	k, at := 0, uint64(0)
 	for j, pc := range pcs {
-		m, region, u := &p.mamAt, r.mam, row
+		m, u := &p.mamAt, row
 		if !pc.mamba {
-			m, region, u = &p.kvAt, r.kv, blocks[pc.unit]
+			m, u = &p.kvAt, blocks[pc.unit]
 		}
 		for off := uint64(0); off < pc.len; {
 			if k >= len(ext) {
 				return nil, fmt.Errorf("%w: piece %d of %d bytes runs past the ticket's extents", ErrBadTicket, j, pc.len)
 			}
-			o, run := m.at(u, pc.src+off)
+			b, o, run := m.at(u, pc.src+off)
 			n := min(pc.len-off, run, ext[k].Length-at)
 			out = append(out, seg{mamba: pc.mamba, dst: pc.dst + off, at: rdma.Range{Ext: k, Offset: at, Length: n},
-				src: rdma.Extent{Region: region, Offset: o, Length: n}})
+				src: rdma.Extent{Region: regions[b], Offset: o, Length: n}})
 			off += n
 			if at += n; at >= ext[k].Length {
 				k, at = k+1, 0

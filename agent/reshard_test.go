@@ -118,7 +118,7 @@ func TestReshardRefusesWrongTP(t *testing.T) {
 func TestCheckNames(t *testing.T) {
 	l := tinyLayout()
 	l.KV.Blocks = 200
-	p, err := compile(l)
+	p, err := compile(l, false)
 	require.NoError(t, err)
 	many := make([]int, 100)
 	for i := range many {

@@ -31,7 +31,7 @@ const MaxFrame = 16 << 20
 // The ops of requests.
 const (
 	OpHello     = "hello"      // -> Reply.Agent, Reply.Version
-	OpRegister  = "register"   // Layout, KVBytes, MambaBytes, the fds by SCM_RIGHTS (kv first) -> Fingerprint, AgentID
+	OpRegister  = "register"   // Layout, KVBytes, MambaBytes (or Buffers), the fds by SCM_RIGHTS (kv first) -> Fingerprint, AgentID
 	OpGrant     = "grant"      // RequestID, Blocks, Row, DeadlineMS -> Grant, Ticket; later an event
 	OpRevoke    = "revoke"     // Grant -> {}; nothing lands after the reply
 	OpSend      = "send"       // Ticket, Blocks, Row -> Send; later an event (with Wait: no event, the reply comes once it ended)
@@ -76,6 +76,18 @@ type Request struct {
 	// by CUDA IPC handle instead of by fd.
 	KVCUDA    *CUDAMemory `msgpack:"kv_cuda,omitempty"`
 	MambaCUDA *CUDAMemory `msgpack:"mamba_cuda,omitempty"`
+	// Buffers (register), instead of the above: the memory of caches kept
+	// in allocations of their own (vLLM's per-layer tensors), which the
+	// layout's planes name by index (Plane.Buffer); the host ones come as
+	// fds by SCM_RIGHTS, in order.
+	Buffers []Buffer `msgpack:"buffers,omitempty"`
+}
+
+// Buffer is one piece of memory a registration passes: Bytes of host
+// memory (an fd), or of device memory (CUDA).
+type Buffer struct {
+	Bytes int64       `msgpack:"bytes"`
+	CUDA  *CUDAMemory `msgpack:"cuda,omitempty"`
 }
 
 // CUDAMemory names a pool in device memory: the CUDA IPC handle of the
