@@ -279,12 +279,19 @@ class Agent:
         """Registers the pools' memory and layout once (block-major
         :class:`Pools` or per-layer :class:`LayerPools`); returns the layout
         fingerprint (the one handoff's workers compute)."""
-        (kv_fd, kv_bytes), (m_fd, m_bytes) = pools.fds()
-        fds = [fd for fd in (kv_fd, m_fd) if fd >= 0]
-        rep = self._call(
-            {"op": "register", "layout": pools.layout.wire(), "kv_bytes": kv_bytes, "mamba_bytes": m_bytes},
-            fds,
-        )
+        if getattr(pools, "separate", False):
+            bufs = pools.buffers()
+            rep = self._call(
+                {"op": "register", "layout": pools.layout.wire(), "buffers": [{"bytes": n} for _, n in bufs]},
+                [fd for fd, _ in bufs],
+            )
+        else:
+            (kv_fd, kv_bytes), (m_fd, m_bytes) = pools.fds()
+            fds = [fd for fd in (kv_fd, m_fd) if fd >= 0]
+            rep = self._call(
+                {"op": "register", "layout": pools.layout.wire(), "kv_bytes": kv_bytes, "mamba_bytes": m_bytes},
+                fds,
+            )
         self.fingerprint = rep["fingerprint"]
         self.agent_id = rep.get("agent_id", "")
         self.transports = rep.get("transports", [])
@@ -295,19 +302,34 @@ class Agent:
         layout: Layout,
         kv: Optional[torch.Tensor] = None,
         mamba: Optional[torch.Tensor] = None,
+        buffers: Optional[list[torch.Tensor]] = None,
     ) -> str:
         """Registers pools that lie on a GPU, once, by CUDA IPC handle (see
         :func:`cuda_memory`): ``kv`` holds ``layout``'s KV blocks back to
         back and ``mamba`` its rows (the layouts :class:`Pools` gives its
         host tensors), or each where the layout's planes place them (then
-        a tensor may hold more than the planes reach). The agent maps them on the same GPU; the engine
-        keeps the tensors alive while registered. Returns the layout
-        fingerprint."""
+        a tensor may hold more than the planes reach). Caches kept in
+        tensors of their own (vLLM's per-layer allocations) are passed as
+        ``buffers`` instead, which the layout's planes name by index
+        ((offset, stride, buffer)). The agent maps them on the same GPU;
+        the engine keeps the tensors alive while registered. Returns the
+        layout fingerprint."""
         req = {"op": "register", "layout": layout.wire()}
+        if buffers is not None:
+            if kv is not None or mamba is not None:
+                raise ValueError("pass the pools or buffers, not both")
+            need = layout.buffer_bytes()
+            for b, n in need.items():
+                if b >= len(buffers) or buffers[b].nbytes < n:
+                    have = buffers[b].nbytes if b < len(buffers) else 0
+                    raise ValueError(f"buffer {b} holds {have} bytes, the layout's planes reach {n}")
+            req["buffers"] = [{"bytes": t.nbytes, "cuda": cuda_memory(t)} for t in buffers]
         for name, t, want, planes in (
             ("kv", kv, layout.kv_bytes(), layout.kv is not None and layout.kv.planes is not None),
             ("mamba", mamba, layout.mamba_bytes(), layout.mamba is not None and layout.mamba.planes is not None),
         ):
+            if buffers is not None:
+                break
             if t is None:
                 if want:
                     raise ValueError(f"the layout has a {name} pool, but no {name} tensor was given")

@@ -52,8 +52,9 @@ class KVLayout:
     blocks: int
     # Where each layer's K and V lie when the cache is kept per layer (see
     # LayerPools): 2*layers (offset, stride) pairs in bytes, layer l's K
-    # then its V; block b's part of a plane at offset + b*stride. None:
-    # blocks back to back, every layer's K then V in each.
+    # then its V; block b's part of a plane at offset + b*stride; or
+    # (offset, stride, buffer) triples naming buffers of a registration by
+    # buffers. None: blocks back to back, every layer's K then V in each.
     planes: Optional[list[tuple[int, int]]] = None
     # Element order within a block's K or V: "hnd" (heads, tokens,
     # head_dim: TensorRT-LLM's, vLLM's HND) or "nhd" (tokens, heads,
@@ -80,8 +81,9 @@ class MambaLayout:
     rows: int
     reserved: list[int]
     conv_layout: str = "xbc"
-    # Per layer kept apart: 2*layers (offset, stride) pairs, layer l's conv
-    # state then its SSM state; row r's part at offset + r*stride.
+    # Per layer kept apart: 2*layers (offset, stride) pairs (or (offset,
+    # stride, buffer) triples), layer l's conv state then its SSM state;
+    # row r's part at offset + r*stride.
     planes: Optional[list[tuple[int, int]]] = None
 
 
@@ -111,7 +113,7 @@ class Layout:
             if c.planes is None:
                 del d[name]["planes"]
             else:
-                d[name]["planes"] = [{"offset": int(o), "stride": int(s)} for o, s in c.planes]
+                d[name]["planes"] = [_plane(p) for p in c.planes]
         return d
 
     # Shard shapes and sizes, as the agent computes them.
@@ -158,6 +160,19 @@ class Layout:
         """Bytes of one row in each Mamba plane: layer l's conv, then SSM."""
         return [self.conv_bytes(), self.ssm_bytes()] * self.mamba.layers
 
+    def buffer_bytes(self) -> dict[int, int]:
+        """The least bytes each buffer the planes name must hold, by index
+        (planes given as (offset, stride, buffer))."""
+        need: dict[int, int] = {}
+        for c, lens in ((self.kv, self.kv_plane_bytes), (self.mamba, self.mamba_plane_bytes)):
+            if c is None:
+                continue
+            units = c.blocks if c is self.kv else c.rows
+            for p, n in zip(c.planes or [], lens()):
+                b = p[2] if len(p) > 2 else 0
+                need[b] = max(need.get(b, 0), p[0] + (units - 1) * p[1] + n)
+        return need
+
     def kv_bytes(self) -> int:
         """The least memory that holds the KV cache where it is placed."""
         k = self.kv
@@ -167,7 +182,7 @@ class Layout:
             return k.blocks * self.block_bytes()
         if len(k.planes) != 2 * k.layers:
             raise ValueError(f"{len(k.planes)} kv planes, the layout has {2 * k.layers}")
-        return max(o + (k.blocks - 1) * s + n for (o, s), n in zip(k.planes, self.kv_plane_bytes()))
+        return max(p[0] + (k.blocks - 1) * p[1] + n for p, n in zip(k.planes, self.kv_plane_bytes()))
 
     def mamba_bytes(self) -> int:
         """The least memory that holds the Mamba state where it is placed."""
@@ -178,7 +193,15 @@ class Layout:
             return m.rows * self.row_bytes()
         if len(m.planes) != 2 * m.layers:
             raise ValueError(f"{len(m.planes)} mamba planes, the layout has {2 * m.layers}")
-        return max(o + (m.rows - 1) * s + n for (o, s), n in zip(m.planes, self.mamba_plane_bytes()))
+        return max(p[0] + (m.rows - 1) * p[1] + n for p, n in zip(m.planes, self.mamba_plane_bytes()))
+
+
+def _plane(p) -> dict:
+    """A plane on the wire: (offset, stride) or (offset, stride, buffer)."""
+    d = {"offset": int(p[0]), "stride": int(p[1])}
+    if len(p) > 2:
+        d["buffer"] = int(p[2])
+    return d
 
 
 _IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
@@ -307,33 +330,45 @@ class Pools:
 
 class LayerPools:
     """The cache tensors of one engine worker (one TP shard) kept per layer,
-    as vLLM and SGLang keep them, in one memfd the agent maps:
-    :meth:`kv_layer` is attention layer l's tensor [2, blocks, heads,
-    tokens, head_dim] (K then V; heads, tokens, head_dim within a block:
-    vLLM's HND order), :meth:`conv` and :meth:`ssm` Mamba layer l's states
-    [rows, conv_dim, d_conv-1] and [rows, heads, head_dim, d_state], each
-    tensor page-aligned. ``layout`` is the one given with its planes filled
-    in: the engine registers it as it would :class:`Pools`."""
+    as vLLM and SGLang keep them: :meth:`kv_layer` is attention layer l's
+    tensor [2, blocks, heads, tokens, head_dim] (K then V; heads, tokens,
+    head_dim within a block: vLLM's HND order), :meth:`conv` and :meth:`ssm`
+    Mamba layer l's states [rows, conv_dim, d_conv-1] and [rows, heads,
+    head_dim, d_state]. All in one memfd, each tensor page-aligned, or with
+    ``separate`` each tensor in a memfd of its own (an allocation each, as
+    vLLM allocates them), registered as buffers. ``layout`` is the one given
+    with its planes filled in: the engine registers it as it would
+    :class:`Pools`."""
 
     _ALIGN = 4096
 
-    def __init__(self, layout: Layout):
+    def __init__(self, layout: Layout, separate: bool = False):
         lay = dataclasses.replace(layout)
-        at = 0
-        spans = {}  # name -> (offset, bytes)
+        self.separate = separate
+        sizes = [0]  # by buffer
+        spans = {}  # name -> (buffer, offset, bytes)
 
         def put(name, n):
-            nonlocal at
-            spans[name] = (at, n)
-            at = (at + n + self._ALIGN - 1) // self._ALIGN * self._ALIGN
+            if separate:
+                if sizes[-1]:
+                    sizes.append(0)
+                spans[name] = (len(sizes) - 1, 0, n)
+                sizes[-1] = n
+                return
+            at = sizes[0]
+            spans[name] = (0, at, n)
+            sizes[0] = (at + n + self._ALIGN - 1) // self._ALIGN * self._ALIGN
+
+        def plane(name, off, stride):
+            buf, base, _ = spans[name]
+            return (base + off, stride, buf) if separate else (base + off, stride)
 
         if lay.kv is not None:
             k, pb = lay.kv, lay.kv_plane_bytes()[0]
             planes = []
             for layer in range(k.layers):
                 put(("kv", layer), 2 * k.blocks * pb)
-                off = spans[("kv", layer)][0]
-                planes += [(off, pb), (off + k.blocks * pb, pb)]
+                planes += [plane(("kv", layer), 0, pb), plane(("kv", layer), k.blocks * pb, pb)]
             lay.kv = dataclasses.replace(k, planes=planes)
         if lay.mamba is not None:
             m, cb, sb = lay.mamba, lay.conv_bytes(), lay.ssm_bytes()
@@ -341,16 +376,16 @@ class LayerPools:
             for layer in range(m.layers):
                 put(("conv", layer), m.rows * cb)
                 put(("ssm", layer), m.rows * sb)
-                planes += [(spans[("conv", layer)][0], cb), (spans[("ssm", layer)][0], sb)]
+                planes += [plane(("conv", layer), 0, cb), plane(("ssm", layer), 0, sb)]
             lay.mamba = dataclasses.replace(m, planes=planes)
         self.layout = lay
-        self._mem = _Memfd("handoff-layers", max(at, 1))
-        self._raw = torch.frombuffer(self._mem.mm, dtype=torch.uint8)
+        self._mems = [_Memfd(f"handoff-layers-{i}", max(n, 1)) for i, n in enumerate(sizes)]
+        self._raws = [torch.frombuffer(mem.mm, dtype=torch.uint8) for mem in self._mems]
         self._spans = spans
 
     def _view(self, name, dtype, shape):
-        off, n = self._spans[name]
-        return self._raw[off : off + n].view(_dtype(dtype)).view(*shape)
+        buf, off, n = self._spans[name]
+        return self._raws[buf][off : off + n].view(_dtype(dtype)).view(*shape)
 
     def kv_layer(self, layer: int) -> torch.Tensor:
         """Attention layer ``layer``: [2, blocks, heads, tokens, head_dim],
@@ -380,11 +415,16 @@ class LayerPools:
     def fds(self) -> list[tuple[int, int]]:
         """(fd, bytes) for the KV cache then the Mamba state: the one memfd
         for both (-1, 0 for one the layout has not)."""
-        return [
-            (self._mem.fd, self._mem.size) if c is not None else (-1, 0)
-            for c in (self.layout.kv, self.layout.mamba)
-        ]
+        if self.separate:
+            raise ValueError("separate tensors are registered as buffers: see buffers()")
+        mem = self._mems[0]
+        return [(mem.fd, mem.size) if c is not None else (-1, 0) for c in (self.layout.kv, self.layout.mamba)]
+
+    def buffers(self) -> list[tuple[int, int]]:
+        """(fd, bytes) of each buffer, in the order the planes name them."""
+        return [(mem.fd, mem.size) for mem in self._mems]
 
     def close(self):
-        self._raw = None
-        self._mem.close()
+        self._raws = []
+        for mem in self._mems:
+            mem.close()

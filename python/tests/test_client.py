@@ -217,8 +217,8 @@ def test_send_wait(agents):
     assert e.value.code == "revoked"
 
 
-def random_layer_pools(layout, seed):
-    p = LayerPools(layout)
+def random_layer_pools(layout, seed, separate=False):
+    p = LayerPools(layout, separate=separate)
     g = torch.Generator().manual_seed(seed)
     for layer in range(layout.kv.layers):
         p.kv_layer(layer).copy_(torch.randn(p.kv_layer(layer).shape, generator=g))
@@ -237,8 +237,10 @@ def same_row(a, ra, b, rb, layers):
 
 @pytest.mark.parametrize("transports", ["shm", "tcp"])
 @pytest.mark.parametrize("layers", [False, True])
-def test_per_layer_engine(agents, transports, layers):
-    """An engine that keeps its caches per layer (vLLM's shapes, LayerPools)
+@pytest.mark.parametrize("separate", [False, True])
+def test_per_layer_engine(agents, transports, layers, separate):
+    """An engine that keeps its caches per layer (vLLM's shapes, LayerPools:
+    in one memfd, or each tensor in its own, registered as buffers)
     receives from two TP-2 block-major engines, whole or layer by layer,
     and sends back to a block-major engine; nothing outside the named
     blocks and row changes."""
@@ -251,7 +253,8 @@ def test_per_layer_engine(agents, transports, layers):
         a = Agent.connect(agents(f"pre-{r}", transports).sock)
         a.register(p)
         senders.append((a, p))
-    dst = random_layer_pools(lay, 31)
+    dst = random_layer_pools(lay, 31, separate)
+    assert len(dst.buffers()) == (2 * 3 + 2 if separate else 1)
     b = Agent.connect(agents("dec", transports).sock)
     assert b.register(dst) == senders[0][0].fingerprint
     before = [dst.kv_layer(layer).clone() for layer in range(lay.kv.layers)]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, random_pools, tiny_layout
-from handoff_agent import Agent, AgentError, cuda_memory
+from handoff_agent import Agent, AgentError, LayerPools, cuda_memory
 
 UUID = "5b1a9e2c-0c3d-4f0e-9a55-1c2d3e4f5a6b"
 
@@ -226,3 +226,47 @@ def test_device_pools_through_the_fake_driver(agents, fakecuda, monkeypatch, dir
                 want[kv_off + d * bb : kv_off + (d + 1) * bb] = pools.kv[s].contiguous().view(torch.uint8).numpy().tobytes()
             want[m_off + rb : m_off + 2 * rb] = pools.mamba[4].numpy().tobytes()
             assert gpu.read(0, m_off + m_n) == bytes(want)
+
+
+def test_device_buffers_through_the_fake_driver(agents, fakecuda, monkeypatch):
+    """Per-layer caches on a GPU, each tensor its own buffer (here pieces of
+    one allocation, as torch's caching allocator hands them out), named by
+    the planes: blocks and a row sent from a block-major host engine land
+    in every layer's tensor."""
+    shape = LayerPools(tiny_layout(), separate=True)
+    lay, sizes = shape.layout, [n for _, n in shape.buffers()]
+    shape.close()
+    offs, at = [], 4096
+    for n in sizes:
+        offs.append(at)
+        at += n + 512
+    monkeypatch.setenv("HANDOFF_LIBCUDA", fakecuda)
+    gpu = FakeGPU(fakecuda, at)
+
+    class Props:
+        uuid = gpu.uuid
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props)
+    da, ha = agents("gpu", "tcp"), agents("host", "tcp")
+    with Agent.connect(da.sock) as dev, Agent.connect(ha.sock) as host:
+        fp = dev.register_cuda(lay, buffers=[gpu.tensor(o, n) for o, n in zip(offs, sizes)])
+        pools = random_pools(tiny_layout(), 9)
+        assert host.register(pools) == fp
+        gr = dev.grant(request_id=7, blocks=[9, 3], row=1, deadline=5)
+        ev = host.wait_send(host.send(gr.ticket, blocks=[0, 1], row=4), timeout=10)
+        assert ev.ok, ev
+        assert dev.wait_grant(gr, timeout=10).ok
+        pb = lay.kv_plane_bytes()[0]
+        for s, d in [(0, 9), (1, 3)]:
+            for layer in range(lay.kv.layers):
+                for kv in range(2):
+                    off, stride, buf = lay.kv.planes[2 * layer + kv]
+                    want = pools.kv[s, layer, kv].contiguous().view(torch.uint8).numpy().tobytes()
+                    assert gpu.read(offs[buf] + off + d * stride, pb) == want
+        for layer in range(lay.mamba.layers):
+            for part, t in ((0, pools.conv(layer)), (1, pools.ssm(layer))):
+                off, stride, buf = lay.mamba.planes[2 * layer + part]
+                want = t[4].contiguous().view(torch.uint8).numpy().tobytes()
+                assert gpu.read(offs[buf] + off + 1 * stride, len(want)) == want
+        with pytest.raises(ValueError):
+            dev.register_cuda(lay, buffers=[gpu.tensor(o, n) for o, n in zip(offs, sizes)][:-1])
