@@ -275,7 +275,7 @@ func TestBuffersOneAllocation(t *testing.T) {
 		bufs = append(bufs, Buffer{Bytes: n, CUDA: &CUDAMemory{Handle: x.Handle.Reserved[:], Device: dev}})
 		arenas, offs = append(arenas, a), append(offs, 0)
 	}
-	var total uint64
+	total := uint64(4096)
 	for _, n := range sizes[nKV:] {
 		total += uint64(n) + 4096
 	}
@@ -288,7 +288,7 @@ func TestBuffersOneAllocation(t *testing.T) {
 	for _, n := range sizes[nKV:] {
 		bufs = append(bufs, Buffer{Bytes: n, CUDA: &CUDAMemory{Handle: x.Handle.Reserved[:], Offset: at, Device: dev}})
 		arenas, offs = append(arenas, shared), append(offs, at)
-		at += uint64(n)
+		at += uint64(n) + 4096
 	}
 	c, err := Dial(context.Background(), sock)
 	require.NoError(t, err)
@@ -318,4 +318,131 @@ func TestBuffersOneAllocation(t *testing.T) {
 	require.Equal(t, h.row(1), e.vunit(true, 2))
 	c.Close()
 	require.Eventually(t, func() bool { return imp.Stats().Imports == 0 }, 5*time.Second, 10*time.Millisecond)
+}
+
+// TestBuffersJudgedByPlanes: two buffers of one allocation whose ranges
+// overlap are taken when their planes interleave (layer 0's K and V as
+// two tensors over one [blocks][2] allocation, each of stride 2 planes)
+// and land where their planes say; refused when their planes share a
+// byte.
+func TestBuffersJudgedByPlanes(t *testing.T) {
+	exp := cudafake.New(cudafake.Config{})
+	imp := cudafake.New(cudafake.Config{PID: os.Getpid() + 1<<22})
+	h := register(t, startAgent(t, "host", rdma.TransportSHM, rdma.TransportTCP), tinyLayout())
+	sock := startCUDAAgent(t, "gpu", imp)
+	d, err := cuda.OpenDevice(exp, "0")
+	require.NoError(t, err)
+	defer d.Close()
+	dev := d.UUID().String()
+	l0, sizes := perBufferLayout(t)
+	p, err := compile(l0, true)
+	require.NoError(t, err)
+	rb := uint64(p.kv.BlockBytes()) / uint64(2*p.kv.Layers)
+	var total uint64
+	for _, n := range sizes {
+		total += uint64(n)
+	}
+	a, err := d.NewArena(total + rb)
+	require.NoError(t, err)
+	defer a.Free()
+	x, err := a.Export()
+	require.NoError(t, err)
+	// Buffer i at the sum of the sizes before it; one more buffer, the
+	// last, over buffer 0 from shift: layer 0's V.
+	layout := func(shift uint64) (Layout, []Buffer, []uint64) {
+		l, _ := perBufferLayout(t)
+		var bufs []Buffer
+		var offs []uint64
+		var at uint64
+		for _, n := range sizes {
+			bufs, offs = append(bufs, Buffer{Bytes: n, CUDA: &CUDAMemory{Handle: x.Handle.Reserved[:], Offset: at, Device: dev}}), append(offs, at)
+			at += uint64(n)
+		}
+		bufs = append(bufs, Buffer{Bytes: sizes[0] - int64(shift), CUDA: &CUDAMemory{Handle: x.Handle.Reserved[:], Offset: shift, Device: dev}})
+		offs = append(offs, shift)
+		l.KV.Planes[0] = Plane{Offset: 0, Stride: int64(2 * rb), Buffer: 0}
+		l.KV.Planes[1] = Plane{Offset: 0, Stride: int64(2 * rb), Buffer: len(sizes)}
+		return l, bufs, offs
+	}
+	ctx := ctxT(t)
+	l, bufs, _ := layout(rb / 2)
+	c, err := Dial(context.Background(), sock)
+	require.NoError(t, err)
+	_, err = c.Call(ctx, Request{Op: OpRegister, Layout: &l, Buffers: bufs}, nil)
+	require.ErrorIs(t, err, ErrInvalidLayout)
+	require.Contains(t, err.Error(), "kv plane 0 (buffer 0) and kv plane 1 (buffer 6) overlap in one memory")
+	require.Zero(t, imp.Stats().Imports)
+	c.Close()
+
+	l, bufs, offs := layout(rb)
+	c, err = Dial(context.Background(), sock)
+	require.NoError(t, err)
+	defer c.Close()
+	_, err = c.Call(ctx, Request{Op: OpRegister, Layout: &l, Buffers: bufs}, nil)
+	require.NoError(t, err)
+	require.Equal(t, 1, imp.Stats().Imports, "one allocation, one mapping")
+	g, err := c.Call(ctx, Request{Op: OpGrant, RequestID: 91, Blocks: []int{5, 6}, Row: Row(3)}, nil)
+	require.NoError(t, err)
+	_, err = h.c.Call(ctx, Request{Op: OpSend, Ticket: g.Ticket, Blocks: []int{8, 9}, Row: Row(0)}, nil)
+	require.NoError(t, err)
+	event(t, h, EvSendDone)
+	ev, err := c.WaitEvent(ctx, func(r Reply) bool { return r.Ev == EvGrantDone || r.Ev == EvGrantFailed })
+	require.NoError(t, err)
+	require.Equal(t, EvGrantDone, ev.Ev, "%s: %s", ev.Code, ev.Msg)
+	pl, err := compile(l, true)
+	require.NoError(t, err)
+	mem := make([][]byte, len(bufs))
+	for i, b := range bufs {
+		mem[i] = make([]byte, b.Bytes)
+		_, err := a.ReadAt(mem[i], int64(offs[i]))
+		require.NoError(t, err)
+	}
+	e := &bufEngine{p: pl, mem: mem}
+	require.Equal(t, h.block(8), e.vunit(false, 5))
+	require.Equal(t, h.block(9), e.vunit(false, 6))
+	require.Equal(t, h.row(0), e.vunit(true, 3))
+}
+
+// TestBuffersMany: more buffers than a message used to carry descriptors
+// (8) are taken, up to the kernel's 253 per message; more are refused by
+// name.
+func TestBuffersMany(t *testing.T) {
+	l := tinyLayout()
+	l.Pattern, l.KV.Layers, l.Mamba.Layers = "M*M*M*M*M*M*", 6, 6
+	p, err := compile(l, false)
+	require.NoError(t, err)
+	rb := p.kv.BlockBytes() / int64(2*p.kv.Layers)
+	var sizes []int64
+	for i := range 2 * p.kv.Layers { // K and V a buffer each
+		l.KV.Planes = append(l.KV.Planes, Plane{Stride: rb, Buffer: i})
+		sizes = append(sizes, int64(l.KV.Blocks)*rb)
+	}
+	for range p.mamba.Layers {
+		l.Mamba.Planes = append(l.Mamba.Planes, Plane{Stride: p.mamba.ConvBytes(), Buffer: len(sizes)}, Plane{Stride: p.mamba.SSMBytes(), Buffer: len(sizes) + 1})
+		sizes = append(sizes, int64(l.Mamba.Rows)*p.mamba.ConvBytes(), int64(l.Mamba.Rows)*p.mamba.SSMBytes())
+	}
+	require.Len(t, sizes, 24)
+	sock := startAgent(t, "a", rdma.TransportSHM)
+	c, err := Dial(context.Background(), sock)
+	require.NoError(t, err)
+	defer c.Close()
+	var fds []int
+	var bufs []Buffer
+	for _, n := range sizes {
+		fd, _ := memfd(t, n)
+		fds, bufs = append(fds, fd), append(bufs, Buffer{Bytes: n})
+	}
+	_, err = c.Call(ctxT(t), Request{Op: OpRegister, Layout: &l, Buffers: bufs}, fds)
+	require.NoError(t, err)
+
+	c2, err := Dial(context.Background(), sock)
+	require.NoError(t, err)
+	defer c2.Close()
+	many := make([]Buffer, maxBuffers+1)
+	for i := range many {
+		many[i] = Buffer{Bytes: 1 << 20, CUDA: &CUDAMemory{Handle: make([]byte, 64), Device: "GPU-0"}}
+	}
+	_, err = c2.Call(ctxT(t), Request{Op: OpRegister, Layout: &l, Buffers: many}, nil)
+	require.ErrorIs(t, err, ErrInvalidLayout)
+	require.Contains(t, err.Error(), "254 buffers, at most 253")
 }

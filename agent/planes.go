@@ -31,10 +31,11 @@ type Plane struct {
 	Buffer int   `msgpack:"buffer,omitempty"`
 }
 
-// maxBuffers bounds the buffers of a registration: a plane per layer's K
-// and V and per Mamba layer's two states of the largest models, each in
-// an allocation of its own.
-const maxBuffers = 4096
+// maxBuffers bounds the buffers of a registration: as many as one message
+// passes descriptors (maxQueuedFDs), enough for a tensor per attention
+// layer and two per Mamba layer of today's models, each an allocation of
+// its own.
+const maxBuffers = maxQueuedFDs
 
 // placement maps a cache's virtual unit bytes to offsets in the
 // registration's buffers (by their index).
@@ -188,8 +189,11 @@ func checkBuffers(kv, mamba placement, bufs []bufferMem) error {
 			if need == 0 {
 				continue
 			}
-			if b >= len(bufs) || bufs[b].bytes <= 0 {
+			if b >= len(bufs) {
 				return fmt.Errorf("%w: the layout places planes in buffer %d, which was not registered", ErrInvalidLayout, b)
+			}
+			if bufs[b].bytes <= 0 {
+				return fmt.Errorf("%w: the layout places a cache in the %s, which was not registered", ErrInvalidLayout, bufs[b].name)
 			}
 			got := uint64(bufs[b].bytes)
 			if got < need || (m.planes == nil && got != need) {

@@ -117,25 +117,25 @@ func (pl *plans) planeMajor(pcs []piece) []piece {
 	}
 	rows := pl.kv.Layout.Rows
 	rb := uint64(pl.kv.DstBytes) / uint64(rows)
-	out := make([]piece, 0, len(pcs)+rows)
-	for i := range uint64(rows) {
-		lo, hi := i*rb, (i+1)*rb
-		for _, pc := range pcs {
-			if pc.mamba {
-				continue
-			}
-			a, b := max(lo, pc.dst), min(hi, pc.dst+pc.len)
-			if a < b {
-				out = append(out, piece{unit: pc.unit, src: pc.src + (a - pc.dst), dst: a, len: b - a})
-			}
-		}
-	}
+	byRow := make([][]piece, rows)
+	var mamba []piece
 	for _, pc := range pcs {
 		if pc.mamba {
-			out = append(out, pc)
+			mamba = append(mamba, pc)
+			continue
+		}
+		for a := pc.dst; a < pc.dst+pc.len; {
+			i := a / rb
+			b := min((i+1)*rb, pc.dst+pc.len)
+			byRow[i] = append(byRow[i], piece{unit: pc.unit, src: pc.src + (a - pc.dst), dst: a, len: b - a})
+			a = b
 		}
 	}
-	return out
+	out := make([]piece, 0, len(pcs)+rows)
+	for _, r := range byRow {
+		out = append(out, r...)
+	}
+	return append(out, mamba...)
 }
 
 // dstExtents places a grant's pieces in this registration's regions, for

@@ -71,8 +71,10 @@ func peerCred(c *net.UnixConn) (*unix.Ucred, error) {
 }
 
 // maxQueuedFDs bounds the descriptors a connection may pass ahead of the
-// message that uses them; past it the connection is closed.
-const maxQueuedFDs = 8
+// message that uses them; past it the connection is closed. It is the
+// kernel's limit for one message (SCM_MAX_FD), so one registration passes
+// at most that many buffers of host memory.
+const maxQueuedFDs = 253
 
 // fdConn reads a unix connection with recvmsg, keeping the descriptors
 // that arrive with the bytes (SCM_RIGHTS) in order for the message that
@@ -90,12 +92,17 @@ func newFDConn(c *net.UnixConn) *fdConn {
 }
 
 func (f *fdConn) Read(p []byte) (int, error) {
-	n, oobn, _, _, err := f.c.ReadMsgUnix(p, f.oob)
+	n, oobn, flags, _, err := f.c.ReadMsgUnix(p, f.oob)
 	n = max(n, 0) // -1 with an error
 	if oobn > 0 {
 		if perr := f.keep(f.oob[:oobn]); perr != nil {
 			return 0, perr
 		}
+	}
+	if flags&unix.MSG_CTRUNC != 0 {
+		// The kernel dropped descriptors that did not fit: the message
+		// that names them cannot be served, nor the ones after it.
+		return 0, fmt.Errorf("%w: more than %d descriptors passed at once", ErrBadRequest, maxQueuedFDs)
 	}
 	return n, err
 }
@@ -126,7 +133,13 @@ func (f *fdConn) take(n int) ([]int, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if len(f.fds) < n {
-		return nil, fmt.Errorf("%w: %d descriptors expected, %d passed", ErrBadRequest, n, len(f.fds))
+		// Those passed belong to no message now: a retry must not take them.
+		got := len(f.fds)
+		for _, fd := range f.fds {
+			unix.Close(fd)
+		}
+		f.fds = nil
+		return nil, fmt.Errorf("%w: %d descriptors expected, %d passed", ErrBadRequest, n, got)
 	}
 	out := f.fds[:n:n]
 	f.fds = f.fds[n:]

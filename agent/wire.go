@@ -22,8 +22,11 @@ import (
 	"github.com/handoff-io/handoff/reshard"
 )
 
-// Version is the local API's version, sent in hello.
-const Version = 1
+// Version is the local API's version, sent in hello. 2 added
+// registration by buffers (Request.Buffers): an agent of version 1 would
+// ignore them, so a client that passes them says 2, which such an agent
+// refuses by name. This agent serves clients of both.
+const Version = 2
 
 // MaxFrame bounds a frame: a ticket over thousands of blocks fits many times.
 const MaxFrame = 16 << 20

@@ -16,7 +16,8 @@ import torch
 
 from .layout import LayerPools, Layout, Pools, cuda_memory
 
-VERSION = 1
+VERSION = 2  # 2: registration by buffers
+MAX_BUFFERS = 253  # SCM_MAX_FD: the descriptors one message passes
 MAX_FRAME = 16 << 20
 
 
@@ -281,6 +282,8 @@ class Agent:
         fingerprint (the one handoff's workers compute)."""
         if getattr(pools, "separate", False):
             bufs = pools.buffers()
+            if len(bufs) > MAX_BUFFERS:
+                raise ValueError(f"{len(bufs)} buffers, at most {MAX_BUFFERS} (descriptors one message passes)")
             rep = self._call(
                 {"op": "register", "layout": pools.layout.wire(), "buffers": [{"bytes": n} for _, n in bufs]},
                 [fd for fd, _ in bufs],
@@ -318,6 +321,8 @@ class Agent:
         if buffers is not None:
             if kv is not None or mamba is not None:
                 raise ValueError("pass the pools or buffers, not both")
+            if len(buffers) > MAX_BUFFERS:
+                raise ValueError(f"{len(buffers)} buffers, at most {MAX_BUFFERS}")
             need = layout.buffer_bytes()
             for b, n in need.items():
                 if b >= len(buffers) or buffers[b].nbytes < n:

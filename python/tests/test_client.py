@@ -282,6 +282,10 @@ def test_per_layer_engine(agents, transports, layers, separate):
         rows = [r for r in range(lay.mamba.rows) if r != 1]
         assert torch.equal(before_conv[layer][rows], dst.conv(layer)[rows])
 
+    with pytest.raises(AgentError) as e:
+        b.grant(62, blocks=[1], row=7)
+    assert e.value.code == "reserved"
+
     # Back into a block-major engine.
     c, back = engine(agents("back", transports), 32)
     g = c.grant(61, blocks=[5, 6], row=0)
