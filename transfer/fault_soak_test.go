@@ -6,11 +6,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"maps"
 	"math/rand/v2"
 	"os"
 	"slices"
 	"strconv"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -52,13 +55,21 @@ func TestFaultSoak(t *testing.T) {
 	// until its next heartbeat: keep that short, or a second reset within
 	// it leaves no live worker to retry on.
 	reg := RegistryConfig{TTL: time.Second}
-	withReg := func(c *PrefillerConfig) { c.NoRegistry, c.Registry = false, reg }
+	// The workers' and the decoder's logs, at debug, the last of them
+	// kept: what a failure on a sound link prints.
+	logs := &lastLines{max: 300}
+	logger := slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	withReg := func(c *PrefillerConfig) {
+		c.NoRegistry, c.Registry, c.Logger = false, reg, logger.With("side", c.Instance)
+	}
 	x1, x2 := newExec(ps1), newExec(ps2)
 	// Every prefill reports its start there; room for all of them.
 	x1.started, x2.started = make(chan uint64, 3*n), make(chan uint64, 3*n)
 	f.prefiller("p1", f.fp, x1, withReg)
 	f.prefiller("p2", f.fp, x2, withReg)
-	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst, c.Registry = false, true, reg })
+	d := f.decoder("d1", ds, func(c *DecoderConfig) {
+		c.NoRegistry, c.DirectFirst, c.Registry, c.Logger = false, true, reg, logger.With("side", c.Instance)
+	})
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 2 {
 			return fmt.Errorf("%d prefill instances known", n)
@@ -127,7 +138,7 @@ func TestFaultSoak(t *testing.T) {
 				}
 			}
 			require.NotZero(t, code, "handoff %d (fault %d): an unexpected failure: %v", id, kind, err)
-			require.Greater(t, kind, 2, "handoff %d failed on a slow but sound link: %v", id, err)
+			require.Greater(t, kind, 2, "handoff %d failed on a slow but sound link: %v\nthe last logs:\n%s", id, err, logs)
 			outcomes[fmt.Sprintf("fault %d: %s", kind, code)]++
 			if testing.Verbose() {
 				t.Logf("handoff %d, fault %d: %v", id, kind, err)
@@ -149,4 +160,27 @@ func TestFaultSoak(t *testing.T) {
 	ds.requireIdle(t)
 	ps1.requireInitial(t)
 	ps2.requireInitial(t)
+}
+
+// lastLines keeps the last max lines written to it.
+type lastLines struct {
+	mu    sync.Mutex
+	max   int
+	lines []string
+}
+
+func (l *lastLines) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, strings.TrimRight(string(p), "\n"))
+	if len(l.lines) > l.max {
+		l.lines = l.lines[len(l.lines)-l.max:]
+	}
+	return len(p), nil
+}
+
+func (l *lastLines) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return strings.Join(l.lines, "\n")
 }
