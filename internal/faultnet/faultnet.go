@@ -72,9 +72,10 @@ const (
 
 // trigger is a fault armed to fire after left more upstream bytes.
 type trigger struct {
-	kind  faultKind
-	left  int64
-	fired chan struct{} // closed once the fault was applied
+	kind    faultKind
+	left    int64
+	fired   chan struct{} // closed once the fault was applied
+	settled chan struct{} // closed once it fired, or its connection ended first
 }
 
 // Start listens on a fresh loopback port, forwards to target and closes the
@@ -153,20 +154,32 @@ func (p *Proxy) ResetClientAfter(n int64) <-chan struct{} { return p.arm(faultRe
 func (p *Proxy) BlackholeAfter(n int64) <-chan struct{} { return p.arm(faultBlackhole, n) }
 
 // Disarm drops a trigger armed by ResetAfter, ResetClientAfter or
-// BlackholeAfter that has not begun to fire; its channel stays open.
+// BlackholeAfter that has not begun to fire; its channel stays open. One
+// that has begun (its n-th byte read, not yet forwarded) is waited for
+// until it took effect, or its connection ended first, so that no fault
+// lands after Disarm returns: a blackhole may then have begun, which Heal
+// ends. The connection's last chunk waits for Heal when the proxy is
+// blackholed: heal first.
 func (p *Proxy) Disarm() {
 	p.mu.Lock()
-	if p.trig != nil && p.trig.left > 0 {
+	tr := p.trig
+	if tr != nil && tr.left > 0 {
 		p.trig = nil
 	}
 	p.mu.Unlock()
+	if tr != nil && tr.left == 0 {
+		select {
+		case <-tr.settled:
+		case <-p.done:
+		}
+	}
 }
 
 func (p *Proxy) arm(k faultKind, n int64) <-chan struct{} {
 	if n < 1 {
 		panic("faultnet: a trigger needs at least one byte")
 	}
-	tr := &trigger{kind: k, left: n, fired: make(chan struct{})}
+	tr := &trigger{kind: k, left: n, fired: make(chan struct{}), settled: make(chan struct{})}
 	p.mu.Lock()
 	p.trig = tr
 	p.mu.Unlock()
@@ -375,20 +388,28 @@ func (c *conn) forward(q chan<- chunk, b []byte, upstream bool) bool {
 			c.p.mu.Unlock()
 			return c.push(q, chunk{b: b, at: time.Now()})
 		}
+		if tr.left == 0 && tr.kind != faultBlackhole {
+			// Another connection carried the n-th byte and is being cut:
+			// a reset is that connection's alone, and this one goes on.
+			// (Waiting for it held every other connection's bytes for as
+			// long as the cut connection's last chunk took to be written:
+			// a new connection's hello ran out its caller's deadline.)
+			c.p.mu.Unlock()
+			return c.push(q, chunk{b: b, at: time.Now()})
+		}
 		if tr.left == 0 {
-			// Another connection fires it: wait until it took effect.
+			// Another connection begins a blackhole, which stops every
+			// connection: wait until it took effect.
 			c.p.mu.Unlock()
 			select {
 			case <-tr.fired:
 			case <-c.done:
 				return false
 			}
-			if tr.kind == faultBlackhole {
-				select {
-				case <-c.p.gate():
-				case <-c.done:
-					return false
-				}
+			select {
+			case <-c.p.gate():
+			case <-c.done:
+				return false
 			}
 			continue
 		}
@@ -400,33 +421,42 @@ func (c *conn) forward(q chan<- chunk, b []byte, upstream bool) bool {
 		}
 		c.p.mu.Unlock()
 		// This connection carries the n-th byte: forward up to it, then
-		// apply the fault.
+		// apply the fault. If the connection ends first, the fault is void
+		// (its channel stays open): the trigger must not keep holding the
+		// others.
 		ack := make(chan struct{})
-		if !c.push(q, chunk{b: b[:n], at: time.Now(), ack: ack}) {
-			return false
-		}
-		select {
-		case <-ack:
-		case <-c.done:
-			return false
+		ok := c.push(q, chunk{b: b[:n], at: time.Now(), ack: ack})
+		if ok {
+			select {
+			case <-ack:
+			case <-c.done:
+				ok = false
+			}
 		}
 		c.p.mu.Lock()
 		if c.p.trig == tr {
 			c.p.trig = nil
 		}
 		c.p.mu.Unlock()
+		if !ok {
+			close(tr.settled)
+			return false
+		}
 		switch tr.kind {
 		case faultReset:
 			c.reset()
 			close(tr.fired)
+			close(tr.settled)
 			return false
 		case faultResetClient:
 			c.sever()
 			close(tr.fired)
+			close(tr.settled)
 			return false
 		case faultBlackhole:
 			c.p.Blackhole()
 			close(tr.fired)
+			close(tr.settled)
 			// The rest of b waits for Heal.
 			select {
 			case <-c.p.gate():

@@ -314,3 +314,60 @@ func TestResetClientAfterKeepsTheServerSideOpen(t *testing.T) {
 	_, err = srv.Read(make([]byte, 1))
 	require.ErrorIs(t, err, io.EOF, "Close ends the server side")
 }
+
+// TestResetFiringHoldsNoOtherConnection: while a reset is being applied to
+// the connection that carried its n-th byte (its last chunk still being
+// written), another connection's bytes go on at once; only a blackhole,
+// which stops every connection, holds them. (The soak of package transfer
+// saw a new connection's hello held behind a cut connection for its
+// caller's whole deadline.)
+func TestResetFiringHoldsNoOtherConnection(t *testing.T) {
+	for _, k := range []faultKind{faultReset, faultResetClient} {
+		p := &Proxy{healed: make(chan struct{})}
+		close(p.healed)
+		tr := &trigger{kind: k, left: 0, fired: make(chan struct{})} // firing on another connection
+		p.trig = tr
+		c := &conn{p: p, done: make(chan struct{})}
+		q := make(chan chunk, 1)
+		done := make(chan bool, 1)
+		go func() { done <- c.forward(q, []byte("hello"), true) }()
+		select {
+		case ok := <-done:
+			require.True(t, ok)
+			require.Equal(t, []byte("hello"), (<-q).b)
+		case <-time.After(10 * time.Second):
+			close(c.done) // ends forward
+			<-done
+			t.Fatalf("fault %d: the bytes were held until the other connection's reset took effect", k)
+		}
+	}
+}
+
+// TestDisarmWaitsForAFiringTrigger: a trigger whose n-th byte was read but
+// not yet forwarded (here, held by latency) fires after the handoff that
+// armed it may have ended; Disarm waits for it, so that no fault lands
+// after Disarm returns (the soak of package transfer then heals what it
+// began, before the next handoff).
+func TestDisarmWaitsForAFiringTrigger(t *testing.T) {
+	leakcheck.Check(t)
+	s := startServer(t, echo)
+	p := Start(t, s.ln.Addr().String())
+	c := dial(t, p)
+	p.SetLatency(300 * time.Millisecond)
+	fired := p.BlackholeAfter(10)
+	_, err := c.Write(pattern(100))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return p.trig != nil && p.trig.left == 0
+	}, 5*time.Second, time.Millisecond, "the trigger begins to fire")
+	p.Disarm()
+	select {
+	case <-fired:
+	default:
+		t.Fatal("Disarm returned before the trigger that had begun took effect")
+	}
+	p.Heal()
+	p.SetLatency(0)
+}
