@@ -336,7 +336,7 @@ func (s *session) handle(q Request) (Reply, error) {
 	switch q.Op {
 	case OpHello:
 		if q.Version != Version && q.Version != 1 {
-			return Reply{}, fmt.Errorf("%w: local API version %d, this agent speaks %d", ErrBadRequest, q.Version, Version)
+			return Reply{}, fmt.Errorf("%w: local API version %d, this agent speaks 1 and %d", ErrBadRequest, q.Version, Version)
 		}
 		return Reply{Agent: s.a.cfg.Name, Version: Version}, nil
 	case OpRegister:
@@ -426,7 +426,6 @@ func (s *session) register(q Request) (Reply, error) {
 		return fail(err)
 	}
 	s.bufs = make([]*rdma.Region, len(bufs))
-	byID := map[rdma.RegionID]*rdma.Region{}
 	next := 0
 	for i, b := range bufs {
 		var r *rdma.Region
@@ -442,12 +441,11 @@ func (s *session) register(q Request) (Reply, error) {
 		if err != nil {
 			return fail(err)
 		}
-		s.bufs[i], byID[r.ID()] = r, r
+		s.bufs[i] = r
 	}
-	ids := regionIDs(s.bufs)
 	for _, r := range p.reserved {
-		for _, e := range p.mamAt.spans(nil, ids, r, 0, p.mamAt.unit) {
-			byID[e.Region].Forbid(e.Offset, e.Length)
+		for _, pt := range p.mamAt.parts { // each plane's part of the row
+			s.bufs[pt.buf].Forbid(pt.off+uint64(r)*pt.stride, pt.len)
 		}
 	}
 	s.eng, s.pools = eng, p
@@ -571,7 +569,7 @@ func (s *session) grant(q Request) (Reply, error) {
 		return Reply{}, err
 	}
 	mem := s.regions()
-	pm := p.kvAt.planes != nil // ticket version 2: see plans.planeMajor
+	pm := p.kvAt.placed() // ticket version 2: see plans.planeMajor
 	for rs := range from {
 		pcs := pl.pieces(rs, rd, len(q.Blocks), row >= 0)
 		if pm {

@@ -450,3 +450,6 @@ func TestConfigRefusesBadNames(t *testing.T) {
 		require.ErrorIs(t, err, ErrBadRequest, "%+v", c)
 	}
 }
+
+// rowOff is the arena offset of row r of a layout without planes.
+func (p *pools) rowOff(r int) uint64 { return uint64(r) * uint64(p.mamba.RowBytes()) }

@@ -88,9 +88,6 @@ func (s *session) openBuffers(bufs []Buffer, mems []bufferMem) ([]*cuda.Arena, e
 			if dm.Device != first.Device {
 				return nil, fmt.Errorf("%w: one allocation on devices %q and %q", ErrInvalidLayout, first.Device, dm.Device)
 			}
-			if dm.Offset > math.MaxUint64-n {
-				return nil, fmt.Errorf("%w: %s at offset %d", ErrInvalidLayout, mems[i].name, dm.Offset)
-			}
 			lo, hi = min(lo, dm.Offset), max(hi, dm.Offset+n)
 		}
 		whole, err := s.a.openCUDA(&CUDAMemory{Handle: first.Handle, Offset: lo, Device: first.Device}, s.pid, hi-lo)
@@ -199,12 +196,23 @@ func (s *session) closeArenas() {
 	s.arenas = nil
 }
 
-// memoryOf names where the buffers are, for logs.
+// memoryOf names where the buffers are, for logs: host, a GPU, or both.
 func memoryOf(bufs []Buffer) string {
+	dev, host := "", false
 	for _, b := range bufs {
-		if b.CUDA != nil {
-			return "cuda " + b.CUDA.Device
+		switch {
+		case b.Bytes == 0:
+		case b.CUDA != nil:
+			dev = "cuda " + b.CUDA.Device
+		default:
+			host = true
 		}
 	}
-	return "host"
+	switch {
+	case dev == "":
+		return "host"
+	case host:
+		return dev + " and host"
+	}
+	return dev
 }

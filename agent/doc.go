@@ -29,13 +29,15 @@
 //
 //  1. Connect, hello, then register once: the KV pool's and the Mamba
 //     pool's memory as memfds (kv first) passed with the register message,
-//     and a Layout in the pools' terms (kvcache, mambacache; whole-model
-//     dimensions, TP rank and size, the reserved rows). Caches kept per
-//     layer rather than block-major (vLLM's, SGLang's) declare where each
-//     layer's planes lie (Plane: offset and stride in the memory passed;
-//     both caches may share one memfd). The agent maps them shared (rdma.Engine.RegisterFD), forbids the reserved rows in
-//     the data plane, and answers with the layout fingerprint the workers
-//     compute (model.Spec.Fingerprint).
+//     or by CUDA IPC handle, and a Layout in the pools' terms (kvcache,
+//     mambacache; whole-model dimensions, TP rank and size, the reserved
+//     rows). Caches kept per layer rather than block-major (vLLM's,
+//     SGLang's) declare where each layer's planes lie (Plane: offset and
+//     stride; both caches may share one memfd), and caches in allocations
+//     of their own come as Buffers that the planes name. The agent maps
+//     them shared (rdma.Engine.RegisterFD, RegisterDevice), forbids the
+//     reserved rows in the data plane, and answers with the layout
+//     fingerprint the workers compute (model.Spec.Fingerprint).
 //  2. Receiver, per request: grant over named blocks (in token order) and
 //     a row, with a deadline; hand the ticket (opaque bytes) to the sender
 //     through the engine's scheduler or proxy. grant_done means every byte

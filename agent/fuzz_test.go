@@ -64,7 +64,7 @@ func FuzzDecodeTicket(f *testing.F) {
 		if tp == 2 {
 			shards, subs = []int{0, 1}, []rdma.Ticket{rt, rt}
 		}
-		b, err := encodeTicket(ticket{Agent: "b", Fingerprint: "00", Blocks: 1, Row: true, FromTP: tp, ToTP: 1}, rdma.Descriptor{Agent: "b#1"}, shards, subs)
+		b, err := encodeTicket(ticket{V: 1, Agent: "b", Fingerprint: "00", Blocks: 1, Row: true, FromTP: tp, ToTP: 1}, rdma.Descriptor{Agent: "b#1"}, shards, subs)
 		if err != nil {
 			f.Fatal(err)
 		}
@@ -87,7 +87,7 @@ func FuzzDecodeTicket(f *testing.F) {
 
 func FuzzDecodeOffer(f *testing.F) {
 	rt := rdma.Ticket{Agent: "b#1", Grant: 1, RequestID: 7, Extents: []rdma.Extent{{Region: 1, Length: 8}}, Bytes: 8}
-	tb, err := encodeTicket(ticket{Agent: "b", Blocks: 1, FromTP: 1, ToTP: 1}, rdma.Descriptor{Agent: "b#1"}, []int{0}, []rdma.Ticket{rt})
+	tb, err := encodeTicket(ticket{V: 1, Agent: "b", Blocks: 1, FromTP: 1, ToTP: 1}, rdma.Descriptor{Agent: "b#1"}, []int{0}, []rdma.Ticket{rt})
 	if err != nil {
 		f.Fatal(err)
 	}

@@ -32,8 +32,10 @@ type TP struct {
 
 // KVLayout is the paged KV cache: Blocks blocks stored back to back, each
 // every attention layer's K then V, each [KVHeads][TokensPerBlock][HeadDim]
-// elements of DType (kvcache's HND layout). BlockStride, when set, must be
-// the shard's block size: the agent reads the pool layout only.
+// elements of DType (kvcache's HND layout; Order may say NHD). BlockStride,
+// when set, must be the shard's block size. Planes, when set, place each
+// layer's K and V apart instead (planes.go): 2*Layers planes, layer l's K
+// then its V.
 type KVLayout struct {
 	Layers         int     `msgpack:"layers"`
 	KVHeads        int     `msgpack:"kv_heads"`
@@ -303,6 +305,3 @@ func (p *pools) checkNames(blocks []int, row int) error {
 	}
 	return nil
 }
-
-// rowOff is the arena offset of row r of a layout without planes (tests).
-func (p *pools) rowOff(r int) uint64 { return uint64(r) * uint64(p.mamba.RowBytes()) }

@@ -42,8 +42,6 @@ const maxBuffers = maxQueuedFDs
 type placement struct {
 	unit   uint64   // a unit's virtual bytes
 	starts []uint64 // each plane's virtual start in the unit, ascending; nil: units back to back
-	lens   []uint64
-	planes []Plane
 	parts  []part   // the bytes each plane occupies (one part for units back to back)
 	need   []uint64 // by buffer: the bytes it must hold at least
 }
@@ -101,7 +99,6 @@ func newPlacement(what string, units int, lens []uint64, planes []Plane, home in
 	if len(planes) != len(lens) {
 		return bad("%d declared, the layout has %d", len(planes), len(lens))
 	}
-	m.planes, m.lens = planes, lens
 	m.starts = make([]uint64, len(lens))
 	m.parts = make([]part, len(lens))
 	var at uint64
@@ -142,6 +139,9 @@ func newPlacement(what string, units int, lens []uint64, planes []Plane, home in
 	return m, nil
 }
 
+// placed reports whether the layout placed the cache in planes.
+func (m *placement) placed() bool { return m.starts != nil }
+
 // at returns where virtual byte off of unit u lies (buffer and offset in
 // it) and how many bytes from there are contiguous in the unit's virtual
 // order.
@@ -151,7 +151,8 @@ func (m *placement) at(u int, off uint64) (buf int, o, run uint64) {
 	}
 	i := sort.Search(len(m.starts), func(i int) bool { return m.starts[i] > off }) - 1
 	d := off - m.starts[i]
-	return m.parts[i].buf, uint64(m.planes[i].Offset) + uint64(u)*uint64(m.planes[i].Stride) + d, m.lens[i] - d
+	pt := m.parts[i]
+	return pt.buf, pt.off + uint64(u)*pt.stride + d, pt.len - d
 }
 
 // spans appends the extents holding n virtual bytes of unit u from off, in
@@ -196,7 +197,7 @@ func checkBuffers(kv, mamba placement, bufs []bufferMem) error {
 				return fmt.Errorf("%w: the layout places a cache in the %s, which was not registered", ErrInvalidLayout, bufs[b].name)
 			}
 			got := uint64(bufs[b].bytes)
-			if got < need || (m.planes == nil && got != need) {
+			if got < need || (!m.placed() && got != need) {
 				return fmt.Errorf("%w: %s of %d bytes, the layout needs %d", ErrInvalidLayout, bufs[b].name, got, need)
 			}
 			used[b] = true

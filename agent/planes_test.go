@@ -216,7 +216,7 @@ func TestPlanesProperty(t *testing.T) {
 			pl, err := recv.p.plans(from, to)
 			require.NoError(t, err)
 			for rs, snd := range senders {
-				pm := recv.p.kvAt.planes != nil
+				pm := recv.p.kvAt.placed()
 				pcs := pl.pieces(rs, rd, nb, true)
 				if len(pcs) == 0 {
 					continue

@@ -135,10 +135,7 @@ func (f *fdConn) take(n int) ([]int, error) {
 	if len(f.fds) < n {
 		// Those passed belong to no message now: a retry must not take them.
 		got := len(f.fds)
-		for _, fd := range f.fds {
-			unix.Close(fd)
-		}
-		f.fds = nil
+		f.closeQueued()
 		return nil, fmt.Errorf("%w: %d descriptors expected, %d passed", ErrBadRequest, n, got)
 	}
 	out := f.fds[:n:n]
@@ -150,6 +147,11 @@ func (f *fdConn) take(n int) ([]int, error) {
 func (f *fdConn) closeFDs() {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.closeQueued()
+}
+
+// closeQueued closes the queued descriptors; f.mu is held.
+func (f *fdConn) closeQueued() {
 	for _, fd := range f.fds {
 		unix.Close(fd)
 	}

@@ -22,10 +22,11 @@ import (
 	"github.com/handoff-io/handoff/reshard"
 )
 
-// Version is the local API's version, sent in hello. 2 added
-// registration by buffers (Request.Buffers): an agent of version 1 would
-// ignore them, so a client that passes them says 2, which such an agent
-// refuses by name. This agent serves clients of both.
+// Version is the local API's version, sent in hello. 2 added planes,
+// the KV order and registration by buffers (Plane, KVLayout.Order,
+// Request.Buffers): an agent of version 1 would ignore them and place
+// bytes as if blocks lay back to back, so a client that uses them says 2,
+// which such an agent refuses by name. This agent serves clients of both.
 const Version = 2
 
 // MaxFrame bounds a frame: a ticket over thousands of blocks fits many times.
@@ -93,11 +94,11 @@ type Buffer struct {
 	CUDA  *CUDAMemory `msgpack:"cuda,omitempty"`
 }
 
-// CUDAMemory names a pool in device memory: the CUDA IPC handle of the
-// allocation it lies in (cuIpcGetMemHandle; what torch's
-// storage._share_cuda_() returns as its handle), the pool's byte offset in
-// that allocation (_share_cuda_'s storage offset), and the device's UUID
-// as nvidia-smi prints it ("GPU-…").
+// CUDAMemory names a pool or buffer in device memory: the CUDA IPC handle
+// of the allocation it lies in (cuIpcGetMemHandle; what torch's
+// storage._share_cuda_() returns as its handle), its byte offset in that
+// allocation (_share_cuda_'s storage offset), and the device's UUID as
+// nvidia-smi prints it ("GPU-…").
 type CUDAMemory struct {
 	Handle []byte `msgpack:"handle"`
 	Offset uint64 `msgpack:"offset"`
@@ -192,18 +193,18 @@ func decodeRequest(b []byte) (Request, error) {
 	return q, nil
 }
 
-// ticket is what a receiving agent hands its engine for the senders: one
-// rdma ticket per source shard that writes into this destination shard
-// (reshard.go), the receiver's descriptor (so a sender needs no lookup),
-// and what a sender checks before it writes a byte: the layout
-// fingerprint, dtypes, both TP sizes, and how many blocks and whether a
-// row.
 // ticketPlaneMajor is the version of a ticket whose extents list the KV
 // pieces plane by plane (plans.planeMajor): a receiver with KV planes
 // grants so. A sender that predates it refuses the version by name
 // rather than writing in block order.
 const ticketPlaneMajor = 2
 
+// ticket is what a receiving agent hands its engine for the senders: one
+// rdma ticket per source shard that writes into this destination shard
+// (reshard.go), the receiver's descriptor (so a sender needs no lookup),
+// and what a sender checks before it writes a byte: the layout
+// fingerprint, dtypes, both TP sizes, and how many blocks and whether a
+// row.
 type ticket struct {
 	V           int        `msgpack:"v"`
 	Agent       string     `msgpack:"agent"` // the agent's name (its rdma AgentID names one registration)
@@ -331,9 +332,6 @@ func encodeTicket(t ticket, d rdma.Descriptor, shards []int, subs []rdma.Ticket)
 	}
 	for i, rt := range subs {
 		t.Subs = append(t.Subs, subTicket{Shard: shards[i], Ticket: toWire(rt)})
-	}
-	if t.V == 0 {
-		t.V = 1
 	}
 	return msgpack.Marshal(t)
 }

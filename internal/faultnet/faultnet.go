@@ -163,11 +163,12 @@ func (p *Proxy) BlackholeAfter(n int64) <-chan struct{} { return p.arm(faultBlac
 func (p *Proxy) Disarm() {
 	p.mu.Lock()
 	tr := p.trig
-	if tr != nil && tr.left > 0 {
+	firing := tr != nil && tr.left == 0
+	if tr != nil && !firing {
 		p.trig = nil
 	}
 	p.mu.Unlock()
-	if tr != nil && tr.left == 0 {
+	if firing {
 		select {
 		case <-tr.settled:
 		case <-p.done:
@@ -399,10 +400,10 @@ func (c *conn) forward(q chan<- chunk, b []byte, upstream bool) bool {
 		}
 		if tr.left == 0 {
 			// Another connection begins a blackhole, which stops every
-			// connection: wait until it took effect.
+			// connection: wait until it took effect (or came to nothing).
 			c.p.mu.Unlock()
 			select {
-			case <-tr.fired:
+			case <-tr.settled:
 			case <-c.done:
 				return false
 			}
@@ -433,30 +434,35 @@ func (c *conn) forward(q chan<- chunk, b []byte, upstream bool) bool {
 				ok = false
 			}
 		}
-		c.p.mu.Lock()
-		if c.p.trig == tr {
-			c.p.trig = nil
-		}
-		c.p.mu.Unlock()
-		if !ok {
+		// The fault is applied before the trigger is dropped: a Disarm
+		// meanwhile finds it firing and waits for it to settle.
+		settle := func() {
+			c.p.mu.Lock()
+			if c.p.trig == tr {
+				c.p.trig = nil
+			}
+			c.p.mu.Unlock()
 			close(tr.settled)
+		}
+		if !ok {
+			settle()
 			return false
 		}
 		switch tr.kind {
 		case faultReset:
 			c.reset()
 			close(tr.fired)
-			close(tr.settled)
+			settle()
 			return false
 		case faultResetClient:
 			c.sever()
 			close(tr.fired)
-			close(tr.settled)
+			settle()
 			return false
 		case faultBlackhole:
 			c.p.Blackhole()
 			close(tr.fired)
-			close(tr.settled)
+			settle()
 			// The rest of b waits for Heal.
 			select {
 			case <-c.p.gate():

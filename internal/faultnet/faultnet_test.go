@@ -325,7 +325,7 @@ func TestResetFiringHoldsNoOtherConnection(t *testing.T) {
 	for _, k := range []faultKind{faultReset, faultResetClient} {
 		p := &Proxy{healed: make(chan struct{})}
 		close(p.healed)
-		tr := &trigger{kind: k, left: 0, fired: make(chan struct{})} // firing on another connection
+		tr := &trigger{kind: k, left: 0, fired: make(chan struct{}), settled: make(chan struct{})} // firing on another connection
 		p.trig = tr
 		c := &conn{p: p, done: make(chan struct{})}
 		q := make(chan chunk, 1)
@@ -370,4 +370,31 @@ func TestDisarmWaitsForAFiringTrigger(t *testing.T) {
 	}
 	p.Heal()
 	p.SetLatency(0)
+}
+
+// TestVoidBlackholeHoldsNoOne: a blackhole whose connection ended before it
+// took effect comes to nothing, and the connections that waited for it go
+// on.
+func TestVoidBlackholeHoldsNoOne(t *testing.T) {
+	p := &Proxy{healed: make(chan struct{})}
+	close(p.healed)
+	tr := &trigger{kind: faultBlackhole, left: 0, fired: make(chan struct{}), settled: make(chan struct{})}
+	p.trig = tr
+	c := &conn{p: p, done: make(chan struct{})}
+	q := make(chan chunk, 1)
+	done := make(chan bool, 1)
+	go func() { done <- c.forward(q, []byte("hello"), true) }()
+	p.mu.Lock()
+	p.trig = nil // what the firing connection does as it ends: void
+	p.mu.Unlock()
+	close(tr.settled)
+	select {
+	case ok := <-done:
+		require.True(t, ok)
+		require.Equal(t, []byte("hello"), (<-q).b)
+	case <-time.After(10 * time.Second):
+		close(c.done)
+		<-done
+		t.Fatal("the bytes were held by a blackhole that never began")
+	}
 }

@@ -329,12 +329,11 @@ class Agent:
                     have = buffers[b].nbytes if b < len(buffers) else 0
                     raise ValueError(f"buffer {b} holds {have} bytes, the layout's planes reach {n}")
             req["buffers"] = [{"bytes": t.nbytes, "cuda": cuda_memory(t)} for t in buffers]
-        for name, t, want, planes in (
+        pools = () if buffers is not None else (
             ("kv", kv, layout.kv_bytes(), layout.kv is not None and layout.kv.planes is not None),
             ("mamba", mamba, layout.mamba_bytes(), layout.mamba is not None and layout.mamba.planes is not None),
-        ):
-            if buffers is not None:
-                break
+        )
+        for name, t, want, planes in pools:
             if t is None:
                 if want:
                     raise ValueError(f"the layout has a {name} pool, but no {name} tensor was given")

@@ -55,7 +55,7 @@ class KVLayout:
     # then its V; block b's part of a plane at offset + b*stride; or
     # (offset, stride, buffer) triples naming buffers of a registration by
     # buffers. None: blocks back to back, every layer's K then V in each.
-    planes: Optional[list[tuple[int, int]]] = None
+    planes: Optional[list[tuple[int, ...]]] = None
     # Element order within a block's K or V: "hnd" (heads, tokens,
     # head_dim: TensorRT-LLM's, vLLM's HND) or "nhd" (tokens, heads,
     # head_dim: vLLM's default, SGLang's). NHD moves only between NHD
@@ -84,7 +84,7 @@ class MambaLayout:
     # Per layer kept apart: 2*layers (offset, stride) pairs (or (offset,
     # stride, buffer) triples), layer l's conv state then its SSM state;
     # row r's part at offset + r*stride.
-    planes: Optional[list[tuple[int, int]]] = None
+    planes: Optional[list[tuple[int, ...]]] = None
 
 
 @dataclasses.dataclass
@@ -160,17 +160,23 @@ class Layout:
         """Bytes of one row in each Mamba plane: layer l's conv, then SSM."""
         return [self.conv_bytes(), self.ssm_bytes()] * self.mamba.layers
 
+    def _planes(self, c, lens: list[int], units: int):
+        """(buffer, end) of each of cache c's planes, checked against the
+        layout's count."""
+        if len(c.planes) != len(lens):
+            raise ValueError(f"{len(c.planes)} planes, the layout has {len(lens)}")
+        return [(p[2] if len(p) > 2 else 0, p[0] + (units - 1) * p[1] + n) for p, n in zip(c.planes, lens)]
+
     def buffer_bytes(self) -> dict[int, int]:
         """The least bytes each buffer the planes name must hold, by index
         (planes given as (offset, stride, buffer))."""
         need: dict[int, int] = {}
-        for c, lens in ((self.kv, self.kv_plane_bytes), (self.mamba, self.mamba_plane_bytes)):
-            if c is None:
-                continue
-            units = c.blocks if c is self.kv else c.rows
-            for p, n in zip(c.planes or [], lens()):
-                b = p[2] if len(p) > 2 else 0
-                need[b] = max(need.get(b, 0), p[0] + (units - 1) * p[1] + n)
+        if self.kv is not None and self.kv.planes is not None:
+            for b, end in self._planes(self.kv, self.kv_plane_bytes(), self.kv.blocks):
+                need[b] = max(need.get(b, 0), end)
+        if self.mamba is not None and self.mamba.planes is not None:
+            for b, end in self._planes(self.mamba, self.mamba_plane_bytes(), self.mamba.rows):
+                need[b] = max(need.get(b, 0), end)
         return need
 
     def kv_bytes(self) -> int:
@@ -180,9 +186,7 @@ class Layout:
             return 0
         if k.planes is None:
             return k.blocks * self.block_bytes()
-        if len(k.planes) != 2 * k.layers:
-            raise ValueError(f"{len(k.planes)} kv planes, the layout has {2 * k.layers}")
-        return max(p[0] + (k.blocks - 1) * p[1] + n for p, n in zip(k.planes, self.kv_plane_bytes()))
+        return max(end for _, end in self._planes(k, self.kv_plane_bytes(), k.blocks))
 
     def mamba_bytes(self) -> int:
         """The least memory that holds the Mamba state where it is placed."""
@@ -191,9 +195,7 @@ class Layout:
             return 0
         if m.planes is None:
             return m.rows * self.row_bytes()
-        if len(m.planes) != 2 * m.layers:
-            raise ValueError(f"{len(m.planes)} mamba planes, the layout has {2 * m.layers}")
-        return max(p[0] + (m.rows - 1) * p[1] + n for p, n in zip(m.planes, self.mamba_plane_bytes()))
+        return max(end for _, end in self._planes(m, self.mamba_plane_bytes(), m.rows))
 
 
 def _plane(p) -> dict:
@@ -345,15 +347,13 @@ class LayerPools:
     def __init__(self, layout: Layout, separate: bool = False):
         lay = dataclasses.replace(layout)
         self.separate = separate
-        sizes = [0]  # by buffer
+        sizes = [] if separate else [0]  # by buffer
         spans = {}  # name -> (buffer, offset, bytes)
 
         def put(name, n):
             if separate:
-                if sizes[-1]:
-                    sizes.append(0)
-                spans[name] = (len(sizes) - 1, 0, n)
-                sizes[-1] = n
+                spans[name] = (len(sizes), 0, n)
+                sizes.append(n)
                 return
             at = sizes[0]
             spans[name] = (0, at, n)
