@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"log/slog"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -45,16 +46,25 @@ func BenchmarkSmallSend(b *testing.B) {
 
 // BenchmarkSend64MiB sends 512 blocks of 128 KiB and a row through two
 // agents (the Go client, in this process), the receiver's blocks in
-// reverse order, timed from the send request to send_done;
+// reverse order, timed from the send request to send_done; "-per-layer":
+// the receiver keeps each layer's K and V apart (vLLM's tensors, planes),
+// so its ticket lists an extent per block and plane;
 // BenchmarkSend64MiBEngines is the same write between two rdma engines,
 // the workers' data path without the agents.
 func BenchmarkSend64MiB(b *testing.B) {
 	l := tinyLayout()
 	l.KV = &KVLayout{Layers: 2, KVHeads: 8, HeadDim: 128, TokensPerBlock: 16, DType: "bfloat16", Blocks: 512}
-	for _, tr := range []rdma.Transport{rdma.TransportSHM, rdma.TransportTCP} {
-		b.Run(string(tr), func(b *testing.B) {
+	for _, name := range []string{"shm", "tcp", "shm-per-layer", "tcp-per-layer"} {
+		b.Run(name, func(b *testing.B) {
+			tr, planes := rdma.Transport(strings.TrimSuffix(name, "-per-layer")), strings.HasSuffix(name, "-per-layer")
 			a := register(b, startAgent(b, "a", tr), l)
-			r := register(b, startAgent(b, "b", tr), l)
+			var r *engine
+			if planes {
+				lp, size := perLayer(b, l)
+				r = registerPlanes(b, startAgent(b, "b", tr), lp, size)
+			} else {
+				r = register(b, startAgent(b, "b", tr), l)
+			}
 			ctx := context.Background()
 			src, dst := make([]int, 512), make([]int, 512)
 			for i := range src {

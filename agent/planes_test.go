@@ -275,9 +275,14 @@ func TestPlanesProperty(t *testing.T) {
 // tensor (K planes then V planes), per Mamba layer a conv tensor [rows]...
 // then an SSM tensor [rows]...; the layers in reverse order in memory, a
 // page between tensors, and a page spare at the end.
-func vllmLayout(t *testing.T, tp TP) (Layout, int64) {
+func vllmLayout(t testing.TB, tp TP) (Layout, int64) {
 	l := tinyLayout()
 	l.TP = tp
+	return perLayer(t, l)
+}
+
+// perLayer places l's caches as vllmLayout says.
+func perLayer(t testing.TB, l Layout) (Layout, int64) {
 	p, err := compile(l, false)
 	require.NoError(t, err)
 	const page = 4096
@@ -301,7 +306,7 @@ func vllmLayout(t *testing.T, tp TP) (Layout, int64) {
 
 // registerPlanes registers l (with planes) in one memfd of size bytes,
 // which holds both caches, as one allocation of an engine would.
-func registerPlanes(t *testing.T, sock string, l Layout, size int64) *engine {
+func registerPlanes(t testing.TB, sock string, l Layout, size int64) *engine {
 	p, err := compile(l, false)
 	require.NoError(t, err)
 	ctx := context.Background()
