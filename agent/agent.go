@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"math"
 	"net"
 	"os"
 	"sync"
@@ -458,35 +457,6 @@ func (s *session) register(q Request) (Reply, error) {
 	s.log.Info("agent: engine registered", "rdma_agent", id, "fingerprint", p.fingerprint, "tp", p.l.TP, "kv_bytes", p.kvBytes(), "mamba_bytes", p.mambaBytes(),
 		"buffers", len(bufs), "memory", memoryOf(bufs))
 	return Reply{Fingerprint: p.fingerprint, AgentID: string(id), Transports: ts}, nil
-}
-
-// describeBuffers names the registered buffers and says which are one
-// memory: host buffers by their file (one memfd passed twice), device
-// buffers by their allocation's handle, from their offset in it.
-func describeBuffers(bufs []Buffer, fds []int, buffered bool) ([]bufferMem, error) {
-	out := make([]bufferMem, len(bufs))
-	next := 0
-	for i, b := range bufs {
-		m := &out[i]
-		m.name, m.bytes = fmt.Sprintf("buffer %d", i), b.Bytes
-		if !buffered {
-			m.name = []string{"kv pool", "mamba pool"}[i]
-		}
-		switch {
-		case b.Bytes < 0:
-			return nil, fmt.Errorf("%w: %s of %d bytes", ErrInvalidLayout, m.name, b.Bytes)
-		case b.Bytes == 0:
-		case b.CUDA != nil:
-			if b.CUDA.Offset > math.MaxInt64 {
-				return nil, fmt.Errorf("%w: %s at offset %d", ErrInvalidLayout, m.name, b.CUDA.Offset)
-			}
-			m.key, m.base = "cuda "+b.CUDA.Device+" "+string(b.CUDA.Handle), b.CUDA.Offset
-		default:
-			m.key = fileKey(fds[next])
-			next++
-		}
-	}
-	return out, nil
 }
 
 // regions names the registered regions, by buffer (0 where none).

@@ -11,7 +11,6 @@ import (
 	"github.com/handoff-io/handoff/internal/cuda"
 	"github.com/handoff-io/handoff/internal/cuda/cudafake"
 	"github.com/handoff-io/handoff/rdma"
-	"github.com/handoff-io/handoff/reshard"
 )
 
 // perBufferLayout is tinyLayout kept as vLLM keeps it on a GPU: each
@@ -105,21 +104,7 @@ func TestBuffers(t *testing.T) {
 				before[i] = append([]byte(nil), m...)
 			}
 
-			var senders [2]*engine
-			for r := range 2 {
-				l := tinyLayout()
-				l.TP = TP{Rank: r, Size: 2}
-				senders[r] = register(t, startAgent(t, "pre"+string(rune('0'+r)), rdma.TransportTCP), l)
-			}
-			whole := [][]byte{make([]byte, p.kv.BlockBytes()), make([]byte, p.kv.BlockBytes()), make([]byte, p.mamba.RowBytes())}
-			for i, w := range whole {
-				fill(w, uint64(50+i))
-			}
-			for r, sd := range senders {
-				copy(sd.block(7), shardUnit(t, reshard.KV(p.wholeKV), 2, r, whole[0]))
-				copy(sd.block(30), shardUnit(t, reshard.KV(p.wholeKV), 2, r, whole[1]))
-				copy(sd.row(2), shardUnit(t, reshard.Mamba(p.wholeMamba), 2, r, whole[2]))
-			}
+			senders, whole := tp2Senders(t, rdma.TransportTCP, [2]int{7, 30}, 2, 50)
 			g, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 80, Blocks: []int{11, 12}, Row: Row(4), FromTP: 2}, nil)
 			require.NoError(t, err)
 			for _, sd := range senders {

@@ -358,23 +358,8 @@ func TestPerLayerEngine(t *testing.T) {
 				require.ErrorIs(t, err, rdma.ErrForbidden)
 			}
 
-			var senders [2]*engine
-			for r := range 2 {
-				l := tinyLayout()
-				l.TP = TP{Rank: r, Size: 2}
-				senders[r] = register(t, startAgent(t, "pre"+string(rune('0'+r)), rdma.TransportTCP), l)
-			}
+			senders, whole := tp2Senders(t, rdma.TransportTCP, [2]int{7, 8}, 2, 20)
 			p := recv.p
-			kvL, mL := reshard.KV(p.wholeKV), reshard.Mamba(p.wholeMamba)
-			whole := [][]byte{make([]byte, p.kv.BlockBytes()), make([]byte, p.kv.BlockBytes()), make([]byte, p.mamba.RowBytes())}
-			for i, w := range whole {
-				fill(w, uint64(20+i))
-			}
-			for r, s := range senders {
-				copy(s.block(7), shardUnit(t, kvL, 2, r, whole[0]))
-				copy(s.block(8), shardUnit(t, kvL, 2, r, whole[1]))
-				copy(s.row(2), shardUnit(t, mL, 2, r, whole[2]))
-			}
 			before := slices.Clone(recv.kv)
 			ctx := ctxT(t)
 			g, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 31, Blocks: []int{4, 5}, Row: Row(3), FromTP: 2}, nil)

@@ -20,6 +20,32 @@ func shardUnit(t *testing.T, l reshard.Layout, tp, r int, whole []byte) []byte {
 	return out
 }
 
+// tp2Senders starts two TP-2 block-major engines, each with its own agent
+// over tr, holding their shards of two whole-model blocks (at blocks) and
+// a row (at row), filled from seed; it returns them and the whole model's
+// units: the two blocks, then the row.
+func tp2Senders(t *testing.T, tr rdma.Transport, blocks [2]int, row int, seed uint64) ([2]*engine, [][]byte) {
+	p, err := compile(tinyLayout(), false)
+	require.NoError(t, err)
+	var senders [2]*engine
+	for r := range 2 {
+		l := tinyLayout()
+		l.TP = TP{Rank: r, Size: 2}
+		senders[r] = register(t, startAgent(t, "pre"+string(rune('0'+r)), tr), l)
+	}
+	kvL, mL := reshard.KV(p.wholeKV), reshard.Mamba(p.wholeMamba)
+	whole := [][]byte{make([]byte, p.kv.BlockBytes()), make([]byte, p.kv.BlockBytes()), make([]byte, p.mamba.RowBytes())}
+	for i, w := range whole {
+		fill(w, seed+uint64(i))
+	}
+	for r, s := range senders {
+		copy(s.block(blocks[0]), shardUnit(t, kvL, 2, r, whole[0]))
+		copy(s.block(blocks[1]), shardUnit(t, kvL, 2, r, whole[1]))
+		copy(s.row(row), shardUnit(t, mL, 2, r, whole[2]))
+	}
+	return senders, whole
+}
+
 // TestReshardTwoToOne: two TP-2 engines, each with its own agent, write
 // one request into a TP-1 engine's grant, whole and layer by layer; the
 // receiver's blocks and row are the whole model's, byte for byte.
@@ -29,24 +55,8 @@ func TestReshardTwoToOne(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			rl := tinyLayout()
 			recv := register(t, startAgent(t, "dec", rdma.TransportSHM), rl)
-			var senders [2]*engine
-			for r := range 2 {
-				l := tinyLayout()
-				l.TP = TP{Rank: r, Size: 2}
-				senders[r] = register(t, startAgent(t, "pre"+string(rune('0'+r)), rdma.TransportSHM), l)
-			}
-			// The whole model's blocks 0, 1 and row 4, split over the senders.
+			senders, whole := tp2Senders(t, rdma.TransportSHM, [2]int{0, 1}, 4, 10)
 			p := recv.p
-			kvL, mL := reshard.KV(p.wholeKV), reshard.Mamba(p.wholeMamba)
-			whole := [][]byte{make([]byte, p.kv.BlockBytes()), make([]byte, p.kv.BlockBytes()), make([]byte, p.mamba.RowBytes())}
-			for i, w := range whole {
-				fill(w, uint64(10+i))
-			}
-			for r, s := range senders {
-				copy(s.block(0), shardUnit(t, kvL, 2, r, whole[0]))
-				copy(s.block(1), shardUnit(t, kvL, 2, r, whole[1]))
-				copy(s.row(4), shardUnit(t, mL, 2, r, whole[2]))
-			}
 			ctx := ctxT(t)
 			g, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 21, Blocks: []int{9, 3}, Row: Row(1), FromTP: 2}, nil)
 			require.NoError(t, err)

@@ -163,32 +163,40 @@ def test_peers_without_nats(agents):
     assert a.peers() == []
 
 
+def send_from_tp2(agents, whole, ticket, layers, transports="shm,tcp"):
+    """Two TP-2 engines, each with its own agent, load their shards of
+    ``whole`` and write its blocks 0, 1 and row 4 into ``ticket``, whole or
+    layer by layer; returns them once both sends are done."""
+    senders = []
+    for r in range(2):
+        p = Pools(tiny_layout(tp_rank=r, tp_size=2))
+        load_shard(p, whole)
+        a = Agent.connect(agents(f"pre-{r}", transports).sock)
+        a.register(p)
+        senders.append(a)
+    sends = []
+    for a in senders:
+        if layers:
+            s = a.open_send(ticket, blocks=[0, 1], row=4)
+            for kind, layer in [("mamba", 0), ("kv", 0), ("mamba", 1), ("mamba", 2), ("kv", 1)]:
+                s.layer(kind, layer)
+            s.commit()
+        else:
+            s = a.send(ticket, blocks=[0, 1], row=4)
+        sends.append((a, s))
+    for a, s in sends:
+        assert a.wait_send(s, timeout=10).ok
+    return senders
+
+
 @pytest.mark.parametrize("layers", [False, True])
 def test_tp2_to_tp1(agents, layers):
     """Two TP-2 engines, each with its own agent, write one request into a
     TP-1 engine's grant; the agents reshard."""
     whole = random_pools(tiny_layout(), 20)
-    senders = []
-    for r in range(2):
-        p = Pools(tiny_layout(tp_rank=r, tp_size=2))
-        load_shard(p, whole)
-        a = Agent.connect(agents(f"pre-{r}").sock)
-        a.register(p)
-        senders.append((a, p))
     b, dst = engine(agents("dec"), 21)
     g = b.grant(50, blocks=[9, 3], row=1, from_tp=2)
-    sends = []
-    for a, _ in senders:
-        if layers:
-            s = a.open_send(g.ticket, blocks=[0, 1], row=4)
-            for kind, layer in [("mamba", 0), ("kv", 0), ("mamba", 1), ("mamba", 2), ("kv", 1)]:
-                s.layer(kind, layer)
-            s.commit()
-        else:
-            s = a.send(g.ticket, blocks=[0, 1], row=4)
-        sends.append((a, s))
-    for a, s in sends:
-        assert a.wait_send(s, timeout=10).ok
+    send_from_tp2(agents, whole, g.ticket, layers)
     assert b.wait_grant(g, timeout=10).ok
     assert torch.equal(whole.kv[0], dst.kv[9]) and torch.equal(whole.kv[1], dst.kv[3])
     assert torch.equal(whole.mamba[4], dst.mamba[1])
@@ -246,32 +254,15 @@ def test_per_layer_engine(agents, transports, layers, separate):
     blocks and row changes."""
     lay = tiny_layout()
     whole = random_pools(lay, 30)
-    senders = []
-    for r in range(2):
-        p = Pools(tiny_layout(tp_rank=r, tp_size=2))
-        load_shard(p, whole)
-        a = Agent.connect(agents(f"pre-{r}", transports).sock)
-        a.register(p)
-        senders.append((a, p))
     dst = random_layer_pools(lay, 31, separate)
     assert len(dst.buffers()) == (2 * 3 + 2 if separate else 1)
     b = Agent.connect(agents("dec", transports).sock)
-    assert b.register(dst) == senders[0][0].fingerprint
+    fp = b.register(dst)
     before = [dst.kv_layer(layer).clone() for layer in range(lay.kv.layers)]
     before_conv = [dst.conv(layer).clone() for layer in range(lay.mamba.layers)]
     g = b.grant(60, blocks=[9, 3], row=1, from_tp=2)
-    sends = []
-    for a, _ in senders:
-        if layers:
-            s = a.open_send(g.ticket, blocks=[0, 1], row=4)
-            for kind, layer in [("mamba", 0), ("kv", 0), ("mamba", 1), ("mamba", 2), ("kv", 1)]:
-                s.layer(kind, layer)
-            s.commit()
-        else:
-            s = a.send(g.ticket, blocks=[0, 1], row=4)
-        sends.append((a, s))
-    for a, s in sends:
-        assert a.wait_send(s, timeout=10).ok
+    senders = send_from_tp2(agents, whole, g.ticket, layers, transports)
+    assert fp == senders[0].fingerprint
     assert b.wait_grant(g, timeout=10).ok
     assert torch.equal(whole.kv[0], dst.kv_block(9)) and torch.equal(whole.kv[1], dst.kv_block(3))
     assert same_row(whole, 4, dst, 1, lay.mamba.layers)
