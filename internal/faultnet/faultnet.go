@@ -391,10 +391,9 @@ func (c *conn) forward(q chan<- chunk, b []byte, upstream bool) bool {
 		}
 		if tr.left == 0 && tr.kind != faultBlackhole {
 			// Another connection carried the n-th byte and is being cut:
-			// a reset is that connection's alone, and this one goes on.
-			// (Waiting for it held every other connection's bytes for as
-			// long as the cut connection's last chunk took to be written:
-			// a new connection's hello ran out its caller's deadline.)
+			// a reset is that connection's alone, and this one goes on
+			// (waiting would hold every other connection's bytes for as
+			// long as the cut connection's last chunk takes to be written).
 			c.p.mu.Unlock()
 			return c.push(q, chunk{b: b, at: time.Now()})
 		}
