@@ -107,24 +107,12 @@ func TestBuffers(t *testing.T) {
 			senders, whole := tp2Senders(t, rdma.TransportTCP, [2]int{7, 30}, 2, 50)
 			g, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 80, Blocks: []int{11, 12}, Row: Row(4), FromTP: 2}, nil)
 			require.NoError(t, err)
+			var order []layerCall
+			if layers {
+				order = []layerCall{{"kv", 0}, {"kv", 1}, {"mamba", 0}, {"mamba", 1}}
+			}
 			for _, sd := range senders {
-				op := OpSend
-				if layers {
-					op = OpOpenSend
-				}
-				rep, err := sd.c.Call(ctx, Request{Op: op, Ticket: g.Ticket, Blocks: []int{7, 30}, Row: Row(2)}, nil)
-				require.NoError(t, err)
-				if layers {
-					for _, kind := range []string{"kv", "mamba"} {
-						for l := range 2 {
-							_, err = sd.c.Call(ctx, Request{Op: OpSendLayer, Send: rep.Send, Kind: kind, Layer: l}, nil)
-							require.NoError(t, err)
-						}
-					}
-					_, err = sd.c.Call(ctx, Request{Op: OpCommit, Send: rep.Send}, nil)
-					require.NoError(t, err)
-				}
-				event(t, sd, EvSendDone)
+				sendInto(t, ctx, sd, g.Ticket, []int{7, 30}, 2, order)
 			}
 			ev, err := recv.c.WaitEvent(ctx, func(r Reply) bool { return r.Ev == EvGrantDone || r.Ev == EvGrantFailed })
 			require.NoError(t, err)

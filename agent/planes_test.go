@@ -364,24 +364,12 @@ func TestPerLayerEngine(t *testing.T) {
 			ctx := ctxT(t)
 			g, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 31, Blocks: []int{4, 5}, Row: Row(3), FromTP: 2}, nil)
 			require.NoError(t, err)
+			var order []layerCall
+			if layers {
+				order = []layerCall{{"mamba", 1}, {"kv", 1}, {"mamba", 0}, {"kv", 0}}
+			}
 			for _, s := range senders {
-				op := OpSend
-				if layers {
-					op = OpOpenSend
-				}
-				rep, err := s.c.Call(ctx, Request{Op: op, Ticket: g.Ticket, Blocks: []int{7, 8}, Row: Row(2)}, nil)
-				require.NoError(t, err)
-				if layers {
-					for l := range 2 {
-						for _, kind := range []string{"mamba", "kv"} {
-							_, err = s.c.Call(ctx, Request{Op: OpSendLayer, Send: rep.Send, Kind: kind, Layer: 1 - l}, nil)
-							require.NoError(t, err)
-						}
-					}
-					_, err = s.c.Call(ctx, Request{Op: OpCommit, Send: rep.Send}, nil)
-					require.NoError(t, err)
-				}
-				event(t, s, EvSendDone)
+				sendInto(t, ctx, s, g.Ticket, []int{7, 8}, 2, order)
 			}
 			ev := event(t, recv, EvGrantDone)
 			require.EqualValues(t, 2*p.kv.BlockBytes()+p.mamba.RowBytes(), ev.Bytes)

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"slices"
 	"testing"
 
@@ -46,6 +47,33 @@ func tp2Senders(t *testing.T, tr rdma.Transport, blocks [2]int, row int, seed ui
 	return senders, whole
 }
 
+// layerCall is one layer a layer-by-layer send sends: "kv" or "mamba".
+type layerCall struct {
+	kind  string
+	layer int
+}
+
+// sendInto writes blocks and row of s into ticket, whole (order nil) or
+// layer by layer in order then commit, and waits for send_done.
+func sendInto(t *testing.T, ctx context.Context, s *engine, ticket []byte, blocks []int, row int, order []layerCall) {
+	t.Helper()
+	op := OpSend
+	if order != nil {
+		op = OpOpenSend
+	}
+	rep, err := s.c.Call(ctx, Request{Op: op, Ticket: ticket, Blocks: blocks, Row: Row(row)}, nil)
+	require.NoError(t, err)
+	if order != nil {
+		for _, x := range order {
+			_, err = s.c.Call(ctx, Request{Op: OpSendLayer, Send: rep.Send, Kind: x.kind, Layer: x.layer}, nil)
+			require.NoError(t, err)
+		}
+		_, err = s.c.Call(ctx, Request{Op: OpCommit, Send: rep.Send}, nil)
+		require.NoError(t, err)
+	}
+	event(t, s, EvSendDone)
+}
+
 // TestReshardTwoToOne: two TP-2 engines, each with its own agent, write
 // one request into a TP-1 engine's grant, whole and layer by layer; the
 // receiver's blocks and row are the whole model's, byte for byte.
@@ -60,24 +88,12 @@ func TestReshardTwoToOne(t *testing.T) {
 			ctx := ctxT(t)
 			g, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 21, Blocks: []int{9, 3}, Row: Row(1), FromTP: 2}, nil)
 			require.NoError(t, err)
+			var order []layerCall
+			if layers {
+				order = []layerCall{{"kv", 0}, {"mamba", 0}, {"kv", 1}, {"mamba", 1}}
+			}
 			for _, s := range senders {
-				op := OpSend
-				if layers {
-					op = OpOpenSend
-				}
-				rep, err := s.c.Call(ctx, Request{Op: op, Ticket: g.Ticket, Blocks: []int{0, 1}, Row: Row(4)}, nil)
-				require.NoError(t, err)
-				if layers {
-					for l := range 2 {
-						_, err = s.c.Call(ctx, Request{Op: OpSendLayer, Send: rep.Send, Kind: "kv", Layer: l}, nil)
-						require.NoError(t, err)
-						_, err = s.c.Call(ctx, Request{Op: OpSendLayer, Send: rep.Send, Kind: "mamba", Layer: l}, nil)
-						require.NoError(t, err)
-					}
-					_, err = s.c.Call(ctx, Request{Op: OpCommit, Send: rep.Send}, nil)
-					require.NoError(t, err)
-				}
-				event(t, s, EvSendDone)
+				sendInto(t, ctx, s, g.Ticket, []int{0, 1}, 4, order)
 			}
 			ev := event(t, recv, EvGrantDone)
 			require.EqualValues(t, 2*p.kv.BlockBytes()+p.mamba.RowBytes(), ev.Bytes)
