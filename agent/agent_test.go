@@ -453,3 +453,17 @@ func TestConfigRefusesBadNames(t *testing.T) {
 
 // rowOff is the arena offset of row r of a layout without planes.
 func (p *pools) rowOff(r int) uint64 { return uint64(r) * uint64(p.mamba.RowBytes()) }
+
+// TestLargeRequestFrame: a request larger than the socket's buffer (8 MB
+// of block names) reaches the agent whole and is answered; a client that
+// wrote only what the first write took left the agent waiting for the
+// rest, and the call hanging to its deadline.
+func TestLargeRequestFrame(t *testing.T) {
+	e := register(t, startAgent(t, "a", rdma.TransportSHM), tinyLayout())
+	blocks := make([]int, 1<<20)
+	for i := range blocks {
+		blocks[i] = 1 << 30
+	}
+	_, err := e.c.Call(ctxT(t), Request{Op: OpGrant, RequestID: 1, Blocks: blocks}, nil)
+	require.ErrorIs(t, err, ErrBadRequest)
+}

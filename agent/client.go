@@ -129,8 +129,13 @@ func (c *Client) Call(ctx context.Context, q Request, fds []int) (Reply, error) 
 	if len(fds) > 0 {
 		oob = unix.UnixRights(fds...)
 	}
+	// The descriptors ride with the first bytes; a stream socket may take
+	// fewer than the frame (a ticket of megabytes), so the rest follows.
 	c.wmu.Lock()
-	_, _, err = c.c.WriteMsgUnix(frame, oob, nil)
+	n, _, err := c.c.WriteMsgUnix(frame, oob, nil)
+	if err == nil && n < len(frame) {
+		_, err = c.c.Write(frame[n:])
+	}
 	c.wmu.Unlock()
 	if err != nil {
 		return Reply{}, fmt.Errorf("%w: %w", ErrClosed, err)

@@ -243,7 +243,10 @@ class Agent:
         try:
             with self._wlock:
                 if fds:
-                    socket.send_fds(self._sock, [frame], fds)
+                    # The descriptors ride with the first bytes; a stream
+                    # socket may take fewer than the frame.
+                    n = socket.send_fds(self._sock, [frame], fds)
+                    self._sock.sendall(frame[n:])
                 else:
                     self._sock.sendall(frame)
         except OSError as e:
