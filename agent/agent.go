@@ -532,6 +532,7 @@ func (s *session) grant(q Request) (Reply, error) {
 	grp := &grantGroup{req: q.RequestID}
 	var shards []int
 	var tickets []rdma.Ticket
+	var groups []int
 	fail := func(err error) (Reply, error) {
 		for _, g := range grp.gs {
 			g.Revoke()
@@ -548,12 +549,13 @@ func (s *session) grant(q Request) (Reply, error) {
 		if len(pcs) == 0 {
 			continue
 		}
-		g, err := eng.OpenGrant(rdma.GrantSpec{RequestID: q.RequestID, Extents: merge(p.dstExtents(mem, pcs, q.Blocks, row)), Deadline: deadline})
+		ext, n := p.grantExtents(mem, pl, pcs, q.Blocks, row, pm)
+		g, err := eng.OpenGrant(rdma.GrantSpec{RequestID: q.RequestID, Extents: ext, Deadline: deadline})
 		if err != nil {
 			return fail(err)
 		}
 		grp.gs = append(grp.gs, g)
-		shards, tickets = append(shards, rs), append(tickets, g.Ticket())
+		shards, tickets, groups = append(shards, rs), append(tickets, g.Ticket()), append(groups, n)
 	}
 	grp.id = grp.gs[0].ID()
 	v := 1
@@ -561,7 +563,7 @@ func (s *session) grant(q Request) (Reply, error) {
 		v = ticketPlaneMajor
 	}
 	t, err := encodeTicket(ticket{V: v, Agent: s.a.cfg.Name, Fingerprint: p.fingerprint, DTypes: p.dtypes(), FromTP: from, ToTP: to, ToRank: rd,
-		Blocks: len(q.Blocks), Row: row >= 0}, eng.Descriptor(), shards, tickets)
+		Blocks: len(q.Blocks), Row: row >= 0}, eng.Descriptor(), shards, tickets, groups)
 	if err != nil {
 		return fail(err)
 	}

@@ -3,6 +3,7 @@ package agent
 import (
 	"bytes"
 	"encoding/binary"
+	"reflect"
 	"runtime"
 	"testing"
 
@@ -59,35 +60,58 @@ func FuzzReadFrame(f *testing.F) {
 
 func FuzzDecodeTicket(f *testing.F) {
 	rt := rdma.Ticket{Agent: "b#1", Grant: 1, Epoch: 2, RequestID: 7, Extents: []rdma.Extent{{Region: 1, Length: 8}, {Region: 2, Length: 4}}, Bytes: 12}
-	for _, tp := range []int{1, 2} {
-		shards, subs := []int{0}, []rdma.Ticket{rt}
-		if tp == 2 {
-			shards, subs = []int{0, 1}, []rdma.Ticket{rt, rt}
+	planes := rt
+	planes.Extents = []rdma.Extent{{Region: 1, Offset: 64, Length: 8}, {Region: 1, Length: 8}, {Region: 2, Offset: 96, Length: 8}, {Region: 2, Offset: 32, Length: 8}, {Region: 3, Length: 4}}
+	for _, tc := range []struct {
+		v  int
+		rt rdma.Ticket
+	}{{1, rt}, {ticketPlaneMajor, planes}} {
+		for _, tp := range []int{1, 2} {
+			shards, subs := []int{0}, []rdma.Ticket{tc.rt}
+			if tp == 2 {
+				shards, subs = []int{0, 1}, []rdma.Ticket{tc.rt, tc.rt}
+			}
+			b, err := encodeTicket(ticket{V: tc.v, Agent: "b", Fingerprint: "00", Blocks: 1, Row: true, FromTP: tp, ToTP: 1}, rdma.Descriptor{Agent: "b#1"}, shards, subs, []int{2, 2})
+			if err != nil {
+				f.Fatal(err)
+			}
+			f.Add(b, 0)
+			f.Add(b, 1)
 		}
-		b, err := encodeTicket(ticket{V: 1, Agent: "b", Fingerprint: "00", Blocks: 1, Row: true, FromTP: tp, ToTP: 1}, rdma.Descriptor{Agent: "b#1"}, shards, subs)
-		if err != nil {
-			f.Fatal(err)
-		}
-		f.Add(b, 0)
-		f.Add(b, 1)
 	}
 	f.Fuzz(func(t *testing.T, b []byte, rank int) {
-		tk, d, rt, ok, err := decodeTicket(b, rank)
+		tk, d, sub, err := decodeTicket(b, rank)
 		if err != nil {
 			return
 		}
 		if tk.FromTP < 1 || tk.ToRank >= tk.ToTP || len(tk.Subs) == 0 || (tk.Blocks == 0 && !tk.Row) {
 			t.Fatalf("accepted a ticket of TP %d → rank %d of %d, %d grants, %d blocks, row %v", tk.FromTP, tk.ToRank, tk.ToTP, len(tk.Subs), tk.Blocks, tk.Row)
 		}
-		if ok && rt.Agent != d.Agent {
-			t.Fatalf("accepted a ticket of agent %q with the descriptor of %q", rt.Agent, d.Agent)
+		if sub == nil {
+			return
+		}
+		const most = 64
+		rt, err := sub.ticket(most)
+		if err != nil {
+			return
+		}
+		if rt.Agent != d.Agent || len(rt.Extents) > most {
+			t.Fatalf("accepted a ticket of agent %q with the descriptor of %q, %d extents", rt.Agent, d.Agent, len(rt.Extents))
+		}
+		if tk.V != ticketFolded && len(sub.Shape) > 0 {
+			t.Fatalf("accepted folded extents in a version-%d ticket", tk.V)
+		}
+		w, _ := toWire(rt, 0)
+		again, err := w.ticket(most)
+		if err != nil || !reflect.DeepEqual(again.Extents, rt.Extents) {
+			t.Fatalf("unfolded %v, unfolded again %v (%v)", rt.Extents, again.Extents, err)
 		}
 	})
 }
 
 func FuzzDecodeOffer(f *testing.F) {
 	rt := rdma.Ticket{Agent: "b#1", Grant: 1, RequestID: 7, Extents: []rdma.Extent{{Region: 1, Length: 8}}, Bytes: 8}
-	tb, err := encodeTicket(ticket{V: 1, Agent: "b", Blocks: 1, FromTP: 1, ToTP: 1}, rdma.Descriptor{Agent: "b#1"}, []int{0}, []rdma.Ticket{rt})
+	tb, err := encodeTicket(ticket{V: 1, Agent: "b", Blocks: 1, FromTP: 1, ToTP: 1}, rdma.Descriptor{Agent: "b#1"}, []int{0}, []rdma.Ticket{rt}, []int{0})
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -153,7 +177,7 @@ func TestDecodersRefuseLengthsTheyDoNotHold(t *testing.T) {
 		decode func() error
 	}{
 		{"request", func() error { _, err := decodeRequest(fixmap(str("op"), str("send"), str("blocks"), huge)); return err }},
-		{"ticket", func() error { _, _, _, _, err := decodeTicket(tk, 0); return err }},
+		{"ticket", func() error { _, _, _, err := decodeTicket(tk, 0); return err }},
 		{"reply", func() error { _, err := decodeReply(fixmap(str("re"), []byte{0x01}, str("peers"), huge)); return err }},
 		{"offer", func() error {
 			_, _, err := decodeOffer(fixmap(str("from"), str("a"), str("ticket"), bin(tk)))

@@ -85,15 +85,20 @@ func TestSegmentsCut(t *testing.T) {
 	}, segs)
 
 	for _, ext := range [][]rdma.Extent{
-		{{Length: 16}},                                // too short
-		{{Length: 16}, {Length: 4}, {Length: 1}},      // too long
-		{{Length: 24}},                                // one too long
-		{{Length: 16}, {Length: 0}, {Length: 4}},      // an empty one
-		slices.Repeat([]rdma.Extent{{Length: 1}}, 20), // more than the receiver's planes cut
+		{{Length: 16}},                           // too short
+		{{Length: 16}, {Length: 4}, {Length: 1}}, // too long
+		{{Length: 24}},                           // one too long
+		{{Length: 16}, {Length: 0}, {Length: 4}}, // an empty one
 	} {
-		_, err := p.segments(r, []piece{{len: 16}, {mamba: true, len: 4}}, []int{3}, 5, ext)
+		_, err := p.segments(r, pcs, []int{3}, 5, ext)
 		require.ErrorIs(t, err, ErrBadTicket, "%v", ext)
 	}
+	// More extents than the receiver's planes cut are refused as the
+	// ticket unfolds, before the segments.
+	w, _ := toWire(rdma.Ticket{Extents: slices.Repeat([]rdma.Extent{{Length: 1}}, 20)}, 0)
+	w.Token = make([]byte, 16)
+	_, err = w.ticket(p.mostExtents(pcs))
+	require.ErrorIs(t, err, ErrBadTicket)
 }
 
 // randomPlanes places n units of planes of lens: back to back (nil), each
@@ -539,9 +544,11 @@ func TestPlaneMajorTicket(t *testing.T) {
 	ctx := ctxT(t)
 	g, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 70, Blocks: []int{4, 5, 6, 7}, Row: Row(1)}, nil)
 	require.NoError(t, err)
-	tk, _, rt, _, err := decodeTicket(g.Ticket, 0)
+	tk, _, sub, err := decodeTicket(g.Ticket, 0)
 	require.NoError(t, err)
-	require.Equal(t, ticketPlaneMajor, tk.V)
+	require.Equal(t, ticketFolded, tk.V)
+	rt, err := sub.ticket(1 << 10)
+	require.NoError(t, err)
 	require.Len(t, rt.Extents, 2*l.KV.Layers+2*l.Mamba.Layers)
 	_, err = send.c.Call(ctx, Request{Op: OpSend, Ticket: g.Ticket, Blocks: []int{9, 10, 20, 3}, Row: Row(0)}, nil)
 	require.NoError(t, err)

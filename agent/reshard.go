@@ -153,6 +153,25 @@ func (p *pools) dstExtents(regions []rdma.RegionID, pcs []piece, blocks []int, r
 	return out
 }
 
+// grantExtents places a grant's pieces (dstExtents) and merges them. A
+// plane-major grant (pm) merges its KV extents apart from its Mamba ones,
+// and n is how many each of the destination's KV rows has when they have
+// as many (0 otherwise): the groups its ticket folds.
+func (p *pools) grantExtents(regions []rdma.RegionID, pl *plans, pcs []piece, blocks []int, row int, pm bool) (ext []rdma.Extent, n int) {
+	if !pm {
+		return merge(p.dstExtents(regions, pcs, blocks, row)), 0
+	}
+	k := 0
+	for k < len(pcs) && !pcs[k].mamba {
+		k++
+	}
+	kv := merge(p.dstExtents(regions, pcs[:k], blocks, row))
+	if rows := pl.kv.Layout.Rows; len(kv)%rows == 0 {
+		n = len(kv) / rows
+	}
+	return append(kv, merge(p.dstExtents(regions, pcs[k:], blocks, row))...), n
+}
+
 // merge joins extents that continue each other in one region: a run of
 // consecutive blocks is one extent, as the workers send runs. A write
 // lands the concatenation of its sources in the concatenation of its
@@ -179,17 +198,19 @@ type seg struct {
 	src   rdma.Extent
 }
 
+// mostExtents bounds the extents of a ticket for pcs: a receiver cuts a
+// piece at most into one extent per plane of the layout (2 per layer, as
+// ours, by the fingerprint). More are not a receiver's, and would only
+// cost this agent memory.
+func (p *pools) mostExtents(pcs []piece) int {
+	return len(pcs) * 2 * max(p.kv.Layers, p.mamba.Layers, 1)
+}
+
 // segments cuts a send's pieces where they cross an extent of the ticket
 // (the receiver's memory) or a plane of this agent's, and places each cut
-// in both. The ticket's extents must hold the pieces' bytes exactly.
+// in both. The ticket's extents must hold the pieces' bytes exactly (no
+// more than mostExtents of them, none empty).
 func (p *pools) segments(regions []rdma.RegionID, pcs []piece, blocks []int, row int, ext []rdma.Extent) ([]seg, error) {
-	// A receiver cuts a piece at most into one extent per plane of the
-	// layout (2 per layer, as ours, by the fingerprint): more extents, or
-	// empty ones, are not a receiver's, and would only cost this agent
-	// memory.
-	if most := len(pcs) * 2 * max(p.kv.Layers, p.mamba.Layers, 1); len(ext) > most {
-		return nil, fmt.Errorf("%w: %d extents for %d pieces, at most %d", ErrBadTicket, len(ext), len(pcs), most)
-	}
 	for i, e := range ext {
 		if e.Length == 0 {
 			return nil, fmt.Errorf("%w: extent %d is empty", ErrBadTicket, i)

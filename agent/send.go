@@ -67,7 +67,7 @@ func (s *session) openSend(q Request) (Reply, error) {
 	if err := p.checkNames(q.Blocks, row); err != nil {
 		return Reply{}, err
 	}
-	tk, peer, rt, mine, err := decodeTicket(q.Ticket, p.l.TP.Rank)
+	tk, peer, sub, err := decodeTicket(q.Ticket, p.l.TP.Rank)
 	if err != nil {
 		return Reply{}, err
 	}
@@ -79,14 +79,19 @@ func (s *session) openSend(q Request) (Reply, error) {
 		return Reply{}, err
 	}
 	pcs := pl.pieces(p.l.TP.Rank, tk.ToRank, len(q.Blocks), row >= 0)
-	if tk.V == ticketPlaneMajor {
+	if tk.V >= ticketPlaneMajor {
 		pcs = pl.planeMajor(pcs)
 	}
+	mine := sub != nil
 	if mine != (len(pcs) > 0) {
 		return Reply{}, fmt.Errorf("%w: agent %q's ticket and the plan disagree on whether shard %d writes", ErrBadTicket, tk.Agent, p.l.TP.Rank)
 	}
+	var rt rdma.Ticket
 	var segs []seg
 	if mine {
+		if rt, err = sub.ticket(p.mostExtents(pcs)); err != nil {
+			return Reply{}, fmt.Errorf("agent %q: %w", tk.Agent, err)
+		}
 		if segs, err = p.segments(s.regions(), pcs, q.Blocks, row, rt.Extents); err != nil {
 			return Reply{}, fmt.Errorf("agent %q: %w", tk.Agent, err)
 		}
