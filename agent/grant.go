@@ -1,0 +1,137 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/reshard"
+)
+
+// grantGroup is what one grant request opened: one rdma grant per source
+// shard that writes into this shard (one when both TP sizes are equal).
+// Its id is its first grant's.
+type grantGroup struct {
+	id  uint64
+	req uint64
+	gs  []*rdma.Grant
+}
+
+// grant opens the grants over the named blocks and row that the senders'
+// shards write (reshard.go) and returns their ticket; an event reports
+// how they ended, together.
+func (s *session) grant(q Request) (Reply, error) {
+	eng, p, err := s.registration()
+	if err != nil {
+		return Reply{}, err
+	}
+	row := rowOf(q)
+	if err := p.checkNames(q.Blocks, row); err != nil {
+		return Reply{}, err
+	}
+	from, to, rd := q.FromTP, p.l.TP.Size, p.l.TP.Rank
+	if from == 0 {
+		from = to
+	}
+	if from < 1 || from > reshard.MaxTP {
+		return Reply{}, fmt.Errorf("%w: senders' TP %d", ErrBadRequest, from)
+	}
+	pl, err := p.plans(from, to)
+	if err != nil {
+		return Reply{}, err
+	}
+	var deadline time.Time
+	if q.DeadlineMS > 0 {
+		deadline = time.Now().Add(time.Duration(q.DeadlineMS) * time.Millisecond)
+	}
+	grp := &grantGroup{req: q.RequestID}
+	var shards []int
+	var tickets []rdma.Ticket
+	var groups []int
+	fail := func(err error) (Reply, error) {
+		for _, g := range grp.gs {
+			g.Revoke()
+		}
+		return Reply{}, err
+	}
+	mem := s.regions()
+	pm := p.kvAt.placed() // ticket version 2: see plans.planeMajor
+	for rs := range from {
+		pcs := pl.pieces(rs, rd, len(q.Blocks), row >= 0)
+		if pm {
+			pcs = pl.planeMajor(pcs)
+		}
+		if len(pcs) == 0 {
+			continue
+		}
+		ext, n := p.grantExtents(mem, pl, pcs, q.Blocks, row, pm)
+		g, err := eng.OpenGrant(rdma.GrantSpec{RequestID: q.RequestID, Extents: ext, Deadline: deadline})
+		if err != nil {
+			return fail(err)
+		}
+		grp.gs = append(grp.gs, g)
+		shards, tickets, groups = append(shards, rs), append(tickets, g.Ticket()), append(groups, n)
+	}
+	grp.id = grp.gs[0].ID()
+	v := 1
+	if pm {
+		v = ticketPlaneMajor
+	}
+	t, err := encodeTicket(ticket{V: v, Agent: s.a.cfg.Name, Fingerprint: p.fingerprint, DTypes: p.dtypes(), FromTP: from, ToTP: to, ToRank: rd,
+		Blocks: len(q.Blocks), Row: row >= 0}, eng.Descriptor(), shards, tickets, groups)
+	if err != nil {
+		return fail(err)
+	}
+	s.mu.Lock()
+	s.grants[grp.id] = grp
+	s.mu.Unlock()
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.watchGrant(grp)
+	}()
+	return Reply{Grant: grp.id, Ticket: t}, nil
+}
+
+// watchGrant reports the end of a group's grants as one event: done when
+// every grant is, else the first failure. A failure revokes the others.
+func (s *session) watchGrant(grp *grantGroup) {
+	var bytes uint64
+	var first error
+	for _, g := range grp.gs {
+		<-g.Done()
+		m, err := g.Wait(context.Background())
+		if err != nil && first == nil {
+			first = err
+			for _, o := range grp.gs {
+				o.Revoke()
+			}
+		}
+		for _, b := range m.Bytes {
+			bytes += b
+		}
+	}
+	s.mu.Lock()
+	delete(s.grants, grp.id)
+	s.mu.Unlock()
+	ev := Reply{Ev: EvGrantDone, Grant: grp.id, RequestID: grp.req, Bytes: bytes}
+	if first != nil {
+		ev = Reply{Ev: EvGrantFailed, Grant: grp.id, RequestID: grp.req, Code: Code(first), Msg: first.Error()}
+	}
+	s.reply(ev)
+}
+
+// revoke fences a grant: once the reply is sent, no byte of it lands.
+func (s *session) revoke(q Request) (Reply, error) {
+	s.mu.Lock()
+	grp := s.grants[q.Grant]
+	s.mu.Unlock()
+	if grp == nil {
+		return Reply{}, fmt.Errorf("%w: grant %d", ErrUnknown, q.Grant)
+	}
+	for _, g := range grp.gs {
+		g.Revoke()
+	}
+	return Reply{Grant: q.Grant}, nil
+}
