@@ -118,8 +118,14 @@ func (c *Client) Call(ctx context.Context, q Request, fds []int) (Reply, error) 
 	q.ID = c.nextID
 	c.calls[q.ID] = ch
 	c.mu.Unlock()
+	forget := func() {
+		c.mu.Lock()
+		delete(c.calls, q.ID)
+		c.mu.Unlock()
+	}
 	b, err := msgpack.Marshal(q)
 	if err != nil {
+		forget()
 		return Reply{}, err
 	}
 	frame := make([]byte, 4+len(b))
@@ -138,6 +144,10 @@ func (c *Client) Call(ctx context.Context, q Request, fds []int) (Reply, error) 
 	}
 	c.wmu.Unlock()
 	if err != nil {
+		// Part of a frame may have gone: nothing after it would be read
+		// as the agent's next frame, so the connection ends here.
+		forget()
+		c.c.Close()
 		return Reply{}, fmt.Errorf("%w: %w", ErrClosed, err)
 	}
 	select {
@@ -152,9 +162,7 @@ func (c *Client) Call(ctx context.Context, q Request, fds []int) (Reply, error) 
 		}
 		return rep, nil
 	case <-ctx.Done():
-		c.mu.Lock()
-		delete(c.calls, q.ID)
-		c.mu.Unlock()
+		forget()
 		return Reply{}, ctx.Err()
 	}
 }

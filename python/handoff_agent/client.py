@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import queue
+import select
 import socket
 import struct
 import threading
@@ -127,6 +128,8 @@ class Agent:
                     raise
                 time.sleep(0.02)
         self._sock.settimeout(None)
+        self._poll = select.poll()
+        self._poll.register(self._sock, select.POLLIN)
         self._timeout = timeout
         self._wlock = threading.Lock()
         self._cond = threading.Condition()
@@ -159,17 +162,19 @@ class Agent:
                     msg = msgpack.unpackb(bytes(self._buf[4 : 4 + n]), raw=False)
                     del self._buf[: 4 + n]
                     return msg
+            # poll, not settimeout: the socket's blocking mode is also the
+            # writers' (sendall), whom a reader's deadline must not cut off
+            # mid-frame.
+            wait_ms = None
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError("agent: no message in time")
-                self._sock.settimeout(left)
-            else:
-                self._sock.settimeout(None)
+                wait_ms = max(1, int(left * 1000))
             try:
+                if not self._poll.poll(wait_ms):
+                    continue  # the deadline is checked again above
                 chunk = self._sock.recv(1 << 16)
-            except socket.timeout:
-                raise TimeoutError("agent: no message in time") from None
             except OSError:
                 return None
             if not chunk:
@@ -250,6 +255,9 @@ class Agent:
                 else:
                     self._sock.sendall(frame)
         except OSError as e:
+            # Part of the frame may have gone; nothing after it would be
+            # read as the agent's next frame, so the connection ends here.
+            self.close()
             raise AgentClosed(f"connection to the agent: {e}") from e
         try:
             rep = self._wait(lambda: self._replies.pop(cid, None), self._timeout)

@@ -3,6 +3,7 @@ import os
 import queue
 import re
 import signal
+import threading
 
 import pytest
 import torch
@@ -317,3 +318,35 @@ def test_nhd_order(agents):
     with pytest.raises(AgentError) as e:
         a.send(g.ticket, blocks=[8])
     assert e.value.code == "layout_mismatch" and "nhd" in str(e.value)
+
+
+def test_large_request_while_another_thread_waits(agents):
+    """A request of megabytes (a million block names) goes whole while
+    another thread waits for events with a short deadline: the reader's
+    deadline is not the writer's, so the send is not cut off mid-frame
+    and the agent answers it."""
+    a, _ = engine(agents("pre"), 40)
+    stop = threading.Event()
+
+    waits = []
+
+    def waiter():
+        while not stop.is_set():
+            try:
+                a.wait(lambda e: False, timeout=0.0005)
+            except queue.Empty:
+                waits.append(1)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    try:
+        for _ in range(3):
+            with pytest.raises(AgentError) as e:
+                a.grant(70, blocks=[1 << 30] * (1 << 20))
+            assert e.value.code == "bad_request"
+    finally:
+        stop.set()
+        t.join()
+    assert len(waits) > 10  # the waiter waited throughout
+    g = a.grant(71, blocks=[1])  # the connection is still in step
+    a.revoke(g)
