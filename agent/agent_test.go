@@ -454,7 +454,7 @@ func TestConfigRefusesBadNames(t *testing.T) {
 // rowOff is the arena offset of row r of a layout without planes.
 func (p *pools) rowOff(r int) uint64 { return uint64(r) * uint64(p.mamba.RowBytes()) }
 
-// TestLargeRequestFrame: a request larger than the socket's buffer (8 MB
+// TestLargeRequestFrame: a request larger than the socket's buffer (5 MB
 // of block names) reaches the agent whole and is answered; a client that
 // wrote only what the first write took left the agent waiting for the
 // rest, and the call hanging to its deadline.

@@ -229,14 +229,25 @@ func TestPlanesProperty(t *testing.T) {
 				if pm {
 					pcs = pl.planeMajor(pcs)
 				}
-				ext := merge(recv.p.dstExtents(simRegions, pcs, dstBlocks, dstRow))
+				// The grant's extents, through a ticket folded as the
+				// receiver folds it, unfolded under the sender's bound.
+				ext, g := recv.p.grantExtents(simRegions, pl, pcs, dstBlocks, dstRow, pm)
 				spl, err := snd.p.plans(from, to)
 				require.NoError(t, err)
 				spcs := spl.pieces(rs, rd, nb, true)
 				if pm {
 					spcs = spl.planeMajor(spcs)
 				}
-				segs, err := snd.p.segments(simRegions, spcs, srcBlocks, srcRow, ext)
+				w, folded := toWire(rdma.Ticket{Token: [16]byte{1}, Extents: ext}, g)
+				alike := pm // the receiver's KV planes of one stride list their blocks alike
+				for _, pt := range recv.p.kvAt.parts {
+					alike = alike && pt.stride == recv.p.kvAt.parts[0].stride
+				}
+				require.True(t, folded || !alike, "%s: not folded", name)
+				rt, err := w.ticket(snd.p.mostExtents(spcs))
+				require.NoError(t, err, name)
+				require.Equal(t, ext, rt.Extents, name)
+				segs, err := snd.p.segments(simRegions, spcs, srcBlocks, srcRow, rt.Extents)
 				require.NoError(t, err, name)
 				if !layers {
 					var flat []byte
@@ -546,7 +557,7 @@ func TestPlaneMajorTicket(t *testing.T) {
 	require.NoError(t, err)
 	tk, _, sub, err := decodeTicket(g.Ticket, 0)
 	require.NoError(t, err)
-	require.Equal(t, ticketFolded, tk.V)
+	require.Equal(t, ticketPlaneMajor, tk.V, "a small ticket is not folded")
 	rt, err := sub.ticket(1 << 10)
 	require.NoError(t, err)
 	require.Len(t, rt.Extents, 2*l.KV.Layers+2*l.Mamba.Layers)

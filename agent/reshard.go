@@ -154,22 +154,30 @@ func (p *pools) dstExtents(regions []rdma.RegionID, pcs []piece, blocks []int, r
 }
 
 // grantExtents places a grant's pieces (dstExtents) and merges them. A
-// plane-major grant (pm) merges its KV extents apart from its Mamba ones,
-// and n is how many each of the destination's KV rows has when they have
-// as many (0 otherwise): the groups its ticket folds.
+// plane-major grant (pm) merges each of the destination's KV rows apart
+// (and the Mamba pieces after them), so that every row lists its blocks
+// alike even where one plane ends where the next begins; n is how many
+// extents each row has when they have as many (0 otherwise): the groups
+// its ticket folds.
 func (p *pools) grantExtents(regions []rdma.RegionID, pl *plans, pcs []piece, blocks []int, row int, pm bool) (ext []rdma.Extent, n int) {
 	if !pm {
 		return merge(p.dstExtents(regions, pcs, blocks, row)), 0
 	}
-	k := 0
-	for k < len(pcs) && !pcs[k].mamba {
-		k++
+	rows := pl.kv.Layout.Rows
+	rb := uint64(pl.kv.DstBytes) / uint64(rows) // as planeMajor cut them
+	i := 0
+	for i < len(pcs) && !pcs[i].mamba {
+		j := i + 1
+		for j < len(pcs) && !pcs[j].mamba && pcs[j].dst/rb == pcs[i].dst/rb {
+			j++
+		}
+		ext = append(ext, merge(p.dstExtents(regions, pcs[i:j], blocks, row))...)
+		i = j
 	}
-	kv := merge(p.dstExtents(regions, pcs[:k], blocks, row))
-	if rows := pl.kv.Layout.Rows; len(kv)%rows == 0 {
-		n = len(kv) / rows
+	if len(ext)%rows == 0 {
+		n = len(ext) / rows
 	}
-	return append(kv, merge(p.dstExtents(regions, pcs[k:], blocks, row))...), n
+	return append(ext, merge(p.dstExtents(regions, pcs[i:], blocks, row))...), n
 }
 
 // merge joins extents that continue each other in one region: a run of
@@ -198,12 +206,22 @@ type seg struct {
 	src   rdma.Extent
 }
 
-// mostExtents bounds the extents of a ticket for pcs: a receiver cuts a
-// piece at most into one extent per plane of the layout (2 per layer, as
-// ours, by the fingerprint). More are not a receiver's, and would only
-// cost this agent memory.
+// mostExtents bounds the extents of a ticket for pcs: a receiver places a
+// KV piece in one extent (its blocks are contiguous, or it lists them
+// plane by plane and planeMajor cut the pieces at its planes), and cuts a
+// Mamba piece at most into one extent per plane of its state (2 per
+// layer, as ours, by the fingerprint); never more than a grant holds.
+// More are not a receiver's, and would only cost this agent memory.
 func (p *pools) mostExtents(pcs []piece) int {
-	return len(pcs) * 2 * max(p.kv.Layers, p.mamba.Layers, 1)
+	n := 0
+	for _, pc := range pcs {
+		if pc.mamba {
+			n += 2 * max(p.mamba.Layers, 1)
+		} else {
+			n++
+		}
+	}
+	return min(n, rdma.MaxExtents)
 }
 
 // segments cuts a send's pieces where they cross an extent of the ticket

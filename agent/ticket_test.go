@@ -91,17 +91,17 @@ func TestFoldedTicketRefused(t *testing.T) {
 }
 
 // TestLargeTicketOffered: a per-layer receiver of a 32-layer model grants
-// 3,000 blocks in an order none of whose extents merge (192,000 extents,
-// about 1.3 MB listed one by one, past NATS's default 1 MB payload); the
-// ticket folds to kilobytes, goes over NATS as an offer, and the sender's
-// blocks land where named.
+// 3,000 blocks none of whose extents merge within a plane (192,000
+// extents, about 1.3 MB listed one by one, past NATS's default 1 MB
+// payload); the ticket folds to kilobytes, goes over NATS as an offer,
+// and the sender's blocks land where named. The blocks begin at the first
+// and end at the last of each plane, and a layer's V plane follows its K
+// plane in memory, so a plane's last extent and the next one's first
+// would merge into one, and the planes list their blocks alike only if
+// each is merged apart.
 func TestLargeTicketOffered(t *testing.T) {
-	const layers, blocks = 32, 3000
-	l := Layout{
-		Model: "many-layers", Revision: "test", Pattern: "M" + strings.Repeat("*", layers), Vocab: 256,
-		KV:    &KVLayout{Layers: layers, KVHeads: 1, HeadDim: 4, TokensPerBlock: 2, DType: "float32", Blocks: blocks + 8},
-		Mamba: &MambaLayout{Layers: 1, Heads: 2, HeadDim: 4, DState: 4, NGroups: 1, DConv: 4, ConvDType: "float32", SSMDType: "float32", Rows: 3, Reserved: []int{2}},
-	}
+	const blocks = 3000
+	l := manyLayers(2 * blocks)
 	srv := natstest.Run(t)
 	sockA, _ := startAgentNATS(t, natstest.Connect(t, srv), "pre", rdma.TransportSHM)
 	sockB, _ := startAgentNATS(t, natstest.Connect(t, srv), "dec", rdma.TransportSHM)
@@ -111,19 +111,20 @@ func TestLargeTicketOffered(t *testing.T) {
 
 	dst, src := make([]int, blocks), make([]int, blocks)
 	for i := range dst {
-		dst[i] = blocks - 1 - i // descending: no two of a plane's extents merge
-		src[i] = (i * 7) % (blocks + 8)
+		dst[i] = 2 * i // apart: no two of a plane's extents merge
+		src[i] = (i * 7) % (2 * blocks)
 	}
+	dst[blocks-1] = 2*blocks - 1 // the plane's last block
 	ctx := ctxT(t)
 	g, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 90, Blocks: dst, Row: Row(1)}, nil)
 	require.NoError(t, err)
-	//require.Less(t, len(g.Ticket), 64<<10, "a ticket of %d bytes", len(g.Ticket))
+	require.Less(t, len(g.Ticket), 64<<10, "a ticket of %d bytes", len(g.Ticket))
 	tk, _, sub, err := decodeTicket(g.Ticket, 0)
 	require.NoError(t, err)
 	require.Equal(t, ticketFolded, tk.V)
 	rt, err := sub.ticket(1 << 20)
 	require.NoError(t, err)
-	require.GreaterOrEqual(t, len(rt.Extents), 2*layers*blocks)
+	require.GreaterOrEqual(t, len(rt.Extents), 2*l.KV.Layers*blocks)
 	listed, _ := toWire(rt, 0)
 	lb, err := msgpack.Marshal(listed)
 	require.NoError(t, err)
@@ -140,4 +141,58 @@ func TestLargeTicketOffered(t *testing.T) {
 		require.Equal(t, send.block(src[i]), recv.vunit(false, dst[i]), "block %d", dst[i])
 	}
 	require.Equal(t, send.row(0), recv.vunit(true, 1))
+}
+
+// manyLayers is a model of 32 attention layers and small blocks, one
+// Mamba layer.
+func manyLayers(blocks int) Layout {
+	const layers = 32
+	return Layout{
+		Model: "many-layers", Revision: "test", Pattern: "M" + strings.Repeat("*", layers), Vocab: 256,
+		KV:    &KVLayout{Layers: layers, KVHeads: 1, HeadDim: 4, TokensPerBlock: 2, DType: "float32", Blocks: blocks},
+		Mamba: &MambaLayout{Layers: 1, Heads: 2, HeadDim: 4, DState: 4, NGroups: 1, DConv: 4, ConvDType: "float32", SSMDType: "float32", Rows: 3, Reserved: []int{2}},
+	}
+}
+
+// TestForgedFoldedTicketBounded: a forged folded ticket of 14 KB that
+// claims 12 million extents for a send of 3,000 blocks (what two extents
+// per piece and layer would have allowed) is refused before the sending
+// agent makes room for them: the bound is what a receiver can cut the
+// send's pieces into, 192,002 here.
+func TestForgedFoldedTicketBounded(t *testing.T) {
+	const blocks = 3000
+	l := manyLayers(blocks)
+	pl, size := perLayer(t, l)
+	recv := registerPlanes(t, startAgent(t, "dec", rdma.TransportSHM), pl, size)
+	send := register(t, startAgent(t, "pre", rdma.TransportSHM), l)
+	names := make([]int, blocks)
+	for i := range names {
+		names[i] = i
+	}
+	ctx := ctxT(t)
+	g, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 91, Blocks: names, Row: Row(0)}, nil)
+	require.NoError(t, err)
+	var tk ticket
+	require.NoError(t, msgpack.Unmarshal(g.Ticket, &tk))
+	const n = 3505 // 3505² ≈ 12.3 million
+	sub := &tk.Subs[0].Ticket
+	sub.Shape, sub.Bases, sub.Extents = make(words, 0, 2*n), make(words, 0, 2*n), nil
+	for range n {
+		sub.Shape = append(sub.Shape, 0, 1)
+		sub.Bases = append(sub.Bases, 1, 0)
+	}
+	tk.V = ticketFolded
+	forged, err := msgpack.Marshal(tk)
+	require.NoError(t, err)
+
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	_, err = send.c.Call(ctx, Request{Op: OpSend, Ticket: forged, Blocks: names, Row: Row(1)}, nil)
+	runtime.ReadMemStats(&after)
+	require.ErrorIs(t, err, ErrBadTicket)
+	require.Contains(t, err.Error(), "at most 192002")
+	require.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(64<<20), "the agent made room for what the ticket claimed")
+	_, err = recv.c.Call(ctx, Request{Op: OpRevoke, Grant: g.Grant}, nil)
+	require.NoError(t, err)
 }

@@ -206,6 +206,11 @@ const (
 	ticketFolded     = 3
 )
 
+// foldFrom is the fewest extents a ticket folds: fewer fit a frame and an
+// offer many times over as they are, and stay version 2, which senders
+// that predate folding take.
+const foldFrom = 1024
+
 // ticket is what a receiving agent hands its engine for the senders: one
 // rdma ticket per source shard that writes into this destination shard
 // (reshard.go), the receiver's descriptor (so a sender needs no lookup),
@@ -425,8 +430,8 @@ func (w wireTicket) ticket(most int) (rdma.Ticket, error) {
 
 // encodeTicket renders a ticket as the bytes the engine carries: subs[i]
 // is the rdma ticket of source shard shards[i], its extents folded in
-// groups of groups[i] (fold) where t is plane-major, which makes it a
-// version-3 ticket.
+// groups of groups[i] (fold) where t is plane-major and they are many
+// (foldFrom), which makes it a version-3 ticket.
 func encodeTicket(t ticket, d rdma.Descriptor, shards []int, subs []rdma.Ticket, groups []int) ([]byte, error) {
 	var err error
 	if t.Desc, err = json.Marshal(d); err != nil {
@@ -434,7 +439,7 @@ func encodeTicket(t ticket, d rdma.Descriptor, shards []int, subs []rdma.Ticket,
 	}
 	for i, rt := range subs {
 		g := 0
-		if t.V == ticketPlaneMajor || t.V == ticketFolded {
+		if (t.V == ticketPlaneMajor || t.V == ticketFolded) && len(rt.Extents) >= foldFrom {
 			g = groups[i]
 		}
 		w, folded := toWire(rt, g)

@@ -50,9 +50,6 @@ const (
 	// (a writer configured with SkipCRC).
 	flagNoCRC = 1
 
-	// maxExtents bounds the extents of one grant; it keeps a commit payload
-	// (12 bytes per extent) under 12 MiB.
-	maxExtents = 1 << 20
 	// maxDataLen bounds one data frame; larger pieces are split by the writer.
 	maxDataLen = 1 << 40
 	// maxMsgLen bounds reply messages and hello agent ids.
@@ -124,12 +121,12 @@ func decodeHeader(b []byte) (header, error) {
 		if h.offset > math.MaxUint64-h.length {
 			return h, malformed("data offset %d + length %d overflows", h.offset, h.length)
 		}
-		if h.index >= maxExtents {
-			return h, malformed("extent index %d >= %d", h.index, maxExtents)
+		if h.index >= MaxExtents {
+			return h, malformed("extent index %d >= %d", h.index, MaxExtents)
 		}
 	case frameCommit:
-		if h.index == 0 || h.index > maxExtents {
-			return h, malformed("commit extent count %d not in 1..%d", h.index, maxExtents)
+		if h.index == 0 || h.index > MaxExtents {
+			return h, malformed("commit extent count %d not in 1..%d", h.index, MaxExtents)
 		}
 		if h.length != uint64(h.index)*manifestEntrySize {
 			return h, malformed("commit payload %d bytes, want %d", h.length, uint64(h.index)*manifestEntrySize)
@@ -148,8 +145,8 @@ func decodeHeader(b []byte) (header, error) {
 		if h.length != pullSize {
 			return h, malformed("pull payload %d bytes, want %d", h.length, pullSize)
 		}
-		if h.index >= maxExtents {
-			return h, malformed("extent index %d >= %d", h.index, maxExtents)
+		if h.index >= MaxExtents {
+			return h, malformed("extent index %d >= %d", h.index, MaxExtents)
 		}
 		if h.offset > maxDataLen {
 			return h, malformed("pull offset %d > %d", h.offset, uint64(maxDataLen))
@@ -184,7 +181,7 @@ func putManifest(b []byte, m *Manifest) {
 // decodeManifest decodes a commit payload of n entries into m, reusing its
 // slices when they are large enough.
 func decodeManifest(b []byte, n int, m *Manifest) error {
-	if n <= 0 || n > maxExtents || len(b) != n*manifestEntrySize {
+	if n <= 0 || n > MaxExtents || len(b) != n*manifestEntrySize {
 		return malformed("manifest of %d bytes for %d extents", len(b), n)
 	}
 	if cap(m.Bytes) < n {

@@ -29,8 +29,8 @@ func (e *Engine) OpenGrant(spec GrantSpec) (*Grant, error) {
 	if spec.RequestID == 0 {
 		return nil, ErrBadRequestID
 	}
-	if len(spec.Extents) == 0 || len(spec.Extents) > maxExtents {
-		return nil, fmt.Errorf("%w: grant needs 1..%d extents, got %d", ErrOutOfRange, maxExtents, len(spec.Extents))
+	if len(spec.Extents) == 0 || len(spec.Extents) > MaxExtents {
+		return nil, fmt.Errorf("%w: grant needs 1..%d extents, got %d", ErrOutOfRange, MaxExtents, len(spec.Extents))
 	}
 	now := time.Now()
 	deadline := spec.Deadline

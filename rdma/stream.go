@@ -71,7 +71,7 @@ func checkTicket(peer Descriptor, t *Ticket) error {
 	if t.Agent != peer.Agent {
 		return fmt.Errorf("%w: ticket is for %q, descriptor for %q", ErrWrongPeer, t.Agent, peer.Agent)
 	}
-	if len(t.Extents) == 0 || len(t.Extents) > maxExtents {
+	if len(t.Extents) == 0 || len(t.Extents) > MaxExtents {
 		return fmt.Errorf("%w: ticket has %d extents", ErrOutOfRange, len(t.Extents))
 	}
 	if !t.Deadline.IsZero() && !time.Now().Before(t.Deadline) {

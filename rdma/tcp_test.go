@@ -475,8 +475,8 @@ func TestCommitManifestHeldOnlyWhenAuthentic(t *testing.T) {
 			runtime.GC()
 			runtime.ReadMemStats(&ms)
 			before := ms.HeapAlloc
-			h := header{typ: frameCommit, index: maxExtents, grant: tc.grant, epoch: tc.epoch, token: tc.token, length: maxExtents * manifestEntrySize}
-			frame := make([]byte, headerSize+maxExtents*manifestEntrySize)
+			h := header{typ: frameCommit, index: MaxExtents, grant: tc.grant, epoch: tc.epoch, token: tc.token, length: MaxExtents * manifestEntrySize}
+			frame := make([]byte, headerSize+MaxExtents*manifestEntrySize)
 			h.put(frame)
 			for range conns {
 				c := r.dial(t, "mallory", "raw-rx")
@@ -492,7 +492,7 @@ func TestCommitManifestHeldOnlyWhenAuthentic(t *testing.T) {
 			runtime.GC()
 			runtime.ReadMemStats(&ms)
 			grew := ms.HeapAlloc - min(ms.HeapAlloc, before)
-			require.Less(t, grew, uint64(maxExtents*manifestEntrySize),
+			require.Less(t, grew, uint64(MaxExtents*manifestEntrySize),
 				"%d refused commits left %d MiB held on the receiver", conns, grew>>20)
 		})
 	}

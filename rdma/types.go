@@ -24,6 +24,10 @@ const (
 // AgentID names an engine; unique per process.
 type AgentID string
 
+// MaxExtents bounds the extents of one grant (a Ticket's); it keeps a
+// commit payload (12 bytes per extent) under 12 MiB.
+const MaxExtents = 1 << 20
+
 // RegionID names a registered region inside one engine.
 type RegionID uint32
 

@@ -105,7 +105,7 @@ func (e *Engine) Write(ctx context.Context, peer Descriptor, t Ticket, src []Ext
 	if t.Agent != peer.Agent {
 		return Manifest{}, fmt.Errorf("%w: ticket is for %q, descriptor for %q", ErrWrongPeer, t.Agent, peer.Agent)
 	}
-	if len(t.Extents) == 0 || len(t.Extents) > maxExtents {
+	if len(t.Extents) == 0 || len(t.Extents) > MaxExtents {
 		return Manifest{}, fmt.Errorf("%w: ticket has %d extents", ErrOutOfRange, len(t.Extents))
 	}
 	if !t.Deadline.IsZero() && !time.Now().Before(t.Deadline) {
