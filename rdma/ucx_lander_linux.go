@@ -6,11 +6,14 @@ package rdma
 // and who ends its landing (the receive's completion or a fence).
 
 import (
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/handoff-io/handoff/internal/ucx"
 )
 
 // ucxLander is one admitted data message: its landing, the staging
@@ -145,9 +148,13 @@ func (l *ucxLander) abortLanding() {
 }
 
 // received ends the landing once UCX completed the receive (rerr nil: all
-// of it is in the staging buffer), and frees the buffer.
+// of it is in the staging buffer), and frees the buffer, unless the
+// worker's Close left the receive in flight (ucx.ErrLeaked): the buffer
+// is then UCX's for good.
 func (l *ucxLander) received(r *ucxRx, rerr error) {
-	defer freeStage(l.stage)
+	if !errors.Is(rerr, ucx.ErrLeaked) {
+		defer freeStage(l.stage)
+	}
 	if !l.state.CompareAndSwap(ucxReceiving, ucxCopying) {
 		return // abandoned by a fence: the grant is out of its epoch
 	}

@@ -438,10 +438,12 @@ func (l *ucxLink) close() {
 		l.s.mu.Lock()
 		delete(l.s.txByEP, ep)
 		l.s.mu.Unlock()
-		ctx, cancel = context.WithTimeout(context.Background(), time.Second)
-		if err := l.s.w.CloseEndpoint(ctx, ep, ucx.CloseFlush); err != nil {
-			_ = l.s.w.CloseEndpoint(ctx, ep, ucx.CloseForce)
-		}
+		// By force: the goodbye went (or could not), and a flush close
+		// needs the peer, which may be stopped; UCX closes an endpoint
+		// once, so a flush that never completes could not be forced later,
+		// and a write still waiting on the endpoint would wait with it.
+		ctx, cancel = context.WithTimeout(context.Background(), ucxCallTimeout)
+		_ = l.s.w.CloseEndpoint(ctx, ep, ucx.CloseForce)
 		cancel()
 	}
 	l.s.mu.Lock()

@@ -93,15 +93,21 @@
 // (a dead grant), then Fence(tok); when Fence returns nil nothing of tok
 // is in flight and nothing more will land. A receive whose sender froze
 // mid-transfer over tcp holds Fence; Abort(tok) then force-closes the
-// connections tok's receives came by (senders set UCP_AM_SEND_FLAG_REPLY,
-// so the receiver knows them), which ends those receives with ErrCanceled
-// (TestAbortEndsStalledReceive: nothing lands afterwards, even once the
-// sender resumes). A sender that dies ends its receives in error within
+// connections tok's receives came by, which ends those receives with
+// ErrCanceled. It closes only the receiver's own endpoints (senders set
+// UCP_AM_SEND_FLAG_REPLY, and a receiver that connected back to a sender
+// before it sent gets its messages by that endpoint: UCX pairs the two);
+// one UCX made for a peer can be destroyed by UCX at any time, so its
+// handle is never kept. TestAbortEndsStalledReceive: nothing lands
+// afterwards, even once the sender resumes. A sender that dies ends its receives in error within
 // milliseconds (tcp: ErrEndpointTimeout; cma: ErrIOError).
 //
-// Close force-closes every endpoint, cuts the receives in flight, waits up
-// to 2 s for UCX to finish, destroys the worker and ends what is left with
-// ErrClosed; after Close UCX touches no memory it was given.
+// Close force-closes every endpoint, which cuts the receives in flight
+// that came by them, waits up to 2 s for UCX to finish, destroys the
+// worker and ends what is left with ErrClosed; after Close UCX touches no
+// memory it was given. A receive that did not end (it came by an endpoint
+// UCX made, from a stopped sender) ends with ErrLeaked instead: the worker
+// is then left allocated and the receive's destination stays UCX's.
 //
 // # Environment
 //

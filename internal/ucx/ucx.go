@@ -22,6 +22,13 @@ var (
 	// destroyed the worker.
 	ErrClosed = errors.New("ucx: worker closed")
 
+	// ErrLeaked completes a receive that was still in flight when Close
+	// gave up on it (one that came by an endpoint UCX made, whose sender
+	// stopped): the worker was left allocated and never progressed again,
+	// and an RDMA read already posted may still land in the destination,
+	// which stays UCX's: never reuse it. It wraps ErrClosed.
+	ErrLeaked = fmt.Errorf("%w: receive left in flight; its destination stays UCX's", ErrClosed)
+
 	// ErrPeerFailed wraps the status UCX reported for an endpoint whose
 	// peer failed (the error handler fired): sends on it, and the error
 	// given to Config.OnPeerError.

@@ -538,7 +538,8 @@ func helperOpts() map[string]string {
 //   - send: connects to UCX_TEST_PEER and sends one message per size in
 //     UCX_TEST_SIZES (header "i size", payload fill(i)), printing "OP i err"
 //     and the endpoint's info ("INFO" lines), then "DONE"; waits for stdin
-//     to close.
+//     to close. With UCX_TEST_BACK set it first prints "ADDR hex" and
+//     waits for a line on stdin (the receiver connecting back).
 //   - recv: prints "ADDR hex"; admits every message (UCX_TEST_ADMIT=stop
 //     stops itself with SIGSTOP inside Admit first, kill SIGKILLs itself),
 //     printing "RECV hdr crc err" when one ended.
@@ -557,6 +558,13 @@ func helper(role string) int {
 		if err != nil {
 			fmt.Println("ERR", err)
 			return 1
+		}
+		in := bufio.NewReader(os.Stdin)
+		if os.Getenv("UCX_TEST_BACK") != "" {
+			fmt.Println("ADDR", hex.EncodeToString(w.Address()))
+			if _, err := in.ReadString('\n'); err != nil {
+				return 1
+			}
 		}
 		for i, s := range strings.Split(os.Getenv("UCX_TEST_SIZES"), ",") {
 			n, _ := strconv.Atoi(s)
@@ -582,8 +590,8 @@ func helper(role string) int {
 			}
 		}
 		fmt.Println("DONE")
-		io.Copy(io.Discard, os.Stdin) //nolint:errcheck
-		w.Close()                     //nolint:errcheck
+		io.Copy(io.Discard, in) //nolint:errcheck
+		w.Close()               //nolint:errcheck
 		return 0
 	case "recv":
 		mode := os.Getenv("UCX_TEST_ADMIT")
@@ -877,8 +885,10 @@ func TestSenderStoppedFenceDeadline(t *testing.T) {
 
 // TestAbortEndsStalledReceive: a frozen tcp sender holds its receive; the
 // receiver revokes the token, its fence times out, Abort cuts the
-// connection, and the fence then returns. No byte lands after that, even
-// once the sender resumes.
+// connection (the receiver's own endpoint to the sender, which it
+// connected before the sender sent), and the fence then returns. No byte
+// lands after that, even once the sender resumes. A second Abort and the
+// receiver's Close find the endpoint closed and leave it alone.
 func TestAbortEndsStalledReceive(t *testing.T) {
 	tr := transports[0]
 	const tok = ucx.Token(5)
@@ -895,7 +905,17 @@ func TestAbortEndsStalledReceive(t *testing.T) {
 	}
 	rcv := newWorker(t, ucx.Config{Name: "parent-recv", Admit: admit, Options: tr.opts})
 	c := startChild(t, "send", tr.opts, "UCX_TEST_PEER="+hex.EncodeToString(rcv.Address()),
-		fmt.Sprintf("UCX_TEST_SIZES=%d", 256<<20))
+		fmt.Sprintf("UCX_TEST_SIZES=%d", 256<<20), "UCX_TEST_BACK=1")
+	addr, err := hex.DecodeString(c.expect(t, "ADDR", 10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rcv.Connect(ctxT(t, 5*time.Second), addr); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.WriteString(c.stdin, "go\n"); err != nil {
+		t.Fatal(err)
+	}
 	<-admitted
 	if err := c.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
@@ -911,8 +931,11 @@ func TestAbortEndsStalledReceive(t *testing.T) {
 	if err := rcv.Fence(ctxT(t, 5*time.Second), tok); err != nil {
 		t.Fatalf("fence after Abort: %v", err)
 	}
-	err := <-ended
+	err = <-ended
 	t.Logf("receive ended %v after Abort: %v", time.Since(start), err)
+	if err := rcv.Abort(ctxT(t, 5*time.Second), tok); err != nil {
+		t.Fatal(err)
+	}
 	if !errors.Is(err, ucx.ErrCanceled) {
 		t.Errorf("aborted receive: %v, want ErrCanceled", err)
 	}

@@ -100,14 +100,14 @@ type Worker struct {
 	groups   map[Token]*group
 	later    []func() // completions, delivered outside UCX's callbacks
 	failed   []epFailure
-	cutting  map[C.ucp_ep_h]bool // endpoints cut: true once UCX completed the close
+	byH      map[C.ucp_ep_h]*endpoint // our endpoints not yet closing, by handle
 	panicked any
 	leaked   int // receives still in flight when Close gave up
 }
 
 type endpoint struct {
-	id      EndpointID // 0: an endpoint UCX made for a peer (Abort cuts those)
-	h       C.ucp_ep_h
+	id      EndpointID
+	h       C.ucp_ep_h    // not to be used once closing: UCX may free it
 	failed  error         // the peer failed: sends fail with this
 	closing bool          // ucp_ep_close_nbx was called
 	closed  chan struct{} // closed once that close completed
@@ -123,8 +123,15 @@ type recv struct {
 	dest  []byte
 	token Token
 	done  func(error)
-	reply C.ucp_ep_h // the endpoint the message came by (UCP_AM_SEND_FLAG_REPLY)
+	via   *endpoint // ours, when the message came by it (nil: by one UCX made)
 	pin   runtime.Pinner
+}
+
+// leakedRecvs holds the receives a Close left in flight, pinned, for the
+// life of the process: UCX may still write their destinations.
+var leakedRecvs struct {
+	sync.Mutex
+	rs []*recv
 }
 
 type group struct {
@@ -197,7 +204,7 @@ func New(cfg Config) (*Worker, error) {
 		recvs:    map[uint64]*recv{},
 		closes:   map[uint64]*endpoint{},
 		groups:   map[Token]*group{},
-		cutting:  map[C.ucp_ep_h]bool{},
+		byH:      map[C.ucp_ep_h]*endpoint{},
 		wakefd:   -1,
 	}
 	if cfg.MaxSleep <= 0 {
@@ -428,6 +435,7 @@ func (w *Worker) Connect(ctx context.Context, addr []byte) (EndpointID, error) {
 			return fmt.Errorf("ucx: ucp_ep_create: %w", Status(st))
 		}
 		w.eps[e.id] = e
+		w.byH[e.h] = e
 		id = e.id
 		return nil
 	})
@@ -493,9 +501,13 @@ func (w *Worker) CloseEndpoint(ctx context.Context, ep EndpointID, mode CloseMod
 	}
 }
 
-// closeEP starts e's close on the owner.
+// closeEP starts e's close on the owner. From here on e.h is UCX's: a
+// force close completes at once and UCX frees the endpoint within a few
+// progress calls, even while receives that came by it go on, and may
+// hand the address to a new endpoint.
 func (w *Worker) closeEP(e *endpoint, force bool) {
 	e.closing = true
+	delete(w.byH, e.h)
 	seq := w.nextSeq()
 	w.closes[seq] = e
 	f := C.int(0)
@@ -515,59 +527,32 @@ func (w *Worker) closedEP(e *endpoint, st C.int) {
 	if st != C.UCS_OK && e.failed == nil {
 		e.err = Status(st)
 	}
-	if e.id == 0 {
-		w.cutting[e.h] = true
-		w.forgetCut(e.h)
-	} else {
-		delete(w.eps, e.id)
-		if e.failed != nil {
-			w.dead[e.id] = e.failed
-		}
+	delete(w.eps, e.id)
+	if e.failed != nil {
+		w.dead[e.id] = e.failed
 	}
 	close(e.closed)
 }
 
-// cut force-closes the endpoint a receive came by: one of ours, or one UCX
-// made for the peer. UCX then completes the requests on it (receives still
-// copying fragments end with ErrCanceled), and the peer's endpoint fails.
-// The pointer is valid: a receive in flight holds its endpoint. It stays
-// in w.cutting (closing it twice is an error) until its close completed
-// and no receive refers to it, after which UCX may reuse the address.
-func (w *Worker) cut(h C.ucp_ep_h) {
-	if h == nil {
-		return
+// cut force-closes the endpoint r came by, when it is ours and still
+// open: UCX then completes the requests on it (receives still copying
+// fragments end with ErrCanceled), and the peer's endpoint fails. An
+// endpoint UCX made for the peer is left alone: UCX destroys those itself
+// when the peer fails, without a word, so a handle kept for one could be
+// freed, or another endpoint's, by the time it was closed.
+func (w *Worker) cut(r *recv) {
+	if e := r.via; e != nil && !e.closing {
+		w.closeEP(e, true)
 	}
-	if _, ok := w.cutting[h]; ok {
-		return
-	}
-	for _, e := range w.eps {
-		if e.h == h {
-			if !e.closing {
-				w.closeEP(e, true)
-			}
-			return
-		}
-	}
-	w.cutting[h] = false
-	w.closeEP(&endpoint{h: h, closed: make(chan struct{})}, true)
-}
-
-func (w *Worker) forgetCut(h C.ucp_ep_h) {
-	if done, ok := w.cutting[h]; !ok || !done {
-		return
-	}
-	for _, r := range w.recvs {
-		if r.reply == h {
-			return
-		}
-	}
-	delete(w.cutting, h)
 }
 
 // Abort ends the receives filed under tok that are still in flight, for a
 // Fence that ran out of time: it force-closes the connections they came by
 // (each to its sender, who sees its endpoint fail, as after a tcp reset;
-// every other receive and operation on them fails too). A receive copying
+// every other receive and operation on them fails too). Only endpoints of
+// this worker's are cut: a receiver that may need to Abort connects back
+// to its senders before they send, and UCX then delivers their messages by
+// that endpoint (it pairs the two sides' endpoints). A receive copying
 // fragments (tcp) ends with ErrCanceled at once, after at most the
 // fragment in hand lands; one the worker pulls itself (a cma GET) runs to
 // its end, which needs nothing from the sender. Abort returns when the
@@ -576,7 +561,7 @@ func (w *Worker) Abort(ctx context.Context, tok Token) error {
 	return w.call(ctx, func() error {
 		for _, r := range w.recvs {
 			if r.token == tok {
-				w.cut(r.reply)
+				w.cut(r)
 			}
 		}
 		return nil
@@ -805,7 +790,7 @@ func (w *Worker) onMessage(hdr unsafe.Pointer, hdrLen int, data unsafe.Pointer, 
 		return C.UCS_ERR_REJECTED
 	}
 	w.st.admitted.Add(1)
-	r := &recv{dest: adm.Dest[:n:n], token: adm.Token, done: adm.Done, reply: reply}
+	r := &recv{dest: adm.Dest[:n:n], token: adm.Token, done: adm.Done, via: w.byH[reply]}
 	g := w.groups[r.token]
 	if g == nil {
 		g = &group{}
@@ -830,8 +815,11 @@ func (w *Worker) onMessage(hdr unsafe.Pointer, hdrLen int, data unsafe.Pointer, 
 			w.later = append(w.later, func() { w.endRecv(r, err) })
 		}
 	}
-	// A receive started in the callback is UCX's from here on, whatever
-	// we return; an error would complete the sender with it.
+	// A receive started in the callback is UCX's from here on, whatever we
+	// return (an error here trips an assertion in ucp_am_rndv_process_rts).
+	// One that failed to start (no memory) keeps its descriptor and sends
+	// the sender no answer: the sender's operation ends with its deadline
+	// or a force close.
 	return C.UCS_OK
 }
 
@@ -852,11 +840,11 @@ func (w *Worker) admit(m Message) (adm Admission, err error) {
 	return w.cfg.Admit(m)
 }
 
-// endRecv ends a receive on the owner, outside UCX's callbacks.
+// endRecv ends a receive on the owner, outside UCX's callbacks. A leaked
+// one stays pinned.
 func (w *Worker) endRecv(r *recv, err error) {
-	r.pin.Unpin()
-	if r.reply != nil {
-		w.forgetCut(r.reply)
+	if !errors.Is(err, ErrLeaked) {
+		r.pin.Unpin()
 	}
 	if err == nil {
 		w.st.received.Add(1)
@@ -964,14 +952,14 @@ func (w *Worker) sleep() {
 	}
 }
 
-// shutdown tears the worker down on the owner: force-closes its endpoints
-// and those its receives in flight came by (ucp_worker_destroy must find
-// no request in flight: UCX asserts it), progresses until they are closed
-// and the receives ended, destroys the worker (after which UCX touches no
-// buffer of ours), fails what is left, then the queued work.
+// shutdown tears the worker down on the owner: force-closes its endpoints,
+// which cuts the receives in flight that came by them (ucp_worker_destroy
+// must find no request in flight: UCX asserts it), progresses until they
+// are closed and the receives ended, destroys the worker (after which UCX
+// touches no buffer of ours), fails what is left, then the queued work.
 func (w *Worker) shutdown() {
 	for _, r := range w.recvs {
-		w.cut(r.reply)
+		w.cut(r)
 	}
 	for _, e := range w.eps {
 		if !e.closing {
@@ -989,9 +977,10 @@ func (w *Worker) shutdown() {
 		C.ucp_worker_destroy(w.uw)
 		C.ucp_cleanup(w.uctx)
 	}
-	// Else a receive came by no endpoint we could cut (a sender without
-	// UCP_AM_SEND_FLAG_REPLY) and never ended: the worker is left as it is,
-	// never progressed again, so nothing more lands through it.
+	// Else a receive came by an endpoint UCX made, which Close does not cut
+	// (cut), and never ended: the worker is left as it is, never progressed
+	// again. An RDMA read already posted may still land in its destination,
+	// which therefore stays pinned and UCX's for good (ErrLeaked).
 	w.uw, w.uctx = nil, nil
 	for seq, o := range w.sends {
 		delete(w.sends, seq)
@@ -999,7 +988,10 @@ func (w *Worker) shutdown() {
 	}
 	for seq, r := range w.recvs {
 		delete(w.recvs, seq)
-		w.later = append(w.later, func() { w.endRecv(r, ErrClosed) })
+		leakedRecvs.Lock()
+		leakedRecvs.rs = append(leakedRecvs.rs, r)
+		leakedRecvs.Unlock()
+		w.later = append(w.later, func() { w.endRecv(r, ErrLeaked) })
 	}
 	for seq, e := range w.closes {
 		delete(w.closes, seq)
