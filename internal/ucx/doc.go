@@ -9,7 +9,7 @@
 //
 // # Build
 //
-// The binding is cgo behind the ucx build tag (worker_ucx.go and a small C
+// The binding is cgo behind the ucx build tag (the *_ucx.go files and a small C
 // shim, shim.c): go build -tags ucx, with gcc and UCX's headers and
 // libraries (scripts/install-ucx installs Debian's libucx0, libucx-dev and
 // ucx-utils; UCX 1.13.1 on Debian 12; another prefix through CGO_CFLAGS and
