@@ -77,6 +77,27 @@ func Mamba(c mambacache.Config) Layout {
 	return Layout{Name: "mamba", Rows: c.Layers, Sections: append(conv, ssm)}
 }
 
+// MambaSD is Mamba for a pool that keeps each layer's conv state position
+// by position, [DConv-1][conv channels] with the channels innermost
+// (vLLM's "SD" layout, its default), rather than channel by channel: the
+// conv sections repeat once per position, an item being one element of
+// each of its channels. The SSM state is as in Mamba. A shard of it holds
+// what a shard of Mamba(c) holds, transposed.
+func MambaSD(c mambacache.Config) Layout {
+	l := Mamba(c)
+	conv, ssm := l.Sections[:len(l.Sections)-1], l.Sections[len(l.Sections)-1]
+	pos := int64(c.DConv - 1)
+	secs := make([]Section, 0, int(pos)*len(conv)+1)
+	for range pos {
+		for _, s := range conv {
+			s.ItemBytes /= pos
+			secs = append(secs, s)
+		}
+	}
+	l.Sections = append(secs, ssm)
+	return l
+}
+
 // KVShard returns the Config of a KV pool on one shard of a TP-tp group:
 // c with KVHeads = KVHeads/tp, or 1 (a replicated head) when tp > KVHeads.
 // Its block layout is the shard layout the plans of KV(c) use.

@@ -121,6 +121,47 @@ func mambaModel(c mambacache.Config) oracle {
 	}
 }
 
+// mambaSDModel is mambaModel for a pool whose conv states are stored
+// position by position (MambaSD): its oracle transposes each layer's conv
+// state to channel order, shards it as mambaModel's does, and transposes
+// the shard back.
+func mambaSDModel(c mambacache.Config) oracle {
+	m := mambaModel(c)
+	c.MaxBatchSize = 1
+	ds := m.shard
+	m.name += "-sd"
+	m.layout = MambaSD(c)
+	m.shard = func(full []byte, t, r int) []byte {
+		s := c
+		s.Heads, s.NGroups = c.Heads/t, max(c.NGroups/t, 1)
+		return convOrder(s, ds(convOrder(c, full, false), t, r), true)
+	}
+	return m
+}
+
+// convOrder returns row, a row of a pool of c, with each layer's conv state
+// transposed: channel order [channels][DConv-1] to position order
+// [DConv-1][channels] (toSD), or back.
+func convOrder(c mambacache.Config, row []byte, toSD bool) []byte {
+	out := bytes.Clone(row)
+	e, pos := c.ConvElemSize, c.DConv-1
+	for l := range c.Layers {
+		at := c.ConvExtent(0, l, 0).Offset
+		ch := int(c.ConvBytes()) / (pos * e)
+		for i := range ch {
+			for k := range pos {
+				ds, sd := at+int64((i*pos+k)*e), at+int64((k*ch+i)*e)
+				if toSD {
+					copy(out[sd:sd+int64(e)], row[ds:ds+int64(e)])
+				} else {
+					copy(out[ds:ds+int64(e)], row[sd:sd+int64(e)])
+				}
+			}
+		}
+	}
+	return out
+}
+
 // dims with many divisors, so that most TP sizes up to 8 split them and
 // some replicate.
 var itemChoices = []int{1, 2, 3, 4, 5, 6, 7, 8, 12, 24}

@@ -10,7 +10,8 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// TestPropertyOracle draws random KV and Mamba (xBC and QKV) shapes and,
+// TestPropertyOracle draws random KV and Mamba (xBC and QKV; conv states
+// channel by channel and position by position) shapes and,
 // for every pair of TP sizes 1..8, checks that New accepts exactly the
 // pairs where the shape splits on both sides, and for those that:
 //
@@ -24,15 +25,17 @@ func TestPropertyOracle(t *testing.T) {
 	rng := rand.New(rand.NewPCG(12, 2026))
 	const shapes = 100
 	var plans, refused, replicated, nonInteger int
-	for i := range 3 * shapes {
+	for i := range 4 * shapes {
 		var m oracle
-		switch i % 3 {
+		switch i % 4 {
 		case 0:
 			m = kvModel(randKV(rng))
+		case 3:
+			m = mambaSDModel(randMamba(rng)) // conv states position by position
 		default:
 			c := randMamba(rng)
 			c.ConvLayout = 0
-			if i%3 == 2 {
+			if i%4 == 2 {
 				c.ConvLayout = 1
 			}
 			m = mambaModel(c)
