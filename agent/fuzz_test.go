@@ -17,6 +17,7 @@ func FuzzDecodeRequest(f *testing.F) {
 	lp := tinyLayout()
 	lp.KV.Planes = []Plane{{Offset: 0, Stride: 4096}, {Offset: 2048, Stride: 4096}, {Offset: 1 << 17, Stride: 2048}, {Offset: 1 << 18, Stride: 2048}}
 	lp.KV.Order = "nhd"
+	lp.Mamba.ConvOrder = "sd"
 	lp.Mamba.Planes = []Plane{{Offset: 1 << 18, Stride: 4096}, {Offset: 1 << 19, Stride: 8192}, {Offset: 3 << 18, Stride: 4096}, {Offset: 3 << 19, Stride: 8192}}
 	for _, q := range []Request{
 		{Op: OpHello, ID: 1, Version: Version},

@@ -60,6 +60,8 @@ type KVLayout struct {
 // (the padding and attention-DP dummies) are never granted nor sent.
 // Planes, when set, place each layer's conv and SSM states apart instead
 // (planes.go): 2*Layers planes, layer l's conv state then its SSM state.
+// ConvOrder "sd" says each conv state is kept position by position
+// instead ([DConv-1][channels], channels innermost: vLLM's default).
 type MambaLayout struct {
 	Layers     int     `msgpack:"layers"`
 	Heads      int     `msgpack:"heads"`
@@ -74,6 +76,7 @@ type MambaLayout struct {
 	Reserved   []int   `msgpack:"reserved"`
 	RowStride  int64   `msgpack:"row_stride"`
 	Planes     []Plane `msgpack:"planes"`
+	ConvOrder  string  `msgpack:"conv_order"` // "ds" (or empty: channels, then positions) or "sd"
 }
 
 // dtypeSize returns the element size of a dtype name (torch's spelling,
@@ -171,6 +174,11 @@ func compile(l Layout, buffered bool) (*pools, error) {
 		default:
 			return nil, bad("conv layout %q, want xbc or qkv", m.ConvLayout)
 		}
+		switch m.ConvOrder {
+		case "", "ds", "sd":
+		default:
+			return nil, bad("conv order %q, want ds or sd", m.ConvOrder)
+		}
 		if m.Rows < 2 || m.Rows > 1<<24 {
 			return nil, bad("%d mamba rows, want 2..%d", m.Rows, 1<<24)
 		}
@@ -248,7 +256,11 @@ func (p *pools) dtypes() string {
 		}
 	}
 	if p.l.Mamba != nil {
-		s += ",conv=" + p.l.Mamba.ConvDType + ",ssm=" + p.l.Mamba.SSMDType
+		s += ",conv=" + p.l.Mamba.ConvDType
+		if p.l.Mamba.ConvOrder == "sd" {
+			s += "/sd"
+		}
+		s += ",ssm=" + p.l.Mamba.SSMDType
 	}
 	return s
 }

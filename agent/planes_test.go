@@ -142,9 +142,10 @@ type simShard struct {
 
 var simRegions = []rdma.RegionID{1, 2} // buffer 0 the KV pool's, 1 the Mamba pool's
 
-func newSimShard(t *testing.T, rng *rand.Rand, rank, size int) simShard {
+func newSimShard(t *testing.T, rng *rand.Rand, rank, size int, convOrder string) simShard {
 	l := tinyLayout()
 	l.TP = TP{Rank: rank, Size: size}
+	l.Mamba.ConvOrder = convOrder
 	p, err := compile(l, false)
 	require.NoError(t, err)
 	kvLens := make([]uint64, 2*p.kv.Layers)
@@ -181,7 +182,8 @@ func (s simShard) unit(mamba bool, u int, w []byte) []byte {
 
 // TestPlanesProperty: senders and receivers that place their caches in
 // random planes (or back to back), over every TP pair of the tiny layout,
-// whole and layer by layer: what lands in the receiver's named blocks and
+// whole and layer by layer, conv states channel by channel or position by
+// position (MambaLayout.ConvOrder): what lands in the receiver's named blocks and
 // row is its shard of the whole model's, and no other byte of its memory
 // changes. The write is simulated as rdma performs one: the concatenation
 // of the sources lands in the concatenation of the ticket's extents.
@@ -190,14 +192,18 @@ func TestPlanesProperty(t *testing.T) {
 	for round := range 300 {
 		from, to := 1+rng.IntN(2), 1+rng.IntN(2)
 		layers := rng.IntN(2) == 1
-		name := fmt.Sprintf("round %d: TP %d → %d, layer by layer %v", round, from, to, layers)
+		order := []string{"ds", "sd"}[rng.IntN(2)]
+		name := fmt.Sprintf("round %d: TP %d → %d, layer by layer %v, conv order %s", round, from, to, layers, order)
 		senders := make([]simShard, from)
 		for r := range from {
-			senders[r] = newSimShard(t, rng, r, from)
+			senders[r] = newSimShard(t, rng, r, from, order)
 		}
 		p1, err := compile(tinyLayout(), false)
 		require.NoError(t, err)
 		kvL, mL := reshard.KV(p1.wholeKV), reshard.Mamba(p1.wholeMamba)
+		if order == "sd" {
+			mL = reshard.MambaSD(p1.wholeMamba)
+		}
 		nb := 1 + rng.IntN(4)
 		srcBlocks, dstBlocks := rng.Perm(32)[:nb], rng.Perm(32)[:nb]
 		srcRow, dstRow := rng.IntN(5), rng.IntN(5) // row 5 is reserved
@@ -217,7 +223,7 @@ func TestPlanesProperty(t *testing.T) {
 			s.unit(true, srcRow, shardUnit(t, mL, from, r, whole[nb]))
 		}
 		for rd := range to {
-			recv := newSimShard(t, rng, rd, to)
+			recv := newSimShard(t, rng, rd, to, order)
 			pl, err := recv.p.plans(from, to)
 			require.NoError(t, err)
 			for rs, snd := range senders {
@@ -569,4 +575,40 @@ func TestPlaneMajorTicket(t *testing.T) {
 		require.Equal(t, send.block(b), recv.vunit(false, 4+i))
 	}
 	require.Equal(t, send.row(0), recv.vunit(true, 1))
+}
+
+// TestConvOrderSD: engines whose conv states lie position by position
+// (vLLM's default) exchange rows with each other, resharded between TP
+// sizes too (TestPlanesProperty checks the bytes); one that keeps them
+// channel by channel is refused by name, and an unknown order at
+// registration.
+func TestConvOrderSD(t *testing.T) {
+	sd := func(tp TP) Layout {
+		l := tinyLayout()
+		l.TP, l.Mamba.ConvOrder = tp, "sd"
+		return l
+	}
+	a := register(t, startAgent(t, "a", rdma.TransportSHM), sd(TP{}))
+	b := register(t, startAgent(t, "b", rdma.TransportSHM), sd(TP{}))
+	ds := register(t, startAgent(t, "c", rdma.TransportSHM), tinyLayout())
+	ctx := ctxT(t)
+	g, err := b.c.Call(ctx, Request{Op: OpGrant, RequestID: 50, Blocks: []int{2}, Row: Row(1)}, nil)
+	require.NoError(t, err)
+	_, err = ds.c.Call(ctx, Request{Op: OpSend, Ticket: g.Ticket, Blocks: []int{6}, Row: Row(0)}, nil)
+	require.ErrorIs(t, err, ErrLayoutMismatch)
+	require.Contains(t, err.Error(), `agent "b" has dtypes kv=float32,conv=float32/sd,ssm=float32`)
+	_, err = a.c.Call(ctx, Request{Op: OpSend, Ticket: g.Ticket, Blocks: []int{6}, Row: Row(0)}, nil)
+	require.NoError(t, err)
+	event(t, a, EvSendDone)
+	event(t, b, EvGrantDone)
+	require.Equal(t, a.block(6), b.block(2))
+	require.Equal(t, a.row(0), b.row(1))
+
+	_, err = b.c.Call(ctx, Request{Op: OpGrant, RequestID: 51, Blocks: []int{3}, Row: Row(2), FromTP: 2}, nil)
+	require.NoError(t, err, "SD conv states reshard")
+
+	bad := sd(TP{})
+	bad.Mamba.ConvOrder = "dsx"
+	_, err = compile(bad, false)
+	require.ErrorIs(t, err, ErrInvalidLayout)
 }

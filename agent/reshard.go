@@ -55,7 +55,11 @@ func (p *pools) plans(from, to int) (*plans, error) {
 		}
 	}
 	if p.mamba.Layers > 0 {
-		if pl.mamba, err = reshard.New(reshard.Mamba(p.wholeMamba), from, to); err != nil {
+		ml := reshard.Mamba(p.wholeMamba)
+		if p.l.Mamba.ConvOrder == "sd" {
+			ml = reshard.MambaSD(p.wholeMamba)
+		}
+		if pl.mamba, err = reshard.New(ml, from, to); err != nil {
 			return nil, fmt.Errorf("%w: TP %d → %d: %w", ErrLayoutMismatch, from, to, err)
 		}
 	}

@@ -85,6 +85,10 @@ class MambaLayout:
     # stride, buffer) triples), layer l's conv state then its SSM state;
     # row r's part at offset + r*stride.
     planes: Optional[list[tuple[int, ...]]] = None
+    # Element order within a conv state: "ds" (channels, then the d_conv-1
+    # positions: TensorRT-LLM's, vLLM's "DS") or "sd" (positions, then
+    # channels: vLLM's default "SD").
+    conv_order: str = "ds"
 
 
 @dataclasses.dataclass
@@ -136,6 +140,13 @@ class Layout:
     def conv_dim(self) -> int:
         h, g = self.mamba_dims()
         return h * self.mamba.head_dim + 2 * g * self.mamba.d_state
+
+    def conv_shape(self) -> tuple[int, int]:
+        """One row's conv state of one layer, in the conv order."""
+        m = self.mamba
+        if m.conv_order == "sd":
+            return (m.d_conv - 1, self.conv_dim())
+        return (self.conv_dim(), m.d_conv - 1)
 
     def conv_bytes(self) -> int:
         m = self.mamba
@@ -302,11 +313,12 @@ class Pools:
             self.mamba = raw.view(m.rows, layout.row_bytes())
 
     def conv(self, layer: int) -> torch.Tensor:
-        """Conv state of Mamba layer ``layer``: [rows, conv_dim, d_conv-1]."""
+        """Conv state of Mamba layer ``layer``: [rows, conv_dim, d_conv-1]
+        ([rows, d_conv-1, conv_dim] for conv order "sd")."""
         lay, m = self.layout, self.layout.mamba
         off = layer * (lay.conv_bytes() + lay.ssm_bytes())
         t = self.mamba[:, off : off + lay.conv_bytes()].view(_dtype(m.conv_dtype))
-        return t.unflatten(1, (lay.conv_dim(), m.d_conv - 1))
+        return t.unflatten(1, lay.conv_shape())
 
     def ssm(self, layer: int) -> torch.Tensor:
         """SSM state of Mamba layer ``layer``: [rows, heads, head_dim, d_state]."""
@@ -402,9 +414,10 @@ class LayerPools:
         return torch.stack([self.kv_layer(layer)[:, b] for layer in range(self.layout.kv.layers)])
 
     def conv(self, layer: int) -> torch.Tensor:
-        """Conv state of Mamba layer ``layer``: [rows, conv_dim, d_conv-1]."""
+        """Conv state of Mamba layer ``layer``: [rows, conv_dim, d_conv-1]
+        ([rows, d_conv-1, conv_dim] for conv order "sd")."""
         lay, m = self.layout, self.layout.mamba
-        return self._view(("conv", layer), m.conv_dtype, (m.rows, lay.conv_dim(), m.d_conv - 1))
+        return self._view(("conv", layer), m.conv_dtype, (m.rows, *lay.conv_shape()))
 
     def ssm(self, layer: int) -> torch.Tensor:
         """SSM state of Mamba layer ``layer``: [rows, heads, head_dim, d_state]."""

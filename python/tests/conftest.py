@@ -134,10 +134,11 @@ def load_shard(shard: Pools, whole: Pools) -> None:
     g0, g1 = _span(m.n_groups, tp, r)
     d_inner, gs = m.heads * m.head_dim, m.n_groups * m.d_state
     assert m.conv_layout == "xbc"
+    ax = 2 if m.conv_order == "sd" else 1  # the channels' axis
     for layer in range(m.layers):
         w = whole.conv(layer)
-        x = w[:, a0 * m.head_dim : a1 * m.head_dim]
-        b = w[:, d_inner + g0 * m.d_state : d_inner + g1 * m.d_state]
-        c = w[:, d_inner + gs + g0 * m.d_state : d_inner + gs + g1 * m.d_state]
-        shard.conv(layer).copy_(torch.cat([x, b, c], dim=1))
+        x = w.narrow(ax, a0 * m.head_dim, (a1 - a0) * m.head_dim)
+        b = w.narrow(ax, d_inner + g0 * m.d_state, (g1 - g0) * m.d_state)
+        c = w.narrow(ax, d_inner + gs + g0 * m.d_state, (g1 - g0) * m.d_state)
+        shard.conv(layer).copy_(torch.cat([x, b, c], dim=ax))
         shard.ssm(layer).copy_(whole.ssm(layer)[:, a0:a1])

@@ -164,13 +164,13 @@ def test_peers_without_nats(agents):
     assert a.peers() == []
 
 
-def send_from_tp2(agents, whole, ticket, layers, transports="shm,tcp"):
+def send_from_tp2(agents, whole, ticket, layers, transports="shm,tcp", make=tiny_layout):
     """Two TP-2 engines, each with its own agent, load their shards of
     ``whole`` and write its blocks 0, 1 and row 4 into ``ticket``, whole or
     layer by layer; returns them once both sends are done."""
     senders = []
     for r in range(2):
-        p = Pools(tiny_layout(tp_rank=r, tp_size=2))
+        p = Pools(make(tp_rank=r, tp_size=2))
         load_shard(p, whole)
         a = Agent.connect(agents(f"pre-{r}", transports).sock)
         a.register(p)
@@ -201,6 +201,31 @@ def test_tp2_to_tp1(agents, layers):
     assert b.wait_grant(g, timeout=10).ok
     assert torch.equal(whole.kv[0], dst.kv[9]) and torch.equal(whole.kv[1], dst.kv[3])
     assert torch.equal(whole.mamba[4], dst.mamba[1])
+
+
+@pytest.mark.parametrize("layers", [False, True])
+def test_tp2_to_tp1_conv_positions_first(agents, layers):
+    """As test_tp2_to_tp1, with each conv state kept position by position
+    ([rows, d_conv-1, conv_dim]: vLLM's default "SD" order): each shard's
+    channels of every position land in the whole model's places."""
+
+    def sd(**kw):
+        lay = tiny_layout(**kw)
+        lay.mamba = dataclasses.replace(lay.mamba, conv_order="sd")
+        return lay
+
+    whole = random_pools(sd(), 24)
+    assert whole.conv(0).shape[1:] == (3, sd().conv_dim())
+    b = Agent.connect(agents("dec").sock)
+    dst = random_pools(sd(), 25)
+    b.register(dst)
+    g = b.grant(52, blocks=[9, 3], row=1, from_tp=2)
+    send_from_tp2(agents, whole, g.ticket, layers, make=sd)
+    assert b.wait_grant(g, timeout=10).ok
+    for layer in range(3):
+        assert torch.equal(whole.conv(layer)[4], dst.conv(layer)[1])
+        assert torch.equal(whole.ssm(layer)[4], dst.ssm(layer)[1])
+    assert torch.equal(whole.kv[0], dst.kv[9]) and torch.equal(whole.kv[1], dst.kv[3])
 
 
 def test_tp_mismatch_refused(agents):
