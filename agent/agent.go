@@ -333,8 +333,8 @@ func (s *session) end() {
 func (s *session) handle(q Request) (Reply, error) {
 	switch q.Op {
 	case OpHello:
-		if q.Version != Version && q.Version != 1 {
-			return Reply{}, fmt.Errorf("%w: local API version %d, this agent speaks 1 and %d", ErrBadRequest, q.Version, Version)
+		if q.Version < 1 || q.Version > Version {
+			return Reply{}, fmt.Errorf("%w: local API version %d, this agent speaks 1 to %d", ErrBadRequest, q.Version, Version)
 		}
 		return Reply{Agent: s.a.cfg.Name, Version: Version}, nil
 	case OpRegister:

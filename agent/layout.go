@@ -79,6 +79,10 @@ type MambaLayout struct {
 	ConvOrder  string  `msgpack:"conv_order"` // "ds" (or empty: channels, then positions) or "sd"
 }
 
+// maxSDConv bounds d_conv for conv states kept position by position (the
+// models' is 4).
+const maxSDConv = 64
+
 // dtypeSize returns the element size of a dtype name (torch's spelling,
 // without "torch.").
 func dtypeSize(d string) (int, bool) {
@@ -175,7 +179,12 @@ func compile(l Layout, buffered bool) (*pools, error) {
 			return nil, bad("conv layout %q, want xbc or qkv", m.ConvLayout)
 		}
 		switch m.ConvOrder {
-		case "", "ds", "sd":
+		case "", "ds":
+		case "sd":
+			// Its plans copy each conv section once per position.
+			if m.DConv > maxSDConv {
+				return nil, bad("conv order sd with d_conv %d: at most %d", m.DConv, maxSDConv)
+			}
 		default:
 			return nil, bad("conv order %q, want ds or sd", m.ConvOrder)
 		}

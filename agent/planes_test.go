@@ -611,4 +611,8 @@ func TestConvOrderSD(t *testing.T) {
 	bad.Mamba.ConvOrder = "dsx"
 	_, err = compile(bad, false)
 	require.ErrorIs(t, err, ErrInvalidLayout)
+	bad = sd(TP{})
+	bad.Mamba.DConv = maxSDConv + 1
+	_, err = compile(bad, false)
+	require.ErrorIs(t, err, ErrInvalidLayout, "plans of a section per position, for too many positions")
 }

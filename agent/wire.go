@@ -26,8 +26,10 @@ import (
 // the KV order and registration by buffers (Plane, KVLayout.Order,
 // Request.Buffers): an agent of version 1 would ignore them and place
 // bytes as if blocks lay back to back, so a client that uses them says 2,
-// which such an agent refuses by name. This agent serves clients of both.
-const Version = 2
+// which such an agent refuses by name. 3 added the conv order
+// (MambaLayout.ConvOrder), which an older agent would ignore alike. This
+// agent serves clients of every version up to its own.
+const Version = 3
 
 // MaxFrame bounds a frame: a ticket over thousands of blocks fits many times.
 const MaxFrame = 16 << 20

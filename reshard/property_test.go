@@ -80,8 +80,8 @@ func TestPropertyOracle(t *testing.T) {
 		}
 	}
 	t.Logf("%d shapes, %d plans checked (%d with replicated heads or groups, %d with a non-integer ratio), %d pairs refused",
-		3*shapes, plans, replicated, nonInteger, refused)
-	require.Greater(t, plans, shapes*16) // of 3·shapes·64 pairs: not vacuous
+		4*shapes, plans, replicated, nonInteger, refused)
+	require.Greater(t, plans, shapes*16) // of 4·shapes·64 pairs: not vacuous
 	require.Positive(t, replicated)
 	require.Positive(t, nonInteger)
 	require.Positive(t, refused)

@@ -17,7 +17,7 @@ import torch
 
 from .layout import LayerPools, Layout, Pools, cuda_memory
 
-VERSION = 2  # 2: registration by buffers
+VERSION = 3  # 2: planes, KV order, registration by buffers; 3: conv order
 MAX_BUFFERS = 253  # SCM_MAX_FD: the descriptors one message passes
 MAX_FRAME = 16 << 20
 

@@ -67,7 +67,8 @@ class KVLayout:
 class MambaLayout:
     """The Mamba state pool: ``rows`` rows back to back, each every layer's
     conv state (sections in conv_layout order, each channel d_conv-1
-    elements) then its SSM state [heads][head_dim][d_state]. ``reserved``
+    elements; with conv_order "sd" the d_conv-1 positions, each every
+    channel) then its SSM state [heads][head_dim][d_state]. ``reserved``
     rows (padding, attention-DP dummy) never travel."""
 
     layers: int
@@ -347,8 +348,9 @@ class LayerPools:
     as vLLM and SGLang keep them: :meth:`kv_layer` is attention layer l's
     tensor [2, blocks, heads, tokens, head_dim] (K then V; heads, tokens,
     head_dim within a block: vLLM's HND order), :meth:`conv` and :meth:`ssm`
-    Mamba layer l's states [rows, conv_dim, d_conv-1] and [rows, heads,
-    head_dim, d_state]. All in one memfd, each tensor page-aligned, or with
+    Mamba layer l's states [rows, conv_dim, d_conv-1] ([rows, d_conv-1,
+    conv_dim] for conv order "sd") and [rows, heads, head_dim, d_state].
+    All in one memfd, each tensor page-aligned, or with
     ``separate`` each tensor in a memfd of its own (an allocation each, as
     vLLM allocates them), registered as buffers. ``layout`` is the one given
     with its planes filled in: the engine registers it as it would
