@@ -446,6 +446,9 @@ func (l *ucxLink) close() {
 		_ = l.s.w.CloseEndpoint(ctx, ep, ucx.CloseForce)
 		cancel()
 	}
+	// An exchange still waiting for its reply gets none now (and, ep gone
+	// from txByEP, no peer error either): it ends here, not at its deadline.
+	l.failWaits(fmt.Errorf("%w: ucx link to %s closed", ErrClosed, l.peer.Agent))
 	l.s.mu.Lock()
 	delete(l.s.tx, l.id)
 	l.s.mu.Unlock()

@@ -98,8 +98,11 @@
 // UCP_AM_SEND_FLAG_REPLY, and a receiver that connected back to a sender
 // before it sent gets its messages by that endpoint: UCX pairs the two);
 // one UCX made for a peer can be destroyed by UCX at any time, so its
-// handle is never kept. TestAbortEndsStalledReceive: nothing lands
-// afterwards, even once the sender resumes. A sender that dies ends its receives in error within
+// handle is never kept. A receive that came by such an endpoint (one that
+// arrived before the receiver connected back), or by one of ours already
+// closing in flush mode (UCX closes an endpoint once), cannot be cut.
+// TestAbortEndsStalledReceive: nothing lands afterwards, even once the
+// sender resumes. A sender that dies ends its receives in error within
 // milliseconds (tcp: ErrEndpointTimeout; cma: ErrIOError).
 //
 // Close force-closes every endpoint, which cuts the receives in flight

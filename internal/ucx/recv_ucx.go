@@ -37,7 +37,8 @@ var leakedRecvs struct {
 
 type group struct {
 	n       int
-	waiters []chan struct{}
+	leaked  bool         // Close left one of them in flight
+	waiters []chan error // Fences: ErrLeaked (or nothing), then closed
 }
 
 // Abort ends the receives filed under tok that are still in flight, for a
@@ -67,14 +68,15 @@ func (w *Worker) Abort(ctx context.Context, tok Token) error {
 // that ran before Fence was called: if the caller first makes Admit refuse
 // tok (a revoked grant) and then calls Fence, then when Fence returns nil
 // no byte of tok's messages is in flight and none will land. After Close
-// it returns nil: nothing is in flight. A receive whose sender stopped
+// it returns nil: nothing is in flight; or ErrLeaked, when Close left one
+// of tok's receives in flight. A receive whose sender stopped
 // progressing (tcp fragments from a frozen process) holds Fence until the
 // sender resumes or is found dead (keepalive, a reset connection), or ctx.
 func (w *Worker) Fence(ctx context.Context, tok Token) error {
 	if w.onOwner() {
 		return ErrOwner
 	}
-	ch := make(chan struct{})
+	ch := make(chan error, 1)
 	err := w.submit(func(closing bool) {
 		g := w.groups[tok]
 		if closing || g == nil {
@@ -84,11 +86,16 @@ func (w *Worker) Fence(ctx context.Context, tok Token) error {
 		g.waiters = append(g.waiters, ch)
 	})
 	if err != nil {
-		ch = w.done // closing: everything ends with the owner
+		select { // closing: everything ends with the owner
+		case <-w.done:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
 	}
 	select {
-	case <-ch:
-		return nil
+	case err := <-ch:
+		return err
 	case <-ctx.Done():
 		return ctx.Err()
 	}
@@ -212,9 +219,16 @@ func (w *Worker) endRecv(r *recv, err error) {
 		r.done(err)
 	}
 	g := w.groups[r.token]
+	if errors.Is(err, ErrLeaked) {
+		r.done = nil // leakedRecvs keeps dest and pin, not what Done held
+		g.leaked = true
+	}
 	g.n--
 	if g.n == 0 {
 		for _, ch := range g.waiters {
+			if g.leaked {
+				ch <- ErrLeaked
+			}
 			close(ch)
 		}
 		delete(w.groups, r.token)

@@ -417,6 +417,11 @@ func TestCloseIsClean(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The receiver's own endpoint back, which the message then comes by:
+	// Close cuts the receive on it.
+	if _, err := rcv.Connect(ctxT(t, 5*time.Second), snd.Address()); err != nil {
+		t.Fatal(err)
+	}
 	src := region(t, 64<<20)
 	op, err := snd.Post(ep, []byte("h"), src)
 	if err != nil {
@@ -949,6 +954,46 @@ func TestAbortEndsStalledReceive(t *testing.T) {
 	time.Sleep(200 * time.Millisecond)
 	if crc32.Checksum(dst, castagnoli) != before {
 		t.Error("bytes landed after the fence returned")
+	}
+}
+
+// TestCloseLeavesStalledReceive: a receive that came by an endpoint UCX
+// made (the receiver never connected back), from a sender frozen
+// mid-transfer over tcp, cannot be cut: Close gives up on it after its
+// grace, says so, and ends it with ErrLeaked (its destination stays
+// UCX's), and a Fence waiting on its token returns ErrLeaked, not nil.
+func TestCloseLeavesStalledReceive(t *testing.T) {
+	tr := transports[0]
+	const tok = ucx.Token(6)
+	admitted := make(chan struct{}, 1)
+	ended := make(chan error, 1)
+	dst := region(t, 256<<20)
+	admit := func(m ucx.Message) (ucx.Admission, error) {
+		admitted <- struct{}{}
+		return ucx.Admission{Dest: dst, Token: tok, Done: func(err error) { ended <- err }}, nil
+	}
+	rcv, err := ucx.New(ucx.Config{Name: "parent-recv", Admit: admit, Options: tr.opts})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := startChild(t, "send", tr.opts, "UCX_TEST_PEER="+hex.EncodeToString(rcv.Address()),
+		fmt.Sprintf("UCX_TEST_SIZES=%d", 256<<20))
+	<-admitted
+	if err := c.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	fenced := make(chan error, 1)
+	go func() { fenced <- rcv.Fence(ctxT(t, 30*time.Second), tok) }()
+	time.Sleep(50 * time.Millisecond) // the Fence waits on the token's group
+	err = rcv.Close()
+	if err == nil || !strings.Contains(err.Error(), "1 receives never ended") {
+		t.Fatalf("Close with a stalled receive it could not cut: %v", err)
+	}
+	if err := <-ended; !errors.Is(err, ucx.ErrLeaked) || !errors.Is(err, ucx.ErrClosed) {
+		t.Errorf("the stalled receive ended with %v, want ErrLeaked", err)
+	}
+	if err := <-fenced; !errors.Is(err, ucx.ErrLeaked) {
+		t.Errorf("Fence on its token: %v, want ErrLeaked", err)
 	}
 }
 
