@@ -485,6 +485,20 @@ func (s *session) registration() (*rdma.Engine, *pools, error) {
 	return s.eng, s.pools, nil
 }
 
+// named returns the registration and the row of a request that names
+// blocks and a row (a grant, a send), both checked against it.
+func (s *session) named(q Request) (*rdma.Engine, *pools, int, error) {
+	eng, p, err := s.registration()
+	if err != nil {
+		return nil, nil, 0, err
+	}
+	row := rowOf(q)
+	if err := p.checkNames(q.Blocks, row); err != nil {
+		return nil, nil, 0, err
+	}
+	return eng, p, row, nil
+}
+
 func rowOf(q Request) int {
 	if q.Row == nil {
 		return -1

@@ -22,12 +22,8 @@ type grantGroup struct {
 // shards write (reshard.go) and returns their ticket; an event reports
 // how they ended, together.
 func (s *session) grant(q Request) (Reply, error) {
-	eng, p, err := s.registration()
+	eng, p, row, err := s.named(q)
 	if err != nil {
-		return Reply{}, err
-	}
-	row := rowOf(q)
-	if err := p.checkNames(q.Blocks, row); err != nil {
 		return Reply{}, err
 	}
 	from, to, rd := q.FromTP, p.l.TP.Size, p.l.TP.Rank

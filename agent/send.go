@@ -59,12 +59,8 @@ func checkTicket(p *pools, t ticket, blocks int, row bool) error {
 // openSend starts a send (OpSend: the whole grant at once; OpOpenSend:
 // layer by layer, until OpCommit).
 func (s *session) openSend(q Request) (Reply, error) {
-	eng, p, err := s.registration()
+	eng, p, row, err := s.named(q)
 	if err != nil {
-		return Reply{}, err
-	}
-	row := rowOf(q)
-	if err := p.checkNames(q.Blocks, row); err != nil {
 		return Reply{}, err
 	}
 	tk, peer, sub, err := decodeTicket(q.Ticket, p.l.TP.Rank)
