@@ -2,19 +2,131 @@
 
 package rdma
 
-// The ucx receiver's landings: an admitted data message's staging buffer,
-// and who ends its landing (the receive's completion or a fence).
+// The ucx receiver's landings: a data message's admission (its pieces, in
+// the grants' extents), its staging buffer, and who ends its landing (the
+// receive's completion or a fence).
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/handoff-io/handoff/internal/ucx"
 )
+
+// ucxPiece is one run of a data message's payload: [off, off+n) of
+// extent ext.
+type ucxPiece struct {
+	ext    uint32
+	off, n uint64
+}
+
+// admitData admits a data message as a landing, as a tcp data frame is
+// admitted (token, epoch, state, deadline, extent bounds), and lets UCX
+// pull its payload into a staging buffer.
+func (s *ucxServer) admitData(h *header, lid uint64, m ucx.Message) (ucx.Admission, error) {
+	return s.admitPieces(h, lid, m, []ucxPiece{{h.index, h.offset, h.length}})
+}
+
+// admitPacked admits a packed message (framePacked: small pieces, of one
+// grant, in one payload): its header is a data header whose index counts
+// the pieces and whose length is the payload's, and its tail lists the
+// pieces in payload order, ucxPackEntry bytes each (extent, offset,
+// length). Each piece is admitted as a tcp data frame is; one refused
+// refuses the message.
+func (s *ucxServer) admitPacked(b []byte, lid uint64, tail []byte, m ucx.Message) (ucx.Admission, error) {
+	hb := [headerSize]byte(b[:headerSize])
+	hb[4] = frameData
+	h, err := decodeHeader(hb[:])
+	count := int(h.index)
+	if err != nil || h.offset != 0 || count < 1 || count > ucxPackMax || len(tail) != count*ucxPackEntry {
+		s.e.stats.framesRefused.Add(1)
+		return ucx.Admission{}, ucx.ErrRejected
+	}
+	pieces := make([]ucxPiece, count)
+	var total uint64
+	for i := range pieces {
+		e := tail[i*ucxPackEntry:]
+		p := ucxPiece{ext: binary.LittleEndian.Uint32(e), off: binary.LittleEndian.Uint64(e[4:]), n: binary.LittleEndian.Uint64(e[12:])}
+		if p.n == 0 || p.n > ucxPackBytes {
+			s.e.stats.framesRefused.Add(1)
+			return ucx.Admission{}, ucx.ErrRejected
+		}
+		pieces[i], total = p, total+p.n
+	}
+	if total != h.length {
+		s.e.stats.framesRefused.Add(1)
+		return ucx.Admission{}, ucx.ErrRejected
+	}
+	return s.admitPieces(&h, lid, m, pieces)
+}
+
+// admitPieces admits the pieces of a data message of grant h.grant as
+// landings of one lander, and lets UCX pull the payload into a staging
+// buffer; its Done copies each piece into its destination.
+func (s *ucxServer) admitPieces(h *header, lid uint64, m ucx.Message, pieces []ucxPiece) (ucx.Admission, error) {
+	r := s.link(lid)
+	if r == nil || uint64(m.Length) != h.length {
+		s.e.stats.framesRefused.Add(1)
+		return ucx.Admission{}, ucx.ErrRejected
+	}
+	g, err := s.e.lookupGrant(h.grant)
+	ab := &ucxLander{s: s, g: g}
+	fail := false
+	if err == nil {
+		ab.mu.Lock()
+		now := time.Now()
+		for _, p := range pieces {
+			var ld landing
+			ld, fail, err = g.admitLand(now, h.epoch, &h.token, p.ext, p.off, p.n, ab)
+			if err == nil && ld.dst == nil {
+				g.endLand(&ld, false, ab)
+				err = fmt.Errorf("%w: ucx into device memory", ErrUnsupported)
+			}
+			if err != nil {
+				break
+			}
+			ab.lds = append(ab.lds, ld)
+		}
+		if err == nil {
+			ab.stage, err = ucxStage(int(h.length))
+		}
+		// A fence may have abandoned the lander meanwhile (it is in the
+		// grant's landers from its first landing): its abort, waiting for
+		// ab.mu, then ends every landing admitted, and ending them here too
+		// would end them twice. Whoever moves the state ends them.
+		if err != nil && ab.state.CompareAndSwap(ucxReceiving, ucxAbandoned) {
+			for i := range ab.lds {
+				g.endLand(&ab.lds[i], false, ab)
+			}
+		}
+		ab.mu.Unlock()
+	}
+	s.mu.Lock()
+	if err != nil {
+		if _, ok := r.refused[h.grant]; !ok && len(r.refused) < maxRefusals {
+			r.refused[h.grant] = err
+		}
+	} else {
+		r.touched[g.id] = g
+	}
+	s.mu.Unlock()
+	if err != nil {
+		s.e.stats.framesRefused.Add(1)
+		if fail {
+			s.spawn(func() { g.terminate(err) })
+		}
+		return ucx.Admission{}, ucx.ErrRejected
+	}
+	return ucx.Admission{Dest: ab.stage, Token: ucx.Token(g.id), Done: func(rerr error) {
+		s.spawn(func() { ab.received(r, rerr) })
+	}}, nil
+}
 
 // ucxLander is one admitted data message: its landing, the staging
 // buffer UCX receives its payload into, and who ends the landing.
