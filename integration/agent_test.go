@@ -423,17 +423,23 @@ func TestAgentMeasure(t *testing.T) {
 			goWrite := goWriter(t, rdma.Transport(tr), size, 512)
 			goWriteProc := goWriterProcess(t, rdma.Transport(tr), size, 512)
 			agentBest, goBest, procBest := 1e9, 1e9, 1e9
+			// Each round's ratio as well as the bests': on a shared machine
+			// the best of either side is one lucky moment, while the rounds'
+			// median compares sends that met the same moments.
+			var rounds []float64
 			for i := range reps {
 				g := p.recv.do("grant", map[string]any{"request_id": 100 + i, "blocks": rev, "row": 1})
 				s := p.send.do("send", map[string]any{"ticket": g["ticket"], "blocks": blocks, "row": 0})
 				require.Equal(t, "send_done", s["kind"], "%v", s)
 				p.recv.do("wait", map[string]any{"kind": "grant", "id": g["grant"]})
-				agentBest = min(agentBest, s["seconds"].(float64))
-				procBest = min(procBest, goWriteProc())
+				took, proc := s["seconds"].(float64), goWriteProc()
+				agentBest, procBest = min(agentBest, took), min(procBest, proc)
+				rounds = append(rounds, proc/took)
 				goBest = min(goBest, goWrite())
 			}
-			t.Logf("MEASURE %s 64MiB: agent %.2f GB/s (%.1f ms), two Go workers (processes) %.2f GB/s (%.1f ms), ratio %.2f",
-				tr, size/agentBest/1e9, agentBest*1e3, size/procBest/1e9, procBest*1e3, procBest/agentBest)
+			sort.Float64s(rounds)
+			t.Logf("MEASURE %s 64MiB: agent %.2f GB/s (%.1f ms), two Go workers (processes) %.2f GB/s (%.1f ms), ratio %.2f; median of %d rounds' ratios %.2f",
+				tr, size/agentBest/1e9, agentBest*1e3, size/procBest/1e9, procBest*1e3, procBest/agentBest, reps, rounds[reps/2])
 			t.Logf("MEASURE %s 64MiB: two Go engines in this process %.2f GB/s (%.1f ms), ratio %.2f",
 				tr, size/goBest/1e9, goBest*1e3, goBest/agentBest)
 
