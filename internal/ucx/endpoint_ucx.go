@@ -18,12 +18,13 @@ import (
 )
 
 type endpoint struct {
-	id      EndpointID
-	h       C.ucp_ep_h    // not to be used once closing: UCX may free it
-	failed  error         // the peer failed: sends fail with this
-	closing bool          // ucp_ep_close_nbx was called
-	closed  chan struct{} // closed once that close completed
-	err     error         // its status, set before closed is closed
+	id       EndpointID
+	h        C.ucp_ep_h    // not to be used once closing: UCX may free it
+	failed   error         // the peer failed: sends fail with this
+	closing  bool          // ucp_ep_close_nbx was called
+	released bool          // CloseEndpoint was called: its id is the caller's no more
+	closed   chan struct{} // closed once that close completed
+	err      error         // its status, set before closed is closed
 }
 
 type epFailure struct {
@@ -36,14 +37,14 @@ type epFailure struct {
 // detect a dead peer; keepalive every UCX_KEEPALIVE_INTERVAL, 20 s by
 // default). UCX connects lazily: an unreachable peer shows as the first
 // Post failing, or as OnPeerError. If ctx ends first, an endpoint made
-// meanwhile is closed with the worker.
+// meanwhile is closed at once.
 func (w *Worker) Connect(ctx context.Context, addr []byte) (EndpointID, error) {
 	if len(addr) == 0 {
 		return 0, fmt.Errorf("ucx: connect: empty address: %w", ErrInvalidParam)
 	}
 	a := append([]byte(nil), addr...)
-	var id EndpointID
-	err := w.call(ctx, func() error {
+	var made *endpoint
+	err := w.callUndo(ctx, func() error {
 		w.nextEP++
 		e := &endpoint{id: w.nextEP, closed: make(chan struct{})}
 		if st := C.hx_ep_create(w.uw, unsafe.Pointer(&a[0]), w.ud(uint64(e.id)), &e.h); st != C.UCS_OK {
@@ -51,14 +52,19 @@ func (w *Worker) Connect(ctx context.Context, addr []byte) (EndpointID, error) {
 		}
 		w.eps[e.id] = e
 		w.byH[e.h] = e
-		id = e.id
+		w.st.endpoints.Add(1)
+		made = e
 		return nil
+	}, func() {
+		// ctx ended before the caller heard of it: closed at once, not
+		// left until Close.
+		made.released = true
+		w.closeEP(made, true)
 	})
 	if err != nil {
-		// Not id: when ctx ended first, f may be writing it still.
 		return 0, err
 	}
-	return id, nil // f's write came before call's receive of its result
+	return made.id, nil // f's write came before callUndo's receive of its result
 }
 
 // EndpointInfo returns ucp_ep_print_info's text for ep: the lanes UCX chose
@@ -96,14 +102,19 @@ func (w *Worker) CloseEndpoint(ctx context.Context, ep EndpointID, mode CloseMod
 	err := w.call(ctx, func() error {
 		e = w.eps[ep]
 		if e == nil {
-			return ErrUnknownEndpoint
+			if _, ok := w.dead[ep]; !ok {
+				return ErrUnknownEndpoint
+			}
+			w.forget(ep) // closed when its peer failed: the caller is done with it
+			return nil
 		}
+		e.released = true
 		if !e.closing {
 			w.closeEP(e, mode == CloseForce)
 		}
 		return nil
 	})
-	if err != nil {
+	if err != nil || e == nil {
 		return err
 	}
 	select {
@@ -143,10 +154,18 @@ func (w *Worker) closedEP(e *endpoint, st C.int) {
 		e.err = Status(st)
 	}
 	delete(w.eps, e.id)
-	if e.failed != nil {
-		w.dead[e.id] = e.failed
+	if e.failed != nil && !e.released {
+		w.dead[e.id] = e.failed // Posts on it name the failure until CloseEndpoint
+	} else {
+		w.st.endpoints.Add(-1)
 	}
 	close(e.closed)
+}
+
+// forget drops a dead endpoint's id: from here on it is unknown.
+func (w *Worker) forget(ep EndpointID) {
+	delete(w.dead, ep)
+	w.st.endpoints.Add(-1)
 }
 
 // cut force-closes the endpoint r came by, when it is ours and still

@@ -13,6 +13,7 @@ import "C"
 
 import (
 	"context"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 )
@@ -55,9 +56,20 @@ func (w *Worker) wake() {
 
 // call runs f on the owner and returns its result, or ctx's error first.
 func (w *Worker) call(ctx context.Context, f func() error) error {
+	return w.callUndo(ctx, f, nil)
+}
+
+// callUndo is call for work that leaves something behind (an endpoint):
+// when f succeeded but its caller had already given up (ctx ended), undo
+// runs on the owner right after f, so that nothing is left that no one
+// knows of. The caller and the owner settle who won with one CAS: a caller
+// that lost waits for f's result and returns it.
+func (w *Worker) callUndo(ctx context.Context, f func() error, undo func()) error {
 	if w.onOwner() {
 		return ErrOwner
 	}
+	const waiting, answered, gaveUp = 0, 1, 2
+	var state atomic.Int32
 	res := make(chan error, 1)
 	err := w.submit(func(closing bool) {
 		switch {
@@ -66,7 +78,11 @@ func (w *Worker) call(ctx context.Context, f func() error) error {
 		case ctx.Err() != nil:
 			res <- ctx.Err()
 		default:
-			res <- f()
+			err := f()
+			if err == nil && undo != nil && !state.CompareAndSwap(waiting, answered) {
+				undo()
+			}
+			res <- err
 		}
 	})
 	if err != nil {
@@ -76,7 +92,10 @@ func (w *Worker) call(ctx context.Context, f func() error) error {
 	case err := <-res:
 		return err
 	case <-ctx.Done():
-		return ctx.Err()
+		if undo == nil || state.CompareAndSwap(waiting, gaveUp) {
+			return ctx.Err()
+		}
+		return <-res // f succeeded, and its caller is told so
 	}
 }
 

@@ -250,7 +250,8 @@ func settings(opts map[string]string, lookup func(string) (string, bool)) (modif
 	return modify, env
 }
 
-// Stats counts a worker's activity since New. Every field only grows.
+// Stats counts a worker's activity since New. Every field but Endpoints
+// only grows.
 type Stats struct {
 	Sleeps        uint64 // waits on UCX's event fd
 	SleepTimeouts uint64 // of which ended by MaxSleep, not an event
@@ -262,6 +263,10 @@ type Stats struct {
 	Received      uint64 // receives whose bytes all landed
 	ReceiveFailed uint64 // receives that ended in an error
 	PeerErrors    uint64 // endpoint error-handler calls
+	// Endpoints made by Connect that CloseEndpoint has not yet closed or
+	// forgotten (those closed when their peer failed included): what the
+	// worker keeps for its caller.
+	Endpoints int64
 }
 
 // CloseMode says how CloseEndpoint ends an endpoint.

@@ -749,7 +749,58 @@ func TestReceiverKilledMidTransfer(t *testing.T) {
 			if err := snd.Send(ctxT(t, 5*time.Second), ep, []byte("h"), src[:10]); !errors.Is(err, ucx.ErrPeerFailed) {
 				t.Errorf("send on the failed endpoint: %v", err)
 			}
+			// The dead endpoint is kept, naming its failure, until its
+			// caller closes it; then it is forgotten.
+			if n := snd.Stats().Endpoints; n != 1 {
+				t.Errorf("endpoints before the close: %d, want 1", n)
+			}
+			if err := snd.CloseEndpoint(ctxT(t, 5*time.Second), ep, ucx.CloseForce); err != nil {
+				t.Errorf("closing the failed endpoint: %v", err)
+			}
+			if n := snd.Stats().Endpoints; n != 0 {
+				t.Errorf("endpoints after the close: %d, want 0", n)
+			}
+			if err := snd.Send(ctxT(t, 5*time.Second), ep, []byte("h"), src[:10]); !errors.Is(err, ucx.ErrUnknownEndpoint) {
+				t.Errorf("send on the closed endpoint: %v, want ErrUnknownEndpoint", err)
+			}
+			if err := snd.CloseEndpoint(ctxT(t, 5*time.Second), ep, ucx.CloseForce); !errors.Is(err, ucx.ErrUnknownEndpoint) {
+				t.Errorf("closing it again: %v, want ErrUnknownEndpoint", err)
+			}
 		})
+	}
+}
+
+// TestConnectGivenUpLeavesNothing: a Connect whose context ends while the
+// owner makes the endpoint must not leave it behind (until Close).
+func TestConnectGivenUpLeavesNothing(t *testing.T) {
+	rcv := newWorker(t, ucx.Config{Name: "rcv"})
+	snd := newWorker(t, ucx.Config{Name: "snd"})
+	made, gaveUp := 0, 0
+	for i := range 400 {
+		// Deadlines around what a Connect takes, so that some end while the
+		// owner makes the endpoint.
+		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(i%40)*time.Microsecond)
+		ep, err := snd.Connect(ctx, rcv.Address())
+		cancel()
+		switch {
+		case err == nil:
+			made++
+			if err := snd.CloseEndpoint(ctxT(t, 5*time.Second), ep, ucx.CloseForce); err != nil {
+				t.Fatal(err)
+			}
+		case errors.Is(err, context.DeadlineExceeded):
+			gaveUp++
+		default:
+			t.Fatal(err)
+		}
+	}
+	t.Logf("%d connects made, %d given up", made, gaveUp)
+	deadline := time.Now().Add(5 * time.Second)
+	for snd.Stats().Endpoints != 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := snd.Stats().Endpoints; n != 0 {
+		t.Errorf("%d endpoints left behind by Connects given up", n)
 	}
 }
 

@@ -85,6 +85,7 @@ type Worker struct {
 	st struct {
 		sleeps, sleepTimeouts, progress, sent, sendFailed      atomic.Uint64
 		admitted, refused, received, receiveFailed, peerErrors atomic.Uint64
+		endpoints                                              atomic.Int64
 	}
 
 	// Owner-only.
@@ -94,7 +95,7 @@ type Worker struct {
 	seq      uint64
 	nextEP   EndpointID
 	eps      map[EndpointID]*endpoint
-	dead     map[EndpointID]error // endpoints closed after their peer failed
+	dead     map[EndpointID]error // endpoints closed after their peer failed, until CloseEndpoint
 	sends    map[uint64]*Op
 	recvs    map[uint64]*recv
 	closes   map[uint64]*endpoint
@@ -258,6 +259,7 @@ func (w *Worker) Stats() Stats {
 		Progress: w.st.progress.Load(), Sent: w.st.sent.Load(), SendFailed: w.st.sendFailed.Load(),
 		Admitted: w.st.admitted.Load(), Refused: w.st.refused.Load(), Received: w.st.received.Load(),
 		ReceiveFailed: w.st.receiveFailed.Load(), PeerErrors: w.st.peerErrors.Load(),
+		Endpoints: w.st.endpoints.Load(),
 	}
 }
 
