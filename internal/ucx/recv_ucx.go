@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"runtime"
 	"runtime/debug"
+	"slices"
 	"sync"
 	"unsafe"
 )
@@ -97,6 +98,13 @@ func (w *Worker) Fence(ctx context.Context, tok Token) error {
 	case err := <-ch:
 		return err
 	case <-ctx.Done():
+		// No longer waited for: a group that never drains (a stalled
+		// receive, fenced again and again) must not gather channels.
+		_ = w.submit(func(bool) {
+			if g := w.groups[tok]; g != nil {
+				g.waiters = slices.DeleteFunc(g.waiters, func(c chan error) bool { return c == ch })
+			}
+		})
 		return ctx.Err()
 	}
 }
