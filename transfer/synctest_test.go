@@ -452,6 +452,46 @@ func TestRefusalThenDeathOfRefuser(t *testing.T) {
 	}
 }
 
+// TestDeliveredBeforeTickCounts: a commit and a reply that arrived while
+// the handoff was busy (held in its publish) count before a tick that came
+// due meanwhile, here the deadline's: they came first, so the handoff is
+// delivered, not timed out. A select that took whichever was ready failed
+// about one round in two.
+func TestDeliveredBeforeTickCounts(t *testing.T) {
+	for round := range 20 {
+		synctest.Test(t, func(t *testing.T) {
+			recv, send, dst, src := bubbleEngines(t)
+			defer recv.Close()
+			defer send.Close()
+			d, rec := bubbleDecoder(t, recv, 1)
+			rec.hold = make(chan struct{})
+			type out struct {
+				res Result
+				err error
+			}
+			done := make(chan out, 1)
+			start := time.Now()
+			go func() {
+				res, err := d.Handoff(context.Background(), Request{ID: 5, Tokens: tokens(4), Dest: CacheExtents{Mamba: dst}, Deadline: start.Add(time.Second)})
+				done <- out{res, err}
+			}()
+			m1 := <-rec.sent // the handoff is held in its publish
+			req, err := wire.DecodePrefillRequest(m1.Data)
+			require.NoError(t, err)
+			m, err := send.Write(context.Background(), req.Peer.Descriptor(), req.Ticket, []rdma.Extent{src})
+			require.NoError(t, err)
+			b, err := wire.EncodePrefillReply(wire.PrefillReply{RequestID: req.RequestID, Instance: "p1", FirstToken: 42, Manifest: m}, 0)
+			require.NoError(t, err)
+			d.onReply(&nats.Msg{Subject: m1.Reply, Data: b})
+			time.Sleep(2 * time.Second) // the deadline passes while the handoff is held
+			<-rec.hold
+			o := <-done
+			require.NoError(t, o.err, "round %d: committed and replied before the deadline", round)
+			require.Equal(t, int32(42), o.res.FirstToken)
+		})
+	}
+}
+
 // prefillRegistry is a registry, without NATS, that holds fresh entries of
 // prefill instances ids with the decoders' fingerprint "fp".
 func prefillRegistry(ids ...string) *Registry {
