@@ -203,7 +203,8 @@ func ucxStageSize(n int) int {
 	return c
 }
 
-// ucxStage returns a staging buffer of n bytes.
+// ucxStage returns a staging buffer of n bytes, its capacity the whole
+// mapping (freeStage recycles or unmaps by it).
 func ucxStage(n int) ([]byte, error) {
 	c := ucxStageSize(n)
 	ucxStages.Lock()
@@ -211,25 +212,27 @@ func ucxStage(n int) ([]byte, error) {
 		b := l[len(l)-1]
 		ucxStages.free[c] = l[:len(l)-1]
 		ucxStages.Unlock()
-		return b[:n:n], nil
+		return b[:n], nil
 	}
 	ucxStages.Unlock()
 	b, err := unix.Mmap(-1, 0, c, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
 		return nil, fmt.Errorf("rdma: ucx: mapping a staging buffer of %d bytes: %w", c, err)
 	}
-	return b[:n:n], nil
+	return b[:n], nil
 }
 
-// freeStage returns a staging buffer once no receive uses it any more.
+// freeStage returns a staging buffer once no receive uses it any more. Its
+// capacity is its mapping's size (ucxStage keeps it so): what is recycled
+// by size, or unmapped whole.
 func freeStage(b []byte) {
 	if b == nil {
 		return
 	}
-	c := ucxStageSize(cap(b))
 	b = b[:cap(b)]
+	c := cap(b)
 	ucxStages.Lock()
-	if c == cap(b) && c <= ucxChunk && len(ucxStages.free[c]) < ucxStageKeep {
+	if c == ucxStageSize(c) && c <= ucxChunk && len(ucxStages.free[c]) < ucxStageKeep {
 		if ucxStages.free == nil {
 			ucxStages.free = map[int][][]byte{}
 		}
@@ -238,7 +241,7 @@ func freeStage(b []byte) {
 		return
 	}
 	ucxStages.Unlock()
-	_ = unix.Munmap(b)
+	_ = unix.Munmap(b) // a whole mapping: it fails only for memory not ucxStage's
 }
 
 // abortLanding abandons the receive, unless its bytes are being copied in

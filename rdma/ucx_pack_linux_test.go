@@ -62,3 +62,20 @@ func TestUCXPackPiecesLayout(t *testing.T) {
 	require.Equal(t, uint32(5), binary.LittleEndian.Uint32(tail[ucxPackEntry:]))
 	require.Equal(t, uint64(2), binary.LittleEndian.Uint64(tail[ucxPackEntry+12:]))
 }
+
+// TestUCXStageRecycled: a staging buffer of any length goes back whole, so
+// the next one of its size class is the same memory. (With its capacity
+// cut to its length, a buffer whose length was not its class's failed to
+// unmap and leaked, and was never reused.)
+func TestUCXStageRecycled(t *testing.T) {
+	for _, n := range []int{1, 100 << 10, 128 << 10, 3<<20 + 5} {
+		b, err := ucxStage(n)
+		require.NoError(t, err)
+		require.Len(t, b, n)
+		freeStage(b)
+		again, err := ucxStage(n)
+		require.NoError(t, err)
+		require.Same(t, &b[0], &again[0], "%d bytes: the buffer freed is the one reused", n)
+		freeStage(again)
+	}
+}
