@@ -220,6 +220,10 @@ func TestCrossProcessWriterKilled(t *testing.T) {
 				t.Fatalf("a second report for %s", a)
 			case <-time.After(50 * time.Millisecond):
 			}
+			// ucx: the endpoint back to the dead writer is closed, not
+			// kept for the worker's life.
+			require.Eventually(t, func() bool { return ucxEndpoints(rx) == 0 }, 5*time.Second, 10*time.Millisecond,
+				"endpoints kept: %d", ucxEndpoints(rx))
 		})
 	}
 }

@@ -401,8 +401,20 @@ func (s *ucxServer) hello(h *header, lid, seq uint64, tail []byte) {
 	s.e.writerUp(r.agent)
 	if old != nil {
 		s.e.writerDown(old.agent, false)
+		// The writer reset the link (its endpoint is closed): the old
+		// endpoint back to it goes as a goodbye's would.
+		s.spawn(func() { s.closeEP(old.ep, ucx.CloseFlush) })
 	}
 	s.reply(r, seq, 0, 0, nil)
+}
+
+// closeEP closes ep, waiting up to a second: an endpoint no link uses any
+// more (its writer said goodbye or reset, or it failed). The worker keeps
+// a failed one, naming its failure, until it is closed.
+func (s *ucxServer) closeEP(ep ucx.EndpointID, mode ucx.CloseMode) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	_ = s.w.CloseEndpoint(ctx, ep, mode)
 }
 
 // bye ends a writer's link that its writer closed: like the last tcp
@@ -420,9 +432,7 @@ func (s *ucxServer) bye(lid uint64) {
 		return
 	}
 	s.gone(r, ErrPeerClosed)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-	defer cancel()
-	_ = s.w.CloseEndpoint(ctx, r.ep, ucx.CloseFlush)
+	s.closeEP(r.ep, ucx.CloseFlush)
 }
 
 // gone fails what r landed without committing and reports its writer.
@@ -460,6 +470,10 @@ func (s *ucxServer) peerError(ep ucx.EndpointID, err error) {
 	if l != nil {
 		l.broke(ep, err)
 	}
+	// Whoever used it, or none (a link replaced since): the failed
+	// endpoint is done with. A write still posting on it fails all the
+	// same (ErrPeerClosed).
+	s.spawn(func() { s.closeEP(ep, ucx.CloseForce) })
 }
 
 // reply answers exchange seq of link r.

@@ -65,3 +65,12 @@ func ucxPeerErrors(e *Engine) uint64 {
 	}
 	return e.ucx.w.Stats().PeerErrors
 }
+
+// ucxEndpoints counts the endpoints e's ucx worker keeps (made and not
+// yet closed, failed ones included).
+func ucxEndpoints(e *Engine) int64 {
+	if e.ucx == nil {
+		return 0
+	}
+	return e.ucx.w.Stats().Endpoints
+}
