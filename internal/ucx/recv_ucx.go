@@ -81,6 +81,9 @@ func (w *Worker) Fence(ctx context.Context, tok Token) error {
 	err := w.submit(func(closing bool) {
 		g := w.groups[tok]
 		if closing || g == nil {
+			if closing && w.leakedToks[tok] {
+				ch <- ErrLeaked
+			}
 			close(ch)
 			return
 		}
@@ -89,6 +92,9 @@ func (w *Worker) Fence(ctx context.Context, tok Token) error {
 	if err != nil {
 		select { // closing: everything ends with the owner
 		case <-w.done:
+			if w.leakedToks[tok] { // shutdown's writes came before done
+				return ErrLeaked
+			}
 			return nil
 		case <-ctx.Done():
 			return ctx.Err()

@@ -1052,6 +1052,16 @@ func TestCloseLeavesStalledReceive(t *testing.T) {
 	if err := <-fenced; !errors.Is(err, ucx.ErrLeaked) {
 		t.Errorf("Fence on its token: %v, want ErrLeaked", err)
 	}
+	// So does a Fence made after Close; another token has nothing in flight.
+	if err := rcv.Fence(ctxT(t, 5*time.Second), tok); !errors.Is(err, ucx.ErrLeaked) {
+		t.Errorf("Fence on its token after Close: %v, want ErrLeaked", err)
+	}
+	if err := rcv.Fence(ctxT(t, 5*time.Second), tok+1); err != nil {
+		t.Errorf("Fence on another token after Close: %v, want nil", err)
+	}
+	if n := rcv.Stats().Endpoints; n != 0 {
+		t.Errorf("endpoints kept after Close: %d", n)
+	}
 }
 
 // BenchmarkAMRendezvous sends 1 MiB messages in process, one at a time

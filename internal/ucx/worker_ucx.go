@@ -105,23 +105,27 @@ type Worker struct {
 	byH      map[C.ucp_ep_h]*endpoint // our endpoints not yet closing, by handle
 	panicked any
 	leaked   int // receives still in flight when Close gave up
+	// The tokens of those receives: Fence's answer after Close. Written
+	// by shutdown, read by Fence once done is closed.
+	leakedToks map[Token]bool
 }
 
 // New creates a worker and starts its owner goroutine. Call Close to stop
 // it and free its UCX resources.
 func New(cfg Config) (*Worker, error) {
 	w := &Worker{
-		cfg:      cfg,
-		maxSleep: int((cfg.MaxSleep + time.Millisecond - 1) / time.Millisecond),
-		done:     make(chan struct{}),
-		eps:      map[EndpointID]*endpoint{},
-		dead:     map[EndpointID]error{},
-		sends:    map[uint64]*Op{},
-		recvs:    map[uint64]*recv{},
-		closes:   map[uint64]*endpoint{},
-		groups:   map[Token]*group{},
-		byH:      map[C.ucp_ep_h]*endpoint{},
-		wakefd:   -1,
+		cfg:        cfg,
+		maxSleep:   int((cfg.MaxSleep + time.Millisecond - 1) / time.Millisecond),
+		done:       make(chan struct{}),
+		eps:        map[EndpointID]*endpoint{},
+		dead:       map[EndpointID]error{},
+		sends:      map[uint64]*Op{},
+		recvs:      map[uint64]*recv{},
+		closes:     map[uint64]*endpoint{},
+		groups:     map[Token]*group{},
+		byH:        map[C.ucp_ep_h]*endpoint{},
+		leakedToks: map[Token]bool{},
+		wakefd:     -1,
 	}
 	if cfg.MaxSleep <= 0 {
 		w.maxSleep = 100
@@ -299,6 +303,7 @@ func (w *Worker) shutdown() {
 	}
 	for seq, r := range w.recvs {
 		delete(w.recvs, seq)
+		w.leakedToks[r.token] = true
 		leakedRecvs.Lock()
 		leakedRecvs.rs = append(leakedRecvs.rs, r)
 		leakedRecvs.Unlock()
@@ -306,10 +311,15 @@ func (w *Worker) shutdown() {
 	}
 	for seq, e := range w.closes {
 		delete(w.closes, seq)
+		e.released = true // the worker is gone: nothing is kept for the caller
 		w.closedEP(e, C.UCS_OK)
 	}
 	for _, e := range w.eps {
+		e.released = true
 		w.closedEP(e, C.UCS_OK)
+	}
+	for ep := range w.dead {
+		w.forget(ep)
 	}
 	w.failed = nil
 	w.deliver()
