@@ -304,7 +304,13 @@ func (s *session) run() {
 func (s *session) reply(r Reply) error {
 	s.wmu.Lock()
 	defer s.wmu.Unlock()
-	if err := writeFrame(s.w, r); err != nil {
+	err := writeFrame(s.w, r)
+	if errors.Is(err, ErrFrameTooLarge) {
+		// Nothing was written: the request gets the error instead, and the
+		// connection goes on.
+		err = writeFrame(s.w, Reply{Re: r.Re, Code: Code(err), Msg: err.Error()})
+	}
+	if err != nil {
 		return err
 	}
 	return s.w.Flush()

@@ -467,3 +467,22 @@ func TestLargeRequestFrame(t *testing.T) {
 	_, err := e.c.Call(ctxT(t), Request{Op: OpGrant, RequestID: 1, Blocks: blocks}, nil)
 	require.ErrorIs(t, err, ErrBadRequest)
 }
+
+// engineStats sums the data-path counters of a's registrations.
+func engineStats(a *Agent) rdma.Stats {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var st rdma.Stats
+	for s := range a.sessions {
+		s.mu.Lock()
+		eng := s.eng
+		s.mu.Unlock()
+		if eng != nil {
+			x := eng.Stats()
+			st.BytesPulled += x.BytesPulled
+			st.BytesStaged += x.BytesStaged
+			st.GrantsOpen += x.GrantsOpen
+		}
+	}
+	return st
+}

@@ -359,24 +359,6 @@ func engineCount(a *Agent) int {
 	return len(a.sessions)
 }
 
-// engineStats sums the data-path counters of a's registrations.
-func engineStats(a *Agent) rdma.Stats {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	var st rdma.Stats
-	for s := range a.sessions {
-		s.mu.Lock()
-		eng := s.eng
-		s.mu.Unlock()
-		if eng != nil {
-			x := eng.Stats()
-			st.BytesPulled += x.BytesPulled
-			st.BytesStaged += x.BytesStaged
-		}
-	}
-	return st
-}
-
 // TestDeviceMemoryOneGPUPerAgent: once an engine registered memory on one
 // device, memory on another is refused by name (one agent per GPU), and
 // leaves no mapping.

@@ -79,6 +79,11 @@ func (s *session) grant(q Request) (Reply, error) {
 	if err != nil {
 		return fail(err)
 	}
+	if len(t) > maxTicket {
+		// The reply could not carry it: refused by name, its grants closed.
+		return fail(fmt.Errorf("%w: the ticket of %d blocks for TP-%d senders is %d bytes, over the %d a reply carries; grant fewer blocks at a time",
+			ErrFrameTooLarge, len(q.Blocks), from, len(t), maxTicket))
+	}
 	s.mu.Lock()
 	s.grants[grp.id] = grp
 	s.mu.Unlock()
@@ -89,6 +94,10 @@ func (s *session) grant(q Request) (Reply, error) {
 	}()
 	return Reply{Grant: grp.id, Ticket: t}, nil
 }
+
+// maxTicket bounds a grant's ticket: its reply, with room for the rest,
+// fits a frame.
+const maxTicket = MaxFrame - 64<<10
 
 // watchGrant reports the end of a group's grants as one event: done when
 // every grant is, else the first failure. A failure revokes the others.

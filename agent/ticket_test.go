@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"bufio"
+	"bytes"
 	"math/rand/v2"
 	"runtime"
 	"slices"
@@ -195,4 +197,55 @@ func TestForgedFoldedTicketBounded(t *testing.T) {
 	require.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(64<<20), "the agent made room for what the ticket claimed")
 	_, err = recv.c.Call(ctx, Request{Op: OpRevoke, Grant: g.Grant}, nil)
 	require.NoError(t, err)
+}
+
+// TestTicketTooLargeRefused: a grant whose ticket a reply could not carry
+// (block-major, 128 layers, 4,096 scattered blocks for four TP-4 senders:
+// a million extents each) is refused by name, its grants closed, and the
+// engine's connection goes on.
+func TestTicketTooLargeRefused(t *testing.T) {
+	if testing.Short() || raceEnabled {
+		t.Skip("SKIP: opens grants of four million extents (scripts/test runs it without -race)")
+	}
+	const blocks, layers = 4096, 128
+	l := Layout{
+		Model: "deep", Revision: "test", Pattern: "M" + strings.Repeat("*", layers), Vocab: 256,
+		KV:    &KVLayout{Layers: layers, KVHeads: 4, HeadDim: 1, TokensPerBlock: 2, DType: "float32", Blocks: 2 * blocks},
+		Mamba: &MambaLayout{Layers: 1, Heads: 4, HeadDim: 4, DState: 4, NGroups: 4, DConv: 4, ConvDType: "float32", SSMDType: "float32", Rows: 3, Reserved: []int{2}},
+	}
+	sock, a := startAgentA(t, "dec", rdma.TransportSHM)
+	recv := register(t, sock, l)
+	names := make([]int, blocks)
+	for i := range names {
+		names[i] = 2 * i // apart: no two extents merge
+	}
+	ctx := ctxT(t)
+	_, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 1, Blocks: names, FromTP: 4}, nil)
+	require.ErrorIs(t, err, ErrFrameTooLarge)
+	require.ErrorContains(t, err, "grant fewer blocks at a time")
+	require.Zero(t, engineStats(a).GrantsOpen, "the refused grant's grants are closed")
+	// The connection is the engine's still.
+	g, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 2, Blocks: names[:8], FromTP: 4}, nil)
+	require.NoError(t, err)
+	require.NotEmpty(t, g.Ticket)
+}
+
+// TestOversizedReplyAnswered: a reply too large for a frame is answered
+// with the error in its place, and the connection goes on.
+func TestOversizedReplyAnswered(t *testing.T) {
+	var buf bytes.Buffer
+	s := &session{w: bufio.NewWriter(&buf)}
+	require.NoError(t, s.reply(Reply{Re: 7, Ticket: make([]byte, MaxFrame)}))
+	require.NoError(t, s.reply(Reply{Re: 8}))
+	b, err := readFrame(&buf)
+	require.NoError(t, err)
+	r, err := decodeReply(b)
+	require.NoError(t, err)
+	require.Equal(t, uint64(7), r.Re)
+	require.Equal(t, "frame_too_large", r.Code)
+	b, err = readFrame(&buf)
+	require.NoError(t, err)
+	r, err = decodeReply(b)
+	require.NoError(t, err)
+	require.Equal(t, Reply{Re: 8}, r)
 }
