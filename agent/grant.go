@@ -100,21 +100,45 @@ func (s *session) grant(q Request) (Reply, error) {
 const maxTicket = MaxFrame - 64<<10
 
 // watchGrant reports the end of a group's grants as one event: done when
-// every grant is, else the first failure. A failure revokes the others.
+// every grant is, else the first failure, whichever grant's: a failure
+// revokes the others at once (not when the grants before it ended).
 func (s *session) watchGrant(grp *grantGroup) {
+	failed := make(chan error, len(grp.gs))
+	ended := make(chan *rdma.Grant, len(grp.gs))
+	for _, g := range grp.gs {
+		// Each ends: at its commit, failure or deadline, or when the
+		// session's engine closes.
+		go func() {
+			select {
+			case <-g.Failed(): // with Done, or before it (quarantined)
+				failed <- g.Err()
+			case <-g.Done():
+			}
+			<-g.Done()
+			ended <- g
+		}()
+	}
 	var bytes uint64
 	var first error
-	for _, g := range grp.gs {
-		<-g.Done()
-		m, err := g.Wait(context.Background())
+	fail := func(err error) {
 		if err != nil && first == nil {
 			first = err
 			for _, o := range grp.gs {
 				o.Revoke()
 			}
 		}
-		for _, b := range m.Bytes {
-			bytes += b
+	}
+	for n := len(grp.gs); n > 0; {
+		select {
+		case err := <-failed:
+			fail(err)
+		case g := <-ended:
+			n--
+			m, err := g.Wait(context.Background())
+			fail(err)
+			for _, b := range m.Bytes {
+				bytes += b
+			}
 		}
 	}
 	s.mu.Lock()

@@ -1,0 +1,61 @@
+package agent
+
+import (
+	"bufio"
+	"io"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/rdma"
+)
+
+// TestGroupFailureRevokesAtOnce: when one grant of a group fails, the
+// others are revoked and the event sent at once, whichever grant failed:
+// not once the grants before it ended (here never, without a deadline).
+func TestGroupFailureRevokesAtOnce(t *testing.T) {
+	eng, err := rdma.New(rdma.Config{Agent: "group", Transports: []rdma.Transport{rdma.TransportInproc}, Logger: slog.New(slog.DiscardHandler)})
+	require.NoError(t, err)
+	defer eng.Close()
+	r, err := eng.Register("kv", 4096)
+	require.NoError(t, err)
+	grp := &grantGroup{req: 3}
+	for i := range 3 {
+		g, err := eng.OpenGrant(rdma.GrantSpec{RequestID: 3, Extents: []rdma.Extent{{Region: r.ID(), Offset: uint64(i) * 1024, Length: 1024}}})
+		require.NoError(t, err)
+		grp.gs = append(grp.gs, g)
+	}
+	grp.id = grp.gs[0].ID()
+	pr, pw := io.Pipe()
+	defer pr.Close()
+	s := &session{w: bufio.NewWriter(pw), grants: map[uint64]*grantGroup{grp.id: grp}}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		s.watchGrant(grp)
+	}()
+	grp.gs[2].Revoke() // the last shard's grant fails first
+	frame := make(chan []byte, 1)
+	go func() {
+		b, _ := readFrame(pr)
+		frame <- b
+	}()
+	select {
+	case b := <-frame:
+		ev, err := decodeReply(b)
+		require.NoError(t, err)
+		require.Equal(t, EvGrantFailed, ev.Ev)
+		require.Equal(t, grp.id, ev.Grant)
+		require.Equal(t, "revoked", ev.Code)
+	case <-time.After(10 * time.Second):
+		t.Fatal("no event 10 s after a grant of the group failed")
+	}
+	<-done
+	for i, g := range grp.gs {
+		require.Error(t, g.Err(), "grant %d revoked with the group", i)
+	}
+	require.Empty(t, s.grants)
+}
+
