@@ -39,6 +39,9 @@ func (s *session) grant(q Request) (Reply, error) {
 	}
 	var deadline time.Time
 	if q.DeadlineMS > 0 {
+		if q.DeadlineMS > maxDeadlineMS {
+			return Reply{}, fmt.Errorf("%w: deadline of %d ms, over %d", ErrBadRequest, q.DeadlineMS, maxDeadlineMS)
+		}
 		deadline = time.Now().Add(time.Duration(q.DeadlineMS) * time.Millisecond)
 	}
 	grp := &grantGroup{req: q.RequestID}
@@ -94,6 +97,10 @@ func (s *session) grant(q Request) (Reply, error) {
 	}()
 	return Reply{Grant: grp.id, Ticket: t}, nil
 }
+
+// maxDeadlineMS bounds a grant's deadline (a year), far inside what a
+// time.Duration holds.
+const maxDeadlineMS = 365 * 24 * 3600 * 1000
 
 // maxTicket bounds a grant's ticket: its reply, with room for the rest,
 // fits a frame.

@@ -59,3 +59,14 @@ func TestGroupFailureRevokesAtOnce(t *testing.T) {
 	require.Empty(t, s.grants)
 }
 
+// TestGrantDeadlineBounded: a deadline past what a time.Duration holds in
+// milliseconds (it wrapped into the past) is refused by name.
+func TestGrantDeadlineBounded(t *testing.T) {
+	e := register(t, startAgent(t, "a", rdma.TransportSHM), tinyLayout())
+	_, err := e.c.Call(ctxT(t), Request{Op: OpGrant, RequestID: 1, Blocks: []int{1}, DeadlineMS: 1 << 62}, nil)
+	require.ErrorIs(t, err, ErrBadRequest)
+	require.ErrorContains(t, err, "deadline")
+	g, err := e.c.Call(ctxT(t), Request{Op: OpGrant, RequestID: 2, Blocks: []int{1}, DeadlineMS: maxDeadlineMS}, nil)
+	require.NoError(t, err)
+	require.NotZero(t, g.Grant)
+}
