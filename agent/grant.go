@@ -158,7 +158,10 @@ func (s *session) watchGrant(grp *grantGroup) {
 	s.reply(ev)
 }
 
-// revoke fences a grant: once the reply is sent, no byte of it lands.
+// revoke fences a grant: once the reply is sent, no byte of it lands; or it
+// answers quarantined, when a writer stopped inside a copy into it (a
+// frozen shm writer, rdma.Grant.Quarantined), and then nothing lands once
+// the grant_failed event is sent.
 func (s *session) revoke(q Request) (Reply, error) {
 	s.mu.Lock()
 	grp := s.grants[q.Grant]
@@ -168,6 +171,14 @@ func (s *session) revoke(q Request) (Reply, error) {
 	}
 	for _, g := range grp.gs {
 		g.Revoke()
+	}
+	for _, g := range grp.gs {
+		if g.Quarantined() {
+			// A writer stopped inside a copy (a frozen process) may still
+			// store into the blocks: the engine must not reuse them yet.
+			return Reply{}, fmt.Errorf("%w: grant %d is revoked, but a writer stopped inside its copy may still write its blocks: reuse them once its grant_failed event came",
+				rdma.ErrQuarantined, q.Grant)
+		}
 	}
 	return Reply{Grant: q.Grant}, nil
 }

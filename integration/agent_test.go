@@ -23,6 +23,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -397,6 +398,46 @@ func TestAgentFaults(t *testing.T) {
 		m, f := p.aB.memfdCount()
 		require.Equal(t, [2]int{2, 2}, [2]int{m, f}, "the new agent maps the re-registered pools once")
 	})
+}
+
+// TestAgentFrozenWriter: the sending agent is stopped (SIGSTOP) while it
+// copies a 64 MiB send into the receiver's memory over shm. The revoke
+// answers quarantined (the writer may still store into the blocks) or,
+// when the stop missed the copy, plainly; either way nothing lands once
+// the grant's failure is reported, after the writer resumed.
+func TestAgentFrozenWriter(t *testing.T) {
+	p := startPair(t, "shm", bigLayout)
+	quarantined := 0
+	for round := 0; round < 6 && quarantined == 0; round++ {
+		g := p.recv.do("grant", map[string]any{"request_id": 60 + round, "blocks": seq(0, 512), "row": 1, "deadline": 30})
+		sent := p.send.do("send", map[string]any{"ticket": g["ticket"], "blocks": seq(0, 512), "row": 0, "wait": false})
+		require.NoError(t, p.aA.cmd.Process.Signal(syscall.SIGSTOP))
+		out, err := p.recv.try("revoke", map[string]any{"grant": g["grant"]})
+		require.NoError(t, err)
+		switch out["error"] {
+		case "quarantined":
+			quarantined++
+		case nil:
+		default:
+			t.Fatalf("round %d: revoke: %v", round, out)
+		}
+		stopped := p.recv.digest(seq(0, 512), 1)
+		require.NoError(t, p.aA.cmd.Process.Signal(syscall.SIGCONT))
+		ev := p.recv.do("wait", map[string]any{"kind": "grant", "id": g["grant"]})
+		t.Logf("round %d: revoke %v, then %v", round, out["error"], ev["kind"])
+		if ev["kind"] == "grant_done" {
+			continue // the send had ended before the stop
+		}
+		require.Equal(t, "grant_failed", ev["kind"], "%v", ev)
+		after := p.recv.digest(seq(0, 512), 1)
+		if out["error"] == nil {
+			require.Equal(t, stopped, after, "round %d: nothing landed after the revoke", round)
+		}
+		time.Sleep(100 * time.Millisecond)
+		require.Equal(t, after, p.recv.digest(seq(0, 512), 1), "round %d: nothing landed after grant_failed", round)
+		p.send.do("wait", map[string]any{"kind": "send", "id": sent["send"]})
+	}
+	require.NotZero(t, quarantined, "no round stopped the writer inside its copy")
 }
 
 // TestAgentMeasure prints the figures docs/agent.md quotes: a 64 MiB send

@@ -385,7 +385,10 @@ class Agent:
         return Grant(rep["grant"], rep["ticket"])
 
     def revoke(self, grant: int | Grant) -> None:
-        """Revokes a grant: once this returns, no byte of it lands."""
+        """Revokes a grant: once this returns, no byte of it lands. It raises
+        AgentError with code ``quarantined`` when a writer stopped inside a
+        copy into it (a frozen process) may still write its blocks: reuse
+        them once the grant's ``grant_failed`` event came."""
         gid = grant.id if isinstance(grant, Grant) else grant
         self._call({"op": "revoke", "grant": gid})
 
