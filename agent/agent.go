@@ -368,7 +368,14 @@ func (s *session) handle(q Request) (Reply, error) {
 // register maps the engine's memory (the fds passed with the message: the
 // KV pool's, then the Mamba pool's, or the host buffers' in order) as the
 // regions of a new rdma.Engine and forbids the reserved rows in it.
-func (s *session) register(q Request) (Reply, error) {
+func (s *session) register(q Request) (_ Reply, err error) {
+	defer func() {
+		if err != nil {
+			// Descriptors passed with a refused registration are its own:
+			// a retry passes its own, and must not take these.
+			s.fc.closeFDs()
+		}
+	}()
 	bufs, buffered := q.Buffers, len(q.Buffers) > 0
 	if !buffered {
 		bufs = []Buffer{{Bytes: q.KVBytes, CUDA: q.KVCUDA}, {Bytes: q.MambaBytes, CUDA: q.MambaCUDA}}
@@ -388,6 +395,9 @@ func (s *session) register(q Request) (Reply, error) {
 			closeFD(fd) // rdma keeps duplicates of what it maps
 		}
 	}()
+	if extra := s.fc.queued(); extra > 0 {
+		return Reply{}, fmt.Errorf("%w: %d descriptors passed, the registration's memory takes %d", ErrBadRequest, n+extra, n)
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.eng != nil {

@@ -255,17 +255,7 @@ func TestEngineGoneRevokesAndUnmaps(t *testing.T) {
 		require.NoError(t, err)
 		return bytes.Count(m, []byte("memfd:test"))
 	}
-	fds := func() int {
-		ents, err := os.ReadDir("/proc/self/fd")
-		require.NoError(t, err)
-		n := 0
-		for _, e := range ents {
-			if l, _ := os.Readlink("/proc/self/fd/" + e.Name()); strings.HasPrefix(l, "/memfd:test") {
-				n++
-			}
-		}
-		return n
-	}
+	fds := func() int { return memfdFDs(t) }
 	require.Equal(t, 4, maps(), "the test's two mappings and the agent's two")
 	require.Equal(t, 4, fds(), "the test's two memfds and the agent's duplicates")
 	b.c.Close()
@@ -289,6 +279,46 @@ func TestRegisterRefusesWrongSizes(t *testing.T) {
 	require.ErrorIs(t, err, ErrInvalidLayout)
 	_, err = c.Call(ctxT(t), Request{Op: OpGrant, RequestID: 1, Blocks: []int{1}}, nil)
 	require.ErrorIs(t, err, ErrNotRegistered)
+}
+
+// TestRegisterExtraDescriptorsRefused: a registration passed more
+// descriptors than its memory takes is refused, and none of them is kept:
+// the retry's own are the ones it maps (an extra one kept was taken first
+// by the retry, mapping the wrong memory as its KV pool).
+func TestRegisterExtraDescriptorsRefused(t *testing.T) {
+	sock := startAgent(t, "b", rdma.TransportSHM)
+	c, err := Dial(ctxT(t), sock)
+	require.NoError(t, err)
+	defer c.Close()
+	l := tinyLayout()
+	p, _ := compile(l, false)
+	kfd, _ := memfd(t, p.kvBytes())
+	mfd, _ := memfd(t, p.mambaBytes())
+	xfd, _ := memfd(t, p.mambaBytes())
+	_, err = c.Call(ctxT(t), Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes()}, []int{kfd, mfd, xfd})
+	require.ErrorIs(t, err, ErrBadRequest)
+	require.ErrorContains(t, err, "3 descriptors passed")
+	require.Equal(t, 3, memfdFDs(t), "the test's three memfds, no duplicate kept by the agent")
+	// A registration refused for its sizes keeps none either.
+	_, err = c.Register(ctxT(t), l, kfd, p.kvBytes()-1, mfd, p.mambaBytes())
+	require.ErrorIs(t, err, ErrInvalidLayout)
+	require.Equal(t, 3, memfdFDs(t))
+	rep, err := c.Register(ctxT(t), l, kfd, p.kvBytes(), mfd, p.mambaBytes())
+	require.NoError(t, err)
+	require.Equal(t, p.fingerprint, rep.Fingerprint)
+}
+
+// memfdFDs counts this process's descriptors of the tests' memfds.
+func memfdFDs(t *testing.T) int {
+	ents, err := os.ReadDir("/proc/self/fd")
+	require.NoError(t, err)
+	n := 0
+	for _, e := range ents {
+		if l, _ := os.Readlink("/proc/self/fd/" + e.Name()); strings.HasPrefix(l, "/memfd:test") {
+			n++
+		}
+	}
+	return n
 }
 
 func TestSocketDirMustBePrivate(t *testing.T) {

@@ -143,6 +143,13 @@ func (f *fdConn) take(n int) ([]int, error) {
 	return out, nil
 }
 
+// queued is how many descriptors wait for a message to take them.
+func (f *fdConn) queued() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.fds)
+}
+
 // closeFDs closes the descriptors no message took.
 func (f *fdConn) closeFDs() {
 	f.mu.Lock()
