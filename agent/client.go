@@ -26,10 +26,14 @@ type Client struct {
 	calls  map[uint64]chan Reply
 	err    error
 	done   chan struct{}
+
+	closeOnce sync.Once
+	closing   chan struct{} // closed by Close: events are dropped from then on
 }
 
 // eventBuffer is how many events a Client holds for a reader that is
-// behind; the reader goroutine blocks past it.
+// behind; the reader goroutine blocks past it (replies wait behind the
+// event), until the events are read or the Client is closed.
 const eventBuffer = 1024
 
 // Dial connects to the agent at socket and says hello.
@@ -39,7 +43,7 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 	if err != nil {
 		return nil, fmt.Errorf("agent: dial: %w", err)
 	}
-	c := &Client{c: nc.(*net.UnixConn), events: make(chan Reply, eventBuffer), calls: map[uint64]chan Reply{}, done: make(chan struct{})}
+	c := &Client{c: nc.(*net.UnixConn), events: make(chan Reply, eventBuffer), calls: map[uint64]chan Reply{}, done: make(chan struct{}), closing: make(chan struct{})}
 	go c.read()
 	if _, err := c.Call(ctx, Request{Op: OpHello, Version: Version}, nil); err != nil {
 		c.Close()
@@ -53,6 +57,7 @@ func (c *Client) Events() <-chan Reply { return c.events }
 
 // Close ends the registration.
 func (c *Client) Close() error {
+	c.closeOnce.Do(func() { close(c.closing) })
 	err := c.c.Close()
 	<-c.done
 	return err
@@ -73,7 +78,10 @@ func (c *Client) read() {
 			break
 		}
 		if rep.Ev != "" {
-			c.events <- rep
+			select {
+			case c.events <- rep:
+			case <-c.closing: // no one reads them any more
+			}
 			continue
 		}
 		c.mu.Lock()

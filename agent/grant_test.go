@@ -2,6 +2,7 @@ package agent
 
 import (
 	"bufio"
+	"context"
 	"io"
 	"log/slog"
 	"testing"
@@ -69,4 +70,31 @@ func TestGrantDeadlineBounded(t *testing.T) {
 	g, err := e.c.Call(ctxT(t), Request{Op: OpGrant, RequestID: 2, Blocks: []int{1}, DeadlineMS: maxDeadlineMS}, nil)
 	require.NoError(t, err)
 	require.NotZero(t, g.Grant)
+}
+
+// TestClientCloseWithEventsUnread: a Client whose events nobody reads
+// (more than it buffers) still closes: its reader, blocked on the full
+// buffer, gives up the events once Close is called.
+func TestClientCloseWithEventsUnread(t *testing.T) {
+	e := register(t, startAgent(t, "a", rdma.TransportSHM), tinyLayout())
+	blocked := false
+	for i := 0; i < eventBuffer+8 && !blocked; i++ {
+		// Past the buffer the reader blocks, and the call waits to its
+		// deadline behind the event.
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		g, err := e.c.Call(ctx, Request{Op: OpGrant, RequestID: uint64(i + 1), Blocks: []int{1}}, nil)
+		if err == nil {
+			_, err = e.c.Call(ctx, Request{Op: OpRevoke, Grant: g.Grant}, nil)
+		}
+		cancel()
+		blocked = err != nil
+	}
+	require.True(t, blocked, "the calls went on with %d events unread", eventBuffer+8)
+	closed := make(chan error, 1)
+	go func() { closed <- e.c.Close() }()
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close hung with its events unread")
+	}
 }
