@@ -137,6 +137,9 @@ class Agent:
         self._buf = bytearray()
         self._next = 0
         self._replies: dict[int, dict] = {}
+        # Calls that gave up waiting: their replies, when they come, are
+        # dropped rather than kept for no one.
+        self._abandoned: set[int] = set()
         self._events: "collections.deque[Event]" = collections.deque()
         self._closed = False
         hello = self._call({"op": "hello", "v": VERSION})
@@ -223,6 +226,8 @@ class Agent:
                                 agent=msg.get("agent", ""),
                             )
                         )
+                    elif msg.get("re", 0) in self._abandoned:
+                        self._abandoned.discard(msg["re"])
                     else:
                         self._replies[msg.get("re", 0)] = msg
                     self._cond.notify_all()
@@ -236,7 +241,11 @@ class Agent:
                 self._reading = False
                 self._cond.notify_all()
 
-    def _call(self, req: dict, fds: Iterable[int] = ()) -> dict:
+    def _call(self, req: dict, fds: Iterable[int] = (), timeout: Optional[float] = -1) -> dict:
+        """Sends req and returns its reply; timeout (None: no limit) defaults
+        to the connection's."""
+        if timeout is not None and timeout < 0:
+            timeout = self._timeout
         with self._cond:
             if self._closed:
                 raise AgentClosed()
@@ -260,9 +269,12 @@ class Agent:
             self.close()
             raise AgentClosed(f"connection to the agent: {e}") from e
         try:
-            rep = self._wait(lambda: self._replies.pop(cid, None), self._timeout)
+            rep = self._wait(lambda: self._replies.pop(cid, None), timeout)
         except TimeoutError:
-            raise TimeoutError(f"agent did not answer {req['op']} in {self._timeout}s") from None
+            with self._cond:
+                if self._replies.pop(cid, None) is None:
+                    self._abandoned.add(cid)
+            raise TimeoutError(f"agent did not answer {req['op']} in {timeout}s") from None
         if rep.get("code"):
             raise AgentError(rep["code"], rep.get("msg", ""))
         return rep
@@ -428,14 +440,16 @@ class Agent:
         them unchanged until the send's event."""
         return self._open("send", ticket, blocks, row)
 
-    def send_wait(self, ticket: bytes, blocks: list[int], row: Optional[int] = None) -> Event:
+    def send_wait(self, ticket: bytes, blocks: list[int], row: Optional[int] = None, timeout: Optional[float] = None) -> Event:
         """Like :meth:`send`, returning once the receiver accepted the
         commit (its send_done), or raising AgentError with the refusal: one
-        message back instead of a reply and an event, for the latency-bound."""
+        message back instead of a reply and an event, for the latency-bound.
+        It waits as long as the send takes (the grant's deadline bounds it)
+        unless given a timeout; past one, the send goes on unseen."""
         req = {"op": "send", "ticket": ticket, "blocks": list(blocks), "wait": True}
         if row is not None:
             req["row"] = row
-        rep = self._call(req)
+        rep = self._call(req, timeout=timeout)
         return Event(kind="send_done", send=rep.get("send", 0), request_id=rep.get("request_id", 0), bytes=rep.get("bytes", 0))
 
     def open_send(self, ticket: bytes, blocks: list[int], row: Optional[int] = None) -> Send:

@@ -4,6 +4,7 @@ import queue
 import re
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -249,6 +250,22 @@ def test_send_wait(agents):
     with pytest.raises(AgentError) as e:
         a.send_wait(g.ticket, blocks=[1])
     assert e.value.code == "revoked"
+
+
+def test_send_wait_timeout_drops_the_late_reply(agents):
+    a, src = engine(agents("pre"), 32)
+    b, dst = engine(agents("dec"), 33)
+    g = b.grant(62, blocks=[14], row=2)
+    with pytest.raises(TimeoutError):
+        a.send_wait(g.ticket, blocks=[1], row=3, timeout=1e-9)
+    ev = b.wait_grant(g, timeout=10)
+    assert ev.ok and torch.equal(src.kv[1], dst.kv[14])
+    # The late reply arrives (within milliseconds of the commit) and is
+    # dropped as calls read past it: none is kept for no one.
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:
+        a.peers()
+        assert not a._replies
 
 
 def random_layer_pools(layout, seed, separate=False):
