@@ -42,7 +42,7 @@ type engine struct {
 
 func memfd(t testing.TB, n int64) (int, []byte) {
 	t.Helper()
-	fd, err := unix.MemfdCreate("test", unix.MFD_CLOEXEC)
+	fd, err := unix.MemfdCreate("test", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	require.NoError(t, err)
 	require.NoError(t, unix.Ftruncate(fd, n))
 	b, err := unix.Mmap(fd, 0, int(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
@@ -306,6 +306,26 @@ func TestRegisterExtraDescriptorsRefused(t *testing.T) {
 	rep, err := c.Register(ctxT(t), l, kfd, p.kvBytes(), mfd, p.mambaBytes())
 	require.NoError(t, err)
 	require.Equal(t, p.fingerprint, rep.Fingerprint)
+}
+
+// TestRegisteredMemoryCannotShrink: the agent seals an engine's memfd
+// against shrinking when it maps it: a page past the end of a shrunk file
+// would kill the agent (SIGBUS) at its next copy, and a receiver's engine
+// would kill the sending agent that maps its memory too.
+func TestRegisteredMemoryCannotShrink(t *testing.T) {
+	sock := startAgent(t, "b", rdma.TransportSHM)
+	c, err := Dial(ctxT(t), sock)
+	require.NoError(t, err)
+	defer c.Close()
+	l := tinyLayout()
+	p, _ := compile(l, false)
+	kfd, _ := memfd(t, p.kvBytes())
+	mfd, _ := memfd(t, p.mambaBytes())
+	require.NoError(t, unix.Ftruncate(kfd, p.kvBytes()), "not sealed before")
+	_, err = c.Register(ctxT(t), l, kfd, p.kvBytes(), mfd, p.mambaBytes())
+	require.NoError(t, err)
+	require.ErrorIs(t, unix.Ftruncate(kfd, p.kvBytes()/2), unix.EPERM)
+	require.ErrorIs(t, unix.Ftruncate(mfd, 0), unix.EPERM)
 }
 
 // memfdFDs counts this process's descriptors of the tests' memfds.

@@ -15,13 +15,19 @@ func allocShared(name string, size int64) ([]byte, int, error) {
 	if len(name) > 200 {
 		name = name[:200]
 	}
-	fd, err := unix.MemfdCreate("handoff:"+name, unix.MFD_CLOEXEC)
+	fd, err := unix.MemfdCreate("handoff:"+name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		return nil, -1, fmt.Errorf("rdma: memfd_create: %w", err)
 	}
 	if err := unix.Ftruncate(fd, size); err != nil {
 		unix.Close(fd)
 		return nil, -1, fmt.Errorf("rdma: ftruncate memfd to %d bytes: %w", size, err)
+	}
+	// Its size is fixed: the peers that map it never meet a page past the
+	// end of the file (see sealShrink).
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW); err != nil {
+		unix.Close(fd)
+		return nil, -1, fmt.Errorf("rdma: sealing memfd: %w", err)
 	}
 	mem, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
@@ -43,6 +49,7 @@ func freeShared(mem []byte, fd int) {
 
 // mapShared maps size bytes of a memfd received from a peer.
 func mapShared(fd int, size int64) ([]byte, error) {
+	sealShrink(fd)
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
 		return nil, fmt.Errorf("rdma: fstat shared region: %w", err)
@@ -55,4 +62,19 @@ func mapShared(fd int, size int64) ([]byte, error) {
 		return nil, fmt.Errorf("rdma: mmap shared region: %w", err)
 	}
 	return mem, nil
+}
+
+// sealShrink forbids shrinking the file fd refers to, where its seals
+// allow (a memfd made with MFD_ALLOW_SEALING): a mapping's pages past the
+// end of a file that shrank fault with SIGBUS, which the Go runtime does
+// not survive, so a peer or engine that shrank memory it shared would kill
+// every process mapping it. A file that refuses seals (a memfd without
+// sealing, a tmpfs file) is mapped all the same: its owner must keep its
+// size (docs/agent.md).
+func sealShrink(fd int) {
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if err != nil || seals&(unix.F_SEAL_SHRINK|unix.F_SEAL_SEAL) != 0 {
+		return
+	}
+	_, _ = unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK)
 }

@@ -268,6 +268,13 @@ def test_send_wait_timeout_drops_the_late_reply(agents):
         assert not a._replies
 
 
+def test_pools_memory_cannot_shrink():
+    # An agent mapping it would die (SIGBUS) at a page past a shrunk end.
+    p = random_pools(tiny_layout(), 34)
+    with pytest.raises(PermissionError):
+        os.ftruncate(p._kv_mem.fd, 0)
+
+
 def random_layer_pools(layout, seed, separate=False):
     p = LayerPools(layout, separate=separate)
     g = torch.Generator().manual_seed(seed)
