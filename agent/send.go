@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/handoff-io/handoff/rdma"
 )
@@ -34,6 +35,11 @@ type step struct {
 // errDeferred is handle's answer for a request whose reply its goroutine
 // writes later (a send with Wait).
 var errDeferred = errors.New("agent: reply deferred")
+
+// sendGrace is how long past its grant's deadline a send goes on: the
+// receiver fails the grant at the deadline and answers a commit past it
+// with that failure.
+const sendGrace = 2 * time.Second
 
 // maxSteps bounds the steps queued ahead of the writes: two per layer of
 // the largest models, so a forward pass never blocks on its agent.
@@ -96,6 +102,12 @@ func (s *session) openSend(q Request) (Reply, error) {
 	// reply and an event: what a latency-bound engine waits for anyway.
 	wait := q.Wait && q.Op == OpSend
 	ctx, cancel := context.WithCancel(s.ctx)
+	if !rt.Deadline.IsZero() {
+		// Past the grant's deadline the receiver has given up on it: a
+		// receiver that stopped answering (a frozen process) must not hold
+		// the send, and a send_wait, for ever.
+		ctx, cancel = context.WithDeadline(s.ctx, rt.Deadline.Add(sendGrace))
+	}
 	sd := &send{req: rt.RequestID, peer: peer, t: rt, none: !mine, pl: pl, segs: segs, cancel: cancel}
 	if q.Op == OpOpenSend {
 		sd.steps = make(chan step, maxSteps)
@@ -110,7 +122,11 @@ func (s *session) openSend(q Request) (Reply, error) {
 		defer s.wg.Done()
 		defer cancel()
 		m, err := s.runSend(ctx, eng, sd)
-		if err != nil && ctx.Err() != nil && !errors.Is(err, ErrCancelled) {
+		switch {
+		case err == nil || ctx.Err() == nil || errors.Is(err, ErrCancelled):
+		case errors.Is(ctx.Err(), context.DeadlineExceeded):
+			err = fmt.Errorf("%w: send %d, past the grant's deadline: %w", rdma.ErrDeadline, sd.id, err)
+		default:
 			err = fmt.Errorf("%w: send %d: %w", ErrCancelled, sd.id, err)
 		}
 		s.mu.Lock()

@@ -372,6 +372,21 @@ func TestAgentFaults(t *testing.T) {
 		g2 := p.recv.do("grant", map[string]any{"request_id": 52, "blocks": seq(0, 512), "row": 1})
 		require.NotNil(t, g2["ticket"], "the failed grant's blocks are grantable again")
 	})
+	t.Run("receiving agent frozen: send_wait ends past the deadline", func(t *testing.T) {
+		p := startPair(t, "shm", bigLayout)
+		// The link is up (a first send), then the receiver freezes: the
+		// send's bytes are copied, and its commit is never answered.
+		g := p.recv.do("grant", map[string]any{"request_id": 56, "blocks": []int{0}})
+		require.Equal(t, "send_done", p.send.do("send", map[string]any{"ticket": g["ticket"], "blocks": []int{0}})["kind"])
+		g = p.recv.do("grant", map[string]any{"request_id": 57, "blocks": seq(0, 512), "row": 1, "deadline": 1})
+		require.NoError(t, p.aB.cmd.Process.Signal(syscall.SIGSTOP))
+		defer p.aB.cmd.Process.Signal(syscall.SIGCONT)
+		start := time.Now()
+		out, err := p.send.try("send", map[string]any{"ticket": g["ticket"], "blocks": seq(0, 512), "row": 0, "send_wait": true})
+		require.NoError(t, err)
+		require.Equal(t, "deadline", out["error"], "%v", out)
+		require.Less(t, time.Since(start), 10*time.Second, "bounded by the grant's deadline and the agent's grace")
+	})
 	t.Run("receiving agent killed mid-send, then restarted", func(t *testing.T) {
 		p := startPair(t, "tcp", bigLayout)
 		maps0, fds0 := p.aA.memfdCount()
@@ -407,8 +422,13 @@ func TestAgentFaults(t *testing.T) {
 // the grant's failure is reported, after the writer resumed.
 func TestAgentFrozenWriter(t *testing.T) {
 	p := startPair(t, "shm", bigLayout)
+	// The link is up first, so that a stop right after the send's answer
+	// finds the writer copying, not connecting. A stop that misses the
+	// copy (before it, between its brackets, after it) is another round.
+	g := p.recv.do("grant", map[string]any{"request_id": 59, "blocks": []int{0}})
+	require.Equal(t, "send_done", p.send.do("send", map[string]any{"ticket": g["ticket"], "blocks": []int{0}})["kind"])
 	quarantined := 0
-	for round := 0; round < 6 && quarantined == 0; round++ {
+	for round := 0; round < 12 && quarantined == 0; round++ {
 		g := p.recv.do("grant", map[string]any{"request_id": 60 + round, "blocks": seq(0, 512), "row": 1, "deadline": 30})
 		sent := p.send.do("send", map[string]any{"ticket": g["ticket"], "blocks": seq(0, 512), "row": 0, "wait": false})
 		require.NoError(t, p.aA.cmd.Process.Signal(syscall.SIGSTOP))

@@ -109,6 +109,9 @@ class Engine:
             s.mamba_layer(0)
             self.sends[s.id] = s
             return {"send": s.id}
+        if c.get("send_wait"):
+            ev = self.agent.send_wait(t, c["blocks"], c.get("row"))
+            return {"seconds": time.perf_counter() - start, **_ev(ev)}
         if c.get("layers"):
             s = self.agent.open_send(t, c["blocks"], c.get("row"))
             order = [("mamba", 0), ("kv", 0), ("mamba", 1), ("mamba", 2), ("kv", 1)]
