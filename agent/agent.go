@@ -305,7 +305,7 @@ func (s *session) reply(r Reply) error {
 	s.wmu.Lock()
 	defer s.wmu.Unlock()
 	err := writeFrame(s.w, r)
-	if errors.Is(err, ErrFrameTooLarge) {
+	if errors.Is(err, ErrFrameTooLarge) && r.Re != 0 {
 		// Nothing was written: the request gets the error instead, and the
 		// connection goes on.
 		err = writeFrame(s.w, Reply{Re: r.Re, Code: Code(err), Msg: err.Error()})

@@ -231,11 +231,15 @@ func TestTicketTooLargeRefused(t *testing.T) {
 }
 
 // TestOversizedReplyAnswered: a reply too large for a frame is answered
-// with the error in its place, and the connection goes on.
+// with the error in its place, and the connection goes on; an event too
+// large is not sent.
 func TestOversizedReplyAnswered(t *testing.T) {
 	var buf bytes.Buffer
 	s := &session{w: bufio.NewWriter(&buf)}
 	require.NoError(t, s.reply(Reply{Re: 7, Ticket: make([]byte, MaxFrame)}))
+	// An event answers no request: it is not sent (an error frame in its
+	// place would be read as a reply to nothing).
+	require.ErrorIs(t, s.reply(Reply{Ev: EvTicket, Ticket: make([]byte, MaxFrame)}), ErrFrameTooLarge)
 	require.NoError(t, s.reply(Reply{Re: 8}))
 	b, err := readFrame(&buf)
 	require.NoError(t, err)
