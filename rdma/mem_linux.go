@@ -49,13 +49,19 @@ func freeShared(mem []byte, fd int) {
 
 // mapShared maps size bytes of a memfd received from a peer.
 func mapShared(fd int, size int64) ([]byte, error) {
-	sealShrink(fd)
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return nil, fmt.Errorf("rdma: fstat shared region: %w", err)
-	}
-	if st.Size < size {
-		return nil, fmt.Errorf("%w: shared region is %d bytes, descriptor says %d", ErrOutOfRange, st.Size, size)
+	// Checked before the seal, so that a file refused keeps its seals, and
+	// after it, so that it did not shrink in between.
+	for seal := range 2 {
+		if seal == 1 {
+			sealShrink(fd)
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil {
+			return nil, fmt.Errorf("rdma: fstat shared region: %w", err)
+		}
+		if st.Size < size {
+			return nil, fmt.Errorf("%w: shared region is %d bytes, descriptor says %d", ErrOutOfRange, st.Size, size)
+		}
 	}
 	mem, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {

@@ -20,6 +20,15 @@ func TestSharedMemoryCannotShrink(t *testing.T) {
 	defer freeShared(mem, fd)
 	require.ErrorIs(t, unix.Ftruncate(fd, 4096), unix.EPERM, "rdma's own region")
 
+	// A file refused for its size keeps its seals as they were.
+	small, err := unix.MemfdCreate("engine", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	require.NoError(t, err)
+	defer unix.Close(small)
+	require.NoError(t, unix.Ftruncate(small, 4096))
+	_, err = mapShared(small, 1<<16)
+	require.ErrorIs(t, err, ErrOutOfRange)
+	require.NoError(t, unix.Ftruncate(small, 0), "a refused file is not sealed")
+
 	for _, c := range []struct {
 		name   string
 		flags  int
