@@ -263,9 +263,10 @@ type Stats struct {
 	Received      uint64 // receives whose bytes all landed
 	ReceiveFailed uint64 // receives that ended in an error
 	PeerErrors    uint64 // endpoint error-handler calls
-	// Endpoints made by Connect that CloseEndpoint has not yet closed or
-	// forgotten (those closed when their peer failed included): what the
-	// worker keeps for its caller.
+	// Endpoints made by Connect and not yet released: open ones, and those
+	// closed when their peer failed until CloseEndpoint forgets them (one
+	// closed by CloseEndpoint or by Abort's cut is released once UCX
+	// completed its close): what the worker keeps for its caller.
 	Endpoints int64
 }
 
