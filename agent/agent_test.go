@@ -267,15 +267,24 @@ func TestEngineGoneRevokesAndUnmaps(t *testing.T) {
 	require.NoError(t, err)
 }
 
-func TestRegisterRefusesWrongSizes(t *testing.T) {
-	sock := startAgent(t, "b", rdma.TransportSHM)
-	c, err := Dial(ctxT(t), sock)
+// unregistered is an engine connected to a fresh agent that has not
+// registered yet: its client, tiny-hybrid's pools, and their memfds.
+func unregistered(t *testing.T) (c *Client, l Layout, p *pools, kfd, mfd int) {
+	t.Helper()
+	c, err := Dial(ctxT(t), startAgent(t, "b", rdma.TransportSHM))
 	require.NoError(t, err)
-	defer c.Close()
-	p, _ := compile(tinyLayout(), false)
-	kfd, _ := memfd(t, p.kvBytes())
-	mfd, _ := memfd(t, p.mambaBytes())
-	_, err = c.Register(ctxT(t), tinyLayout(), kfd, p.kvBytes()-1, mfd, p.mambaBytes())
+	t.Cleanup(func() { c.Close() })
+	l = tinyLayout()
+	p, err = compile(l, false)
+	require.NoError(t, err)
+	kfd, _ = memfd(t, p.kvBytes())
+	mfd, _ = memfd(t, p.mambaBytes())
+	return c, l, p, kfd, mfd
+}
+
+func TestRegisterRefusesWrongSizes(t *testing.T) {
+	c, _, p, kfd, mfd := unregistered(t)
+	_, err := c.Register(ctxT(t), tinyLayout(), kfd, p.kvBytes()-1, mfd, p.mambaBytes())
 	require.ErrorIs(t, err, ErrInvalidLayout)
 	_, err = c.Call(ctxT(t), Request{Op: OpGrant, RequestID: 1, Blocks: []int{1}}, nil)
 	require.ErrorIs(t, err, ErrNotRegistered)
@@ -286,16 +295,9 @@ func TestRegisterRefusesWrongSizes(t *testing.T) {
 // the retry's own are the ones it maps (an extra one kept was taken first
 // by the retry, mapping the wrong memory as its KV pool).
 func TestRegisterExtraDescriptorsRefused(t *testing.T) {
-	sock := startAgent(t, "b", rdma.TransportSHM)
-	c, err := Dial(ctxT(t), sock)
-	require.NoError(t, err)
-	defer c.Close()
-	l := tinyLayout()
-	p, _ := compile(l, false)
-	kfd, _ := memfd(t, p.kvBytes())
-	mfd, _ := memfd(t, p.mambaBytes())
+	c, l, p, kfd, mfd := unregistered(t)
 	xfd, _ := memfd(t, p.mambaBytes())
-	_, err = c.Call(ctxT(t), Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes()}, []int{kfd, mfd, xfd})
+	_, err := c.Call(ctxT(t), Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes()}, []int{kfd, mfd, xfd})
 	require.ErrorIs(t, err, ErrBadRequest)
 	require.ErrorContains(t, err, "3 descriptors passed")
 	require.Equal(t, 3, memfdFDs(t), "the test's three memfds, no duplicate kept by the agent")
@@ -313,16 +315,9 @@ func TestRegisterExtraDescriptorsRefused(t *testing.T) {
 // would kill the agent (SIGBUS) at its next copy, and a receiver's engine
 // would kill the sending agent that maps its memory too.
 func TestRegisteredMemoryCannotShrink(t *testing.T) {
-	sock := startAgent(t, "b", rdma.TransportSHM)
-	c, err := Dial(ctxT(t), sock)
-	require.NoError(t, err)
-	defer c.Close()
-	l := tinyLayout()
-	p, _ := compile(l, false)
-	kfd, _ := memfd(t, p.kvBytes())
-	mfd, _ := memfd(t, p.mambaBytes())
+	c, l, p, kfd, mfd := unregistered(t)
 	require.NoError(t, unix.Ftruncate(kfd, p.kvBytes()), "not sealed before")
-	_, err = c.Register(ctxT(t), l, kfd, p.kvBytes(), mfd, p.mambaBytes())
+	_, err := c.Register(ctxT(t), l, kfd, p.kvBytes(), mfd, p.mambaBytes())
 	require.NoError(t, err)
 	require.ErrorIs(t, unix.Ftruncate(kfd, p.kvBytes()/2), unix.EPERM)
 	require.ErrorIs(t, unix.Ftruncate(mfd, 0), unix.EPERM)
