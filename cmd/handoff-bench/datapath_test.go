@@ -557,7 +557,7 @@ func TestRunCancelledLeavesNoSocket(t *testing.T) {
 }
 
 // A receiver that stops answering (SIGSTOP once it has handed out a ticket)
-// fails the run at the grant's deadline instead of holding it forever; the
+// fails the run at the grant's TTL instead of holding it forever; the
 // stopped child is then aborted.
 func TestRunStuckReceiver(t *testing.T) {
 	if testing.Short() {
@@ -582,7 +582,10 @@ func TestRunStuckReceiver(t *testing.T) {
 	}
 	_, err = runOnce(context.Background(), rdma.TransportSHM, l, time.Hour, quietLogger(), sp, nil)
 	require.True(t, stopped.Load())
-	require.ErrorContains(t, err, "deadline")
+	// Two bounds of the grant's TTL race here, both right: the write's
+	// deadline, or the wait for the next ticket (depth 2).
+	require.Error(t, err)
+	require.Regexp(t, `deadline|sent no ticket within 2s`, err.Error())
 	require.Empty(t, shmSockets(t, dir))
 }
 
