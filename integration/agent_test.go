@@ -504,21 +504,53 @@ func TestAgentMeasure(t *testing.T) {
 			t.Logf("MEASURE %s 64MiB: two Go engines in this process %.2f GB/s (%.1f ms), ratio %.2f",
 				tr, size/goBest/1e9, goBest*1e3, goBest/agentBest)
 
-			// Each small send as send + its event, and as send_wait (one
-			// message back).
-			var smalls, waits []float64
-			for i := range 60 {
-				g := p.recv.do("grant", map[string]any{"request_id": 200 + i, "blocks": []int{512 + i%8}, "row": 2})
-				small := p.send.do("small", map[string]any{"tickets": []any{g["ticket"]}, "src_block": 0, "src_row": 0, "wait": i%2 == 1})
-				p.recv.do("wait", map[string]any{"kind": "grant", "id": g["grant"]})
-				if i%2 == 1 {
-					waits = append(waits, small["p50"].(float64))
-				} else {
-					smalls = append(smalls, small["p50"].(float64))
+			// Small sends (one block and one row) as send + its event and
+			// as send_wait (one message back), back to back and 2 ms apart,
+			// each against NATS round trips between processes taken with
+			// the same gaps: on a small machine a process that slept wakes
+			// far slower than a busy one, for the agents and NATS alike, so
+			// only figures of one spacing compare. A batch's sends follow
+			// seven grants (one per free row) opened through the engines'
+			// pipes; its first send, which follows them, is a warm-up, as
+			// the NATS requester's first 50 round trips are.
+			gaps := []time.Duration{0, 2 * time.Millisecond}
+			xrtts := natsRoundTrips(t, 300, gaps...)
+			var warmSend float64
+			for gi, gap := range gaps {
+				var sends, waits []float64
+				for round := range 12 {
+					var tickets, grants []any
+					for r := range 7 {
+						g := p.recv.do("grant", map[string]any{"request_id": 1000*(gi+1) + 10*round + r, "blocks": []int{512 + r}, "row": r})
+						tickets, grants = append(tickets, g["ticket"]), append(grants, g["grant"])
+					}
+					small := p.send.do("small", map[string]any{"tickets": tickets, "src_block": 0, "src_row": 0, "wait": round%2 == 1, "gap": gap.Seconds()})
+					for _, id := range grants {
+						require.Equal(t, "grant_done", p.recv.do("wait", map[string]any{"kind": "grant", "id": id})["kind"])
+					}
+					times, _ := small["times"].([]any)
+					require.Len(t, times, len(tickets), "%v", small)
+					for _, x := range times[1:] {
+						if round%2 == 1 {
+							waits = append(waits, x.(float64)*1e6)
+						} else {
+							sends = append(sends, x.(float64)*1e6)
+						}
+					}
 				}
+				sort.Float64s(sends)
+				sort.Float64s(waits)
+				send, wait := sends[len(sends)/2], waits[len(waits)/2]
+				xrtt := float64(xrtts[gi][len(xrtts[gi])/2].Nanoseconds()) / 1e3
+				spacing := "back to back"
+				if gap > 0 {
+					spacing = gap.String() + " apart"
+				} else {
+					warmSend = send
+				}
+				t.Logf("MEASURE %s small send (1 block of 128 KiB + 1 row), %s: p50 %.0f µs (min %.0f), send_wait p50 %.0f µs (min %.0f); NATS round trip between processes (requester, server, responder), %s: p50 %.0f µs (min %.0f); send ratio %.2f, send_wait ratio %.2f",
+					tr, spacing, send, sends[0], wait, waits[0], spacing, xrtt, float64(xrtts[gi][0].Nanoseconds())/1e3, send/xrtt, wait/xrtt)
 			}
-			sort.Float64s(smalls)
-			sort.Float64s(waits)
 			sub, err := p.nc.Subscribe("measure.echo", func(m *nats.Msg) { m.Respond(m.Data) })
 			require.NoError(t, err)
 			defer sub.Unsubscribe()
@@ -535,22 +567,11 @@ func TestAgentMeasure(t *testing.T) {
 			}
 			slices.Sort(rtts)
 			rtt := float64(rtts[len(rtts)/2].Nanoseconds()) / 1e3
-			// A round trip between processes, as two engines (each a
-			// process of its own, as the agents are) would make one
-			// through their NATS server, itself a process: the in-process
-			// one above never leaves this process.
-			xrtts := natsRoundTrips(t, 300)
-			xrtt := float64(xrtts[len(xrtts)/2].Nanoseconds()) / 1e3
+			t.Logf("MEASURE %s NATS round trip within this process (server and both clients), back to back: p50 %.0f µs; send ratio %.2f",
+				tr, rtt, warmSend/rtt)
 			// The same small send between two Go engines (the workers' data
 			// path, no agent): what the data path alone costs.
 			_, goSmall := goSend(t, rdma.Transport(tr), 128<<10+int64(smallRow), 2, 30)
-			small, wait := smalls[len(smalls)/2]*1e6, waits[len(waits)/2]*1e6
-			t.Logf("MEASURE %s small send (1 block of 128 KiB + 1 row): p50 %.0f µs, min %.0f µs", tr, small, smalls[0]*1e6)
-			t.Logf("MEASURE %s small send_wait: p50 %.0f µs, min %.0f µs", tr, wait, waits[0]*1e6)
-			t.Logf("MEASURE %s NATS round trip between processes (requester, server, responder): p50 %.0f µs, min %.0f µs; send ratio %.2f, send_wait ratio %.2f",
-				tr, xrtt, float64(xrtts[0].Nanoseconds())/1e3, small/xrtt, wait/xrtt)
-			t.Logf("MEASURE %s NATS round trip within this process (server and both clients): p50 %.0f µs; send ratio %.2f, send_wait ratio %.2f",
-				tr, rtt, small/rtt, wait/rtt)
 			t.Logf("MEASURE %s small send between two Go engines in this process: p50 %.0f µs", tr, goSmall*1e6)
 		})
 	}

@@ -28,31 +28,39 @@ import (
 // The child's role and arguments, from the parent.
 const (
 	natsPeerEnv = "HANDOFF_NATS_PEER"     // server, echo or ask
-	natsPeerArg = "HANDOFF_NATS_PEER_ARG" // server: the port; echo, ask: the URL
+	natsPeerArg = "HANDOFF_NATS_PEER_ARG" // server: the port; echo: the URL; ask: the URL, count and gap
 )
 
 // natsRTTSubject is what the responder answers.
 const natsRTTSubject = "measure.echo"
 
 // natsRoundTrips starts a nats-server and an echo responder in processes of
-// their own and returns n request-reply round trips of 64 bytes that a third
-// process timed, one after another (after 50 unmeasured ones), sorted.
-func natsRoundTrips(t *testing.T, n int) []time.Duration {
+// their own and returns, for each gap, n request-reply round trips of 64
+// bytes that a third process timed (after 50 unmeasured ones), each gap
+// after the one before it ended, sorted. Spacing moves a round trip on a
+// small machine as much as anything measured: processes that slept wake
+// slower than busy ones, so a figure compared with it must be taken with
+// the same gaps.
+func natsRoundTrips(t *testing.T, n int, gaps ...time.Duration) [][]time.Duration {
 	t.Helper()
 	port := reservePort(t)
 	url := fmt.Sprintf("nats://127.0.0.1:%d", port)
 	natsPeer(t, "server", strconv.Itoa(port))
 	natsPeer(t, "echo", url)
-	out := natsPeer(t, "ask", url, strconv.Itoa(n))
-	var ns []int64
-	require.NoError(t, json.Unmarshal([]byte(out), &ns), "the requester's output: %q", out)
-	require.Len(t, ns, n)
-	d := make([]time.Duration, n)
-	for i, v := range ns {
-		d[i] = time.Duration(v)
+	var all [][]time.Duration
+	for _, gap := range gaps {
+		out := natsPeer(t, "ask", url, strconv.Itoa(n), gap.String())
+		var ns []int64
+		require.NoError(t, json.Unmarshal([]byte(out), &ns), "the requester's output: %q", out)
+		require.Len(t, ns, n)
+		d := make([]time.Duration, n)
+		for i, v := range ns {
+			d[i] = time.Duration(v)
+		}
+		slices.Sort(d)
+		all = append(all, d)
 	}
-	slices.Sort(d)
-	return d
+	return all
 }
 
 // natsPeer runs this test binary as a NATS peer process (startHelper). For
@@ -103,12 +111,15 @@ func TestNATSPeerProcess(t *testing.T) {
 	case "ask":
 		n, err := strconv.Atoi(args[1])
 		require.NoError(t, err)
+		gap, err := time.ParseDuration(args[2])
+		require.NoError(t, err)
 		nc, err := nats.Connect(args[0])
 		require.NoError(t, err)
 		defer nc.Close()
 		msg := make([]byte, 64)
 		ns := make([]int64, 0, n)
 		for i := range 50 + n {
+			time.Sleep(gap)
 			start := time.Now()
 			_, err := nc.Request(natsRTTSubject, msg, 5*time.Second)
 			require.NoError(t, err)

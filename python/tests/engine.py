@@ -137,10 +137,12 @@ class Engine:
         return _ev(ev)
 
     def cmd_small(self, c):
-        """Times sends of one block and one row, one per ticket in turn: from
-        the call to the send_done event (the receiver verified the commit)."""
+        """Times sends of one block and one row, one per ticket in turn, "gap"
+        seconds apart: from the call to the send_done event (the receiver
+        verified the commit). "times" lists them in order."""
         times = []
         for t in c["tickets"]:
+            time.sleep(c.get("gap", 0))
             start = time.perf_counter()
             if c.get("wait"):
                 self.agent.send_wait(bytes.fromhex(t), [c["src_block"]], c["src_row"])
@@ -150,8 +152,8 @@ class Engine:
                 if not ev.ok:
                     raise AgentError(ev.code, ev.msg)
             times.append(time.perf_counter() - start)
-        times.sort()
-        return {"p50": times[len(times) // 2], "min": times[0]}
+        s = sorted(times)
+        return {"p50": s[len(s) // 2], "min": s[0], "times": times}
 
     def cmd_digest(self, c):
         """sha256 of the named blocks and row; with "whole", of the whole
