@@ -187,7 +187,7 @@ func (a *Agent) newSession(c *net.UnixConn, pid int) *session {
 	if a.closed {
 		return nil
 	}
-	s := &session{a: a, c: c, fc: newFDConn(c), pid: pid, grants: map[uint64]*grantGroup{}, sends: map[uint64]*send{}}
+	s := &session{a: a, c: c, fc: newFDConn(c), pid: pid, grants: map[uint64]*grantGroup{}, sends: map[uint64]*send{}, running: map[*send]struct{}{}}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.log = a.log.With("engine_pid", pid)
 	a.sessions[s] = struct{}{}
@@ -265,13 +265,19 @@ type session struct {
 	bufs     []*rdma.Region // by buffer: the KV pool's and the Mamba pool's, or Request.Buffers
 	arenas   []*cuda.Arena  // device memory the engine shared (OpenIPC), closed after eng
 	grants   map[uint64]*grantGroup
-	sends    map[uint64]*send
+	sends    map[uint64]*send   // by id, until committed or cancelled
+	running  map[*send]struct{} // until their goroutines end
 	nextSend uint64
 }
 
 func (s *session) run() {
 	s.w = bufio.NewWriter(s.c)
 	defer s.end()
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.sweepSends()
+	}()
 	r := bufio.NewReaderSize(s.fc, 64<<10)
 	for {
 		b, err := readFrame(r)

@@ -1,0 +1,90 @@
+package agent
+
+import (
+	"encoding/json"
+	"io"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/handoff-io/handoff/rdma"
+)
+
+// frozenPeer is a tcp data-path address that accepts connections and reads
+// what comes, and never answers: a receiving agent that stopped.
+func frozenPeer(t *testing.T) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	var mu sync.Mutex
+	var conns []net.Conn
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			go io.Copy(io.Discard, c)
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	return ln.Addr().String()
+}
+
+// TestSendEndsPastDeadline: a send to a receiver that never answers ends
+// with code deadline once its grant's deadline and sendGrace have passed,
+// not before, and in time.
+func TestSendEndsPastDeadline(t *testing.T) {
+	sock, agentA := startAgentA(t, "a", rdma.TransportTCP)
+	a := register(t, sock, tinyLayout())
+	b := register(t, startAgent(t, "b", rdma.TransportTCP), tinyLayout())
+	ctx := ctxT(t)
+	const deadline = 100 * time.Millisecond
+	g, err := b.c.Call(ctx, Request{Op: OpGrant, RequestID: 60, Blocks: []int{2}, Row: Row(0), DeadlineMS: deadline.Milliseconds()}, nil)
+	require.NoError(t, err)
+	granted := time.Now()
+	// The same ticket, its descriptor pointing at a peer that froze.
+	var tk ticket
+	require.NoError(t, msgpack.Unmarshal(g.Ticket, &tk))
+	var d rdma.Descriptor
+	require.NoError(t, json.Unmarshal(tk.Desc, &d))
+	d.TCPAddr = frozenPeer(t)
+	tk.Desc, err = json.Marshal(d)
+	require.NoError(t, err)
+	forged, err := msgpack.Marshal(tk)
+	require.NoError(t, err)
+
+	_, err = a.c.Call(ctx, Request{Op: OpSend, Ticket: forged, Blocks: []int{3}, Row: Row(1), Wait: true}, nil)
+	took := time.Since(granted)
+	require.ErrorIs(t, err, rdma.ErrDeadline)
+	require.Contains(t, err.Error(), "past the grant's deadline")
+	require.GreaterOrEqual(t, took, deadline+sendGrace, "ended before the grace")
+	require.Less(t, took, deadline+sendGrace+sendSweep+2*time.Second, "held past the grace")
+	require.Zero(t, runningSends(agentA), "the send's goroutine ended")
+}
+
+// runningSends counts the sends whose goroutines have not ended.
+func runningSends(a *Agent) int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	n := 0
+	for s := range a.sessions {
+		s.mu.Lock()
+		n += len(s.running)
+		s.mu.Unlock()
+	}
+	return n
+}
