@@ -261,11 +261,15 @@ def test_send_wait_timeout_drops_the_late_reply(agents):
     ev = b.wait_grant(g, timeout=10)
     assert ev.ok and torch.equal(src.kv[1], dst.kv[14])
     # The late reply arrives (within milliseconds of the commit) and is
-    # dropped as calls read past it: none is kept for no one.
-    end = time.monotonic() + 0.5
-    while time.monotonic() < end:
+    # dropped as calls read past it: none is kept for no one. The call is
+    # forgotten once its reply came, so the loop ends only after that.
+    assert a._abandoned
+    end = time.monotonic() + 10
+    while a._abandoned and time.monotonic() < end:
         a.peers()
         assert not a._replies
+    assert not a._abandoned, "the late reply never came"
+    assert not a._replies
 
 
 def test_pools_memory_cannot_shrink():
