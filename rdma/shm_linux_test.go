@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -383,4 +384,40 @@ func TestSHMReconnectKeepsCopiedGrants(t *testing.T) {
 		w := p.rx.shm.writers[oldWid]
 		return w == nil || !w.open
 	}, 5*time.Second, time.Millisecond)
+}
+
+// TestSHMHelloEndsWithContext: a receiver whose shm control socket accepts
+// and never answers the hello holds a connect only until the caller's
+// context ends (a cancel, not a deadline), not for helloTimeout.
+func TestSHMHelloEndsWithContext(t *testing.T) {
+	rx, err := New(Config{Agent: "rx-frozen", Transports: []Transport{TransportSHM}, Logger: quietLogger()})
+	require.NoError(t, err)
+	defer rx.Close()
+	tx, err := New(Config{Agent: "tx-frozen", Transports: []Transport{TransportSHM}, Logger: quietLogger()})
+	require.NoError(t, err)
+	defer tx.Close()
+	ln, err := net.Listen("unix", filepath.Join(t.TempDir(), "frozen.sock"))
+	require.NoError(t, err)
+	defer ln.Close()
+	held := make(chan net.Conn, 1)
+	go func() {
+		if c, err := ln.Accept(); err == nil {
+			held <- c // never answered
+		}
+	}()
+	d := rx.Descriptor()
+	d.ShmAddr = ln.Addr().String()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	time.AfterFunc(200*time.Millisecond, cancel)
+	start := time.Now()
+	_, err = tx.Connect(ctx, d)
+	require.Error(t, err)
+	require.ErrorIs(t, err, context.Canceled)
+	require.Less(t, time.Since(start), 5*time.Second, "the hello outlived its context")
+	select {
+	case c := <-held:
+		c.Close()
+	default:
+	}
 }

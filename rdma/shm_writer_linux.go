@@ -76,12 +76,26 @@ func (l *shmLink) connect(ctx context.Context) error {
 		return fmt.Errorf("rdma: dial shm %s at %s: %w", l.peer.Agent, l.peer.ShmAddr, err)
 	}
 	uc := nc.(*net.UnixConn)
-	fail := func(err error) error { uc.Close(); return err }
 	dl := time.Now().Add(helloTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(dl) {
 		dl = d
 	}
 	_ = uc.SetDeadline(dl)
+	// ctx ending cuts the hello too, not only its deadline: a caller that
+	// cancels (a send past its grant, a closing engine) must not wait out
+	// helloTimeout on a receiver that stopped answering.
+	stop := func() bool { return true }
+	if ctx.Done() != nil {
+		stop = context.AfterFunc(ctx, func() { _ = uc.SetDeadline(aLongTimeAgo) })
+	}
+	fail := func(err error) error {
+		stop()
+		uc.Close()
+		if cerr := ctxErr(ctx); cerr != nil {
+			return fmt.Errorf("shm hello with %s: %w", l.peer.Agent, cerr)
+		}
+		return err
+	}
 	if _, err := uc.Write(appendHello(nil, l.e.cfg.Agent, l.peer.Agent)); err != nil {
 		return fail(fmt.Errorf("%w: shm hello to %s: %w", ErrPeerClosed, l.peer.Agent, err))
 	}
@@ -124,6 +138,11 @@ func (l *shmLink) connect(ctx context.Context) error {
 		if _, err := io.ReadFull(uc, buf[n:want]); err != nil {
 			return fail(fmt.Errorf("%w: shm hello from %s: %w", ErrPeerClosed, l.peer.Agent, err))
 		}
+	}
+	if !stop() {
+		// ctx ended as the hello did: its past deadline may land after
+		// the reset below, so the connection is not used.
+		return fail(fmt.Errorf("shm hello with %s: %w", l.peer.Agent, ctx.Err()))
 	}
 	msg := string(buf[headerSize:want])
 	if h.typ == frameReply {
