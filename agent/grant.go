@@ -65,6 +65,10 @@ func (s *session) grant(q Request) (Reply, error) {
 			continue
 		}
 		ext, n := p.grantExtents(mem, pl, pcs, q.Blocks, row, pm)
+		if len(ext) > rdma.MaxExtents {
+			return fail(fmt.Errorf("%w: %d blocks are %d extents in this engine's memory (scattered blocks of a layout with planes take one per block and plane), more than the %d of one grant: grant fewer blocks at a time",
+				rdma.ErrOutOfRange, len(q.Blocks), len(ext), rdma.MaxExtents))
+		}
 		g, err := eng.OpenGrant(rdma.GrantSpec{RequestID: q.RequestID, Extents: ext, Deadline: deadline})
 		if err != nil {
 			return fail(err)

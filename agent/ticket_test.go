@@ -253,3 +253,25 @@ func TestOversizedReplyAnswered(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, Reply{Re: 8}, r)
 }
+
+// TestGrantOverMaxExtentsRefused: scattered blocks of a receiver with a
+// plane per layer that come to more extents than rdma takes in one grant
+// are refused by name, with what to do, and the connection goes on.
+func TestGrantOverMaxExtentsRefused(t *testing.T) {
+	const blocks = 16400 // × 2 planes × 32 layers: just over 2^20 extents
+	l := manyLayers(2 * blocks)
+	pl, size := perLayer(t, l)
+	recv := registerPlanes(t, startAgent(t, "dec", rdma.TransportSHM), pl, size)
+	dst := make([]int, blocks)
+	for i := range dst {
+		dst[i] = 2 * i // apart: no two merge
+	}
+	ctx := ctxT(t)
+	_, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 93, Blocks: dst}, nil)
+	require.ErrorIs(t, err, rdma.ErrOutOfRange)
+	require.Contains(t, err.Error(), "grant fewer blocks at a time")
+	g, err := recv.c.Call(ctx, Request{Op: OpGrant, RequestID: 94, Blocks: dst[:blocks/2]}, nil)
+	require.NoError(t, err, "half of them fit")
+	_, err = recv.c.Call(ctx, Request{Op: OpRevoke, Grant: g.Grant}, nil)
+	require.NoError(t, err)
+}
