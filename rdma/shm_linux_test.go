@@ -396,17 +396,8 @@ func TestSHMHelloEndsWithContext(t *testing.T) {
 	tx, err := New(Config{Agent: "tx-frozen", Transports: []Transport{TransportSHM}, Logger: quietLogger()})
 	require.NoError(t, err)
 	defer tx.Close()
-	ln, err := net.Listen("unix", filepath.Join(t.TempDir(), "frozen.sock"))
-	require.NoError(t, err)
-	defer ln.Close()
-	held := make(chan net.Conn, 1)
-	go func() {
-		if c, err := ln.Accept(); err == nil {
-			held <- c // never answered
-		}
-	}()
 	d := rx.Descriptor()
-	d.ShmAddr = ln.Addr().String()
+	d.ShmAddr = frozenShm(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	time.AfterFunc(200*time.Millisecond, cancel)
@@ -415,9 +406,53 @@ func TestSHMHelloEndsWithContext(t *testing.T) {
 	require.Error(t, err)
 	require.ErrorIs(t, err, context.Canceled)
 	require.Less(t, time.Since(start), 5*time.Second, "the hello outlived its context")
-	select {
-	case c := <-held:
-		c.Close()
-	default:
-	}
+}
+
+// frozenShm is an shm control socket that accepts and never answers.
+func frozenShm(t *testing.T) string {
+	ln, err := net.Listen("unix", filepath.Join(t.TempDir(), "frozen.sock"))
+	require.NoError(t, err)
+	var held []net.Conn
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			held = append(held, c)
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		<-done
+		for _, c := range held {
+			c.Close()
+		}
+	})
+	return ln.Addr().String()
+}
+
+// TestSHMWriteCancelledInReconnect: a write whose link reconnects to a
+// receiver that stopped answering ends when its context does, without an
+// abort (nothing was copied, and an abort would wait on the same hello).
+func TestSHMWriteCancelledInReconnect(t *testing.T) {
+	p := newPair(t, TransportSHM)
+	g, err := p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: dstExtents()})
+	require.NoError(t, err)
+	l, _ := shmSlot(t, p, g)
+	l.mu.Lock()
+	l.peer.ShmAddr, l.broken = frozenShm(t), true
+	l.mu.Unlock()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	time.AfterFunc(200*time.Millisecond, cancel)
+	start := time.Now()
+	_, err = p.tx.Write(ctx, p.desc, g.Ticket(), srcExtents(g.Ticket().Bytes))
+	took := time.Since(start)
+	require.ErrorIs(t, err, context.Canceled)
+	require.Less(t, took, 1100*time.Millisecond, "the write outlived its context (an abort waits a second)")
+	g.Revoke()
+	p.requireUntouched(t)
 }

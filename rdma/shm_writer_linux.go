@@ -335,6 +335,12 @@ func (l *shmLink) reconnectLocked(ctx context.Context) error {
 }
 
 func (l *shmLink) write(ctx context.Context, op *writeOp) error {
+	if err := l.ready(ctx, op.t); err != nil {
+		// Nothing was copied, and the control connection an abort would
+		// go by did not come up: a frozen receiver would hold the abort
+		// too.
+		return err
+	}
 	release, copyErr := l.copyOp(ctx, op)
 	defer release()
 	if copyErr != nil && !errors.Is(copyErr, errSlotRefused) {
@@ -366,13 +372,10 @@ func (l *shmLink) write(ctx context.Context, op *writeOp) error {
 	return l.commit(ctx, op)
 }
 
-// copyOp readies the link and copies op into the peer's memory. Until
+// copyOp copies op into the peer's memory over a ready link. Until
 // release is called, the control connection of the writer id it copied
 // under stays open, even if another write reconnects meanwhile.
 func (l *shmLink) copyOp(ctx context.Context, op *writeOp) (release func(), err error) {
-	if err := l.ready(ctx, op.t); err != nil {
-		return func() {}, err
-	}
 	l.copying.RLock()
 	defer l.copying.RUnlock()
 	if l.closed.Load() || l.table == nil {
