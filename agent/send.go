@@ -135,9 +135,13 @@ func (s *session) openSend(q Request) (Reply, error) {
 		defer cancel(nil)
 		m, err := s.runSend(ctx, eng, sd)
 		switch {
-		case err == nil || ctx.Err() == nil || errors.Is(err, ErrCancelled):
+		case err == nil:
 		case errors.Is(context.Cause(ctx), errPastDeadline):
-			err = fmt.Errorf("%w: send %d, past the grant's deadline: %w", rdma.ErrDeadline, sd.id, err)
+			// Whatever the send was doing when the sweep ended it (a
+			// write, or waiting for an engine's next layer): %v, so that
+			// its code is deadline and not the cancel's.
+			err = fmt.Errorf("%w: send %d, past the grant's deadline: %v", rdma.ErrDeadline, sd.id, err)
+		case ctx.Err() == nil || errors.Is(err, ErrCancelled):
 		default:
 			err = fmt.Errorf("%w: send %d: %w", ErrCancelled, sd.id, err)
 		}

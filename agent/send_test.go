@@ -77,6 +77,29 @@ func TestSendEndsPastDeadline(t *testing.T) {
 	require.Zero(t, runningSends(agentA), "the send's goroutine ended")
 }
 
+// TestOpenSendEndsPastDeadline: a layer-by-layer send whose engine never
+// commits ends with code deadline once its grant's deadline and sendGrace
+// have passed, as an event.
+func TestOpenSendEndsPastDeadline(t *testing.T) {
+	sock, agentA := startAgentA(t, "a", rdma.TransportSHM)
+	a := register(t, sock, tinyLayout())
+	b := register(t, startAgent(t, "b", rdma.TransportSHM), tinyLayout())
+	ctx := ctxT(t)
+	const deadline = 100 * time.Millisecond
+	g, err := b.c.Call(ctx, Request{Op: OpGrant, RequestID: 61, Blocks: []int{2}, Row: Row(0), DeadlineMS: deadline.Milliseconds()}, nil)
+	require.NoError(t, err)
+	s, err := a.c.Call(ctx, Request{Op: OpOpenSend, Ticket: g.Ticket, Blocks: []int{3}, Row: Row(1)}, nil)
+	require.NoError(t, err)
+	_, err = a.c.Call(ctx, Request{Op: OpSendLayer, Send: s.Send, Kind: "kv", Layer: 0}, nil)
+	require.NoError(t, err)
+	ev := event(t, a, EvSendFailed)
+	require.Equal(t, s.Send, ev.Send)
+	require.Equal(t, "deadline", ev.Code, ev.Msg)
+	require.Contains(t, ev.Msg, "past the grant's deadline")
+	require.Zero(t, runningSends(agentA))
+	require.Equal(t, "deadline", event(t, b, EvGrantFailed).Code)
+}
+
 // runningSends counts the sends whose goroutines have not ended.
 func runningSends(a *Agent) int {
 	a.mu.Lock()
