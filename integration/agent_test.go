@@ -482,7 +482,7 @@ func TestAgentMeasure(t *testing.T) {
 			slices.Reverse(rev)
 			const size = 512 * 128 << 10
 			goWrite := goWriter(t, rdma.Transport(tr), size, 512)
-			goWriteProc := goWriterProcess(t, rdma.Transport(tr), size, 512)
+			goWriteProc := goWriterProcess(t, rdma.Transport(tr), size, 512, 1)
 			agentBest, goBest, procBest := 1e9, 1e9, 1e9
 			// Each round's ratio as well as the bests': on a shared machine
 			// the best of either side is one lucky moment, while the rounds'
@@ -493,7 +493,7 @@ func TestAgentMeasure(t *testing.T) {
 				s := p.send.do("send", map[string]any{"ticket": g["ticket"], "blocks": blocks, "row": 0})
 				require.Equal(t, "send_done", s["kind"], "%v", s)
 				p.recv.do("wait", map[string]any{"kind": "grant", "id": g["grant"]})
-				took, proc := s["seconds"].(float64), goWriteProc()
+				took, proc := s["seconds"].(float64), goWriteProc(1, 0)[0]
 				agentBest, procBest = min(agentBest, took), min(procBest, proc)
 				rounds = append(rounds, proc/took)
 				goBest = min(goBest, goWrite())
@@ -513,11 +513,17 @@ func TestAgentMeasure(t *testing.T) {
 			// seven grants (one per free row) opened through the engines'
 			// pipes; its first send, which follows them, is a warm-up, as
 			// the NATS requester's first 50 round trips are.
+			//
+			// What the agents add to a small send is the send less the same
+			// write between two Go workers (processes, batches of seven
+			// grants and writes at the same spacing), which pay the data
+			// path's own cost without an engine's hops to its agent.
 			gaps := []time.Duration{0, 2 * time.Millisecond}
 			xrtts := natsRoundTrips(t, 300, gaps...)
+			goSmall := goWriterProcess(t, rdma.Transport(tr), 128<<10+smallRow, 2, 7)
 			var warmSend float64
 			for gi, gap := range gaps {
-				var sends, waits []float64
+				var sends, waits, gos []float64
 				for round := range 12 {
 					var tickets, grants []any
 					for r := range 7 {
@@ -530,6 +536,7 @@ func TestAgentMeasure(t *testing.T) {
 					}
 					times, _ := small["times"].([]any)
 					require.Len(t, times, len(tickets), "%v", small)
+					gos = append(gos, goSmall(7, gap)[1:]...)
 					for _, x := range times[1:] {
 						if round%2 == 1 {
 							waits = append(waits, x.(float64)*1e6)
@@ -540,7 +547,8 @@ func TestAgentMeasure(t *testing.T) {
 				}
 				sort.Float64s(sends)
 				sort.Float64s(waits)
-				send, wait := sends[len(sends)/2], waits[len(waits)/2]
+				sort.Float64s(gos)
+				send, wait, gow := sends[len(sends)/2], waits[len(waits)/2], gos[len(gos)/2]*1e6
 				xrtt := float64(xrtts[gi][len(xrtts[gi])/2].Nanoseconds()) / 1e3
 				spacing := "back to back"
 				if gap > 0 {
@@ -550,6 +558,8 @@ func TestAgentMeasure(t *testing.T) {
 				}
 				t.Logf("MEASURE %s small send (1 block of 128 KiB + 1 row), %s: p50 %.0f µs (min %.0f), send_wait p50 %.0f µs (min %.0f); NATS round trip between processes (requester, server, responder), %s: p50 %.0f µs (min %.0f); send ratio %.2f, send_wait ratio %.2f",
 					tr, spacing, send, sends[0], wait, waits[0], spacing, xrtt, float64(xrtts[gi][0].Nanoseconds())/1e3, send/xrtt, wait/xrtt)
+				t.Logf("MEASURE %s small send, %s: the same write between two Go workers (processes) p50 %.0f µs (min %.0f); added by the agents: send %.0f µs, send_wait %.0f µs; added ratio %.2f, send_wait %.2f (against NATS p50 %.0f µs)",
+					tr, spacing, gow, gos[0]*1e6, send-gow, wait-gow, (send-gow)/xrtt, (wait-gow)/xrtt, xrtt)
 			}
 			sub, err := p.nc.Subscribe("measure.echo", func(m *nats.Msg) { m.Respond(m.Data) })
 			require.NoError(t, err)
@@ -571,8 +581,8 @@ func TestAgentMeasure(t *testing.T) {
 				tr, rtt, warmSend/rtt)
 			// The same small send between two Go engines (the workers' data
 			// path, no agent): what the data path alone costs.
-			_, goSmall := goSend(t, rdma.Transport(tr), 128<<10+int64(smallRow), 2, 30)
-			t.Logf("MEASURE %s small send between two Go engines in this process: p50 %.0f µs", tr, goSmall*1e6)
+			_, inProc := goSend(t, rdma.Transport(tr), 128<<10+int64(smallRow), 2, 30)
+			t.Logf("MEASURE %s small send between two Go engines in this process: p50 %.0f µs", tr, inProc*1e6)
 		})
 	}
 }

@@ -24,18 +24,23 @@ import (
 	"github.com/handoff-io/handoff/rdma"
 )
 
-// goReceiverEnv names the child's transport, region size and extent count.
+// goReceiverEnv names the child's transport, destination size, extent
+// count and destination count.
 const goReceiverEnv = "HANDOFF_GO_RECEIVER"
 
-// goWriterProcess starts a receiving engine in a child process, its
-// region's size bytes in n extents (n-1 reversed, then one, as goWriter's),
-// and returns a function that makes one write of them from an engine in
-// this process and times its Write (the write and the commit's verdict).
-func goWriterProcess(t *testing.T, tr rdma.Transport, size int64, n int) func() float64 {
+// goWriterProcess starts a receiving engine in a child process, whose
+// region holds slots destinations of size bytes, each in n extents (n-1
+// reversed, then one, as goWriter's), and returns a function that writes
+// size bytes k times (k at most slots) from an engine in this process and
+// times each Write (the write and the commit's verdict): the child opens k
+// grants first, one per destination, the writes follow each other gap
+// apart (as the agents' small sends in a batch do), then the child waits
+// for all k.
+func goWriterProcess(t *testing.T, tr rdma.Transport, size int64, n, slots int) func(k int, gap time.Duration) []float64 {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	t.Cleanup(cancel)
-	h := startHelper(t, "TestGoReceiverProcess", fmt.Sprintf("%s=%s %d %d", goReceiverEnv, tr, size, n))
+	h := startHelper(t, "TestGoReceiverProcess", fmt.Sprintf("%s=%s %d %d %d", goReceiverEnv, tr, size, n, slots))
 	read := func(into any) {
 		l := h.next(t, time.Minute)
 		require.NoError(t, json.Unmarshal([]byte(l), into), "%q", l)
@@ -52,15 +57,21 @@ func goWriterProcess(t *testing.T, tr rdma.Transport, size int64, n int) func() 
 	}
 	_, err = src.Connect(ctx, desc)
 	require.NoError(t, err)
-	return func() float64 {
-		_, err := io.WriteString(h.stdin, "grant\n")
+	return func(k int, gap time.Duration) []float64 {
+		_, err := fmt.Fprintf(h.stdin, "grant %d\n", k)
 		require.NoError(t, err)
-		var tk rdma.Ticket
-		read(&tk)
-		start := time.Now()
-		_, err = src.Write(ctx, desc, tk, []rdma.Extent{{Region: sr.ID(), Length: uint64(size)}})
-		require.NoError(t, err)
-		took := time.Since(start).Seconds()
+		var tks []rdma.Ticket
+		read(&tks)
+		require.Len(t, tks, k)
+		require.LessOrEqual(t, k, slots)
+		took := make([]float64, 0, k)
+		for _, tk := range tks {
+			time.Sleep(gap)
+			start := time.Now()
+			_, err = src.Write(ctx, desc, tk, []rdma.Extent{{Region: sr.ID(), Length: uint64(size)}})
+			require.NoError(t, err)
+			took = append(took, time.Since(start).Seconds())
+		}
 		_, err = io.WriteString(h.stdin, "wait\n")
 		require.NoError(t, err)
 		var landed string
@@ -72,39 +83,57 @@ func goWriterProcess(t *testing.T, tr rdma.Transport, size int64, n int) func() 
 
 // TestGoReceiverProcess is goWriterProcess's receiving engine when run as
 // its child; otherwise it skips. It prints its descriptor, then for each
-// "grant" line a ticket, and for each "wait" line "landed" once that grant
-// landed and verified.
+// "grant k" line k tickets (a JSON array), and for each "wait" line
+// "landed" once the grants open landed and verified.
 func TestGoReceiverProcess(t *testing.T) {
 	spec := strings.Fields(os.Getenv(goReceiverEnv))
-	if len(spec) != 3 {
+	if len(spec) != 4 {
 		t.Skip("SKIP: a child process of TestAgentMeasure")
 	}
 	size, err := strconv.ParseInt(spec[1], 10, 64)
 	require.NoError(t, err)
 	n, err := strconv.Atoi(spec[2])
 	require.NoError(t, err)
+	slots, err := strconv.Atoi(spec[3])
+	require.NoError(t, err)
 	e, err := rdma.New(rdma.Config{Agent: rdma.AgentID(fmt.Sprintf("go-dec-proc-%d", os.Getpid())), Transports: []rdma.Transport{rdma.Transport(spec[0])}, Logger: quietLogger()})
 	require.NoError(t, err)
 	defer e.Close()
-	r, err := e.Register("kv", size)
+	r, err := e.Register("kv", size*int64(slots))
 	require.NoError(t, err)
-	ext := reversedExtents(r.ID(), size, n)
+	dests := make([][]rdma.Extent, slots)
+	for i := range dests {
+		dests[i] = reversedExtents(r.ID(), size, n)
+		for j := range dests[i] {
+			dests[i][j].Offset += uint64(i) * uint64(size)
+		}
+	}
 	out := json.NewEncoder(helperProtocol())
 	require.NoError(t, out.Encode(e.Descriptor()))
 	in := bufio.NewScanner(os.Stdin)
-	var g *rdma.Grant
+	var open []*rdma.Grant
 	for req := uint64(1); in.Scan(); {
-		switch in.Text() {
+		switch f := strings.Fields(in.Text()); f[0] {
 		case "grant":
-			g, err = e.OpenGrant(rdma.GrantSpec{RequestID: req, Extents: ext})
+			k, err := strconv.Atoi(f[1])
 			require.NoError(t, err)
-			req++
-			require.NoError(t, out.Encode(g.Ticket()))
+			var tks []rdma.Ticket
+			for i := range k {
+				g, err := e.OpenGrant(rdma.GrantSpec{RequestID: req, Extents: dests[i]})
+				require.NoError(t, err)
+				req++
+				open = append(open, g)
+				tks = append(tks, g.Ticket())
+			}
+			require.NoError(t, out.Encode(tks))
 		case "wait":
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			_, err := g.Wait(ctx)
+			for _, g := range open {
+				_, err := g.Wait(ctx)
+				require.NoError(t, err)
+			}
 			cancel()
-			require.NoError(t, err)
+			open = nil
 			require.NoError(t, out.Encode("landed"))
 		}
 	}
