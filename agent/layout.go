@@ -37,14 +37,14 @@ type TP struct {
 // layer's K and V apart instead (planes.go): 2*Layers planes, layer l's K
 // then its V.
 type KVLayout struct {
-	Layers         int     `msgpack:"layers"`
-	KVHeads        int     `msgpack:"kv_heads"`
-	HeadDim        int     `msgpack:"head_dim"`
-	TokensPerBlock int     `msgpack:"tokens_per_block"`
-	DType          string  `msgpack:"dtype"`
-	Blocks         int     `msgpack:"blocks"`
-	BlockStride    int64   `msgpack:"block_stride"`
-	Planes         []Plane `msgpack:"planes"`
+	Layers         int    `msgpack:"layers"`
+	KVHeads        int    `msgpack:"kv_heads"`
+	HeadDim        int    `msgpack:"head_dim"`
+	TokensPerBlock int    `msgpack:"tokens_per_block"`
+	DType          string `msgpack:"dtype"`
+	Blocks         int    `msgpack:"blocks"`
+	BlockStride    int64  `msgpack:"block_stride"`
+	Planes         Planes `msgpack:"planes"`
 	// Order is the element order within a block's K or V: "hnd" (or
 	// empty; heads, tokens, head_dim: kvcache's and TensorRT-LLM's) or
 	// "nhd" (tokens, heads, head_dim: vLLM's default and SGLang's). NHD
@@ -63,20 +63,20 @@ type KVLayout struct {
 // ConvOrder "sd" says each conv state is kept position by position
 // instead ([DConv-1][channels], channels innermost: vLLM's default).
 type MambaLayout struct {
-	Layers     int     `msgpack:"layers"`
-	Heads      int     `msgpack:"heads"`
-	HeadDim    int     `msgpack:"head_dim"`
-	DState     int     `msgpack:"d_state"`
-	NGroups    int     `msgpack:"n_groups"`
-	DConv      int     `msgpack:"d_conv"`
-	ConvLayout string  `msgpack:"conv_layout"` // "xbc" (Mamba2) or "qkv" (GDN)
-	ConvDType  string  `msgpack:"conv_dtype"`
-	SSMDType   string  `msgpack:"ssm_dtype"`
-	Rows       int     `msgpack:"rows"`
-	Reserved   []int   `msgpack:"reserved"`
-	RowStride  int64   `msgpack:"row_stride"`
-	Planes     []Plane `msgpack:"planes"`
-	ConvOrder  string  `msgpack:"conv_order"` // "ds" (or empty: channels, then positions) or "sd"
+	Layers     int    `msgpack:"layers"`
+	Heads      int    `msgpack:"heads"`
+	HeadDim    int    `msgpack:"head_dim"`
+	DState     int    `msgpack:"d_state"`
+	NGroups    int    `msgpack:"n_groups"`
+	DConv      int    `msgpack:"d_conv"`
+	ConvLayout string `msgpack:"conv_layout"` // "xbc" (Mamba2) or "qkv" (GDN)
+	ConvDType  string `msgpack:"conv_dtype"`
+	SSMDType   string `msgpack:"ssm_dtype"`
+	Rows       int    `msgpack:"rows"`
+	Reserved   []int  `msgpack:"reserved"`
+	RowStride  int64  `msgpack:"row_stride"`
+	Planes     Planes `msgpack:"planes"`
+	ConvOrder  string `msgpack:"conv_order"` // "ds" (or empty: channels, then positions) or "sd"
 }
 
 // maxSDConv bounds d_conv for conv states kept position by position (the

@@ -86,7 +86,7 @@ type Request struct {
 	// in allocations of their own (vLLM's per-layer tensors), which the
 	// layout's planes name by index (Plane.Buffer); the host ones come as
 	// fds by SCM_RIGHTS, in order.
-	Buffers []Buffer `msgpack:"buffers,omitempty"`
+	Buffers Buffers `msgpack:"buffers,omitempty"`
 }
 
 // Buffer is one piece of memory a registration passes: Bytes of host
@@ -251,6 +251,57 @@ func (s *subTickets) DecodeMsgpack(d *msgpack.Decoder) error {
 		return fmt.Errorf("%d grants, more than TP %d has shards", n, reshard.MaxTP)
 	}
 	out := make(subTickets, n)
+	for i := range out {
+		if err := d.Decode(&out[i]); err != nil {
+			return err
+		}
+	}
+	*s = out
+	return nil
+}
+
+// Planes and Buffers are a request's lists of structs. msgpack's
+// reflection makes room for the length an array claims before decoding
+// an element, and an element of these takes a byte of frame (an empty
+// map) but tens of bytes of memory: a 16 MiB frame of them took 0.5 to
+// 0.8 GB to decode. They are refused past a length far above what
+// validation allows (2 planes per layer, maxBuffers), so that a list a
+// little too long still gets validation's error, and a frame no engine
+// would send ends as a malformed one.
+type (
+	Planes  []Plane
+	Buffers []Buffer
+)
+
+const (
+	maxDecodedPlanes  = 1 << 14 // 8,192 layers
+	maxDecodedBuffers = 1 << 12
+)
+
+var (
+	_ msgpack.CustomDecoder = (*Planes)(nil)
+	_ msgpack.CustomDecoder = (*Buffers)(nil)
+)
+
+func (p *Planes) DecodeMsgpack(d *msgpack.Decoder) error {
+	return decodeBounded(d, (*[]Plane)(p), maxDecodedPlanes, "planes")
+}
+
+func (b *Buffers) DecodeMsgpack(d *msgpack.Decoder) error {
+	return decodeBounded(d, (*[]Buffer)(b), maxDecodedBuffers, "buffers")
+}
+
+// decodeBounded decodes an array of at most max elements into *s.
+func decodeBounded[T any](d *msgpack.Decoder, s *[]T, max int, what string) error {
+	n, err := d.DecodeArrayLen()
+	if err != nil || n < 0 {
+		*s = nil
+		return err
+	}
+	if n > max {
+		return fmt.Errorf("%d %s, more than a request may list (%d)", n, what, max)
+	}
+	out := make([]T, n)
 	for i := range out {
 		if err := d.Decode(&out[i]); err != nil {
 			return err
