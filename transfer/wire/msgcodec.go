@@ -170,11 +170,15 @@ func (p *Peer) decode(r *reader) error {
 		case "shm":
 			p.ShmAddr, err = r.str()
 		case "tr":
-			p.Transports, err = decodeStrings(r)
+			if err = once(&seen, 2, "tr"); err == nil {
+				p.Transports, err = decodeStrings(r)
+			}
 		case "ipc":
 			p.IPCNamespace, err = r.str()
 		case "cd":
-			p.CUDADevices, err = decodeStrings(r)
+			if err = once(&seen, 4, "cd"); err == nil {
+				p.CUDADevices, err = decodeStrings(r)
+			}
 		case "ucx":
 			var v []byte
 			if v, err = r.bytes(); err == nil {
@@ -193,7 +197,10 @@ func (p *Peer) decode(r *reader) error {
 
 // once refuses a struct-valued key seen before in the same map (bit marks
 // it in seen): msgpack's own decoder merges a repeat into the first value,
-// which these decoders, which start each struct afresh, would not.
+// which these decoders, which start each struct afresh, would not. A
+// peer's lists are refused repeated too: a list of empty strings takes a
+// byte of message an item but 16 of memory, and a peer repeating its
+// transports filled an 8 MiB request with 150 MB of them.
 func once(seen *uint8, bit uint8, key string) error {
 	if *seen&bit != 0 {
 		return fmt.Errorf("msgpack: repeated key %q", key)
