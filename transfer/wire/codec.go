@@ -189,6 +189,9 @@ func EncodeInstance(m Instance) ([]byte, error) {
 // DecodeInstance decodes and checks an Instance.
 func DecodeInstance(b []byte) (Instance, error) {
 	var m Instance
+	if err := refuseRepeated(b, "peer"); err != nil {
+		return Instance{}, fmt.Errorf("%w: %w", ErrBadMessage, err)
+	}
 	if err := decode(b, &m, &m.V); err != nil {
 		return Instance{}, err
 	}
@@ -248,6 +251,32 @@ func decode(b []byte, v any, version *uint8) error {
 	}
 	if wide.V != uint64(WireVersion) || *version != WireVersion {
 		return fmt.Errorf("%w: version %d, want %d", ErrBadMessage, wide.V, WireVersion)
+	}
+	return nil
+}
+
+// refuseRepeated refuses a message, a map, that holds key more than once.
+// Reflection decodes a key's value again each time the key comes, and a
+// peer is bounded (maxListLen) but not small: 1,024 empty regions take
+// 1 KiB of message and 64 KiB of memory, so an 8 MiB instance repeating
+// its peer took 560 MB to decode. What is not a map of string keys is
+// left to decode, which says what is wrong with it.
+func refuseRepeated(b []byte, key string) error {
+	r := reader{b: b}
+	n, err := r.mapLen()
+	seen := false
+	for ; err == nil && n > 0; n-- {
+		var k []byte
+		if k, err = r.bytes(); err != nil {
+			break
+		}
+		if string(k) == key {
+			if seen {
+				return fmt.Errorf("msgpack: repeated key %q", key)
+			}
+			seen = true
+		}
+		err = r.skip()
 	}
 	return nil
 }
