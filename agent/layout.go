@@ -79,6 +79,11 @@ type MambaLayout struct {
 	ConvOrder  string `msgpack:"conv_order"` // "ds" (or empty: channels, then positions) or "sd"
 }
 
+// maxLayers bounds each cache's layers: the largest models have a few
+// hundred. A registration's planes (two per layer) are refused while
+// decoding past twice what it allows (maxDecodedPlanes).
+const maxLayers = 4096
+
 // maxSDConv bounds d_conv for conv states kept position by position (the
 // models' is 4).
 const maxSDConv = 64
@@ -135,6 +140,9 @@ func compile(l Layout, buffered bool) (*pools, error) {
 	p := &pools{l: l}
 	spec := model.Spec{Name: l.Model, Revision: l.Revision, LayerPattern: l.Pattern, Vocab: l.Vocab}
 	if k := l.KV; k != nil {
+		if k.Layers > maxLayers {
+			return nil, bad("kv: %d layers, at most %d", k.Layers, maxLayers)
+		}
 		es, ok := dtypeSize(k.DType)
 		if !ok {
 			return nil, bad("kv dtype %q", k.DType)
@@ -165,6 +173,9 @@ func compile(l Layout, buffered bool) (*pools, error) {
 		p.kv = sh
 	}
 	if m := l.Mamba; m != nil {
+		if m.Layers > maxLayers {
+			return nil, bad("mamba: %d layers, at most %d", m.Layers, maxLayers)
+		}
 		ce, ok1 := dtypeSize(m.ConvDType)
 		se, ok2 := dtypeSize(m.SSMDType)
 		if !ok1 || !ok2 {

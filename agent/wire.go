@@ -264,17 +264,17 @@ func (s *subTickets) DecodeMsgpack(d *msgpack.Decoder) error {
 // reflection makes room for the length an array claims before decoding
 // an element, and an element of these takes a byte of frame (an empty
 // map) but tens of bytes of memory: a 16 MiB frame of them took 0.5 to
-// 0.8 GB to decode. They are refused past a length far above what
-// validation allows (2 planes per layer, maxBuffers), so that a list a
-// little too long still gets validation's error, and a frame no engine
-// would send ends as a malformed one.
+// 0.8 GB to decode. They are refused past a length well above what
+// validation allows (2 planes per layer of maxLayers, maxBuffers), so
+// that a list a little too long still gets validation's error, and a
+// frame no engine would send ends as a malformed one.
 type (
 	Planes  []Plane
 	Buffers []Buffer
 )
 
 const (
-	maxDecodedPlanes  = 1 << 14 // 8,192 layers
+	maxDecodedPlanes  = 4 * maxLayers // twice a cache's planes at most
 	maxDecodedBuffers = 1 << 12
 )
 

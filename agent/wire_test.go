@@ -61,3 +61,21 @@ func TestDecodeRequestBoundsLists(t *testing.T) {
 		})
 	}
 }
+
+// TestRegisterTooManyLayersRefused: a layout over maxLayers, its planes
+// within what a request may list, gets validation's error by name, and
+// the connection goes on.
+func TestRegisterTooManyLayersRefused(t *testing.T) {
+	c, l, p, kfd, mfd := unregistered(t)
+	big := l
+	kv := *l.KV
+	kv.Layers = maxLayers + 1
+	kv.Planes = make(Planes, 2*kv.Layers)
+	big.KV = &kv
+	_, err := c.Call(ctxT(t), Request{Op: OpRegister, Layout: &big, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes()}, []int{kfd, mfd})
+	require.ErrorIs(t, err, ErrInvalidLayout)
+	require.ErrorContains(t, err, "kv: 4097 layers, at most 4096")
+	rep, err := c.Register(ctxT(t), l, kfd, p.kvBytes(), mfd, p.mambaBytes())
+	require.NoError(t, err)
+	require.Equal(t, p.fingerprint, rep.Fingerprint)
+}
