@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -512,14 +513,20 @@ func TestDrainingWorkerSurvivesDataPathReset(t *testing.T) {
 		}
 		return nil
 	})
-	// The ping is answered, and says so.
+	// The ping is answered, and says so once the service has handed it to
+	// its stand-in (the registry hears of the drain first; until the
+	// service stops, both answer, and the first answer wins).
 	nc := natstest.Connect(t, f.srv)
 	pingSubj, err := micro.ControlSubject(micro.PingVerb, wire.ServiceName, p.svcID)
 	require.NoError(t, err)
-	pong, err := nc.Request(pingSubj, nil, 5*time.Second)
-	require.NoError(t, err)
-	require.Contains(t, string(pong.Data), `"draining":"true"`)
-	require.Contains(t, string(pong.Data), `"instance":"p1"`)
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		pong, err := nc.Request(pingSubj, nil, 5*time.Second)
+		require.NoError(t, err, "a ping while draining went unanswered")
+		if !strings.Contains(string(pong.Data), `"draining":"true"`) || !strings.Contains(string(pong.Data), `"instance":"p1"`) {
+			return fmt.Errorf("ping answered %s", pong.Data)
+		}
+		return nil
+	})
 	// A new request is not taken by the draining worker: no other serves.
 	_, err = ds.handoff(context.Background(), d, Request{ID: 5, Tokens: tokens(9), Deadline: time.Now().Add(2 * time.Second)})
 	require.Error(t, err)
