@@ -242,22 +242,9 @@ type subTickets []subTicket
 var _ msgpack.CustomDecoder = (*subTickets)(nil)
 
 func (s *subTickets) DecodeMsgpack(d *msgpack.Decoder) error {
-	n, err := d.DecodeArrayLen()
-	if err != nil || n < 0 {
-		*s = nil
-		return err
-	}
-	if n > reshard.MaxTP {
+	return decodeBounded(d, (*[]subTicket)(s), reshard.MaxTP, func(n int) error {
 		return fmt.Errorf("%d grants, more than TP %d has shards", n, reshard.MaxTP)
-	}
-	out := make(subTickets, n)
-	for i := range out {
-		if err := d.Decode(&out[i]); err != nil {
-			return err
-		}
-	}
-	*s = out
-	return nil
+	})
 }
 
 // Planes and Buffers are a request's lists of structs. msgpack's
@@ -284,22 +271,27 @@ var (
 )
 
 func (p *Planes) DecodeMsgpack(d *msgpack.Decoder) error {
-	return decodeBounded(d, (*[]Plane)(p), maxDecodedPlanes, "planes")
+	return decodeBounded(d, (*[]Plane)(p), maxDecodedPlanes, func(n int) error {
+		return fmt.Errorf("%d planes, more than a request may list (%d)", n, maxDecodedPlanes)
+	})
 }
 
 func (b *Buffers) DecodeMsgpack(d *msgpack.Decoder) error {
-	return decodeBounded(d, (*[]Buffer)(b), maxDecodedBuffers, "buffers")
+	return decodeBounded(d, (*[]Buffer)(b), maxDecodedBuffers, func(n int) error {
+		return fmt.Errorf("%d buffers, more than a request may list (%d)", n, maxDecodedBuffers)
+	})
 }
 
-// decodeBounded decodes an array of at most max elements into *s.
-func decodeBounded[T any](d *msgpack.Decoder, s *[]T, max int, what string) error {
+// decodeBounded decodes an array into *s, refusing one of more than max
+// elements, with tooMany's error, before making room for it.
+func decodeBounded[T any](d *msgpack.Decoder, s *[]T, max int, tooMany func(n int) error) error {
 	n, err := d.DecodeArrayLen()
 	if err != nil || n < 0 {
 		*s = nil
 		return err
 	}
 	if n > max {
-		return fmt.Errorf("%d %s, more than a request may list (%d)", n, what, max)
+		return tooMany(n)
 	}
 	out := make([]T, n)
 	for i := range out {
