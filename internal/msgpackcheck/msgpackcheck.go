@@ -151,6 +151,20 @@ func (r *reader) skipN(n uint64, depth int) error {
 		return ErrTruncated // each value takes a byte at least
 	}
 	for ; n > 0; n-- {
+		// Integers, the bulk of long arrays (a ticket's extents, a
+		// request's blocks), without a call each.
+		if len(r.b) == 0 {
+			return ErrTruncated
+		}
+		if c := r.b[0]; c <= 0x7f || c >= 0xe0 {
+			r.b = r.b[1:]
+			continue
+		} else if c >= 0xcc && c <= 0xd3 { // uint8..64, int8..64
+			if err := r.next(1 + 1<<((c-0xcc)&3)); err != nil {
+				return err
+			}
+			continue
+		}
 		if err := r.skip(depth + 1); err != nil {
 			return err
 		}
