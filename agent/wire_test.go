@@ -1,12 +1,15 @@
 package agent
 
 import (
+	"bytes"
 	"encoding/binary"
+	"math/rand/v2"
 	"runtime"
 	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"github.com/vmihailenco/msgpack/v5"
 )
 
 // listFrame is a register request whose list at path (keys of nested maps)
@@ -78,4 +81,72 @@ func TestRegisterTooManyLayersRefused(t *testing.T) {
 	rep, err := c.Register(ctxT(t), l, kfd, p.kvBytes(), mfd, p.mambaBytes())
 	require.NoError(t, err)
 	require.Equal(t, p.fingerprint, rep.Fingerprint)
+}
+
+// TestDecodeIntsInPlace: integer arrays in every msgpack encoding of an
+// integer (and nil) decode in place (unmarshal) to what msgpack's own
+// decoder gives, element by element; cut short anywhere, or claiming more
+// elements than bytes, they fail without a panic; anything but an integer
+// is refused.
+func TestDecodeIntsInPlace(t *testing.T) {
+	type lists struct {
+		B BlockList `msgpack:"b"`
+		W words     `msgpack:"w"`
+	}
+	r := rand.New(rand.NewPCG(3, 4))
+	elem := func(e *msgpack.Encoder) {
+		v := r.Uint64() >> r.IntN(64)
+		var err error
+		switch r.IntN(10) {
+		case 0:
+			err = e.EncodeNil()
+		case 1:
+			err = e.EncodeInt8(int8(v))
+		case 2:
+			err = e.EncodeInt16(int16(v))
+		case 3:
+			err = e.EncodeInt32(int32(v))
+		case 4:
+			err = e.EncodeInt64(int64(v))
+		case 5:
+			err = e.EncodeUint8(uint8(v))
+		case 6:
+			err = e.EncodeUint16(uint16(v))
+		case 7:
+			err = e.EncodeUint32(uint32(v))
+		case 8:
+			err = e.EncodeUint64(v)
+		default:
+			err = e.EncodeInt(-int64(v % 64)) // fixints, both signs
+		}
+		require.NoError(t, err)
+	}
+	for round := range 300 {
+		var buf bytes.Buffer
+		e := msgpack.NewEncoder(&buf)
+		require.NoError(t, e.EncodeMapLen(2))
+		for _, k := range []string{"b", "w"} {
+			require.NoError(t, e.EncodeString(k))
+			n := r.IntN(40)
+			require.NoError(t, e.EncodeArrayLen(n))
+			for range n {
+				elem(e)
+			}
+		}
+		b := buf.Bytes()
+		var got, want lists
+		require.NoError(t, unmarshal(b, &got), "round %d", round)
+		require.NoError(t, msgpack.Unmarshal(b, &want), "round %d", round)
+		require.Equal(t, want, got, "round %d: %x", round, b)
+		for cut := 1; cut < len(b); cut++ {
+			var l lists
+			d := msgpack.NewDecoder(&frameReader{b: b[:cut]})
+			require.Error(t, d.Decode(&l), "round %d, cut at %d of %d", round, cut, len(b))
+		}
+	}
+	var l lists
+	// An array claiming 2^32-1 elements in 5 bytes, past unmarshal's check.
+	d := msgpack.NewDecoder(&frameReader{b: []byte{0x81, 0xa1, 'w', 0xdd, 0xff, 0xff, 0xff, 0xff, 1}})
+	require.ErrorContains(t, d.Decode(&l), "4294967295 integers in 1 bytes")
+	require.ErrorContains(t, unmarshal([]byte{0x81, 0xa1, 'b', 0x92, 1, 0xa1, 'x'}, &l), "code 0xa1 in an array of integers")
 }
