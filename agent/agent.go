@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/handoff-io/handoff/internal/cuda"
 	"github.com/handoff-io/handoff/rdma"
@@ -47,8 +48,11 @@ type Config struct {
 	// CUDA opens the CUDA driver, the first time an engine registers a
 	// pool in device memory (cuda.go); nil: cuda.Open (libcuda.so.1, or
 	// $HANDOFF_LIBCUDA). Tests pass a fake.
-	CUDA   func() (cuda.Driver, error)
-	Logger *slog.Logger
+	CUDA func() (cuda.Driver, error)
+	// Registerer takes the agent's metrics (metrics.go); nil: they are
+	// kept but not exported.
+	Registerer prometheus.Registerer
+	Logger     *slog.Logger
 }
 
 func (c *Config) validate() error {
@@ -87,8 +91,10 @@ type Agent struct {
 	log *slog.Logger
 	ln  *net.UnixListener
 	nc  *nats.Conn // nil without NATS
+	m   *metrics
 
-	gen atomic.Uint64 // registrations so far: a registration's rdma agent id is Name#gen
+	gen     atomic.Uint64 // registrations so far: a registration's rdma agent id is Name#gen
+	serving atomic.Bool   // Serve accepts engines (Ready)
 
 	mu       sync.Mutex
 	closed   bool
@@ -112,7 +118,7 @@ func New(cfg Config, nc *nats.Conn) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
-	a := &Agent{cfg: cfg, log: cfg.Logger.With("agent", cfg.Name), ln: ln, nc: nc, sessions: make(map[*session]struct{})}
+	a := &Agent{cfg: cfg, log: cfg.Logger.With("agent", cfg.Name), ln: ln, nc: nc, m: newMetrics(cfg.Registerer), sessions: make(map[*session]struct{})}
 	return a, nil
 }
 
@@ -142,6 +148,8 @@ func (a *Agent) Serve(ctx context.Context) error {
 	stop := context.AfterFunc(ctx, func() { a.ln.Close() })
 	defer stop()
 	a.log.Info("agent: listening", "socket", a.cfg.Socket)
+	a.serving.Store(true)
+	defer a.serving.Store(false)
 	for {
 		c, err := a.ln.AcceptUnix()
 		if err != nil {
@@ -175,6 +183,19 @@ func (a *Agent) Serve(ctx context.Context) error {
 	}
 }
 
+// Ready returns nil while Serve accepts engines (with NATS, once the agent
+// joined the registry) and its NATS connection, if any, is up: the
+// readiness of an agent's process.
+func (a *Agent) Ready() error {
+	switch {
+	case !a.serving.Load():
+		return errors.New("agent: not serving")
+	case a.nc != nil && !a.nc.IsConnected():
+		return fmt.Errorf("agent: NATS is %s", a.nc.Status())
+	}
+	return nil
+}
+
 func (a *Agent) isClosed() bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -192,10 +213,12 @@ func (a *Agent) newSession(c *net.UnixConn, pid int) *session {
 	s.log = a.log.With("engine_pid", pid)
 	a.sessions[s] = struct{}{}
 	a.wg.Add(1)
+	a.m.engines.Inc()
 	return s
 }
 
 func (a *Agent) endSession(s *session) {
+	a.m.engines.Dec()
 	a.mu.Lock()
 	delete(a.sessions, s)
 	was := a.latest == s
@@ -289,13 +312,16 @@ func (s *session) run() {
 		}
 		q, err := decodeRequest(b)
 		if err != nil {
+			s.a.m.request(q.Op, err)
 			s.reply(Reply{Code: Code(err), Msg: err.Error()})
 			return
 		}
 		rep, err := s.handle(q)
 		if errors.Is(err, errDeferred) {
+			s.a.m.request(q.Op, nil)
 			continue // its goroutine answers
 		}
+		s.a.m.request(q.Op, err)
 		if err != nil {
 			rep = Reply{Code: Code(err), Msg: err.Error()}
 		}

@@ -94,6 +94,7 @@ func (s *session) grant(q Request) (Reply, error) {
 	s.mu.Lock()
 	s.grants[grp.id] = grp
 	s.mu.Unlock()
+	s.a.m.openGrant.Inc()
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
@@ -155,6 +156,7 @@ func (s *session) watchGrant(grp *grantGroup) {
 	s.mu.Lock()
 	delete(s.grants, grp.id)
 	s.mu.Unlock()
+	s.a.m.grantEnded(first, bytes)
 	ev := Reply{Ev: EvGrantDone, Grant: grp.id, RequestID: grp.req, Bytes: bytes}
 	if first != nil {
 		ev = Reply{Ev: EvGrantFailed, Grant: grp.id, RequestID: grp.req, Code: Code(first), Msg: first.Error()}

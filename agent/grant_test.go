@@ -31,7 +31,7 @@ func TestGroupFailureRevokesAtOnce(t *testing.T) {
 	grp.id = grp.gs[0].ID()
 	pr, pw := io.Pipe()
 	defer pr.Close()
-	s := &session{w: bufio.NewWriter(pw), grants: map[uint64]*grantGroup{grp.id: grp}}
+	s := &session{a: &Agent{m: newMetrics(nil)}, w: bufio.NewWriter(pw), grants: map[uint64]*grantGroup{grp.id: grp}}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)

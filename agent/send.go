@@ -76,6 +76,7 @@ func checkTicket(p *pools, t ticket, blocks int, row bool) error {
 // openSend starts a send (OpSend: the whole grant at once; OpOpenSend:
 // layer by layer, until OpCommit).
 func (s *session) openSend(q Request) (Reply, error) {
+	start := time.Now()
 	eng, p, row, err := s.named(q)
 	if err != nil {
 		return Reply{}, err
@@ -149,6 +150,11 @@ func (s *session) openSend(q Request) (Reply, error) {
 		delete(s.sends, sd.id)
 		delete(s.running, sd)
 		s.mu.Unlock()
+		var bytes uint64
+		for _, b := range m.Bytes {
+			bytes += b
+		}
+		s.a.m.sendEnded(err, bytes, time.Since(start))
 		ev := Reply{Ev: EvSendDone, Send: sd.id, RequestID: sd.req}
 		if wait {
 			ev.Ev, ev.Re = "", q.ID // the request's reply, in place of an event
@@ -159,9 +165,7 @@ func (s *session) openSend(q Request) (Reply, error) {
 				ev.Ev = EvSendFailed
 			}
 		} else {
-			for _, b := range m.Bytes {
-				ev.Bytes += b
-			}
+			ev.Bytes = bytes
 		}
 		s.reply(ev)
 	}()

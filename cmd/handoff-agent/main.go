@@ -14,6 +14,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
+	"net/http"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -22,10 +24,13 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/handoff-io/handoff/agent"
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/handoff-io/handoff/transfer"
+	"github.com/handoff-io/handoff/worker/admin"
 )
 
 func main() {
@@ -58,6 +63,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 	tcpAddr := fs.String("tcp-addr", env("tcp-addr", "127.0.0.1:0"), "tcp data-path listen address")
 	advertise := fs.String("advertise", env("advertise", ""), "tcp address peers dial (default the listener's)")
 	logLevel := fs.String("log-level", env("log-level", "info"), "debug, info, warn or error")
+	adminAddr := fs.String("admin-addr", env("admin-addr", ""), "admin HTTP address (/livez, /readyz, /metrics), e.g. 127.0.0.1:9464; empty disables")
 	if v, ok := os.LookupEnv("HANDOFF_AGENT_REGISTRY_REPLICAS"); ok {
 		if err := fs.Set("registry-replicas", v); err != nil {
 			return fmt.Errorf("HANDOFF_AGENT_REGISTRY_REPLICAS: %w", err)
@@ -97,9 +103,46 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 		}
 		defer nc.Close()
 	}
-	a, err := agent.New(agent.Config{Name: *name, Namespace: *namespace, Registry: transfer.RegistryConfig{Replicas: *replicas}, Socket: *socket, Transports: ts, TCPAddr: *tcpAddr, Advertise: *advertise, Logger: log}, nc)
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	a, err := agent.New(agent.Config{Name: *name, Namespace: *namespace, Registry: transfer.RegistryConfig{Replicas: *replicas}, Socket: *socket, Transports: ts, TCPAddr: *tcpAddr, Advertise: *advertise, Registerer: reg, Logger: log}, nc)
 	if err != nil {
 		return err
 	}
+	if *adminAddr != "" {
+		stopAdmin, err := serveAdmin(ctx, *adminAddr, reg, a, log)
+		if err != nil {
+			a.Close()
+			return err
+		}
+		defer stopAdmin()
+	}
 	return a.Serve(ctx)
+}
+
+// serveAdmin serves the admin endpoints (worker/admin) on addr until the
+// returned stop: /readyz passes while the agent serves engines (and NATS is
+// up, with --nats-url), and fails from the moment ctx ends.
+func serveAdmin(ctx context.Context, addr string, reg *prometheus.Registry, a *agent.Agent, log *slog.Logger) (stop func(), err error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("--admin-addr: %w", err)
+	}
+	adm := admin.New(reg)
+	adm.AddCheck("agent", a.Ready)
+	draining := context.AfterFunc(ctx, adm.SetDraining)
+	srv := &http.Server{Handler: adm.Handler(), ReadHeaderTimeout: 5 * time.Second}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			log.Error("admin server", "err", err)
+		}
+	}()
+	log.Info("agent: admin listening", "addr", ln.Addr().String())
+	return func() {
+		draining()
+		srv.Close()
+		<-done
+	}, nil
 }
