@@ -149,4 +149,15 @@ func TestDecodeIntsInPlace(t *testing.T) {
 	d := msgpack.NewDecoder(&frameReader{b: []byte{0x81, 0xa1, 'w', 0xdd, 0xff, 0xff, 0xff, 0xff, 1}})
 	require.ErrorContains(t, d.Decode(&l), "4294967295 integers in 1 bytes")
 	require.ErrorContains(t, unmarshal([]byte{0x81, 0xa1, 'b', 0x92, 1, 0xa1, 'x'}, &l), "code 0xa1 in an array of integers")
+
+	// 2^20 empty strings where integers belong: the bytes hold the claim,
+	// but no room is made for it (8 MiB) before they are found wrong.
+	junk := append([]byte{0x81, 0xa1, 'w', 0xdd, 0, 0x10, 0, 0}, bytes.Repeat([]byte{0xa0}, 1<<20)...)
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	err := unmarshal(junk, &l)
+	runtime.ReadMemStats(&after)
+	require.ErrorContains(t, err, "code 0xa0 in an array of integers")
+	require.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(1<<20))
 }
