@@ -114,11 +114,15 @@ func New(cfg Config, nc *nats.Conn) (*Agent, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
+	m, err := newMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, err
+	}
 	ln, err := listen(cfg.Socket)
 	if err != nil {
 		return nil, err
 	}
-	a := &Agent{cfg: cfg, log: cfg.Logger.With("agent", cfg.Name), ln: ln, nc: nc, m: newMetrics(cfg.Registerer), sessions: make(map[*session]struct{})}
+	a := &Agent{cfg: cfg, log: cfg.Logger.With("agent", cfg.Name), ln: ln, nc: nc, m: m, sessions: make(map[*session]struct{})}
 	return a, nil
 }
 

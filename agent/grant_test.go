@@ -31,7 +31,9 @@ func TestGroupFailureRevokesAtOnce(t *testing.T) {
 	grp.id = grp.gs[0].ID()
 	pr, pw := io.Pipe()
 	defer pr.Close()
-	s := &session{a: &Agent{m: newMetrics(nil)}, w: bufio.NewWriter(pw), grants: map[uint64]*grantGroup{grp.id: grp}}
+	m, err := newMetrics(nil)
+	require.NoError(t, err)
+	s := &session{a: &Agent{m: m}, w: bufio.NewWriter(pw), grants: map[uint64]*grantGroup{grp.id: grp}}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)

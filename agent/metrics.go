@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"fmt"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -26,7 +27,9 @@ const (
 	dirReceived = "received" // into grants that ended done
 )
 
-func newMetrics(reg prometheus.Registerer) *metrics {
+// newMetrics creates the collectors and registers them on reg, if any (an
+// error if it holds them already: one agent per registry).
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
 		engines: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "handoff_agent_engines",
@@ -51,7 +54,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		sendTime: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "handoff_agent_send_duration_seconds",
 			Help:    "Sends from the engine's request to their end, ok or not (a layer-by-layer send includes the forward pass it follows).",
-			Buckets: prometheus.ExponentialBuckets(100e-6, 2, 16), // 100 µs to 3.3 s
+			Buckets: prometheus.ExponentialBuckets(100e-6, 2, 20), // 100 µs to 52 s
 		}),
 		openGrant: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "handoff_agent_grants_open",
@@ -59,9 +62,13 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.engines, m.requests, m.grants, m.sends, m.bytes, m.sendTime, m.openGrant)
+		for _, c := range []prometheus.Collector{m.engines, m.requests, m.grants, m.sends, m.bytes, m.sendTime, m.openGrant} {
+			if err := reg.Register(c); err != nil {
+				return nil, fmt.Errorf("agent: metrics: %w", err)
+			}
+		}
 	}
-	return m
+	return m, nil
 }
 
 // ops are the op label's values: the local API's ops.

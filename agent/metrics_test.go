@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -88,4 +89,16 @@ func sendsTimed(t *testing.T, reg prometheus.Gatherer) uint64 {
 	}
 	t.Fatal("no handoff_agent_send_duration_seconds")
 	return 0
+}
+
+// TestMetricsOneAgentPerRegistry: a second agent given a registry that
+// holds the first's metrics is refused with an error (not a panic) before
+// it makes its socket.
+func TestMetricsOneAgentPerRegistry(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	serveAgent(t, Config{Name: "a", Registerer: reg}, nil)
+	sock := filepath.Join(t.TempDir(), "b", "b.sock")
+	_, err := New(Config{Name: "b", Socket: sock, Registerer: reg, Logger: quiet()}, nil)
+	require.ErrorContains(t, err, "agent: metrics")
+	require.NoFileExists(t, sock)
 }
