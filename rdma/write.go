@@ -130,6 +130,12 @@ func (e *Engine) Write(ctx context.Context, peer Descriptor, t Ticket, src []Ext
 	if err := e.split(op, src, total); err != nil {
 		return Manifest{}, err
 	}
+	// A context already done starts nothing. The links see it only where
+	// they wait, and a small write over tcp can end without waiting once:
+	// it then succeeded under a cancelled context, now and then.
+	if err := ctx.Err(); err != nil {
+		return Manifest{}, fmt.Errorf("rdma: write to %s: %w", peer.Agent, err)
+	}
 	p, err := e.peerFor(ctx, peer)
 	if err != nil {
 		return Manifest{}, err
