@@ -212,7 +212,7 @@ func decodeInts[T ~int | ~uint64](d *msgpack.Decoder) ([]T, error) {
 		if i == len(b) {
 			return nil, fmt.Errorf("agent: an array of integers: %w", io.ErrUnexpectedEOF)
 		}
-		size := intSize(b[i])
+		size := msgpackcheck.IntSize(b[i])
 		if size == 0 {
 			return nil, fmt.Errorf("agent: msgpack code %#x in an array of integers", b[i])
 		}
@@ -226,22 +226,11 @@ func decodeInts[T ~int | ~uint64](d *msgpack.Decoder) ([]T, error) {
 	return out, nil
 }
 
-// intSize is the size in bytes of the msgpack integer (or nil) whose code
-// is c; 0 for any other code.
-func intSize(c byte) int {
-	switch {
-	case c <= 0x7f || c >= 0xe0 || c == 0xc0: // fixints, nil
-		return 1
-	case c >= 0xcc && c <= 0xd3: // uint8..64, int8..64
-		return 1 + 1<<((c-0xcc)&3)
-	}
-	return 0
-}
-
 // intAt reads the msgpack integer (or nil, 0) that b starts with, whole
-// (intSize checked): its 64 bits, as msgpack's decoder gives them.
+// (msgpackcheck.IntSize checked): its 64 bits, as msgpack's decoder
+// gives them.
 func intAt(b []byte) uint64 {
-	c, n := b[0], intSize(b[0])-1
+	c, n := b[0], msgpackcheck.IntSize(b[0])-1
 	var v uint64
 	switch {
 	case c <= 0x7f || c >= 0xe0: // fixints

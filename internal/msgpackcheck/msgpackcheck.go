@@ -142,6 +142,18 @@ func (r *reader) skip(depth int) error {
 	return r.next(n + extra)
 }
 
+// IntSize is the size in bytes of the msgpack integer (or nil) whose code
+// is c; 0 for any other code.
+func IntSize(c byte) int {
+	switch {
+	case c <= 0x7f || c >= 0xe0 || c == 0xc0: // fixints, nil
+		return 1
+	case c >= 0xcc && c <= 0xd3: // uint8..64, int8..64
+		return 1 + 1<<((c-0xcc)&3)
+	}
+	return 0
+}
+
 // skipN skips n values nested one level deeper than depth.
 func (r *reader) skipN(n uint64, depth int) error {
 	if depth >= MaxDepth {
@@ -156,11 +168,8 @@ func (r *reader) skipN(n uint64, depth int) error {
 		if len(r.b) == 0 {
 			return ErrTruncated
 		}
-		if c := r.b[0]; c <= 0x7f || c >= 0xe0 {
-			r.b = r.b[1:]
-			continue
-		} else if c >= 0xcc && c <= 0xd3 { // uint8..64, int8..64
-			if err := r.next(1 + 1<<((c-0xcc)&3)); err != nil {
+		if size := IntSize(r.b[0]); size > 0 {
+			if err := r.next(uint64(size)); err != nil {
 				return err
 			}
 			continue
