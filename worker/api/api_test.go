@@ -170,6 +170,29 @@ func TestBadInput(t *testing.T) {
 	require.Equal(t, http.StatusOK, resp.StatusCode, string(b))
 }
 
+// TestOmittedMaxTokensFitsTheRoomLeft: a prompt that leaves less room than
+// the default completion length is answered up to the room left when the
+// request names no limit, and refused by name when it names one.
+func TestOmittedMaxTokensFitsTheRoomLeft(t *testing.T) {
+	sched := newScheduler(t, 8, 4)
+	srv := newServer(t, sched)
+	room := 3
+	toks := strings.TrimSuffix(strings.Repeat("65,", sched.MaxContext()-room), ",")
+	resp, b := post(t, srv.URL, `{"model":"tiny-hybrid","prompt":[`+toks+`],"temperature":0}`)
+	require.Equal(t, http.StatusOK, resp.StatusCode, string(b))
+	var c completion
+	require.NoError(t, json.Unmarshal(b, &c))
+	require.Equal(t, room, c.Usage.CompletionTokens)
+	require.Equal(t, "length", *c.Choices[0].FinishReason)
+
+	resp, b = post(t, srv.URL, `{"model":"tiny-hybrid","prompt":[`+toks+`],"max_tokens":16}`)
+	require.Equal(t, http.StatusBadRequest, resp.StatusCode, string(b))
+	var e errorBody
+	require.NoError(t, json.Unmarshal(b, &e))
+	require.Equal(t, "context_length_exceeded", e.Error.Code)
+	require.Equal(t, "max_tokens", *e.Error.Param)
+}
+
 type completion struct {
 	ID      string `json:"id"`
 	Object  string `json:"object"`

@@ -431,6 +431,12 @@ func (s *server) sampling(p params, prompt []int32) (generation, int, *apiError)
 	if len(prompt) >= maxCtx {
 		return g, http.StatusBadRequest, contextExceeded(maxCtx, len(prompt), int64(g.maxTokens), "prompt")
 	}
+	if p.maxTokens == nil {
+		// No limit asked: the default, or the room the prompt leaves (as
+		// vLLM does), rather than a refusal naming a parameter the client
+		// never sent, at a long conversation's last turn.
+		g.maxTokens = min(g.maxTokens, maxCtx-len(prompt))
+	}
 	if len(prompt)+g.maxTokens > maxCtx {
 		name := p.maxTokensName
 		if name == "" {
