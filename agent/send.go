@@ -258,8 +258,8 @@ func (s *session) sendOp(q Request) (Reply, error) {
 	}
 	s.mu.Lock()
 	sd := s.sends[q.Send]
-	if sd != nil && q.Op != OpSendLayer {
-		delete(s.sends, q.Send) // no step after commit or cancel
+	if sd != nil && (q.Op == OpCancel || q.Op == OpCommit && sd.steps != nil) {
+		delete(s.sends, q.Send) // no step after commit or cancel; a refused commit leaves it cancellable
 	}
 	s.mu.Unlock()
 	if sd == nil {

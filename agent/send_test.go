@@ -44,6 +44,44 @@ func frozenPeer(t *testing.T) string {
 	return ln.Addr().String()
 }
 
+// frozenTicket is tk with its descriptor pointing at a frozenPeer: a send
+// into it runs until the grant's deadline and sendGrace pass.
+func frozenTicket(t *testing.T, tk []byte) []byte {
+	var w ticket
+	require.NoError(t, msgpack.Unmarshal(tk, &w))
+	var d rdma.Descriptor
+	require.NoError(t, json.Unmarshal(w.Desc, &d))
+	d.TCPAddr = frozenPeer(t)
+	var err error
+	w.Desc, err = json.Marshal(d)
+	require.NoError(t, err)
+	forged, err := msgpack.Marshal(w)
+	require.NoError(t, err)
+	return forged
+}
+
+// TestRefusedCommitLeavesSendCancellable: a commit of a whole send is
+// refused, and the send can still be cancelled (the refusal once forgot
+// it, so that it ran on to its grant's deadline).
+func TestRefusedCommitLeavesSendCancellable(t *testing.T) {
+	sock, agentA := startAgentA(t, "a", rdma.TransportTCP)
+	a := register(t, sock, tinyLayout())
+	b := register(t, startAgent(t, "b", rdma.TransportTCP), tinyLayout())
+	ctx := ctxT(t)
+	g, err := b.c.Call(ctx, Request{Op: OpGrant, RequestID: 62, Blocks: []int{2}, Row: Row(0), DeadlineMS: 60_000}, nil)
+	require.NoError(t, err)
+	s, err := a.c.Call(ctx, Request{Op: OpSend, Ticket: frozenTicket(t, g.Ticket), Blocks: []int{3}, Row: Row(1)}, nil)
+	require.NoError(t, err)
+	_, err = a.c.Call(ctx, Request{Op: OpCommit, Send: s.Send}, nil)
+	require.ErrorIs(t, err, ErrBadRequest)
+	_, err = a.c.Call(ctx, Request{Op: OpCancel, Send: s.Send}, nil)
+	require.NoError(t, err)
+	ev := event(t, a, EvSendFailed)
+	require.Equal(t, s.Send, ev.Send)
+	require.Equal(t, "cancelled", ev.Code, ev.Msg)
+	require.Zero(t, runningSends(agentA))
+}
+
 // TestSendEndsPastDeadline: a send to a receiver that never answers ends
 // with code deadline once its grant's deadline and sendGrace have passed,
 // not before, and in time.
@@ -57,18 +95,7 @@ func TestSendEndsPastDeadline(t *testing.T) {
 	g, err := b.c.Call(ctx, Request{Op: OpGrant, RequestID: 60, Blocks: []int{2}, Row: Row(0), DeadlineMS: deadline.Milliseconds()}, nil)
 	require.NoError(t, err)
 	granted := time.Now()
-	// The same ticket, its descriptor pointing at a peer that froze.
-	var tk ticket
-	require.NoError(t, msgpack.Unmarshal(g.Ticket, &tk))
-	var d rdma.Descriptor
-	require.NoError(t, json.Unmarshal(tk.Desc, &d))
-	d.TCPAddr = frozenPeer(t)
-	tk.Desc, err = json.Marshal(d)
-	require.NoError(t, err)
-	forged, err := msgpack.Marshal(tk)
-	require.NoError(t, err)
-
-	_, err = a.c.Call(ctx, Request{Op: OpSend, Ticket: forged, Blocks: []int{3}, Row: Row(1), Wait: true}, nil)
+	_, err = a.c.Call(ctx, Request{Op: OpSend, Ticket: frozenTicket(t, g.Ticket), Blocks: []int{3}, Row: Row(1), Wait: true}, nil)
 	ended := time.Now()
 	require.ErrorIs(t, err, rdma.ErrDeadline)
 	require.Contains(t, err.Error(), "past the grant's deadline")
