@@ -286,6 +286,10 @@ type session struct {
 	wmu sync.Mutex
 	w   *bufio.Writer
 
+	// replied is closed once the reply to the request being handled is
+	// written (afterReply); run's goroutine alone touches the field.
+	replied chan struct{}
+
 	mu       sync.Mutex
 	eng      *rdma.Engine // nil until register
 	pools    *pools
@@ -323,6 +327,7 @@ func (s *session) run() {
 		rep, err := s.handle(q)
 		if errors.Is(err, errDeferred) {
 			s.a.m.request(q.Op, nil)
+			s.replyWritten()
 			continue // its goroutine answers
 		}
 		s.a.m.request(q.Op, err)
@@ -330,9 +335,29 @@ func (s *session) run() {
 			rep = Reply{Code: Code(err), Msg: err.Error()}
 		}
 		rep.Re = q.ID
-		if err := s.reply(rep); err != nil {
+		err = s.reply(rep)
+		s.replyWritten()
+		if err != nil {
 			return
 		}
+	}
+}
+
+// afterReply is closed once the reply to the request being handled has
+// been written (or could not be): a goroutine the request starts waits for
+// it before it writes an event, so that an engine never reads of a grant
+// or send before the reply that named it.
+func (s *session) afterReply() <-chan struct{} {
+	if s.replied == nil {
+		s.replied = make(chan struct{})
+	}
+	return s.replied
+}
+
+func (s *session) replyWritten() {
+	if s.replied != nil {
+		close(s.replied)
+		s.replied = nil
 	}
 }
 

@@ -95,10 +95,11 @@ func (s *session) grant(q Request) (Reply, error) {
 	s.grants[grp.id] = grp
 	s.mu.Unlock()
 	s.a.m.openGrant.Inc()
+	replied := s.afterReply()
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
-		s.watchGrant(grp)
+		s.watchGrant(grp, replied)
 	}()
 	return Reply{Grant: grp.id, Ticket: t}, nil
 }
@@ -114,7 +115,7 @@ const maxTicket = MaxFrame - 64<<10
 // watchGrant reports the end of a group's grants as one event: done when
 // every grant is, else the first failure, whichever grant's: a failure
 // revokes the others at once (not when the grants before it ended).
-func (s *session) watchGrant(grp *grantGroup) {
+func (s *session) watchGrant(grp *grantGroup, replied <-chan struct{}) {
 	failed := make(chan error, len(grp.gs))
 	ended := make(chan *rdma.Grant, len(grp.gs))
 	for _, g := range grp.gs {
@@ -161,6 +162,7 @@ func (s *session) watchGrant(grp *grantGroup) {
 	if first != nil {
 		ev = Reply{Ev: EvGrantFailed, Grant: grp.id, RequestID: grp.req, Code: Code(first), Msg: first.Error()}
 	}
+	<-replied
 	s.reply(ev)
 }
 

@@ -35,9 +35,10 @@ func TestGroupFailureRevokesAtOnce(t *testing.T) {
 	require.NoError(t, err)
 	s := &session{a: &Agent{m: m}, w: bufio.NewWriter(pw), grants: map[uint64]*grantGroup{grp.id: grp}}
 	done := make(chan struct{})
+	replied := make(chan struct{})
 	go func() {
 		defer close(done)
-		s.watchGrant(grp)
+		s.watchGrant(grp, replied)
 	}()
 	grp.gs[2].Revoke() // the last shard's grant fails first
 	frame := make(chan []byte, 1)
@@ -45,6 +46,13 @@ func TestGroupFailureRevokesAtOnce(t *testing.T) {
 		b, _ := readFrame(pr)
 		frame <- b
 	}()
+	// The event waits for the reply to the grant request.
+	select {
+	case <-frame:
+		t.Fatal("the grant's event came before the reply to its request")
+	case <-time.After(100 * time.Millisecond):
+	}
+	close(replied)
 	select {
 	case b := <-frame:
 		ev, err := decodeReply(b)

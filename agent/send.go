@@ -130,6 +130,7 @@ func (s *session) openSend(q Request) (Reply, error) {
 	s.sends[sd.id] = sd
 	s.running[sd] = struct{}{}
 	s.mu.Unlock()
+	replied := s.afterReply()
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
@@ -166,6 +167,9 @@ func (s *session) openSend(q Request) (Reply, error) {
 			}
 		} else {
 			ev.Bytes = bytes
+		}
+		if !wait {
+			<-replied
 		}
 		s.reply(ev)
 	}()
