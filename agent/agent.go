@@ -89,7 +89,7 @@ func (c *Config) validate() error {
 type Agent struct {
 	cfg Config
 	log *slog.Logger
-	ln  *net.UnixListener
+	ln  *socket
 	nc  *nats.Conn // nil without NATS
 	m   *metrics
 
@@ -264,7 +264,7 @@ func (a *Agent) Close() error {
 	if err := a.cuda.close(); err != nil {
 		a.log.Warn("agent: closing CUDA devices", "err", err)
 	}
-	os.Remove(a.cfg.Socket)
+	a.ln.remove()
 	return nil
 }
 

@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"math/rand/v2"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -345,6 +346,44 @@ func TestSocketDirMustBePrivate(t *testing.T) {
 	st, err := os.Stat(sock)
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
+}
+
+// TestSocketIsTheRunningAgents: a second agent of the same name is refused
+// while the first answers on the socket; a stale socket file is replaced;
+// and an agent that stops leaves alone the socket of one that replaced
+// its file meanwhile.
+func TestSocketIsTheRunningAgents(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "s", "x.sock")
+	first, err := New(Config{Name: "x", Socket: sock}, nil)
+	require.NoError(t, err)
+	go first.Serve(context.Background())
+	_, err = New(Config{Name: "x", Socket: sock}, nil)
+	require.ErrorIs(t, err, ErrSocketInUse)
+
+	// The first agent's file gives way to a successor's (as when the
+	// first stopped listening and a replacement started): the first's
+	// Close must not remove it.
+	require.NoError(t, os.Remove(sock))
+	next, err := New(Config{Name: "x", Socket: sock}, nil)
+	require.NoError(t, err)
+	go next.Serve(context.Background())
+	defer next.Close()
+	require.NoError(t, first.Close())
+	c, err := Dial(ctxT(t), sock)
+	require.NoError(t, err, "the successor's socket outlives the first agent")
+	c.Close()
+	require.NoError(t, next.Close())
+	_, err = os.Stat(sock)
+	require.True(t, os.IsNotExist(err), "an agent removes its own socket: %v", err)
+
+	// A file left by an agent that died is stale: it is replaced.
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	require.NoError(t, err)
+	ln.SetUnlinkOnClose(false)
+	ln.Close()
+	again, err := New(Config{Name: "x", Socket: sock}, nil)
+	require.NoError(t, err)
+	require.NoError(t, again.Close())
 }
 
 // TestOfferOverNATS: the receiving engine has its agent hand the ticket to

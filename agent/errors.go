@@ -35,6 +35,9 @@ var (
 	ErrPeerCred = errors.New("agent: peer is another user")
 	// ErrUnsafeSocketDir: the socket directory is not private (0700, ours).
 	ErrUnsafeSocketDir = errors.New("agent: socket directory is not private")
+	// ErrSocketInUse: another agent answers on the socket's path (two
+	// agents of one name).
+	ErrSocketInUse = errors.New("agent: socket in use by a running agent")
 	// ErrClosed: the agent or the connection is closed.
 	ErrClosed = errors.New("agent: closed")
 	// ErrCancelled: a send given up (OpCancel), or cut by the engine's

@@ -6,14 +6,23 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
 
+// socket is the local API's listening socket and the file it is bound to.
+type socket struct {
+	*net.UnixListener
+	path     string
+	dev, ino uint64 // of the file at path once it was renamed there
+}
+
 // listen creates the local API's socket at path: its directory is created
 // mode 0700 if missing and must be ours and private (no group or other
-// bits), a stale socket file is removed, and the socket is mode 0600.
-func listen(path string) (*net.UnixListener, error) {
+// bits), a stale socket file is removed (one a live agent answers on is
+// refused: ErrSocketInUse), and the socket is mode 0600.
+func listen(path string) (*socket, error) {
 	dir := filepath.Dir(path)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("agent: socket directory: %w", err)
@@ -24,6 +33,10 @@ func listen(path string) (*net.UnixListener, error) {
 	}
 	if st.Mode&unix.S_IFMT != unix.S_IFDIR || st.Uid != uint32(os.Getuid()) || st.Mode&0o077 != 0 {
 		return nil, fmt.Errorf("%w: %s (mode %o, owner %d; want a 0700 directory of uid %d)", ErrUnsafeSocketDir, dir, st.Mode&0o777, st.Uid, os.Getuid())
+	}
+	if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
+		c.Close()
+		return nil, fmt.Errorf("%w: %s", ErrSocketInUse, path)
 	}
 	if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
 		return nil, fmt.Errorf("agent: remove stale socket: %w", err)
@@ -37,18 +50,31 @@ func listen(path string) (*net.UnixListener, error) {
 	if err != nil {
 		return nil, fmt.Errorf("agent: listen: %w", err)
 	}
-	ln.SetUnlinkOnClose(false) // Agent.Close removes path
-	if err := os.Chmod(tmp, 0o600); err != nil {
+	ln.SetUnlinkOnClose(false) // socket.remove removes path
+	fail := func(what string, err error) (*socket, error) {
 		ln.Close()
 		os.Remove(tmp)
-		return nil, fmt.Errorf("agent: chmod socket: %w", err)
+		return nil, fmt.Errorf("agent: %s: %w", what, err)
+	}
+	if err := os.Chmod(tmp, 0o600); err != nil {
+		return fail("chmod socket", err)
+	}
+	if err := unix.Lstat(tmp, &st); err != nil {
+		return fail("socket", err)
 	}
 	if err := os.Rename(tmp, path); err != nil {
-		ln.Close()
-		os.Remove(tmp)
-		return nil, fmt.Errorf("agent: socket: %w", err)
+		return fail("socket", err)
 	}
-	return ln, nil
+	return &socket{UnixListener: ln, path: path, dev: st.Dev, ino: st.Ino}, nil
+}
+
+// remove removes the socket's file unless another agent's socket has
+// replaced it (one started after this one stopped listening).
+func (s *socket) remove() {
+	var st unix.Stat_t
+	if err := unix.Lstat(s.path, &st); err == nil && st.Dev == s.dev && st.Ino == s.ino {
+		os.Remove(s.path)
+	}
 }
 
 // peerCred returns the connecting process's credentials (SO_PEERCRED).
