@@ -1,8 +1,10 @@
 package agent
 
 import (
+	"bufio"
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"io"
 	"log/slog"
@@ -17,6 +19,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
+	"github.com/vmihailenco/msgpack/v5"
 	"golang.org/x/sys/unix"
 
 	"github.com/handoff-io/handoff/internal/natstest"
@@ -39,6 +42,56 @@ type engine struct {
 	c       *Client
 	kv, mam []byte
 	p       *pools
+}
+
+// rawEngine is an engine that reads the connection itself, frame by
+// frame in the order the agent wrote them (the Client sorts replies from
+// events).
+type rawEngine struct {
+	t  *testing.T
+	c  *net.UnixConn
+	r  *bufio.Reader
+	id uint64
+}
+
+// registerRaw connects a rawEngine to the agent at sock and registers
+// memfds of layout l.
+func registerRaw(t *testing.T, sock string, l Layout) *rawEngine {
+	p, err := compile(l, false)
+	require.NoError(t, err)
+	c, err := net.Dial("unix", sock)
+	require.NoError(t, err)
+	t.Cleanup(func() { c.Close() })
+	e := &rawEngine{t: t, c: c.(*net.UnixConn), r: bufio.NewReader(c)}
+	e.send(Request{Op: OpHello, Version: Version})
+	e.next()
+	kfd, _ := memfd(t, p.kvBytes())
+	mfd, _ := memfd(t, p.mambaBytes())
+	e.send(Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes()}, kfd, mfd)
+	rep := e.next()
+	require.Empty(t, rep.Code, rep.Msg)
+	return e
+}
+
+// send writes q with the next id, which it returns.
+func (e *rawEngine) send(q Request, fds ...int) uint64 {
+	e.id++
+	q.ID = e.id
+	body, err := msgpack.Marshal(q)
+	require.NoError(e.t, err)
+	frame := binary.BigEndian.AppendUint32(nil, uint32(len(body)))
+	_, _, err = e.c.WriteMsgUnix(append(frame, body...), unix.UnixRights(fds...), nil)
+	require.NoError(e.t, err)
+	return e.id
+}
+
+// next reads the next reply or event.
+func (e *rawEngine) next() Reply {
+	body, err := readFrame(e.r)
+	require.NoError(e.t, err)
+	rep, err := decodeReply(body)
+	require.NoError(e.t, err)
+	return rep
 }
 
 func memfd(t testing.TB, n int64) (int, []byte) {
@@ -420,6 +473,31 @@ func TestOfferOverNATS(t *testing.T) {
 	register(t, sock, tinyLayout())
 	_, err = b.c.Call(ctx, Request{Op: OpOffer, Ticket: g.Ticket, To: "solo"}, nil)
 	require.ErrorIs(t, err, ErrPeerUnreachable, "an agent of namespace other")
+}
+
+// TestOfferHoldsNothingBehindIt: an offer to an agent that never answers
+// takes up to offerTimeout; the engine's revoke, sent after it, is
+// answered while the offer still waits, and the offer then fails by name.
+func TestOfferHoldsNothingBehindIt(t *testing.T) {
+	srv := natstest.Run(t)
+	sockB, _ := startAgentNATS(t, natstest.Connect(t, srv), "dec", rdma.TransportSHM)
+	b := registerRaw(t, sockB, tinyLayout())
+	silent := natstest.Connect(t, srv)
+	_, err := silent.Subscribe(OfferSubject("default", "silent"), func(*nats.Msg) {})
+	require.NoError(t, err)
+	require.NoError(t, silent.Flush())
+	b.send(Request{Op: OpGrant, RequestID: 1, Blocks: []int{7}, Row: Row(2)})
+	g := b.next()
+	require.Empty(t, g.Code, g.Msg)
+	offer := b.send(Request{Op: OpOffer, Ticket: g.Ticket, To: "silent"})
+	revoke := b.send(Request{Op: OpRevoke, Grant: g.Grant})
+	rep := b.next()
+	require.Equal(t, revoke, rep.Re, "the revoke is answered first, not %+v", rep)
+	require.Empty(t, rep.Code, rep.Msg)
+	require.Equal(t, EvGrantFailed, b.next().Ev)
+	rep = b.next()
+	require.Equal(t, offer, rep.Re)
+	require.Equal(t, "peer_unreachable", rep.Code, rep.Msg)
 }
 
 // TestCancelSend: a layer-by-layer send cancelled before its commit ends

@@ -11,9 +11,11 @@
 // (SO_PEERCRED) is closed at once. Each message is a frame: a 4-byte
 // big-endian length, then a msgpack map (Request, Reply in wire.go). The
 // engine sends requests with an id; the agent answers each with one reply
-// carrying that id, in order, and sends events (grant_done, grant_failed,
-// send_done, send_failed) on the same connection whenever a grant or a send
-// ends, so an engine waits on its socket, never polls.
+// carrying that id, in order (but for a send with wait and an offer, which
+// are answered when they end, so that nothing waits behind them), and
+// sends events (grant_done, grant_failed, send_done, send_failed) on the
+// same connection whenever a grant or a send ends, each after the reply
+// that named it, so an engine waits on its socket, never polls.
 //
 // Why not gRPC: the memory travels as file descriptors (SCM_RIGHTS), which
 // gRPC cannot carry, so a second channel would be needed beside it; the

@@ -144,18 +144,34 @@ func (s *session) offer(q Request) (Reply, error) {
 	if err != nil {
 		return Reply{}, err
 	}
+	// The round trip may take up to offerTimeout (a slow or gone peer, NATS
+	// reconnecting): it runs on a goroutine of its own, which answers, so
+	// that the engine's other requests (a revoke) are not held behind it.
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		rep := Reply{Re: q.ID}
+		if err := s.offerTo(nc, q.To, b); err != nil {
+			rep.Code, rep.Msg = Code(err), err.Error()
+		}
+		s.reply(rep)
+	}()
+	return Reply{}, errDeferred
+}
+
+func (s *session) offerTo(nc *nats.Conn, to string, b []byte) error {
 	ctx, cancel := context.WithTimeout(s.ctx, offerTimeout)
 	defer cancel()
-	m, err := nc.RequestWithContext(ctx, OfferSubject(s.a.cfg.Namespace, q.To), b)
+	m, err := nc.RequestWithContext(ctx, OfferSubject(s.a.cfg.Namespace, to), b)
 	if err != nil {
-		return Reply{}, fmt.Errorf("%w: offer to agent %q: %w", ErrPeerUnreachable, q.To, err)
+		return fmt.Errorf("%w: offer to agent %q: %w", ErrPeerUnreachable, to, err)
 	}
 	var rep offerReply
 	if err := unmarshal(m.Data, &rep); err != nil {
-		return Reply{}, fmt.Errorf("%w: agent %q's answer: %w", ErrPeerUnreachable, q.To, err)
+		return fmt.Errorf("%w: agent %q's answer: %w", ErrPeerUnreachable, to, err)
 	}
 	if rep.Code != "" {
-		return Reply{}, &RemoteError{Code: rep.Code, Msg: rep.Msg}
+		return &RemoteError{Code: rep.Code, Msg: rep.Msg}
 	}
-	return Reply{}, nil
+	return nil
 }

@@ -1,8 +1,6 @@
 package agent
 
 import (
-	"bufio"
-	"encoding/binary"
 	"encoding/json"
 	"io"
 	"net"
@@ -12,7 +10,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"github.com/vmihailenco/msgpack/v5"
-	"golang.org/x/sys/unix"
 
 	"github.com/handoff-io/handoff/rdma"
 )
@@ -149,46 +146,14 @@ func runningSends(a *Agent) int {
 // Before the event waited for the reply, a round in a few hundred had
 // them the other way (three runs of this test in five failed).
 func TestEventsFollowTheirReply(t *testing.T) {
-	sockA := startAgent(t, "a", rdma.TransportSHM)
+	a := registerRaw(t, startAgent(t, "a", rdma.TransportSHM), tinyLayout())
 	b := register(t, startAgent(t, "b", rdma.TransportTCP), tinyLayout())
-	l := tinyLayout()
-	p, err := compile(l, false)
-	require.NoError(t, err)
-	conn, err := net.Dial("unix", sockA)
-	require.NoError(t, err)
-	defer conn.Close()
-	uc, r := conn.(*net.UnixConn), bufio.NewReader(conn)
-	var id uint64
-	call := func(q Request, fds ...int) uint64 {
-		id++
-		q.ID = id
-		body, err := msgpack.Marshal(q)
-		require.NoError(t, err)
-		frame := binary.BigEndian.AppendUint32(nil, uint32(len(body)))
-		_, _, err = uc.WriteMsgUnix(append(frame, body...), unix.UnixRights(fds...), nil)
-		require.NoError(t, err)
-		return id
-	}
-	next := func() Reply {
-		body, err := readFrame(r)
-		require.NoError(t, err)
-		rep, err := decodeReply(body)
-		require.NoError(t, err)
-		return rep
-	}
-	call(Request{Op: OpHello, Version: Version})
-	next()
-	kfd, _ := memfd(t, p.kvBytes())
-	mfd, _ := memfd(t, p.mambaBytes())
-	call(Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes()}, kfd, mfd)
-	rep := next()
-	require.Empty(t, rep.Code, rep.Msg)
 	ctx := ctxT(t)
 	for i := range 2000 {
 		g, err := b.c.Call(ctx, Request{Op: OpGrant, RequestID: uint64(100 + i), Blocks: []int{i % 30}, DeadlineMS: 5000}, nil)
 		require.NoError(t, err)
-		sent := call(Request{Op: OpSend, Ticket: g.Ticket, Blocks: []int{3}})
-		first, second := next(), next()
+		sent := a.send(Request{Op: OpSend, Ticket: g.Ticket, Blocks: []int{3}})
+		first, second := a.next(), a.next()
 		require.Equal(t, sent, first.Re, "round %d: the reply comes first, then %+v", i, first)
 		require.Equal(t, EvSendFailed, second.Ev, "round %d", i)
 		require.Equal(t, first.Send, second.Send)
