@@ -72,6 +72,13 @@ func (c *Config) validate() error {
 	if len(c.Transports) == 0 {
 		c.Transports = []rdma.Transport{rdma.TransportSHM, rdma.TransportTCP}
 	}
+	for _, t := range c.Transports {
+		// Checked here, not first at an engine's registration: an agent
+		// that cannot serve its transports must not start and say ready.
+		if err := t.Supported(); err != nil {
+			return err
+		}
+	}
 	if c.GrantTTL <= 0 {
 		c.GrantTTL = 60 * time.Second
 	}

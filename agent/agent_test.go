@@ -401,6 +401,16 @@ func TestSocketDirMustBePrivate(t *testing.T) {
 	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
 }
 
+// TestTransportsCheckedAtStart: an agent refuses at New the transports its
+// build cannot serve, rather than start, say ready and refuse each engine.
+func TestTransportsCheckedAtStart(t *testing.T) {
+	for _, ts := range [][]rdma.Transport{{"carrier-pigeon"}, {rdma.TransportSHM, "tpc"}} {
+		_, err := New(Config{Name: "x", Socket: filepath.Join(t.TempDir(), "s", "x.sock"), Transports: ts}, nil)
+		require.ErrorIs(t, err, rdma.ErrUnsupported, "%v", ts)
+		require.Equal(t, "unsupported", Code(err))
+	}
+}
+
 // TestSocketIsTheRunningAgents: a second agent of the same name is refused
 // while the first answers on the socket; a stale socket file is replaced;
 // and an agent that stops leaves alone the socket of one that replaced

@@ -143,6 +143,9 @@ func (c *agentCUDA) device(open func() (cuda.Driver, error), uuid string) (*cuda
 		c.drv = drv
 	}
 	d, err := cuda.OpenDevice(c.drv, uuid)
+	if errors.Is(err, cuda.ErrInvalidDevice) {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidLayout, err) // the engine named a device this agent does not see
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -159,11 +159,12 @@ func TestDeviceMemoryRefused(t *testing.T) {
 		name string
 		kv   CUDAMemory
 		want string
+		code string
 	}{
-		{"short handle", CUDAMemory{Handle: ok.Handle[:10], Device: ok.Device}, "handle of 10 bytes"},
-		{"past the allocation", CUDAMemory{Handle: ok.Handle, Offset: 64, Device: ok.Device}, "invalid value"},
-		{"no such device", CUDAMemory{Handle: ok.Handle, Device: "GPU-00000000-0000-0000-0000-0000000000ff"}, "kv pool in device memory"},
-		{"no device named", CUDAMemory{Handle: ok.Handle}, "without the device's UUID"},
+		{"short handle", CUDAMemory{Handle: ok.Handle[:10], Device: ok.Device}, "handle of 10 bytes", "invalid_layout"},
+		{"past the allocation", CUDAMemory{Handle: ok.Handle, Offset: 64, Device: ok.Device}, "invalid value", "invalid_layout"},
+		{"no such device", CUDAMemory{Handle: ok.Handle, Device: "GPU-00000000-0000-0000-0000-0000000000ff"}, "kv pool in device memory", "invalid_layout"},
+		{"no device named", CUDAMemory{Handle: ok.Handle}, "without the device's UUID", "invalid_layout"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c, err := Dial(context.Background(), sock)
@@ -174,6 +175,9 @@ func TestDeviceMemoryRefused(t *testing.T) {
 			_, err = c.Call(ctxT(t), Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes(), KVCUDA: &kv}, []int{mfd})
 			require.Error(t, err)
 			require.Contains(t, err.Error(), tc.want)
+			var re *RemoteError
+			require.ErrorAs(t, err, &re)
+			require.Equal(t, tc.code, re.Code, re.Msg)
 			require.Zero(t, imp.Stats().Imports)
 		})
 	}

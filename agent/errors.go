@@ -79,6 +79,7 @@ var codes = []struct {
 	{"committed", rdma.ErrCommitted},
 	{"quarantined", rdma.ErrQuarantined},
 	{"rdma_closed", rdma.ErrClosed},
+	{"unsupported", rdma.ErrUnsupported},
 }
 
 // Code returns the wire code of err: the first sentinel it wraps, in the

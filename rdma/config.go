@@ -64,6 +64,25 @@ type Config struct {
 	Logger *slog.Logger // default slog.Default()
 }
 
+// Supported returns an error wrapping ErrUnsupported when this build, on
+// this platform, cannot serve t.
+func (t Transport) Supported() error {
+	switch t {
+	case TransportInproc, TransportTCP, TransportCUDAIPC:
+	case TransportSHM:
+		if !shmSupported {
+			return fmt.Errorf("%w: transport shm needs linux", ErrUnsupported)
+		}
+	case TransportUCX:
+		if !ucxSupported {
+			return fmt.Errorf("%w: transport ucx: this build has no UCX (build with -tags ucx, on linux with cgo and libucx-dev): %w", ErrUnsupported, ucx.ErrUnavailable)
+		}
+	default:
+		return fmt.Errorf("%w: transport %q", ErrUnsupported, t)
+	}
+	return nil
+}
+
 func (c *Config) validate() error {
 	if c.Agent == "" {
 		return errors.New("rdma: Config.Agent is required")
@@ -78,18 +97,8 @@ func (c *Config) validate() error {
 		}
 	}
 	for _, t := range c.Transports {
-		switch t {
-		case TransportInproc, TransportTCP, TransportCUDAIPC:
-		case TransportSHM:
-			if !shmSupported {
-				return fmt.Errorf("%w: transport shm needs linux", ErrUnsupported)
-			}
-		case TransportUCX:
-			if !ucxSupported {
-				return fmt.Errorf("%w: transport ucx: this build has no UCX (build with -tags ucx, on linux with cgo and libucx-dev): %w", ErrUnsupported, ucx.ErrUnavailable)
-			}
-		default:
-			return fmt.Errorf("%w: transport %q", ErrUnsupported, t)
+		if err := t.Supported(); err != nil {
+			return err
 		}
 	}
 	if c.TCPLanes < 0 {
