@@ -414,6 +414,7 @@ func (s *session) handle(q Request) (Reply, error) {
 	case OpRegister:
 		rep, err := s.register(q)
 		if err == nil {
+			s.a.registered(s) // after register let go of s.mu: Agent.mu comes first
 			s.a.refreshRegistry()
 		}
 		return rep, err
@@ -531,7 +532,6 @@ func (s *session) register(q Request) (_ Reply, err error) {
 		}
 	}
 	s.eng, s.pools = eng, p
-	s.a.registered(s)
 	d := eng.Descriptor()
 	ts := make([]string, len(d.Transports))
 	for i, t := range d.Transports {
