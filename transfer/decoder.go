@@ -303,6 +303,7 @@ func NewDecoder(ctx context.Context, cfg DecoderConfig, nc *nats.Conn, eng *rdma
 	if !cfg.NoRegistry {
 		if err := d.startRegistry(ctx); err != nil {
 			_ = sub.Unsubscribe()
+			_ = d.resub.Unsubscribe()
 			return nil, err
 		}
 	}

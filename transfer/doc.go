@@ -106,6 +106,9 @@
 //     only be partitioned, so it is excluded but not taken for dead, and
 //     may take the retry from the queue group when it is the only one
 //     (recv_peer_failed_reply_*, recv_peer_death_data_path*).
+//   - Fenced, on a drain cut short: the serving instance's Shutdown ran
+//     out of time and aborted the request, maybe mid-write, replying
+//     closed: retried as after a failed write (recv_closed_reply_retried).
 //   - Fenced, at the queue group: a request outstanding there names no
 //     instance until its reply. After a failed write on the only instance
 //     the retry goes there and may come back to that instance, so the

@@ -25,7 +25,7 @@ func TestPrefillerShutdownAbortsInFlight(t *testing.T) {
 	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
 	x := newExec(ps)
 	x.block = make(chan struct{})
-	d := f.decoder("d1", ds, nil)
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoResponderWait = 200 * time.Millisecond })
 	p := f.prefiller("p1", f.fp, x, nil)
 	done := make(chan error, 1)
 	go func() {
@@ -37,12 +37,60 @@ func TestPrefillerShutdownAbortsInFlight(t *testing.T) {
 	defer cancel()
 	require.NoError(t, p.Shutdown(ctx))
 	ps.requireInitial(t)
-	require.ErrorIs(t, <-done, ErrClosed)
+	// The aborted request is retried (fenced) elsewhere; with no other
+	// worker it ends as none answering, naming the abort.
+	err := <-done
+	require.ErrorIs(t, err, ErrNoPrefillWorker)
+	require.ErrorContains(t, err, "remote closed (p1)")
 	ds.requireInitial(t)
 	// After shutdown nobody serves the subject.
-	_, err := ds.handoff(context.Background(), d, Request{ID: 4, Tokens: tokens(9)})
+	_, err = ds.handoff(context.Background(), d, Request{ID: 4, Tokens: tokens(9)})
 	require.ErrorIs(t, err, ErrNoPrefillWorker)
 	ds.requireInitial(t)
+}
+
+// A worker whose drain runs out of time aborts the request it holds
+// (reply closed): the decoder retries it, fenced, on another live worker,
+// as a rolling update with a short drain needs.
+func TestDrainTimeoutRetriedElsewhere(t *testing.T) {
+	f := newFixture(t)
+	ds := newSide(t, "dec", testHybrid(64, 8))
+	ps1, ps2 := newSide(t, "pre1", testHybrid(64, 8)), newSide(t, "pre2", testHybrid(64, 8))
+	x1 := newExec(ps1)
+	x1.block = make(chan struct{})
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { withRegistry(c); c.DirectFirst = true })
+	p1 := f.prefiller("p1", f.fp, x1, withRegistryP)
+	instances := func(n int) {
+		natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+			if got := len(d.Registry().Instances(wire.RolePrefill, time.Now())); got != n {
+				return fmt.Errorf("%d prefill instances, want %d", got, n)
+			}
+			return nil
+		})
+	}
+	instances(1)
+	type outcome struct {
+		res Result
+		err error
+	}
+	done := make(chan outcome, 1)
+	go func() {
+		res, err := ds.handoff(context.Background(), d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
+		done <- outcome{res, err}
+	}()
+	<-x1.started
+	f.prefiller("p2", f.fp, newExec(ps2), withRegistryP)
+	instances(2)
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	require.NoError(t, p1.Shutdown(ctx))
+	o := <-done
+	require.NoError(t, o.err)
+	require.Equal(t, "p2", o.res.Instance)
+	require.Equal(t, 2, o.res.Attempts)
+	require.NoError(t, ds.m.Free(3))
+	ds.requireInitial(t)
+	ps1.requireInitial(t)
 }
 
 func TestDecoderCloseFailsInFlight(t *testing.T) {
@@ -237,6 +285,25 @@ func TestPrefillerShutdownDuringStart(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// A decoder whose registry cannot start (here its context is already
+// done, as when JetStream is not ready yet and the caller gives up) leaves
+// nothing subscribed, however often it is tried.
+func TestNewDecoderFailureLeavesNoSubscription(t *testing.T) {
+	f := newFixture(t)
+	ds := newSide(t, "dec", testHybrid(8, 2))
+	nc := natstest.Connect(t, f.srv)
+	_, err := nc.Request("$JS.API.INFO", nil, 5*time.Second) // the connection's reply mux subscribes once
+	require.NoError(t, err)
+	baseline := nc.NumSubscriptions()
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	for range 3 {
+		_, err := NewDecoder(ctx, DecoderConfig{Instance: "d", Namespace: f.ns, Fingerprint: f.fp}, nc, ds.eng)
+		require.Error(t, err)
+	}
+	require.Equal(t, baseline, nc.NumSubscriptions())
 }
 
 // A prefiller that shuts down stays registered for its requests in flight

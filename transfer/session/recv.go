@@ -220,13 +220,15 @@ func (s *RecvSession) Step(ev Event) []Action {
 				s.refused = append(s.refused, ev.Instance)
 			}
 			return s.retryOr(ev.Now, CodeCapacityRefused)
-		case CodePeerFailed:
+		case CodePeerFailed, CodeClosed:
 			if ev.Instance != "" {
-				// The worker's write failed on the data path (its
-				// connection went mid-write): the news a grant failed by
-				// that connection brings, which may arrive later or never
-				// (the reset reached one end only). Retry fenced, on
-				// another instance where there is one: the worker
+				// peer_failed: the worker's write failed on the data
+				// path (its connection went mid-write): the news a grant
+				// failed by that connection brings, which may arrive
+				// later or never (the reset reached one end only).
+				// closed: the worker's drain ran out of time and aborted
+				// the request, maybe mid-write. Either way retry fenced,
+				// on another instance where there is one: the worker
 				// replied, so it lives, and may take the retry when it
 				// is the only one.
 				return s.regrantOr(ev.Now, ev.Instance, false)
