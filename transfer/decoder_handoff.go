@@ -51,6 +51,7 @@ type handoff struct {
 	held <-chan struct{}
 
 	cause error // the most specific error behind a failure
+	fits  bool  // some instance refused for want of room now, not for length (ErrTooLong)
 	ok    wire.PrefillReply
 	// notes are deaths and losses taken from c, held back while the
 	// actions of what was delivered before them run (see run).
@@ -561,7 +562,10 @@ func (h *handoff) replyEvent(m *nats.Msg) session.Event {
 		h.ok = r
 		h.replied = true
 	} else {
-		h.setCause(&RemoteError{Code: r.Code, Msg: r.Msg, Instance: r.Instance})
+		// Too long only while every refusal said so: one instance that
+		// was merely full may take the request later.
+		h.fits = h.fits || r.Code == session.CodeCapacityRefused && !r.TooLong
+		h.setCause(&RemoteError{Code: r.Code, Msg: r.Msg, Instance: r.Instance, TooLong: r.TooLong && !h.fits})
 	}
 	return session.Event{Kind: session.EvReply, Code: r.Code, Instance: r.Instance, Manifest: session.Manifest(r.Manifest), Attempt: attempt}
 }

@@ -26,6 +26,12 @@ var (
 	// ErrCapacityRefused: the prefill worker has no room for the request now.
 	// Refused before any byte moves; safe to retry on another worker.
 	ErrCapacityRefused = errors.New("transfer: capacity refused")
+	// ErrTooLong: the request can never run on the prefill workers that
+	// answered: its prompt and new tokens exceed what their pools hold. A
+	// PrefillExecutor wraps it, with ErrCapacityRefused, for such a request;
+	// Handoff's error matches it, with ErrCapacityRefused, when every
+	// refusal said so. Not worth retrying as it is.
+	ErrTooLong = errors.New("transfer: request too long for the pools")
 	// ErrPeerFailed: the peer died, its data path failed, or it replied with a
 	// failure after the request was admitted.
 	ErrPeerFailed = errors.New("transfer: peer failed")
@@ -121,6 +127,9 @@ type RemoteError struct {
 	Code     session.Code
 	Msg      string
 	Instance string // the peer instance that reported it, when known
+	// TooLong: a capacity refusal of a request too long for the peer's
+	// pools (wire.PrefillReply.TooLong); the error then matches ErrTooLong.
+	TooLong bool
 }
 
 func (e *RemoteError) Error() string {
@@ -130,8 +139,12 @@ func (e *RemoteError) Error() string {
 	return fmt.Sprintf("transfer: remote %s: %s", e.Code, e.Msg)
 }
 
-// Is reports whether target is the sentinel of e's code.
+// Is reports whether target is the sentinel of e's code, or ErrTooLong for
+// a refusal that said so.
 func (e *RemoteError) Is(target error) bool {
+	if target == ErrTooLong {
+		return e.TooLong && e.Code == session.CodeCapacityRefused
+	}
 	s := codeErr(e.Code)
 	return s != nil && s == target
 }

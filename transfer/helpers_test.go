@@ -174,6 +174,7 @@ func pattern(id uint64, i int) byte { return byte(id*31 + uint64(i)*7 + uint64(i
 type testExec struct {
 	s        *side
 	refuse   atomic.Bool
+	tooLong  atomic.Bool   // refuses every request as longer than its pools
 	block    chan struct{} // when set, Prefill waits for it (or ctx)
 	started  chan uint64   // receives request ids as prefills start (buffered)
 	ctxErr   chan error    // receives the ctx error of a blocked prefill
@@ -194,6 +195,9 @@ func (x *testExec) Admit(job Job) (AdmittedJob, error) {
 	x.admits.Add(1)
 	if x.refuse.Load() {
 		return nil, fmt.Errorf("%w: test executor full", ErrCapacityRefused)
+	}
+	if x.tooLong.Load() {
+		return nil, fmt.Errorf("%w: %w: test executor's pools", ErrCapacityRefused, ErrTooLong)
 	}
 	// Each admission holds its resources under a key of its own, as the
 	// real worker's scheduler does: two attempts of one request may be

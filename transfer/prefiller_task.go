@@ -269,6 +269,7 @@ func (t *task) replyFor(code session.Code) wire.PrefillReply {
 		rep.Drafts = t.out.Drafts[:min(len(t.out.Drafts), int(t.msg.Drafts))]
 	} else if t.cause != nil {
 		rep.Msg = t.cause.Error()
+		rep.TooLong = code == session.CodeCapacityRefused && errors.Is(t.cause, ErrTooLong)
 	} else {
 		rep.Msg = codeErr(code).Error()
 	}

@@ -52,6 +52,49 @@ func TestHandoffCapacityRefused(t *testing.T) {
 	ps.requireInitial(t)
 }
 
+// TestHandoffTooLong: a request every worker refuses as longer than its
+// pools fails matching ErrTooLong (not worth retrying) as well as
+// ErrCapacityRefused; a larger worker serves it; and one worker merely
+// full keeps the failure a plain capacity refusal, which may pass.
+func TestHandoffTooLong(t *testing.T) {
+	f := newFixture(t)
+	ds := newSide(t, "dec", testHybrid(64, 8))
+	small, big := newExec(newSide(t, "pre1", testHybrid(64, 8))), newExec(newSide(t, "pre2", testHybrid(64, 8)))
+	small.tooLong.Store(true)
+	f.prefiller("p1", f.fp, small, withRegistryP)
+	d := f.decoder("d1", ds, withRegistry)
+	instances := func(n int) {
+		natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+			if got := len(d.Registry().Instances(wire.RolePrefill, time.Now())); got != n {
+				return fmt.Errorf("%d prefill instances known, want %d", got, n)
+			}
+			return nil
+		})
+	}
+	instances(1)
+	_, err := ds.handoff(context.Background(), d, Request{ID: 1, Tokens: tokens(9)})
+	require.ErrorIs(t, err, ErrTooLong)
+	require.ErrorIs(t, err, ErrCapacityRefused)
+	ds.requireInitial(t)
+
+	f.prefiller("p2", f.fp, big, withRegistryP)
+	instances(2)
+	for id := uint64(2); id <= 9; id++ {
+		res, err := ds.handoff(context.Background(), d, Request{ID: id, Tokens: tokens(9)})
+		require.NoError(t, err)
+		require.Equal(t, "p2", res.Instance)
+		require.NoError(t, ds.m.Free(id))
+	}
+
+	big.refuse.Store(true) // full now, not too small
+	for id := uint64(10); id <= 13; id++ {
+		_, err = ds.handoff(context.Background(), d, Request{ID: id, Tokens: tokens(9)})
+		require.ErrorIs(t, err, ErrCapacityRefused)
+		require.NotErrorIs(t, err, ErrTooLong, "a worker only full may take it later")
+	}
+	ds.requireInitial(t)
+}
+
 // TestHandoffRetriesOnAnotherWorker: a full worker refuses; the retry goes to
 // the other worker by its instance subject.
 func TestHandoffRetriesOnAnotherWorker(t *testing.T) {

@@ -192,6 +192,10 @@ type PrefillReply struct {
 	// token id >= 0 (the receiver checks them against its vocabulary);
 	// omitted when none. The receiver's first decode step verifies them.
 	Drafts Tokens `msgpack:"dr,omitempty"`
+	// TooLong, on a capacity refusal, says the request can never run on
+	// this instance: its prompt and new tokens exceed what the pools hold
+	// (not that they are busy). Omitted when false.
+	TooLong bool `msgpack:"long,omitempty"`
 }
 
 // Cancel tells the worker that serves a request to stop and free it. Published

@@ -489,6 +489,9 @@ func (m *PrefillReply) appendTo(b []byte) []byte {
 	if len(m.Drafts) > 0 {
 		n++
 	}
+	if m.TooLong {
+		n++
+	}
 	b = appendMapLen(b, n)
 	b = appendUint(appendStr(b, "v"), uint64(m.V))
 	b = appendUint(appendStr(b, "id"), m.RequestID)
@@ -507,6 +510,9 @@ func (m *PrefillReply) appendTo(b []byte) []byte {
 	}
 	if len(m.Drafts) > 0 {
 		b = m.Drafts.appendTo(appendStr(b, "dr"))
+	}
+	if m.TooLong {
+		b = appendBool(appendStr(b, "long"), true)
 	}
 	return b
 }
@@ -558,6 +564,8 @@ func (m *PrefillReply) decode(r *reader) error {
 			if err = m.Drafts.decode(r); err == nil && len(m.Drafts) == 0 {
 				m.Drafts = nil
 			}
+		case "long":
+			m.TooLong, err = r.bool()
 		default:
 			err = r.skip()
 		}

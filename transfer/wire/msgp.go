@@ -74,6 +74,13 @@ func appendBin(b, p []byte) []byte {
 
 func appendNil(b []byte) []byte { return append(b, 0xc0) }
 
+func appendBool(b []byte, v bool) []byte {
+	if v {
+		return append(b, 0xc3)
+	}
+	return append(b, 0xc2)
+}
+
 func appendUint(b []byte, v uint64) []byte {
 	switch {
 	case v <= math.MaxInt8:
@@ -227,6 +234,20 @@ func (r *reader) uintMax(max uint64, what string) (uint64, error) {
 		err = fmt.Errorf("msgpack: %s %d out of range", what, v)
 	}
 	return v, err
+}
+
+func (r *reader) bool() (bool, error) {
+	c, err := r.code()
+	if err != nil {
+		return false, err
+	}
+	switch c {
+	case 0xc2:
+		return false, nil
+	case 0xc3:
+		return true, nil
+	}
+	return false, fmt.Errorf("msgpack: invalid code=%x decoding bool", c)
 }
 
 func (r *reader) float64() (float64, error) {

@@ -174,6 +174,7 @@ type plainReply struct {
 	Manifest     plainManifest `msgpack:"man"`
 	Logprobs     []byte        `msgpack:"lp,omitempty"`
 	Cached       uint32        `msgpack:"cached,omitempty"`
+	TooLong      bool          `msgpack:"long,omitempty"`
 }
 
 func plainOfRequest(m PrefillRequest) plainRequest {
@@ -185,7 +186,7 @@ func plainOfRequest(m PrefillRequest) plainRequest {
 func plainOfReply(m PrefillReply) plainReply {
 	return plainReply{V: m.V, RequestID: m.RequestID, Instance: m.Instance, Code: m.Code, Msg: m.Msg,
 		FirstToken: m.FirstToken, PrefillNanos: m.PrefillNanos, WriteNanos: m.WriteNanos,
-		Manifest: plainManifest{Bytes: m.Manifest.Bytes, CRC: m.Manifest.CRC}, Logprobs: m.Logprobs, Cached: m.Cached}
+		Manifest: plainManifest{Bytes: m.Manifest.Bytes, CRC: m.Manifest.CRC}, Logprobs: m.Logprobs, Cached: m.Cached, TooLong: m.TooLong}
 }
 
 func plainOfTicket(t rdma.Ticket) plainTicket {
@@ -208,7 +209,7 @@ func TestWireHandCodecsMatchReflection(t *testing.T) {
 	require.Equal(t, req, got)
 
 	rep := sampleReply()
-	rep.V, rep.Code, rep.Msg = WireVersion, session.CodePrefillFailed, "boom"
+	rep.V, rep.Code, rep.Msg, rep.TooLong = WireVersion, session.CodeCapacityRefused, "boom", true
 	b, err = EncodePrefillReply(rep, 0)
 	require.NoError(t, err)
 	var pp plainReply
@@ -268,6 +269,7 @@ func TestWireHandCodecsSameBytesAsReflection(t *testing.T) {
 		if i%2 == 1 {
 			rep.Logprobs = []byte(strs[i%len(strs)] + "lp")
 		}
+		rep.TooLong = i%3 == 1
 		b, err = EncodePrefillReply(rep, 1<<30)
 		require.NoError(t, err)
 		want, err = marshal(plainOfReply(rep))

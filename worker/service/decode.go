@@ -327,6 +327,10 @@ func samplingOf(w wire.Sampling) worker.Sampling {
 // classify wraps a handoff error with the worker's transfer classes.
 func classify(ctx context.Context, err error) error {
 	switch {
+	case errors.Is(err, transfer.ErrTooLong):
+		// Every prefill worker that answered has smaller pools than this
+		// decode worker: the client's request, not the fleet's state.
+		return fmt.Errorf("%w: %w", worker.ErrTooLong, err)
 	case errors.Is(err, transfer.ErrNoPrefillWorker), errors.Is(err, transfer.ErrCapacityRefused),
 		errors.Is(err, transfer.ErrLayoutMismatch), errors.Is(err, transfer.ErrPayloadTooLarge),
 		errors.Is(err, transfer.ErrDummyRequest):

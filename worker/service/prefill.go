@@ -205,8 +205,11 @@ func (p *prefillExec) Admit(job transfer.Job) (transfer.AdmittedJob, error) {
 	})
 	if err != nil {
 		cancel()
-		if errors.Is(err, worker.ErrQueueFull) || errors.Is(err, worker.ErrDraining) ||
-			errors.Is(err, worker.ErrClosed) || errors.Is(err, worker.ErrTooLong) {
+		if errors.Is(err, worker.ErrTooLong) {
+			// Never to run here; another worker's pools may be larger.
+			return nil, fmt.Errorf("%w: %w: %w", transfer.ErrCapacityRefused, transfer.ErrTooLong, err)
+		}
+		if errors.Is(err, worker.ErrQueueFull) || errors.Is(err, worker.ErrDraining) || errors.Is(err, worker.ErrClosed) {
 			return nil, fmt.Errorf("%w: %w", transfer.ErrCapacityRefused, err)
 		}
 		return nil, err

@@ -230,6 +230,32 @@ func TestRemoteMatchesLocal(t *testing.T) {
 	require.Equal(t, http.StatusOK, resp.StatusCode)
 }
 
+// TestPrefillPoolsSmallerThanDecode: a prompt that fits the decode
+// worker's pools but not its prefill workers' can never run: 400
+// context_length_exceeded, not a 503 that tells the client to retry; a
+// prompt that fits both is served.
+func TestPrefillPoolsSmallerThanDecode(t *testing.T) {
+	ns := natstest.Run(t)
+	common := []string{"--nats-url", ns.ClientURL(), "--namespace", "small-prefill"}
+	startWorker(t, testConfig(t, worker.RolePrefill, append(common, "--kv-blocks", "40")...))
+	dep, _ := startWorker(t, testConfig(t, worker.RoleDecode, append(common, "--prefill", "remote")...))
+	post := func(prompt int) (int, string) {
+		toks := strings.TrimSuffix(strings.Repeat("65,", prompt), ",")
+		resp, err := http.Post("http://"+dep.HTTP+"/v1/completions", "application/json",
+			strings.NewReader(`{"model":"tiny-hybrid","prompt":[`+toks+`],"max_tokens":4,"temperature":0}`))
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return resp.StatusCode, string(b)
+	}
+	status, body := post(700) // 40 blocks of 16 tokens: 640 at most
+	require.Equal(t, http.StatusBadRequest, status, body)
+	require.Contains(t, body, `"context_length_exceeded"`)
+	status, body = post(100)
+	require.Equal(t, http.StatusOK, status, body)
+}
+
 // TestNoPrefillWorker: a remote decode worker with no prefill worker answers
 // 503 with an error body and frees the request's resources.
 func TestNoPrefillWorker(t *testing.T) {
