@@ -456,3 +456,41 @@ func TestSHMWriteCancelledInReconnect(t *testing.T) {
 	g.Revoke()
 	p.requireUntouched(t)
 }
+
+// TestSHMHelloAnswerBadInput: whatever answers at a peer's shm address
+// with a header other than hello or reply, or a longer message than a
+// hello's, is refused as malformed: the writer reads no more than its
+// buffer holds (a data header of 1 MiB once panicked it).
+func TestSHMHelloAnswerBadInput(t *testing.T) {
+	for _, h := range []header{
+		{typ: frameData, length: 1 << 20},
+		{typ: frameCommit, length: 4096},
+		{typ: frameHello, length: maxMsgLen + 1},
+		{typ: frameReply, length: 1 << 16},
+	} {
+		path := filepath.Join(t.TempDir(), "s.sock")
+		ln, err := net.Listen("unix", path)
+		require.NoError(t, err)
+		go func() {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+			buf := make([]byte, 4096)
+			_, _ = c.Read(buf)
+			b := make([]byte, headerSize)
+			h.put(b)
+			_, _ = c.Write(b)
+			_, _ = c.Read(buf) // until the writer hangs up
+		}()
+		e, err := New(Config{Agent: "w", Transports: []Transport{TransportTCP}, Logger: quietLogger()})
+		require.NoError(t, err)
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_, err = dialSHM(ctx, e, Descriptor{Agent: "r", ShmAddr: path})
+		cancel()
+		require.ErrorIs(t, err, ErrMalformedFrame, "frame type %d of %d bytes", h.typ, h.length)
+		require.NoError(t, e.Close())
+		ln.Close()
+	}
+}

@@ -133,6 +133,11 @@ func (l *shmLink) connect(ctx context.Context) error {
 	if err != nil {
 		return fail(err)
 	}
+	if (h.typ != frameHello && h.typ != frameReply) || h.length > maxMsgLen {
+		// Checked before the message is read into buf, which holds
+		// maxMsgLen: a data or commit header may claim far more.
+		return fail(malformed("shm hello answered with frame type %d of %d bytes", h.typ, h.length))
+	}
 	want := headerSize + int(h.length)
 	if n < want {
 		if _, err := io.ReadFull(uc, buf[n:want]); err != nil {
@@ -147,9 +152,6 @@ func (l *shmLink) connect(ctx context.Context) error {
 	msg := string(buf[headerSize:want])
 	if h.typ == frameReply {
 		return fail(&RemoteError{Agent: l.peer.Agent, Code: h.index, Msg: msg})
-	}
-	if h.typ != frameHello {
-		return fail(malformed("shm hello answered with frame type %d", h.typ))
 	}
 	parts := strings.SplitN(msg, "\n", 3)
 	if len(parts) != 3 || AgentID(parts[0]) != l.peer.Agent {
