@@ -355,7 +355,7 @@ func TestSHMReconnectKeepsCopiedGrants(t *testing.T) {
 	require.NoError(t, err)
 	l, _ := shmSlot(t, p, gA)
 	opA := shmOp(t, p.tx, gA.Ticket(), srcExtents(gA.Ticket().Bytes))
-	releaseA, err := l.copyOp(ctx, opA)
+	releaseA, _, err := l.copyOp(ctx, opA)
 	require.NoError(t, err)
 	oldWid := l.wid
 
@@ -384,6 +384,46 @@ func TestSHMReconnectKeepsCopiedGrants(t *testing.T) {
 		w := p.rx.shm.writers[oldWid]
 		return w == nil || !w.open
 	}, 5*time.Second, time.Millisecond)
+}
+
+// TestSHMStreamAcrossReconnect: a Stream's grant survives a reconnect of
+// its link between two parts (here another write names a region the
+// receiver registered after the hello; a cut exchange does the same): the
+// connection its first part copied under stays open until it commits.
+// Before, the reconnect let that connection go and the receiver failed the
+// stream's grant (its writer gone).
+func TestSHMStreamAcrossReconnect(t *testing.T) {
+	p := newPair(t, TransportSHM)
+	ctx := context.Background()
+	g, err := p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: []Extent{{Region: 1, Offset: 0, Length: 8192}}})
+	require.NoError(t, err)
+	s, err := p.tx.OpenStream(ctx, p.desc, g.Ticket())
+	require.NoError(t, err)
+	require.NoError(t, s.Write(ctx, []Range{{Ext: 0, Offset: 0, Length: 4096}}, []Extent{{Region: 1, Offset: 0, Length: 4096}}))
+	l, _ := shmSlot(t, p, g)
+	oldWid := l.wid
+
+	late, err := p.rx.Register("late", 8192)
+	require.NoError(t, err)
+	gB, err := p.rx.OpenGrant(GrantSpec{RequestID: 2, Extents: []Extent{{Region: late.ID(), Offset: 0, Length: 4000}}})
+	require.NoError(t, err)
+	_, err = p.tx.Write(ctx, p.rx.Descriptor(), gB.Ticket(), []Extent{{Region: 1, Offset: 0, Length: 4000}})
+	require.NoError(t, err)
+	require.NotEqual(t, oldWid, l.wid, "the write reconnected")
+	time.Sleep(50 * time.Millisecond) // time for the receiver to see a closed connection
+	require.NoError(t, g.Err(), "the stream's grant failed at the reconnect")
+
+	require.NoError(t, s.Write(ctx, []Range{{Ext: 0, Offset: 4096, Length: 4096}}, []Extent{{Region: 1, Offset: 4096, Length: 4096}}))
+	m, err := s.Commit(ctx)
+	require.NoError(t, err)
+	got, err := g.Wait(ctx)
+	require.NoError(t, err)
+	require.Equal(t, m, got)
+	require.Equal(t, p.tx.regions[1].Bytes()[:8192], p.rx.regions[1].Bytes()[:8192])
+	l.genMu.Lock()
+	defer l.genMu.Unlock()
+	require.Empty(t, l.streams, "the commit let the stream's hold go")
+	require.Empty(t, l.retired, "the old connection went with it")
 }
 
 // TestSHMHelloEndsWithContext: a receiver whose shm control socket accepts
@@ -493,4 +533,34 @@ func TestSHMHelloAnswerBadInput(t *testing.T) {
 		require.NoError(t, e.Close())
 		ln.Close()
 	}
+}
+
+// TestSHMStreamHoldsOfAbandonedStreams: holds of streams given up without
+// a commit or abort (their grants' slots no longer theirs) are let go once
+// they outnumber the receiver's slots twice; an open stream's is kept.
+func TestSHMStreamHoldsOfAbandonedStreams(t *testing.T) {
+	p := newPair(t, TransportSHM)
+	ctx := context.Background()
+	g, err := p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: []Extent{{Region: 1, Offset: 0, Length: 8192}}})
+	require.NoError(t, err)
+	s, err := p.tx.OpenStream(ctx, p.desc, g.Ticket())
+	require.NoError(t, err)
+	require.NoError(t, s.Write(ctx, []Range{{Ext: 0, Offset: 0, Length: 4096}}, []Extent{{Region: 1, Offset: 0, Length: 4096}}))
+	l, _ := shmSlot(t, p, g)
+	released := 0
+	l.genMu.Lock()
+	for i := range 2*l.n + 1 { // grants no slot holds now
+		l.streams[1<<40+uint64(i)] = streamHold{wid: l.wid, epoch: 1, release: func() { released++ }}
+	}
+	l.genMu.Unlock()
+	require.NoError(t, s.Write(ctx, []Range{{Ext: 0, Offset: 4096, Length: 4096}}, []Extent{{Region: 1, Offset: 4096, Length: 4096}}))
+	require.Equal(t, 2*l.n+1, released)
+	l.genMu.Lock()
+	_, kept := l.streams[g.Ticket().Grant]
+	n := len(l.streams)
+	l.genMu.Unlock()
+	require.True(t, kept, "the open stream keeps its hold")
+	require.Equal(t, 1, n)
+	_, err = s.Commit(ctx)
+	require.NoError(t, err)
 }

@@ -49,6 +49,16 @@ type shmLink struct {
 	genMu   sync.Mutex
 	users   map[uint64]int      // writer id → writes between their copy and the end of their commit
 	retired map[uint64]*shmConn // retired connections waiting for their users
+	// streams holds, per grant of a Stream that copied and has not
+	// committed or aborted, the writer id its last part copied under: a
+	// stream commits in a later write, maybe after a reconnect.
+	streams map[uint64]streamHold
+}
+
+// streamHold is a Stream's hold on the writer id it last copied under.
+type streamHold struct {
+	wid, epoch uint64
+	release    func()
 }
 
 // shmConn is one control connection and the mappings its hello gave.
@@ -59,7 +69,7 @@ type shmConn struct {
 }
 
 func dialSHM(ctx context.Context, e *Engine, peer Descriptor) (link, error) {
-	l := &shmLink{e: e, peer: peer, users: make(map[uint64]int), retired: make(map[uint64]*shmConn)}
+	l := &shmLink{e: e, peer: peer, users: make(map[uint64]int), retired: make(map[uint64]*shmConn), streams: make(map[uint64]streamHold)}
 	if err := l.connect(ctx); err != nil {
 		return nil, err
 	}
@@ -252,6 +262,7 @@ func (l *shmLink) close() {
 	l.genMu.Lock()
 	retired := l.retired
 	l.retired = make(map[uint64]*shmConn)
+	l.streams = make(map[uint64]streamHold)
 	l.genMu.Unlock()
 	for _, r := range retired {
 		releaseShm(r.conn, r.table, r.regions)
@@ -341,9 +352,18 @@ func (l *shmLink) write(ctx context.Context, op *writeOp) error {
 		// Nothing was copied, and the control connection an abort would
 		// go by did not come up: a frozen receiver would hold the abort
 		// too.
+		l.endStream(op.t.Grant)
 		return err
 	}
-	release, copyErr := l.copyOp(ctx, op)
+	release, wid, copyErr := l.copyOp(ctx, op)
+	if op.partial && copyErr == nil {
+		l.holdStream(op.t, wid, release)
+		return nil // copied; a Stream commits once every part is in
+	}
+	// A whole write, a stream's commit, or a part that failed: what
+	// follows ends the grant's exchange with the receiver, and any
+	// stream's hold with it.
+	defer l.endStream(op.t.Grant)
 	defer release()
 	if copyErr != nil && !errors.Is(copyErr, errSlotRefused) {
 		if errors.Is(copyErr, ErrOutOfRange) {
@@ -360,9 +380,6 @@ func (l *shmLink) write(ctx context.Context, op *writeOp) error {
 		return copyErr
 	}
 	if op.partial {
-		if copyErr == nil {
-			return nil // copied; a Stream commits once every part is in
-		}
 		// The slot no longer admits this writer: ask the receiver why. An
 		// abort changes nothing on a grant that failed or committed, and
 		// fails one that is somehow still open, which a stream that cannot
@@ -377,15 +394,74 @@ func (l *shmLink) write(ctx context.Context, op *writeOp) error {
 // copyOp copies op into the peer's memory over a ready link. Until
 // release is called, the control connection of the writer id it copied
 // under stays open, even if another write reconnects meanwhile.
-func (l *shmLink) copyOp(ctx context.Context, op *writeOp) (release func(), err error) {
+func (l *shmLink) copyOp(ctx context.Context, op *writeOp) (release func(), wid uint64, err error) {
 	l.copying.RLock()
 	defer l.copying.RUnlock()
 	if l.closed.Load() || l.table == nil {
-		return func() {}, ErrClosed
+		return func() {}, 0, ErrClosed
 	}
-	wid := l.wid
+	wid = l.wid
 	l.hold(wid)
-	return func() { l.unhold(wid) }, l.copyAll(ctx, op)
+	return func() { l.unhold(wid) }, wid, l.copyAll(ctx, op)
+}
+
+// holdStream keeps release, the hold of a stream's part on writer id wid,
+// until the stream commits or aborts (endStream): the receiver fails the
+// uncommitted grants a writer id tagged once its control connection
+// closes, and a reconnect between two parts (another write's cut
+// exchange, a region registered after the hello) retires the connection
+// the first part copied under. A stream keeps one hold, on the writer id
+// of its last part: the earlier one is let go, its slot tagged anew.
+func (l *shmLink) holdStream(t *Ticket, wid uint64, release func()) {
+	l.copying.RLock() // the slot table, for staleStreamsLocked
+	defer l.copying.RUnlock()
+	l.genMu.Lock()
+	old, had := l.streams[t.Grant]
+	keep := !had || old.wid != wid || old.epoch != t.Epoch
+	if keep {
+		l.streams[t.Grant] = streamHold{wid: wid, epoch: t.Epoch, release: release}
+	}
+	stale := l.staleStreamsLocked()
+	l.genMu.Unlock()
+	if !keep {
+		release() // held already
+	} else if had {
+		old.release()
+	}
+	for _, r := range stale {
+		r()
+	}
+}
+
+// endStream lets go the hold of grant's stream, if it has one.
+func (l *shmLink) endStream(grant uint64) {
+	l.genMu.Lock()
+	h, ok := l.streams[grant]
+	delete(l.streams, grant)
+	l.genMu.Unlock()
+	if ok {
+		h.release()
+	}
+}
+
+// staleStreamsLocked forgets, once they outnumber the receiver's slots
+// twice, the holds of streams whose grant's slot is no longer theirs (a
+// stream given up without commit or abort), and returns their releases;
+// genMu and copying (R) are held.
+func (l *shmLink) staleStreamsLocked() []func() {
+	if len(l.streams) <= 2*l.n || l.table == nil {
+		return nil
+	}
+	var out []func()
+	for g, h := range l.streams {
+		sl := slotAt(l.table, int(g%uint64(l.n)))
+		w := sl.state().Load()
+		if sl.grant().Load() != g || wordEpoch(w) != h.epoch&slotEpochMask || (wordState(w) != slotOpen && wordState(w) != slotWriting) {
+			delete(l.streams, g)
+			out = append(out, h.release)
+		}
+	}
+	return out
 }
 
 // errSlotRefused: the slot does not admit this ticket; ask the receiver why.
