@@ -333,9 +333,8 @@ func (s *session) run() {
 		}
 		rep, err := s.handle(q)
 		if errors.Is(err, errDeferred) {
-			s.a.m.request(q.Op, nil)
 			s.replyWritten()
-			continue // its goroutine answers
+			continue // its goroutine answers, and counts it
 		}
 		s.a.m.request(q.Op, err)
 		if err != nil {

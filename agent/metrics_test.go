@@ -43,6 +43,11 @@ func TestMetrics(t *testing.T) {
 	require.ErrorIs(t, err, ErrBadRequest)
 	_, err = b.c.Call(ctx, Request{Op: OpGrant, RequestID: 9, Blocks: []int{1}, Row: Row(5)}, nil)
 	require.ErrorIs(t, err, ErrReserved)
+	// A send with wait is counted by its outcome, answered when it ends.
+	_, err = a.c.Call(ctx, Request{Op: OpSend, Ticket: g2.Ticket, Blocks: []int{0}, Wait: true}, nil)
+	var re *RemoteError
+	require.ErrorAs(t, err, &re)
+	require.Equal(t, 1.0, testutil.ToFloat64(ma.requests.WithLabelValues(OpSend, re.Code)), re.Code)
 
 	for _, c := range []struct {
 		name string
@@ -66,7 +71,7 @@ func TestMetrics(t *testing.T) {
 	}
 	require.Zero(t, testutil.CollectAndCount(ma.grants), "a grants nothing")
 	require.Zero(t, testutil.CollectAndCount(mb.sends), "b sends nothing")
-	require.EqualValues(t, 1, sendsTimed(t, regA))
+	require.EqualValues(t, 2, sendsTimed(t, regA)) // the send, and the send with wait
 	// What the registry exports is what the collectors hold.
 	n, err := testutil.GatherAndCount(regB, "handoff_agent_grants_total", "handoff_agent_requests_total")
 	require.NoError(t, err)

@@ -151,7 +151,9 @@ func (s *session) offer(q Request) (Reply, error) {
 	go func() {
 		defer s.wg.Done()
 		rep := Reply{Re: q.ID}
-		if err := s.offerTo(nc, q.To, b); err != nil {
+		err := s.offerTo(nc, q.To, b)
+		s.a.m.request(q.Op, err)
+		if err != nil {
 			rep.Code, rep.Msg = Code(err), err.Error()
 		}
 		s.reply(rep)

@@ -159,6 +159,7 @@ func (s *session) openSend(q Request) (Reply, error) {
 		ev := Reply{Ev: EvSendDone, Send: sd.id, RequestID: sd.req}
 		if wait {
 			ev.Ev, ev.Re = "", q.ID // the request's reply, in place of an event
+			s.a.m.request(q.Op, err)
 		}
 		if err != nil {
 			ev.Code, ev.Msg = Code(err), err.Error()
