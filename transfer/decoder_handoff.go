@@ -562,9 +562,10 @@ func (h *handoff) replyEvent(m *nats.Msg) session.Event {
 		h.ok = r
 		h.replied = true
 	} else {
-		// Too long only while every refusal said so: one instance that
-		// was merely full may take the request later.
-		h.fits = h.fits || r.Code == session.CodeCapacityRefused && !r.TooLong
+		// Too long only while every reply was a refusal saying so: an
+		// instance merely full may take the request later, and one that
+		// admitted it (and then failed) holds it.
+		h.fits = h.fits || !(r.Code == session.CodeCapacityRefused && r.TooLong)
 		h.setCause(&RemoteError{Code: r.Code, Msg: r.Msg, Instance: r.Instance, TooLong: r.TooLong && !h.fits})
 	}
 	return session.Event{Kind: session.EvReply, Code: r.Code, Instance: r.Instance, Manifest: session.Manifest(r.Manifest), Attempt: attempt}

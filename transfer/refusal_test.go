@@ -95,6 +95,47 @@ func TestHandoffTooLong(t *testing.T) {
 	ds.requireInitial(t)
 }
 
+// TestHandoffTooLongAfterAnAdmission: a worker that admitted the request
+// (and then failed it: its drain ran out) holds it, so the small worker's
+// refusals that follow do not make it too long: a capacity refusal, which
+// may pass, not ErrTooLong.
+func TestHandoffTooLongAfterAnAdmission(t *testing.T) {
+	f := newFixture(t)
+	ds := newSide(t, "dec", testHybrid(64, 8))
+	small, big := newExec(newSide(t, "pre1", testHybrid(64, 8))), newExec(newSide(t, "pre2", testHybrid(64, 8)))
+	small.tooLong.Store(true)
+	big.block = make(chan struct{})
+	pBig := f.prefiller("p2", f.fp, big, withRegistryP)
+	d := f.decoder("d1", ds, func(c *DecoderConfig) { withRegistry(c); c.DirectFirst = true })
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if got := len(d.Registry().Instances(wire.RolePrefill, time.Now())); got != 1 {
+			return fmt.Errorf("%d prefill instances known", got)
+		}
+		return nil
+	})
+	done := make(chan error, 1)
+	go func() {
+		_, err := ds.handoff(context.Background(), d, Request{ID: 1, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
+		done <- err
+	}()
+	<-big.started
+	f.prefiller("p1", f.fp, small, withRegistryP)
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if got := len(d.Registry().Instances(wire.RolePrefill, time.Now())); got != 2 {
+			return fmt.Errorf("%d prefill instances known", got)
+		}
+		return nil
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	require.NoError(t, pBig.Shutdown(ctx)) // replies closed: retried on p1, which refuses it as too long
+	err := <-done
+	require.ErrorIs(t, err, ErrCapacityRefused)
+	require.NotErrorIs(t, err, ErrTooLong, "p2 admitted it")
+	require.Positive(t, small.admits.Load())
+	ds.requireInitial(t)
+}
+
 // TestHandoffRetriesOnAnotherWorker: a full worker refuses; the retry goes to
 // the other worker by its instance subject.
 func TestHandoffRetriesOnAnotherWorker(t *testing.T) {
