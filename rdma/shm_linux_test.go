@@ -564,3 +564,33 @@ func TestSHMStreamHoldsOfAbandonedStreams(t *testing.T) {
 	_, err = s.Commit(ctx)
 	require.NoError(t, err)
 }
+
+// TestSHMGivenUpStreamLetsConnectionGo: a stream dropped after a part
+// (its grant revoked; no commit, no abort, as a cancelled layer-by-layer
+// prefill leaves it) does not keep the connection it copied under open
+// past the next reconnect.
+func TestSHMGivenUpStreamLetsConnectionGo(t *testing.T) {
+	p := newPair(t, TransportSHM)
+	ctx := context.Background()
+	g, err := p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: []Extent{{Region: 1, Offset: 0, Length: 8192}}})
+	require.NoError(t, err)
+	s, err := p.tx.OpenStream(ctx, p.desc, g.Ticket())
+	require.NoError(t, err)
+	require.NoError(t, s.Write(ctx, []Range{{Ext: 0, Offset: 0, Length: 4096}}, []Extent{{Region: 1, Offset: 0, Length: 4096}}))
+	l, _ := shmSlot(t, p, g)
+	oldWid := l.wid
+	g.Revoke()
+
+	late, err := p.rx.Register("late", 8192)
+	require.NoError(t, err)
+	gB, err := p.rx.OpenGrant(GrantSpec{RequestID: 2, Extents: []Extent{{Region: late.ID(), Offset: 0, Length: 4000}}})
+	require.NoError(t, err)
+	_, err = p.tx.Write(ctx, p.rx.Descriptor(), gB.Ticket(), []Extent{{Region: 1, Offset: 0, Length: 4000}})
+	require.NoError(t, err)
+	require.NotEqual(t, oldWid, l.wid, "the write reconnected")
+	l.genMu.Lock()
+	defer l.genMu.Unlock()
+	require.Empty(t, l.streams)
+	require.Empty(t, l.retired, "the old connection is let go")
+	require.Zero(t, l.users[oldWid])
+}

@@ -342,6 +342,14 @@ func (l *shmLink) reconnectLocked(ctx context.Context) error {
 		l.copying.Unlock()
 		return err
 	}
+	// Streams given up (no commit, no abort) hold the old writer id no
+	// longer: only the open ones keep its connection.
+	l.genMu.Lock()
+	stale := l.staleStreamsLocked(true)
+	l.genMu.Unlock()
+	for _, r := range stale {
+		r()
+	}
 	l.retire(wid, old)
 	l.copying.Unlock()
 	return nil
@@ -421,7 +429,7 @@ func (l *shmLink) holdStream(t *Ticket, wid uint64, release func()) {
 	if keep {
 		l.streams[t.Grant] = streamHold{wid: wid, epoch: t.Epoch, release: release}
 	}
-	stale := l.staleStreamsLocked()
+	stale := l.staleStreamsLocked(false)
 	l.genMu.Unlock()
 	if !keep {
 		release() // held already
@@ -435,21 +443,30 @@ func (l *shmLink) holdStream(t *Ticket, wid uint64, release func()) {
 
 // endStream lets go the hold of grant's stream, if it has one.
 func (l *shmLink) endStream(grant uint64) {
+	l.copying.RLock() // the slot table, for staleStreamsLocked
+	defer l.copying.RUnlock()
 	l.genMu.Lock()
 	h, ok := l.streams[grant]
 	delete(l.streams, grant)
+	stale := l.staleStreamsLocked(false)
 	l.genMu.Unlock()
 	if ok {
 		h.release()
 	}
+	for _, r := range stale {
+		r()
+	}
 }
 
-// staleStreamsLocked forgets, once they outnumber the receiver's slots
-// twice, the holds of streams whose grant's slot is no longer theirs (a
-// stream given up without commit or abort), and returns their releases;
-// genMu and copying (R) are held.
-func (l *shmLink) staleStreamsLocked() []func() {
-	if len(l.streams) <= 2*l.n || l.table == nil {
+// staleStreamsLocked forgets the holds of streams whose grant's slot is no
+// longer theirs (a stream given up without commit or abort: a cancelled
+// layer-by-layer prefill) and returns their releases. It looks when asked
+// (all: at a reconnect), while a retired connection waits for its users
+// (which such a hold would keep open for good), and once the holds
+// outnumber the receiver's slots twice. genMu and copying (R or W) are
+// held.
+func (l *shmLink) staleStreamsLocked(all bool) []func() {
+	if l.table == nil || !all && len(l.retired) == 0 && len(l.streams) <= 2*l.n {
 		return nil
 	}
 	var out []func()
