@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"runtime"
@@ -503,4 +504,86 @@ func TestCommitManifestHeldOnlyWhenAuthentic(t *testing.T) {
 	r.send(t, r.commit(m))
 	code, msg := r.reply(t)
 	require.Equal(t, codeOK, code, msg)
+}
+
+// TestTCPStreamAcrossReconnect: a Stream's grant survives its link's
+// connections going between two parts (another write cut by its context;
+// every pooled connection dropped, or closed outright), in one connection
+// and striped: each part ends with a flush the receiver answered, after
+// which the connection that carried it no longer holds the grant. The shm
+// link once failed such streams (TestSHMStreamAcrossReconnect).
+func TestTCPStreamAcrossReconnect(t *testing.T) {
+	dropAll := func(p *pair, l *tcpLink, closeOutright bool) {
+		l.mu.Lock()
+		idle := l.idle
+		l.idle = nil
+		if !closeOutright {
+			for _, tc := range idle {
+				l.busy[tc] = struct{}{}
+			}
+		}
+		l.mu.Unlock()
+		for _, tc := range idle {
+			if closeOutright {
+				tc.c.Close()
+			} else {
+				l.drop(tc)
+			}
+		}
+	}
+	cutWrite := func(t *testing.T, p *pair) {
+		gB, err := p.rx.OpenGrant(GrantSpec{RequestID: 2, Extents: []Extent{{Region: 1, Offset: 0, Length: 4000}}})
+		require.NoError(t, err)
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		p.tx.hooks.Store(&hooks{writing: func(tk *Ticket, _ uint64) {
+			if tk.Grant == gB.Ticket().Grant {
+				cancel()
+				time.Sleep(20 * time.Millisecond)
+			}
+		}})
+		defer p.tx.hooks.Store(nil)
+		// Cut mid-send, or done before the cut: the stream's grant survives either.
+		_, _ = p.tx.Write(ctx, p.rx.Descriptor(), gB.Ticket(), []Extent{{Region: 1, Offset: 0, Length: 4000}})
+	}
+	for _, size := range []uint64{4096, 4 << 20} { // one connection; striped
+		for _, tc := range []struct {
+			name    string
+			disturb func(t *testing.T, p *pair, l *tcpLink)
+		}{
+			{"cut write", func(t *testing.T, p *pair, _ *tcpLink) { cutWrite(t, p) }},
+			{"dropped", func(_ *testing.T, p *pair, l *tcpLink) { dropAll(p, l, false) }},
+			{"closed", func(_ *testing.T, p *pair, l *tcpLink) { dropAll(p, l, true) }},
+		} {
+			t.Run(fmt.Sprintf("%s/%d", tc.name, size), func(t *testing.T) {
+				p := newPair(t, TransportTCP)
+				ctx := context.Background()
+				rr, err := p.rx.Register("big", int64(2*size))
+				require.NoError(t, err)
+				sr, err := p.tx.Register("bigsrc", int64(2*size))
+				require.NoError(t, err)
+				for i, b := 0, sr.Bytes(); i < len(b); i++ {
+					b[i] = byte(i*7 + 3)
+				}
+				g, err := p.rx.OpenGrant(GrantSpec{RequestID: 1, Extents: []Extent{{Region: rr.ID(), Offset: 0, Length: 2 * size}}})
+				require.NoError(t, err)
+				s, err := p.tx.OpenStream(ctx, p.rx.Descriptor(), g.Ticket())
+				require.NoError(t, err)
+				require.NoError(t, s.Write(ctx, []Range{{Ext: 0, Offset: 0, Length: size}}, []Extent{{Region: sr.ID(), Offset: 0, Length: size}}))
+				p.tx.peerMu.Lock()
+				l := p.tx.peers[p.rx.Agent()].link.(*tcpLink)
+				p.tx.peerMu.Unlock()
+				tc.disturb(t, p, l)
+				time.Sleep(50 * time.Millisecond) // time for the receiver to see connections close
+				require.NoError(t, g.Err(), "the stream's grant failed with the connections")
+				require.NoError(t, s.Write(ctx, []Range{{Ext: 0, Offset: size, Length: size}}, []Extent{{Region: sr.ID(), Offset: size, Length: size}}))
+				m, err := s.Commit(ctx)
+				require.NoError(t, err)
+				got, err := g.Wait(ctx)
+				require.NoError(t, err)
+				require.Equal(t, m, got)
+				require.Equal(t, sr.Bytes()[:2*size], rr.Bytes()[:2*size])
+			})
+		}
+	}
 }
