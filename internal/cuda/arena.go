@@ -25,7 +25,10 @@ type Arena struct {
 	handle IpcMemHandle // the handle opened: Free lets it go
 	// from is that allocation as its exporter's handle names it, for
 	// Export (Offset 0); nil where the exporter is not known.
-	from  *IPCBuffer
+	from *IPCBuffer
+	// vmm is the mapping of another process's VMM allocation this arena
+	// lies in (OpenVMM): Free unmaps it.
+	vmm   *vmmMapping
 	view  bool        // a View: Free frees nothing
 	freed atomic.Bool // an opened arena's Free ran: a second one lets nothing go
 }
@@ -161,13 +164,16 @@ func (a *Arena) View(off, size uint64) (*Arena, error) {
 	if size == 0 || off > a.size || size > a.size-off {
 		return nil, fmt.Errorf("%w: a view of %d bytes at %d of an arena of %d", ErrInvalidValue, size, off, a.size)
 	}
-	return &Arena{d: a.d, ptr: a.ptr + DevicePtr(off), size: size, opened: a.opened, handle: a.handle, from: a.from, view: true}, nil
+	return &Arena{d: a.d, ptr: a.ptr + DevicePtr(off), size: size, opened: a.opened, handle: a.handle, from: a.from, vmm: a.vmm, view: true}, nil
 }
 
 // Export describes the arena for CUDA IPC: an allocation of this process
 // (its base), or an arena of one that OpenIPC opened (then the exporter's
 // handle, and Offset where the arena starts in that allocation).
 func (a *Arena) Export() (IPCBuffer, error) {
+	if a.vmm != nil {
+		return IPCBuffer{}, fmt.Errorf("%w: an arena in a VMM allocation has no CUDA IPC handle", ErrInvalidValue)
+	}
 	if a.opened == 0 {
 		return a.d.Export(a.ptr)
 	}
@@ -180,10 +186,13 @@ func (a *Arena) Export() (IPCBuffer, error) {
 }
 
 // Free frees the arena's memory, or closes the mapping of an arena that
-// OpenIPC opened.
+// OpenIPC or OpenVMM opened.
 func (a *Arena) Free() error {
 	if a.view {
 		return nil
+	}
+	if a.vmm != nil {
+		return a.closeVMM()
 	}
 	if a.opened != 0 {
 		// The mapping may be shared (Import): a second Free must not take

@@ -57,6 +57,12 @@ type IpcMemHandle struct {
 	Reserved [64]byte
 }
 
+// MemHandle is a CUmemGenericAllocationHandle: physical device memory of
+// the virtual memory management (VMM) API (cuMemCreate, or imported from
+// another process's POSIX fd), which is reachable only once mapped into an
+// address range reserved for it (MemAddressReserve, MemMap, MemSetAccess).
+type MemHandle uint64
+
 // Flags and attributes (cuda.h).
 const (
 	// IpcLazyEnablePeerAccess is CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS.
@@ -142,6 +148,30 @@ type Driver interface {
 	IpcGetMemHandle(p DevicePtr) (IpcMemHandle, error)
 	IpcOpenMemHandle(h IpcMemHandle, flags uint32) (DevicePtr, error)
 	IpcCloseMemHandle(p DevicePtr) error
+
+	// Virtual memory management, with POSIX fd handles only: pinned
+	// memory on one device, which a process exports as a file descriptor
+	// and another imports and maps (the way allocators built on cuMemCreate,
+	// torch's expandable segments among them, share memory that CUDA IPC
+	// handles cannot name). Sizes and reserved addresses are multiples of
+	// MemGetAllocationGranularity; a handle maps from its start (the
+	// driver's mapping offset must be 0).
+	MemGetAllocationGranularity(d Dev) (uint64, error)
+	MemCreate(size uint64, d Dev) (MemHandle, error)
+	MemRelease(h MemHandle) error
+	// MemExportToShareableHandle returns a new file descriptor the caller
+	// owns (and closes).
+	MemExportToShareableHandle(h MemHandle) (fd int, err error)
+	// MemImportFromShareableHandle does not take fd: the caller still
+	// closes it.
+	MemImportFromShareableHandle(fd int) (MemHandle, error)
+	MemAddressReserve(size, align uint64) (DevicePtr, error)
+	MemAddressFree(p DevicePtr, size uint64) error
+	MemMap(p DevicePtr, size uint64, h MemHandle) error
+	MemUnmap(p DevicePtr, size uint64) error
+	// MemSetAccess makes a mapped range readable and writable from d;
+	// until then no copy may touch it.
+	MemSetAccess(p DevicePtr, size uint64, d Dev) error
 
 	StreamCreate(flags uint32) (Stream, error)
 	StreamSynchronize(s Stream) error

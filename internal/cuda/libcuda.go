@@ -23,37 +23,47 @@ type lib struct {
 	path   string
 	handle uintptr
 
-	cuInit                       func(flags uint32) Result
-	cuDriverGetVersion           func(v *int32) Result
-	cuDeviceGetCount             func(n *int32) Result
-	cuDeviceGet                  func(d *Dev, ordinal int32) Result
-	cuDeviceGetUuid_v2           func(u *UUID, d Dev) Result
-	cuDeviceGetAttribute         func(v *int32, attr DeviceAttribute, d Dev) Result
-	cuDevicePrimaryCtxRetain     func(c *Context, d Dev) Result
-	cuDevicePrimaryCtxRelease_v2 func(d Dev) Result
-	cuCtxSetCurrent              func(c Context) Result
-	cuCtxGetCurrent              func(c *Context) Result
-	cuMemAlloc_v2                func(p *DevicePtr, size uint64) Result
-	cuMemFree_v2                 func(p DevicePtr) Result
-	cuMemGetAddressRange_v2      func(base *DevicePtr, size *uint64, p DevicePtr) Result
-	cuMemHostAlloc               func(p *HostPtr, size uint64, flags uint32) Result
-	cuMemFreeHost                func(p HostPtr) Result
-	cuPointerGetAttribute        func(data unsafe.Pointer, attr PointerAttribute, p DevicePtr) Result
-	cuMemcpyHtoD_v2              func(dst DevicePtr, src unsafe.Pointer, n uint64) Result
-	cuMemcpyDtoH_v2              func(dst unsafe.Pointer, src DevicePtr, n uint64) Result
-	cuMemcpyHtoDAsync_v2         func(dst DevicePtr, src HostPtr, n uint64, s Stream) Result
-	cuMemcpyDtoHAsync_v2         func(dst HostPtr, src DevicePtr, n uint64, s Stream) Result
-	cuMemcpyDtoDAsync_v2         func(dst, src DevicePtr, n uint64, s Stream) Result
-	cuIpcGetMemHandle            func(h *IpcMemHandle, p DevicePtr) Result
-	cuIpcOpenMemHandle_v2        func(p *DevicePtr, h IpcMemHandle, flags uint32) Result
-	cuIpcCloseMemHandle          func(p DevicePtr) Result
-	cuStreamCreate               func(s *Stream, flags uint32) Result
-	cuStreamSynchronize          func(s Stream) Result
-	cuStreamDestroy_v2           func(s Stream) Result
-	cuEventCreate                func(e *Event, flags uint32) Result
-	cuEventRecord                func(e Event, s Stream) Result
-	cuEventQuery                 func(e Event) Result
-	cuEventDestroy_v2            func(e Event) Result
+	cuInit                         func(flags uint32) Result
+	cuDriverGetVersion             func(v *int32) Result
+	cuDeviceGetCount               func(n *int32) Result
+	cuDeviceGet                    func(d *Dev, ordinal int32) Result
+	cuDeviceGetUuid_v2             func(u *UUID, d Dev) Result
+	cuDeviceGetAttribute           func(v *int32, attr DeviceAttribute, d Dev) Result
+	cuDevicePrimaryCtxRetain       func(c *Context, d Dev) Result
+	cuDevicePrimaryCtxRelease_v2   func(d Dev) Result
+	cuCtxSetCurrent                func(c Context) Result
+	cuCtxGetCurrent                func(c *Context) Result
+	cuMemAlloc_v2                  func(p *DevicePtr, size uint64) Result
+	cuMemFree_v2                   func(p DevicePtr) Result
+	cuMemGetAddressRange_v2        func(base *DevicePtr, size *uint64, p DevicePtr) Result
+	cuMemHostAlloc                 func(p *HostPtr, size uint64, flags uint32) Result
+	cuMemFreeHost                  func(p HostPtr) Result
+	cuPointerGetAttribute          func(data unsafe.Pointer, attr PointerAttribute, p DevicePtr) Result
+	cuMemcpyHtoD_v2                func(dst DevicePtr, src unsafe.Pointer, n uint64) Result
+	cuMemcpyDtoH_v2                func(dst unsafe.Pointer, src DevicePtr, n uint64) Result
+	cuMemcpyHtoDAsync_v2           func(dst DevicePtr, src HostPtr, n uint64, s Stream) Result
+	cuMemcpyDtoHAsync_v2           func(dst HostPtr, src DevicePtr, n uint64, s Stream) Result
+	cuMemcpyDtoDAsync_v2           func(dst, src DevicePtr, n uint64, s Stream) Result
+	cuIpcGetMemHandle              func(h *IpcMemHandle, p DevicePtr) Result
+	cuIpcOpenMemHandle_v2          func(p *DevicePtr, h IpcMemHandle, flags uint32) Result
+	cuIpcCloseMemHandle            func(p DevicePtr) Result
+	cuMemGetAllocationGranularity  func(g *uint64, prop *memAllocationProp, option int32) Result
+	cuMemCreate                    func(h *MemHandle, size uint64, prop *memAllocationProp, flags uint64) Result
+	cuMemRelease                   func(h MemHandle) Result
+	cuMemExportToShareableHandle   func(fd unsafe.Pointer, h MemHandle, kind int32, flags uint64) Result
+	cuMemImportFromShareableHandle func(h *MemHandle, osHandle uintptr, kind int32) Result
+	cuMemAddressReserve            func(p *DevicePtr, size, align uint64, addr DevicePtr, flags uint64) Result
+	cuMemAddressFree               func(p DevicePtr, size uint64) Result
+	cuMemMap                       func(p DevicePtr, size, offset uint64, h MemHandle, flags uint64) Result
+	cuMemUnmap                     func(p DevicePtr, size uint64) Result
+	cuMemSetAccess                 func(p DevicePtr, size uint64, desc *memAccessDesc, count uint64) Result
+	cuStreamCreate                 func(s *Stream, flags uint32) Result
+	cuStreamSynchronize            func(s Stream) Result
+	cuStreamDestroy_v2             func(s Stream) Result
+	cuEventCreate                  func(e *Event, flags uint32) Result
+	cuEventRecord                  func(e Event, s Stream) Result
+	cuEventQuery                   func(e Event) Result
+	cuEventDestroy_v2              func(e Event) Result
 }
 
 // symbols lists every entry point with the field it fills. The names are
@@ -90,6 +100,16 @@ func (l *lib) symbols() []struct {
 		{"cuIpcGetMemHandle", &l.cuIpcGetMemHandle},
 		{"cuIpcOpenMemHandle_v2", &l.cuIpcOpenMemHandle_v2},
 		{"cuIpcCloseMemHandle", &l.cuIpcCloseMemHandle},
+		{"cuMemGetAllocationGranularity", &l.cuMemGetAllocationGranularity},
+		{"cuMemCreate", &l.cuMemCreate},
+		{"cuMemRelease", &l.cuMemRelease},
+		{"cuMemExportToShareableHandle", &l.cuMemExportToShareableHandle},
+		{"cuMemImportFromShareableHandle", &l.cuMemImportFromShareableHandle},
+		{"cuMemAddressReserve", &l.cuMemAddressReserve},
+		{"cuMemAddressFree", &l.cuMemAddressFree},
+		{"cuMemMap", &l.cuMemMap},
+		{"cuMemUnmap", &l.cuMemUnmap},
+		{"cuMemSetAccess", &l.cuMemSetAccess},
 		{"cuStreamCreate", &l.cuStreamCreate},
 		{"cuStreamSynchronize", &l.cuStreamSynchronize},
 		{"cuStreamDestroy_v2", &l.cuStreamDestroy_v2},
@@ -277,6 +297,97 @@ func (l *lib) IpcOpenMemHandle(h IpcMemHandle, flags uint32) (DevicePtr, error) 
 
 func (l *lib) IpcCloseMemHandle(p DevicePtr) error {
 	return Check("cuIpcCloseMemHandle", l.cuIpcCloseMemHandle(p))
+}
+
+// memLocation, memAllocationProp and memAccessDesc are CUmemLocation,
+// CUmemAllocationProp and CUmemAccessDesc (cuda.h, 64-bit): the driver
+// reads them through the pointers passed.
+type memLocation struct {
+	kind int32 // CU_MEM_LOCATION_TYPE_DEVICE
+	id   int32
+}
+
+type memAllocationProp struct {
+	kind        int32 // CU_MEM_ALLOCATION_TYPE_PINNED
+	handleTypes int32 // requestedHandleTypes
+	location    memLocation
+	_           uintptr // win32HandleMetaData
+	_           [8]byte // allocFlags: compressionType, gpuDirectRDMACapable, usage, reserved: all 0
+}
+
+type memAccessDesc struct {
+	location memLocation
+	flags    int32 // CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+}
+
+const (
+	memAllocationTypePinned    = 1
+	memHandleTypePosixFD       = 1
+	memLocationTypeDevice      = 1
+	memAccessProtReadWrite     = 3
+	memAllocGranularityMinimum = 0
+)
+
+var (
+	_ [32]byte = [unsafe.Sizeof(memAllocationProp{})]byte{}
+	_ [12]byte = [unsafe.Sizeof(memAccessDesc{})]byte{}
+)
+
+func pinnedOn(d Dev) memAllocationProp {
+	return memAllocationProp{kind: memAllocationTypePinned, handleTypes: memHandleTypePosixFD,
+		location: memLocation{kind: memLocationTypeDevice, id: int32(d)}}
+}
+
+func (l *lib) MemGetAllocationGranularity(d Dev) (uint64, error) {
+	var g uint64
+	prop := pinnedOn(d)
+	err := Check("cuMemGetAllocationGranularity", l.cuMemGetAllocationGranularity(&g, &prop, memAllocGranularityMinimum))
+	return g, err
+}
+
+func (l *lib) MemCreate(size uint64, d Dev) (MemHandle, error) {
+	var h MemHandle
+	prop := pinnedOn(d)
+	err := Check("cuMemCreate", l.cuMemCreate(&h, size, &prop, 0))
+	return h, err
+}
+
+func (l *lib) MemRelease(h MemHandle) error { return Check("cuMemRelease", l.cuMemRelease(h)) }
+
+func (l *lib) MemExportToShareableHandle(h MemHandle) (int, error) {
+	var fd int32 = -1
+	err := Check("cuMemExportToShareableHandle", l.cuMemExportToShareableHandle(unsafe.Pointer(&fd), h, memHandleTypePosixFD, 0))
+	return int(fd), err
+}
+
+func (l *lib) MemImportFromShareableHandle(fd int) (MemHandle, error) {
+	var h MemHandle
+	// For a POSIX fd the "pointer" is the descriptor's value itself.
+	err := Check("cuMemImportFromShareableHandle", l.cuMemImportFromShareableHandle(&h, uintptr(fd), memHandleTypePosixFD))
+	return h, err
+}
+
+func (l *lib) MemAddressReserve(size, align uint64) (DevicePtr, error) {
+	var p DevicePtr
+	err := Check("cuMemAddressReserve", l.cuMemAddressReserve(&p, size, align, 0, 0))
+	return p, err
+}
+
+func (l *lib) MemAddressFree(p DevicePtr, size uint64) error {
+	return Check("cuMemAddressFree", l.cuMemAddressFree(p, size))
+}
+
+func (l *lib) MemMap(p DevicePtr, size uint64, h MemHandle) error {
+	return Check("cuMemMap", l.cuMemMap(p, size, 0, h, 0))
+}
+
+func (l *lib) MemUnmap(p DevicePtr, size uint64) error {
+	return Check("cuMemUnmap", l.cuMemUnmap(p, size))
+}
+
+func (l *lib) MemSetAccess(p DevicePtr, size uint64, d Dev) error {
+	desc := memAccessDesc{location: memLocation{kind: memLocationTypeDevice, id: int32(d)}, flags: memAccessProtReadWrite}
+	return Check("cuMemSetAccess", l.cuMemSetAccess(p, size, &desc, 1))
 }
 
 func (l *lib) StreamCreate(flags uint32) (Stream, error) {

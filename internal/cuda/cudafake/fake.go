@@ -26,7 +26,28 @@
 //     CUDA_ERROR_INVALID_CONTEXT, opening it twice in one process
 //     CUDA_ERROR_ALREADY_MAPPED, a handle whose exporter freed the
 //     allocation or exited CUDA_ERROR_MAP_FAILED;
-//   - releasing a primary context's last reference frees its memory.
+//   - virtual memory management (cuMemCreate and the calls around it, POSIX
+//     fd handles only): the granularity is 2 MiB on every device, and
+//     handle sizes, reservations and mappings are non-zero multiples of it
+//     (CUDA_ERROR_INVALID_VALUE); a handle's memory is a memfd named
+//     fakecuda-vmm-<device uuid> and counts against Config.MemLimit. An
+//     export is a duplicate of that memfd, so another process imports it
+//     and sees the same bytes; an fd that is not such an export, or an
+//     unknown or released handle, is CUDA_ERROR_INVALID_VALUE. A mapping
+//     lies inside one reservation, overlaps no other, maps its handle from
+//     the start, and is unmapped exactly as it was made; a reservation is
+//     freed exactly as it was made and only with nothing mapped in it
+//     (CUDA_ERROR_INVALID_VALUE). Memory lives until its handles are
+//     released and its mappings unmapped. A mapping is device memory to the
+//     copies, cuPointerGetAttribute and cuMemGetAddressRange (which answers
+//     the mapping's range), but a copy touching it before cuMemSetAccess
+//     covered it is CUDA_ERROR_INVALID_VALUE (access granted to any device
+//     opens it to every context), and cuMemFree and cuIpcGetMemHandle
+//     refuse it (CUDA_ERROR_INVALID_VALUE: legacy IPC cannot export VMM
+//     memory);
+//   - releasing a primary context's last reference frees its memory: its
+//     allocations, and the VMM handles, reservations and mappings made
+//     while it was current.
 //
 // Config.Stub makes every call fail with CUDA_ERROR_STUB_LIBRARY, as the
 // toolkit's stub libcuda.so does; Config.NoDevice is a driver without a
@@ -36,9 +57,11 @@ package cudafake
 import (
 	"cmp"
 	"encoding/binary"
+	"encoding/hex"
 	"fmt"
 	"os"
 	"sort"
+	"strings"
 	"sync"
 	"unsafe"
 
@@ -78,7 +101,18 @@ type Stats struct {
 	Pending int
 	// Retained counts primary-context references per device.
 	Retained []int
+	// Handles, Reserved and Mapped count live VMM handles, address
+	// reservations and mappings.
+	Handles, Reserved, Mapped int
 }
+
+// Granularity is the VMM allocation granularity of every fake device
+// (cuMemGetAllocationGranularity), that of current GPUs.
+const Granularity = 2 << 20
+
+// vmmName starts the name of every VMM memfd, in this fake and the C one:
+// an import recognises an export by it.
+const vmmName = "fakecuda-vmm-"
 
 // Driver is the fake. It is safe for concurrent use.
 type Driver struct {
@@ -96,6 +130,8 @@ type Driver struct {
 	streams  map[cuda.Stream]*stream
 	events   map[cuda.Event]*event
 	nextH    uintptr
+	handles  map[cuda.MemHandle]*vhandle
+	reserved []*vrange
 }
 
 type device struct {
@@ -117,6 +153,40 @@ type alloc struct {
 	bufferID uint64
 	imported bool   // opened from another process's handle
 	key      string // imported: exporter pid/inode, for ALREADY_MAPPED
+}
+
+// vmem is VMM physical memory as this driver holds it: alive while a
+// handle or a mapping names it.
+type vmem struct {
+	fd    int // a memfd
+	inode uint64
+	size  uint64
+	on    int  // the device it is on
+	refs  int  // handles and mappings
+	owned bool // created here, so counted in on's used bytes
+}
+
+type vhandle struct {
+	m   *vmem
+	dev int // of the context that created or imported it
+}
+
+// vrange is a reservation. Its host side is a PROT_NONE range of the same
+// size that mappings replace with their memfd, so that adjacent mappings
+// are contiguous memory to a copy, as on a GPU.
+type vrange struct {
+	base, size uint64
+	dev        int
+	host       unsafe.Pointer
+	maps       []*vmap // sorted by base
+}
+
+type vmap struct {
+	base, size uint64
+	m          *vmem
+	dev        int
+	bufferID   uint64
+	access     []bool // per granule: cuMemSetAccess covered it
 }
 
 type op struct {
@@ -164,6 +234,7 @@ func New(cfg Config) *Driver {
 		streams:  map[cuda.Stream]*stream{},
 		events:   map[cuda.Event]*event{},
 		nextH:    0x5000,
+		handles:  map[cuda.MemHandle]*vhandle{},
 	}
 	for i := range cfg.Devices {
 		var u cuda.UUID
@@ -201,6 +272,11 @@ func (d *Driver) Stats() Stats {
 	s.Events = len(d.events)
 	for _, dv := range d.devs {
 		s.Retained = append(s.Retained, dv.retained)
+	}
+	s.Handles = len(d.handles)
+	s.Reserved = len(d.reserved)
+	for _, r := range d.reserved {
+		s.Mapped += len(r.maps)
 	}
 	return s
 }
@@ -378,6 +454,9 @@ func (d *Driver) DevicePrimaryCtxRelease(dv cuda.Dev) error {
 	kept := d.allocs[:0]
 	for _, a := range d.allocs {
 		if a.dev == int(dv) {
+			if !a.imported {
+				d.devs[a.on].used -= a.size
+			}
 			d.release(a)
 			continue
 		}
@@ -385,7 +464,7 @@ func (d *Driver) DevicePrimaryCtxRelease(dv cuda.Dev) error {
 	}
 	clear(d.allocs[len(kept):])
 	d.allocs = kept
-	x.used = 0
+	d.releaseVMM(int(dv))
 	// Pinned host memory belongs to a context too (portable memory to all
 	// of them; this fake's devices share one release point per device).
 	if d.liveContexts() == 0 {
@@ -542,11 +621,13 @@ func (d *Driver) MemGetAddressRange(p cuda.DevicePtr) (cuda.DevicePtr, uint64, e
 		return 0, 0, err
 	}
 	defer d.mu.Unlock()
-	a := d.find(uint64(p), 1)
-	if a == nil {
-		return 0, 0, fail(call, cuda.ErrorNotFound)
+	if a := d.find(uint64(p), 1); a != nil {
+		return cuda.DevicePtr(a.base), a.size, nil
 	}
-	return cuda.DevicePtr(a.base), a.size, nil
+	if _, m := d.vmapAt(uint64(p)); m != nil {
+		return cuda.DevicePtr(m.base), m.size, nil
+	}
+	return 0, 0, fail(call, cuda.ErrorNotFound)
 }
 
 func (d *Driver) MemHostAlloc(size uint64, flags uint32) (cuda.HostPtr, error) {
@@ -601,24 +682,30 @@ func (d *Driver) PointerGetAttribute(attr cuda.PointerAttribute, p cuda.DevicePt
 		return 0, err
 	}
 	defer d.mu.Unlock()
-	a := d.find(uint64(p), 1)
-	if a == nil {
+	var bufferID uint64
+	var on int
+	if a := d.find(uint64(p), 1); a != nil {
+		bufferID, on = a.bufferID, a.on
+	} else if _, m := d.vmapAt(uint64(p)); m != nil {
+		bufferID, on = m.bufferID, m.m.on
+	} else {
 		return 0, fail(call, cuda.ErrorInvalidValue)
 	}
 	switch attr {
 	case cuda.PointerAttributeBufferID:
-		return a.bufferID, nil
+		return bufferID, nil
 	case cuda.PointerAttributeDeviceOrdinal:
-		return uint64(a.on), nil
+		return uint64(on), nil
 	}
 	return 0, fail(call, cuda.ErrorInvalidValue)
 }
 
-// dbytes returns device bytes [p, p+n) or nil.
+// dbytes returns device bytes [p, p+n) or nil: of one allocation, or of
+// VMM mappings in one reservation, every byte mapped and accessible.
 func (d *Driver) dbytes(p cuda.DevicePtr, n uint64) []byte {
 	a := d.find(uint64(p), n)
 	if a == nil {
-		return nil
+		return d.vbytes(uint64(p), n)
 	}
 	off := uint64(p) - a.base
 	return a.mem[off : off+n]
@@ -831,6 +918,358 @@ func (d *Driver) IpcCloseMemHandle(p cuda.DevicePtr) error {
 	d.drainAll()
 	d.remove(a)
 	d.release(a)
+	return nil
+}
+
+// vrangeOf returns the reservation holding [p, p+n), or nil.
+func (d *Driver) vrangeOf(p, n uint64) *vrange {
+	for _, r := range d.reserved {
+		if p >= r.base && p-r.base < r.size && n <= r.base+r.size-p {
+			return r
+		}
+	}
+	return nil
+}
+
+// vmapAt returns the mapping holding p and its reservation, or nils.
+func (d *Driver) vmapAt(p uint64) (*vrange, *vmap) {
+	r := d.vrangeOf(p, 1)
+	if r == nil {
+		return nil, nil
+	}
+	for _, m := range r.maps {
+		if p >= m.base && p-m.base < m.size {
+			return r, m
+		}
+	}
+	return r, nil
+}
+
+// covered reports whether every granule of [p, p+n) in r is mapped and,
+// with access, accessible.
+func (r *vrange) covered(p, n uint64, access bool) bool {
+	lo, hi := p&^(Granularity-1), p+n
+	for g := lo; g < hi; g += Granularity {
+		var m *vmap
+		for _, x := range r.maps {
+			if g >= x.base && g-x.base < x.size {
+				m = x
+				break
+			}
+		}
+		if m == nil || access && !m.access[(g-m.base)/Granularity] {
+			return false
+		}
+	}
+	return true
+}
+
+func (r *vrange) bytes(p, n uint64) []byte {
+	return unsafe.Slice((*byte)(unsafe.Add(r.host, p-r.base)), n)
+}
+
+// vbytes returns the mapped bytes [p, p+n), or nil.
+func (d *Driver) vbytes(p, n uint64) []byte {
+	r := d.vrangeOf(p, max(n, 1))
+	if r == nil || !r.covered(p, max(n, 1), true) {
+		return nil
+	}
+	return r.bytes(p, n)
+}
+
+func (d *Driver) unref(m *vmem) {
+	m.refs--
+	if m.refs > 0 {
+		return
+	}
+	_ = unix.Close(m.fd)
+	if m.owned {
+		d.devs[m.on].used -= m.size
+	}
+}
+
+// unmap puts r's PROT_NONE host range back under m.
+func (d *Driver) unmap(r *vrange, m *vmap) {
+	_, _ = unix.MmapPtr(-1, 0, unsafe.Add(r.host, m.base-r.base), uintptr(m.size),
+		unix.PROT_NONE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE|unix.MAP_FIXED)
+	for i, x := range r.maps {
+		if x == m {
+			r.maps = append(r.maps[:i], r.maps[i+1:]...)
+			break
+		}
+	}
+	d.unref(m.m)
+}
+
+// releaseVMM frees what the context of device dv made: its mappings
+// (and every mapping in its reservations), reservations and handles.
+func (d *Driver) releaseVMM(dv int) {
+	kept := d.reserved[:0]
+	for _, r := range d.reserved {
+		for _, m := range append([]*vmap(nil), r.maps...) {
+			if m.dev == dv || r.dev == dv {
+				d.unmap(r, m)
+			}
+		}
+		if r.dev == dv {
+			_ = unix.MunmapPtr(r.host, uintptr(r.size))
+			continue
+		}
+		kept = append(kept, r)
+	}
+	clear(d.reserved[len(kept):])
+	d.reserved = kept
+	for h, x := range d.handles {
+		if x.dev == dv {
+			delete(d.handles, h)
+			d.unref(x.m)
+		}
+	}
+}
+
+// granules reports whether n is a non-zero multiple of the granularity.
+func granules(n uint64) bool { return n > 0 && n%Granularity == 0 }
+
+func (d *Driver) MemGetAllocationGranularity(dv cuda.Dev) (uint64, error) {
+	const call = "cuMemGetAllocationGranularity"
+	if err := d.enter(call); err != nil {
+		return 0, err
+	}
+	defer d.mu.Unlock()
+	if _, err := d.dev(call, dv); err != nil {
+		return 0, err
+	}
+	return Granularity, nil
+}
+
+func (d *Driver) MemCreate(size uint64, dv cuda.Dev) (cuda.MemHandle, error) {
+	const call = "cuMemCreate"
+	dev, err := d.enterCtx(call)
+	if err != nil {
+		return 0, err
+	}
+	defer d.mu.Unlock()
+	x, err := d.dev(call, dv)
+	if err != nil {
+		return 0, err
+	}
+	if !granules(size) {
+		return 0, fail(call, cuda.ErrorInvalidValue)
+	}
+	if size > d.cfg.MemLimit-x.used {
+		return 0, fail(call, cuda.ErrorOutOfMemory)
+	}
+	fd, err := unix.MemfdCreate(vmmName+hex.EncodeToString(x.uuid[:]), unix.MFD_CLOEXEC)
+	if err != nil {
+		return 0, fail(call, cuda.ErrorOutOfMemory)
+	}
+	var st unix.Stat_t
+	if unix.Ftruncate(fd, int64(size)) != nil || unix.Fstat(fd, &st) != nil {
+		unix.Close(fd)
+		return 0, fail(call, cuda.ErrorOutOfMemory)
+	}
+	x.used += size
+	m := &vmem{fd: fd, inode: st.Ino, size: size, on: int(dv), refs: 1, owned: true}
+	return d.newHandle(m, dev), nil
+}
+
+func (d *Driver) newHandle(m *vmem, dev int) cuda.MemHandle {
+	d.nextH += 0x10
+	h := cuda.MemHandle(d.nextH)
+	d.handles[h] = &vhandle{m: m, dev: dev}
+	return h
+}
+
+func (d *Driver) MemRelease(h cuda.MemHandle) error {
+	const call = "cuMemRelease"
+	if _, err := d.enterCtx(call); err != nil {
+		return err
+	}
+	defer d.mu.Unlock()
+	x := d.handles[h]
+	if x == nil {
+		return fail(call, cuda.ErrorInvalidValue)
+	}
+	delete(d.handles, h)
+	d.unref(x.m)
+	return nil
+}
+
+func (d *Driver) MemExportToShareableHandle(h cuda.MemHandle) (int, error) {
+	const call = "cuMemExportToShareableHandle"
+	if _, err := d.enterCtx(call); err != nil {
+		return -1, err
+	}
+	defer d.mu.Unlock()
+	x := d.handles[h]
+	if x == nil {
+		return -1, fail(call, cuda.ErrorInvalidValue)
+	}
+	fd, err := unix.FcntlInt(uintptr(x.m.fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return -1, fail(call, cuda.ErrorOutOfMemory)
+	}
+	return fd, nil
+}
+
+func (d *Driver) MemImportFromShareableHandle(fd int) (cuda.MemHandle, error) {
+	const call = "cuMemImportFromShareableHandle"
+	dev, err := d.enterCtx(call)
+	if err != nil {
+		return 0, err
+	}
+	defer d.mu.Unlock()
+	if fd < 0 {
+		return 0, fail(call, cuda.ErrorInvalidValue)
+	}
+	name, err := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", fd))
+	uuid, ok := strings.CutPrefix(name, "/memfd:"+vmmName)
+	var st unix.Stat_t
+	if err != nil || !ok || unix.Fstat(fd, &st) != nil || !granules(uint64(st.Size)) {
+		return 0, fail(call, cuda.ErrorInvalidValue)
+	}
+	// The same memory imported again, or an export of this driver's own,
+	// is one allocation with one more handle.
+	for _, x := range d.handles {
+		if x.m.inode == st.Ino {
+			x.m.refs++
+			return d.newHandle(x.m, dev), nil
+		}
+	}
+	for _, r := range d.reserved {
+		for _, m := range r.maps {
+			if m.m.inode == st.Ino {
+				m.m.refs++
+				return d.newHandle(m.m, dev), nil
+			}
+		}
+	}
+	own, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return 0, fail(call, cuda.ErrorOutOfMemory)
+	}
+	// The memory stays on the exporter's device where this process sees
+	// it, as for IPC handles.
+	on := dev
+	uuid, _, _ = strings.Cut(uuid, " ")
+	for i, x := range d.devs {
+		if uuid == hex.EncodeToString(x.uuid[:]) {
+			on = i
+		}
+	}
+	m := &vmem{fd: own, inode: st.Ino, size: uint64(st.Size), on: on, refs: 1}
+	return d.newHandle(m, dev), nil
+}
+
+func (d *Driver) MemAddressReserve(size, align uint64) (cuda.DevicePtr, error) {
+	const call = "cuMemAddressReserve"
+	dev, err := d.enterCtx(call)
+	if err != nil {
+		return 0, err
+	}
+	defer d.mu.Unlock()
+	if !granules(size) || align != 0 && (align%Granularity != 0 || align&(align-1) != 0) {
+		return 0, fail(call, cuda.ErrorInvalidValue)
+	}
+	host, err := unix.MmapPtr(-1, 0, nil, uintptr(size), unix.PROT_NONE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
+	if err != nil {
+		return 0, fail(call, cuda.ErrorOutOfMemory)
+	}
+	if align > 0 {
+		d.nextAddr = (d.nextAddr + align - 1) &^ (align - 1)
+	}
+	r := &vrange{base: d.reserve(size), size: size, dev: dev, host: host}
+	d.reserved = append(d.reserved, r)
+	return cuda.DevicePtr(r.base), nil
+}
+
+func (d *Driver) MemAddressFree(p cuda.DevicePtr, size uint64) error {
+	const call = "cuMemAddressFree"
+	if _, err := d.enterCtx(call); err != nil {
+		return err
+	}
+	defer d.mu.Unlock()
+	for i, r := range d.reserved {
+		if r.base == uint64(p) && r.size == size && len(r.maps) == 0 {
+			_ = unix.MunmapPtr(r.host, uintptr(r.size))
+			d.reserved = append(d.reserved[:i], d.reserved[i+1:]...)
+			return nil
+		}
+	}
+	return fail(call, cuda.ErrorInvalidValue)
+}
+
+func (d *Driver) MemMap(p cuda.DevicePtr, size uint64, h cuda.MemHandle) error {
+	const call = "cuMemMap"
+	dev, err := d.enterCtx(call)
+	if err != nil {
+		return err
+	}
+	defer d.mu.Unlock()
+	x := d.handles[h]
+	if x == nil || !granules(size) || uint64(p)%Granularity != 0 || size > x.m.size {
+		return fail(call, cuda.ErrorInvalidValue)
+	}
+	r := d.vrangeOf(uint64(p), size)
+	if r == nil {
+		return fail(call, cuda.ErrorInvalidValue)
+	}
+	for _, m := range r.maps {
+		if uint64(p) < m.base+m.size && m.base < uint64(p)+size {
+			return fail(call, cuda.ErrorInvalidValue)
+		}
+	}
+	_, err = unix.MmapPtr(x.m.fd, 0, unsafe.Add(r.host, uint64(p)-r.base), uintptr(size),
+		unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_FIXED)
+	if err != nil {
+		return fail(call, cuda.ErrorOutOfMemory)
+	}
+	x.m.refs++
+	d.nextBuf++
+	m := &vmap{base: uint64(p), size: size, m: x.m, dev: dev, bufferID: d.nextBuf, access: make([]bool, size/Granularity)}
+	i := sort.Search(len(r.maps), func(i int) bool { return r.maps[i].base > m.base })
+	r.maps = append(r.maps, nil)
+	copy(r.maps[i+1:], r.maps[i:])
+	r.maps[i] = m
+	return nil
+}
+
+func (d *Driver) MemUnmap(p cuda.DevicePtr, size uint64) error {
+	const call = "cuMemUnmap"
+	if _, err := d.enterCtx(call); err != nil {
+		return err
+	}
+	defer d.mu.Unlock()
+	r, m := d.vmapAt(uint64(p))
+	if m == nil || m.base != uint64(p) || m.size != size {
+		return fail(call, cuda.ErrorInvalidValue)
+	}
+	d.drainAll() // copies in flight finish before the memory goes, as for cuMemFree
+	d.unmap(r, m)
+	return nil
+}
+
+func (d *Driver) MemSetAccess(p cuda.DevicePtr, size uint64, dv cuda.Dev) error {
+	const call = "cuMemSetAccess"
+	if _, err := d.enterCtx(call); err != nil {
+		return err
+	}
+	defer d.mu.Unlock()
+	if _, err := d.dev(call, dv); err != nil {
+		return err
+	}
+	if !granules(size) || uint64(p)%Granularity != 0 {
+		return fail(call, cuda.ErrorInvalidValue)
+	}
+	r := d.vrangeOf(uint64(p), size)
+	if r == nil || !r.covered(uint64(p), size, false) {
+		return fail(call, cuda.ErrorInvalidValue)
+	}
+	for _, m := range r.maps {
+		for g := max(m.base, uint64(p)); g < min(m.base+m.size, uint64(p)+size); g += Granularity {
+			m.access[(g-m.base)/Granularity] = true
+		}
+	}
 	return nil
 }
 

@@ -29,6 +29,7 @@ import (
 	"testing"
 
 	"github.com/handoff-io/handoff/internal/cuda"
+	"github.com/handoff-io/handoff/internal/leakcheck"
 )
 
 // Options configures Run.
@@ -261,6 +262,140 @@ func Run(t *testing.T, o Options) {
 	})
 	t.Run("IPCCrossProcess", func(t *testing.T) { runIPC(t, open(t), o.Strict) })
 	t.Run("IPCImporterKilled", func(t *testing.T) { runKilled(t, open(t)) })
+	t.Run("VMM", func(t *testing.T) {
+		if o.Strict {
+			leakcheck.CheckFDs(t) // the fakes' memfds and duplicates all closed
+		}
+		runVMM(t, open(t), o.Strict)
+	})
+}
+
+// runVMM creates VMM memory, exports it as an fd and imports it here and
+// in a child process, maps both handles side by side in one reservation
+// and shows they are the same memory, then shows a mapping keeps the
+// memory after its handles are released.
+func runVMM(t *testing.T, drv cuda.Driver, strict bool) {
+	onThread(t, drv, func(dev cuda.Dev) {
+		g, err := drv.MemGetAllocationGranularity(dev)
+		must(t, "granularity", err)
+		if g == 0 || g&(g-1) != 0 {
+			t.Fatalf("granularity %d, want a power of two", g)
+		}
+		size := 2 * g
+		h, err := drv.MemCreate(size, dev)
+		must(t, "cuMemCreate", err)
+		fd, err := drv.MemExportToShareableHandle(h)
+		must(t, "export", err)
+		f := os.NewFile(uintptr(fd), "vmm-export")
+		defer f.Close()
+		h2, err := drv.MemImportFromShareableHandle(fd)
+		must(t, "import in the exporting process", err)
+		r, err := drv.MemAddressReserve(2*size, 0)
+		must(t, "reserve", err)
+		must(t, "map", drv.MemMap(r, size, h))
+		must(t, "map the import", drv.MemMap(r+cuda.DevicePtr(size), size, h2))
+		if strict {
+			wantIs(t, "HtoD before cuMemSetAccess", drv.MemcpyHtoD(r, make([]byte, 16)), cuda.ErrInvalidValue)
+		}
+		must(t, "set access", drv.MemSetAccess(r, size, dev))
+		must(t, "set access", drv.MemSetAccess(r+cuda.DevicePtr(size), size, dev))
+
+		// One pattern into granule 0 through h, read back through the
+		// import; a DtoD from granule 0 of one mapping into granule 1 of
+		// the other lands in granule 1 of the first.
+		src := pattern(int(g), 11)
+		must(t, "HtoD", drv.MemcpyHtoD(r, src))
+		got := make([]byte, g)
+		must(t, "DtoH through the import", drv.MemcpyDtoH(got, r+cuda.DevicePtr(size)))
+		if !bytes.Equal(got, src) {
+			t.Errorf("the imported handle's mapping does not show the exported memory")
+		}
+		s, err := drv.StreamCreate(cuda.StreamNonBlocking)
+		must(t, "stream", err)
+		must(t, "DtoD between mappings", drv.MemcpyDtoDAsync(r+cuda.DevicePtr(size+g), r, g, s))
+		must(t, "sync", drv.StreamSynchronize(s))
+		must(t, "stream destroy", drv.StreamDestroy(s))
+		clear(got)
+		must(t, "DtoH", drv.MemcpyDtoH(got, r+cuda.DevicePtr(g)))
+		if !bytes.Equal(got, src) {
+			t.Errorf("a DtoD copy into one mapping does not show in the other")
+		}
+		ord, err := drv.PointerGetAttribute(cuda.PointerAttributeDeviceOrdinal, r+cuda.DevicePtr(g))
+		must(t, "device ordinal of a mapping", err)
+		if ord != uint64(dev) {
+			t.Errorf("device ordinal of a mapping %d, want %d", ord, dev)
+		}
+		p := r + cuda.DevicePtr(size+4096)
+		base, n, err := drv.MemGetAddressRange(p)
+		must(t, "address range of a mapping", err)
+		if p < base || uint64(p-base) >= n {
+			t.Errorf("range of %#x = %#x+%d, which does not hold it", p, base, n)
+		}
+
+		// Another process imports the fd (inherited as its fd 3), checks
+		// granule 0 and writes granule 1.
+		cmd := childCmd(cuda.IpcMemHandle{}, "vmm", int(size), crc32.ChecksumIEEE(src))
+		cmd.ExtraFiles = []*os.File{f}
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Errorf("vmm child: %v\n%s", err, out)
+		} else {
+			must(t, "DtoH", drv.MemcpyDtoH(got, r+cuda.DevicePtr(g)))
+			if !bytes.Equal(got, pattern(int(g), 5)) {
+				t.Errorf("the child's write through its import is not in the exporter's memory")
+			}
+		}
+
+		if strict {
+			b1, err := drv.PointerGetAttribute(cuda.PointerAttributeBufferID, r)
+			must(t, "buffer id", err)
+			b2, err := drv.PointerGetAttribute(cuda.PointerAttributeBufferID, r+cuda.DevicePtr(size))
+			must(t, "buffer id", err)
+			if b1 == b2 {
+				t.Errorf("two mappings share buffer id %d", b1)
+			}
+			if base != r+cuda.DevicePtr(size) || n != size {
+				t.Errorf("range of %#x = %#x+%d, want the mapping %#x+%d", p, base, n, r+cuda.DevicePtr(size), size)
+			}
+			_, err = drv.IpcGetMemHandle(r)
+			wantIs(t, "cuIpcGetMemHandle of a VMM mapping", err, cuda.ErrInvalidValue)
+			wantIs(t, "cuMemFree of a VMM mapping", drv.MemFree(r), cuda.ErrInvalidValue)
+			wantIs(t, "free of a reservation with mappings in it", drv.MemAddressFree(r, 2*size), cuda.ErrInvalidValue)
+			wantIs(t, "map over a mapping", drv.MemMap(r, g, h), cuda.ErrInvalidValue)
+			wantIs(t, "unmap of part of a mapping", drv.MemUnmap(r, g), cuda.ErrInvalidValue)
+			_, err = drv.MemCreate(g+g/2, dev)
+			wantIs(t, "cuMemCreate of 1.5 granules", err, cuda.ErrInvalidValue)
+			_, err = drv.MemAddressReserve(g/2, 0)
+			wantIs(t, "reserve of half a granule", err, cuda.ErrInvalidValue)
+			pr, pw, err := os.Pipe()
+			must(t, "pipe", err)
+			_, err = drv.MemImportFromShareableHandle(int(pr.Fd()))
+			wantIs(t, "import of a pipe", err, cuda.ErrInvalidValue)
+			pr.Close()
+			pw.Close()
+			_, err = drv.MemImportFromShareableHandle(-1)
+			wantIs(t, "import of fd -1", err, cuda.ErrInvalidValue)
+		}
+
+		// Released while mapped, the memory stays until unmapped.
+		must(t, "release", drv.MemRelease(h))
+		if h2 != h { // the driver may answer an import with the handle it has
+			must(t, "release the import", drv.MemRelease(h2))
+		}
+		clear(got)
+		must(t, "DtoH after release", drv.MemcpyDtoH(got, r))
+		if !bytes.Equal(got, src) {
+			t.Errorf("a mapping lost its memory when the handles were released")
+		}
+		must(t, "unmap", drv.MemUnmap(r, size))
+		must(t, "unmap", drv.MemUnmap(r+cuda.DevicePtr(size), size))
+		must(t, "free the reservation", drv.MemAddressFree(r, 2*size))
+		if strict {
+			wantIs(t, "second release", drv.MemRelease(h), cuda.ErrInvalidValue)
+			_, err = drv.MemExportToShareableHandle(h)
+			wantIs(t, "export of a released handle", err, cuda.ErrInvalidValue)
+			wantIs(t, "DtoH from a freed reservation", drv.MemcpyDtoH(got[:16], r), cuda.ErrInvalidValue)
+		}
+	})
 }
 
 // runKilled has a child open an export and copy into it in a loop, kills
@@ -341,10 +476,14 @@ func runIPC(t *testing.T, drv cuda.Driver, strict bool) {
 }
 
 func child(h cuda.IpcMemHandle, mode string, n int, sum uint32) (string, error) {
+	out, err := childCmd(h, mode, n, sum).CombinedOutput()
+	return string(out), err
+}
+
+func childCmd(h cuda.IpcMemHandle, mode string, n int, sum uint32) *exec.Cmd {
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%s:%s:%d:%d", childEnv, mode, hex.EncodeToString(h.Reserved[:]), n, sum))
-	out, err := cmd.CombinedOutput()
-	return string(out), err
+	return cmd
 }
 
 // Child runs the child role of the IPC test and exits, when this process
@@ -378,10 +517,55 @@ func childMain(open func() (cuda.Driver, error), spec string) error {
 	}
 	var result error
 	t := &fatalTB{}
-	onThread(t, drv, func(cuda.Dev) {
+	onThread(t, drv, func(dev cuda.Dev) {
+		if f[0] == "vmm" {
+			result = childVMM(drv, dev, 3, n, uint32(sum))
+			return
+		}
 		result = childWork(drv, h, f[0], n, uint32(sum))
 	})
 	return errors.Join(result, t.err)
+}
+
+// childVMM imports the VMM export it inherited as fd, maps all n bytes of
+// it, checks the first granule's crc and writes pattern 5 into the second.
+// The handle goes as soon as it is mapped: the mapping holds the memory.
+func childVMM(drv cuda.Driver, dev cuda.Dev, fd, n int, sum uint32) error {
+	g, err := drv.MemGetAllocationGranularity(dev)
+	if err != nil {
+		return err
+	}
+	h, err := drv.MemImportFromShareableHandle(fd)
+	if err != nil {
+		return err
+	}
+	r, err := drv.MemAddressReserve(uint64(n), 0)
+	if err != nil {
+		return err
+	}
+	if err := drv.MemMap(r, uint64(n), h); err != nil {
+		return err
+	}
+	if err := drv.MemRelease(h); err != nil {
+		return err
+	}
+	if err := drv.MemSetAccess(r, uint64(n), dev); err != nil {
+		return err
+	}
+	got := make([]byte, g)
+	if err := drv.MemcpyDtoH(got, r); err != nil {
+		return err
+	}
+	if c := crc32.ChecksumIEEE(got); c != sum {
+		return fmt.Errorf("crc of the exporter's bytes %08x, want %08x", c, sum)
+	}
+	if err := drv.MemcpyHtoD(r+cuda.DevicePtr(g), pattern(int(g), 5)); err != nil {
+		return err
+	}
+	if err := drv.MemUnmap(r, uint64(n)); err != nil {
+		return err
+	}
+	return drv.MemAddressFree(r, uint64(n))
 }
 
 func childWork(drv cuda.Driver, h cuda.IpcMemHandle, mode string, n int, sum uint32) error {
