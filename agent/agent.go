@@ -448,9 +448,9 @@ func (s *session) register(q Request) (_ Reply, err error) {
 	if !buffered {
 		bufs = []Buffer{{Bytes: q.KVBytes, CUDA: q.KVCUDA}, {Bytes: q.MambaBytes, CUDA: q.MambaCUDA}}
 	}
-	n := 0 // the buffers in host memory come as fds
+	n := 0 // the buffers in host memory and VMM allocations come as fds
 	for _, b := range bufs {
-		if b.Bytes > 0 && b.CUDA == nil {
+		if b.passesFD() {
 			n++
 		}
 	}
@@ -508,7 +508,6 @@ func (s *session) register(q Request) (_ Reply, err error) {
 		return fail(err)
 	}
 	s.bufs = make([]*rdma.Region, len(bufs))
-	next := 0
 	for i, b := range bufs {
 		var r *rdma.Region
 		switch {
@@ -517,8 +516,7 @@ func (s *session) register(q Request) (_ Reply, err error) {
 		case arenas[i] != nil:
 			r, err = eng.RegisterDevice(mems[i].name, arenas[i])
 		default:
-			r, err = eng.RegisterFD(mems[i].name, fds[next], b.Bytes)
-			next++
+			r, err = eng.RegisterFD(mems[i].name, mems[i].fd, b.Bytes)
 		}
 		if err != nil {
 			return fail(err)

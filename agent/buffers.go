@@ -24,6 +24,7 @@ type bufferMem struct {
 	bytes int64
 	key   string // "": a memory of its own
 	base  uint64
+	fd    int // the descriptor it was passed as (host memory, a VMM allocation), else -1
 }
 
 // checkBuffers compares what the placements need of each buffer with what
@@ -91,13 +92,14 @@ func checkBuffers(kv, mamba placement, bufs []bufferMem) error {
 
 // describeBuffers names the registered buffers and says which are one
 // memory: host buffers by their file (one memfd passed twice), device
-// buffers by their allocation's handle, from their offset in it.
+// buffers by their allocation's handle or, for a VMM allocation, by the
+// file its fd is (one export passed twice), from their offset in it.
 func describeBuffers(bufs []Buffer, fds []int, buffered bool) ([]bufferMem, error) {
 	out := make([]bufferMem, len(bufs))
 	next := 0
 	for i, b := range bufs {
 		m := &out[i]
-		m.name, m.bytes = fmt.Sprintf("buffer %d", i), b.Bytes
+		m.name, m.bytes, m.fd = fmt.Sprintf("buffer %d", i), b.Bytes, -1
 		if !buffered {
 			m.name = []string{"kv pool", "mamba pool"}[i]
 		}
@@ -106,13 +108,26 @@ func describeBuffers(bufs []Buffer, fds []int, buffered bool) ([]bufferMem, erro
 			return nil, fmt.Errorf("%w: %s of %d bytes", ErrInvalidLayout, m.name, b.Bytes)
 		case b.Bytes == 0:
 		case b.CUDA != nil:
-			if b.CUDA.Offset > math.MaxInt64 {
-				return nil, fmt.Errorf("%w: %s at offset %d", ErrInvalidLayout, m.name, b.CUDA.Offset)
+			dm := b.CUDA
+			switch {
+			case dm.Offset > math.MaxInt64:
+				return nil, fmt.Errorf("%w: %s at offset %d", ErrInvalidLayout, m.name, dm.Offset)
+			case dm.VMMBytes > 0 && len(dm.Handle) > 0:
+				return nil, fmt.Errorf("%w: %s names both a CUDA IPC handle and a VMM allocation", ErrInvalidLayout, m.name)
+			case dm.VMMBytes > 0:
+				m.fd = fds[next]
+				next++
+				if k := fileKey(m.fd); k != "" {
+					m.key = "cuda " + dm.Device + " vmm " + k
+				}
+			default:
+				m.key = "cuda " + dm.Device + " " + string(dm.Handle)
 			}
-			m.key, m.base = "cuda "+b.CUDA.Device+" "+string(b.CUDA.Handle), b.CUDA.Offset
+			m.base = dm.Offset
 		default:
-			m.key = fileKey(fds[next])
+			m.fd = fds[next]
 			next++
+			m.key = fileKey(m.fd)
 		}
 	}
 	return out, nil

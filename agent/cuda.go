@@ -10,19 +10,22 @@ import (
 )
 
 // Device memory. An engine whose caches are on a GPU registers each pool
-// by the CUDA IPC handle of the allocation it lies in, its offset there
-// and the device's UUID (CUDAMemory) instead of by fd. The agent loads the
-// driver the first time (Config.CUDA, by default libcuda through purego:
-// no cgo), opens the device by UUID once, maps the allocation
-// (cuda.Device.OpenIPC: refused when the pool would run past it) and
-// registers the range as a device region (rdma.Engine.RegisterDevice).
+// by the allocation it lies in, its offset there and the device's UUID
+// (CUDAMemory): a cuMemAlloc allocation by its CUDA IPC handle, a VMM
+// allocation (cuMemCreate) by a POSIX fd passed as host memory's are. The
+// agent loads the driver the first time (Config.CUDA, by default libcuda
+// through purego: no cgo), opens the device by UUID once, maps the
+// allocation (cuda.Device.OpenIPC or OpenVMM: refused when the pool would
+// run past it) and registers the range as a device region
+// (rdma.Engine.RegisterDevice).
 // Grants, extents, the reserved rows' Forbid and the fences are offsets
 // and work unchanged; bytes reach device regions as the workers' do (tcp
 // staged through pinned buffers, device to device within a process, and
 // with cuda-ipc between agents on one host the receiving agent pulls from
 // the sending engine's allocation: the arena exports the engine's own
 // handle, with the engine's pid, since a mapping opened by handle cannot
-// be exported again; shm is never used for them). The mapping is closed
+// be exported again; shm is never used for them; a VMM allocation has no
+// IPC handle, so its peers reach it by tcp). The mapping is closed
 // when the engine's session ends, after its rdma engine (so after every
 // grant was revoked): the engine's allocation is its own.
 
@@ -60,11 +63,30 @@ func (a *Agent) openCUDA(dm *CUDAMemory, pid int, size uint64) (*cuda.Arena, err
 	return m, nil
 }
 
+// openVMM maps size bytes from off of the VMM allocation of allocSize
+// bytes on device uuid that the engine passed as fd.
+func (a *Agent) openVMM(uuid string, fd int, allocSize, off, size uint64) (*cuda.Arena, error) {
+	d, err := a.cuda.device(a.cfg.CUDA, uuid)
+	if err != nil {
+		return nil, err
+	}
+	m, err := d.OpenVMM(fd, allocSize, off, size)
+	if err != nil {
+		if errors.Is(err, cuda.ErrInvalidValue) {
+			// The engine's fd, sizes or offset: not the agent's fault.
+			err = fmt.Errorf("%w: %w", ErrInvalidLayout, err)
+		}
+		return nil, errors.Join(err, a.cuda.release(d))
+	}
+	return m, nil
+}
+
 // openBuffers maps the buffers in device memory (nil for one in host
-// memory), by index. Buffers in one allocation (one handle) are mapped
-// once, as a driver opens a handle once per context: one mapping from the
-// lowest of their offsets to the highest end, a view of it each. Whether
-// their planes overlap was checked before (checkBuffers).
+// memory), by index. Buffers in one allocation (one IPC handle, or one VMM
+// allocation's file) are mapped once, as a driver opens a handle once per
+// context: one mapping from the lowest of their offsets to the highest
+// end, a view of it each. Whether their planes overlap was checked before
+// (checkBuffers).
 func (s *session) openBuffers(bufs []Buffer, mems []bufferMem) ([]*cuda.Arena, error) {
 	out := make([]*cuda.Arena, len(bufs))
 	groups := map[string][]int{}
@@ -73,7 +95,13 @@ func (s *session) openBuffers(bufs []Buffer, mems []bufferMem) ([]*cuda.Arena, e
 		if b.CUDA == nil || b.Bytes <= 0 {
 			continue
 		}
-		k := string(b.CUDA.Handle)
+		k := "ipc " + string(b.CUDA.Handle)
+		if b.CUDA.VMMBytes > 0 {
+			k = fmt.Sprintf("vmm %d", i) // a file of its own, unless one with another buffer's
+			if mems[i].key != "" {
+				k = mems[i].key
+			}
+		}
 		if _, ok := groups[k]; !ok {
 			order = append(order, k)
 		}
@@ -88,9 +116,18 @@ func (s *session) openBuffers(bufs []Buffer, mems []bufferMem) ([]*cuda.Arena, e
 			if dm.Device != first.Device {
 				return nil, fmt.Errorf("%w: one allocation on devices %q and %q", ErrInvalidLayout, first.Device, dm.Device)
 			}
+			if dm.VMMBytes != first.VMMBytes {
+				return nil, fmt.Errorf("%w: one VMM allocation of %d and of %d bytes", ErrInvalidLayout, first.VMMBytes, dm.VMMBytes)
+			}
 			lo, hi = min(lo, dm.Offset), max(hi, dm.Offset+n)
 		}
-		whole, err := s.a.openCUDA(&CUDAMemory{Handle: first.Handle, Offset: lo, Device: first.Device}, s.pid, hi-lo)
+		var whole *cuda.Arena
+		var err error
+		if first.VMMBytes > 0 {
+			whole, err = s.a.openVMM(first.Device, mems[idx[0]].fd, first.VMMBytes, lo, hi-lo)
+		} else {
+			whole, err = s.a.openCUDA(&CUDAMemory{Handle: first.Handle, Offset: lo, Device: first.Device}, s.pid, hi-lo)
+		}
 		if err != nil {
 			return nil, fmt.Errorf("agent: %s in device memory: %w", mems[idx[0]].name, err)
 		}

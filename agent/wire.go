@@ -33,7 +33,7 @@ const MaxFrame = 16 << 20
 // The ops of requests.
 const (
 	OpHello     = "hello"      // -> Reply.Agent, Reply.Version
-	OpRegister  = "register"   // Layout, KVBytes, MambaBytes (or Buffers), the fds by SCM_RIGHTS (kv first) -> Fingerprint, AgentID
+	OpRegister  = "register"   // Layout, KVBytes, MambaBytes (or Buffers), the fds by SCM_RIGHTS (kv first; host memory and VMM allocations) -> Fingerprint, AgentID
 	OpGrant     = "grant"      // RequestID, Blocks, Row, DeadlineMS -> Grant, Ticket; later an event
 	OpRevoke    = "revoke"     // Grant -> {}; nothing lands after the reply
 	OpSend      = "send"       // Ticket, Blocks, Row -> Send; later an event (with Wait: no event, the reply comes once it ended)
@@ -92,16 +92,28 @@ type Buffer struct {
 	CUDA  *CUDAMemory `msgpack:"cuda,omitempty"`
 }
 
-// CUDAMemory names a pool or buffer in device memory: the CUDA IPC handle
-// of the allocation it lies in (cuIpcGetMemHandle; what torch's
-// storage._share_cuda_() returns as its handle), its byte offset in that
-// allocation (_share_cuda_'s storage offset), and the device's UUID as
-// nvidia-smi prints it ("GPU-…").
+// CUDAMemory names a pool or buffer in device memory: the allocation it
+// lies in, its byte offset in that allocation (_share_cuda_'s storage
+// offset) and the device's UUID as nvidia-smi prints it ("GPU-…"). The
+// allocation is named by one of:
+//   - Handle, its CUDA IPC handle (cuIpcGetMemHandle; what torch's
+//     storage._share_cuda_() returns as its handle), for memory from
+//     cuMemAlloc (torch's default caching allocator);
+//   - VMMBytes, its size, for memory of the virtual memory management API
+//     (cuMemCreate: torch's expandable segments, allocators that unmap
+//     while an engine sleeps), which no IPC handle names: the engine
+//     exports it as a POSIX fd (cuMemExportToShareableHandle) and passes
+//     the fd by SCM_RIGHTS, in order with the host buffers' fds.
 type CUDAMemory struct {
-	Handle []byte `msgpack:"handle"`
-	Offset uint64 `msgpack:"offset"`
-	Device string `msgpack:"device"`
+	Handle   []byte `msgpack:"handle,omitempty"`
+	VMMBytes uint64 `msgpack:"vmm_bytes,omitempty"`
+	Offset   uint64 `msgpack:"offset"`
+	Device   string `msgpack:"device"`
 }
+
+// passesFD reports whether a buffer's memory comes as a descriptor: host
+// memory, or a VMM allocation.
+func (b Buffer) passesFD() bool { return b.Bytes > 0 && (b.CUDA == nil || b.CUDA.VMMBytes > 0) }
 
 // Reply answers one request (Re) or is an event (Ev); Code and Msg say why
 // a request or a grant or send failed.

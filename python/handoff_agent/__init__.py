@@ -8,7 +8,8 @@ hands the ticket to the sender, whose agent writes its named blocks and row
 into it (:meth:`Agent.send`, or layer by layer with :meth:`Agent.open_send`).
 Ends arrive as :class:`Event` objects (:meth:`Agent.next_event`). Pools
 that lie on a GPU are registered by CUDA IPC handle instead
-(:meth:`Agent.register_cuda`, :func:`cuda_memory`).
+(:meth:`Agent.register_cuda`, :func:`cuda_memory`), or by the POSIX fd of a
+VMM allocation (:class:`VMMMemory`).
 """
 
 from .client import (
@@ -20,7 +21,7 @@ from .client import (
     Peer,
     Send,
 )
-from .layout import KVLayout, LayerPools, Layout, MambaLayout, Pools, cuda_memory
+from .layout import KVLayout, LayerPools, Layout, MambaLayout, Pools, VMMMemory, cuda_memory
 
 __all__ = [
     "Agent",
@@ -35,5 +36,6 @@ __all__ = [
     "Peer",
     "Pools",
     "Send",
+    "VMMMemory",
     "cuda_memory",
 ]

@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Optional, Union
 import msgpack
 import torch
 
-from .layout import LayerPools, Layout, Pools, cuda_memory
+from .layout import LayerPools, Layout, Pools, VMMMemory, cuda_memory
 
 VERSION = 3  # 2: planes, KV order, registration by buffers; 3: conv order
 MAX_BUFFERS = 253  # SCM_MAX_FD: the descriptors one message passes
@@ -326,12 +326,14 @@ class Agent:
     def register_cuda(
         self,
         layout: Layout,
-        kv: Optional[torch.Tensor] = None,
-        mamba: Optional[torch.Tensor] = None,
-        buffers: Optional[list[torch.Tensor]] = None,
+        kv: Optional[Union[torch.Tensor, VMMMemory]] = None,
+        mamba: Optional[Union[torch.Tensor, VMMMemory]] = None,
+        buffers: Optional[list[Union[torch.Tensor, VMMMemory]]] = None,
     ) -> str:
         """Registers pools that lie on a GPU, once, by CUDA IPC handle (see
-        :func:`cuda_memory`): ``kv`` holds ``layout``'s KV blocks back to
+        :func:`cuda_memory`), or for memory of the VMM API by the fd the
+        engine exported (a :class:`VMMMemory` where a tensor would go; its
+        peers reach it by tcp, as no CUDA IPC handle names it): ``kv`` holds ``layout``'s KV blocks back to
         back and ``mamba`` its rows (the layouts :class:`Pools` gives its
         host tensors), or each where the layout's planes place them (then
         a tensor may hold more than the planes reach). Caches kept in
@@ -341,6 +343,14 @@ class Agent:
         the engine keeps the tensors alive while registered. Returns the
         layout fingerprint."""
         req = {"op": "register", "layout": layout.wire()}
+        fds: list[int] = []  # of the VMM allocations, in order
+
+        def device_memory(t) -> dict:
+            if isinstance(t, VMMMemory):
+                fds.append(t.fd)
+                return t.wire()
+            return cuda_memory(t)
+
         if buffers is not None:
             if kv is not None or mamba is not None:
                 raise ValueError("pass the pools or buffers, not both")
@@ -351,7 +361,7 @@ class Agent:
                 if b >= len(buffers) or buffers[b].nbytes < n:
                     have = buffers[b].nbytes if b < len(buffers) else 0
                     raise ValueError(f"buffer {b} holds {have} bytes, the layout's planes reach {n}")
-            req["buffers"] = [{"bytes": t.nbytes, "cuda": cuda_memory(t)} for t in buffers]
+            req["buffers"] = [{"bytes": t.nbytes, "cuda": device_memory(t)} for t in buffers]
         pools = () if buffers is not None else (
             ("kv", kv, layout.kv_bytes(), layout.kv is not None and layout.kv.planes is not None),
             ("mamba", mamba, layout.mamba_bytes(), layout.mamba is not None and layout.mamba.planes is not None),
@@ -366,8 +376,8 @@ class Agent:
             if t.nbytes < want or (t.nbytes > want and not planes):
                 raise ValueError(f"the {name} tensor holds {t.nbytes} bytes, the layout {want}")
             req[name + "_bytes"] = t.nbytes
-            req[name + "_cuda"] = cuda_memory(t)
-        rep = self._call(req)
+            req[name + "_cuda"] = device_memory(t)
+        rep = self._call(req, fds)
         self.fingerprint = rep["fingerprint"]
         self.agent_id = rep.get("agent_id", "")
         self.transports = rep.get("transports", [])

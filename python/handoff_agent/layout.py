@@ -267,6 +267,48 @@ def cuda_memory(t: torch.Tensor) -> dict:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class VMMMemory:
+    """A pool or buffer in device memory of the CUDA virtual memory
+    management API (``cuMemCreate``), which no CUDA IPC handle names: what
+    allocators built on it hand out (torch's expandable segments, an
+    engine's own allocator that unmaps its caches while it sleeps). Pass it
+    to :meth:`Agent.register_cuda` where a tensor would go.
+
+    ``fd`` is the allocation exported as a POSIX file descriptor
+    (``cuMemExportToShareableHandle`` with
+    ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``; the allocation must have
+    been created with that handle type requested), ``alloc_bytes`` the
+    allocation's size as created, ``offset`` where the pool starts in it
+    and ``nbytes`` its length; ``device`` the device's UUID ("GPU-…", as
+    nvidia-smi prints it). The agent maps the whole allocation once; the
+    fd stays the engine's (the registration passes a copy)."""
+
+    fd: int
+    alloc_bytes: int
+    offset: int
+    nbytes: int
+    device: str
+
+    def __post_init__(self):
+        if self.fd < 0:
+            raise ValueError(f"VMM memory with fd {self.fd}")
+        if self.alloc_bytes <= 0 or self.nbytes <= 0 or self.offset < 0:
+            raise ValueError(f"VMM memory of {self.nbytes} bytes at {self.offset} of an allocation of {self.alloc_bytes}")
+        if self.offset + self.nbytes > self.alloc_bytes:
+            raise ValueError(
+                f"{self.nbytes} bytes at offset {self.offset} run past the VMM allocation's {self.alloc_bytes}"
+            )
+
+    def wire(self) -> dict:
+        uuid = self.device
+        return {
+            "vmm_bytes": self.alloc_bytes,
+            "offset": self.offset,
+            "device": uuid if uuid.startswith("GPU-") else "GPU-" + uuid,
+        }
+
+
 class _Memfd:
     """size bytes of a memfd, mapped shared; the fd is what the agent maps."""
 

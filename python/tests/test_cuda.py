@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, random_pools, tiny_layout
-from handoff_agent import Agent, AgentError, LayerPools, cuda_memory
+from handoff_agent import Agent, AgentError, LayerPools, VMMMemory, cuda_memory
 
 UUID = "5b1a9e2c-0c3d-4f0e-9a55-1c2d3e4f5a6b"
 
@@ -270,3 +270,135 @@ def test_device_buffers_through_the_fake_driver(agents, fakecuda, monkeypatch):
                 off, stride, buf = lay.mamba.planes[2 * layer + part]
                 want = t[4].contiguous().view(torch.uint8).numpy().tobytes()
                 assert gpu.read(offs[buf] + off + 1 * stride, len(want)) == want
+
+
+class _AllocProp(ctypes.Structure):
+    # CUmemAllocationProp: type, requestedHandleTypes, location (type, id),
+    # win32HandleMetaData, allocFlags.
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("handle_types", ctypes.c_int),
+        ("loc_type", ctypes.c_int),
+        ("loc_id", ctypes.c_int),
+        ("win32", ctypes.c_void_p),
+        ("flags", ctypes.c_ubyte * 8),
+    ]
+
+
+class _AccessDesc(ctypes.Structure):
+    # CUmemAccessDesc: location (type, id), flags.
+    _fields_ = [("loc_type", ctypes.c_int), ("loc_id", ctypes.c_int), ("flags", ctypes.c_int)]
+
+
+class FakeVMM(FakeGPU):
+    """A VMM allocation of this process through the fake driver, as an
+    allocator built on cuMemCreate makes one (pinned, on device 0, a POSIX
+    fd its handle type), mapped here to fill and read it, and exported as
+    the fd an engine passes its agent."""
+
+    def __init__(self, lib_path: str, size: int):
+        self.lib = lib = ctypes.CDLL(lib_path)
+        self._ok(lib.cuInit(0))
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        self._ok(lib.cuDeviceGet(ctypes.byref(dev), 0))
+        self._ok(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+        self._ok(lib.cuCtxSetCurrent(ctx))
+        uuid = (ctypes.c_char * 16)()
+        self._ok(lib.cuDeviceGetUuid_v2(uuid, dev))
+        self.uuid = str(UUIDType(bytes=bytes(uuid)))
+        prop = _AllocProp(type=1, handle_types=1, loc_type=1, loc_id=dev.value)
+        gran = ctypes.c_size_t()
+        self._ok(lib.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(prop), 0))
+        self.size = -(-size // gran.value) * gran.value
+        h = ctypes.c_ulonglong()
+        self._ok(lib.cuMemCreate(ctypes.byref(h), ctypes.c_size_t(self.size), ctypes.byref(prop), ctypes.c_ulonglong(0)))
+        fd = ctypes.c_int(-1)
+        self._ok(lib.cuMemExportToShareableHandle(ctypes.byref(fd), h, 1, ctypes.c_ulonglong(0)))
+        self.fd = fd.value
+        self.base = ctypes.c_ulonglong()
+        self._ok(
+            lib.cuMemAddressReserve(
+                ctypes.byref(self.base), ctypes.c_size_t(self.size), ctypes.c_size_t(0), ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)
+            )
+        )
+        self._ok(lib.cuMemMap(self.base, ctypes.c_size_t(self.size), ctypes.c_size_t(0), h, ctypes.c_ulonglong(0)))
+        acc = _AccessDesc(loc_type=1, loc_id=dev.value, flags=3)
+        self._ok(lib.cuMemSetAccess(self.base, ctypes.c_size_t(self.size), ctypes.byref(acc), ctypes.c_size_t(1)))
+        self._ok(lib.cuMemRelease(h))  # the mapping keeps the memory
+
+    def close(self):
+        self._ok(self.lib.cuMemUnmap(self.base, ctypes.c_size_t(self.size)))
+        self._ok(self.lib.cuMemAddressFree(self.base, ctypes.c_size_t(self.size)))
+        os.close(self.fd)
+
+    def memory(self, off: int, nbytes: int) -> VMMMemory:
+        return VMMMemory(fd=self.fd, alloc_bytes=self.size, offset=off, nbytes=nbytes, device=self.uuid)
+
+
+def test_vmm_memory_checked():
+    with pytest.raises(ValueError, match="run past"):
+        VMMMemory(fd=3, alloc_bytes=4096, offset=4000, nbytes=200, device=UUID)
+    with pytest.raises(ValueError, match="fd -1"):
+        VMMMemory(fd=-1, alloc_bytes=4096, offset=0, nbytes=200, device=UUID)
+    m = VMMMemory(fd=3, alloc_bytes=4096, offset=64, nbytes=200, device=UUID)
+    assert m.wire() == {"vmm_bytes": 4096, "offset": 64, "device": "GPU-" + UUID}
+
+
+@pytest.mark.parametrize("direction", ["device to host", "host to device"])
+def test_vmm_pools_through_the_fake_driver(agents, fakecuda, monkeypatch, direction):
+    """Pools in one VMM allocation, registered by the fd the engine
+    exported (no CUDA IPC handle names such memory): blocks and a row land
+    byte-exact both ways against a host engine over tcp, nothing around
+    them moves, and the agent keeps no descriptor of the allocation."""
+    lay = tiny_layout()
+    bb, rb = lay.block_bytes(), lay.row_bytes()
+    kv_n, m_n = lay.kv.blocks * bb, lay.mamba.rows * rb
+    kv_off, m_off = 4096, 4096 + kv_n + 512
+    monkeypatch.setenv("HANDOFF_LIBCUDA", fakecuda)
+    gpu = FakeVMM(fakecuda, m_off + m_n)
+    g = torch.Generator().manual_seed(11)
+    gpu.write(kv_off, torch.randint(0, 256, (kv_n,), dtype=torch.uint8, generator=g).numpy().tobytes())
+    gpu.write(m_off, torch.randint(0, 256, (m_n,), dtype=torch.uint8, generator=g).numpy().tobytes())
+
+    da, ha = agents("gpu", "tcp"), agents("host", "tcp")
+    try:
+        with Agent.connect(da.sock) as dev, Agent.connect(ha.sock) as host:
+            fp = dev.register_cuda(lay, kv=gpu.memory(kv_off, kv_n), mamba=gpu.memory(m_off, m_n))
+            assert _fds_of(da.proc.pid, gpu.fd) == 0, "the agent keeps the mapping, not the descriptors"
+            pools = random_pools(lay, 8)
+            assert host.register(pools) == fp
+            before = bytearray(gpu.read(0, gpu.size))
+            if direction == "device to host":
+                gr = host.grant(request_id=5, blocks=[9, 3, 20], row=1, deadline=5)
+                ev = dev.wait_send(dev.send(gr.ticket, blocks=[0, 1, 2], row=4), timeout=10)
+                assert ev.ok, ev
+                assert host.wait_grant(gr, timeout=10).ok
+                for s, d in [(0, 9), (1, 3), (2, 20)]:
+                    assert pools.kv[d].contiguous().view(torch.uint8).numpy().tobytes() == gpu.read(kv_off + s * bb, bb)
+                assert pools.mamba[1].numpy().tobytes() == gpu.read(m_off + 4 * rb, rb)
+                assert gpu.read(0, gpu.size) == bytes(before), "the sender's device memory changed"
+            else:
+                gr = dev.grant(request_id=5, blocks=[9, 3, 20], row=1, deadline=5)
+                ev = host.wait_send(host.send(gr.ticket, blocks=[0, 1, 2], row=4), timeout=10)
+                assert ev.ok, ev
+                assert dev.wait_grant(gr, timeout=10).ok
+                for s, d in [(0, 9), (1, 3), (2, 20)]:
+                    before[kv_off + d * bb : kv_off + (d + 1) * bb] = pools.kv[s].contiguous().view(torch.uint8).numpy().tobytes()
+                before[m_off + rb : m_off + 2 * rb] = pools.mamba[4].numpy().tobytes()
+                assert gpu.read(0, gpu.size) == bytes(before), "only the granted blocks and row changed, to the sent bytes"
+    finally:
+        gpu.close()
+
+
+def _fds_of(pid: int, fd: int) -> int:
+    """How many descriptors process pid holds of the file fd is."""
+    want = os.fstat(fd)
+    n = 0
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+            n += 1
+    return n
