@@ -401,9 +401,14 @@ func (s *ucxServer) hello(h *header, lid, seq uint64, tail []byte) {
 	s.e.writerUp(r.agent)
 	if old != nil {
 		s.e.writerDown(old.agent, false)
-		// The writer reset the link (its endpoint is closed): the old
-		// endpoint back to it goes as a goodbye's would.
-		s.spawn(func() { s.closeEP(old.ep, ucx.CloseFlush) })
+		// The writer reset the link (its endpoint is closed): it gave up
+		// what it landed without committing, as a tcp writer that closes a
+		// connection mid-write does, and the old endpoint back to it goes
+		// as a goodbye's would.
+		s.spawn(func() {
+			s.failTouched(old, fmt.Errorf("%w: the writer reset its link", ErrPeerClosed))
+			s.closeEP(old.ep, ucx.CloseFlush)
+		})
 	}
 	s.reply(r, seq, 0, 0, nil)
 }
@@ -437,6 +442,12 @@ func (s *ucxServer) bye(lid uint64) {
 
 // gone fails what r landed without committing and reports its writer.
 func (s *ucxServer) gone(r *ucxRx, cause error) {
+	s.failTouched(r, cause)
+	s.e.writerDown(r.agent, true)
+}
+
+// failTouched fails the grants r landed in without committing.
+func (s *ucxServer) failTouched(r *ucxRx, cause error) {
 	s.mu.Lock()
 	touched := make([]*Grant, 0, len(r.touched))
 	for _, g := range r.touched {
@@ -447,7 +458,6 @@ func (s *ucxServer) gone(r *ucxRx, cause error) {
 	for _, g := range touched {
 		g.terminate(fmt.Errorf("ucx link from %s closed before commit: %w", r.agent, cause))
 	}
-	s.e.writerDown(r.agent, true)
 }
 
 // peerError is the worker's report that an endpoint failed (on its
