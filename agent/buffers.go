@@ -93,7 +93,7 @@ func checkBuffers(kv, mamba placement, bufs []bufferMem) error {
 // describeBuffers names the registered buffers and says which are one
 // memory: host buffers by their file (one memfd passed twice), device
 // buffers by their allocation's handle or, for a VMM allocation, by the
-// file its fd is (one export passed twice), from their offset in it.
+// id the engine gave it, from their offset in it.
 func describeBuffers(bufs []Buffer, fds []int, buffered bool) ([]bufferMem, error) {
 	out := make([]bufferMem, len(bufs))
 	next := 0
@@ -117,8 +117,8 @@ func describeBuffers(bufs []Buffer, fds []int, buffered bool) ([]bufferMem, erro
 			case dm.VMMBytes > 0:
 				m.fd = fds[next]
 				next++
-				if k := fileKey(m.fd); k != "" {
-					m.key = "cuda " + dm.Device + " vmm " + k
+				if dm.VMMID != 0 {
+					m.key = fmt.Sprintf("cuda vmm %d", dm.VMMID)
 				}
 			default:
 				m.key = "cuda " + dm.Device + " " + string(dm.Handle)

@@ -83,7 +83,7 @@ func (a *Agent) openVMM(uuid string, fd int, allocSize, off, size uint64) (*cuda
 
 // openBuffers maps the buffers in device memory (nil for one in host
 // memory), by index. Buffers in one allocation (one IPC handle, or one VMM
-// allocation's file) are mapped once, as a driver opens a handle once per
+// allocation's id) are mapped once, as a driver opens a handle once per
 // context: one mapping from the lowest of their offsets to the highest
 // end, a view of it each. Whether their planes overlap was checked before
 // (checkBuffers).
@@ -97,8 +97,8 @@ func (s *session) openBuffers(bufs []Buffer, mems []bufferMem) ([]*cuda.Arena, e
 		}
 		k := "ipc " + string(b.CUDA.Handle)
 		if b.CUDA.VMMBytes > 0 {
-			k = fmt.Sprintf("vmm %d", i) // a file of its own, unless one with another buffer's
-			if mems[i].key != "" {
+			k = fmt.Sprintf("vmm buffer %d", i) // an allocation of its own
+			if b.CUDA.VMMID != 0 {
 				k = mems[i].key
 			}
 		}

@@ -4,6 +4,7 @@ package agent
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"testing"
 	"time"
@@ -115,10 +116,10 @@ func vmmPools(t *testing.T, exp cuda.Driver, l Layout, seed uint64) (*vmmEngine,
 	e.v.write(t, e.mOff, mam)
 	dev := d.UUID().String()
 	q := Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes(),
-		KVCUDA:    &CUDAMemory{VMMBytes: e.v.size, Offset: e.kvOff, Device: dev},
-		MambaCUDA: &CUDAMemory{VMMBytes: e.v.size, Offset: e.mOff, Device: dev}}
-	// One allocation passed for both pools: one descriptor each, as an
-	// engine passes what it registers.
+		KVCUDA:    &CUDAMemory{VMMBytes: e.v.size, VMMID: 1, Offset: e.kvOff, Device: dev},
+		MambaCUDA: &CUDAMemory{VMMBytes: e.v.size, VMMID: 1, Offset: e.mOff, Device: dev}}
+	// One allocation passed for both pools (one id): one descriptor each,
+	// as an engine passes what it registers.
 	return e, q, []int{e.v.fd, e.v.fd}
 }
 
@@ -220,6 +221,7 @@ func TestDeviceMemoryVMMRefused(t *testing.T) {
 		{"two sizes of one allocation", func(q *Request) []int { q.KVCUDA.VMMBytes *= 2; return fds }, "one VMM allocation of"},
 		{"a handle too", func(q *Request) []int { q.KVCUDA.Handle = make([]byte, 64); return fds }, "both a CUDA IPC handle and a VMM allocation"},
 		{"one descriptor short", func(q *Request) []int { return fds[:1] }, "descriptors"},
+		{"one allocation's pools overlapping", func(q *Request) []int { q.MambaCUDA.Offset = q.KVCUDA.Offset + 64; return fds }, "overlap"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c, err := Dial(context.Background(), sock)
@@ -259,4 +261,46 @@ func fdsOf(t *testing.T, fd int) int {
 		}
 	}
 	return n
+}
+
+// TestDeviceMemoryVMMTwoAllocations: pools in two VMM allocations of one
+// size, each at offset 0, are two memories (two ids: the driver's fds do
+// not tell allocations apart): each is mapped, no overlap is claimed, and
+// each pool's bytes land in its own allocation. Without ids, the same.
+func TestDeviceMemoryVMMTwoAllocations(t *testing.T) {
+	for _, ids := range [][2]uint64{{1, 2}, {0, 0}} {
+		t.Run(fmt.Sprint(ids), func(t *testing.T) { vmmTwoAllocations(t, ids) })
+	}
+}
+
+func vmmTwoAllocations(t *testing.T, ids [2]uint64) {
+	exp := cudafake.New(cudafake.Config{})
+	imp := cudafake.New(cudafake.Config{PID: os.Getpid() + 1<<22})
+	h := register(t, startAgent(t, "host", rdma.TransportSHM, rdma.TransportTCP), tinyLayout())
+	l := tinyLayout()
+	p, err := compile(l, false)
+	require.NoError(t, err)
+	d, err := cuda.OpenDevice(exp, "0")
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, d.Close()) }) // after the allocations' cleanups
+	size := uint64(max(p.kvBytes(), p.mambaBytes()))
+	kvA, mamA := newVMM(t, d, size), newVMM(t, d, size)
+	require.Equal(t, kvA.size, mamA.size)
+	dev := d.UUID().String()
+	c, err := Dial(context.Background(), startCUDAAgent(t, "gpu", imp))
+	require.NoError(t, err)
+	defer c.Close()
+	_, err = c.Call(ctxT(t), Request{Op: OpRegister, Layout: &l, KVBytes: p.kvBytes(), MambaBytes: p.mambaBytes(),
+		KVCUDA:    &CUDAMemory{VMMBytes: kvA.size, VMMID: ids[0], Device: dev},
+		MambaCUDA: &CUDAMemory{VMMBytes: mamA.size, VMMID: ids[1], Device: dev}}, []int{kvA.fd, mamA.fd})
+	require.NoError(t, err, "ids %v", ids)
+	require.Equal(t, 2, imp.Stats().Mapped)
+	gr, err := c.Call(ctxT(t), Request{Op: OpGrant, RequestID: 1, Blocks: []int{3}, Row: Row(2)}, nil)
+	require.NoError(t, err)
+	_, err = h.c.Call(ctxT(t), Request{Op: OpSend, Ticket: gr.Ticket, Blocks: []int{1}, Row: Row(0)}, nil)
+	require.NoError(t, err)
+	event(t, h, EvSendDone)
+	bb := uint64(p.kv.BlockBytes())
+	require.Equal(t, h.block(1), kvA.read(t, 3*bb, bb))
+	require.Equal(t, h.row(0), mamA.read(t, p.rowOff(2), uint64(p.mamba.RowBytes())))
 }

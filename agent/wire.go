@@ -99,14 +99,18 @@ type Buffer struct {
 //   - Handle, its CUDA IPC handle (cuIpcGetMemHandle; what torch's
 //     storage._share_cuda_() returns as its handle), for memory from
 //     cuMemAlloc (torch's default caching allocator);
-//   - VMMBytes, its size, for memory of the virtual memory management API
-//     (cuMemCreate: torch's expandable segments, allocators that unmap
-//     while an engine sleeps), which no IPC handle names: the engine
+//   - VMMBytes, its size, for one allocation of the virtual memory
+//     management API (cuMemCreate), which no IPC handle names: the engine
 //     exports it as a POSIX fd (cuMemExportToShareableHandle) and passes
-//     the fd by SCM_RIGHTS, in order with the host buffers' fds.
+//     the fd by SCM_RIGHTS, in order with the host buffers' fds. The fd
+//     does not say which allocation it is (the driver's exports are all
+//     one device file), so VMMID does: buffers with one non-zero VMMID
+//     are one allocation, mapped once, whose planes must not overlap; 0
+//     is an allocation of its own.
 type CUDAMemory struct {
 	Handle   []byte `msgpack:"handle,omitempty"`
 	VMMBytes uint64 `msgpack:"vmm_bytes,omitempty"`
+	VMMID    uint64 `msgpack:"vmm_id,omitempty"`
 	Offset   uint64 `msgpack:"offset"`
 	Device   string `msgpack:"device"`
 }

@@ -14,13 +14,13 @@ type vmmMapping struct {
 
 // OpenVMM maps the VMM allocation (cuMemCreate) that another process, the
 // engine, exported as the POSIX file descriptor fd
-// (cuMemExportToShareableHandle), allocSize bytes of it from its start,
-// and returns an arena over size bytes of it from off: how a sidecar
-// reaches caches whose allocator is built on the VMM API (torch's
-// expandable segments, allocators that unmap memory while an engine
-// sleeps), which CUDA IPC handles cannot name. fd stays the caller's; the
-// mapping holds the memory until Free, whatever the exporter does with its
-// handle.
+// (cuMemExportToShareableHandle), all allocSize bytes of it, and returns an
+// arena over size bytes of it from off: how a sidecar reaches caches that
+// an allocator built on the VMM API placed, which CUDA IPC handles cannot
+// name. fd stays the caller's. The mapping holds the physical memory until
+// Free, whatever the exporter does with its own handle and mappings
+// meanwhile. What the exporter named wrongly (an fd that is no export, a
+// size the allocation does not have) matches ErrInvalidValue.
 //
 // The arena cannot be exported again for CUDA IPC (Export fails: a legacy
 // handle cannot name VMM memory), so an rdma engine's peers reach it by
@@ -30,7 +30,7 @@ func (d *Device) OpenVMM(fd int, allocSize, off, size uint64) (*Arena, error) {
 		return nil, fmt.Errorf("%w: %d bytes at offset %d of a VMM allocation of %d", ErrInvalidValue, size, off, allocSize)
 	}
 	var base DevicePtr
-	err := d.Do(func(drv Driver) (err error) {
+	err := d.Do(func(drv Driver) error {
 		g, err := drv.MemGetAllocationGranularity(d.dev)
 		if err != nil {
 			return err
@@ -40,20 +40,24 @@ func (d *Device) OpenVMM(fd int, allocSize, off, size uint64) (*Arena, error) {
 		}
 		h, err := drv.MemImportFromShareableHandle(fd)
 		if err != nil {
-			return err
+			// The driver's code for an fd that is no export varies.
+			return fmt.Errorf("%w: importing the VMM allocation's fd: %w", ErrInvalidValue, err)
 		}
-		// The mapping keeps the memory: the handle is let go whatever
-		// happens next.
-		defer func() { err = errors.Join(err, drv.MemRelease(h)) }()
 		p, err := drv.MemAddressReserve(allocSize, 0)
 		if err != nil {
-			return err
+			return errors.Join(err, drv.MemRelease(h))
 		}
 		if err := drv.MemMap(p, allocSize, h); err != nil {
-			return errors.Join(err, drv.MemAddressFree(p, allocSize))
+			// Most likely an allocation smaller than allocSize.
+			return errors.Join(fmt.Errorf("%w: mapping %d bytes of the VMM allocation: %w", ErrInvalidValue, allocSize, err),
+				drv.MemRelease(h), drv.MemAddressFree(p, allocSize))
 		}
 		unmap := func(err error) error {
 			return errors.Join(err, drv.MemUnmap(p, allocSize), drv.MemAddressFree(p, allocSize))
+		}
+		// The mapping holds the memory from here on.
+		if err := drv.MemRelease(h); err != nil {
+			return unmap(err)
 		}
 		if err := drv.MemSetAccess(p, allocSize, d.dev); err != nil {
 			return unmap(err)

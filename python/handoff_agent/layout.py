@@ -269,11 +269,10 @@ def cuda_memory(t: torch.Tensor) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class VMMMemory:
-    """A pool or buffer in device memory of the CUDA virtual memory
+    """A pool or buffer in one allocation of the CUDA virtual memory
     management API (``cuMemCreate``), which no CUDA IPC handle names: what
-    allocators built on it hand out (torch's expandable segments, an
-    engine's own allocator that unmaps its caches while it sleeps). Pass it
-    to :meth:`Agent.register_cuda` where a tensor would go.
+    an engine's own allocator built on that API hands out. Pass it to
+    :meth:`Agent.register_cuda` where a tensor would go.
 
     ``fd`` is the allocation exported as a POSIX file descriptor
     (``cuMemExportToShareableHandle`` with
@@ -281,8 +280,14 @@ class VMMMemory:
     been created with that handle type requested), ``alloc_bytes`` the
     allocation's size as created, ``offset`` where the pool starts in it
     and ``nbytes`` its length; ``device`` the device's UUID ("GPU-…", as
-    nvidia-smi prints it). The agent maps the whole allocation once; the
-    fd stays the engine's (the registration passes a copy)."""
+    nvidia-smi prints it). The pool must lie in that one allocation (a
+    tensor of torch's expandable segments spans many). Export each
+    allocation once and pass pools in it with the same fd: they are mapped
+    once and checked not to overlap. The fd stays the engine's (the
+    registration passes a copy). The agent's mapping keeps the memory
+    while registered: an engine that releases or remaps it ends its
+    registration first (closes its connection) and registers again
+    after."""
 
     fd: int
     alloc_bytes: int
@@ -291,6 +296,10 @@ class VMMMemory:
     device: str
 
     def __post_init__(self):
+        for name in ("fd", "alloc_bytes", "offset", "nbytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"VMM memory with {name} {v!r}, not an int")
         if self.fd < 0:
             raise ValueError(f"VMM memory with fd {self.fd}")
         if self.alloc_bytes <= 0 or self.nbytes <= 0 or self.offset < 0:
@@ -304,6 +313,8 @@ class VMMMemory:
         uuid = self.device
         return {
             "vmm_bytes": self.alloc_bytes,
+            # Names the allocation: the driver's fds do not tell them apart.
+            "vmm_id": self.fd + 1,
             "offset": self.offset,
             "device": uuid if uuid.startswith("GPU-") else "GPU-" + uuid,
         }

@@ -341,7 +341,9 @@ def test_vmm_memory_checked():
     with pytest.raises(ValueError, match="fd -1"):
         VMMMemory(fd=-1, alloc_bytes=4096, offset=0, nbytes=200, device=UUID)
     m = VMMMemory(fd=3, alloc_bytes=4096, offset=64, nbytes=200, device=UUID)
-    assert m.wire() == {"vmm_bytes": 4096, "offset": 64, "device": "GPU-" + UUID}
+    assert m.wire() == {"vmm_bytes": 4096, "vmm_id": 4, "offset": 64, "device": "GPU-" + UUID}
+    with pytest.raises(ValueError, match="not an int"):
+        VMMMemory(fd=3, alloc_bytes=4096.0, offset=0, nbytes=200, device=UUID)
 
 
 @pytest.mark.parametrize("direction", ["device to host", "host to device"])
