@@ -180,8 +180,10 @@ func (e *engine) row(r int) []byte {
 	return e.mam[r*n : (r+1)*n]
 }
 
+// ctxT bounds a test's calls: a hang fails the test instead of the run.
+// Generous, as the largest tests take seconds under -race on 2 cores.
 func ctxT(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	t.Cleanup(cancel)
 	return ctx
 }
