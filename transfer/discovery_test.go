@@ -5,7 +5,6 @@ package transfer
 
 import (
 	"context"
-	"fmt"
 	"testing"
 	"time"
 
@@ -86,12 +85,7 @@ func TestRegistryExpiry(t *testing.T) {
 		return wire.Instance{ID: "p-dead", Role: wire.RolePrefill, Fingerprint: "fp"}
 	}))
 	require.NoError(t, dead.close(ctx))
-	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(watcher.Instances(wire.RolePrefill, time.Now())); n != 2 {
-			return fmt.Errorf("%d instances", n)
-		}
-		return nil
-	})
+	waitKnown(t, watcher, wire.RolePrefill, 2)
 	// The stopped one expires: locally by its age, then by the server's marker.
 	select {
 	case id := <-gone:
@@ -127,10 +121,5 @@ func TestRegistryWatchOutlivesItsContext(t *testing.T) {
 	require.NoError(t, late.announce(context.Background(), func() wire.Instance {
 		return wire.Instance{ID: "p-late", Role: wire.RolePrefill, Fingerprint: "fp"}
 	}))
-	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(watcher.Instances(wire.RolePrefill, time.Now())); n != 1 {
-			return fmt.Errorf("%d instances, want the one announced after Watch's ctx ended", n)
-		}
-		return nil
-	})
+	waitKnown(t, watcher, wire.RolePrefill, 1)
 }

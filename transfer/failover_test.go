@@ -31,12 +31,7 @@ func TestHandoffPrefillDeath(t *testing.T) {
 	x.block = make(chan struct{})
 	p := f.prefiller("p1", f.fp, x, withRegistryP)
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
-	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 1 {
-			return fmt.Errorf("%d prefill instances known", n)
-		}
-		return nil
-	})
+	waitKnown(t, d.Registry(), wire.RolePrefill, 1)
 	go func() {
 		<-x.started
 		// What expiry of the worker's entry looks like to watchers.
@@ -63,12 +58,7 @@ func TestPrefillerStopsOnDecodeDeath(t *testing.T) {
 	x.block = make(chan struct{})
 	p := f.prefiller("p1", f.fp, x, withRegistryP)
 	d := f.decoder("d1", ds, withRegistry)
-	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(p.registry().Instances(wire.RoleDecode, time.Now())); n != 1 {
-			return fmt.Errorf("%d decode instances known", n)
-		}
-		return nil
-	})
+	waitKnown(t, p.registry(), wire.RoleDecode, 1)
 	// The worker pre-connected its data plane to the decode instance it saw.
 	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
 		if tr, ok := ps.eng.TransportFor("dec"); !ok || tr != rdma.TransportInproc {
@@ -115,12 +105,7 @@ func TestHandoffPrefillDeathRetried(t *testing.T) {
 		pre[name] = f.prefiller(name, f.fp, xs[name], withRegistryP)
 	}
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
-	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 2 {
-			return fmt.Errorf("%d prefill instances known", n)
-		}
-		return nil
-	})
+	waitKnown(t, d.Registry(), wire.RolePrefill, 2)
 	// Every request addressed to an instance, as sent.
 	nc := natstest.Connect(t, f.srv)
 	sent := make(chan wire.PrefillRequest, 8)

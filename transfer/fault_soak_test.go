@@ -19,7 +19,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/handoff-io/handoff/internal/natstest"
 	"github.com/handoff-io/handoff/rdma"
 	"github.com/handoff-io/handoff/transfer/session"
 	"github.com/handoff-io/handoff/transfer/wire"
@@ -70,12 +69,7 @@ func TestFaultSoak(t *testing.T) {
 	d := f.decoder("d1", ds, func(c *DecoderConfig) {
 		c.NoRegistry, c.DirectFirst, c.Registry, c.Logger = false, true, reg, logger.With("side", c.Instance)
 	})
-	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 2 {
-			return fmt.Errorf("%d prefill instances known", n)
-		}
-		return nil
-	})
+	waitKnown(t, d.Registry(), wire.RolePrefill, 2)
 	rng := rand.New(rand.NewPCG(seed, 5))
 	outcomes := map[string]int{}
 	const deadline = 2 * time.Second

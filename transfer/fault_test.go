@@ -196,12 +196,7 @@ func TestFaultHandoffResetMidFrame(t *testing.T) {
 	f.prefiller("p1", f.fp, x1, withRegistryP)
 	f.prefiller("p2", f.fp, x2, withRegistryP)
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
-	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 2 {
-			return fmt.Errorf("%d prefill instances known", n)
-		}
-		return nil
-	})
+	waitKnown(t, d.Registry(), wire.RolePrefill, 2)
 	// Past the hellos of both workers' pre-connects, inside the first
 	// handoff's data.
 	fired := proxy.ResetAfter(4096)
@@ -242,12 +237,7 @@ func TestFaultHandoffResetWriterFirst(t *testing.T) {
 	f.prefiller("p1", f.fp, newExec(ps1), withRegistryP)
 	f.prefiller("p2", f.fp, newExec(ps2), withRegistryP)
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { c.NoRegistry, c.DirectFirst = false, true })
-	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 2 {
-			return fmt.Errorf("%d prefill instances known", n)
-		}
-		return nil
-	})
+	waitKnown(t, d.Registry(), wire.RolePrefill, 2)
 	fired := proxy.ResetClientAfter(4096)
 	start := time.Now()
 	const deadline = 20 * time.Second

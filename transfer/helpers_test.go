@@ -22,6 +22,7 @@ import (
 	"github.com/handoff-io/handoff/kvcache"
 	"github.com/handoff-io/handoff/mambacache"
 	"github.com/handoff-io/handoff/rdma"
+	"github.com/handoff-io/handoff/transfer/wire"
 )
 
 func testHybrid(blocks, mbs int) hybrid.Config {
@@ -370,4 +371,15 @@ func duplicateKeys(t *testing.T, line string) []string {
 		require.NoError(t, dec.Decode(&v), line)
 	}
 	return dups
+}
+
+// waitKnown waits until reg knows n live instances of role.
+func waitKnown(t *testing.T, reg *Registry, role wire.Role, n int) {
+	t.Helper()
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if got := len(reg.Instances(role, time.Now())); got != n {
+			return fmt.Errorf("%d %s instances known, want %d", got, role, n)
+		}
+		return nil
+	})
 }

@@ -61,12 +61,7 @@ func TestDrainTimeoutRetriedElsewhere(t *testing.T) {
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { withRegistry(c); c.DirectFirst = true })
 	p1 := f.prefiller("p1", f.fp, x1, withRegistryP)
 	instances := func(n int) {
-		natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-			if got := len(d.Registry().Instances(wire.RolePrefill, time.Now())); got != n {
-				return fmt.Errorf("%d prefill instances, want %d", got, n)
-			}
-			return nil
-		})
+		waitKnown(t, d.Registry(), wire.RolePrefill, n)
 	}
 	instances(1)
 	type outcome struct {
@@ -318,12 +313,7 @@ func TestDrainingPrefillerNotAddressed(t *testing.T) {
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { withRegistry(c); c.DirectFirst = true })
 	p1 := f.prefiller("p1", f.fp, x1, withRegistryP)
 	f.prefiller("p2", f.fp, x2, withRegistryP)
-	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 2 {
-			return fmt.Errorf("%d prefill instances", n)
-		}
-		return nil
-	})
+	waitKnown(t, d.Registry(), wire.RolePrefill, 2)
 	type outcome struct {
 		res Result
 		err error

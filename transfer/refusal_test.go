@@ -63,22 +63,14 @@ func TestHandoffTooLong(t *testing.T) {
 	small.tooLong.Store(true)
 	f.prefiller("p1", f.fp, small, withRegistryP)
 	d := f.decoder("d1", ds, withRegistry)
-	instances := func(n int) {
-		natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-			if got := len(d.Registry().Instances(wire.RolePrefill, time.Now())); got != n {
-				return fmt.Errorf("%d prefill instances known, want %d", got, n)
-			}
-			return nil
-		})
-	}
-	instances(1)
+	waitKnown(t, d.Registry(), wire.RolePrefill, 1)
 	_, err := ds.handoff(context.Background(), d, Request{ID: 1, Tokens: tokens(9)})
 	require.ErrorIs(t, err, ErrTooLong)
 	require.ErrorIs(t, err, ErrCapacityRefused)
 	ds.requireInitial(t)
 
 	f.prefiller("p2", f.fp, big, withRegistryP)
-	instances(2)
+	waitKnown(t, d.Registry(), wire.RolePrefill, 2)
 	for id := uint64(2); id <= 9; id++ {
 		res, err := ds.handoff(context.Background(), d, Request{ID: id, Tokens: tokens(9)})
 		require.NoError(t, err)
@@ -107,12 +99,7 @@ func TestHandoffTooLongAfterAnAdmission(t *testing.T) {
 	big.block = make(chan struct{})
 	pBig := f.prefiller("p2", f.fp, big, withRegistryP)
 	d := f.decoder("d1", ds, func(c *DecoderConfig) { withRegistry(c); c.DirectFirst = true })
-	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if got := len(d.Registry().Instances(wire.RolePrefill, time.Now())); got != 1 {
-			return fmt.Errorf("%d prefill instances known", got)
-		}
-		return nil
-	})
+	waitKnown(t, d.Registry(), wire.RolePrefill, 1)
 	done := make(chan error, 1)
 	go func() {
 		_, err := ds.handoff(context.Background(), d, Request{ID: 1, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
@@ -120,12 +107,7 @@ func TestHandoffTooLongAfterAnAdmission(t *testing.T) {
 	}()
 	<-big.started
 	f.prefiller("p1", f.fp, small, withRegistryP)
-	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if got := len(d.Registry().Instances(wire.RolePrefill, time.Now())); got != 2 {
-			return fmt.Errorf("%d prefill instances known", got)
-		}
-		return nil
-	})
+	waitKnown(t, d.Registry(), wire.RolePrefill, 2)
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
 	require.NoError(t, pBig.Shutdown(ctx)) // replies closed: retried on p1, which refuses it as too long
@@ -146,12 +128,7 @@ func TestHandoffRetriesOnAnotherWorker(t *testing.T) {
 	f.prefiller("p1", f.fp, full, withRegistryP)
 	f.prefiller("p2", f.fp, free, withRegistryP)
 	d := f.decoder("d1", ds, withRegistry)
-	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
-		if n := len(d.Registry().Instances(wire.RolePrefill, time.Now())); n != 2 {
-			return fmt.Errorf("%d prefill instances known", n)
-		}
-		return nil
-	})
+	waitKnown(t, d.Registry(), wire.RolePrefill, 2)
 	for id := uint64(1); id <= 16; id++ {
 		res, err := ds.handoff(context.Background(), d, Request{ID: id, Tokens: tokens(5)})
 		require.NoError(t, err)
