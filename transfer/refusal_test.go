@@ -112,7 +112,13 @@ func TestHandoffTooLongAfterAnAdmission(t *testing.T) {
 	defer cancel()
 	require.NoError(t, pBig.Shutdown(ctx)) // replies closed: retried on p1, which refuses it as too long
 	err := <-done
-	require.ErrorIs(t, err, ErrCapacityRefused)
+	// The last attempt, with both instances excluded, goes to the queue
+	// group; when p2's registry entry goes while it is out, p2's death is
+	// taken as the serving instance's (session.RecvSession's EvPeerDied)
+	// and the handoff ends peer failed instead: either way not too long.
+	if !errors.Is(err, ErrPeerFailed) {
+		require.ErrorIs(t, err, ErrCapacityRefused)
+	}
 	require.NotErrorIs(t, err, ErrTooLong, "p2 admitted it")
 	require.Positive(t, small.admits.Load())
 	ds.requireInitial(t)
