@@ -226,6 +226,7 @@ func (s *Scheduler) applyInbox() {
 			if err := q.rank.mgr.Free(q.id); err != nil {
 				q.log.Error("free resources after quarantine", "err", err)
 			}
+			q.rank.promised -= q.promise
 			q.log.Info("quarantine over: blocks and row freed")
 		}
 	}
@@ -429,7 +430,9 @@ func (s *Scheduler) finish(q *request, err error) {
 		r := q.rank
 		if held := quarantined(err); held != nil {
 			// A live writer may still store into the blocks and row: they
-			// stay allocated, out of every pool, until its copy ended.
+			// stay allocated, out of every pool, until its copy ended, and
+			// stay promised (admission counts the blocks it promised as
+			// taken) until evUnquarantine frees them.
 			q.log.Warn("blocks and row quarantined: a live prefill writer may still store into them", "err", err)
 			s.fetches.Go(func() {
 				select {
@@ -438,10 +441,12 @@ func (s *Scheduler) finish(q *request, err error) {
 				case <-s.quit: // the process is going; nothing to reuse them for
 				}
 			})
-		} else if ferr := r.mgr.Free(q.id); ferr != nil {
-			q.log.Error("free resources", "err", ferr)
+		} else {
+			if ferr := r.mgr.Free(q.id); ferr != nil {
+				q.log.Error("free resources", "err", ferr)
+			}
+			r.promised -= q.promise
 		}
-		r.promised -= q.promise
 		for i, x := range r.held {
 			if x == q {
 				r.held = slices.Delete(r.held, i, i+1) // clears the vacated slot

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -606,6 +607,39 @@ func (q quarantineErr) Released() <-chan struct{} { return q.released }
 
 func (s *quarantineSource) Fetch(ctx context.Context, f FetchRequest) (FetchResult, error) {
 	return FetchResult{}, fmt.Errorf("test fetch: %w", quarantineErr{s.released})
+}
+
+// countingQuarantine is quarantineSource counting its fetches.
+type countingQuarantine struct {
+	quarantineSource
+	fetches atomic.Int32
+}
+
+func (s *countingQuarantine) Fetch(ctx context.Context, f FetchRequest) (FetchResult, error) {
+	s.fetches.Add(1)
+	return s.quarantineSource.Fetch(ctx, f)
+}
+
+// Quarantined blocks stay promised: a request that needs them waits in the
+// queue until the quarantine ends, instead of being admitted onto blocks
+// still held and failing as the pool runs out under it.
+func TestSchedulerQuarantinedBlocksStayPromised(t *testing.T) {
+	ranks := newRanks(t, rankOpts{ranks: 1, batch: 2, blocks: 4})
+	src := &countingQuarantine{quarantineSource: quarantineSource{released: make(chan struct{})}}
+	sched := newScheduler(t, Config{Source: src}, ranks)
+	s1, err := sched.Generate(context.Background(), GenerateRequest{Prompt: make([]int32, 40), MaxTokens: 8}) // 3 of 4 blocks
+	require.NoError(t, err)
+	_, ev := drainStream(t, s1)
+	require.Error(t, ev.Err)
+	require.Eventually(t, func() bool { return sched.Live() == 0 }, 5*time.Second, time.Millisecond)
+
+	s2, err := sched.Generate(context.Background(), GenerateRequest{Prompt: make([]int32, 30), MaxTokens: 10}) // 3 more
+	require.NoError(t, err)
+	close(src.released)
+	_, ev = drainStream(t, s2)
+	require.ErrorAs(t, ev.Err, new(quarantineErr), "admitted once the quarantine ended, and fetched: %v", ev.Err)
+	require.NotErrorIs(t, ev.Err, kvcache.ErrNoFreeBlocks)
+	require.EqualValues(t, 2, src.fetches.Load())
 }
 
 // A fetch that fails with its destination quarantined leaves the row and
