@@ -333,6 +333,9 @@ func TestSchedulerRefusals(t *testing.T) {
 		{"draining", waitGen{fakeGen{worker.ErrDraining}, 30 * time.Second}, http.StatusServiceUnavailable, "server_error", "1"},
 		{"closed", fakeGen{worker.ErrClosed}, http.StatusServiceUnavailable, "server_error", "1"},
 		{"no prefill", fakeGen{worker.ErrTransferRefused}, http.StatusServiceUnavailable, "server_error", "1"},
+		// The prefill workers failed it, retries spent: not this server's
+		// fault (it was a 500 internal_error).
+		{"prefill failed", fakeGen{worker.ErrTransferFailed}, http.StatusServiceUnavailable, "server_error", "1"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -62,7 +62,9 @@
 // Bad input never reaches the scheduler: it is answered with an OpenAI-style
 // error body {"error":{"message","type","param","code"}} and a 4xx status.
 // A full admission queue is 429, a draining or stopped worker 503 (whatever
-// phase a request is in when the worker stops); both carry Retry-After. A
+// phase a request is in when the worker stops), as is a request no prefill
+// worker took (prefill_unavailable) or the prefill workers failed with the
+// retries spent (prefill_failed); both carry Retry-After. A
 // 429's is the queue's expected wait (QueueWaiter: the requests queued times
 // the recent interval between admissions), rounded up to whole seconds,
 // 1..60; a 503's is 1 (retried through a load balancer it reaches another
