@@ -227,6 +227,7 @@ func RunDecode(ctx context.Context, cfg config.Config, o Options) error {
 
 	<-ctx.Done()
 	log.Info("draining", "live", sched.Live(), "timeout", cfg.DrainTimeout.String())
+	apiSrv.drain()
 	adm.SetDraining()
 	dctx, cancel := context.WithTimeout(o.Abort, cfg.DrainTimeout)
 	stopStates(dctx) // states being pulled are served first

@@ -351,6 +351,11 @@ func listenHTTP(name, addr string, h http.Handler, log *slog.Logger) (*httpServe
 
 func (s *httpServer) addr() string { return s.ln.Addr().String() }
 
+// drain closes each connection once its request is answered (idle ones
+// now): a draining worker's refusals then send clients that pool
+// connections to another replica instead of back to it.
+func (s *httpServer) drain() { s.srv.SetKeepAlivesEnabled(false) }
+
 // shutdown stops the server gracefully until ctx ends, then closes it, and
 // waits for its goroutine.
 func (s *httpServer) shutdown(ctx context.Context) error {

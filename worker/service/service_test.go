@@ -305,6 +305,15 @@ func TestDrain(t *testing.T) {
 	}, 5*time.Second, 5*time.Millisecond)
 	out := complete(t, ep.HTTP, "too late", 2, 0, 1)
 	require.Equal(t, http.StatusServiceUnavailable, out.status, out.text)
+	// The refusal closes its connection: a client that pools connections
+	// reaches another replica next, not this one again.
+	resp, err := http.Post("http://"+ep.HTTP+"/v1/completions", "application/json",
+		strings.NewReader(`{"model":"tiny-hybrid","prompt":"too late","max_tokens":2}`))
+	require.NoError(t, err)
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	require.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
+	require.True(t, resp.Close, "a draining worker's refusal keeps its connection open")
 	r := <-inflight
 	require.Equal(t, http.StatusOK, r.status, r.body)
 	require.NoError(t, <-stopped)
