@@ -183,6 +183,9 @@ type testExec struct {
 	releases atomic.Int64
 	keys     atomic.Uint64 // admission keys: see Admit
 	drafts   []int32       // draft tokens every Prefill proposes (set before use)
+	// prefillErr, when set, is what every Prefill returns once started
+	// (set before use).
+	prefillErr error
 	// slowRelease, when set, is how long Release takes before it frees
 	// (set before use).
 	slowRelease time.Duration
@@ -231,6 +234,9 @@ func (l *testLease) Prefill(ctx context.Context) (Prefilled, error) {
 			l.x.ctxErr <- ctx.Err()
 			return Prefilled{}, ctx.Err()
 		}
+	}
+	if l.x.prefillErr != nil {
+		return Prefilled{}, l.x.prefillErr
 	}
 	out := l.x.s.prefilled(l.job.RequestID, l.d)
 	out.Drafts = l.x.drafts // all of them: the prefiller cuts them to what was asked

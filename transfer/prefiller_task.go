@@ -374,6 +374,10 @@ func (t *task) sendReply(code session.Code) {
 		p.served.Add(1)
 	case session.CodeCancelled, session.CodeClosed:
 		p.cancelled.Add(1)
+	case session.CodeCapacityRefused:
+		// Refused after admission: the executor's prefill found it could
+		// not serve it after all (a state from the cache evicted since).
+		p.refused.Add(1)
 	default:
 		p.failed.Add(1)
 	}

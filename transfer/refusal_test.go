@@ -396,3 +396,22 @@ func TestHandoffRefusesNonRealRowGrant(t *testing.T) {
 	require.ErrorIs(t, err, ErrDummyRequest)
 	require.ErrorIs(t, err, rdma.ErrForbidden)
 }
+
+// TestRefusalAfterAdmission: an executor whose prefill refuses a request it
+// had admitted (a state from the cache evicted before its job ran) answers
+// a capacity refusal, counted refused, not failed.
+func TestRefusalAfterAdmission(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	x.prefillErr = fmt.Errorf("%w: the state went from the cache", ErrCapacityRefused)
+	p := f.prefiller("p1", f.fp, x, nil)
+	d := f.decoder("d1", ds, nil)
+	_, err := ds.handoff(context.Background(), d, Request{ID: 1, Tokens: tokens(9)})
+	require.ErrorIs(t, err, ErrCapacityRefused)
+	st := p.Stats()
+	require.Positive(t, x.admits.Load())
+	require.EqualValues(t, x.admits.Load(), st.Refused, "each attempt admitted, then refused: %+v", st)
+	require.Zero(t, st.Failed, "%+v", st)
+	ds.requireInitial(t)
+}

@@ -223,9 +223,13 @@ func (p *prefillExec) syncStats() {
 	if p.pf == nil {
 		return
 	}
-	s := p.pf.Stats()
+	// The snapshot is taken under the lock: syncs run on many goroutines
+	// (each release, each scrape), and one that read its snapshot before
+	// another synced a newer one would set p.last back and count the
+	// difference twice.
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	s := p.pf.Stats()
 	if p.state {
 		role := string(worker.RoleDecode)
 		if s.Served > p.last.Served {
@@ -284,6 +288,11 @@ func (l *prefillLease) Prefill(ctx context.Context) (transfer.Prefilled, error) 
 		// The job keeps its blocks and row until Release abandons it: the
 		// layer-wise stream may still read what its parts named, and the
 		// prefiller releases only once that stream stopped.
+		if errors.Is(err, worker.ErrNotCached) {
+			// A state asked for is no longer in the cache: a refusal (the
+			// scheduler counts it), not a failure.
+			err = fmt.Errorf("%w: %w", transfer.ErrCapacityRefused, err)
+		}
 		return transfer.Prefilled{}, err
 	}
 	l.lease = lease
