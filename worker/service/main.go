@@ -44,10 +44,19 @@ func Main(ctx, abort context.Context, role worker.Role, args []string, stdout, s
 		return err
 	}
 	o := Options{Stdout: stdout, Stderr: stderr, Abort: abort}
+	run := RunPrefill
 	if role == worker.RoleDecode {
-		return RunDecode(ctx, cfg, o)
+		run = RunDecode
 	}
-	return RunPrefill(ctx, cfg, o)
+	err = run(ctx, cfg, o)
+	if err != nil && ctx.Err() != nil && errors.Is(err, context.Canceled) && !errors.Is(err, ErrAborted) {
+		// Stopped before it served (waiting for NATS or JetStream, say): a
+		// stop asked for, not a failure, so the process exits 0 as after
+		// a drain.
+		fmt.Fprintf(stderr, "%s: stopped before serving: %v\n", role, err)
+		return nil
+	}
+	return err
 }
 
 func printVersion(w io.Writer, role worker.Role) {

@@ -79,3 +79,21 @@ func TestDrainTimeout(t *testing.T) {
 		t.Fatal("the request did not end")
 	}
 }
+
+// A stop (SIGTERM) while the worker still waits for NATS ends it cleanly:
+// exit 0, as after a drain, not a start-up failure.
+func TestMainStoppedBeforeServing(t *testing.T) {
+	for _, role := range []worker.Role{worker.RolePrefill, worker.RoleDecode} {
+		t.Run(string(role), func(t *testing.T) {
+			ctx, cancel := context.WithCancel(context.Background())
+			time.AfterFunc(300*time.Millisecond, cancel)
+			args := []string{"--nats-url", "nats://127.0.0.1:1", "--admin-addr", "127.0.0.1:0", "--data-addr", "127.0.0.1:0"}
+			if role == worker.RoleDecode {
+				args = append(args, "--http-addr", "127.0.0.1:0", "--prefill", "remote")
+			}
+			var out, errb bytes.Buffer
+			require.NoError(t, Main(ctx, nil, role, args, &out, &errb))
+			require.Contains(t, errb.String(), "stopped before serving")
+		})
+	}
+}
