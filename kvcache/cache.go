@@ -180,7 +180,7 @@ func (p *Pool) AllocateShared(id uint64, chain []BlockHash, tokens []int32, shar
 	}
 	need := p.cfg.BlocksFor(total) - shared
 	if err := p.makeRoom(need, headroom); err != nil {
-		for _, b := range blocks {
+		for _, b := range slices.Backward(blocks) { // as Free lets go: the chain's end first
 			p.unhold(b)
 		}
 		return fmt.Errorf("%w: id %d", err, id)

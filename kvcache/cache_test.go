@@ -75,6 +75,32 @@ func TestCacheEvictsBeforeRefusing(t *testing.T) {
 	require.ErrorIs(t, p.Allocate(3, 1), ErrNoFreeBlocks)
 }
 
+// Eviction takes a cached prefix from its end: what is left of it still
+// matches, and the prompt computed again publishes the evicted blocks
+// again. (Taken from the start, the rest stayed cached but unreachable.)
+func TestCacheEvictsAPrefixFromItsEnd(t *testing.T) {
+	p := newPool(t, 6) // 4 tokens per block
+	a := make([]int32, 16)
+	for i := range a {
+		a[i] = int32(i + 1)
+	}
+	chain := chainOf(a, 4)
+	require.NoError(t, p.Allocate(1, len(a)))
+	_, err := p.Publish(1, chain, a)
+	require.NoError(t, err)
+	require.NoError(t, p.Free(1))
+	require.NoError(t, p.Allocate(2, 12), "3 blocks: 2 free, 1 evicted")
+	require.Equal(t, uint64(1), p.Evictions())
+	require.Equal(t, 3, p.Match(chain, a), "the prefix lost its last block, not its first")
+	require.NoError(t, p.Free(2))
+	require.NoError(t, p.AllocateShared(3, chain, a, 3, len(a), 0))
+	n, err := p.Publish(3, chain, a)
+	require.NoError(t, err)
+	require.Equal(t, 4, n)
+	require.Equal(t, 4, p.Match(chain, a), "the evicted block is published again")
+	require.NoError(t, p.checkInvariants())
+}
+
 func TestCacheHeldBlocksAreNeverEvicted(t *testing.T) {
 	p := newPool(t, 4)
 	a := []int32{1, 2, 3, 4, 5, 6, 7, 8}

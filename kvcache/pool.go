@@ -213,7 +213,14 @@ func (p *Pool) Free(id uint64) error {
 			}
 			k++
 		}
-		p.release(run)
+	}
+	// Last block first: a chain's cached blocks join the eviction order
+	// tail first, so eviction takes a prefix's end before its start. Taken
+	// from the start, the rest of the chain would stay cached but
+	// unreachable (a match walks from the first block), holding room and
+	// stopping the prefix from being published again.
+	for j := len(r.runs) - 1; j >= 0; j-- {
+		p.release(r.runs[j])
 	}
 	*r = request{runs: r.runs[:0]}
 	delete(p.reqs, id)
@@ -221,22 +228,23 @@ func (p *Pool) Free(id uint64) error {
 	return nil
 }
 
-// release lets go of a run of a request: its cached blocks lose a holder,
-// the others return to the free set.
+// release lets go of a run of a request, last block first: its cached
+// blocks lose a holder, the others return to the free set.
 func (p *Pool) release(run Run) {
-	from := run.Start
-	for b := run.Start; b < run.End(); b++ {
+	end := run.End()
+	for b := run.End(); b > run.Start; {
+		b--
 		if !p.cache.meta[b].cached {
 			continue
 		}
-		if b > from {
-			p.idx.release(Run{Start: from, Len: uint32(b - from)})
+		if b+1 < end {
+			p.idx.release(Run{Start: b + 1, Len: uint32(end - b - 1)})
 		}
 		p.unhold(int32(b))
-		from = b + 1
+		end = b
 	}
-	if from < run.End() {
-		p.idx.release(Run{Start: from, Len: uint32(run.End() - from)})
+	if end > run.Start {
+		p.idx.release(Run{Start: run.Start, Len: uint32(end - run.Start)})
 	}
 }
 
