@@ -268,6 +268,17 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	return c, c.Validate()
 }
 
+// listenAddr checks the form of a TCP listen address: host:port, the
+// port a number up to 65535 or a service name.
+func listenAddr(addr string) error {
+	_, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return err
+	}
+	_, err = net.LookupPort("tcp", port)
+	return err
+}
+
 func (c *Config) validateSpeculative(bad func(string, ...any)) {
 	sched, err := mambacache.ParseDraftSchedule(c.DraftLenScheduleText)
 	if err != nil {
@@ -341,6 +352,16 @@ func (c *Config) Validate() error {
 	}
 	if c.KVBlocks < 0 {
 		bad("--kv-blocks %d: want ≥ 0", c.KVBlocks)
+	}
+	// Listen addresses are checked now, not when each listener opens: the
+	// API's opens after NATS and the registry, which may wait for long.
+	for _, a := range []struct{ flag, addr string }{{"--data-addr", c.DataAddr}, {"--admin-addr", c.AdminAddr}, {"--http-addr", c.HTTPAddr}} {
+		if a.addr == "" {
+			continue // admin disabled, or no API (prefill)
+		}
+		if err := listenAddr(a.addr); err != nil {
+			bad("%s %q: %v", a.flag, a.addr, err)
+		}
 	}
 	if c.TCPLanes < 1 || c.TCPLanes > 64 {
 		bad("--tcp-lanes %d: want 1..64", c.TCPLanes)
