@@ -444,6 +444,10 @@ func (c *Config) Validate() error {
 	}
 	if t := c.DataTLS; (t.CA == "") != (t.Cert == "") || (t.CA == "") != (t.Key == "") {
 		bad("--data-tls-ca, --data-tls-cert and --data-tls-key go together")
+	} else if t.CA != "" && c.Transport == "ucx" {
+		// TLS wraps the tcp data path only: an operator who asked for it
+		// must not have the caches cross hosts in the clear.
+		bad("--data-tls-* with --transport ucx: the ucx data path is not encrypted; use --transport tcp (or auto) for TLS")
 	}
 	if c.NATS.Password != "" && c.NATS.User == "" {
 		bad("--nats-password needs --nats-user")

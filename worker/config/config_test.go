@@ -112,6 +112,7 @@ func TestInvalid(t *testing.T) {
 		{"prefill grace on prefill", worker.RolePrefill, []string{"--prefill-grace", "1s"}, nil},
 		{"bad env standalone", worker.RoleDecode, nil, map[string]string{"HANDOFF_STANDALONE": "maybe"}},
 		{"no tcp lanes", worker.RolePrefill, []string{"--tcp-lanes", "0"}, nil},
+		{"data TLS with ucx", worker.RoleDecode, []string{"--transport", "ucx", "--data-tls-ca", "ca.pem", "--data-tls-cert", "c.pem", "--data-tls-key", "k.pem"}, nil},
 		{"http port out of range", worker.RoleDecode, []string{"--http-addr", "127.0.0.1:99999"}, nil},
 		{"http address without a port", worker.RoleDecode, []string{"--http-addr", "127.0.0.1"}, nil},
 		{"admin port out of range", worker.RolePrefill, []string{"--admin-addr", ":70000"}, nil},
