@@ -31,8 +31,10 @@
 //  1. /readyz turns 503; new requests are refused (503 at the API, a
 //     capacity refusal on the prefill service).
 //  2. In-flight requests finish, for up to --drain-timeout.
-//  3. The loop stops, failing what is left (503 unavailable, counted failed,
-//     in every phase) and freeing every row and block; then the API server,
+//  3. The loop stops, failing what is left and freeing every row and block
+//     (decode: 503 unavailable, counted failed, in every phase; prefill: each
+//     request aborted with closed, which its decoder retries on another
+//     worker, counted cancelled); then the API server,
 //     the transfer driver, NATS and the data plane close. The worker returns
 //     nil: the process exits 0.
 //

@@ -148,6 +148,11 @@ func RunPrefill(ctx context.Context, cfg config.Config, o Options) error {
 	if err := pf.Shutdown(dctx); err != nil {
 		log.Warn("prefiller shutdown", "err", err)
 	}
+	if dctx.Err() != nil {
+		// The prefiller aborted what was left (closed: the decoders retry
+		// elsewhere), so the scheduler's drain below finds nothing to say.
+		log.Warn("drain ended; the prefills left were aborted", "timeout", cfg.DrainTimeout.String(), "aborted", o.Abort.Err() != nil)
+	}
 	if err := sched.Drain(dctx); err != nil {
 		log.Warn("drain ended; failing the requests left", "live", sched.Live(), "aborted", o.Abort.Err() != nil)
 	}
