@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/require"
 
 	"github.com/handoff-io/handoff/hybrid"
@@ -627,6 +628,7 @@ func TestSchedulerQuarantinedBlocksStayPromised(t *testing.T) {
 	ranks := newRanks(t, rankOpts{ranks: 1, batch: 2, blocks: 4})
 	src := &countingQuarantine{quarantineSource: quarantineSource{released: make(chan struct{})}}
 	sched := newScheduler(t, Config{Source: src}, ranks)
+	idle := ranks[0].mgr.Stats()
 	s1, err := sched.Generate(context.Background(), GenerateRequest{Prompt: make([]int32, 40), MaxTokens: 8}) // 3 of 4 blocks
 	require.NoError(t, err)
 	_, ev := drainStream(t, s1)
@@ -635,11 +637,19 @@ func TestSchedulerQuarantinedBlocksStayPromised(t *testing.T) {
 
 	s2, err := sched.Generate(context.Background(), GenerateRequest{Prompt: make([]int32, 30), MaxTokens: 10}) // 3 more
 	require.NoError(t, err)
+	// The queue gauge is published after an admission pass: 1 means a
+	// pass saw the request and kept it queued.
+	queued := sched.m.Queued.WithLabelValues(string(RoleDecode))
+	require.Eventually(t, func() bool { return testutil.ToFloat64(queued) == 1 }, 5*time.Second, time.Millisecond,
+		"the second request was not kept queued while the quarantined blocks were promised")
 	close(src.released)
 	_, ev = drainStream(t, s2)
 	require.ErrorAs(t, ev.Err, new(quarantineErr), "admitted once the quarantine ended, and fetched: %v", ev.Err)
 	require.NotErrorIs(t, ev.Err, kvcache.ErrNoFreeBlocks)
 	require.EqualValues(t, 2, src.fetches.Load())
+	// Its own quarantine (released already) ends before the scheduler
+	// stops: a stop leaves quarantined memory where it is.
+	require.Eventually(t, func() bool { return ranks[0].mgr.Stats() == idle }, 5*time.Second, time.Millisecond)
 }
 
 // A fetch that fails with its destination quarantined leaves the row and
