@@ -90,6 +90,26 @@ func (c *blockCache) pushBack(b int32) {
 	c.evictable++
 }
 
+// refreshAncestors moves b's unheld cached ancestors, nearest first, to
+// the back of the eviction order. A request's chain continues blocks it
+// never held when it computed a prefix another request had just published
+// (Publish keeps the cached copy): let go after its own blocks, those
+// ancestors would be evicted before them and leave them unreachable.
+func (c *blockCache) refreshAncestors(b int32) {
+	for {
+		m := &c.meta[b]
+		pb := m.parent
+		if pb == noBlock || !c.linked(m, pb) {
+			return
+		}
+		if c.meta[pb].ref == 0 {
+			c.unlink(pb)
+			c.pushBack(pb)
+		}
+		b = pb
+	}
+}
+
 // linked reports whether cached block m continues block parent (noBlock:
 // m is a first block) as it was when m was published.
 func (c *blockCache) linked(m *cacheMeta, parent int32) bool {

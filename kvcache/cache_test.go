@@ -101,6 +101,34 @@ func TestCacheEvictsAPrefixFromItsEnd(t *testing.T) {
 	require.NoError(t, p.checkInvariants())
 }
 
+// The same: a prompt computed by two requests at once, the second's chain
+// continuing the first's copy of the prefix (which it never held), the
+// first let go first. Its copy of the prefix would be evicted from its end,
+// leaving the second's blocks after it unreachable.
+func TestCacheEvictsATwiceComputedPrefixFromItsEnd(t *testing.T) {
+	p := newPool(t, 10) // 4 tokens per block
+	a := make([]int32, 24)
+	for i := range a {
+		a[i] = int32(i + 1)
+	}
+	chain := chainOf(a, 4)
+	require.NoError(t, p.Allocate(1, 16))
+	require.NoError(t, p.Allocate(2, 24))
+	n, err := p.Publish(1, chain[:4], a[:16])
+	require.NoError(t, err)
+	require.Equal(t, 4, n)
+	n, err = p.Publish(2, chain, a)
+	require.NoError(t, err)
+	require.Equal(t, 6, n, "its first four continue request 1's copies")
+	require.NoError(t, p.Free(1))
+	require.NoError(t, p.Free(2))
+	require.Equal(t, 6, p.CachedBlocks())
+	require.NoError(t, p.Allocate(3, 20), "5 blocks: 4 free, 1 evicted")
+	require.Equal(t, uint64(1), p.Evictions())
+	require.Equal(t, 5, p.Match(chain, a), "the chain lost its last block")
+	require.NoError(t, p.checkInvariants())
+}
+
 func TestCacheHeldBlocksAreNeverEvicted(t *testing.T) {
 	p := newPool(t, 4)
 	a := []int32{1, 2, 3, 4, 5, 6, 7, 8}

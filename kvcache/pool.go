@@ -206,10 +206,16 @@ func (p *Pool) Free(id uint64) error {
 	}
 	r := &p.slab[i]
 	k := 0 // the block's index in token order
+	first := noBlock // r's first cached block
 	for _, run := range r.runs {
 		for b := run.Start; b < run.End(); b++ {
-			if k >= r.shared && p.cache.meta[b].cached {
-				p.disown(int32(b)) // published by r
+			if p.cache.meta[b].cached {
+				if first == noBlock {
+					first = int32(b)
+				}
+				if k >= r.shared {
+					p.disown(int32(b)) // published by r
+				}
 			}
 			k++
 		}
@@ -221,6 +227,9 @@ func (p *Pool) Free(id uint64) error {
 	// stopping the prefix from being published again.
 	for j := len(r.runs) - 1; j >= 0; j-- {
 		p.release(r.runs[j])
+	}
+	if first != noBlock {
+		p.cache.refreshAncestors(first)
 	}
 	*r = request{runs: r.runs[:0]}
 	delete(p.reqs, id)
