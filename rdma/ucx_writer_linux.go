@@ -339,6 +339,14 @@ func (l *ucxLink) write(ctx context.Context, op *writeOp) error {
 	if fatal != nil {
 		return fatal
 	}
+	if err := ctx.Err(); err != nil {
+		// Cut once its data went out (a wait that found the send done
+		// may not have looked at ctx): no commit follows, and the reset
+		// tells the receiver its landed bytes are given up, as a cut
+		// mid-data does.
+		l.reset(ep)
+		return fmt.Errorf("rdma: write to %s: %w", l.peer.Agent, err)
+	}
 	var rep ucxReply
 	if op.partial {
 		h = header{typ: frameFlush, grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token}
