@@ -259,8 +259,8 @@ func TestOversizedReplyAnswered(t *testing.T) {
 // are refused by name, with what to do, and the connection goes on.
 func TestGrantOverMaxExtentsRefused(t *testing.T) {
 	if testing.Short() || raceEnabled {
-		// 11 s for a million extents under -race on a quiet 2-core machine,
-		// past the test's own 10 s under load.
+		// 11 s for a million extents under -race on a quiet 2-core
+		// machine, 16 s with other work beside it.
 		t.Skip("SKIP: opens grants of a million extents (scripts/test runs it without -race)")
 	}
 	const blocks = 16400 // × 2 planes × 32 layers: just over 2^20 extents

@@ -49,7 +49,7 @@ func Main(ctx, abort context.Context, role worker.Role, args []string, stdout, s
 		run = RunDecode
 	}
 	err = run(ctx, cfg, o)
-	if err != nil && ctx.Err() != nil && errors.Is(err, context.Canceled) && !errors.Is(err, ErrAborted) {
+	if err != nil && ctx.Err() != nil && (abort == nil || abort.Err() == nil) && errors.Is(err, context.Canceled) && !errors.Is(err, ErrAborted) {
 		// Stopped before it served (waiting for NATS or JetStream, say): a
 		// stop asked for, not a failure, so the process exits 0 as after
 		// a drain.
