@@ -540,15 +540,15 @@ func schedulerError(err error) (int, *apiError) {
 	case errors.Is(err, worker.ErrTransferRefused):
 		return http.StatusServiceUnavailable, &apiError{Message: "No prefill worker could take the request: " + err.Error(),
 			Type: typeServer, Code: "prefill_unavailable"}
+	case errors.Is(err, worker.ErrTransferTimeout), errors.Is(err, context.DeadlineExceeded):
+		return http.StatusGatewayTimeout, &apiError{Message: "The request timed out: " + err.Error(),
+			Type: typeServer, Code: "timeout"}
 	case errors.Is(err, worker.ErrTransferFailed):
 		// The prefill workers that took it failed mid-way, with the
 		// retries spent: the fleet's state, which a retry may find
 		// mended, not a fault of this server.
 		return http.StatusServiceUnavailable, &apiError{Message: "The prefill workers failed the request: " + err.Error(),
 			Type: typeServer, Code: "prefill_failed"}
-	case errors.Is(err, worker.ErrTransferTimeout), errors.Is(err, context.DeadlineExceeded):
-		return http.StatusGatewayTimeout, &apiError{Message: "The request timed out: " + err.Error(),
-			Type: typeServer, Code: "timeout"}
 	default:
 		return http.StatusInternalServerError, &apiError{Message: "The server failed the request: " + err.Error(),
 			Type: typeServer, Code: "internal_error"}
