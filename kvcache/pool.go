@@ -205,7 +205,7 @@ func (p *Pool) Free(id uint64) error {
 		return fmt.Errorf("%w: free %d", ErrUnknownRequest, id)
 	}
 	r := &p.slab[i]
-	k := 0 // the block's index in token order
+	k := 0           // the block's index in token order
 	first := noBlock // r's first cached block
 	for _, run := range r.runs {
 		for b := run.Start; b < run.End(); b++ {

@@ -141,6 +141,17 @@ class FakeGPU:
     allocation, as torch's caching allocator hands out pieces of one."""
 
     def __init__(self, lib_path: str, size: int):
+        self._open(lib_path)
+        lib = self.lib
+        self.base = ctypes.c_ulonglong()
+        self._ok(lib.cuMemAlloc_v2(ctypes.byref(self.base), ctypes.c_size_t(size)))
+        handle = (ctypes.c_char * 64)()
+        self._ok(lib.cuIpcGetMemHandle(handle, self.base))
+        self.handle = bytes(handle)
+
+    def _open(self, lib_path: str) -> ctypes.c_int:
+        """Loads the driver, makes device 0's primary context current and
+        returns the device."""
         self.lib = lib = ctypes.CDLL(lib_path)
         self._ok(lib.cuInit(0))
         dev, ctx = ctypes.c_int(), ctypes.c_void_p()
@@ -150,11 +161,7 @@ class FakeGPU:
         uuid = (ctypes.c_char * 16)()
         self._ok(lib.cuDeviceGetUuid_v2(uuid, dev))
         self.uuid = str(UUIDType(bytes=bytes(uuid)))
-        self.base = ctypes.c_ulonglong()
-        self._ok(lib.cuMemAlloc_v2(ctypes.byref(self.base), ctypes.c_size_t(size)))
-        handle = (ctypes.c_char * 64)()
-        self._ok(lib.cuIpcGetMemHandle(handle, self.base))
-        self.handle = bytes(handle)
+        return dev
 
     @staticmethod
     def _ok(r):
@@ -297,15 +304,8 @@ class FakeVMM(FakeGPU):
     the fd an engine passes its agent."""
 
     def __init__(self, lib_path: str, size: int):
-        self.lib = lib = ctypes.CDLL(lib_path)
-        self._ok(lib.cuInit(0))
-        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-        self._ok(lib.cuDeviceGet(ctypes.byref(dev), 0))
-        self._ok(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
-        self._ok(lib.cuCtxSetCurrent(ctx))
-        uuid = (ctypes.c_char * 16)()
-        self._ok(lib.cuDeviceGetUuid_v2(uuid, dev))
-        self.uuid = str(UUIDType(bytes=bytes(uuid)))
+        dev = self._open(lib_path)
+        lib = self.lib
         prop = _AllocProp(type=1, handle_types=1, loc_type=1, loc_id=dev.value)
         gran = ctypes.c_size_t()
         self._ok(lib.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(prop), 0))
