@@ -187,6 +187,7 @@ func (s *server) refuseErr(w http.ResponseWriter, log *slog.Logger, err error) {
 		}
 		w.Header().Set("Retry-After", strconv.Itoa(retryAfterFor(wait)))
 	}
+	retryAfter(w.Header(), status)
 	log.Info("request refused", "status", status, "err", err, "retry_after", w.Header().Get("Retry-After"))
 	writeError(w, status, e)
 }

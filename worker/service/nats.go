@@ -85,7 +85,11 @@ func connectNATS(ctx context.Context, c config.NATS, name string, log *slog.Logg
 			}
 		}
 		if time.Since(logged) > 5*time.Second {
-			log.Warn("waiting for nats", "url", c.URL, "err", lastErr)
+			if lastErr != nil {
+				log.Warn("waiting for nats", "url", c.URL, "status", nc.Status().String(), "err", lastErr)
+			} else {
+				log.Warn("waiting for nats", "url", c.URL, "status", nc.Status().String())
+			}
 			logged = time.Now()
 		}
 		select {
