@@ -229,3 +229,12 @@ func decodeFrame(b []byte) (frame, int, error) {
 	}
 	return f, headerSize + int(h.length), nil
 }
+
+// writerAborted is the failure of a grant whose writer aborted it (an abort
+// frame): the writer's reason, under the sentinel its code names.
+func writerAborted(peer string, h *header, msg []byte) error {
+	if h.index == codeInternal {
+		return fmt.Errorf("writer %s aborted grant %d: %s", peer, h.grant, msg)
+	}
+	return fmt.Errorf("writer %s aborted grant %d: %w: %s", peer, h.grant, codeSentinels[h.index], msg)
+}

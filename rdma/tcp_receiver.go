@@ -535,10 +535,7 @@ func (c *rxConn) abort(h *header) error {
 		g.mu.Unlock()
 	}
 	if err == nil {
-		err = fmt.Errorf("writer %s aborted grant %d: %w: %s", c.peer, h.grant, codeSentinels[h.index], c.mbuf)
-		if h.index == codeInternal {
-			err = fmt.Errorf("writer %s aborted grant %d: %s", c.peer, h.grant, c.mbuf)
-		}
+		err = writerAborted(c.peer, h, c.mbuf)
 		g.terminate(err)
 	}
 	c.cur = nil

@@ -226,6 +226,8 @@ func (s *ucxServer) admit(m ucx.Message) (ucx.Admission, error) {
 		s.spawn(func() { s.hello(&h, lid, seq, tail) })
 	case frameFlush:
 		s.spawn(func() { s.flush(&h, lid, seq) })
+	case frameAbort:
+		s.spawn(func() { s.abort(&h, lid, seq, tail) })
 	case frameReply:
 		if seq == 0 {
 			s.spawn(func() { s.cutNotice(lid) })
@@ -326,6 +328,29 @@ func (s *ucxServer) commit(r *ucxRx, h *header, seq uint64, mb []byte) {
 	}
 	if err != nil {
 		s.e.log.Debug("rdma: commit refused", "peer", string(r.agent), "grant", h.grant, "err", err)
+	}
+	s.settle(r, h.grant)
+	s.reply(r, seq, h.grant, h.epoch, err)
+}
+
+// abort fails a grant on its writer's request (a write cut by its context:
+// the link goes on serving the writer's other writes) and replies with
+// the reason.
+func (s *ucxServer) abort(h *header, lid, seq uint64, msg []byte) {
+	r := s.link(lid)
+	if r == nil {
+		return
+	}
+	msg = msg[:min(uint64(len(msg)), h.length)]
+	g, err := s.e.lookupGrant(h.grant)
+	if err == nil {
+		g.mu.Lock()
+		err = g.checkLocked(h.epoch, &h.token)
+		g.mu.Unlock()
+	}
+	if err == nil {
+		err = writerAborted(string(r.agent), h, msg)
+		g.terminate(err)
 	}
 	s.settle(r, h.grant)
 	s.reply(r, seq, h.grant, h.epoch, err)

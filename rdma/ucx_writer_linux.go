@@ -259,6 +259,7 @@ func (l *ucxLink) write(ctx context.Context, op *writeOp) error {
 	inBytes := 0
 	rejected := false
 	var fatal error
+	var cut ucxCut
 	wait := func(o *ucx.Op) {
 		if err := o.Wait(ctx); err != nil {
 			switch {
@@ -266,8 +267,7 @@ func (l *ucxLink) write(ctx context.Context, op *writeOp) error {
 				if fatal == nil {
 					fatal = fmt.Errorf("rdma: write to %s: %w", l.peer.Agent, ctx.Err())
 				}
-				l.reset(ep) // ends the operations in flight (ErrCanceled)
-				<-o.Done()
+				cut.end(l, ep, o)
 			case errors.Is(err, ucx.ErrRejected):
 				rejected = true
 			case fatal == nil:
@@ -336,16 +336,17 @@ func (l *ucxLink) write(ctx context.Context, op *writeOp) error {
 	for len(inflight) > 0 {
 		done()
 	}
-	if fatal != nil {
-		return fatal
-	}
-	if err := ctx.Err(); err != nil {
+	if fatal == nil && ctx.Err() != nil {
 		// Cut once its data went out (a wait that found the send done
-		// may not have looked at ctx): no commit follows, and the reset
-		// tells the receiver its landed bytes are given up, as a cut
-		// mid-data does.
-		l.reset(ep)
-		return fmt.Errorf("rdma: write to %s: %w", l.peer.Agent, err)
+		// may not have looked at ctx): no commit follows, as for a cut
+		// mid-data.
+		fatal = fmt.Errorf("rdma: write to %s: %w", l.peer.Agent, ctx.Err())
+	}
+	if fatal != nil {
+		if ctx.Err() != nil {
+			cut.abort(l, ep, op, fatal)
+		}
+		return fatal
 	}
 	var rep ucxReply
 	if op.partial {
@@ -369,6 +370,12 @@ func (l *ucxLink) write(ctx context.Context, op *writeOp) error {
 		}
 	}
 	if err != nil {
+		if ctx.Err() != nil {
+			// Cut waiting for the verdict: the receiver may have
+			// committed; if not, the abort fails the grant now rather
+			// than at its deadline.
+			cut.abort(l, ep, op, err)
+		}
 		return err
 	}
 	if rep.h.grant != op.t.Grant || rep.h.epoch != op.t.Epoch {
@@ -381,6 +388,60 @@ func (l *ucxLink) write(ctx context.Context, op *writeOp) error {
 		return fmt.Errorf("%w: %s refused data of grant %d", ErrPeerClosed, l.peer.Agent, op.t.Grant)
 	}
 	return nil
+}
+
+// ucxCutWait bounds how long a write cut by its context lets its sends in
+// flight end by themselves, and then its abort's reply, before it resets
+// the link.
+const ucxCutWait = time.Second
+
+// ucxCut ends a write that its context cut. The link is shared by every
+// write to the peer, so the cut write's sends in flight are let end (they
+// are at most a window) and an abort tells the receiver to fail its grant
+// alone: the peer's other writes go on. A peer that does not take the sends
+// or answer the abort within ucxCutWait gets the link reset, which ends
+// every operation on it and fails what each write landed uncommitted.
+type ucxCut struct {
+	by    time.Time // zero until the first send waited for
+	reset bool
+}
+
+// end waits for o, a send of the cut write, until the bound, then resets.
+func (c *ucxCut) end(l *ucxLink, ep ucx.EndpointID, o *ucx.Op) {
+	if c.by.IsZero() {
+		c.by = time.Now().Add(ucxCutWait)
+	}
+	if !c.reset {
+		t := time.NewTimer(time.Until(c.by))
+		select {
+		case <-o.Done():
+		case <-t.C:
+			c.reset = true
+			l.reset(ep) // ends the operations in flight (ErrCanceled)
+		}
+		t.Stop()
+	}
+	<-o.Done()
+}
+
+// abort asks the receiver to fail op's grant (the writer gave it up:
+// ErrPeerClosed, as a reset would say), unless a reset did already; a
+// receiver that does not answer gets the link reset.
+func (c *ucxCut) abort(l *ucxLink, ep ucx.EndpointID, op *writeOp, reason error) {
+	if c.reset {
+		return
+	}
+	reason = fmt.Errorf("%w: writer cancelled: %w", ErrPeerClosed, reason)
+	msg := reason.Error()
+	if n := min(maxMsgLen, l.s.w.MaxHeader()-headerSize-ucxTail); len(msg) > n {
+		msg = msg[:max(n, 0)]
+	}
+	h := header{typ: frameAbort, index: codeOf(reason), grant: op.t.Grant, epoch: op.t.Epoch, token: op.t.Token, length: uint64(len(msg))}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(l.s.e.ctx), ucxCutWait)
+	defer cancel()
+	if _, err := l.exchangeOn(ctx, ep, l.reset, &h, nil, []byte(msg)); err != nil {
+		l.reset(ep)
+	}
 }
 
 // packable returns how many of the first pieces go in one packed message:
