@@ -48,7 +48,8 @@ type Engine struct {
 	// grant is opened on and fenced through (fence.go); set by New.
 	fences []fence
 
-	quarantines sync.WaitGroup // watchQuarantine goroutines
+	quarantines sync.WaitGroup      // watchQuarantine goroutines
+	watched     map[*Grant]struct{} // the grants they watch (under mu)
 
 	devs devState // device regions: visible devices, staging buffers (device.go)
 
@@ -78,6 +79,7 @@ func New(cfg Config) (*Engine, error) {
 		log:     cfg.Logger.With("agent", string(cfg.Agent)),
 		regions: make(map[RegionID]*Region),
 		grants:  make(map[uint64]*Grant),
+		watched: make(map[*Grant]struct{}),
 		settled: make(map[uint64]*Grant),
 		busy:    make(map[RegionID][]busySpan),
 		peers:   make(map[AgentID]*peerState),
@@ -207,6 +209,40 @@ func (e *Engine) Descriptor() Descriptor {
 	e.devs.describe(&d)
 	sort.Slice(d.Regions, func(i, j int) bool { return d.Regions[i].ID < d.Regions[j].ID })
 	return d
+}
+
+// Quiesce revokes every open grant and waits until nothing can land in
+// the engine's regions any more: every quarantined grant's writer left its
+// copy or exited. Close ends quarantines at once, since it unmaps the
+// regions; an owner whose memory outlives the engine (an engine worker
+// that registered its own tensors with an agent, and may use them again
+// once the agent let them go) quiesces first. ctx bounds the wait: the
+// error then wraps ErrQuarantined and ctx's error, and the quarantines go
+// on until they end or Close. Grants opened meanwhile are the caller's.
+func (e *Engine) Quiesce(ctx context.Context) error {
+	e.mu.Lock()
+	open := make([]*Grant, 0, len(e.grants))
+	for _, g := range e.grants {
+		open = append(open, g)
+	}
+	e.mu.Unlock()
+	for _, g := range open {
+		g.terminate(fmt.Errorf("%w: grant %d (request %d): the engine quiesces", ErrRevoked, g.id, g.ticket.RequestID))
+	}
+	e.mu.Lock()
+	watched := make([]*Grant, 0, len(e.watched))
+	for g := range e.watched {
+		watched = append(watched, g)
+	}
+	e.mu.Unlock()
+	for i, g := range watched {
+		select {
+		case <-g.done:
+		case <-ctx.Done():
+			return fmt.Errorf("%w: %d grants still quarantined: %w", ErrQuarantined, len(watched)-i, ctx.Err())
+		}
+	}
+	return nil
 }
 
 // Close revokes open grants, stops listeners and every goroutine the engine

@@ -390,6 +390,7 @@ func (g *Grant) quarantine() {
 	watch := !e.closed
 	if watch {
 		e.quarantines.Add(1)
+		e.watched[g] = struct{}{}
 	}
 	e.mu.Unlock()
 	if !watch { // the engine is closing: its regions are about to go

@@ -345,6 +345,11 @@ func (h *grantHeap) Pop() any {
 // too (the regions are unmapped then).
 func (e *Engine) watchQuarantine(g *Grant) {
 	defer e.quarantines.Done()
+	defer func() {
+		e.mu.Lock()
+		delete(e.watched, g)
+		e.mu.Unlock()
+	}()
 	start, wait := time.Now(), time.Millisecond
 	t := time.NewTimer(wait)
 	defer t.Stop()
