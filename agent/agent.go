@@ -107,9 +107,15 @@ type Agent struct {
 	closed   bool
 	sessions map[*session]struct{}
 	latest   *session // the last registration, which NATS describes
+	regs     uint64   // registrations so far (session.regSeq)
 	wg       sync.WaitGroup
 
 	cuda agentCUDA // the driver and devices engines' device memory is on
+
+	// ctx is cancelled by Close: it ends the waits of sessions for writers
+	// still copying into their memory (session.end).
+	ctx  context.Context
+	stop context.CancelFunc
 
 	reg  *transfer.Registry // with NATS, from Serve's start to its end
 	kick chan struct{}      // refreshRegistry's request to the refresher; nil without
@@ -130,6 +136,7 @@ func New(cfg Config, nc *nats.Conn) (*Agent, error) {
 		return nil, err
 	}
 	a := &Agent{cfg: cfg, log: cfg.Logger.With("agent", cfg.Name), ln: ln, nc: nc, m: m, sessions: make(map[*session]struct{})}
+	a.ctx, a.stop = context.WithCancel(context.Background())
 	return a, nil
 }
 
@@ -219,7 +226,7 @@ func (a *Agent) newSession(c *net.UnixConn, pid int) *session {
 	if a.closed {
 		return nil
 	}
-	s := &session{a: a, c: c, fc: newFDConn(c), pid: pid, grants: map[uint64]*grantGroup{}, sends: map[uint64]*send{}, running: map[*send]struct{}{}}
+	s := &session{a: a, c: c, fc: newFDConn(c), pid: pid, ended: make(chan struct{}), grants: map[uint64]*grantGroup{}, sends: map[uint64]*send{}, running: map[*send]struct{}{}}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.log = a.log.With("engine_pid", pid)
 	a.sessions[s] = struct{}{}
@@ -232,19 +239,34 @@ func (a *Agent) endSession(s *session) {
 	a.m.engines.Dec()
 	a.mu.Lock()
 	delete(a.sessions, s)
+	a.mu.Unlock()
+}
+
+// leaving takes an ending session off what NATS describes: the latest
+// other registration still connected is described instead, or none (peers
+// see no fingerprint).
+func (a *Agent) leaving(s *session) {
+	a.mu.Lock()
 	was := a.latest == s
 	if was {
 		a.latest = nil
+		for o := range a.sessions {
+			if o != s && o.regSeq > 0 && o.ctx.Err() == nil && (a.latest == nil || o.regSeq > a.latest.regSeq) {
+				a.latest = o
+			}
+		}
 	}
 	a.mu.Unlock()
 	if was {
-		a.refreshRegistry() // no registration: peers see no fingerprint
+		a.refreshRegistry()
 	}
 }
 
 func (a *Agent) registered(s *session) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	a.regs++
+	s.regSeq = a.regs
 	a.latest = s
 }
 
@@ -258,6 +280,7 @@ func (a *Agent) Close() error {
 		return nil
 	}
 	a.closed = true
+	a.stop()
 	ss := make([]*session, 0, len(a.sessions))
 	for s := range a.sessions {
 		ss = append(ss, s)
@@ -289,6 +312,8 @@ type session struct {
 	ctx    context.Context // cancelled when the session ends: stops sends
 	cancel context.CancelFunc
 	wg     sync.WaitGroup // grant watchers and sends
+	ended  chan struct{}  // closed once end let the engine's memory go
+	regSeq uint64         // its registration's place among the agent's (under Agent.mu); 0: none
 
 	wmu sync.Mutex
 	w   *bufio.Writer
@@ -302,6 +327,7 @@ type session struct {
 	pools    *pools
 	bufs     []*rdma.Region // by buffer: the KV pool's and the Mamba pool's, or Request.Buffers
 	arenas   []*cuda.Arena  // device memory the engine shared (OpenIPC), closed after eng
+	files    []string       // the files of its host memory (fileKey), for awaitFiles
 	grants   map[uint64]*grantGroup
 	sends    map[uint64]*send   // by id, until committed or cancelled
 	running  map[*send]struct{} // until their goroutines end
@@ -328,8 +354,15 @@ func (s *session) run() {
 		q, err := decodeRequest(b)
 		if err != nil {
 			s.a.m.request(q.Op, err)
-			s.reply(Reply{Code: Code(err), Msg: err.Error()})
-			return
+			s.fc.closeFDs() // any it passed were its own
+			// A frame that names its id is answered, and the session goes
+			// on (the frame was read whole); without one, no call of the
+			// engine's can take the answer, and the session ends.
+			id := requestID(b)
+			if s.reply(Reply{Re: id, Code: Code(err), Msg: err.Error()}) != nil || id == 0 {
+				return
+			}
+			continue
 		}
 		rep, err := s.handle(q)
 		if errors.Is(err, errDeferred) {
@@ -387,20 +420,92 @@ func (s *session) reply(r Reply) error {
 // grants are revoked and its memory unmapped (rdma.Engine.Close), every
 // goroutine of the session has returned, the descriptors it was passed
 // are closed.
+// end ends the session once its connection did: it stops the sends,
+// revokes the grants and waits until nothing can land in the engine's
+// memory any more (a shm writer frozen inside a copy into a revoked grant
+// still stores into it when it wakes: rdma.Engine.Quiesce), then unmaps it.
+// The connection closes last, so that an engine that closed its side
+// (Client.Close) learns by its end that its memory is its own again.
 func (s *session) end() {
-	s.c.Close()
 	s.cancel()
+	s.a.leaving(s)
 	s.mu.Lock()
 	eng := s.eng
 	s.mu.Unlock()
 	if eng != nil {
+		start := time.Now()
+		if err := eng.Quiesce(s.a.ctx); err != nil {
+			s.log.Warn("agent: closing while writers may still copy into the engine's memory", "err", err)
+		} else if d := time.Since(start); d > time.Second {
+			s.log.Info("agent: the engine's revoked grants were quarantined: its memory is let go now", "after", d)
+		}
 		eng.Close()
 	}
+	// Events of the sends and grants that ended are not read any more (the
+	// engine left or is closing): their goroutines must not wait for it.
+	_ = s.c.SetWriteDeadline(time.Now())
 	s.wg.Wait()
 	s.closeArenas()
 	s.fc.closeFDs()
 	s.a.endSession(s)
+	s.c.Close()
+	close(s.ended)
 	s.log.Info("agent: engine session ended")
+}
+
+// reuseWait bounds how long a registration waits for another connection
+// holding the same host memory to end (awaitFiles).
+const reuseWait = 5 * time.Second
+
+// awaitFiles waits until no other connection holds host memory of files
+// (an engine that re-registers may do so before its old connection's end
+// let the memory go): a registration over memory that another one may
+// still receive into would give the same bytes to two grants. Past
+// reuseWait the registration is refused.
+func (a *Agent) awaitFiles(self *session, files []string) error {
+	if len(files) == 0 {
+		return nil
+	}
+	a.mu.Lock()
+	others := make([]*session, 0, len(a.sessions))
+	for o := range a.sessions {
+		if o != self {
+			others = append(others, o)
+		}
+	}
+	a.mu.Unlock()
+	t := time.NewTimer(reuseWait)
+	defer t.Stop()
+	for _, o := range others {
+		o.mu.Lock()
+		held := sharesFile(o.files, files)
+		o.mu.Unlock()
+		if !held {
+			continue
+		}
+		select {
+		case <-o.ended:
+		case <-a.ctx.Done():
+			return ErrClosed
+		case <-t.C:
+			if o.ctx.Err() != nil {
+				return fmt.Errorf("%w: the memory passed is still the registration of engine pid %d, which ended but whose grants a writer is still copying into: retry", rdma.ErrQuarantined, o.pid)
+			}
+			return fmt.Errorf("%w: the memory passed is registered by the live connection of engine pid %d", ErrRegistered, o.pid)
+		}
+	}
+	return nil
+}
+
+func sharesFile(a, b []string) bool {
+	for _, x := range a {
+		for _, y := range b {
+			if x == y {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 func (s *session) handle(q Request) (Reply, error) {
@@ -466,6 +571,17 @@ func (s *session) register(q Request) (_ Reply, err error) {
 	if extra := s.fc.queued(); extra > 0 {
 		return Reply{}, fmt.Errorf("%w: %d descriptors passed, the registration's memory takes %d", ErrBadRequest, n+extra, n)
 	}
+	if len(bufs) > maxBuffers {
+		return Reply{}, fmt.Errorf("%w: %d buffers, at most %d", ErrInvalidLayout, len(bufs), maxBuffers)
+	}
+	mems, err := describeBuffers(bufs, fds, buffered)
+	if err != nil {
+		return Reply{}, err
+	}
+	files := hostFiles(bufs, mems)
+	if err := s.a.awaitFiles(s, files); err != nil { // before s.mu: it takes Agent.mu
+		return Reply{}, err
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.eng != nil {
@@ -476,14 +592,8 @@ func (s *session) register(q Request) (_ Reply, err error) {
 		return Reply{}, fmt.Errorf("%w: no layout", ErrInvalidLayout)
 	case buffered && (q.KVBytes != 0 || q.MambaBytes != 0 || q.KVCUDA != nil || q.MambaCUDA != nil):
 		return Reply{}, fmt.Errorf("%w: memory registered both by pool and by buffers", ErrInvalidLayout)
-	case len(bufs) > maxBuffers:
-		return Reply{}, fmt.Errorf("%w: %d buffers, at most %d", ErrInvalidLayout, len(bufs), maxBuffers)
 	}
 	p, err := compile(*q.Layout, buffered)
-	if err != nil {
-		return Reply{}, err
-	}
-	mems, err := describeBuffers(bufs, fds, buffered)
 	if err != nil {
 		return Reply{}, err
 	}
@@ -528,7 +638,7 @@ func (s *session) register(q Request) (_ Reply, err error) {
 			s.bufs[pt.buf].Forbid(pt.off+uint64(r)*pt.stride, pt.len)
 		}
 	}
-	s.eng, s.pools = eng, p
+	s.eng, s.pools, s.files = eng, p, files
 	d := eng.Descriptor()
 	ts := make([]string, len(d.Transports))
 	for i, t := range d.Transports {

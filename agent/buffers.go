@@ -3,6 +3,7 @@ package agent
 import (
 	"fmt"
 	"math"
+	"slices"
 )
 
 // The memory a registration passes, as buffers: the KV pool's and the
@@ -25,6 +26,19 @@ type bufferMem struct {
 	key   string // "": a memory of its own
 	base  uint64
 	fd    int // the descriptor it was passed as (host memory, a VMM allocation), else -1
+}
+
+// hostFiles lists the files of the buffers in host memory, each once: the
+// memory a shm writer maps and copies into (device memory is copied by the
+// agent that maps it, which fences that copy itself).
+func hostFiles(bufs []Buffer, mems []bufferMem) []string {
+	var files []string
+	for i, b := range bufs {
+		if b.Bytes > 0 && b.CUDA == nil && mems[i].key != "" && !slices.Contains(files, mems[i].key) {
+			files = append(files, mems[i].key)
+		}
+	}
+	return files
 }
 
 // checkBuffers compares what the placements need of each buffer with what

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"sync"
+	"time"
 
 	"github.com/vmihailenco/msgpack/v5"
 	"golang.org/x/sys/unix"
@@ -55,10 +56,29 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 // Events delivers grant and send events; it is closed when the connection ends.
 func (c *Client) Events() <-chan Reply { return c.events }
 
-// Close ends the registration.
+// CloseWait bounds how long Close waits for the agent to let the
+// registration's memory go.
+const CloseWait = 30 * time.Second
+
+// Close ends the registration: it closes its side of the connection and
+// waits, up to CloseWait, for the agent to close its own, which it does
+// once it revoked the grants, waited out any writer still copying into
+// them and unmapped the memory. Once Close returned nil the engine may use
+// its memory again, or register it anew. An error past the wait says the
+// agent may still be waiting for such a writer: the memory is not safe yet.
 func (c *Client) Close() error {
 	c.closeOnce.Do(func() { close(c.closing) })
-	err := c.c.Close()
+	var err error
+	if c.c.CloseWrite() == nil {
+		t := time.NewTimer(CloseWait)
+		select {
+		case <-c.done:
+		case <-t.C:
+			err = fmt.Errorf("%w: the agent did not let the registration's memory go in %s", ErrClosed, CloseWait)
+		}
+		t.Stop()
+	}
+	c.c.Close()
 	<-c.done
 	return err
 }

@@ -326,6 +326,18 @@ func decodeRequest(b []byte) (Request, error) {
 	return q, nil
 }
 
+// requestID is the id of a request frame that did not decode as a whole,
+// or 0.
+func requestID(b []byte) uint64 {
+	var q struct {
+		ID uint64 `msgpack:"id"`
+	}
+	if msgpack.Unmarshal(b, &q) != nil {
+		return 0
+	}
+	return q.ID
+}
+
 // Planes and Buffers are a request's lists of structs. msgpack's
 // reflection makes room for the length an array claims before decoding
 // an element, and an element of these takes a byte of frame (an empty

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import queue
 import select
 import socket
 import struct
 import threading
 import time
+import weakref
 from typing import Callable, Iterable, Optional, Union
 
 import msgpack
@@ -105,6 +107,26 @@ class Send:
 
 
 
+# The connections of this process. A child forked from it (a worker
+# started by fork) closes its copies of their sockets: a copy held by the
+# child would keep a connection open after the engine that made it exited,
+# and its grants unrevoked.
+_connections: "weakref.WeakSet[Agent]" = weakref.WeakSet()
+
+
+def _close_inherited() -> None:
+    for a in list(_connections):
+        try:
+            os.close(a._sock.detach())
+        except OSError:
+            pass
+        a._closed = True
+    _connections.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited)
+
+
 class Agent:
     """A connection to an agent: one engine registration. Calls are safe
     from several threads; events arrive in order on :meth:`next_event`.
@@ -127,6 +149,9 @@ class Agent:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.02)
+            except BaseException:
+                self._sock.close()
+                raise
         self._sock.settimeout(None)
         self._poll = select.poll()
         self._poll.register(self._sock, select.POLLIN)
@@ -142,7 +167,14 @@ class Agent:
         self._abandoned: set[int] = set()
         self._events: "collections.deque[Event]" = collections.deque()
         self._closed = False
-        hello = self._call({"op": "hello", "v": VERSION})
+        self._closing = False  # close() began: no new calls
+        _connections.add(self)
+        try:
+            hello = self._call({"op": "hello", "v": VERSION})
+        except BaseException:
+            self._shut()
+            self._sock.close()
+            raise
         self.name = hello.get("agent", "")
         self.fingerprint = ""
 
@@ -154,16 +186,33 @@ class Agent:
 
     # The connection.
 
+    def _shut(self) -> None:
+        """Ends the connection both ways, so that the agent ends the
+        registration; the descriptor stays open (another thread may be
+        polling it) until close()."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def _read_frame(self, deadline: Optional[float]) -> Optional[dict]:
-        """Reads one frame (the caller is the only reader); None on close."""
+        """Reads one frame (the caller is the only reader); None on close,
+        or on a frame that is not the agent's (too long, undecodable):
+        nothing after it could be trusted to start a frame."""
         while True:
             if len(self._buf) >= 4:
                 (n,) = struct.unpack_from(">I", self._buf)
                 if n > MAX_FRAME:
                     return None
                 if len(self._buf) >= 4 + n:
-                    msg = msgpack.unpackb(bytes(self._buf[4 : 4 + n]), raw=False)
+                    body = bytes(self._buf[4 : 4 + n])
                     del self._buf[: 4 + n]
+                    try:
+                        msg = msgpack.unpackb(body, raw=False)
+                    except Exception:
+                        return None
+                    if not isinstance(msg, dict):
+                        return None
                     return msg
             # poll, not settimeout: the socket's blocking mode is also the
             # writers' (sendall), whom a reader's deadline must not cut off
@@ -212,6 +261,7 @@ class Agent:
                 with self._cond:
                     if msg is None:
                         self._closed = True
+                        self._shut()
                     elif msg.get("ev"):
                         self._events.append(
                             Event(
@@ -247,7 +297,7 @@ class Agent:
         if timeout is not None and timeout < 0:
             timeout = self._timeout
         with self._cond:
-            if self._closed:
+            if self._closed or self._closing:
                 raise AgentClosed()
             self._next += 1
             cid = req["id"] = self._next
@@ -266,7 +316,10 @@ class Agent:
         except OSError as e:
             # Part of the frame may have gone; nothing after it would be
             # read as the agent's next frame, so the connection ends here.
-            self.close()
+            self._shut()
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
             raise AgentClosed(f"connection to the agent: {e}") from e
         try:
             rep = self._wait(lambda: self._replies.pop(cid, None), timeout)
@@ -279,17 +332,37 @@ class Agent:
             raise AgentError(rep["code"], rep.get("msg", ""))
         return rep
 
-    def close(self) -> None:
-        """Ends the registration: the agent revokes this engine's grants and
-        unmaps its memory."""
+    def close(self, timeout: Optional[float] = 30.0) -> bool:
+        """Ends the registration and waits, up to ``timeout`` seconds (None:
+        no limit), for the agent to let its memory go: it revokes this
+        engine's grants, waits out any writer still copying into them, unmaps
+        the memory, and then closes its side. True then: the tensors may be
+        used again, or registered anew. False when the wait ran out (the
+        agent may still be waiting for such a writer: the memory is not safe
+        yet) or close() was called before."""
+        with self._cond:
+            again = self._closing
+            self._closing = True
+        if again:
+            return False
+        ok = False
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.shutdown(socket.SHUT_WR)
         except OSError:
+            pass  # gone already: the wait says so
+        try:
+            self._wait(lambda: None, timeout)
+        except AgentClosed:
+            ok = True  # the agent closed its side: it let the memory go
+        except (TimeoutError, OSError):
             pass
+        self._shut()
         self._sock.close()
+        _connections.discard(self)
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        return ok
 
     def __enter__(self):
         return self

@@ -403,3 +403,89 @@ def test_large_request_while_another_thread_waits(agents):
     assert len(waits) > 10  # the waiter waited throughout
     g = a.grant(71, blocks=[1])  # the connection is still in step
     a.revoke(g)
+
+
+def test_close_waits_until_memory_is_let_go(agents):
+    pb = agents("dec")
+    b, dst = engine(pb, 30)
+    b.grant(60, blocks=[1, 2], row=1)
+    assert b.close() is True  # the agent revoked, unmapped and closed its side
+    assert b.close() is False  # once only
+    with pytest.raises(AgentClosed):
+        b.grant(61, blocks=[1])
+    # The same tensors, registered at once: no earlier connection holds them.
+    start = time.monotonic()
+    b = Agent.connect(pb.sock)
+    b.register(dst)
+    assert time.monotonic() - start < 2
+    b.close()
+
+
+def test_forked_child_does_not_hold_the_connection(agents):
+    """A child forked after connecting closes its copy of the socket: the
+    engine that connected exiting ends its registration even while the
+    child lives."""
+    pb = agents("dec")
+    b, dst = engine(pb, 31)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: lives on, holding nothing of the parent's
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        # The engine "exits" without closing: its descriptor goes as a dead
+        # process's would, no shutdown.
+        b._sock.close()
+        start = time.monotonic()
+        b2 = Agent.connect(pb.sock)
+        b2.register(dst)  # waits (up to 5 s, then refused) while another connection holds dst
+        assert time.monotonic() - start < 3
+        b2.close()
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
+
+
+def _fake_agent(tmp_path, answer: bytes):
+    """A socket that answers the first frame it reads with answer, then
+    reports whether the client closed the connection."""
+    import socket as sk
+    import struct
+
+    path = str(tmp_path / "fake.sock")
+    srv = sk.socket(sk.AF_UNIX, sk.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    closed = threading.Event()
+
+    def serve():
+        c, _ = srv.accept()
+        with c:
+            (n,) = struct.unpack(">I", c.recv(4))
+            c.recv(n)
+            c.sendall(answer)
+            c.settimeout(5)
+            try:
+                while c.recv(1 << 16):
+                    pass
+                closed.set()
+            except OSError:
+                pass
+        srv.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return path, closed
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [(64 << 20).to_bytes(4, "big"), (3).to_bytes(4, "big") + b"\xc1\xc1\xc1", (1).to_bytes(4, "big") + b"\x07"],
+    ids=["too-long", "undecodable", "not-a-map"],
+)
+def test_frame_not_the_agents_ends_the_connection(tmp_path, answer):
+    path, closed = _fake_agent(tmp_path, answer)
+    with pytest.raises(AgentClosed):
+        Agent.connect(path, timeout=5)
+    assert closed.wait(5), "the client left the connection open"
