@@ -414,9 +414,9 @@ func TestTransportsCheckedAtStart(t *testing.T) {
 }
 
 // TestSocketIsTheRunningAgents: a second agent of the same name is refused
-// while the first answers on the socket; a stale socket file is replaced;
-// and an agent that stops leaves alone the socket of one that replaced
-// its file meanwhile.
+// while the first holds the socket, even when its file is gone; a stale
+// socket file is replaced; and an agent that stops leaves alone a socket
+// that replaced its file meanwhile.
 func TestSocketIsTheRunningAgents(t *testing.T) {
 	sock := filepath.Join(t.TempDir(), "s", "x.sock")
 	first, err := New(Config{Name: "x", Socket: sock}, nil)
@@ -425,30 +425,58 @@ func TestSocketIsTheRunningAgents(t *testing.T) {
 	_, err = New(Config{Name: "x", Socket: sock}, nil)
 	require.ErrorIs(t, err, ErrSocketInUse)
 
-	// The first agent's file gives way to a successor's (as when the
-	// first stopped listening and a replacement started): the first's
-	// Close must not remove it.
+	// The first agent's file is replaced by another socket: the first is
+	// still refused a successor (it holds the lock), and its Close must
+	// not remove the file it no longer owns.
 	require.NoError(t, os.Remove(sock))
+	_, err = New(Config{Name: "x", Socket: sock}, nil)
+	require.ErrorIs(t, err, ErrSocketInUse)
+	other, err := net.Listen("unix", sock)
+	require.NoError(t, err)
+	defer other.Close()
+	require.NoError(t, first.Close())
+	_, err = os.Lstat(sock)
+	require.NoError(t, err, "the first agent removed a socket not its own")
+	other.Close()
+
+	// Stopped, it lets the path go: a stale file is replaced.
 	next, err := New(Config{Name: "x", Socket: sock}, nil)
 	require.NoError(t, err)
 	go next.Serve(context.Background())
-	defer next.Close()
-	require.NoError(t, first.Close())
 	c, err := Dial(ctxT(t), sock)
-	require.NoError(t, err, "the successor's socket outlives the first agent")
+	require.NoError(t, err)
 	c.Close()
 	require.NoError(t, next.Close())
-	_, err = os.Stat(sock)
-	require.True(t, os.IsNotExist(err), "an agent removes its own socket: %v", err)
+}
 
-	// A file left by an agent that died is stale: it is replaced.
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
-	require.NoError(t, err)
-	ln.SetUnlinkOnClose(false)
-	ln.Close()
-	again, err := New(Config{Name: "x", Socket: sock}, nil)
-	require.NoError(t, err)
-	require.NoError(t, again.Close())
+// Two agents of one name starting at once: one gets the socket, the other
+// is refused (a check by dialing alone lets both through, and the later
+// rename takes the earlier's path).
+func TestSocketTakenOnce(t *testing.T) {
+	for i := range 20 {
+		sock := filepath.Join(t.TempDir(), "s", "x.sock")
+		var wg sync.WaitGroup
+		agents := make([]*Agent, 2)
+		errs := make([]error, 2)
+		for j := range agents {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				agents[j], errs[j] = New(Config{Name: "x", Socket: sock}, nil)
+			}()
+		}
+		wg.Wait()
+		ok := 0
+		for j, a := range agents {
+			if errs[j] == nil {
+				ok++
+				require.NoError(t, a.Close())
+			} else {
+				require.ErrorIs(t, errs[j], ErrSocketInUse, "round %d", i)
+			}
+		}
+		require.Equal(t, 1, ok, "round %d: both agents took the socket", i)
+	}
 }
 
 // TestOfferOverNATS: the receiving engine has its agent hand the ticket to

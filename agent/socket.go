@@ -16,6 +16,8 @@ type socket struct {
 	*net.UnixListener
 	path     string
 	dev, ino uint64 // of the file at path once it was renamed there
+	lock     int    // the held lock on path.lock
+	once     sync.Once
 }
 
 // listen creates the local API's socket at path: its directory is created
@@ -34,11 +36,29 @@ func listen(path string) (*socket, error) {
 	if st.Mode&unix.S_IFMT != unix.S_IFDIR || st.Uid != uint32(os.Getuid()) || st.Mode&0o077 != 0 {
 		return nil, fmt.Errorf("%w: %s (mode %o, owner %d; want a 0700 directory of uid %d)", ErrUnsafeSocketDir, dir, st.Mode&0o777, st.Uid, os.Getuid())
 	}
+	// The lock makes taking the path one step: two agents of one name
+	// starting at once would both find no live socket, and the second
+	// rename would take the first's path from under it. The kernel lets
+	// it go with its process; the file stays.
+	lock, err := unix.Open(path+".lock", unix.O_RDWR|unix.O_CREAT|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("agent: socket lock: %w", err)
+	}
+	if err := unix.Flock(lock, unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		unix.Close(lock)
+		if err == unix.EWOULDBLOCK {
+			return nil, fmt.Errorf("%w: %s (locked)", ErrSocketInUse, path)
+		}
+		return nil, fmt.Errorf("agent: socket lock: %w", err)
+	}
+	unlock := func() { unix.Close(lock) }
 	if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
 		c.Close()
+		unlock()
 		return nil, fmt.Errorf("%w: %s", ErrSocketInUse, path)
 	}
 	if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
+		unlock()
 		return nil, fmt.Errorf("agent: remove stale socket: %w", err)
 	}
 	// Bind a temporary name and rename it into place once listening and
@@ -48,12 +68,14 @@ func listen(path string) (*socket, error) {
 	os.Remove(tmp)
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
 	if err != nil {
+		unlock()
 		return nil, fmt.Errorf("agent: listen: %w", err)
 	}
 	ln.SetUnlinkOnClose(false) // socket.remove removes path
 	fail := func(what string, err error) (*socket, error) {
 		ln.Close()
 		os.Remove(tmp)
+		unlock()
 		return nil, fmt.Errorf("agent: %s: %w", what, err)
 	}
 	if err := os.Chmod(tmp, 0o600); err != nil {
@@ -65,16 +87,19 @@ func listen(path string) (*socket, error) {
 	if err := os.Rename(tmp, path); err != nil {
 		return fail("socket", err)
 	}
-	return &socket{UnixListener: ln, path: path, dev: st.Dev, ino: st.Ino}, nil
+	return &socket{UnixListener: ln, path: path, dev: st.Dev, ino: st.Ino, lock: lock}, nil
 }
 
 // remove removes the socket's file unless another agent's socket has
-// replaced it (one started after this one stopped listening).
+// replaced it, and lets the lock go; once only.
 func (s *socket) remove() {
-	var st unix.Stat_t
-	if err := unix.Lstat(s.path, &st); err == nil && st.Dev == s.dev && st.Ino == s.ino {
-		os.Remove(s.path)
-	}
+	s.once.Do(func() {
+		var st unix.Stat_t
+		if err := unix.Lstat(s.path, &st); err == nil && st.Dev == s.dev && st.Ino == s.ino {
+			os.Remove(s.path)
+		}
+		unix.Close(s.lock)
+	})
 }
 
 // peerCred returns the connecting process's credentials (SO_PEERCRED).
