@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/handoff-io/handoff/internal/ucx"
@@ -62,6 +63,10 @@ type Config struct {
 	// over them, and they over internal/ucx's Defaults.
 	UCX    map[string]string
 	Logger *slog.Logger // default slog.Default()
+
+	// incarnation is minted by validate, once per New: the engine's
+	// Descriptor.Incarnation.
+	incarnation uint64
 }
 
 // Supported returns an error wrapping ErrUnsupported when this build, on
@@ -134,7 +139,29 @@ func (c *Config) validate() error {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	c.incarnation = newIncarnation()
 	return nil
+}
+
+// lastIncarnation is the last incarnation newIncarnation minted.
+var lastIncarnation atomic.Uint64
+
+// newIncarnation mints an engine's incarnation: the wall clock in unix
+// nanoseconds, so that an agent restarted in another process (on this host
+// or, with clocks in sync, another) gets a greater one than before; a clock
+// stepped back by more than the old process's lifetime would break that,
+// which NTP-synced hosts do not do. Within a process it is strictly
+// increasing, whatever the clock, so engines created one after another
+// under one Agent (tests, a restarted engine) are ordered too.
+func newIncarnation() uint64 {
+	now := uint64(max(time.Now().UnixNano(), 1))
+	for {
+		last := lastIncarnation.Load()
+		next := max(now, last+1)
+		if lastIncarnation.CompareAndSwap(last, next) {
+			return next
+		}
+	}
 }
 
 // hostIdentity names what shm needs two engines to share: the kernel (boot

@@ -34,7 +34,9 @@ func (e *Engine) TransportFor(agent AgentID) (Transport, bool) {
 // engines serve and that connects; it is always
 // logged, and a transport skipped because it failed to connect is logged as
 // a warning with the reason. Connecting again to the same descriptor is a
-// no-op; a changed descriptor replaces the old connection.
+// no-op; a changed descriptor replaces the old connection, unless it is of
+// an older incarnation of the agent than the connection's: that fails with
+// ErrStaleDescriptor and leaves the connection alone.
 func (e *Engine) Connect(ctx context.Context, peer Descriptor) (Transport, error) {
 	if err := e.beginOp(); err != nil {
 		return "", err
@@ -51,26 +53,65 @@ func sameEndpoint(a, b Descriptor) bool {
 	return a.Agent == b.Agent && a.Host == b.Host && a.TCPAddr == b.TCPAddr && a.ShmAddr == b.ShmAddr && bytes.Equal(a.UCXAddr, b.UCXAddr) && slices.Equal(a.Transports, b.Transports)
 }
 
+// verdict is what peerFor does with a descriptor given the link it has for
+// the same agent.
+type verdict int
+
+const (
+	reuse   verdict = iota // the link serves it
+	replace                // a new link is dialed for it and the old one closed
+	stale                  // refused with ErrStaleDescriptor; the link is kept
+)
+
+// judge decides for peer against cur, the descriptor the agent's link was
+// made for. Where both name their incarnation, an older peer is stale and
+// a newer one replaces the link, even at the same addresses (a restart in
+// place: the link's process is gone). Otherwise (the same incarnation, or
+// either unknown: 0) it is as before incarnations: the same endpoint
+// reuses the link and another replaces it. An engine's addresses are fixed
+// for its life, so one incarnation at other addresses is a caller's own
+// rewrite (a proxy), and the caller's latest choice wins.
+func judge(cur, peer Descriptor) verdict {
+	switch a, b := cur.Incarnation, peer.Incarnation; {
+	case a != 0 && b != 0 && b < a:
+		return stale
+	case a != 0 && b != 0 && b > a:
+		return replace
+	case sameEndpoint(cur, peer):
+		return reuse
+	}
+	return replace
+}
+
+func staleErr(cur, peer Descriptor) error {
+	return fmt.Errorf("%w: %s incarnation %d, linked to %d", ErrStaleDescriptor, peer.Agent, peer.Incarnation, cur.Incarnation)
+}
+
 func (e *Engine) peerFor(ctx context.Context, peer Descriptor) (*peerState, error) {
 	if peer.Agent == "" {
 		return nil, fmt.Errorf("%w: descriptor without agent", ErrNoTransport)
 	}
 	// A replaced link is closed after peerMu is released: closing waits for
 	// the link's own reconnects, which must not stall every other peer.
-	var stale link
+	var old link
 	e.peerMu.Lock()
 	if p, ok := e.peers[peer.Agent]; ok {
-		if sameEndpoint(p.desc, peer) {
+		switch judge(p.desc, peer) {
+		case reuse:
 			e.peerMu.Unlock()
 			return p, nil
+		case stale:
+			e.peerMu.Unlock()
+			return nil, staleErr(p.desc, peer)
 		}
-		e.log.Info("rdma: peer descriptor changed, reconnecting", "peer", string(peer.Agent))
+		e.log.Info("rdma: peer descriptor changed, reconnecting", "peer", string(peer.Agent),
+			"incarnation", peer.Incarnation, "was", p.desc.Incarnation)
 		delete(e.peers, peer.Agent)
-		stale = p.link
+		old = p.link
 	}
 	e.peerMu.Unlock()
-	if stale != nil {
-		stale.close()
+	if old != nil {
+		old.close()
 	}
 
 	// Dial without the lock; Close cancels a dial in progress.
@@ -91,17 +132,26 @@ func (e *Engine) peerFor(ctx context.Context, peer Descriptor) (*peerState, erro
 		l.close()
 		return nil, ErrClosed
 	}
-	old, ok := e.peers[peer.Agent]
-	if ok && sameEndpoint(old.desc, peer) { // a concurrent dial won
-		e.peerMu.Unlock()
-		l.close()
-		return old, nil
+	// A concurrent dial may have put a link in place meanwhile: judged
+	// the same way, so an older incarnation's dial never displaces it.
+	cur, ok := e.peers[peer.Agent]
+	if ok {
+		switch judge(cur.desc, peer) {
+		case reuse:
+			e.peerMu.Unlock()
+			l.close()
+			return cur, nil
+		case stale:
+			e.peerMu.Unlock()
+			l.close()
+			return nil, staleErr(cur.desc, peer)
+		}
 	}
 	p := &peerState{desc: peer, link: l}
 	e.peers[peer.Agent] = p
 	e.peerMu.Unlock()
 	if ok {
-		old.link.close()
+		cur.link.close()
 	}
 	return p, nil
 }

@@ -189,7 +189,7 @@ func (e *Engine) TCPListenAddr() string {
 func (e *Engine) Descriptor() Descriptor {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
-	d := Descriptor{Agent: e.cfg.Agent, Host: e.cfg.Host, Transports: slices.Clone(e.served)}
+	d := Descriptor{Agent: e.cfg.Agent, Host: e.cfg.Host, Incarnation: e.cfg.incarnation, Transports: slices.Clone(e.served)}
 	if e.tcp != nil {
 		d.TCPAddr = e.tcp.advertise
 	}

@@ -32,6 +32,13 @@ var (
 	ErrMalformedFrame = errors.New("rdma: malformed frame")
 	// ErrPeerClosed: the peer closed the connection (or died) mid-request.
 	ErrPeerClosed = errors.New("rdma: peer closed")
+	// ErrStaleDescriptor: Connect, Write or OpenStream named a descriptor
+	// of an older incarnation of an agent than the one this engine is
+	// linked to (the agent restarted under the same id;
+	// Descriptor.Incarnation). That incarnation is gone, and its grants
+	// with it, so it wraps ErrPeerClosed: callers treat it as the peer's
+	// failure. The live link is left alone.
+	ErrStaleDescriptor = fmt.Errorf("%w: descriptor of an older incarnation", ErrPeerClosed)
 	// ErrNoTransport: the two engines serve no transport in common, or none connected.
 	ErrNoTransport = errors.New("rdma: no common transport")
 	// ErrUnsupported: the operation is not available on this platform or transport.

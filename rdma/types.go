@@ -67,6 +67,14 @@ type Descriptor struct {
 	// UCXAddr is the UCX worker address writers connect to (ucx); empty
 	// when ucx is not served.
 	UCXAddr []byte `json:"ucx_addr,omitempty"`
+	// Incarnation tells apart the engines that have carried one Agent over
+	// time (a worker restarted under its stable instance id): the wall
+	// clock, in unix nanoseconds, when the engine was created, so a later
+	// engine's is greater. A writer never lets a descriptor of an older
+	// incarnation replace its link to a newer one (ErrStaleDescriptor). 0
+	// is unknown (a descriptor from a peer, or through a wire form, that
+	// predates the field): such a descriptor is never judged stale.
+	Incarnation uint64 `json:"incarnation,omitempty"`
 }
 
 // GrantSpec describes a grant to open on the receiver.

@@ -66,11 +66,16 @@ type Peer struct {
 	// UCXAddr is the agent's UCX worker address (ucx); empty when ucx is
 	// not served (and then not encoded).
 	UCXAddr []byte `msgpack:"ucx,omitempty"`
+	// Incarnation is the agent's rdma.Descriptor.Incarnation: a writer
+	// holding a link to a later incarnation of the agent refuses this
+	// descriptor rather than let it replace the link. 0 (not encoded):
+	// unknown, as from a peer that predates it.
+	Incarnation uint64 `msgpack:"inc,omitempty"`
 }
 
 // PeerOf converts a descriptor to its wire form.
 func PeerOf(d rdma.Descriptor) Peer {
-	p := Peer{Agent: string(d.Agent), Host: d.Host, TCPAddr: d.TCPAddr, ShmAddr: d.ShmAddr, IPCNamespace: d.IPCNamespace}
+	p := Peer{Agent: string(d.Agent), Host: d.Host, TCPAddr: d.TCPAddr, ShmAddr: d.ShmAddr, IPCNamespace: d.IPCNamespace, Incarnation: d.Incarnation}
 	if len(d.CUDADevices) > 0 {
 		p.CUDADevices = slices.Clone(d.CUDADevices)
 	}
@@ -94,7 +99,7 @@ func PeerOf(d rdma.Descriptor) Peer {
 
 // Descriptor converts p back to an rdma.Descriptor.
 func (p Peer) Descriptor() rdma.Descriptor {
-	d := rdma.Descriptor{Agent: rdma.AgentID(p.Agent), Host: p.Host, TCPAddr: p.TCPAddr, ShmAddr: p.ShmAddr, IPCNamespace: p.IPCNamespace}
+	d := rdma.Descriptor{Agent: rdma.AgentID(p.Agent), Host: p.Host, TCPAddr: p.TCPAddr, ShmAddr: p.ShmAddr, IPCNamespace: p.IPCNamespace, Incarnation: p.Incarnation}
 	if len(p.CUDADevices) > 0 {
 		d.CUDADevices = slices.Clone(p.CUDADevices)
 	}

@@ -83,7 +83,13 @@ func (p *Peer) appendTo(b []byte) []byte {
 	if len(p.UCXAddr) > 0 {
 		n++
 	}
+	if p.Incarnation != 0 {
+		n++
+	}
 	b = appendMapLen(b, n)
+	if p.Incarnation != 0 {
+		b = appendUint(appendStr(b, "inc"), p.Incarnation)
+	}
 	if len(p.UCXAddr) > 0 {
 		b = appendBin(appendStr(b, "ucx"), p.UCXAddr)
 	}
@@ -184,6 +190,8 @@ func (p *Peer) decode(r *reader) error {
 			if v, err = r.bytes(); err == nil {
 				p.UCXAddr = slices.Clone(v)
 			}
+		case "inc":
+			p.Incarnation, err = r.uint()
 		case "r":
 			if err = once(&seen, 1, "r"); err == nil {
 				p.Regions, err = decodeRegions(r)

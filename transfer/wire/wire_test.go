@@ -126,6 +126,7 @@ type plainPeer struct {
 	IPCNamespace string   `msgpack:"ipc,omitempty"`
 	CUDADevices  []string `msgpack:"cd,omitempty"`
 	UCXAddr      []byte   `msgpack:"ucx,omitempty"`
+	Incarnation  uint64   `msgpack:"inc,omitempty"`
 }
 
 type plainTicket struct {
@@ -197,6 +198,7 @@ func plainOfTicket(t rdma.Ticket) plainTicket {
 func TestWireHandCodecsMatchReflection(t *testing.T) {
 	req := sampleRequest(7, 3)
 	req.V, req.TP = WireVersion, 4
+	req.Peer.Incarnation = 1<<60 + 5
 	b, err := EncodePrefillRequest(req, 0)
 	require.NoError(t, err)
 	var pr plainRequest
@@ -703,6 +705,23 @@ func TestPeerUCXAddrRoundTrip(t *testing.T) {
 	without, err := msgpack.Marshal(PeerOf(d))
 	require.NoError(t, err)
 	require.NotContains(t, string(without), "ucx\xc4")
+}
+
+// TestPeerIncarnationRoundTrip: a descriptor's incarnation survives the
+// wire, and one without (0: unknown) leaves the bytes as before.
+func TestPeerIncarnationRoundTrip(t *testing.T) {
+	d := rdma.Descriptor{Agent: "decode-0", Host: "h", Transports: []rdma.Transport{rdma.TransportTCP}, TCPAddr: "10.0.0.1:7000", Incarnation: 1_765_000_000_123_456_789}
+	b, err := msgpack.Marshal(PeerOf(d))
+	require.NoError(t, err)
+	var p Peer
+	require.NoError(t, msgpack.Unmarshal(b, &p))
+	require.Equal(t, d, p.Descriptor())
+
+	d.Incarnation = 0
+	without, err := msgpack.Marshal(PeerOf(d))
+	require.NoError(t, err)
+	require.NotContains(t, string(without), "inc")
+	require.Less(t, len(without), len(b))
 }
 
 // TestPrefillRequestSkip: a delta handoff's skip travels, and a skip of
