@@ -385,10 +385,6 @@ func (d *Decoder) startRegistry(ctx context.Context) error {
 			d.incarnationDied(inst.ID, inst.Service)
 		}
 	})
-	self := func() wire.Instance {
-		return wire.Instance{ID: d.cfg.Instance, Role: wire.RoleDecode, Fingerprint: d.cfg.Fingerprint, Peer: d.peer,
-			Capacity: wire.Capacity{Inflight: int(d.inflight.Load())}}
-	}
 	// Close with a ctx of its own: ctx may be what ended the start, and the
 	// entry just announced must still be deleted.
 	closeReg := func() {
@@ -396,7 +392,7 @@ func (d *Decoder) startRegistry(ctx context.Context) error {
 		_ = reg.close(cctx)
 		cancel()
 	}
-	if err := reg.announce(ctx, self); err != nil {
+	if err := reg.announce(ctx, d.self); err != nil {
 		closeReg()
 		return err
 	}
@@ -406,6 +402,16 @@ func (d *Decoder) startRegistry(ctx context.Context) error {
 	}
 	d.reg = reg
 	return nil
+}
+
+// self is the decoder's registry entry. Its Service is the reply inbox,
+// new in every process: it names the incarnation, as a prefill instance's
+// micro service does, so that prefill workers take a restart under the
+// same id for the old incarnation's death (Registry.apply) and tell its
+// requests, whose replies go to that inbox, from the new one's.
+func (d *Decoder) self() wire.Instance {
+	return wire.Instance{ID: d.cfg.Instance, Role: wire.RoleDecode, Fingerprint: d.cfg.Fingerprint, Peer: d.peer,
+		Capacity: wire.Capacity{Inflight: int(d.inflight.Load())}, Service: d.inbox}
 }
 
 // Registry returns the decoder's registry (nil with NoRegistry).

@@ -152,11 +152,14 @@
 // two). A watch whose consumer fell silent (a stream leader died) while the
 // bucket moved on is restarted. An instance restarted under the same id (a
 // pod keeps $POD_NAME) before its entry expired keeps its key, but its
-// entry names another micro service (wire.Instance.Service, one per
-// process): watchers take that for the old incarnation's death, then see the new
-// one, usable at once. A decoder tells the handoffs served by the old one
-// (a fenced retry, as for any death), not those it addressed to the new
-// one. Decoders watch
+// entry names another micro service, or for a decode instance another
+// reply inbox (wire.Instance.Service, one per process): watchers take that
+// for the old incarnation's death, then see the new one, usable at once. A
+// decoder tells the handoffs served by the old one (a fenced retry, as for
+// any death), not those it addressed to the new one; a prefiller stops the
+// old one's requests, not those whose replies go to the new one's inbox.
+// An entry whose value names another id or role than its key is refused.
+// Decoders watch
 // prefill instances (targeted retries; a watched instance that disappears
 // moves the handoffs addressed to it to another instance, fenced as above, or
 // fails them with ErrPeerFailed; a request taken through the queue group

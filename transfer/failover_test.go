@@ -88,6 +88,99 @@ func TestPrefillerStopsOnDecodeDeath(t *testing.T) {
 	ds.requireInitial(t)
 }
 
+// restartedDecoder is a decode instance's config for a test where another
+// process takes its id over while it lives: it must not heartbeat its entry
+// back over the new incarnation's while the test runs (a dead one would
+// not).
+func restartedDecoder(c *DecoderConfig) {
+	c.NoRegistry, c.Registry.Heartbeat = false, 25*time.Second
+}
+
+// TestPrefillerStopsOnDecodeRestart: the requesting decode instance restarts
+// under the same id (a pod keeps $POD_NAME) before its entry expired. The
+// new incarnation's entry is the old one's death, as a deletion is
+// (TestPrefillerStopsOnDecodeDeath): the worker stops the old one's prefill
+// at once, not at its deadline a minute later, and serves the new one.
+func TestPrefillerStopsOnDecodeRestart(t *testing.T) {
+	f := newFixture(t)
+	ds, ds2, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "dec2", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	x.block = make(chan struct{})
+	p := f.prefiller("p1", f.fp, x, withRegistryP)
+	old := f.decoder("d1", ds, restartedDecoder)
+	waitKnown(t, p.registry(), wire.RoleDecode, 1)
+	oldDone := ds.handoffAsync(old, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
+	require.Equal(t, uint64(3), <-x.started)
+	fresh := f.decoder("d1", ds2, withRegistry)
+	select {
+	case err := <-x.ctxErr:
+		require.ErrorIs(t, err, context.Canceled)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the old incarnation's prefill still runs 5s after its decode instance restarted under its id")
+	}
+	// The old incarnation, alive in this test, retries (fenced) as after
+	// any death, and is served.
+	require.Equal(t, uint64(3), <-x.started)
+	close(x.block)
+	res, err := ds2.handoff(context.Background(), fresh, Request{ID: 4, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Attempts)
+	ds2.requirePattern(t, 4)
+	out := <-oldDone
+	require.NoError(t, out.err)
+	require.Equal(t, uint64(1), p.Stats().Failed, "the stopped prefill")
+	ps.requireInitial(t)
+	require.NoError(t, ds.m.Free(3))
+	require.NoError(t, ds2.m.Free(4))
+	ds.requireInitial(t)
+	ds2.requireInitial(t)
+}
+
+// TestDecodeRestartSparesNewIncarnation: the restarted decode instance's
+// request reaches the worker before its registry entry does (the watch lags
+// behind). When the entry comes, the old incarnation's prefill is stopped,
+// but not the new one's: its replies go to the new incarnation's inbox, and
+// aborting it would cost the new process a retry for nothing.
+func TestDecodeRestartSparesNewIncarnation(t *testing.T) {
+	f := newFixture(t)
+	ds, ds2, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "dec2", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	x.block = make(chan struct{})
+	p := f.prefiller("p1", f.fp, x, withRegistryP)
+	old := f.decoder("d1", ds, restartedDecoder)
+	waitKnown(t, p.registry(), wire.RoleDecode, 1)
+	oldDone := ds.handoffAsync(old, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
+	require.Equal(t, uint64(3), <-x.started)
+	// The new incarnation announces nothing itself: its entry is put by
+	// hand once its request runs, which orders the two.
+	fresh := f.decoder("d1", ds2, nil)
+	freshDone := ds2.handoffAsync(fresh, Request{ID: 4, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
+	require.Equal(t, uint64(4), <-x.started)
+	b, err := wire.EncodeInstance(fresh.self())
+	require.NoError(t, err)
+	_, err = p.registry().bucket().Put(context.Background(), registryKey(wire.RoleDecode, "d1"), b)
+	require.NoError(t, err)
+	select {
+	case err := <-x.ctxErr:
+		require.ErrorIs(t, err, context.Canceled)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the old incarnation's prefill still runs 5s after its decode instance restarted under its id")
+	}
+	close(x.block)
+	out := <-freshDone
+	require.NoError(t, out.err)
+	require.Equal(t, 1, out.res.Attempts, "the new incarnation's prefill was stopped too")
+	ds2.requirePattern(t, 4)
+	out = <-oldDone
+	require.NoError(t, out.err)
+	require.Equal(t, uint64(1), p.Stats().Failed, "the old incarnation's stopped prefill")
+	ps.requireInitial(t)
+	require.NoError(t, ds.m.Free(3))
+	require.NoError(t, ds2.m.Free(4))
+	ds.requireInitial(t)
+	ds2.requireInitial(t)
+}
+
 // TestHandoffPrefillDeathRetried: the worker that took the request leaves the
 // registry before any commit; the decoder revokes the grant, opens a fresh one
 // over the same blocks and row, and the other worker serves the request. The

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -390,7 +391,15 @@ func (p *Prefiller) startIntake(ctx context.Context) (reg *Registry, err error) 
 				return
 			}
 			if gone {
-				p.abortFrom(inst.ID, session.CodePeerFailed)
+				// Deleted or expired, or taken over by a new incarnation
+				// (a restart under the same id), which the registry
+				// holds already: requests of the new one that came
+				// before its entry live on.
+				keep := ""
+				if now, ok := reg.instance(inst.ID); ok && now.Service != inst.Service {
+					keep = now.Service
+				}
+				p.abortFrom(inst.ID, keep, session.CodePeerFailed)
 			}
 			p.preconnect(inst, gone)
 		})
@@ -581,14 +590,22 @@ func (p *Prefiller) onCancel(m *nats.Msg) {
 	}
 }
 
-func (p *Prefiller) abortFrom(instance string, code session.Code) {
+// abortFrom aborts the requests of the decode instance, except those
+// whose replies go to the inbox keep (Instance.Service of a decode
+// instance; "": none): the incarnation that took the id over.
+func (p *Prefiller) abortFrom(instance, keep string, code session.Code) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, t := range p.tasks {
 		for ; t != nil; t = t.next {
-			if t.msg.From == instance {
+			if t.msg.From == instance && !repliesTo(t.reply, keep) {
 				t.abort(code)
 			}
 		}
 	}
+}
+
+// repliesTo reports whether reply is a subject under inbox ("": none).
+func repliesTo(reply, inbox string) bool {
+	return inbox != "" && len(reply) > len(inbox) && reply[len(inbox)] == '.' && strings.HasPrefix(reply, inbox)
 }

@@ -505,13 +505,22 @@ func (r *Registry) bucketReplaced(born time.Time) bool {
 }
 
 func (r *Registry) apply(e jetstream.KeyValueEntry) {
-	_, id, _ := strings.Cut(e.Key(), ".")
+	role, id, _ := strings.Cut(e.Key(), ".")
 	var inst wire.Instance
 	gone := e.Operation() != jetstream.KeyValuePut
 	if !gone {
 		var err error
 		if inst, err = wire.DecodeInstance(e.Value()); err != nil {
 			r.cfg.Logger.Warn("registry entry", "key", e.Key(), "err", err)
+			return
+		}
+		// Entries are mirrored by id and a deletion names only its key:
+		// one whose value names another instance than its key (a faulty
+		// or foreign writer) could never be removed once mirrored, nor
+		// reported gone.
+		if inst.ID != id || inst.Role != wire.Role(role) {
+			r.cfg.Logger.Warn("registry entry refused: its value names another instance than its key",
+				"key", e.Key(), "id", inst.ID, "role", string(inst.Role))
 			return
 		}
 	}
@@ -535,12 +544,12 @@ func (r *Registry) apply(e jetstream.KeyValueEntry) {
 		delete(r.seen, id)
 		delete(r.revs, id)
 	} else {
-		old, ok := r.entries[inst.ID]
+		old, ok := r.entries[id]
 		replaced = ok && old.Service != inst.Service
 		prev = old
-		r.entries[inst.ID] = inst
-		r.seen[inst.ID] = time.Now()
-		r.revs[inst.ID] = e.Revision()
+		r.entries[id] = inst
+		r.seen[id] = time.Now()
+		r.revs[id] = e.Revision()
 	}
 	fns := slices.Clone(r.onChanges)
 	r.mu.Unlock()
@@ -554,6 +563,14 @@ func (r *Registry) apply(e jetstream.KeyValueEntry) {
 	for _, fn := range fns {
 		fn(inst, gone)
 	}
+}
+
+// instance returns the entry mirrored under id, live or not.
+func (r *Registry) instance(id string) (wire.Instance, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	inst, ok := r.entries[id]
+	return inst, ok
 }
 
 // Instances returns the watched entries of role that are live at now (a

@@ -3,6 +3,7 @@ package transfer
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net"
 	"testing"
 	"time"
@@ -92,6 +93,61 @@ func TestRegistryReportsRestartUnderSameID(t *testing.T) {
 	insts := reg.Instances(wire.RolePrefill, time.Now())
 	require.Len(t, insts, 1)
 	require.Equal(t, "svc-b", insts[0].Service)
+}
+
+// The mirror holds an entry by the id its value names, and a deletion
+// names only its key: an entry whose value names another id or role than
+// its key (a faulty or foreign writer) could never be removed nor reported
+// gone once mirrored. It is refused, with a warning, and reported neither
+// when it appears nor when it is deleted.
+func TestRegistryRefusesEntryNotItsKeys(t *testing.T) {
+	s := natstest.Run(t)
+	nc := natstest.Connect(t, s)
+	ctx := context.Background()
+	var logs syncBuffer
+	reg, err := openRegistry(ctx, nc, RegistryConfig{Namespace: "mismatch", Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	require.NoError(t, err)
+	defer reg.close(ctx)
+	type change struct {
+		id   string
+		gone bool
+	}
+	changes := make(chan change, 16)
+	reg.onChange(func(inst wire.Instance, gone bool) { changes <- change{inst.ID, gone} })
+	require.NoError(t, reg.watch(ctx, wire.RoleDecode))
+	put := func(key string, inst wire.Instance) {
+		b, err := wire.EncodeInstance(inst)
+		require.NoError(t, err)
+		_, err = reg.bucket().Put(ctx, key, b)
+		require.NoError(t, err)
+	}
+	// The watch delivers the puts in their order: once the valid entry put
+	// last (z) is reported, the ones before it were applied.
+	reported := func(want change) {
+		t.Helper()
+		select {
+		case c := <-changes:
+			require.Equal(t, want, c, "only the valid entry's changes are reported")
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%+v not reported", want)
+		}
+	}
+	badID, badRole := registryKey(wire.RoleDecode, "a"), registryKey(wire.RoleDecode, "c")
+	put(badID, wire.Instance{ID: "b", Role: wire.RoleDecode, Fingerprint: "fp"})
+	put(badRole, wire.Instance{ID: "c", Role: wire.RolePrefill, Fingerprint: "fp"})
+	put(registryKey(wire.RoleDecode, "z"), wire.Instance{ID: "z", Role: wire.RoleDecode, Fingerprint: "fp"})
+	reported(change{"z", false})
+	insts := reg.Instances(wire.RoleDecode, time.Now())
+	require.Len(t, insts, 1)
+	require.Equal(t, "z", insts[0].ID)
+	require.Contains(t, logs.String(), "registry entry refused")
+	for _, key := range []string{badID, badRole, registryKey(wire.RoleDecode, "z")} {
+		require.NoError(t, reg.bucket().Delete(ctx, key))
+	}
+	reported(change{"z", true})
+	reg.mu.Lock()
+	defer reg.mu.Unlock()
+	require.Empty(t, reg.entries, "an entry outlived its key's deletion")
 }
 
 // An old incarnation that finishes its drain after a new one announced

@@ -254,8 +254,10 @@ type Instance struct {
 	// Service is the id of a prefill instance's NATS micro service: a
 	// decoder that lost every data-path connection from it pings it
 	// ($SRV.PING.<ServiceName>.<Service>) before taking it for dead. A
-	// process keeps one for its life, so it names the incarnation: another
-	// one under the same id is a restart.
+	// decode instance puts its reply inbox there (the subjects its
+	// requests' replies go to begin with it). A process keeps one for its
+	// life, so it names the incarnation: another one under the same id is
+	// a restart.
 	Service string `msgpack:"svc,omitempty"`
 }
 
