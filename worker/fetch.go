@@ -153,8 +153,9 @@ func (s *Scheduler) fetched(q *request, res FetchResult, err error) {
 }
 
 // fallbackReason is the route reason of a remote prefill that ended in err
-// and may run here instead: refused, or failed mid-way; "" for any other
-// outcome (success, deadline, cancellation, integrity).
+// and may run here instead: refused, or failed (its worker died, its
+// executor failed, its bytes or messages did not check out); "" for any
+// other outcome (success, deadline, cancellation).
 func fallbackReason(err error) string {
 	switch {
 	case errors.Is(err, ErrTransferRefused):

@@ -336,7 +336,14 @@ func classify(ctx context.Context, err error) error {
 		errors.Is(err, transfer.ErrLayoutMismatch), errors.Is(err, transfer.ErrPayloadTooLarge),
 		errors.Is(err, transfer.ErrDummyRequest):
 		return fmt.Errorf("%w: %w", worker.ErrTransferRefused, err)
-	case errors.Is(err, transfer.ErrPeerFailed):
+	case errors.Is(err, transfer.ErrPeerFailed), errors.Is(err, transfer.ErrPrefillFailed),
+		errors.Is(err, transfer.ErrIntegrity), errors.Is(err, transfer.ErrBadMessage):
+		// The remote prefill did not deliver: its worker died or failed
+		// mid-way, its executor failed (prefill_failed, final: the
+		// session does not retry it), its bytes disagree with its reply,
+		// or its messages could not be read. The fleet's failure, not
+		// this server's: 503, and with --prefill auto a local prefill,
+		// which overwrites whatever bytes it left (the grant is revoked).
 		return fmt.Errorf("%w: %w", worker.ErrTransferFailed, err)
 	case errors.Is(err, transfer.ErrTimeout):
 		return fmt.Errorf("%w: %w", worker.ErrTransferTimeout, err)
