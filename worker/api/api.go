@@ -45,6 +45,15 @@ type Config struct {
 	// nothing for that long is cut off and its request cancelled. 0 means
 	// 30s; negative means no bound.
 	WriteTimeout time.Duration
+	// StreamGrace is how long a streamed response waits for its request's
+	// first event before it opens (200): a request refused or failed before
+	// then (no prefill worker took it, the prefill workers failed, the
+	// worker is stopping) is answered with its status and Retry-After,
+	// which clients and load balancers retry, not as an error inside an
+	// open stream. One whose first token takes longer opens then, so the
+	// client sees it live while a long prompt prefills. 0 means 10s;
+	// negative opens at once.
+	StreamGrace time.Duration
 	// Now is the clock for "created"; nil means time.Now.
 	Now func() time.Time
 	// TracerProvider traces each request (a server span continuing the
@@ -87,6 +96,9 @@ func build(cfg Config, gen Generator) *server {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
+	if cfg.StreamGrace == 0 {
+		cfg.StreamGrace = 10 * time.Second
+	}
 	if cfg.WriteTimeout == 0 {
 		cfg.WriteTimeout = 30 * time.Second
 	}
@@ -101,12 +113,12 @@ func (s *server) handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/v1/completions", s.completions)
 	mux.HandleFunc("/v1/chat/completions", s.chatCompletions)
-	mux.HandleFunc("/v1/models", s.models)
-	mux.HandleFunc("/v1/models/{id...}", s.model)
-	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+	mux.HandleFunc("/v1/models", withRequestID(s.models))
+	mux.HandleFunc("/v1/models/{id...}", withRequestID(s.model))
+	mux.HandleFunc("/", withRequestID(func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, &apiError{
 			Message: fmt.Sprintf("no route %s %s", r.Method, r.URL.Path), Type: typeInvalid, Code: "not_found"})
-	})
+	}))
 	if cfg.TracerProvider != nil {
 		return traced(mux, cfg.TracerProvider)
 	}
@@ -239,6 +251,15 @@ func contextExceeded(maxCtx, prompt int, maxTokens int64, which string) *apiErro
 			"(%d in your prompt; %d for the completion). Please reduce your prompt or completion length.",
 			maxCtx, int64(prompt)+maxTokens, prompt, maxTokens),
 		Type: typeInvalid, Param: param(which), Code: "context_length_exceeded"}
+}
+
+// withRequestID names the requests h answers as start names the
+// generation requests: every response carries X-Request-Id.
+func withRequestID(h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("X-Request-Id", requestID(r, "req-"))
+		h(w, r)
+	}
 }
 
 // requestID returns the client's X-Request-Id when it is short and plain,
@@ -556,16 +577,58 @@ func schedulerError(err error) (int, *apiError) {
 	}
 }
 
+// awaitFirst waits up to Config.StreamGrace for a streamed request's first
+// event: one that ends the request with an error is answered as a plain
+// response would be (false), and any other is held for the stream to
+// send first. false too when the client left.
+func (s *server) awaitFirst(r *http.Request, out *writer, stream events) (events, bool) {
+	if s.cfg.StreamGrace < 0 {
+		return stream, true
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.StreamGrace)
+	defer cancel()
+	ev, err := stream.Next(ctx)
+	switch {
+	case err != nil && r.Context().Err() != nil:
+		return nil, false // the client left; the request is cancelled with it
+	case err != nil:
+		return stream, true // nothing yet: the stream opens
+	case ev.Done && ev.Err != nil:
+		status, e := schedulerError(ev.Err)
+		out.json(status, map[string]*apiError{"error": e})
+		return nil, false
+	}
+	return &heldEvents{first: &ev, events: stream}, true
+}
+
+// heldEvents is a stream whose first event was read already (awaitFirst).
+type heldEvents struct {
+	first *worker.Output
+	events
+}
+
+func (h *heldEvents) Next(ctx context.Context) (worker.Output, error) {
+	if ev := h.first; ev != nil {
+		h.first = nil
+		return *ev, nil
+	}
+	return h.events.Next(ctx)
+}
+
 // streamCompletion writes the stream as server-sent events.
 func (s *server) streamCompletion(r *http.Request, out *writer, log *slog.Logger, id string, created int64,
 	c completionReq, stream events) {
+	stream, ok := s.awaitFirst(r, out, stream)
+	if !ok {
+		return
+	}
 	h := out.w.Header()
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("Cache-Control", "no-cache")
 	h.Set("X-Accel-Buffering", "no")
 	out.w.WriteHeader(http.StatusOK)
 	out.arm()
-	out.err = out.rc.Flush() // the client sees a live stream while the request waits for its first token
+	out.err = out.rc.Flush() // the client sees a live stream while a request past StreamGrace waits for its first token
 	chunk := func(text string, lp *logprobs, finish any) map[string]any {
 		var lpOut any
 		if lp != nil {
@@ -623,15 +686,12 @@ func (s *server) streamCompletion(r *http.Request, out *writer, log *slog.Logger
 			}
 			return
 		}
-		final := chunk(utf.flush(), lp, ev.Finish)
-		u := usage(len(c.prompt), ev, false)
-		final["usage"] = u
-		if !out.send(final) {
+		if !out.send(chunk(utf.flush(), lp, ev.Finish)) {
 			return
 		}
 		if c.includeUsage {
 			m := chunk("", nil, nil)
-			m["choices"], m["usage"] = []any{}, u
+			m["choices"], m["usage"] = []any{}, usage(len(c.prompt), ev, false)
 			out.send(m)
 		}
 		out.event([]byte("[DONE]"))

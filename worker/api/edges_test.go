@@ -48,7 +48,8 @@ func completeBoth(t *testing.T, url, body string) (plain, streamed choiceOut, pl
 	require.Len(t, c.Choices, 1)
 	plain, plainTokens = c.Choices[0], c.Usage.CompletionTokens
 
-	resp2, err := http.Post(url+"/v1/completions", "application/json", strings.NewReader(strings.Replace(body, "{", `{"stream":true,`, 1)))
+	resp2, err := http.Post(url+"/v1/completions", "application/json",
+		strings.NewReader(strings.Replace(body, "{", `{"stream":true,"stream_options":{"include_usage":true},`, 1)))
 	require.NoError(t, err)
 	defer resp2.Body.Close()
 	sc := bufio.NewScanner(resp2.Body)
@@ -64,9 +65,11 @@ func completeBoth(t *testing.T, url, body string) (plain, streamed choiceOut, pl
 		var ch completionOut
 		require.NoError(t, json.Unmarshal([]byte(data), &ch), data)
 		chunks = append(chunks, ch)
-		if len(ch.Choices) == 0 {
+		if len(ch.Choices) == 0 { // the usage chunk, last
+			streamTokens = ch.Usage.CompletionTokens
 			continue
 		}
+		require.Nil(t, ch.Usage, "usage before the last chunk")
 		text.WriteString(ch.Choices[0].Text)
 		if lp := ch.Choices[0].Logprobs; lp != nil {
 			if streamed.Logprobs == nil {
@@ -79,7 +82,6 @@ func completeBoth(t *testing.T, url, body string) (plain, streamed choiceOut, pl
 		}
 		if ch.Choices[0].FinishReason != nil {
 			streamed.FinishReason = ch.Choices[0].FinishReason
-			streamTokens = ch.Usage.CompletionTokens
 		}
 	}
 	streamed.Text = text.String()
