@@ -116,6 +116,12 @@ func (c *blockCache) linked(m *cacheMeta, parent int32) bool {
 	return m.parent == parent && (parent == noBlock || m.parentGen == c.meta[parent].gen)
 }
 
+// orphan reports whether cached m's parent was evicted since m was
+// published under it: no prompt reaches m any more.
+func (c *blockCache) orphan(m *cacheMeta) bool {
+	return m.parent != noBlock && !c.linked(m, m.parent)
+}
+
 // hold adds a holder to cached block b.
 func (c *blockCache) hold(b int32) {
 	m := &c.meta[b]
@@ -293,8 +299,13 @@ func (p *Pool) evict(b int32) {
 // request's last block. A block whose prefix is cached already (the same
 // prefix computed twice: a prompt that shares a cached prefix it could not
 // resume from) stays the request's own, and the blocks after it continue
-// the cached one. It returns how many of the request's leading blocks are
-// now named in the cache. Errors: ErrUnknownRequest.
+// the cached one. An orphan under one of the names (a block whose parent
+// was evicted: unreachable, though named until it is evicted) gives way:
+// evicted when no request holds it, taken back under the new parent when
+// it is the request's own (as if evicted and published again), so that it
+// does not keep the prefix from being cached past it. It returns how many
+// of the request's leading blocks are now named in the cache. Errors:
+// ErrUnknownRequest.
 func (p *Pool) Publish(id uint64, chain []BlockHash, tokens []int32) (int, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -316,12 +327,15 @@ func (p *Pool) Publish(id uint64, chain []BlockHash, tokens []int32) (int, error
 					// stays the name's block and this one the request's
 					// own, and the chain goes on from the cached one.
 					dm := &p.cache.meta[d]
-					if !p.cache.linked(dm, parent) || !slices.Equal(dm.tokens, tokens[n*p.tpb:(n+1)*p.tpb]) {
-						return n, nil // a collision: the rest is not cacheable
+					if p.cache.linked(dm, parent) && slices.Equal(dm.tokens, tokens[n*p.tpb:(n+1)*p.tpb]) {
+						parent = d
+						n++
+						continue
 					}
-					parent = d
-					n++
-					continue
+					if !p.cache.orphan(dm) || dm.ref > 0 {
+						return n, nil // a collision, or an orphan its publisher still holds
+					}
+					p.evict(d)
 				}
 				m.cached, m.owned, m.ref, m.parent, m.hash = true, true, 1, parent, chain[n]
 				m.tokens = append(m.tokens[:0], tokens[n*p.tpb:(n+1)*p.tpb]...)
@@ -331,7 +345,7 @@ func (p *Pool) Publish(id uint64, chain []BlockHash, tokens []int32) (int, error
 				}
 				p.cache.byHash[chain[n]] = b
 				p.events.add(p.storedEvent(b))
-			} else if m.hash != chain[n] || !p.cache.linked(m, parent) {
+			} else if m.hash != chain[n] || !p.cache.linked(m, parent) && !p.adopt(b, parent) {
 				return n, nil
 			}
 			parent = b
@@ -339,6 +353,26 @@ func (p *Pool) Publish(id uint64, chain []BlockHash, tokens []int32) (int, error
 		}
 	}
 	return n, nil
+}
+
+// adopt takes the request's own cached block b, an orphan, back under
+// parent: its name is removed and stored again, and its generation moves
+// on, so that what was published under it stays orphaned, as it would
+// after an eviction (and as the events' consumers hold it). It reports
+// whether b was an orphan.
+func (p *Pool) adopt(b, parent int32) bool {
+	m := &p.cache.meta[b]
+	if !p.cache.orphan(m) {
+		return false
+	}
+	p.events.add(CacheEvent{Hash: m.hash})
+	m.gen++
+	m.parent, m.parentHash, m.parentGen = parent, BlockHash{}, 0
+	if parent != noBlock {
+		m.parentHash, m.parentGen = p.cache.meta[parent].hash, p.cache.meta[parent].gen
+	}
+	p.events.add(p.storedEvent(b))
+	return true
 }
 
 // CachedBlocks returns the number of cached blocks, held or not.

@@ -291,3 +291,58 @@ func TestCachePublishContinuesAComputedTwicePrefix(t *testing.T) {
 	require.NoError(t, p.checkInvariants())
 	require.Equal(t, 8, p.AvailableBlocks())
 }
+
+// A block whose parent was evicted is an orphan: unreachable, though it
+// keeps its name until evicted. The same prefix computed again takes it
+// back under the new parent, whether the orphan is the publishing
+// request's own block or another's; else the orphan would stop the prefix
+// from being cached past it for as long as it stays.
+func TestCacheOrphanRelinkedWhenItsPrefixIsComputedAgain(t *testing.T) {
+	a := make([]int32, 24)
+	for i := range a {
+		a[i] = int32(i + 1)
+	}
+	chain := chainOf(a, 4)
+	// Request 1 caches the first four blocks; request 2 computes the whole
+	// prompt, its last two blocks continuing 1's copies; 1's copies are
+	// evicted while 2 runs (3 takes the room).
+	orphaned := func(t *testing.T) *Pool {
+		p := newPool(t, 12) // 4 tokens per block
+		require.NoError(t, p.Allocate(1, 16))
+		n, err := p.Publish(1, chain[:4], a[:16])
+		require.NoError(t, err)
+		require.Equal(t, 4, n)
+		require.NoError(t, p.Free(1))
+		require.NoError(t, p.Allocate(2, 24))
+		n, err = p.Publish(2, chain, a)
+		require.NoError(t, err)
+		require.Equal(t, 6, n)
+		require.NoError(t, p.Allocate(3, 24), "6 blocks: 2 free, 4 evicted")
+		require.Equal(t, uint64(4), p.Evictions())
+		require.Equal(t, 0, p.Match(chain, a))
+		require.NoError(t, p.Free(3))
+		return p
+	}
+
+	t.Run("its own", func(t *testing.T) {
+		p := orphaned(t)
+		n, err := p.Publish(2, chain, a) // at its end: its own copies of the prefix now
+		require.NoError(t, err)
+		require.Equal(t, 6, n)
+		require.NoError(t, p.Free(2))
+		require.Equal(t, 6, p.Match(chain, a))
+		require.NoError(t, p.checkInvariants())
+	})
+	t.Run("another's", func(t *testing.T) {
+		p := orphaned(t)
+		require.NoError(t, p.Free(2)) // its last two blocks stay, orphans
+		require.Equal(t, 0, p.Match(chain, a))
+		require.NoError(t, p.Allocate(4, 24))
+		n, err := p.Publish(4, chain, a)
+		require.NoError(t, err)
+		require.Equal(t, 6, n)
+		require.NoError(t, p.Free(4))
+		require.Equal(t, 6, p.Match(chain, a))
+		require.NoError(t, p.checkInvariants())
+	})
+}
