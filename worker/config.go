@@ -66,6 +66,14 @@ func (c *Config) validate(ranks []*Rank) error {
 	if len(ranks) == 0 {
 		return fmt.Errorf("%w: no ranks", ErrInvalidConfig)
 	}
+	for _, r := range ranks {
+		// The pools reserve the ADP dummy's row only with attention DP: a
+		// scheduler that pads over pools without it would put the dummy on
+		// a real row, which a request may need.
+		if c.AttentionDP && !r.mCfg.AttentionDP {
+			return fmt.Errorf("%w: attention DP, but rank %d's Mamba pool reserves no row for its dummy", ErrInvalidConfig, r.index)
+		}
+	}
 	if c.Role == RolePrefill && c.Source != nil {
 		return fmt.Errorf("%w: a prefill scheduler takes no cache source", ErrInvalidConfig)
 	}

@@ -54,6 +54,9 @@ func (p Phase) HoldsResources() bool {
 type RankLoad struct {
 	// Phases of the requests the rank holds (queued requests are not on a rank).
 	Phases []Phase
+	// NoCompute counts the schedulable ones that run no forward pass: a
+	// state served from the cache or adopted (state.go), a row copy.
+	NoCompute int
 }
 
 // Schedulable counts the rank's schedulable requests.
@@ -91,21 +94,24 @@ func (p Plan) Dummies() int {
 // PlanStep decides one iteration. Without attention DP no rank ever pads:
 // ranks are independent and an idle one simply skips the forward pass.
 // With attention DP, when any rank has schedulable work, every rank with none
-// pads the dummy; requests waiting for their cache or pushing it do not count
-// as work, even though they hold the rank's rows.
+// that runs a forward pass pads the dummy (and steps its no-compute work
+// beside it): requests waiting for their cache or pushing it do not count
+// as work, even though they hold the rank's rows, nor do states served
+// from the cache or adopted, which copy a row and compute nothing (an
+// iteration of those alone steps with no forward pass and no dummy).
 func PlanStep(loads []RankLoad, attentionDP bool) Plan {
 	p := Plan{Dummy: make([]bool, len(loads))}
+	forward := false // some rank runs a forward pass
 	for _, l := range loads {
-		if l.Schedulable() > 0 {
-			p.Step = true
-			break
-		}
+		n := l.Schedulable()
+		p.Step = p.Step || n > 0
+		forward = forward || n > l.NoCompute
 	}
-	if !p.Step || !attentionDP {
+	if !forward || !attentionDP {
 		return p
 	}
 	for i, l := range loads {
-		p.Dummy[i] = l.Schedulable() == 0
+		p.Dummy[i] = l.Schedulable() == l.NoCompute
 	}
 	return p
 }

@@ -51,6 +51,21 @@ func TestPlanStep(t *testing.T) {
 		{"single rank with work", loads(ph(PhaseGenerate)), true, true, []bool{false}},
 		{"single rank in transfer", loads(ph(PhaseAwaitCache)), true, false, []bool{false}},
 		{"no ranks", nil, true, false, []bool{}},
+		// A state served from the cache or adopted steps but runs no
+		// forward pass: its rank pads beside it while another computes,
+		// and alone they step with no forward pass anywhere.
+		{
+			"no-compute work pads beside it",
+			[]RankLoad{{Phases: ph(PhaseGenerate)}, {Phases: ph(PhaseContext), NoCompute: 1}}, true, true, []bool{false, true},
+		},
+		{
+			"no-compute and compute work: no pad",
+			[]RankLoad{{Phases: ph(PhaseGenerate)}, {Phases: ph(PhaseContext, PhaseGenerate), NoCompute: 1}}, true, true, []bool{false, false},
+		},
+		{
+			"no-compute work alone: a step, no forward pass",
+			[]RankLoad{{Phases: ph(PhaseGenerate), NoCompute: 1}, {}}, true, true, []bool{false, false},
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -150,4 +165,15 @@ func TestPhase(t *testing.T) {
 		require.True(t, p.Schedulable())
 		require.True(t, p.HoldsResources())
 	}
+}
+
+// A scheduler with attention DP pads the dummy on the row its pools
+// reserve for it: over pools that reserve none, the dummy would take a real
+// row (which a request may need, and the seed bug left it without), so the
+// scheduler is refused.
+func TestAttentionDPNeedsTheDummysRow(t *testing.T) {
+	_, err := NewScheduler(Config{Role: RoleDecode, AttentionDP: true}, newRanks(t, rankOpts{ranks: 2, batch: 1}))
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	_, err = NewScheduler(Config{Role: RoleDecode, AttentionDP: true}, newRanks(t, rankOpts{ranks: 2, batch: 1, adp: true}))
+	require.NoError(t, err)
 }

@@ -191,8 +191,13 @@ func (r *Rank) room() RankRoom {
 
 // load is the rank's planning view.
 func (r *Rank) load(dst []Phase) RankLoad {
+	l := RankLoad{}
 	for _, q := range r.held {
 		dst = append(dst, q.phase)
+		if q.phase.Schedulable() && (q.fromCache || q.adopt) {
+			l.NoCompute++
+		}
 	}
-	return RankLoad{Phases: dst}
+	l.Phases = dst
+	return l
 }

@@ -173,8 +173,10 @@ func (s *Scheduler) plan() Plan {
 	ph := s.scratchPh[:0]
 	for i, r := range s.ranks {
 		start := len(ph)
-		ph = r.load(ph).Phases
-		loads[i] = RankLoad{Phases: ph[start:len(ph):len(ph)]}
+		l := r.load(ph)
+		ph = l.Phases
+		l.Phases = ph[start:len(ph):len(ph)]
+		loads[i] = l
 	}
 	s.scratchPh = ph
 	return PlanStep(loads, s.cfg.AttentionDP)

@@ -51,8 +51,9 @@ func (s *Scheduler) stepRank(ctx context.Context, r *Rank, dummy bool, dl, batch
 		defer s.padGraph(r, dummy, dl, batch)()
 	}
 	if dummy {
+		// The rank's forward pass is the dummy's; what else it steps
+		// (states served from the cache or adopted) computes nothing.
 		s.padDummy(ctx, r)
-		return
 	}
 	for _, q := range r.held {
 		switch q.phase {
