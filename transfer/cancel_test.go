@@ -110,3 +110,61 @@ func TestCancelStopsOnlyTheSendersRequest(t *testing.T) {
 	ds2.requireInitial(t)
 	ps.requireInitial(t)
 }
+
+// gatedAdmit holds every Admit until gate is closed, and tells admitting
+// when one began.
+type gatedAdmit struct {
+	x         *testExec
+	admitting chan struct{}
+	gate      chan struct{}
+}
+
+func (g *gatedAdmit) Admit(job Job) (AdmittedJob, error) {
+	g.admitting <- struct{}{}
+	<-g.gate
+	return g.x.Admit(job)
+}
+
+// A cancel that reaches the worker while its executor still admits the
+// request is not lost: the request ends cancelled once admitted, its lease
+// released, instead of holding its slot through a prefill.
+func TestCancelDuringAdmit(t *testing.T) {
+	f := newFixture(t)
+	ds, ps := newSide(t, "dec", testHybrid(64, 8)), newSide(t, "pre", testHybrid(64, 8))
+	x := newExec(ps)
+	x.block = make(chan struct{}) // a prefill runs until its ctx is done
+	g := &gatedAdmit{x: x, admitting: make(chan struct{}, 1), gate: make(chan struct{})}
+	d := f.decoder("d1", ds, nil)
+	p, err := NewPrefiller(PrefillerConfig{Instance: "p1", Namespace: f.ns, Fingerprint: f.fp, MaxDraftTokens: 2, NoRegistry: true},
+		natstest.Connect(t, f.srv), ps.eng, g)
+	require.NoError(t, err)
+	require.NoError(t, p.Start(context.Background()))
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		require.NoError(t, p.Shutdown(ctx))
+	}()
+
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() { <-g.admitting; cancel() }()
+	_, err = ds.handoff(ctx, d, Request{ID: 3, Tokens: tokens(9), Deadline: time.Now().Add(time.Minute)})
+	require.ErrorIs(t, err, ErrCancelled)
+	// The decoder published its cancel before it returned: the worker's
+	// cancel subscription takes it while Admit still blocks.
+	time.Sleep(100 * time.Millisecond)
+	close(g.gate)
+	natstest.CheckFor(t, 5*time.Second, 10*time.Millisecond, func() error {
+		if st := p.Stats(); st.Cancelled != 1 || st.InFlight != 0 {
+			return fmt.Errorf("stats %+v", st)
+		}
+		return nil
+	})
+	select {
+	case err := <-x.ctxErr: // a prefill that started saw its ctx done
+		require.ErrorIs(t, err, context.Canceled)
+	default:
+	}
+	require.Equal(t, x.admits.Load(), x.releases.Load(), "lease not released")
+	ds.requireInitial(t)
+	ps.requireInitial(t)
+}

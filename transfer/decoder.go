@@ -118,8 +118,10 @@ type Request struct {
 	// fewer than the prompt's blocks; 0: the whole prompt.
 	Skip int
 	// Holder, when set, is the one instance the request goes to: no
-	// routing, and a refusal or failure is final (no retry elsewhere). A
-	// state is pulled from the instance that holds it (StatePrefix).
+	// routing, and a refusal or failure is final (no retry elsewhere).
+	// While its subject has no subscriber (restarting, or not subscribed
+	// yet) it is asked again with the backoff of NoResponderWait, within
+	// it. A state is pulled from the instance that holds it (StatePrefix).
 	Holder string
 }
 

@@ -93,7 +93,7 @@ func (d *Decoder) Handoff(ctx context.Context, req Request) (Result, error) {
 	h.kvB, h.mB = req.Dest.bytes()
 	h.sess.Reset(session.RecvParams{
 		RequestID: req.ID, MaxDraftTokens: d.cfg.MaxDraftTokens, Deadline: deadline, MaxAttempts: attempts,
-		QuietWait: max(d.cfg.NoResponderWait, 0),
+		QuietWait: max(d.cfg.NoResponderWait, 0), Holder: req.Holder,
 	})
 	var sb [64]byte
 	h.reply = string(strconv.AppendUint(append(append(sb[:0], d.inbox...), '.'), d.seq.Add(1), 36))
@@ -362,16 +362,16 @@ func (h *handoff) exec(a session.Action) (session.Event, bool) {
 	return session.Event{}, false
 }
 
-// send publishes the prefill request for attempt a. Retries go to a live
-// prefill instance that has not refused this request, when the registry knows
-// one; otherwise to the queue group.
+// send publishes the prefill request for attempt a: to the instance a names
+// (the holder), else, for a retry, to a live prefill instance that has not
+// refused this request, when the registry knows one; otherwise to the queue
+// group.
 func (h *handoff) send(a session.Action) (string, error) {
 	d := h.d
 	subj := d.prefillSub
-	target, svc := a.Instance, anyIncarnation // the session names no incarnation
-	if h.req.Holder != "" {
-		target = h.req.Holder
-	}
+	// The session names no incarnation. It names the request's Holder, when
+	// set, on every attempt (RecvParams.Holder).
+	target, svc := a.Instance, anyIncarnation
 	if target == "" && a.Attempt == 1 && d.cfg.States != nil && d.reg != nil {
 		if inst, _, ok := d.pickByState(h.req.Tokens, a.Exclude); ok {
 			target, svc = inst.ID, inst.Service

@@ -132,12 +132,20 @@ func (p *Prefiller) handle(r micro.Request) {
 		endSpanCode(t.span, t.sess.Code(), t.cause)
 		return
 	}
+	// The task is one of p.tasks from before Admit: a cancel (or the
+	// requester's death) that comes while the executor admits finds it, and
+	// the request ends at once when admitted. Taken in after Admit, the
+	// task would miss it, and hold its slot through a whole prefill.
+	t.ctx, t.stop = context.WithDeadline(context.Background(), deadline)
 	p.mu.Lock()
 	if st := p.state; st != 1 {
 		p.mu.Unlock()
+		t.stop()
 		p.refuseNotServing(r, t, st)
 		return
 	}
+	t.next = p.tasks[m.RequestID]
+	p.tasks[m.RequestID] = t
 	p.mu.Unlock()
 	lease, err := p.exec.Admit(Job{RequestID: m.RequestID, Tokens: m.Tokens, Sampling: m.Sampling, Deadline: deadline, From: m.From, TP: max(int(m.TP), 1), Span: t.span, Drafts: int(m.Drafts), Skip: int(m.Skip)})
 	code := session.CodeOK
@@ -151,9 +159,22 @@ func (p *Prefiller) handle(r micro.Request) {
 		code, t.cause = session.CodePrefillFailed, errors.New("executor admitted without a lease")
 	}
 	t.lease = lease
+	if c := session.Code(t.aborts.Load()); c != session.CodeOK {
+		// Cancelled while admitting: the session releases the lease
+		// and replies with the cancel's code once it hears the outcome.
+		t.sess.Step(session.Event{Kind: session.EvCancel, Code: c, Now: t.now()})
+	}
 	acts := t.sess.Step(session.Event{Kind: session.EvAdmitted, Code: code, Now: t.now()})
 	if t.sess.State().Terminal() {
-		p.refused.Add(1)
+		p.mu.Lock()
+		p.removeTaskLocked(t)
+		p.mu.Unlock()
+		t.stop()
+		if t.aborts.Load() != 0 {
+			p.cancelled.Add(1)
+		} else {
+			p.refused.Add(1)
+		}
 		p.replyNow(r, t.replyFor(t.sess.Code()))
 		endSpanCode(t.span, t.sess.Code(), t.cause)
 		if lease != nil {
@@ -161,17 +182,15 @@ func (p *Prefiller) handle(r micro.Request) {
 		}
 		return
 	}
-	t.ctx, t.stop = context.WithDeadline(context.Background(), deadline)
 	p.mu.Lock()
 	if st := p.state; st != 1 { // shut down while admitting
+		p.removeTaskLocked(t)
 		p.mu.Unlock()
 		t.stop()
 		lease.Release()
 		p.refuseNotServing(r, t, st)
 		return
 	}
-	t.next = p.tasks[m.RequestID]
-	p.tasks[m.RequestID] = t
 	p.inflight.Add(1)
 	p.dispatchLocked(taskStart{t, acts})
 	p.mu.Unlock()

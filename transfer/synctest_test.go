@@ -502,3 +502,39 @@ func prefillRegistry(ids ...string) *Registry {
 	}
 	return reg
 }
+
+// TestHolderNoRespondersBacksOffSynctest: a state pulled from a holder
+// whose subject has no subscriber (it restarted, or its state server is not
+// subscribed yet) is asked again after the quiet backoff, not at once: a
+// handful of requests, each carrying the whole prompt, then
+// ErrNoPrefillWorker before the deadline.
+func TestHolderNoRespondersBacksOffSynctest(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		recv, send, dst, _ := bubbleEngines(t)
+		defer recv.Close()
+		defer send.Close()
+		d, rec := bubbleDecoder(t, recv, 3)
+		go func() {
+			// No subscriber: every request is answered no-responders, up to
+			// a bound (a resend at once would spin without the clock moving).
+			n := 0
+			for m := range rec.sent {
+				if n++; n <= 50 {
+					d.onReply(&nats.Msg{Subject: m.Reply, Header: nats.Header{"Status": []string{"503"}}})
+				}
+			}
+		}()
+		start := time.Now()
+		_, err := d.Handoff(context.Background(), Request{ID: 7, Tokens: tokens(4), Dest: CacheExtents{Mamba: dst},
+			Deadline: start.Add(time.Second), Holder: "ghost"})
+		close(rec.sent)
+		require.ErrorIs(t, err, ErrNoPrefillWorker)
+		require.Less(t, time.Since(start), time.Second, "failed before the deadline")
+		require.LessOrEqual(t, d.Stats().Published, uint64(6), "sent at once again and again")
+		holder := wire.Subject(wire.DefaultPrefix, "t", wire.SubjectInstancePrefill, "ghost")
+		for _, m := range rec.requests {
+			require.Equal(t, holder, m.Subject, "only the holder has the state")
+		}
+		require.Zero(t, recv.Stats().GrantsOpen)
+	})
+}

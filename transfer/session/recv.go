@@ -17,6 +17,12 @@ type RecvParams struct {
 	// NATS reconnect, come back within it. 0: retried at once, like a
 	// refusal, within MaxAttempts.
 	QuietWait time.Duration
+	// Holder, when set, is the one instance every attempt goes to: it alone
+	// has what is asked for (a state pulled from the decode instance that
+	// holds it). When its subject has no subscriber (it restarted, or its
+	// server is not subscribed yet) nobody else can serve, so it is asked
+	// again after the quiet backoff, within QuietWait, never at once.
+	Holder string
 }
 
 // RecvSession is the receiver's per-request state machine. Not safe for
@@ -43,7 +49,8 @@ type RecvSession struct {
 	refused  []string // instances that refused this request or were found gone: not retried
 	dead     []string // instances reported dead while serving this request: their replies are ignored
 	// retryAt is when a request that found no responder is sent again
-	// (zero: none pending); quiet counts those in a row since quietSince.
+	// (zero: none pending); quiet counts those in a row since quietSince:
+	// a worker that answered ends the row (see heard).
 	retryAt    time.Time
 	quiet      int
 	quietSince time.Time
@@ -169,11 +176,11 @@ func (s *RecvSession) Step(ev Event) []Action {
 		if s.p.QuietWait > 0 {
 			// No worker heard it: the attempt is not spent. Sends that
 			// find no responder are bounded by QuietWait (and each
-			// instance asked directly is asked once), not by the budget
-			// that a worker's real failures draw on.
+			// instance asked directly, but the holder, is asked once), not
+			// by the budget that a worker's real failures draw on.
 			s.unheard++
 		}
-		if s.target != "" || s.p.QuietWait <= 0 {
+		if (s.target != "" && s.target != s.p.Holder) || s.p.QuietWait <= 0 {
 			if s.target != "" && !slices.Contains(s.refused, s.target) {
 				// Its subject has no subscriber: it is gone, or it is
 				// resubscribing after a reconnect; not asked again.
@@ -190,9 +197,10 @@ func (s *RecvSession) Step(ev Event) []Action {
 			// instance not asked yet or to the queue group (instances
 			// that had no subscriber may have one again).
 		}
-		// Nobody serves the request right now. Nothing was written, so
-		// sending again is safe: after a backoff, for up to QuietWait and
-		// while the deadline allows.
+		// Nobody serves the request right now (the queue group, or the
+		// holder, which alone can). Nothing was written, so sending again
+		// is safe: after a backoff, for up to QuietWait and while the
+		// deadline allows.
 		if s.quiet == 0 {
 			s.quietSince = ev.Now
 		}
@@ -211,6 +219,7 @@ func (s *RecvSession) Step(ev Event) []Action {
 			return nil // a late reply of an attempt abandoned when its instance was reported dead
 		}
 		s.outstanding = false
+		s.heard()
 		switch ev.Code {
 		case CodeOK:
 			s.replied, s.replyInstance, s.replyManifest = true, ev.Instance, ev.Manifest
@@ -252,6 +261,7 @@ func (s *RecvSession) Step(ev Event) []Action {
 			code = CodePeerFailed
 		}
 		if code == CodePeerFailed && s.outstanding {
+			s.heard() // a writer took the request
 			// The writer's connection went mid-write (it died, or will be
 			// taken for dead): retry fenced on another instance, as when
 			// its death is reported first. A request sent to the queue
@@ -304,6 +314,12 @@ func (s *RecvSession) Step(ev Event) []Action {
 		if s.state != StateWaiting || ev.Instance == "" {
 			return nil
 		}
+		if !s.replyBy.IsZero() && s.graceFor == ev.Instance {
+			// Its death was told already (a registry delete, then its
+			// writer gone): the grace for its reply runs, and a commit
+			// that landed is not thrown away before it ends.
+			return nil
+		}
 		// A request sent to the queue group names no instance until its
 		// reply. After a failed write on the only instance, the fenced
 		// retry goes to the group, which may hand it back to that very
@@ -329,6 +345,11 @@ func (s *RecvSession) Step(ev Event) []Action {
 	return nil
 }
 
+// heard ends a row of no-responders: a worker answered, so a no-responders
+// later on (workers restarting again) opens a quiet window of its own
+// rather than count against one long past.
+func (s *RecvSession) heard() { s.quiet, s.quietSince = 0, time.Time{} }
+
 // spent is the attempts of the budget used: those sent that a worker heard.
 func (s *RecvSession) spent() int { return s.attempts - s.unheard }
 
@@ -344,6 +365,9 @@ func (s *RecvSession) Ignores(instance string) bool {
 func (s *RecvSession) send(target string) []Action {
 	s.retryAt = time.Time{}
 	s.attempts++
+	if s.p.Holder != "" {
+		target = s.p.Holder
+	}
 	s.outstanding, s.target = true, target
 	return s.acts(Action{Kind: ActSendRequest, Instance: target, Attempt: s.attempts, Exclude: slices.Clone(s.refused),
 		Live: len(s.dead) > 0})

@@ -11,7 +11,7 @@ import (
 
 // A script file in testdata (the layout of etcd raft's datadriven tests)
 // holds one scenario: '#' comment lines, a directive that builds the
-// session ("recv id=7 draft=2 deadline=100ms attempts=3 quiet=300ms" or
+// session ("recv id=7 draft=2 deadline=100ms attempts=3 quiet=300ms holder=d2" or
 // "write id=7 draft=2 deadline=100ms fp=fp local=fp kv=4096 mamba=512"), one
 // event per line ("+5ms committed manifest=4096,512/43690,48059"; the
 // offset is from the session's epoch), a "----" line, then the transcript
@@ -112,7 +112,8 @@ func newStepper(directive string) (stepper, error) {
 	switch f[0] {
 	case "recv":
 		s = NewRecvSession(RecvParams{RequestID: num("id"), MaxDraftTokens: int(num("draft")),
-			Deadline: epoch.Add(dur("deadline")), MaxAttempts: int(num("attempts")), QuietWait: dur("quiet")})
+			Deadline: epoch.Add(dur("deadline")), MaxAttempts: int(num("attempts")), QuietWait: dur("quiet"),
+			Holder: a["holder"]})
 	case "write":
 		s = NewWriteSession(WriteParams{RequestID: num("id"), MaxDraftTokens: int(num("draft")),
 			Deadline: epoch.Add(dur("deadline")), Fingerprint: a["fp"], Local: a["local"],
