@@ -148,10 +148,10 @@ func (s *shmServer) accept() {
 	for {
 		c, err := s.ln.AcceptUnix()
 		if err != nil {
-			if !errors.Is(err, net.ErrClosed) {
-				s.e.log.Warn("rdma: shm accept", "err", err)
+			if errors.Is(err, net.ErrClosed) || !s.e.acceptAgain("shm", err) {
+				return
 			}
-			return
+			continue
 		}
 		rc := newRxConn(s.e, c, TransportSHM)
 		pid, pidfd := peerProcess(c)

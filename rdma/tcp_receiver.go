@@ -109,10 +109,10 @@ func (s *tcpServer) accept() {
 	for {
 		c, err := s.ln.Accept()
 		if err != nil {
-			if !errors.Is(err, net.ErrClosed) {
-				s.e.log.Warn("rdma: tcp accept", "err", err)
+			if errors.Is(err, net.ErrClosed) || !s.e.acceptAgain("tcp", err) {
+				return
 			}
-			return
+			continue
 		}
 		rc := newRxConn(s.e, c, TransportTCP)
 		s.mu.Lock()
@@ -263,6 +263,33 @@ func (c *rxConn) serve() {
 		}
 	}
 }
+
+// acceptAgain reports whether a listener's accept loop goes on after err,
+// once it paused: out of descriptors or memory for now (EMFILE, ENFILE,
+// ENOBUFS, ENOMEM), the connections already served go on, and the
+// listener serves the next writer once some were let go. Stopping would
+// leave a listener the kernel still completes dials to, which no one
+// answers. Any other error ends the loop; so does Close.
+func (e *Engine) acceptAgain(transport string, err error) bool {
+	if !errors.Is(err, syscall.EMFILE) && !errors.Is(err, syscall.ENFILE) &&
+		!errors.Is(err, syscall.ENOBUFS) && !errors.Is(err, syscall.ENOMEM) {
+		e.log.Error("rdma: accept failed: the data path takes no more writers", "transport", transport, "err", err)
+		return false
+	}
+	e.log.Warn("rdma: accept", "transport", transport, "err", err)
+	t := time.NewTimer(acceptPause)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-e.ctx.Done():
+		return false
+	}
+}
+
+// acceptPause is how long an accept loop waits after running out of
+// descriptors or memory.
+const acceptPause = 50 * time.Millisecond
 
 // fenceDrain is the silence that ends drainToEnd, fenceDrainMax its bound.
 const (
