@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/url"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -69,9 +71,10 @@ func connectNATS(ctx context.Context, c config.NATS, name string, log *slog.Logg
 	opts = append(opts, nats.ConnectHandler(func(nc *nats.Conn) {
 		log.Info("nats connected", "url", nc.ConnectedUrlRedacted())
 	}))
+	shown := redactURLs(c.URL)
 	nc, err := nats.Connect(c.URL, opts...)
 	if err != nil {
-		return nil, fmt.Errorf("nats connect %s: %w", c.URL, err)
+		return nil, fmt.Errorf("nats connect %s: %w", shown, err)
 	}
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
@@ -81,25 +84,44 @@ func connectNATS(ctx context.Context, c config.NATS, name string, log *slog.Logg
 			lastErr = err
 			if errors.Is(err, nats.ErrAuthorization) || errors.Is(err, nats.ErrAuthExpired) {
 				nc.Close()
-				return nil, fmt.Errorf("nats connect %s: %w", c.URL, err)
+				return nil, fmt.Errorf("nats connect %s: %w", shown, err)
 			}
 		}
 		if time.Since(logged) > 5*time.Second {
 			if lastErr != nil {
-				log.Warn("waiting for nats", "url", c.URL, "status", nc.Status().String(), "err", lastErr)
+				log.Warn("waiting for nats", "url", shown, "status", nc.Status().String(), "err", lastErr)
 			} else {
-				log.Warn("waiting for nats", "url", c.URL, "status", nc.Status().String())
+				log.Warn("waiting for nats", "url", shown, "status", nc.Status().String())
 			}
 			logged = time.Now()
 		}
 		select {
 		case <-ctx.Done():
 			nc.Close()
-			return nil, fmt.Errorf("nats connect %s: %w (last error: %v)", c.URL, ctx.Err(), lastErr)
+			return nil, fmt.Errorf("nats connect %s: %w (last error: %v)", shown, ctx.Err(), lastErr)
 		case <-tick.C:
 		}
 	}
 	return nc, nil
+}
+
+// redactURLs is a --nats-url list as it may be shown (logs, errors): the
+// user information of each URL, a password or a token, masked.
+func redactURLs(list string) string {
+	urls := strings.Split(list, ",")
+	for i, raw := range urls {
+		u, err := url.Parse(strings.TrimSpace(raw))
+		if err != nil || u.User == nil {
+			continue
+		}
+		if _, ok := u.User.Password(); ok {
+			u.User = url.UserPassword(u.User.Username(), "xxxxx")
+		} else {
+			u.User = url.User("xxxxx") // a token
+		}
+		urls[i] = u.String()
+	}
+	return strings.Join(urls, ",")
 }
 
 // natsCheck is the readiness check of a connection.

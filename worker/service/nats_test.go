@@ -52,6 +52,33 @@ func TestNATSAuth(t *testing.T) {
 	require.Equal(t, http.StatusOK, resp.StatusCode)
 }
 
+// Credentials in --nats-url never reach a log line or an error: not the
+// wait for an unreachable server, not a refusal.
+func TestNATSURLRedacted(t *testing.T) {
+	require.Equal(t, "nats://u:xxxxx@a:4222,nats://xxxxx@b:4222,nats://c:4222",
+		redactURLs("nats://u:p4ss@a:4222, nats://t0ken@b:4222,nats://c:4222"))
+
+	var logs strings.Builder
+	log := slog.New(slog.NewTextHandler(&logs, nil))
+	srv := natstest.Run(t, func(o *server.Options) { o.Username, o.Password = "handoff", "s3cret" })
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	u := strings.Replace(srv.ClientURL(), "nats://", "nats://handoff:wr0ng@", 1)
+	_, err := connectNATS(ctx, config.NATS{URL: u}, "t", log)
+	require.Error(t, err)
+	require.NotContains(t, err.Error(), "wr0ng")
+
+	// Nothing answers: the wait logs the URL every 5 s, and its end says it.
+	wctx, wcancel := context.WithTimeout(context.Background(), 5500*time.Millisecond)
+	defer wcancel()
+	_, err = connectNATS(wctx, config.NATS{URL: fmt.Sprintf("nats://handoff:s3cret@127.0.0.1:%d", freePort(t))}, "t", log)
+	require.Error(t, err)
+	require.NotContains(t, err.Error(), "s3cret")
+	require.Contains(t, logs.String(), "waiting for nats")
+	require.NotContains(t, logs.String(), "s3cret")
+	require.NotContains(t, logs.String(), "wr0ng")
+}
+
 // freePort reserves a loopback port until the test ends (testport.Reserve):
 // a server stopped and started again on it, or told it before it starts,
 // gets it, and nothing else is handed it meanwhile.
