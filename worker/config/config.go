@@ -363,6 +363,20 @@ func (c *Config) Validate() error {
 			bad("%s %q: %v", a.flag, a.addr, err)
 		}
 	}
+	if c.DataAdvertise != "" {
+		// What peers dial: a host (no wildcard) and a port (0: the
+		// listener's).
+		h, _, err := net.SplitHostPort(c.DataAdvertise)
+		if err == nil {
+			err = listenAddr(c.DataAdvertise)
+		}
+		if err == nil && (h == "" || net.ParseIP(h) != nil && net.ParseIP(h).IsUnspecified()) {
+			err = errors.New("a host peers can dial is needed")
+		}
+		if err != nil {
+			bad("--data-advertise %q: %v", c.DataAdvertise, err)
+		}
+	}
 	if c.TCPLanes < 1 || c.TCPLanes > 64 {
 		bad("--tcp-lanes %d: want 1..64", c.TCPLanes)
 	}
