@@ -156,7 +156,7 @@ func parseServe(args []string, getenv func(string) string, usage io.Writer) (con
 	fs.DurationVar(&cfg.LameDuck, "lame-duck-duration", 0, "on SIGTERM, stop accepting clients and spread existing disconnects over this duration before shutting down; 0 shuts down at once"+env("lame-duck-duration", "HANDOFF_NATS_LAME_DUCK_DURATION"))
 	fs.DurationVar(&cfg.PingEvery, "ping-interval", cfg.PingEvery, "how often the server pings each client; with --max-pings-out it bounds how long a vanished client keeps its subscriptions"+env("ping-interval", "HANDOFF_NATS_PING_INTERVAL"))
 	fs.IntVar(&cfg.MaxPingsOut, "max-pings-out", cfg.MaxPingsOut, "unanswered pings before the server closes a client"+env("max-pings-out", "HANDOFF_NATS_MAX_PINGS_OUT"))
-	fs.StringVar(&cfg.LogLevel, "log-level", cfg.LogLevel, "info, debug or trace"+env("log-level", "HANDOFF_LOG_LEVEL"))
+	fs.StringVar(&cfg.LogLevel, "log-level", cfg.LogLevel, "error, warn, info, debug or trace (the server's protocol trace)"+env("log-level", "HANDOFF_LOG_LEVEL"))
 	fs.StringVar(&cfg.LogFormat, "log-format", cfg.LogFormat, "json or text"+env("log-format", "HANDOFF_LOG_FORMAT"))
 	fs.Usage = func() {
 		fmt.Fprintln(usage, "Usage: handoff-nats [serve] [flags] | healthcheck [--url URL] [--timeout D] | version")
@@ -191,6 +191,9 @@ func parseServe(args []string, getenv func(string) string, usage io.Writer) (con
 func validPort(p int, allowZero bool) bool {
 	return p == -1 || (p >= 1 && p <= 65535) || (allowZero && p == 0)
 }
+
+// debug reports whether the server logs its debug lines.
+func (c config) debug() bool { return c.LogLevel == "debug" || c.LogLevel == "trace" }
 
 // validate rejects configurations that nats-server would refuse later with a
 // less direct message, or that would run but not work for handoff.
@@ -231,10 +234,12 @@ func (c config) validate() error {
 			}
 		}
 	}
+	// HANDOFF_LOG_LEVEL is shared with the workers, which take the same
+	// names (trace as debug).
 	switch c.LogLevel {
-	case "info", "debug", "trace":
+	case "error", "warn", "info", "debug", "trace":
 	default:
-		errs = append(errs, fmt.Errorf("--log-level %q: want info, debug or trace", c.LogLevel))
+		errs = append(errs, fmt.Errorf("--log-level %q: want error, warn, info, debug or trace", c.LogLevel))
 	}
 	switch c.LogFormat {
 	case "json", "text":
@@ -269,7 +274,7 @@ func (c config) serverOptions() *server.Options {
 		LameDuckDuration:   c.LameDuck,
 		PingInterval:       c.PingEvery,
 		MaxPingsOut:        c.MaxPingsOut,
-		Debug:              c.LogLevel == "debug" || c.LogLevel == "trace",
+		Debug:              c.debug(),
 		Trace:              c.LogLevel == "trace",
 	}
 	if o.HTTPHost == "" {

@@ -6,6 +6,9 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/handoff-io/handoff/worker"
+	workerconfig "github.com/handoff-io/handoff/worker/config"
 )
 
 func envOf(m map[string]string) func(string) string {
@@ -125,4 +128,17 @@ func TestParseServe(t *testing.T) {
 func TestParseServeHelp(t *testing.T) {
 	_, err := parseServe([]string{"--help"}, envOf(nil), io.Discard)
 	require.ErrorIs(t, err, errHelp)
+}
+
+// HANDOFF_LOG_LEVEL is shared with the workers: each level one takes, the
+// other takes too (the workers read trace as debug), so exporting it once
+// for a whole pair does not stop one of them.
+func TestLogLevelSharedWithTheWorkers(t *testing.T) {
+	for _, lvl := range []string{"error", "warn", "info", "debug", "trace"} {
+		c, err := parseServe(nil, envOf(map[string]string{"HANDOFF_LOG_LEVEL": lvl}), io.Discard)
+		require.NoError(t, err, lvl)
+		_, err = workerconfig.Parse(worker.RolePrefill, nil, envOf(map[string]string{"HANDOFF_LOG_LEVEL": lvl}), io.Discard)
+		require.NoError(t, err, lvl)
+		require.Equal(t, lvl == "debug" || lvl == "trace", c.serverOptions().Debug, lvl)
+	}
 }

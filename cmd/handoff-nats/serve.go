@@ -37,11 +37,17 @@ func serve(ctx context.Context, cfg config, log *slog.Logger, ready func(*server
 		return fmt.Errorf("%w: %v", errConfig, err)
 	}
 	fatal := make(chan string, 1)
-	s.SetLoggerV2(natsLogger{l: log, fatal: fatal}, cfg.LogLevel != "info", cfg.LogLevel == "trace", false)
+	s.SetLoggerV2(natsLogger{l: log, fatal: fatal}, cfg.debug(), cfg.LogLevel == "trace", false)
 	s.Start()
 	if err := waitReady(ctx, s, fatal); err != nil {
 		s.Shutdown()
 		s.WaitForShutdown()
+		if ctx.Err() != nil {
+			// Told to stop while starting (a store to recover takes a
+			// while): a stop asked for, not a failure, as for the workers.
+			log.Info("handoff-nats stopped during start-up")
+			return nil
+		}
 		return err
 	}
 	if cfg.JetStream && !s.JetStreamEnabled() {
@@ -108,8 +114,13 @@ func monitorURL(s *server.Server) string {
 // newLogger builds the process logger: JSON or text on stderr.
 func newLogger(w io.Writer, cfg config) *slog.Logger {
 	lvl := slog.LevelInfo
-	if cfg.LogLevel != "info" {
+	switch cfg.LogLevel {
+	case "debug", "trace":
 		lvl = slog.LevelDebug
+	case "warn":
+		lvl = slog.LevelWarn
+	case "error":
+		lvl = slog.LevelError
 	}
 	opts := &slog.HandlerOptions{Level: lvl}
 	var h slog.Handler = slog.NewJSONHandler(w, opts)

@@ -337,3 +337,16 @@ func TestServeJetStreamCluster(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "10.0.0.2:7400", string(e.Value()))
 }
+
+// A stop asked for while the server starts (a large store takes a while to
+// recover) ends it with status 0, as a stop once it serves does, and as
+// the workers do: a supervisor that stops it must not see a failure.
+func TestStoppedDuringStartUp(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	var stderr bytes.Buffer
+	code := run(ctx, []string{"--host", "127.0.0.1", "--port", strconv.Itoa(freePort(t)), "--http-port", "0", "--store-dir", t.TempDir()},
+		envOf(nil), io.Discard, &stderr)
+	require.Equal(t, 0, code, stderr.String())
+	require.Contains(t, stderr.String(), "stopped during start-up")
+}

@@ -211,7 +211,7 @@ func Parse(role worker.Role, args []string, getenv func(string) string, out io.W
 	str(&c.CUDADevice, "cuda-device", "HANDOFF_CUDA_DEVICE", "0", "with --memory cuda: the GPU, by CUDA ordinal or UUID (GPU-...)", false)
 	num(&c.TCPLanes, "tcp-lanes", "HANDOFF_TCP_LANES", 4, "tcp connections one large cache write is striped over (1: one)")
 	str(&c.AdminAddr, "admin-addr", "HANDOFF_ADMIN_ADDR", adminDefault, "admin HTTP address (/livez, /readyz, /metrics); empty disables", false)
-	str(&logLevel, "log-level", "HANDOFF_LOG_LEVEL", "info", "log level: debug, info, warn, error", false)
+	str(&logLevel, "log-level", "HANDOFF_LOG_LEVEL", "info", "log level: debug (or trace), info, warn, error", false)
 	str(&c.LogFormat, "log-format", "HANDOFF_LOG_FORMAT", "json", "log format: json or text", false)
 	dur(&c.DrainTimeout, "drain-timeout", "HANDOFF_DRAIN_TIMEOUT", 30*time.Second, "how long SIGTERM waits for in-flight requests")
 	dur(&c.RequestTimeout, "request-timeout", "HANDOFF_REQUEST_TIMEOUT", 30*time.Second, "deadline of one cache handoff")
@@ -511,7 +511,7 @@ func (c *Config) Logger(w io.Writer) *slog.Logger {
 
 func parseLevel(s string) (slog.Level, error) {
 	switch strings.ToLower(s) {
-	case "debug":
+	case "debug", "trace": // trace: handoff-nats's protocol trace, which shares HANDOFF_LOG_LEVEL
 		return slog.LevelDebug, nil
 	case "info", "":
 		return slog.LevelInfo, nil
