@@ -576,10 +576,13 @@ func sanitize(s string) string {
 	return fmt.Sprintf("%s-%08x", b[:maxTokenLen-9], h.Sum32())
 }
 
-// AdminPort returns the port of --admin-addr for role as configured by the
-// environment (HANDOFF_ADMIN_ADDR), else the role's default: what
-// healthcheck dials.
-func AdminPort(role worker.Role, getenv func(string) string) string {
+// AdminDial returns the address healthcheck dials for role's admin
+// listener as configured by the environment (HANDOFF_ADMIN_ADDR), else the
+// role's default: its host, or loopback for a wildcard or none, and its
+// port. (A --admin-addr given to the worker as a flag is not seen by the
+// healthcheck subcommand, another process: pass it the environment, or
+// --url.)
+func AdminDial(role worker.Role, getenv func(string) string) string {
 	addr := DefaultPrefillAdminAddr
 	if role == worker.RoleDecode {
 		addr = DefaultDecodeAdminAddr
@@ -589,8 +592,12 @@ func AdminPort(role worker.Role, getenv func(string) string) string {
 			addr = v
 		}
 	}
-	if _, port, err := net.SplitHostPort(addr); err == nil && port != "" {
-		return port
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		host, port = "", strings.TrimPrefix(addr, ":")
 	}
-	return strings.TrimPrefix(addr, ":")
+	if ip := net.ParseIP(host); host == "" || ip != nil && ip.IsUnspecified() {
+		host = "127.0.0.1"
+	}
+	return net.JoinHostPort(host, port)
 }

@@ -196,8 +196,13 @@ func TestHelpNamesEnv(t *testing.T) {
 	}
 }
 
-func TestAdminPort(t *testing.T) {
-	require.Equal(t, "9091", AdminPort(worker.RoleDecode, envOf(nil)))
-	require.Equal(t, "9090", AdminPort(worker.RolePrefill, envOf(nil)))
-	require.Equal(t, "9999", AdminPort(worker.RolePrefill, envOf(map[string]string{"HANDOFF_ADMIN_ADDR": "0.0.0.0:9999"})))
+func TestAdminDial(t *testing.T) {
+	require.Equal(t, "127.0.0.1:9091", AdminDial(worker.RoleDecode, envOf(nil)))
+	require.Equal(t, "127.0.0.1:9090", AdminDial(worker.RolePrefill, envOf(nil)))
+	for addr, want := range map[string]string{
+		"0.0.0.0:9999": "127.0.0.1:9999", ":9999": "127.0.0.1:9999", "[::]:9999": "127.0.0.1:9999",
+		"10.0.0.5:9091": "10.0.0.5:9091", "[fd00::5]:9091": "[fd00::5]:9091", "localhost:9191": "localhost:9191",
+	} {
+		require.Equal(t, want, AdminDial(worker.RolePrefill, envOf(map[string]string{"HANDOFF_ADMIN_ADDR": addr})), addr)
+	}
 }

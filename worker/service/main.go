@@ -72,7 +72,7 @@ func printVersion(w io.Writer, role worker.Role) {
 func runHealthcheck(ctx context.Context, role worker.Role, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet(string(role)+" healthcheck", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	def := "http://127.0.0.1:" + config.AdminPort(role, os.Getenv) + "/readyz"
+	def := "http://" + config.AdminDial(role, os.Getenv) + "/readyz"
 	url := fs.String("url", def, "URL to GET; healthy on 200")
 	timeout := fs.Duration("timeout", healthcheck.DefaultTimeout, "request timeout")
 	if err := fs.Parse(args); err != nil {
