@@ -233,8 +233,17 @@ func (l *ucxLink) exchangeOn(ctx context.Context, ep ucx.EndpointID, cut func(uc
 			}
 		case <-ctx.Done():
 			if opDone != nil {
-				cut(ep)
-				<-opDone
+				// The message's send is let end by itself first (a
+				// manifest the receiver is fetching): cutting it resets
+				// the link, which every write to the peer shares.
+				t := time.NewTimer(ucxCutWait)
+				select {
+				case <-opDone:
+				case <-t.C:
+					cut(ep)
+					<-opDone
+				}
+				t.Stop()
 			}
 			return ucxReply{}, fmt.Errorf("rdma: exchange with %s: %w", l.peer.Agent, ctx.Err())
 		}
