@@ -110,8 +110,16 @@ func connectNATS(ctx context.Context, c config.NATS, name string, log *slog.Logg
 func redactURLs(list string) string {
 	urls := strings.Split(list, ",")
 	for i, raw := range urls {
-		u, err := url.Parse(strings.TrimSpace(raw))
+		raw = strings.TrimSpace(raw)
+		if !strings.Contains(raw, "@") {
+			continue
+		}
+		if !strings.Contains(raw, "://") {
+			raw = "nats://" + raw // as nats.go reads it
+		}
+		u, err := url.Parse(raw)
 		if err != nil || u.User == nil {
+			urls[i] = "xxxxx" // user information it cannot tell apart: all of it
 			continue
 		}
 		if _, ok := u.User.Password(); ok {

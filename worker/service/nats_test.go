@@ -57,6 +57,10 @@ func TestNATSAuth(t *testing.T) {
 func TestNATSURLRedacted(t *testing.T) {
 	require.Equal(t, "nats://u:xxxxx@a:4222,nats://xxxxx@b:4222,nats://c:4222",
 		redactURLs("nats://u:p4ss@a:4222, nats://t0ken@b:4222,nats://c:4222"))
+	// Without a scheme, as nats.go takes them too.
+	require.Equal(t, "nats://u:xxxxx@a:4222,nats://xxxxx@b:4222,c:4222",
+		redactURLs("u:p4ss@a:4222,t0ken@b:4222,c:4222"))
+	require.Equal(t, "xxxxx", redactURLs("nats://u:p%zz@a:4222"))
 
 	var logs strings.Builder
 	log := slog.New(slog.NewTextHandler(&logs, nil))
