@@ -182,6 +182,12 @@ func parseServe(args []string, getenv func(string) string, usage io.Writer) (con
 	if cfg.ServerName == "" {
 		cfg.ServerName = defaultServerName(getenv)
 	}
+	// As the workers take it (HANDOFF_LOG_LEVEL is shared): any case,
+	// warning for warn.
+	cfg.LogLevel = strings.ToLower(cfg.LogLevel)
+	if cfg.LogLevel == "warning" {
+		cfg.LogLevel = "warn"
+	}
 	if err := cfg.validate(); err != nil {
 		return config{}, err
 	}

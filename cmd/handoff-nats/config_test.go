@@ -2,6 +2,7 @@ package main
 
 import (
 	"io"
+	"strings"
 	"testing"
 	"time"
 
@@ -134,11 +135,12 @@ func TestParseServeHelp(t *testing.T) {
 // other takes too (the workers read trace as debug), so exporting it once
 // for a whole pair does not stop one of them.
 func TestLogLevelSharedWithTheWorkers(t *testing.T) {
-	for _, lvl := range []string{"error", "warn", "info", "debug", "trace"} {
+	for _, lvl := range []string{"error", "warn", "info", "debug", "trace", "WARN", "Debug", "warning"} {
 		c, err := parseServe(nil, envOf(map[string]string{"HANDOFF_LOG_LEVEL": lvl}), io.Discard)
 		require.NoError(t, err, lvl)
 		_, err = workerconfig.Parse(worker.RolePrefill, nil, envOf(map[string]string{"HANDOFF_LOG_LEVEL": lvl}), io.Discard)
 		require.NoError(t, err, lvl)
-		require.Equal(t, lvl == "debug" || lvl == "trace", c.serverOptions().Debug, lvl)
+		l := strings.ToLower(lvl)
+		require.Equal(t, l == "debug" || l == "trace", c.serverOptions().Debug, lvl)
 	}
 }
