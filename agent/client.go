@@ -47,7 +47,11 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 	c := &Client{c: nc.(*net.UnixConn), events: make(chan Reply, eventBuffer), calls: map[uint64]chan Reply{}, done: make(chan struct{}), closing: make(chan struct{})}
 	go c.read()
 	if _, err := c.Call(ctx, Request{Op: OpHello, Version: Version}, nil); err != nil {
-		c.Close()
+		// Nothing registered: no wait for the agent (which may not even
+		// have accepted the connection yet).
+		c.closeOnce.Do(func() { close(c.closing) })
+		c.c.Close()
+		<-c.done
 		return nil, err
 	}
 	return c, nil
