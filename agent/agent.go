@@ -106,8 +106,10 @@ type Agent struct {
 	mu       sync.Mutex
 	closed   bool
 	sessions map[*session]struct{}
-	latest   *session // the last registration, which NATS describes
-	regs     uint64   // registrations so far (session.regSeq)
+	latest   *session            // the last registration, which NATS describes
+	files    map[string]*session // host memory's files (fileKey) by the registration holding them (claimFiles)
+	freed    chan struct{}       // closed and replaced when claims are let go
+	regs     uint64              // registrations so far (session.regSeq)
 	wg       sync.WaitGroup
 
 	cuda agentCUDA // the driver and devices engines' device memory is on
@@ -135,7 +137,8 @@ func New(cfg Config, nc *nats.Conn) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
-	a := &Agent{cfg: cfg, log: cfg.Logger.With("agent", cfg.Name), ln: ln, nc: nc, m: m, sessions: make(map[*session]struct{})}
+	a := &Agent{cfg: cfg, log: cfg.Logger.With("agent", cfg.Name), ln: ln, nc: nc, m: m, sessions: make(map[*session]struct{}),
+		files: make(map[string]*session), freed: make(chan struct{})}
 	a.ctx, a.stop = context.WithCancel(context.Background())
 	return a, nil
 }
@@ -226,7 +229,7 @@ func (a *Agent) newSession(c *net.UnixConn, pid int) *session {
 	if a.closed {
 		return nil
 	}
-	s := &session{a: a, c: c, fc: newFDConn(c), pid: pid, ended: make(chan struct{}), grants: map[uint64]*grantGroup{}, sends: map[uint64]*send{}, running: map[*send]struct{}{}}
+	s := &session{a: a, c: c, fc: newFDConn(c), pid: pid, grants: map[uint64]*grantGroup{}, sends: map[uint64]*send{}, running: map[*send]struct{}{}}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.log = a.log.With("engine_pid", pid)
 	a.sessions[s] = struct{}{}
@@ -312,7 +315,6 @@ type session struct {
 	ctx    context.Context // cancelled when the session ends: stops sends
 	cancel context.CancelFunc
 	wg     sync.WaitGroup // grant watchers and sends
-	ended  chan struct{}  // closed once end let the engine's memory go
 	regSeq uint64         // its registration's place among the agent's (under Agent.mu); 0: none
 
 	wmu sync.Mutex
@@ -327,7 +329,6 @@ type session struct {
 	pools    *pools
 	bufs     []*rdma.Region // by buffer: the KV pool's and the Mamba pool's, or Request.Buffers
 	arenas   []*cuda.Arena  // device memory the engine shared (OpenIPC), closed after eng
-	files    []string       // the files of its host memory (fileKey), for awaitFiles
 	grants   map[uint64]*grantGroup
 	sends    map[uint64]*send   // by id, until committed or cancelled
 	running  map[*send]struct{} // until their goroutines end
@@ -444,8 +445,8 @@ func (s *session) end() {
 	s.closeArenas()
 	s.fc.closeFDs()
 	s.a.endSession(s)
+	s.a.releaseFiles(s)
 	s.c.Close()
-	close(s.ended)
 	s.log.Info("agent: engine session ended")
 }
 

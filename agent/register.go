@@ -5,7 +5,6 @@ package agent
 
 import (
 	"fmt"
-	"slices"
 	"time"
 
 	"github.com/handoff-io/handoff/rdma"
@@ -51,15 +50,25 @@ func (s *session) register(q Request) (_ Reply, err error) {
 	if err != nil {
 		return Reply{}, err
 	}
-	files := hostFiles(bufs, mems)
-	if err := s.a.awaitFiles(s, files); err != nil { // before s.mu: it takes Agent.mu
-		return Reply{}, err
-	}
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.eng != nil {
+	registered := s.eng != nil
+	s.mu.Unlock()
+	if registered {
 		return Reply{}, ErrRegistered
 	}
+	// Claimed before s.mu (it takes Agent.mu, which comes first); a
+	// session's requests are handled one at a time, so it is still
+	// unregistered below.
+	if err := s.a.claimFiles(s, hostFiles(bufs, mems)); err != nil {
+		return Reply{}, err
+	}
+	defer func() {
+		if err != nil {
+			s.a.releaseFiles(s)
+		}
+	}()
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	switch {
 	case q.Layout == nil:
 		return Reply{}, fmt.Errorf("%w: no layout", ErrInvalidLayout)
@@ -111,7 +120,7 @@ func (s *session) register(q Request) (_ Reply, err error) {
 			s.bufs[pt.buf].Forbid(pt.off+uint64(r)*pt.stride, pt.len)
 		}
 	}
-	s.eng, s.pools, s.files = eng, p, files
+	s.eng, s.pools = eng, p
 	d := eng.Descriptor()
 	ts := make([]string, len(d.Transports))
 	for i, t := range d.Transports {
@@ -174,46 +183,56 @@ func rowOf(q Request) int {
 // holding the same host memory to end (awaitFiles).
 const reuseWait = 5 * time.Second
 
-// awaitFiles waits until no other connection holds host memory of files
-// (an engine that re-registers may do so before its old connection's end
-// let the memory go): a registration over memory that another one may
-// still receive into would give the same bytes to two grants. Past
-// reuseWait the registration is refused.
-func (a *Agent) awaitFiles(self *session, files []string) error {
-	if len(files) == 0 {
-		return nil
-	}
-	a.mu.Lock()
-	others := make([]*session, 0, len(a.sessions))
-	for o := range a.sessions {
-		if o != self {
-			others = append(others, o)
-		}
-	}
-	a.mu.Unlock()
+// claimFiles takes the files of a registration's host memory for s,
+// waiting while another connection holds any of them (an engine that
+// re-registers may do so before its old connection's end let the memory
+// go, or two connections register at once): a registration over memory
+// that another one may still receive into would give the same bytes to
+// two grants. Past reuseWait the registration is refused. The claim lasts
+// until the registration fails or its session ended (releaseFiles).
+func (a *Agent) claimFiles(s *session, files []string) error {
 	t := time.NewTimer(reuseWait)
 	defer t.Stop()
-	for _, o := range others {
-		o.mu.Lock()
-		held := sharesFile(o.files, files)
-		o.mu.Unlock()
-		if !held {
-			continue
+	for {
+		a.mu.Lock()
+		var holder *session
+		for _, f := range files {
+			if o := a.files[f]; o != nil && o != s {
+				holder = o
+				break
+			}
 		}
+		if holder == nil {
+			for _, f := range files {
+				a.files[f] = s
+			}
+			a.mu.Unlock()
+			return nil
+		}
+		freed := a.freed
+		a.mu.Unlock()
 		select {
-		case <-o.ended:
+		case <-freed:
 		case <-a.ctx.Done():
 			return ErrClosed
 		case <-t.C:
-			if o.ctx.Err() != nil {
-				return fmt.Errorf("%w: the memory passed is still the registration of engine pid %d, which ended but whose grants a writer is still copying into: retry", rdma.ErrQuarantined, o.pid)
+			if holder.ctx.Err() != nil {
+				return fmt.Errorf("%w: the memory passed is still the registration of engine pid %d, which ended but whose grants a writer is still copying into: retry", rdma.ErrQuarantined, holder.pid)
 			}
-			return fmt.Errorf("%w: the memory passed is registered by the live connection of engine pid %d", ErrRegistered, o.pid)
+			return fmt.Errorf("%w: the memory passed is registered by the live connection of engine pid %d", ErrRegistered, holder.pid)
 		}
 	}
-	return nil
 }
 
-func sharesFile(a, b []string) bool {
-	return slices.ContainsFunc(a, func(f string) bool { return slices.Contains(b, f) })
+// releaseFiles lets go of s's claims and wakes the registrations waiting.
+func (a *Agent) releaseFiles(s *session) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for f, o := range a.files {
+		if o == s {
+			delete(a.files, f)
+		}
+	}
+	close(a.freed)
+	a.freed = make(chan struct{})
 }

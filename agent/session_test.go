@@ -125,3 +125,31 @@ func TestBadRequestAnsweredUnderItsID(t *testing.T) {
 		require.NotEmpty(t, rep.Ev)
 	}
 }
+
+// Two connections registering the same memory at once: one registers, the
+// other waits for it and is refused while it stays (a check that reads the
+// others' registrations would let both through, neither registered yet).
+func TestSameMemoryRegisteredOnce(t *testing.T) {
+	sock, _ := startAgentA(t, "same-memory-race", rdma.TransportSHM)
+	l := tinyLayout()
+	p, err := compile(l, false)
+	require.NoError(t, err)
+	kfd, _ := memfd(t, p.kvBytes())
+	mfd, _ := memfd(t, p.mambaBytes())
+	errs := make(chan error, 2)
+	for range 2 {
+		c, err := Dial(ctxT(t), sock)
+		require.NoError(t, err)
+		t.Cleanup(func() { c.Close() })
+		go func() {
+			_, err := c.Register(ctxT(t), l, kfd, p.kvBytes(), mfd, p.mambaBytes())
+			errs <- err
+		}()
+	}
+	first, second := <-errs, <-errs
+	if first != nil {
+		first, second = second, first
+	}
+	require.NoError(t, first)
+	require.ErrorIs(t, second, ErrRegistered)
+}
