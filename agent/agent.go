@@ -291,7 +291,9 @@ func (a *Agent) Close() error {
 	a.mu.Unlock()
 	a.ln.Close()
 	for _, s := range ss {
-		s.c.Close()
+		// Its reader ends; its end may still tell the engine that its
+		// memory is not safe yet (EvQuarantined), then closes it.
+		_ = s.c.CloseRead()
 	}
 	a.wg.Wait()
 	if err := a.cuda.close(); err != nil {
@@ -432,7 +434,11 @@ func (s *session) end() {
 	if eng != nil {
 		start := time.Now()
 		if err := eng.Quiesce(s.a.ctx); err != nil {
+			// The agent is stopping: the engine that is still there
+			// learns that its memory is not safe to use yet.
 			s.log.Warn("agent: closing while writers may still copy into the engine's memory", "err", err)
+			_ = s.c.SetWriteDeadline(time.Now().Add(time.Second))
+			_ = s.reply(Reply{Ev: EvQuarantined, Code: Code(err), Msg: err.Error()})
 		} else if d := time.Since(start); d > time.Second {
 			s.log.Info("agent: the engine's revoked grants were quarantined: its memory is let go now", "after", d)
 		}

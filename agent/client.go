@@ -5,12 +5,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"sync"
 	"time"
 
 	"github.com/vmihailenco/msgpack/v5"
 	"golang.org/x/sys/unix"
+
+	"github.com/handoff-io/handoff/rdma"
 )
 
 // Client is an engine's side of the local API, in Go (tests and Go
@@ -27,6 +30,11 @@ type Client struct {
 	calls  map[uint64]chan Reply
 	err    error
 	done   chan struct{}
+	// released: the agent ended the connection after Close began, as it
+	// does once it let the registration's memory go; held: it said the
+	// memory is not safe yet (EvQuarantined). Under mu.
+	released bool
+	held     string
 
 	closeOnce sync.Once
 	closing   chan struct{} // closed by Close: events are dropped from then on
@@ -68,8 +76,11 @@ const CloseWait = 30 * time.Second
 // waits, up to CloseWait, for the agent to close its own, which it does
 // once it revoked the grants, waited out any writer still copying into
 // them and unmapped the memory. Once Close returned nil the engine may use
-// its memory again, or register it anew. An error past the wait says the
-// agent may still be waiting for such a writer: the memory is not safe yet.
+// its memory again, or register it anew. An error says that was not
+// confirmed: the wait ran out (the agent may still be waiting for such a
+// writer), the agent said the memory is not safe yet (rdma.ErrQuarantined),
+// or the connection had ended before (the agent stopped or died, or sent
+// what is not a frame of its): the memory is not known to be safe.
 func (c *Client) Close() error {
 	c.closeOnce.Do(func() { close(c.closing) })
 	var err error
@@ -84,6 +95,15 @@ func (c *Client) Close() error {
 	}
 	c.c.Close()
 	<-c.done
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch {
+	case err != nil:
+	case c.held != "":
+		err = fmt.Errorf("%w: the agent stopped with the memory still written: %s", rdma.ErrQuarantined, c.held)
+	case !c.released:
+		err = fmt.Errorf("%w: the connection ended before Close: the agent's release of the memory is not confirmed", ErrClosed)
+	}
 	return err
 }
 
@@ -102,6 +122,11 @@ func (c *Client) read() {
 			break
 		}
 		if rep.Ev != "" {
+			if rep.Ev == EvQuarantined {
+				c.mu.Lock()
+				c.held = rep.Msg
+				c.mu.Unlock()
+			}
 			select {
 			case c.events <- rep:
 			case <-c.closing: // no one reads them any more
@@ -117,6 +142,11 @@ func (c *Client) read() {
 		}
 	}
 	c.mu.Lock()
+	select {
+	case <-c.closing:
+		c.released = errors.Is(err, io.EOF)
+	default: // the agent ended it first (it stopped, or died)
+	}
 	c.err = fmt.Errorf("%w: connection to the agent: %w", ErrClosed, err)
 	for id, ch := range c.calls {
 		close(ch)

@@ -153,3 +153,22 @@ func TestSameMemoryRegisteredOnce(t *testing.T) {
 	require.NoError(t, first)
 	require.ErrorIs(t, second, ErrRegistered)
 }
+
+// Close confirms the release of the memory only when the agent ended the
+// connection after Close began: an agent that stopped (or died, or sent
+// what is not its frame) first leaves it unconfirmed.
+func TestCloseUnconfirmedWhenTheAgentLeftFirst(t *testing.T) {
+	sock, a := startAgentA(t, "left-first", rdma.TransportSHM)
+	e := register(t, sock, tinyLayout())
+	require.NoError(t, a.Close())
+	select {
+	case <-e.c.done: // the reader saw the agent's end
+	case <-time.After(10 * time.Second):
+		t.Fatal("the client did not see the agent stop")
+	}
+	require.ErrorIs(t, e.c.Close(), ErrClosed)
+
+	sock = startAgent(t, "left-after", rdma.TransportSHM)
+	e = register(t, sock, tinyLayout())
+	require.NoError(t, e.c.Close())
+}

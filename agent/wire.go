@@ -52,6 +52,11 @@ const (
 	EvSendDone    = "send_done"    // the receiver accepted the commit
 	EvSendFailed  = "send_failed"  // Code, Msg
 	EvTicket      = "ticket"       // Ticket, RequestID, Agent: a ticket another agent offered (OpOffer)
+	// EvQuarantined, the last event of a connection the agent ends while
+	// stopping: a writer may still store into the engine's memory (a
+	// revoked grant's shm writer frozen mid-copy), which is not safe to
+	// use yet. Code, Msg.
+	EvQuarantined = "quarantined"
 )
 
 // Request is what an engine sends.

@@ -168,6 +168,12 @@ class Agent:
         self._events: "collections.deque[Event]" = collections.deque()
         self._closed = False
         self._closing = False  # close() began: no new calls
+        # The agent ended the connection after close() began, as it does
+        # once it let the registration's memory go (_released); it said the
+        # memory is not safe yet (_held, its "quarantined" event).
+        self._eof = False
+        self._released = False
+        self._held = ""
         _connections.add(self)
         try:
             hello = self._call({"op": "hello", "v": VERSION})
@@ -230,6 +236,7 @@ class Agent:
             except OSError:
                 return None
             if not chunk:
+                self._eof = True
                 return None
             self._buf += chunk
 
@@ -260,9 +267,12 @@ class Agent:
                     raise
                 with self._cond:
                     if msg is None:
+                        self._released = self._closing and self._eof
                         self._closed = True
                         self._shut()
                     elif msg.get("ev"):
+                        if msg["ev"] == "quarantined":
+                            self._held = msg.get("msg", "") or "quarantined"
                         self._events.append(
                             Event(
                                 kind=msg["ev"],
@@ -337,9 +347,12 @@ class Agent:
         no limit), for the agent to let its memory go: it revokes this
         engine's grants, waits out any writer still copying into them, unmaps
         the memory, and then closes its side. True then: the tensors may be
-        used again, or registered anew. False when the wait ran out (the
-        agent may still be waiting for such a writer: the memory is not safe
-        yet) or close() was called before."""
+        used again, or registered anew. False when that was not confirmed:
+        the wait ran out (the agent may still be waiting for such a writer),
+        the agent said the memory is not safe yet (a ``quarantined`` event),
+        the connection had ended before (the agent stopped or died, or sent
+        what is not its frame), or close() was called before: the memory is
+        not known to be safe."""
         with self._cond:
             again = self._closing
             self._closing = True
@@ -353,7 +366,7 @@ class Agent:
         try:
             self._wait(lambda: None, timeout)
         except AgentClosed:
-            ok = True  # the agent closed its side: it let the memory go
+            ok = self._released and not self._held
         except (TimeoutError, OSError):
             pass
         self._shut()
