@@ -9,12 +9,25 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync/atomic"
 )
 
 // peerState is the writer side's connection to one peer.
 type peerState struct {
 	desc Descriptor
 	link link
+	// failed: the link's last write failed other than by the receiver's
+	// answer or the caller's context (the peer dead or unreachable), so
+	// a descriptor of an older incarnation may replace it (judge).
+	failed atomic.Bool
+}
+
+// write writes op over p's link, noting whether the peer failed.
+func (p *peerState) write(ctx context.Context, op *writeOp) error {
+	err := p.link.write(ctx, op)
+	var re *RemoteError
+	p.failed.Store(err != nil && ctx.Err() == nil && !errors.As(err, &re))
+	return err
 }
 
 // TransportFor reports the transport chosen for a connected peer.
@@ -64,16 +77,20 @@ const (
 )
 
 // judge decides for peer against cur, the descriptor the agent's link was
-// made for. Where both name their incarnation, an older peer is stale and
-// a newer one replaces the link, even at the same addresses (a restart in
-// place: the link's process is gone). Otherwise (the same incarnation, or
-// either unknown: 0) it is as before incarnations: the same endpoint
-// reuses the link and another replaces it. An engine's addresses are fixed
-// for its life, so one incarnation at other addresses is a caller's own
-// rewrite (a proxy), and the caller's latest choice wins.
-func judge(cur, peer Descriptor) verdict {
+// made for (curFailed: its last write found the peer failed). Where both
+// name their incarnation, an older peer is stale and a newer one replaces
+// the link, even at the same addresses (a restart in place: the link's
+// process is gone). An older one replaces a link whose peer failed: the
+// incarnations are start times, and a restart on a host whose clock is
+// behind would otherwise never be reached. Otherwise (the same
+// incarnation, or either unknown: 0) it is as before incarnations: the
+// same endpoint reuses the link and another replaces it. An engine's
+// addresses are fixed for its life, so one incarnation at other addresses
+// is a caller's own rewrite (a proxy), and the caller's latest choice
+// wins.
+func judge(cur Descriptor, curFailed bool, peer Descriptor) verdict {
 	switch a, b := cur.Incarnation, peer.Incarnation; {
-	case a != 0 && b != 0 && b < a:
+	case a != 0 && b != 0 && b < a && !curFailed:
 		return stale
 	case a != 0 && b != 0 && b > a:
 		return replace
@@ -96,7 +113,7 @@ func (e *Engine) peerFor(ctx context.Context, peer Descriptor) (*peerState, erro
 	var old link
 	e.peerMu.Lock()
 	if p, ok := e.peers[peer.Agent]; ok {
-		switch judge(p.desc, peer) {
+		switch judge(p.desc, p.failed.Load(), peer) {
 		case reuse:
 			e.peerMu.Unlock()
 			return p, nil
@@ -136,7 +153,7 @@ func (e *Engine) peerFor(ctx context.Context, peer Descriptor) (*peerState, erro
 	// the same way, so an older incarnation's dial never displaces it.
 	cur, ok := e.peers[peer.Agent]
 	if ok {
-		switch judge(cur.desc, peer) {
+		switch judge(cur.desc, cur.failed.Load(), peer) {
 		case reuse:
 			e.peerMu.Unlock()
 			l.close()

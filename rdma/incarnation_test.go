@@ -179,20 +179,71 @@ func TestStaleDescriptorJudge(t *testing.T) {
 	for _, c := range []struct {
 		name      string
 		cur, peer Descriptor
+		failed    bool
 		want      verdict
 	}{
-		{"same", at(5, "a"), at(5, "a"), reuse},
-		{"older", at(5, "a"), at(4, "b"), stale},
-		{"older at the same address", at(5, "a"), at(4, "a"), stale},
-		{"newer", at(5, "a"), at(6, "b"), replace},
-		{"newer at the same address", at(5, "a"), at(6, "a"), replace},
-		{"same incarnation elsewhere", at(5, "a"), at(5, "b"), replace},
-		{"unknown", at(0, "a"), at(0, "a"), reuse},
-		{"unknown elsewhere", at(0, "a"), at(0, "b"), replace},
-		{"unknown link", at(0, "a"), at(4, "b"), replace},
-		{"unknown peer", at(5, "a"), at(0, "b"), replace},
-		{"unknown peer, same address", at(5, "a"), at(0, "a"), reuse},
+		{"same", at(5, "a"), at(5, "a"), false, reuse},
+		{"older", at(5, "a"), at(4, "b"), false, stale},
+		{"older at the same address", at(5, "a"), at(4, "a"), false, stale},
+		{"newer", at(5, "a"), at(6, "b"), false, replace},
+		{"newer at the same address", at(5, "a"), at(6, "a"), false, replace},
+		{"same incarnation elsewhere", at(5, "a"), at(5, "b"), false, replace},
+		{"unknown", at(0, "a"), at(0, "a"), false, reuse},
+		{"unknown elsewhere", at(0, "a"), at(0, "b"), false, replace},
+		{"unknown link", at(0, "a"), at(4, "b"), false, replace},
+		{"unknown peer", at(5, "a"), at(0, "b"), false, replace},
+		{"unknown peer, same address", at(5, "a"), at(0, "a"), false, reuse},
+		// The link's peer failed: an older incarnation may be a restart
+		// on a host whose clock is behind, and replaces it.
+		{"older, the link's peer failed", at(5, "a"), at(4, "b"), true, replace},
+		{"same, the link's peer failed", at(5, "a"), at(5, "a"), true, reuse},
 	} {
-		require.Equal(t, c.want, judge(c.cur, c.peer), c.name)
+		require.Equal(t, c.want, judge(c.cur, c.failed, c.peer), c.name)
 	}
+}
+
+// A restart on a host whose clock is behind the last one's gets an older
+// incarnation: refused as stale while the link to the last one serves,
+// it replaces the link once a write found that peer gone, so it is never
+// unreachable for good.
+func TestRestartWithAClockBehindReachedOnceThePeerFailed(t *testing.T) {
+	const size = 1 << 20
+	tx, src := newWriter(t, TransportTCP, size)
+	cfg := Config{Agent: "d1", Transports: []Transport{TransportTCP}, Logger: quietLogger()}
+	rx1, err := New(cfg)
+	require.NoError(t, err)
+	_, err = rx1.Register("dst", int64(size))
+	require.NoError(t, err)
+	write := func(rx *Engine, d Descriptor, id uint64) error {
+		g, err := rx.OpenGrant(GrantSpec{RequestID: id, Extents: []Extent{{1, 0, size}}, Deadline: time.Now().Add(time.Minute)})
+		require.NoError(t, err)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_, err = tx.Write(ctx, d, g.Ticket(), []Extent{{src.ID(), 0, size}})
+		if err != nil {
+			g.Revoke()
+		}
+		return err
+	}
+	last := rx1.Descriptor()
+	require.NoError(t, write(rx1, last, 1))
+
+	rx2, err := New(cfg)
+	require.NoError(t, err)
+	defer rx2.Close()
+	_, err = rx2.Register("dst", int64(size))
+	require.NoError(t, err)
+	behind := rx2.Descriptor()
+	behind.Incarnation = last.Incarnation - uint64(time.Hour) // its host's clock an hour behind
+	require.ErrorIs(t, write(rx2, behind, 2), ErrStaleDescriptor, "refused while the last incarnation is linked and well")
+
+	g, err := rx1.OpenGrant(GrantSpec{RequestID: 3, Extents: []Extent{{1, 0, size}}, Deadline: time.Now().Add(time.Minute)})
+	require.NoError(t, err)
+	require.NoError(t, rx1.Close())
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, err = tx.Write(ctx, last, g.Ticket(), []Extent{{src.ID(), 0, size}})
+	require.Error(t, err) // the write finds the last incarnation gone
+	require.NoError(t, write(rx2, behind, 4))
+	require.NoError(t, write(rx2, behind, 5))
 }

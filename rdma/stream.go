@@ -203,7 +203,7 @@ func (s *Stream) writeLocked(ctx context.Context, dst []Range, src []Extent) err
 	defer putOp(op)
 	p, err := s.e.peerFor(ctx, s.peer)
 	if err == nil {
-		err = p.link.write(ctx, op)
+		err = p.write(ctx, op)
 	}
 	if err != nil {
 		s.e.stats.writesFailed.Add(1)
@@ -385,7 +385,7 @@ func (s *Stream) Commit(ctx context.Context) (Manifest, error) {
 	op.t, op.manifest, op.noCRC = &op.tk, &op.mf, s.e.cfg.SkipCRC
 	p, err := s.e.peerFor(ctx, s.peer)
 	if err == nil {
-		err = p.link.write(ctx, op)
+		err = p.write(ctx, op)
 	}
 	if err != nil {
 		s.e.stats.writesFailed.Add(1)

@@ -143,7 +143,7 @@ func (e *Engine) Write(ctx context.Context, peer Descriptor, t Ticket, src []Ext
 	if op.dev && p.link.transport() == TransportSHM {
 		return Manifest{}, fmt.Errorf("%w: a device source over shm (register device regions before connecting)", ErrUnsupported)
 	}
-	if err := p.link.write(ctx, op); err != nil {
+	if err := p.write(ctx, op); err != nil {
 		e.stats.writesFailed.Add(1)
 		return Manifest{}, err
 	}
