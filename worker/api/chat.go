@@ -405,15 +405,10 @@ func nonNil(l []chatLogprob) []chatLogprob {
 // include_usage) a last chunk with the usage and no choice.
 func (s *server) streamChat(r *http.Request, out *writer, log *slog.Logger, id string, created int64,
 	c chatReq, stream events) {
-	stream, ok := s.awaitFirst(r, out, stream)
+	stream, ok := s.openStream(r, out, stream)
 	if !ok {
 		return
 	}
-	h := out.w.Header()
-	h.Set("Content-Type", "text/event-stream")
-	h.Set("Cache-Control", "no-cache")
-	h.Set("X-Accel-Buffering", "no")
-	out.w.WriteHeader(http.StatusOK)
 	chunk := func(delta map[string]any, lps []chatLogprob, finish any) map[string]any {
 		var lpOut any
 		if c.logprobs >= 0 && lps != nil {

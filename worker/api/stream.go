@@ -50,12 +50,14 @@ func (h *heldEvents) Next(ctx context.Context) (worker.Output, error) {
 	return h.events.Next(ctx)
 }
 
-// streamCompletion writes the stream as server-sent events.
-func (s *server) streamCompletion(r *http.Request, out *writer, log *slog.Logger, id string, created int64,
-	c completionReq, stream events) {
+// openStream opens a streamed response once awaitFirst let it (false: the
+// request was answered, or the client left): the event-stream headers,
+// flushed, so that the client sees a live stream while a request past
+// StreamGrace waits for its first token.
+func (s *server) openStream(r *http.Request, out *writer, stream events) (events, bool) {
 	stream, ok := s.awaitFirst(r, out, stream)
 	if !ok {
-		return
+		return nil, false
 	}
 	h := out.w.Header()
 	h.Set("Content-Type", "text/event-stream")
@@ -63,7 +65,17 @@ func (s *server) streamCompletion(r *http.Request, out *writer, log *slog.Logger
 	h.Set("X-Accel-Buffering", "no")
 	out.w.WriteHeader(http.StatusOK)
 	out.arm()
-	out.err = out.rc.Flush() // the client sees a live stream while a request past StreamGrace waits for its first token
+	out.err = out.rc.Flush()
+	return stream, true
+}
+
+// streamCompletion writes the stream as server-sent events.
+func (s *server) streamCompletion(r *http.Request, out *writer, log *slog.Logger, id string, created int64,
+	c completionReq, stream events) {
+	stream, ok := s.openStream(r, out, stream)
+	if !ok {
+		return
+	}
 	chunk := func(text string, lp *logprobs, finish any) map[string]any {
 		var lpOut any
 		if lp != nil {
